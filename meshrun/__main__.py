@@ -1,0 +1,3 @@
+from meshrun.cli import main
+
+main()

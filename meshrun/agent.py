@@ -1,0 +1,303 @@
+"""The node side: `join` (enrol, bring up the interface) and the agent daemon that keeps the
+node's peers in sync with the coordinator.
+
+The agent long-polls POST /v1/sync on the coordinator's overlay IP: the coordinator answers
+at once when the member list changed since the version the agent holds, else after up to
+25 s. Each request carries the node's heartbeat (its candidate addresses and its view of
+its peers). When the coordinator is unreachable the agent keeps the tunnels it has and
+retries with backoff; the data path never depends on the coordinator being up.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import shutil
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshrun import daemon, keys, peers, transport, wg
+from meshrun.errors import CoordinatorError, MeshrunError, StateError, UsageError
+from meshrun.model import Member, Network, check_name, default_node_name, parse_endpoint
+from meshrun.store import StateDir
+from meshrun.token import JoinToken, parse_token
+from meshrun.wgconf import render_quick
+
+log = logging.getLogger("meshrun.agent")
+
+SYNC_WAIT = 20.0
+READY_TIMEOUT = 45.0
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    name: str
+    overlay_ip: str
+    network: Network
+    backend: str
+    resumed: bool
+    daemon_pid: int | None
+
+
+def enrol(tok: JoinToken, name: str, public_key: str, candidates: list[str], timeout: float = 15) -> dict:
+    """POST /v1/join to each endpoint in the token until one answers; TLS pinned by fingerprint."""
+    body = {"token_id": tok.token_id, "secret": base64.urlsafe_b64encode(tok.secret).decode().rstrip("="),
+            "name": name, "public_key": public_key, "candidates": candidates, "network": tok.network}
+    tried = []
+    for ep in tok.endpoints:
+        host, _, port = ep.rpartition(":")
+        host = host.strip("[]")
+        try:
+            return transport.call(host, int(port), "POST", "/v1/join", body, fingerprint=tok.fingerprint,
+                                  timeout=timeout)
+        except CoordinatorError as exc:
+            if getattr(exc, "status", None):  # the coordinator answered: its verdict is final
+                raise
+            tried.append(exc)
+    if len(tried) == 1:
+        raise tried[0]
+    raise CoordinatorError("cannot reach the coordinator at any of " + ", ".join(tok.endpoints),
+                           "check the addresses and that TCP port is open on the coordinator")
+
+
+def join(token: str, state: StateDir, name: str | None = None, endpoint: str | None = None,
+         start: bool = True) -> JoinResult:
+    """Enrol this machine and bring up its interface; start the agent unless start=False.
+
+    Run again on an enrolled node, it resumes with the same key and address. On failure
+    nothing is left: no interface, no daemon, no state files (the coordinator keeps a
+    reservation it frees for the same name on the next try).
+    """
+    tok = parse_token(token)
+    if state.exists:
+        return resume(state, tok, start)
+    name = check_name(name) if name else default_node_name(socket.gethostname())
+    advertised = []
+    if endpoint:
+        try:
+            advertised = [parse_endpoint(endpoint, default_port=int(tok.endpoints[0].rpartition(":")[2]))]
+        except ValueError as exc:
+            raise UsageError(f"--endpoint {endpoint!r} is not HOST or HOST:PORT ({exc})",
+                             "give this node's public address, e.g. --endpoint 198.51.100.7") from None
+    wg.require_admin()
+    wg.require_tools("ip", "wg")
+    private_key = keys.generate_private_key()
+    answer = enrol(tok, name, keys.public_key(private_key), advertised)
+    try:
+        network = Network.from_dict(answer["network"])
+        me = Member.from_dict(answer["member"])
+        members = [Member.from_dict(m) for m in answer["members"]]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CoordinatorError(f"the coordinator's join answer is malformed ({exc})",
+                               "use the same meshrun version on the node and the coordinator") from None
+    if wg.interface_exists(network.interface):
+        raise MeshrunError(f"network interface {network.interface} already exists on this machine",
+                           "run `meshrun leave` if it is a leftover of meshrun, or remove it with `ip link del`")
+
+    created_dir = state.create()
+    pid = None
+    try:
+        state.write("private.key", private_key + "\n", secret=True)
+        record = {"role": "node", "name": me.name, "network": network.to_dict(), "overlay_ip": me.overlay_ip,
+                  "public_key": me.public_key, "advertised": advertised}
+        backend, pid = bring_up(state, network, me.overlay_ip)
+        record.update(backend=backend, wg_pid=pid)
+        state.write_json("member.json", record)
+        save_members(state, 0, members)
+        apply_members(state, network, me.public_key, members)
+        daemon_pid = daemon.spawn(state, timeout=READY_TIMEOUT) if start else None
+    except BaseException:
+        with contextlib.suppress(Exception):
+            daemon.stop(state)
+        with contextlib.suppress(Exception):
+            wg.delete_interface(network.interface, pid)
+        if created_dir:
+            shutil.rmtree(state.path, ignore_errors=True)
+        else:
+            state.remove("private.key", "member.json", "peers.json", f"{network.interface}.conf", "daemon.log",
+                         "daemon.error", "daemon.lock", "wireguard-go.log")
+        raise
+    return JoinResult(me.name, me.overlay_ip, network, backend, False, daemon_pid)
+
+
+def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinResult:
+    """Bring an enrolled node back (same key, same address): interface and agent."""
+    rec = state.read_json("member.json")
+    network = _network(state, rec)
+    if rec.get("role") != "node":
+        raise StateError(f"{state.path} holds a coordinator, not a node",
+                         "use another --state-dir to join from this machine")
+    if tok is not None and (tok.network != network.name or tok.fingerprint != network.fingerprint):
+        raise StateError(f"this node is already a member of network {network.name!r} (another network's token given)",
+                         "run `meshrun leave --purge` first to switch networks")
+    wg.require_admin()
+    pid = state.read_pid()
+    if pid is None and start:
+        pid = daemon.spawn(state, timeout=READY_TIMEOUT)
+    return JoinResult(rec["name"], rec["overlay_ip"], network, wg.backend_of(network.interface), True, pid)
+
+
+def _network(state: StateDir, rec: dict) -> Network:
+    try:
+        return Network.from_dict(rec["network"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise StateError(f"{state / 'member.json'} is corrupt ({exc})",
+                         "restore it, or `meshrun leave --purge` and join again") from None
+
+
+def bring_up(state: StateDir, network: Network, address: str) -> tuple[str, int | None]:
+    from meshrun.coordinator import bring_up as _bring_up
+    return _bring_up(state, network, address)
+
+
+def save_members(state: StateDir, version: int, members: list[Member]) -> None:
+    state.write_json("peers.json", {"version": version, "members": [m.to_dict() for m in members]})
+
+
+def load_members(state: StateDir) -> tuple[int, list[Member]]:
+    try:
+        data = state.read_json("peers.json")
+        return int(data.get("version", 0)), [Member.from_dict(m) for m in data.get("members", [])]
+    except (ValueError, TypeError) as exc:
+        raise StateError(f"{state / 'peers.json'} is corrupt ({exc})", "remove it; the agent fetches it again") from None
+
+
+def apply_members(state: StateDir, network: Network, my_key: str, members: list[Member]) -> None:
+    """Make the interface's peers match `members` (minimal diff) and rewrite the wg-quick file."""
+    desired = peers.desired_for_node(my_key, members)
+    _, current = wg.show(network.interface)
+    d = peers.diff(current, desired, time.time())
+    if d:
+        log.info("peers: +%d ~%d -%d", len(d.add), len(d.update), len(d.remove))
+        wg.apply(network.interface, d)
+    rec = state.read_json("member.json")
+    key = state.read("private.key").decode().strip()
+    text = render_quick(key, f"{rec['overlay_ip']}/{network.prefixlen}", network.listen_port, network.mtu,
+                        desired, comment=f"meshrun network {network.name}, node {rec['name']}; managed by meshrun")
+    state.write(f"{network.interface}.conf", text, secret=True)
+
+
+class AgentService:
+    """The node daemon: keeps peers in sync; `run()` blocks until SIGTERM/SIGINT."""
+
+    def __init__(self, state: StateDir) -> None:
+        self.state = state
+        self.rec = state.read_json("member.json")
+        self.network = _network(state, self.rec)
+        self.iface = self.network.interface
+        self.stop_event = threading.Event()
+        self.version, self.members = load_members(state)
+        self.ready = False
+        self.removed = False
+
+    def run(self) -> None:
+        lock_fd = daemon.hold_lock(self.state)
+        try:
+            self._ensure_interface()
+        except MeshrunError as exc:
+            daemon.record_fatal(self.state, exc)
+            raise
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        self.job_server = None
+        try:
+            from meshrun import jobs
+            self.job_server = jobs.start_job_server(self)
+        except MeshrunError as exc:
+            log.warning("job API unavailable: %s", exc)
+        backoff = 0.5
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    self.sync_once(wait=SYNC_WAIT if self.ready else 0)
+                    backoff = 0.5
+                except CoordinatorError as exc:
+                    if getattr(exc, "status", None) == 410:
+                        log.warning("this node was removed from the network; taking the interface down")
+                        self.removed = True
+                        self._cleanup_removed()
+                        break
+                    log.warning("sync failed: %s (tunnels stay up; retrying in %.1f s)", exc, backoff)
+                    self.stop_event.wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
+                except MeshrunError as exc:
+                    log.error("sync could not be applied: %s", exc)
+                    self.stop_event.wait(2)
+        finally:
+            if self.job_server is not None:
+                self.job_server.close()
+            self.state.remove("daemon.pid", "daemon.ready")
+            import os
+            os.close(lock_fd)
+        log.info("agent stopped")
+
+    def _ensure_interface(self) -> None:
+        if wg.interface_exists(self.iface):
+            return
+        log.info("interface %s is missing (reboot?); recreating it from state", self.iface)
+        backend, pid = bring_up(self.state, self.network, self.rec["overlay_ip"])
+        self.rec.update(backend=backend, wg_pid=pid)
+        self.state.write_json("member.json", self.rec)
+        if self.members:
+            apply_members(self.state, self.network, self.rec["public_key"], self.members)
+
+    def heartbeat(self) -> dict:
+        port = self.network.listen_port
+        cands = list(self.rec.get("advertised", [])) + [f"{a}:{port}" for a in wg.local_addresses(exclude=self.iface)]
+        _, current = wg.show(self.iface)
+        report = {p.public_key: {"endpoint": p.endpoint, "handshake": p.latest_handshake, "rx": p.rx, "tx": p.tx}
+                  for p in current}
+        return {"candidates": cands[:16], "peers": report}
+
+    def sync_once(self, wait: float) -> None:
+        body = dict(self.heartbeat(), version=self.version, wait=wait)
+        answer = transport.call(self.network.coordinator_ip, self.network.api_port, "POST", "/v1/sync", body,
+                                timeout=wait + 15)
+        try:
+            version = int(answer["version"])
+            members = [Member.from_dict(m) for m in answer["members"]]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CoordinatorError(f"malformed sync answer ({exc})", "run the same meshrun version everywhere") from None
+        if version != self.version or members != self.members:
+            save_members(self.state, version, members)
+        self.version, self.members = version, members
+        apply_members(self.state, self.network, self.rec["public_key"], members)
+        if not self.ready:
+            self.ready = True
+            daemon.mark_ready(self.state)
+            log.info("agent of %s up: %s on %s, %d members", self.rec["name"], self.rec["overlay_ip"], self.iface,
+                     len(members))
+
+    def _cleanup_removed(self) -> None:
+        with contextlib.suppress(MeshrunError):
+            wg.delete_interface(self.iface, self.rec.get("wg_pid"))
+        self.rec["removed"] = True
+        self.state.write_json("member.json", self.rec)
+        self.state.remove("peers.json", f"{self.iface}.conf")
+
+
+def leave(state: StateDir, purge: bool = False) -> str:
+    """Stop the daemon and remove the interface (node or coordinator); state stays unless purge."""
+    if not state.exists:
+        raise StateError(f"no meshrun state in {state.path}", "nothing to do; pass --state-dir if it lives elsewhere")
+    rec = state.read_json("member.json")
+    network = _network(state, rec)
+    wg.require_admin()
+    daemon.stop(state)
+    wg.delete_interface(network.interface, rec.get("wg_pid"))
+    if purge:
+        shutil.rmtree(state.path)
+    return network.interface
+
+
+def load_node(state: StateDir) -> tuple[dict, Network]:
+    if not state.exists:
+        raise StateError(f"no meshrun state in {state.path}", "run `meshrun init` or `meshrun join` first")
+    rec = state.read_json("member.json")
+    return rec, _network(state, rec)

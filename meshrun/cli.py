@@ -1,0 +1,288 @@
+"""The `meshrun` command line: parse, call one library function, render. Nothing else.
+
+Every error surfaces as one line `meshrun: error: MESSAGE; FIX` on stderr and a non-zero
+exit code (hatch's single abort path).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from meshrun import __version__
+from meshrun.errors import MeshrunError
+from meshrun.store import StateDir, default_state_dir
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
+                  help="Train one PyTorch model across NAT'd datacenters over a WireGuard overlay.")
+token_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke join tokens (on the coordinator).")
+app.add_typer(token_app, name="token")
+
+StateOpt = Annotated[Optional[Path], typer.Option(
+    "--state-dir", envvar="MESHRUN_STATE_DIR", show_default=False,
+    help="State directory [default: /var/lib/meshrun as root, else ~/.local/state/meshrun].")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+def _state(path: Optional[Path]) -> StateDir:
+    return StateDir(path or default_state_dir())
+
+
+def abort(err: MeshrunError) -> None:
+    typer.echo(f"meshrun: error: {err}", err=True)
+    raise typer.Exit(err.exit_code)
+
+
+def handled(fn):
+    """Turn MeshrunError into the one-line message and exit code; Ctrl-C into exit 130."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MeshrunError as err:
+            abort(err)
+        except KeyboardInterrupt:
+            typer.echo("meshrun: interrupted", err=True)
+            raise typer.Exit(130) from None
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"meshrun {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                 help="Print the version and exit.")] = False,
+          verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log what meshrun runs.")] = False) -> None:
+    level = logging.DEBUG if verbose or os.environ.get("MESHRUN_DEBUG") else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+# --------------------------------------------------------------------------- coordinator
+
+@app.command()
+@handled
+def init(
+    endpoint: Annotated[Optional[str], typer.Option(help="Public HOST[:PORT] nodes reach this machine at.")] = None,
+    cidr: Annotated[str, typer.Option(help="Overlay address range.")] = "10.213.0.0/16",
+    port: Annotated[int, typer.Option(help="UDP port for WireGuard and TCP port for enrolment.")] = 51820,
+    interface: Annotated[str, typer.Option(help="WireGuard interface name.")] = "meshrun0",
+    mtu: Annotated[int, typer.Option(help="Overlay MTU (1420 fits a 1500-byte underlay).")] = 1420,
+    network: Annotated[str, typer.Option(help="Network name.")] = "meshrun",
+    ttl: Annotated[str, typer.Option(help="Lifetime of the first join token.")] = "12h",
+    uses: Annotated[Optional[int], typer.Option(help="How many joins the first token allows [unlimited].")] = None,
+    foreground: Annotated[bool, typer.Option(help="Run the coordinator in this process (for systemd).")] = False,
+    state_dir: StateOpt = None,
+) -> None:
+    """Create a network on this machine (the coordinator) and print a join token.
+
+    \b
+    Examples:
+      meshrun init --endpoint 203.0.113.1
+      meshrun init --endpoint vpn.example.com:51820 --cidr 10.77.0.0/16 --uses 4
+    The token is the last line of output; give it to `meshrun join` on each node.
+    Open UDP and TCP 51820 on this machine (UDP 51820 on every node).
+    """
+    from meshrun import coordinator
+    opts = coordinator.InitOptions(endpoint=endpoint, cidr=cidr, port=port, interface=interface, mtu=mtu,
+                                   name=network, token_ttl=ttl, token_uses=uses)
+    state = _state(state_dir)
+    res = coordinator.init(opts, state, start=not foreground)
+    net = res.network
+    typer.echo(f"network {net.name}: {net.cidr}, coordinator {net.coordinator_ip} on {net.interface} ({res.backend})")
+    typer.echo(f"nodes enrol at {', '.join(net.endpoints)} (TCP) and tunnel to UDP {net.listen_port}")
+    typer.echo(f"state in {res.state_dir}; join each node with:  meshrun join <token> --name NAME")
+    typer.echo(res.token)
+    if foreground:
+        coordinator.CoordinatorService(state).run()
+
+
+@app.command()
+@handled
+def up(foreground: Annotated[bool, typer.Option(help="Run the daemon in this process (for systemd).")] = False,
+       state_dir: StateOpt = None) -> None:
+    """Start this member again from its state (after `leave`/`down`, a crash or a reboot).
+
+    \b
+    Example:
+      meshrun up
+    """
+    from meshrun import agent, coordinator, daemon
+    state = _state(state_dir)
+    rec, network = agent.load_node(state)
+    if foreground:
+        svc = coordinator.CoordinatorService(state) if rec["role"] == "coordinator" else agent.AgentService(state)
+        daemon.setup_logging()
+        return svc.run()
+    pid = state.read_pid() or daemon.spawn(state)
+    typer.echo(f"{rec['role']} {rec['name']} up at {rec['overlay_ip']} on {network.interface} (daemon pid {pid})")
+
+
+@app.command()
+@handled
+def down(purge: Annotated[bool, typer.Option(help="Also delete the network's state (keys, members, tokens).")] = False,
+         state_dir: StateOpt = None) -> None:
+    """Stop the coordinator and remove its interface (state stays unless --purge).
+
+    \b
+    Example:
+      meshrun down            # `meshrun up` starts it again with every member kept
+    """
+    from meshrun import agent
+    iface = agent.leave(_state(state_dir), purge=purge)
+    typer.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
+
+
+@app.command()
+@handled
+def leave(purge: Annotated[bool, typer.Option(help="Also delete this node's key and state.")] = False,
+          state_dir: StateOpt = None) -> None:
+    """Stop this node's agent and remove its interface (state stays unless --purge).
+
+    \b
+    Example:
+      meshrun leave --purge
+    """
+    from meshrun import agent
+    iface = agent.leave(_state(state_dir), purge=purge)
+    typer.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
+
+
+@token_app.command("create")
+@handled
+def token_create(ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 30m, 12h, 2d (max 30d).")] = "12h",
+                 uses: Annotated[Optional[int], typer.Option(help="How many joins it allows [unlimited].")] = None,
+                 state_dir: StateOpt = None) -> None:
+    """Print a new join token (and nothing else).
+
+    \b
+    Example:
+      meshrun token create --ttl 2h --uses 3
+    """
+    from meshrun import coordinator
+    typer.echo(coordinator.create_token(_state(state_dir), ttl, uses))
+
+
+@token_app.command("list")
+@handled
+def token_list(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+    """List tokens: id, uses, expiry, status (never the secret).
+
+    \b
+    Example:
+      meshrun token list --json
+    """
+    from meshrun import coordinator
+    tokens = coordinator.list_tokens(_state(state_dir))
+    if json_out:
+        typer.echo(json.dumps(tokens, indent=2))
+        return
+    typer.echo(f"{'ID':<12} {'STATUS':<8} {'USES':<6} {'LEFT':<9} EXPIRES (UTC)")
+    for t in tokens:
+        left = "unlimited" if t["uses_left"] is None else str(t["uses_left"])
+        exp = time.strftime("%Y-%m-%d %H:%M", time.gmtime(t["expires_at"]))
+        typer.echo(f"{t['id']:<12} {t['status']:<8} {t['uses']:<6} {left:<9} {exp}")
+
+
+@token_app.command("revoke")
+@handled
+def token_revoke(token_or_id: Annotated[str, typer.Argument(metavar="TOKEN_OR_ID")],
+                 state_dir: StateOpt = None) -> None:
+    """Revoke a token so no further node can join with it.
+
+    \b
+    Example:
+      meshrun token revoke k3j9x2abcd
+    """
+    from meshrun import coordinator
+    typer.echo(f"revoked {coordinator.revoke_token(_state(state_dir), token_or_id)}")
+
+
+@app.command()
+@handled
+def remove(name: str, state_dir: StateOpt = None) -> None:
+    """Remove a node from the network (on the coordinator); its address is never reused.
+
+    \b
+    Example:
+      meshrun remove gpu-b
+    """
+    from meshrun import coordinator
+    m = coordinator.remove_member(_state(state_dir), name)
+    typer.echo(f"removed {m.name} ({m.overlay_ip}); every peer drops it on its next sync")
+
+
+# --------------------------------------------------------------------------- node
+
+@app.command()
+@handled
+def join(token: Annotated[str, typer.Argument(help="The token printed by `meshrun init` or `token create`.")],
+         name: Annotated[Optional[str], typer.Option(help="This node's name [default: hostname].")] = None,
+         endpoint: Annotated[Optional[str], typer.Option(help="This node's own public HOST[:PORT], if it has one.")] = None,
+         foreground: Annotated[bool, typer.Option(help="Run the agent in this process (for systemd).")] = False,
+         state_dir: StateOpt = None) -> None:
+    """Join this machine to a network: make keys, enrol, bring up the interface, start the agent.
+
+    \b
+    Examples:
+      meshrun join mr1.eyJ... --name gpu-a
+      meshrun join "$(cat token)" --state-dir /srv/meshrun
+    Returns once the interface is up and the node is registered. Running it again on an
+    enrolled node resumes with the same key and address.
+    """
+    from meshrun import agent, daemon
+    state = _state(state_dir)
+    res = agent.join(token, state, name=name, endpoint=endpoint, start=not foreground)
+    verb = "resumed" if res.resumed else "joined"
+    typer.echo(f"{verb} {res.network.name} as {res.name} at {res.overlay_ip} on {res.network.interface} ({res.backend})")
+    if foreground:
+        daemon.setup_logging()
+        agent.AgentService(state).run()
+
+
+@app.command()
+@handled
+def status(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+    """Show this member's peers: name, overlay IP, endpoint, last handshake, rx/tx.
+
+    \b
+    Examples:
+      meshrun status
+      meshrun status --json | jq '.peers[].name'
+    """
+    from meshrun import status as st
+    data = st.gather(_state(state_dir))
+    typer.echo(json.dumps(data, indent=2) if json_out else st.render(data))
+
+
+@app.command(hidden=True)
+@handled
+def daemon(state_dir: StateOpt = None) -> None:
+    """Run the coordinator or agent daemon for a state directory (started by init/join/up)."""
+    from meshrun import agent, coordinator
+    from meshrun import daemon as d
+    d.setup_logging()
+    state = _state(state_dir)
+    rec, _ = agent.load_node(state)
+    svc = coordinator.CoordinatorService(state) if rec["role"] == "coordinator" else agent.AgentService(state)
+    svc.run()
+
+
+def main() -> None:
+    app(prog_name="meshrun")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Shared data shapes: the network description and members, as they travel between members.
+
+`from_dict` functions validate input from the wire (it may be hostile or garbled) and raise
+ValueError; callers turn that into their own typed error.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import asdict, dataclass, field
+
+from meshrun.keys import is_public_key
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+IFACE_RE = re.compile(r"^[A-Za-z0-9_=+.-]{1,15}$")
+DEFAULT_PORT = 51820
+DEFAULT_MTU = 1420
+DEFAULT_IFACE = "meshrun0"
+DEFAULT_RDZV_PORT = 29400
+
+
+@dataclass(frozen=True)
+class Network:
+    """What every member knows about the network (nothing secret)."""
+
+    name: str
+    cidr: str
+    interface: str
+    listen_port: int
+    mtu: int
+    coordinator_ip: str
+    coordinator_public_key: str
+    endpoints: tuple[str, ...]          # the coordinator's public host:port (from init --endpoint)
+    fingerprint: str                    # SHA-256 of the coordinator's TLS certificate
+    api_port: int = DEFAULT_PORT + 1    # overlay API (coordinator) and job API (agents), overlay IPs only
+    rdzv_port: int = DEFAULT_RDZV_PORT  # torch c10d store hosted by the coordinator on its overlay IP
+
+    @property
+    def prefixlen(self) -> int:
+        return ipaddress.ip_network(self.cidr).prefixlen
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["endpoints"] = list(self.endpoints)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Network":
+        if not isinstance(d, dict):
+            raise ValueError("network must be an object")
+        net = cls(
+            name=_str(d, "name", NAME_RE), cidr=str(ipaddress.ip_network(_str(d, "cidr"))),
+            interface=_str(d, "interface", IFACE_RE), listen_port=_port(d, "listen_port"),
+            mtu=_int(d, "mtu", 1280, 9000), coordinator_ip=str(ipaddress.IPv4Address(_str(d, "coordinator_ip"))),
+            coordinator_public_key=_key(d, "coordinator_public_key"),
+            endpoints=tuple(_strlist(d, "endpoints")), fingerprint=_str(d, "fingerprint", re.compile(r"^[0-9a-f]{64}$")),
+            api_port=_port(d, "api_port"), rdzv_port=_port(d, "rdzv_port"))
+        return net
+
+
+@dataclass(frozen=True)
+class Member:
+    """A member as the coordinator describes it to others."""
+
+    name: str
+    public_key: str
+    overlay_ip: str
+    endpoint: str | None = None               # public endpoint as the coordinator's WireGuard observed it
+    candidates: tuple[str, ...] = field(default=())  # the member's own local ip:port addresses
+    is_coordinator: bool = False
+    last_handshake: int = 0                   # with the coordinator, unix seconds (0 = never)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["candidates"] = list(self.candidates)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Member":
+        if not isinstance(d, dict):
+            raise ValueError("member must be an object")
+        endpoint = d.get("endpoint")
+        if endpoint is not None:
+            endpoint = parse_endpoint(str(endpoint))
+        return cls(
+            name=_str(d, "name", NAME_RE), public_key=_key(d, "public_key"),
+            overlay_ip=str(ipaddress.IPv4Address(_str(d, "overlay_ip"))), endpoint=endpoint,
+            candidates=tuple(parse_endpoint(c) for c in _strlist(d, "candidates", required=False)),
+            is_coordinator=bool(d.get("is_coordinator", False)),
+            last_handshake=_int(d, "last_handshake", 0, 2**40, required=False))
+
+
+def parse_endpoint(value: str, default_port: int | None = None) -> str:
+    """Normalise 'host:port' (IPv4, [IPv6] or DNS name) and return it; ValueError if malformed."""
+    value = value.strip()
+    host, sep, port = value.rpartition(":")
+    if not sep or host.endswith("]") is False and ":" in host:
+        if default_port is None:
+            raise ValueError(f"endpoint {value!r} has no port")
+        host, port = value, str(default_port)
+    if host.startswith("[") and host.endswith("]"):
+        ipaddress.IPv6Address(host[1:-1])
+    elif not re.match(r"^[A-Za-z0-9.-]{1,253}$", host):
+        raise ValueError(f"endpoint host {host!r} is not an address or DNS name")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"endpoint port {port!r} is not a port number")
+    return f"{host}:{int(port)}"
+
+
+def _str(d: dict, key: str, pattern: re.Pattern | None = None) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or (pattern is not None and not pattern.match(v)):
+        raise ValueError(f"{key} is missing or malformed")
+    return v
+
+
+def _int(d: dict, key: str, lo: int, hi: int, required: bool = True) -> int:
+    v = d.get(key, None if required else lo)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"{key} must be an integer in {lo}..{hi}")
+    return v
+
+
+def _port(d: dict, key: str) -> int:
+    return _int(d, key, 1, 65535)
+
+
+def _key(d: dict, key: str) -> str:
+    v = d.get(key)
+    if not is_public_key(v):
+        raise ValueError(f"{key} is not a WireGuard public key")
+    return v
+
+
+def _strlist(d: dict, key: str, required: bool = True) -> list[str]:
+    v = d.get(key, None if required else [])
+    if not isinstance(v, list) or len(v) > 64 or not all(isinstance(x, str) for x in v):
+        raise ValueError(f"{key} must be a list of strings")
+    return v
+
+
+# --------------------------------------------------------------------------- option checks
+# Each raises UsageError naming the option, the bad value and an example of a good one.
+
+def check_interface(value: str) -> str:
+    from meshrun.errors import UsageError
+    if not IFACE_RE.match(value) or value in (".", ".."):
+        raise UsageError(f"--interface {value!r} is not a valid interface name",
+                         "use 1-15 letters, digits or -_.=+, e.g. --interface meshrun0")
+    return value
+
+
+def check_port(value: int, option: str = "--port") -> int:
+    from meshrun.errors import UsageError
+    if not 1 <= value <= 65534:
+        raise UsageError(f"{option} {value} is not a usable port", f"pick 1-65534, e.g. {option} {DEFAULT_PORT}")
+    return value
+
+
+def check_mtu(value: int) -> int:
+    from meshrun.errors import UsageError
+    if not 1280 <= value <= 9000:
+        raise UsageError(f"--mtu {value} is outside 1280..9000",
+                         f"use {DEFAULT_MTU} for a 1500-byte underlay, 1280 for the smallest paths")
+    return value
+
+
+def check_name(value: str, option: str = "--name") -> str:
+    from meshrun.errors import UsageError
+    if not NAME_RE.match(value):
+        raise UsageError(f"{option} {value!r} is not a valid name",
+                         f"use 1-32 lower-case letters, digits and '-', starting with a letter or digit, "
+                         f"e.g. {option} gpu-a")
+    return value
+
+
+def default_node_name(hostname: str) -> str:
+    """A valid member name derived from a hostname ('GPU_Box.local' -> 'gpu-box')."""
+    name = re.sub(r"[^a-z0-9-]+", "-", hostname.split(".")[0].lower()).strip("-")[:32].strip("-")
+    return name or "node"

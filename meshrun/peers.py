@@ -1,0 +1,117 @@
+"""Peer sync logic: which peers a member should have, and the minimal change to get there.
+
+Pure (innernet's PeerDiff): `desired_*` turn the coordinator's member list into PeerSpecs,
+`diff` compares them with what the interface reports, `wg_set_args` renders one
+`wg set` call. Applying a diff never touches peers that did not change, so running
+tunnels are not interrupted when a member joins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshrun.model import Member
+
+KEEPALIVE = 25
+# WireGuard rejects a session 180 s after its handshake (REJECT_AFTER_TIME); a peer whose
+# last handshake is younger than that has a working endpoint, possibly one WireGuard
+# learned by roaming, which is better than anything the coordinator can tell us.
+HANDSHAKE_FRESH_S = 180
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """A peer as we want it configured."""
+
+    public_key: str
+    allowed_ips: tuple[str, ...]
+    endpoint: str | None = None
+    keepalive: int = KEEPALIVE
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """One peer as the running interface reports it (`wg show IFACE dump`)."""
+
+    public_key: str
+    endpoint: str | None
+    allowed_ips: tuple[str, ...]
+    latest_handshake: int
+    rx: int
+    tx: int
+    keepalive: int
+
+
+@dataclass(frozen=True)
+class PeerDiff:
+    """Changes that take the interface from its current peers to the desired ones."""
+
+    add: tuple[PeerSpec, ...] = ()
+    update: tuple[PeerSpec, ...] = ()
+    remove: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.add or self.update or self.remove)
+
+
+def desired_for_node(my_key: str, members: Sequence[Member]) -> list[PeerSpec]:
+    """Peers for a node: every other member, at the endpoint the coordinator observed.
+
+    The coordinator's own entry carries its public endpoint(s) from the token.
+    """
+    out = []
+    for m in members:
+        if m.public_key == my_key:
+            continue
+        out.append(PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), m.endpoint, KEEPALIVE, m.name))
+    return out
+
+
+def desired_for_coordinator(members: Sequence[Member]) -> list[PeerSpec]:
+    """Peers for the coordinator: every node, no endpoint (nodes dial in; WireGuard roams)."""
+    return [PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), None, KEEPALIVE, m.name)
+            for m in members if not m.is_coordinator]
+
+
+def diff(current: Sequence[PeerState], desired: Sequence[PeerSpec], now: float) -> PeerDiff:
+    """Compute the minimal PeerDiff.
+
+    An existing peer's endpoint is only replaced when the desired one differs and the
+    current one is unknown or has had no handshake for HANDSHAKE_FRESH_S: a live tunnel
+    is never moved to an address that might be worse.
+    """
+    cur = {p.public_key: p for p in current}
+    want = {p.public_key: p for p in desired}
+    add, update = [], []
+    for key, spec in want.items():
+        have = cur.get(key)
+        if have is None:
+            add.append(spec)
+            continue
+        endpoint = None
+        if spec.endpoint and spec.endpoint != have.endpoint:
+            fresh = have.latest_handshake and now - have.latest_handshake < HANDSHAKE_FRESH_S
+            if have.endpoint is None or not fresh:
+                endpoint = spec.endpoint
+        if (endpoint or tuple(sorted(spec.allowed_ips)) != tuple(sorted(have.allowed_ips))
+                or spec.keepalive != have.keepalive):
+            update.append(PeerSpec(key, spec.allowed_ips, endpoint, spec.keepalive, spec.name))
+    remove = tuple(sorted(k for k in cur if k not in want))
+    key_order = lambda p: p.public_key  # noqa: E731 - deterministic output for tests and logs
+    return PeerDiff(tuple(sorted(add, key=key_order)), tuple(sorted(update, key=key_order)), remove)
+
+
+def wg_set_args(d: PeerDiff) -> list[str]:
+    """Arguments after `wg set IFACE` that apply `d` in one call ([] when nothing to do)."""
+    args: list[str] = []
+    for key in d.remove:
+        args += ["peer", key, "remove"]
+    for spec in (*d.add, *d.update):
+        args += ["peer", spec.public_key]
+        if spec.endpoint:
+            args += ["endpoint", spec.endpoint]
+        args += ["persistent-keepalive", str(spec.keepalive) if spec.keepalive else "off",
+                 "allowed-ips", ",".join(spec.allowed_ips)]
+    return args

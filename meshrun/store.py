@@ -1,0 +1,423 @@
+"""State on disk: the only module that reads or writes meshrun's files.
+
+A state directory (0700) holds, per member:
+  member.json    role, name, network description, overlay IP, backend (no secrets)
+  private.key    the WireGuard private key (0600, never leaves the machine)
+  <iface>.conf   wg-quick file for operators (0600: it embeds the private key)
+  peers.json     the last member list from the coordinator (nodes; for status and restarts)
+  daemon.pid / daemon.log
+and on the coordinator also tls.key (0600), tls.crt and coordinator.db (SQLite, 0600).
+
+Every file is replaced atomically (temp file, fsync, rename), so a crash or a full disk
+leaves the previous good version. A file that cannot be parsed raises StateError naming it;
+nothing is ever silently reset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import tempfile
+import threading
+import time
+from functools import wraps
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshrun import ipam
+from meshrun.errors import StateError, TokenError
+from meshrun.model import Member
+from meshrun.token import hash_secret, secret_matches
+
+
+def default_state_dir() -> Path:
+    """$MESHRUN_STATE_DIR, else /var/lib/meshrun for root, else $XDG_STATE_HOME/meshrun."""
+    env = os.environ.get("MESHRUN_STATE_DIR")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/meshrun")
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "meshrun"
+
+
+class StateDir:
+    """A member's state directory. Paths are attributes; writes are atomic."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path).absolute()
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def exists(self) -> bool:
+        return (self.path / "member.json").exists()
+
+    def create(self) -> bool:
+        """Make the directory with mode 0700; return True if this call created it."""
+        created = not self.path.exists()
+        try:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.path, 0o700)
+        except OSError as exc:
+            raise StateError(f"cannot create state directory {self.path}: {exc.strerror}",
+                             "pick a writable place with --state-dir or MESHRUN_STATE_DIR") from None
+        return created
+
+    def write(self, name: str, data: bytes | str, secret: bool = False) -> Path:
+        """Atomically replace `name` with `data` (mode 0600 if secret, else 0644)."""
+        if isinstance(data, str):
+            data = data.encode()
+        target = self.path / name
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.path)
+        try:
+            os.fchmod(fd, 0o600 if secret else 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise StateError(f"cannot write {target}: {exc.strerror}; the previous version is unchanged",
+                             "free disk space or fix permissions, then run the command again") from None
+        dfd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return target
+
+    def write_json(self, name: str, obj: object, secret: bool = False) -> Path:
+        return self.write(name, json.dumps(obj, indent=2, sort_keys=True) + "\n", secret)
+
+    def read(self, name: str) -> bytes:
+        try:
+            return (self.path / name).read_bytes()
+        except FileNotFoundError:
+            raise StateError(f"{self.path / name} is missing",
+                             "run `meshrun init` or `meshrun join` first, or point --state-dir at the right place") from None
+        except OSError as exc:
+            raise StateError(f"cannot read {self.path / name}: {exc.strerror}", "check its permissions") from None
+
+    def read_json(self, name: str) -> dict:
+        raw = self.read(name)
+        try:
+            obj = json.loads(raw)
+            if not isinstance(obj, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            raise StateError(f"{self.path / name} is corrupt ({exc})",
+                             "restore it from a backup, or remove the state directory and join again") from None
+        return obj
+
+    def remove(self, *names: str) -> None:
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / n).unlink()
+
+    def read_pid(self, name: str = "daemon.pid") -> int | None:
+        """The PID recorded in `name` if that process still runs, else None."""
+        try:
+            pid = int((self.path / name).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        # A PID can be reused after a reboot: accept it only if it is a meshrun process.
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        return pid if b"meshrun" in cmdline or b"wireguard-go" in cmdline else None
+
+
+# --------------------------------------------------------------------------- coordinator DB
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS members(
+  id INTEGER PRIMARY KEY,
+  name TEXT NOT NULL,
+  public_key TEXT NOT NULL UNIQUE,
+  overlay_ip TEXT NOT NULL UNIQUE,          -- never reused, even after removal
+  candidates TEXT NOT NULL DEFAULT '[]',
+  endpoint TEXT,
+  last_handshake INTEGER NOT NULL DEFAULT 0,
+  is_coordinator INTEGER NOT NULL DEFAULT 0,
+  token_id TEXT,
+  joined_at REAL NOT NULL,
+  last_seen REAL,
+  removed_at REAL);
+CREATE UNIQUE INDEX IF NOT EXISTS members_active_name ON members(name) WHERE removed_at IS NULL;
+CREATE TABLE IF NOT EXISTS tokens(
+  id TEXT PRIMARY KEY,
+  secret_hash TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  expires_at REAL NOT NULL,
+  max_uses INTEGER,                         -- NULL: unlimited until expiry
+  uses INTEGER NOT NULL DEFAULT 0,
+  revoked_at REAL);
+"""
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token as `token list` shows it: never the secret, never its hash."""
+
+    id: str
+    created_at: float
+    expires_at: float
+    max_uses: int | None
+    uses: int
+    revoked: bool
+
+    def status(self, now: float) -> str:
+        if self.revoked:
+            return "revoked"
+        if now >= self.expires_at:
+            return "expired"
+        if self.max_uses is not None and self.uses >= self.max_uses:
+            return "used up"
+        return "valid"
+
+    def to_dict(self, now: float) -> dict:
+        left = None if self.max_uses is None else max(self.max_uses - self.uses, 0)
+        return {"id": self.id, "created_at": self.created_at, "expires_at": self.expires_at,
+                "max_uses": self.max_uses, "uses": self.uses, "uses_left": left, "status": self.status(now)}
+
+
+def _locked(fn):
+    @wraps(fn)
+    def inner(self, *a, **kw):
+        with self._lock:
+            return fn(self, *a, **kw)
+    return inner
+
+
+class CoordinatorDB:
+    """The coordinator's SQLite state. Each public method is one transaction.
+
+    WAL mode plus BEGIN IMMEDIATE serialise writers across threads and processes (the
+    daemon and `meshrun token ...` on the same machine), so concurrent joins can never
+    receive the same address.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        # One connection shared by the daemon's threads: the lock keeps their
+        # transactions from interleaving on it.
+        self._lock = threading.RLock()
+        if not self.path.exists():
+            raise StateError(f"{self.path} is missing", "run `meshrun init` on the coordinator first")
+        self._open()
+
+    @classmethod
+    def create(cls, path: Path | str) -> "CoordinatorDB":
+        path = Path(path)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.close(fd)
+        return cls(path)
+
+    def _open(self) -> None:
+        try:
+            self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self.conn.executescript(SCHEMA)
+            self.conn.execute("PRAGMA quick_check").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"{self.path} is not a readable meshrun database ({exc})",
+                             "restore it from a backup; meshrun will not reset it") from None
+
+    def close(self) -> None:
+        self.conn.close()
+
+    @contextlib.contextmanager
+    def tx(self):
+        """A write transaction (BEGIN IMMEDIATE); rolled back on any exception."""
+        with self._lock:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.conn
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            self.conn.execute("COMMIT")
+
+    # meta ------------------------------------------------------------------
+    def set_meta(self, **values: str) -> None:
+        with self.tx() as c:
+            for k, v in values.items():
+                c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (k, str(v)))
+
+    @_locked
+    def meta(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def version(self) -> int:
+        return int(self.meta("version") or 0)
+
+    @staticmethod
+    def _bump(c: sqlite3.Connection) -> None:
+        c.execute("INSERT INTO meta(key, value) VALUES('version', '1') ON CONFLICT(key) "
+                  "DO UPDATE SET value = CAST(value AS INTEGER) + 1")
+
+    # tokens ----------------------------------------------------------------
+    def add_token(self, token_id: str, secret: bytes, ttl_s: int, max_uses: int | None, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self.tx() as c:
+            c.execute("INSERT INTO tokens(id, secret_hash, created_at, expires_at, max_uses) VALUES(?,?,?,?,?)",
+                      (token_id, hash_secret(secret), now, now + ttl_s, max_uses))
+
+    @_locked
+    def tokens(self) -> list[TokenInfo]:
+        rows = self.conn.execute(
+            "SELECT id, created_at, expires_at, max_uses, uses, revoked_at FROM tokens ORDER BY created_at").fetchall()
+        return [TokenInfo(r[0], r[1], r[2], r[3], r[4], r[5] is not None) for r in rows]
+
+    def revoke_token(self, token_id: str, now: float | None = None) -> bool:
+        """Revoke a token; False if no such token."""
+        with self.tx() as c:
+            cur = c.execute("UPDATE tokens SET revoked_at=? WHERE id=? AND revoked_at IS NULL",
+                            (time.time() if now is None else now, token_id))
+            if cur.rowcount:
+                return True
+            return c.execute("SELECT 1 FROM tokens WHERE id=?", (token_id,)).fetchone() is not None
+
+    # members ---------------------------------------------------------------
+    def add_coordinator(self, name: str, public_key: str, overlay_ip: str) -> None:
+        with self.tx() as c:
+            c.execute("INSERT INTO members(name, public_key, overlay_ip, is_coordinator, joined_at) "
+                      "VALUES(?,?,?,1,?)", (name, public_key, overlay_ip, time.time()))
+            self._bump(c)
+
+    def enrol(self, token_id: str, secret: bytes, name: str, public_key: str, candidates: list[str],
+              cidr: str, now: float | None = None) -> tuple[Member, bool]:
+        """Check the token and add (or find) the member; returns (member, created).
+
+        Re-enrolling the same name with the same key returns the existing member (a node
+        that lost its agent, or retried after a timeout). Raises TokenError or StateError
+        with the reason; nothing is written then.
+        """
+        now = time.time() if now is None else now
+        with self.tx() as c:
+            row = c.execute("SELECT secret_hash, expires_at, max_uses, uses, revoked_at FROM tokens WHERE id=?",
+                            (token_id,)).fetchone()
+            fix_new = "ask the coordinator's operator for a new token (`meshrun token create`)"
+            # An unknown id and a wrong secret get the same answer: no oracle for valid ids.
+            if row is None or not secret_matches(secret, row[0]):
+                raise TokenError("the coordinator does not know this join token (wrong network, or deleted)", fix_new)
+            if row[4] is not None:
+                raise TokenError("this join token has been revoked", fix_new)
+            if now >= row[1]:
+                raise TokenError("this join token has expired", fix_new)
+            existing = c.execute("SELECT name, public_key FROM members WHERE (name=? AND removed_at IS NULL) "
+                                 "OR public_key=?", (name, public_key)).fetchall()
+            for ex_name, ex_key in existing:
+                if ex_name == name and ex_key == public_key:
+                    m = self._member_where(c, "public_key=? AND removed_at IS NULL", (public_key,))
+                    if m is not None:
+                        return m, False
+                if ex_key != public_key and ex_name == name and self._never_connected(c, ex_key):
+                    # An enrolment whose node never synced over the overlay (its join failed
+                    # and was rolled back there): the name is free again; the address stays burnt.
+                    c.execute("UPDATE members SET removed_at=? WHERE public_key=?", (now, ex_key))
+                    continue
+                if ex_key == public_key:
+                    raise StateError("this node's key belonged to a removed member and cannot join again",
+                                     "run `meshrun leave --purge` on the node to make a new identity, then join")
+                raise StateError(f"the name {name!r} is already taken by another member",
+                                 "pick another --name, or `meshrun remove` the old member first")
+            if row[2] is not None and row[3] >= row[2]:
+                raise TokenError(f"this join token is used up ({row[2]} of {row[2]} uses)", fix_new)
+            taken = [r[0] for r in c.execute("SELECT overlay_ip FROM members")]
+            ip = str(ipam.allocate(ipam.parse_cidr(cidr), taken))
+            c.execute("INSERT INTO members(name, public_key, overlay_ip, candidates, token_id, joined_at) "
+                      "VALUES(?,?,?,?,?,?)", (name, public_key, ip, json.dumps(candidates), token_id, now))
+            c.execute("UPDATE tokens SET uses = uses + 1 WHERE id=?", (token_id,))
+            self._bump(c)
+            return Member(name, public_key, ip, None, tuple(candidates)), True
+
+    @staticmethod
+    def _never_connected(c, key: str) -> bool:
+        # last_seen is set by the first sync over the overlay, i.e. once the join completed.
+        r = c.execute("SELECT last_seen, is_coordinator FROM members WHERE public_key=?", (key,)).fetchone()
+        return r is not None and r[0] is None and not r[1]
+
+    _COLS = "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake"
+
+    @staticmethod
+    def _row_member(r) -> Member:
+        return Member(r[0], r[1], r[2], r[3], tuple(json.loads(r[4])), bool(r[5]), r[6])
+
+    def _member_where(self, c, where: str, args: tuple) -> Member | None:
+        r = c.execute(f"SELECT {self._COLS} FROM members WHERE {where}", args).fetchone()
+        return self._row_member(r) if r else None
+
+    @_locked
+    def members(self) -> list[Member]:
+        rows = self.conn.execute(f"SELECT {self._COLS} FROM members WHERE removed_at IS NULL ORDER BY id").fetchall()
+        return [self._row_member(r) for r in rows]
+
+    @_locked
+    def member_by_ip(self, ip: str) -> Member | None:
+        return self._member_where(self.conn, "overlay_ip=? AND removed_at IS NULL", (ip,))
+
+    @_locked
+    def member_by_name(self, name: str) -> Member | None:
+        return self._member_where(self.conn, "name=? AND removed_at IS NULL", (name,))
+
+    @_locked
+    def is_removed_ip(self, ip: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM members WHERE overlay_ip=? AND removed_at IS NOT NULL",
+                                 (ip,)).fetchone() is not None
+
+    def remove_member(self, name: str, now: float | None = None) -> Member | None:
+        """Mark a member removed (its address stays reserved forever)."""
+        with self.tx() as c:
+            m = self._member_where(c, "name=? AND removed_at IS NULL AND is_coordinator=0", (name,))
+            if m is not None:
+                c.execute("UPDATE members SET removed_at=? WHERE public_key=?",
+                          (time.time() if now is None else now, m.public_key))
+                self._bump(c)
+            return m
+
+    def heartbeat(self, ip: str, candidates: list[str], now: float | None = None) -> None:
+        """Record a member's latest self-reported candidates; bump the version if they changed."""
+        with self.tx() as c:
+            old = c.execute("SELECT candidates FROM members WHERE overlay_ip=? AND removed_at IS NULL",
+                            (ip,)).fetchone()
+            if old is None:
+                return
+            new = json.dumps(candidates)
+            c.execute("UPDATE members SET candidates=?, last_seen=? WHERE overlay_ip=?",
+                      (new, time.time() if now is None else now, ip))
+            if old[0] != new:
+                self._bump(c)
+
+    def observe(self, observations: dict[str, tuple[str | None, int]]) -> bool:
+        """Store WireGuard's view {public_key: (endpoint, last_handshake)}; True if an endpoint changed."""
+        changed = False
+        with self.tx() as c:
+            for key, (endpoint, hs) in observations.items():
+                row = c.execute("SELECT endpoint, last_handshake FROM members WHERE public_key=? "
+                                "AND removed_at IS NULL", (key,)).fetchone()
+                if row is None or (endpoint is None or row[0] == endpoint) and row[1] == hs:
+                    continue
+                if endpoint is not None and row[0] != endpoint:
+                    changed = True
+                c.execute("UPDATE members SET endpoint=COALESCE(?, endpoint), last_handshake=? WHERE public_key=?",
+                          (endpoint, hs, key))
+            if changed:
+                self._bump(c)
+        return changed
