@@ -321,9 +321,9 @@ class CoordinatorDB:
                 raise TokenError("this join token has been revoked", fix_new)
             if now >= row[1]:
                 raise TokenError("this join token has expired", fix_new)
-            existing = c.execute("SELECT name, public_key FROM members WHERE (name=? AND removed_at IS NULL) "
+            existing = c.execute("SELECT name, public_key, removed_at FROM members WHERE (name=? AND removed_at IS NULL) "
                                  "OR public_key=?", (name, public_key)).fetchall()
-            for ex_name, ex_key in existing:
+            for ex_name, ex_key, ex_removed in existing:
                 if ex_name == name and ex_key == public_key:
                     m = self._member_where(c, "public_key=? AND removed_at IS NULL", (public_key,))
                     if m is not None:
@@ -333,6 +333,9 @@ class CoordinatorDB:
                     # and was rolled back there): the name is free again; the address stays burnt.
                     c.execute("UPDATE members SET removed_at=? WHERE public_key=?", (now, ex_key))
                     continue
+                if ex_key == public_key and ex_removed is None:
+                    raise StateError(f"this node's key is already enrolled as member {ex_name!r}",
+                                     f"join again with --name {ex_name}, or `meshrun leave --purge` for a new identity")
                 if ex_key == public_key:
                     raise StateError("this node's key belonged to a removed member and cannot join again",
                                      "run `meshrun leave --purge` on the node to make a new identity, then join")

@@ -1,0 +1,733 @@
+"""The NAT'd multi-datacenter world in network namespaces, on one machine (demo + e2e tests).
+
+Layout (see docs/ARCHITECTURE.md, "Testbed addressing"), for datacenter i (1-based):
+
+    node ns <prefix>-<dc>-a (eth0 172.31.40.46/20)             ... one per node, each with an anchor process
+        |  (datacenters with several nodes: a bridge in <prefix>-lan-<dc>, a same-VPC path)
+    gateway ns <prefix>-gw-<dc>: lan0 172.31.32.1/20, wan0 198.51.100.(4i-3)/30, NAT in iptables
+        |
+    internet ns <prefix>-inet: to-<dc> 198.51.100.(4i-2)/30, routes 203.0.113.(10i+j)/32 via gateway i
+
+Every veth is created directly inside its namespaces (never in the root namespace), so concurrent
+worlds only need distinct prefixes. Each node has a long-lived *anchor* process holding a private mount
+namespace with a tmpfs on /run/wireguard: wireguard-go's control socket lives there and /run is not
+per network namespace. Every command for a node runs through ``nsenter -t ANCHOR -m -n``.
+
+Every command this module runs goes through :func:`sh`, which logs it at debug level and raises
+:class:`~meshrun.errors.NetworkError` naming the command and its stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from meshrun.errors import NetworkError, UsageError
+
+logger = logging.getLogger("meshrun.testbed")
+
+NAT_KINDS = ("one-to-one", "cone", "symmetric")
+PRIVATE_CIDR = "172.31.32.0/20"
+PRIVATE_PREFIXLEN = 20
+GATEWAY_PRIVATE_IP = "172.31.32.1"
+FIRST_NODE_HOST = 46                      # nodes are 172.31.40.46, .47, ... (as on AWS)
+MAX_NODES_PER_DC = 9                      # 203.0.113.(10i+j), j in 1..9
+MAX_DCS = 24                              # 203.0.113.(10i+j) <= 249
+NODE_LETTERS = "abcdefghi"
+RUN_WIREGUARD = Path("/run/wireguard")
+_DC_NAME = re.compile(r"^[a-z][a-z0-9]{0,9}$")
+_PREFIX = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+_RESERVED_DC_NAMES = {"gw", "lan", "inet"}
+_TOOLS = {"ip": "iproute2", "iptables": "iptables", "tc": "iproute2", "nsenter": "util-linux",
+          "unshare": "util-linux", "sysctl": "procps"}
+
+
+class CommandError(NetworkError):
+    """A command failed; ``result`` holds the CompletedProcess (stdout/stderr included)."""
+
+    def __init__(self, message: str, fix: str = "", result: subprocess.CompletedProcess | None = None):
+        super().__init__(message, fix)
+        self.result = result
+
+
+def _tail(text: str | None, limit: int = 2000) -> str:
+    text = (text or "").strip()
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def sh(argv: list[str], *, input: str | None = None, timeout: float = 30, check: bool = True,
+       env: dict[str, str] | None = None, where: str = "") -> subprocess.CompletedProcess:
+    """Run one command (text mode, output captured); the single subprocess entry point of this module.
+
+    Raises NetworkError (CommandError) naming the command, where it ran, its exit code, stderr and stdout
+    when it fails and ``check`` is true, when the tool is missing, or when it runs past ``timeout``.
+    """
+    line = " ".join(argv)
+    logger.debug("run%s: %s", f" [{where}]" if where else "", line)
+    try:
+        res = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout, env=env)
+    except FileNotFoundError:
+        tool = argv[0]
+        raise NetworkError(f"`{tool}` is not installed (needed for `{line}`)",
+                           f"install it: apt-get install {_TOOLS.get(tool, tool)}") from None
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
+        raise CommandError(f"`{line}`{' in ' + where if where else ''} did not finish within {timeout:g} s"
+                           f" (stderr: {_tail(err) or '-'}; stdout: {_tail(out) or '-'})",
+                           "the command hung; check the testbed with `ip netns list`") from None
+    if check and res.returncode != 0:
+        raise CommandError(
+            f"`{line}`{' in ' + where if where else ''} failed with exit code {res.returncode}"
+            f" (stderr: {_tail(res.stderr) or '-'}; stdout: {_tail(res.stdout) or '-'})",
+            _fix_for(res.stderr or ""), res)
+    return res
+
+
+def _fix_for(stderr: str) -> str:
+    low = stderr.lower()
+    if "operation not permitted" in low or "permission denied" in low:
+        return "the testbed needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"
+    if "file exists" in low:
+        return "a namespace or interface with that name exists; run `python -m meshrun.testbed down --prefix P`"
+    return "see the command's output above"
+
+
+@dataclass(frozen=True)
+class DatacenterSpec:
+    """One datacenter: a gateway doing ``nat`` in front of ``nodes`` machines on 172.31.32.0/20."""
+
+    name: str                      # short: it goes into namespace and interface names
+    nat: str = "one-to-one"        # "one-to-one" | "cone" | "symmetric"
+    nodes: int = 1
+    mtu: int = 1500                # MTU of the gateway's internet link (a small-MTU underlay hop)
+    rate_mbit: int | None = None   # tbf shaping of the gateway's internet link, both directions
+
+    def validate(self) -> None:
+        """Raise UsageError for a name, NAT kind, node count, MTU or rate the testbed cannot build."""
+        if not _DC_NAME.match(self.name) or self.name in _RESERVED_DC_NAMES:
+            raise UsageError(f"datacenter name {self.name!r} is not usable in the testbed",
+                             "use 1-10 lowercase letters/digits starting with a letter, not gw/lan/inet")
+        if self.nat not in NAT_KINDS:
+            raise UsageError(f"datacenter {self.name}: NAT kind {self.nat!r} is unknown",
+                             f"use one of {', '.join(NAT_KINDS)}")
+        if not 1 <= self.nodes <= MAX_NODES_PER_DC:
+            raise UsageError(f"datacenter {self.name}: {self.nodes} nodes is out of range",
+                             f"use 1 to {MAX_NODES_PER_DC} nodes per datacenter")
+        if not 576 <= self.mtu <= 9000:
+            raise UsageError(f"datacenter {self.name}: MTU {self.mtu} is out of range", "use 576 to 9000")
+        if self.rate_mbit is not None and self.rate_mbit <= 0:
+            raise UsageError(f"datacenter {self.name}: rate {self.rate_mbit} Mbit/s must be positive",
+                             "give a positive rate or None for no shaping")
+
+
+@dataclass
+class Node:
+    """A simulated machine: its own network namespace plus a mount namespace held by ``anchor_pid``."""
+
+    name: str
+    dc: str
+    netns: str
+    private_ip: str
+    public_ip: str | None
+    anchor_pid: int
+    workdir: Path
+    nat: str = "one-to-one"
+
+    def argv(self, *cmd: str, cwd: str | os.PathLike | None = None) -> list[str]:
+        """The argv running ``cmd`` inside this node (network and mount namespace of its anchor).
+
+        nsenter resets the working directory to / when it enters the mount namespace; ``cwd`` keeps one.
+        """
+        wd = [f"--wd={os.fspath(cwd)}"] if cwd is not None else []
+        return ["nsenter", "-t", str(self.anchor_pid), "-m", "-n", *wd, "--", *map(str, cmd)]
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 60, env: dict[str, str] | None = None,
+            input: str | None = None, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+        """Run ``cmd`` in this node and wait (text mode, output captured).
+
+        ``env`` holds extra variables, merged over os.environ. With ``check``, a non-zero exit raises
+        CommandError (a NetworkError) whose message includes stderr and stdout.
+        """
+        return sh(self.argv(*cmd, cwd=cwd), input=input, timeout=timeout, check=check,
+                  env=_merge_env(env), where=self.name)
+
+    def popen(self, *cmd: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        """Start ``cmd`` in this node; ``kw`` goes to subprocess.Popen, ``env`` is merged over os.environ.
+
+        The process is found and killed by World.down() even if the caller forgets it.
+        """
+        argv = self.argv(*cmd, cwd=kw.get("cwd"))
+        logger.debug("start [%s]: %s", self.name, " ".join(argv))
+        return subprocess.Popen(argv, env=_merge_env(env), **kw)
+
+
+def _merge_env(env: dict[str, str] | None) -> dict[str, str] | None:
+    return None if env is None else {**os.environ, **{k: str(v) for k, v in env.items()}}
+
+
+@dataclass
+class _Gateway:
+    dc: DatacenterSpec
+    index: int
+    netns: str
+    lan_netns: str | None
+    public_ip: str                 # gateway side of the /30
+    inet_ip: str                   # internet side of the /30
+    inet_ifname: str
+    nodes: list[Node] = field(default_factory=list)
+
+
+_live_worlds: "weakref.WeakSet[World]" = weakref.WeakSet()
+
+
+@atexit.register
+def _down_live_worlds() -> None:  # a crashed script still tears its worlds down
+    for world in list(_live_worlds):
+        world.down()
+
+
+class World:
+    """A set of NAT'd datacenters joined by an "internet" namespace; use as a context manager.
+
+    ``with World.standard(3) as w:`` builds dc1..dc3 (one node each, 1:1 NAT) and tears everything down
+    on exit, also on exceptions and Ctrl-C.
+    """
+
+    def __init__(self, dcs: list[DatacenterSpec], prefix: str = "mr", workdir: Path | None = None,
+                 log: logging.Logger | Callable[[str], None] | None = None) -> None:
+        if not _PREFIX.match(prefix):
+            raise UsageError(f"testbed prefix {prefix!r} is not usable",
+                             "use 1-8 lowercase letters/digits starting with a letter")
+        if not dcs:
+            raise UsageError("a testbed needs at least one datacenter", "pass one DatacenterSpec or more")
+        if len(dcs) > MAX_DCS:
+            raise UsageError(f"{len(dcs)} datacenters is too many", f"use at most {MAX_DCS}")
+        for dc in dcs:
+            dc.validate()
+        names = [dc.name for dc in dcs]
+        if len(set(names)) != len(names):
+            raise UsageError(f"datacenter names repeat: {', '.join(names)}", "give each datacenter its own name")
+        self.dcs = list(dcs)
+        self.prefix = prefix
+        self.inet = f"{prefix}-inet"
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir is not None else None
+        self._log = log
+        self._gateways: dict[str, _Gateway] = {}
+        self.nodes: list[Node] = []
+        self._anchors: dict[int, subprocess.Popen] = {}
+        self._created: list[str] = []       # namespaces, in creation order
+        self._up = False
+        self._plan()
+
+    @classmethod
+    def standard(cls, n: int, prefix: str = "mr", **kw) -> "World":
+        """n datacenters dc1..dcN, each one node behind 1:1 NAT."""
+        return cls([DatacenterSpec(f"dc{i}") for i in range(1, n + 1)], prefix=prefix, **kw)
+
+    # ----- names and addresses (pure) -----
+
+    def _plan(self) -> None:
+        base = self.workdir or Path("/nonexistent")
+        for i, dc in enumerate(self.dcs, start=1):
+            gw = _Gateway(dc=dc, index=i, netns=f"{self.prefix}-gw-{dc.name}",
+                          lan_netns=f"{self.prefix}-lan-{dc.name}" if dc.nodes > 1 else None,
+                          public_ip=f"198.51.100.{4 * i - 3}", inet_ip=f"198.51.100.{4 * i - 2}",
+                          inet_ifname=f"to-{dc.name}")
+            for j in range(1, dc.nodes + 1):
+                name = f"{dc.name}-{NODE_LETTERS[j - 1]}"
+                public = f"203.0.113.{10 * i + j}" if dc.nat == "one-to-one" else gw.public_ip
+                gw.nodes.append(Node(name=name, dc=dc.name, netns=f"{self.prefix}-{name}",
+                                     private_ip=f"172.31.40.{FIRST_NODE_HOST + j - 1}", public_ip=public,
+                                     anchor_pid=0, workdir=base / name, nat=dc.nat))
+            self._gateways[dc.name] = gw
+            self.nodes.extend(gw.nodes)
+
+    @property
+    def gateways(self) -> dict[str, str]:
+        """Gateway namespace per datacenter name."""
+        return {name: gw.netns for name, gw in self._gateways.items()}
+
+    @property
+    def lans(self) -> dict[str, str]:
+        """Bridge ("same VPC") namespace per datacenter that has several nodes."""
+        return {name: gw.lan_netns for name, gw in self._gateways.items() if gw.lan_netns}
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace of this world, internet first."""
+        out = [self.inet]
+        for gw in self._gateways.values():
+            out.append(gw.netns)
+            if gw.lan_netns:
+                out.append(gw.lan_netns)
+            out.extend(n.netns for n in gw.nodes)
+        return out
+
+    def node(self, name: str) -> Node:
+        """The node called ``name`` (e.g. "dc2-a")."""
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise UsageError(f"the testbed has no node {name!r}", f"use one of {', '.join(n.name for n in self.nodes)}")
+
+    def gateway_public_ip(self, dc: str) -> str:
+        """The gateway's own public address (shared by the nodes of a cone/symmetric datacenter)."""
+        return self._gw(dc).public_ip
+
+    def _gw(self, dc: str) -> _Gateway:
+        try:
+            return self._gateways[dc]
+        except KeyError:
+            raise UsageError(f"the testbed has no datacenter {dc!r}",
+                             f"use one of {', '.join(self._gateways)}") from None
+
+    def describe(self) -> str:
+        """A multi-line human-readable summary: per datacenter its gateway, per node its addresses."""
+        lines = [f"testbed {self.prefix!r}: {len(self.dcs)} datacenter(s), internet namespace {self.inet}"]
+        for gw in self._gateways.values():
+            dc = gw.dc
+            extra = [f"mtu {dc.mtu}"] + ([f"{dc.rate_mbit} Mbit/s"] if dc.rate_mbit else [])
+            lines.append(f"  {dc.name}: {dc.nat} NAT, gateway {gw.netns} public {gw.public_ip}, "
+                         f"{', '.join(extra)}")
+            for n in gw.nodes:
+                lines.append(f"    {n.name:<10} private {n.private_ip:<14} public {n.public_ip:<14} "
+                             f"nat {n.nat:<10} netns {n.netns}")
+        return "\n".join(lines)
+
+    # ----- building -----
+
+    def _say(self, msg: str) -> None:
+        if isinstance(self._log, logging.Logger):
+            self._log.info(msg)
+        elif callable(self._log):
+            self._log(msg)
+        else:
+            logger.info(msg)
+
+    def up(self) -> "World":
+        """Build the world; on any failure tear down what was built and raise NetworkError."""
+        if self._up:
+            return self
+        t0 = time.monotonic()
+        _live_worlds.add(self)
+        try:
+            remove_stale(self.prefix)
+            if self._own_workdir:
+                self.workdir = Path(tempfile.mkdtemp(prefix=f"meshrun-testbed-{self.prefix}-"))
+            assert self.workdir is not None
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            for n in self.nodes:
+                n.workdir = self.workdir / n.name
+                n.workdir.mkdir(parents=True, exist_ok=True)
+            self._build()
+        except BaseException as exc:
+            self.down()
+            if isinstance(exc, NetworkError) or not isinstance(exc, Exception):
+                raise
+            raise NetworkError(f"building testbed {self.prefix!r} failed: {exc!r}",
+                               "see the debug log (logger meshrun.testbed) for the commands run") from exc
+        self._up = True
+        self._say(f"testbed {self.prefix!r} up in {time.monotonic() - t0:.1f} s")
+        return self
+
+    def _netns_add(self, name: str) -> None:
+        sh(["ip", "netns", "add", name])
+        self._created.append(name)
+        # No IPv6 on the links we add (lo keeps ::1): no router solicitations or MLD noise in counters.
+        sh(["ip", "netns", "exec", name, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1"])
+        sh(["ip", "-n", name, "link", "set", "lo", "up"])
+
+    def _build(self) -> None:
+        RUN_WIREGUARD.mkdir(parents=True, exist_ok=True)
+        inet = self.inet
+        self._netns_add(inet)
+        sh(["ip", "netns", "exec", inet, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        for gw in self._gateways.values():
+            self._build_dc(gw)
+        # Anchors: start them all, then wait for all (they are independent).
+        pending = []
+        for n in self.nodes:
+            pending.append((n, self._start_anchor(n)))
+        for n, proc in pending:
+            self._wait_anchor(n, proc)
+
+    def _build_dc(self, gw: _Gateway) -> None:
+        dc, g, inet = gw.dc, gw.netns, self.inet
+        self._say(f"building {dc.name} ({dc.nat} NAT, {dc.nodes} node(s))")
+        self._netns_add(g)
+        for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.send_redirects=0",
+                    "net.ipv4.conf.default.send_redirects=0"):
+            sh(["ip", "netns", "exec", g, "sysctl", "-qw", key])
+        # Internet link: wan0 (gateway) <-> to-<dc> (internet), created in place.
+        sh(["ip", "-n", g, "link", "add", "wan0", "mtu", str(dc.mtu), "type", "veth",
+            "peer", "name", gw.inet_ifname, "mtu", str(dc.mtu), "netns", inet])
+        sh(["ip", "-n", g, "addr", "add", f"{gw.public_ip}/30", "dev", "wan0"])
+        sh(["ip", "-n", inet, "addr", "add", f"{gw.inet_ip}/30", "dev", gw.inet_ifname])
+        sh(["ip", "-n", g, "link", "set", "wan0", "up"])
+        sh(["ip", "-n", inet, "link", "set", gw.inet_ifname, "up"])
+        sh(["ip", "-n", g, "route", "add", "default", "via", gw.inet_ip])
+        if dc.rate_mbit:
+            for ns, dev in ((g, "wan0"), (inet, gw.inet_ifname)):
+                sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    "rate", f"{dc.rate_mbit}mbit", "burst", "256kb", "latency", "50ms"])
+        # Private side: lan0 172.31.32.1/20, straight to the node or to a bridge in the lan namespace.
+        if gw.lan_netns:
+            lan = gw.lan_netns
+            self._netns_add(lan)
+            sh(["ip", "-n", lan, "link", "add", "br0", "type", "bridge"])
+            sh(["ip", "-n", g, "link", "add", "lan0", "type", "veth", "peer", "name", "gw0", "netns", lan])
+            sh(["ip", "-n", lan, "link", "set", "gw0", "master", "br0"])
+            sh(["ip", "-n", lan, "link", "set", "gw0", "up"])
+            sh(["ip", "-n", lan, "link", "set", "br0", "up"])
+        for n in gw.nodes:
+            self._netns_add(n.netns)
+            if gw.lan_netns:
+                port = f"p-{n.name}"
+                sh(["ip", "-n", gw.lan_netns, "link", "add", port, "type", "veth",
+                    "peer", "name", "eth0", "netns", n.netns])
+                sh(["ip", "-n", gw.lan_netns, "link", "set", port, "master", "br0"])
+                sh(["ip", "-n", gw.lan_netns, "link", "set", port, "up"])
+            else:
+                sh(["ip", "-n", g, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", n.netns])
+            sh(["ip", "-n", n.netns, "addr", "add", f"{n.private_ip}/{PRIVATE_PREFIXLEN}", "dev", "eth0"])
+            sh(["ip", "-n", n.netns, "link", "set", "eth0", "up"])
+            sh(["ip", "-n", n.netns, "route", "add", "default", "via", GATEWAY_PRIVATE_IP])
+        sh(["ip", "-n", g, "addr", "add", f"{GATEWAY_PRIVATE_IP}/{PRIVATE_PREFIXLEN}", "dev", "lan0"])
+        sh(["ip", "-n", g, "link", "set", "lan0", "up"])
+        # Counting rules (no target): forwarded packets leaving and entering the datacenter.
+        ipt = ["ip", "netns", "exec", g, "iptables", "-w"]
+        sh(ipt + ["-A", "FORWARD", "-i", "lan0", "-m", "comment", "--comment", "meshrun-out"])
+        sh(ipt + ["-A", "FORWARD", "-o", "lan0", "-m", "comment", "--comment", "meshrun-in"])
+        if dc.nat == "one-to-one":
+            inet_ip = gw.public_ip
+            for n in gw.nodes:
+                assert n.public_ip is not None
+                sh(ipt + ["-t", "nat", "-A", "PREROUTING", "-d", n.public_ip,
+                          "-j", "DNAT", "--to-destination", n.private_ip])
+                # Source port kept (no --random): what a cloud's elastic IP does.
+                sh(ipt + ["-t", "nat", "-A", "POSTROUTING", "-s", n.private_ip, "-o", "wan0",
+                          "-j", "SNAT", "--to-source", n.public_ip])
+                # Hairpin: a node reaching a same-DC node's public IP is seen from its own public IP.
+                sh(ipt + ["-t", "nat", "-A", "POSTROUTING", "-s", n.private_ip, "-o", "lan0",
+                          "-m", "conntrack", "--ctstate", "DNAT", "-j", "SNAT", "--to-source", n.public_ip])
+                sh(["ip", "-n", inet, "route", "add", f"{n.public_ip}/32", "via", inet_ip])
+        else:
+            masq = ["-t", "nat", "-A", "POSTROUTING", "-s", PRIVATE_CIDR, "-o", "wan0", "-j", "MASQUERADE"]
+            sh(ipt + masq + (["--random-fully"] if dc.nat == "symmetric" else []))
+
+    def _start_anchor(self, n: Node) -> subprocess.Popen:
+        # `ip netns exec`, `unshare` (no --fork) and `sh -c 'exec ...'` all exec: the pid is the anchor's.
+        argv = ["ip", "netns", "exec", n.netns, "unshare", "-m", "--propagation", "private",
+                "sh", "-c", f"mount -t tmpfs tmpfs {RUN_WIREGUARD} && exec sleep infinity"]
+        logger.debug("start anchor [%s]: %s", n.name, " ".join(argv))
+        try:
+            # Own session: a Ctrl-C in the terminal must not kill the anchors before down() runs.
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+        except FileNotFoundError:
+            raise NetworkError("`ip` is not installed", "install it: apt-get install iproute2") from None
+        self._anchors[proc.pid] = proc
+        n.anchor_pid = proc.pid
+        return proc
+
+    def _wait_anchor(self, n: Node, proc: subprocess.Popen, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                err = proc.stderr.read() if proc.stderr else ""
+                raise NetworkError(f"the anchor process of node {n.name} (`{' '.join(proc.args)}`) exited with "
+                                   f"code {proc.returncode} (stderr: {_tail(err) or '-'})",
+                                   "the testbed needs root and a kernel with mount namespaces and tmpfs")
+            try:
+                # comm turns to "sleep" only after the tmpfs mount succeeded (`&&`).
+                if Path(f"/proc/{proc.pid}/comm").read_text().strip() == "sleep":
+                    return
+            except OSError:
+                pass
+            time.sleep(0.01)
+        raise NetworkError(f"the anchor process of node {n.name} did not start within {timeout:g} s",
+                           "check the machine's load and `ip netns list`")
+
+    # ----- observing -----
+
+    def gateway_counters(self, dc: str) -> dict[str, int]:
+        """Traffic forwarded by ``dc``'s gateway, to show that traffic did or did not cross it.
+
+        Keys: forward_out_packets/bytes (LAN -> internet), forward_in_packets/bytes (internet -> LAN),
+        forward_packets/bytes (both), and lan_{rx,tx}_{packets,bytes} of the gateway's private-side veth.
+        """
+        gw = self._gw(dc)
+        out = sh(["ip", "netns", "exec", gw.netns, "iptables", "-w", "-nvxL", "FORWARD"]).stdout
+        counts: dict[str, int] = {}
+        for line in out.splitlines():
+            m = re.match(r"\s*(\d+)\s+(\d+)\s.*/\* meshrun-(out|in) \*/", line)
+            if m:
+                counts[f"forward_{m.group(3)}_packets"] = int(m.group(1))
+                counts[f"forward_{m.group(3)}_bytes"] = int(m.group(2))
+        if len(counts) != 4:
+            raise NetworkError(f"the counting rules in {gw.netns}'s FORWARD chain are missing",
+                               "rebuild the testbed")
+        counts["forward_packets"] = counts["forward_out_packets"] + counts["forward_in_packets"]
+        counts["forward_bytes"] = counts["forward_out_bytes"] + counts["forward_in_bytes"]
+        link = json.loads(sh(["ip", "-n", gw.netns, "-s", "-j", "link", "show", "lan0"]).stdout)[0]
+        stats = link.get("stats64") or link.get("stats") or {}
+        for way in ("rx", "tx"):
+            counts[f"lan_{way}_packets"] = int(stats.get(way, {}).get("packets", 0))
+            counts[f"lan_{way}_bytes"] = int(stats.get(way, {}).get("bytes", 0))
+        return counts
+
+    # ----- tearing down -----
+
+    def detach(self) -> None:
+        """Leave the world running when this process exits (for `python -m meshrun.testbed up`)."""
+        _live_worlds.discard(self)
+        for proc in self._anchors.values():
+            if proc.stderr:
+                proc.stderr.close()
+        self._anchors.clear()
+
+    def down(self) -> None:
+        """Tear everything down: processes in our namespaces, anchors, namespaces, our workdir. Idempotent.
+
+        A Ctrl-C during teardown is held back until the teardown is complete, then re-raised.
+        """
+        interrupted = []
+        restore = None
+        if threading.current_thread() is threading.main_thread():
+            try:
+                restore = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+            except ValueError:
+                restore = None
+        try:
+            names = list(dict.fromkeys(self._created[::-1] + _stale_names(self.prefix)))
+            _teardown(names, extra_pids=list(self._anchors))
+            for proc in self._anchors.values():
+                _reap(proc)
+            self._anchors.clear()
+            self._created.clear()
+            if self._own_workdir and self.workdir is not None:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+                self.workdir = None
+            self._up = False
+            _live_worlds.discard(self)
+        finally:
+            if restore is not None:
+                signal.signal(signal.SIGINT, restore)
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> "World":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=2)
+    if proc.stderr:
+        proc.stderr.close()
+
+
+def _list_netns() -> list[str]:
+    res = sh(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
+
+
+def _stale_names(prefix: str) -> list[str]:
+    """Our namespaces for ``prefix`` that exist now: only names that fit our exact naming scheme."""
+    pat = re.compile(rf"^{re.escape(prefix)}-(inet|gw-[a-z][a-z0-9]{{0,9}}|lan-[a-z][a-z0-9]{{0,9}}"
+                     rf"|[a-z][a-z0-9]{{0,9}}-[{NODE_LETTERS}])$")
+    return [name for name in _list_netns() if pat.match(name)]
+
+
+def _pids_in(netns: str) -> list[int]:
+    res = sh(["ip", "netns", "pids", netns], check=False)
+    return [int(p) for p in res.stdout.split() if p.isdigit()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _teardown(names: Iterable[str], extra_pids: Iterable[int] = (), grace: float = 2.0) -> None:
+    """Kill every process in ``names`` (SIGTERM, then SIGKILL), plus ``extra_pids``; delete the namespaces."""
+    names = list(names)
+    existing = set(_list_netns())
+    names = [n for n in names if n in existing]
+    extra = [p for p in extra_pids if _alive(p)]
+    for round_ in range(3):            # processes may fork while we kill: look again
+        pids = sorted({p for n in names for p in _pids_in(n)} | set(extra))
+        pids = [p for p in pids if p != os.getpid()]
+        if not pids:
+            break
+        logger.debug("teardown: SIGTERM %s", pids)
+        for p in pids:
+            _kill(p, signal.SIGTERM)
+        deadline = time.monotonic() + (grace if round_ == 0 else 0.5)
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.02)
+        left = [p for p in pids if _alive(p)]
+        if left:
+            logger.debug("teardown: SIGKILL %s", left)
+            for p in left:
+                _kill(p, signal.SIGKILL)
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline and any(_alive(p) for p in left):
+                time.sleep(0.02)
+        extra = []
+    errors = []
+    for n in names:
+        res = sh(["ip", "netns", "del", n], check=False)
+        if res.returncode != 0 and n in _list_netns():
+            errors.append(f"{n}: {res.stderr.strip()}")
+    if errors:
+        raise NetworkError(f"could not delete namespace(s) {'; '.join(errors)}",
+                           "delete them by hand with `ip netns del NAME`")
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def remove_stale(prefix: str) -> list[str]:
+    """Tear down namespaces left under ``prefix`` by an earlier crashed run; return their names."""
+    names = _stale_names(prefix)
+    if names:
+        logger.info("removing stale testbed namespaces: %s", ", ".join(names))
+        _teardown(names)
+    return names
+
+
+def _cli_workdir(prefix: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"meshrun-testbed-{prefix}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m meshrun.testbed up --dcs 3 [--nat cone] [--prefix mr]` / `down --prefix mr`."""
+    ap = argparse.ArgumentParser(prog="python -m meshrun.testbed",
+                                 description="Build or remove a NAT'd multi-datacenter testbed (root).")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log every command")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p_up = sub.add_parser("up", help="build a world and leave it running")
+    p_up.add_argument("--dcs", type=int, default=2)
+    p_up.add_argument("--nodes", type=int, default=1, help="nodes per datacenter")
+    p_up.add_argument("--nat", choices=NAT_KINDS, default="one-to-one")
+    p_up.add_argument("--prefix", default="mr")
+    p_down = sub.add_parser("down", help="remove a world's namespaces and processes")
+    p_down.add_argument("--prefix", default="mr")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        if args.cmd == "up":
+            specs = [DatacenterSpec(f"dc{i}", nat=args.nat, nodes=args.nodes) for i in range(1, args.dcs + 1)]
+            wd = _cli_workdir(args.prefix)
+            world = World(specs, prefix=args.prefix, workdir=wd).up()
+            world.detach()
+            print(world.describe())
+            print(f"run a command in a node: nsenter -t ANCHOR -m -n -- CMD  (anchors: "
+                  + ", ".join(f"{n.name}={n.anchor_pid}" for n in world.nodes) + ")")
+            print(f"remove it: python -m meshrun.testbed down --prefix {args.prefix}")
+        else:
+            if not _PREFIX.match(args.prefix):
+                raise UsageError(f"testbed prefix {args.prefix!r} is not usable", "give the prefix used for `up`")
+            names = remove_stale(args.prefix)
+            shutil.rmtree(_cli_workdir(args.prefix), ignore_errors=True)
+            print(f"removed {len(names)} namespace(s)" + (f": {', '.join(names)}" if names else ""))
+    except (NetworkError, UsageError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+class Mesh:
+    """Runs meshrun itself on a World's nodes: init on one, join on others (demo and e2e tests).
+
+    Each node's state lives in ``node.workdir / "state"``; commands run in the node's network
+    and mount namespaces with the same Python interpreter as this process.
+    """
+
+    def __init__(self, world: World, coordinator: str, python: str = sys.executable) -> None:
+        self.world = world
+        self.coordinator = world.node(coordinator)
+        self.python = python
+        self.token = ""
+
+    def state_dir(self, node: Node) -> Path:
+        return node.workdir / "state"
+
+    def meshrun(self, node: Node | str, *args: str, check: bool = True, timeout: float = 120,
+                env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+        """Run `meshrun ARGS --state-dir <node's>` in `node`."""
+        n = self.world.node(node) if isinstance(node, str) else node
+        n.workdir.mkdir(parents=True, exist_ok=True)
+        return n.run(self.python, "-m", "meshrun", *args, "--state-dir", str(self.state_dir(n)), check=check,
+                     timeout=timeout, env=env, cwd=cwd)
+
+    def meshrun_popen(self, node: Node | str, *args: str, **kw) -> subprocess.Popen:
+        n = self.world.node(node) if isinstance(node, str) else node
+        return n.popen(self.python, "-m", "meshrun", *args, "--state-dir", str(self.state_dir(n)), **kw)
+
+    def init(self, *extra: str) -> str:
+        """`meshrun init` on the coordinator with its public IP as endpoint; returns the token."""
+        out = self.meshrun(self.coordinator, "init", "--endpoint", str(self.coordinator.public_ip), *extra).stdout
+        self.token = out.strip().splitlines()[-1]
+        return self.token
+
+    def join(self, node: Node | str, *extra: str, token: str | None = None) -> subprocess.CompletedProcess:
+        n = self.world.node(node) if isinstance(node, str) else node
+        return self.meshrun(n, "join", token or self.token, "--name", n.name, *extra)
+
+    def overlay_ip(self, node: Node | str) -> str:
+        n = self.world.node(node) if isinstance(node, str) else node
+        return json.loads((self.state_dir(n) / "member.json").read_text())["overlay_ip"]
+
+    def ping(self, src: Node | str, dst_ip: str, count: int = 1, wait: float = 2) -> bool:
+        n = self.world.node(src) if isinstance(src, str) else src
+        res = n.run("ping", "-c", str(count), "-W", str(wait), "-i", "0.2", dst_ip, check=False, timeout=count * wait + 10)
+        return res.returncode == 0
+
+    def wait_ping(self, src: Node | str, dst_ip: str, timeout: float = 30) -> float:
+        """Ping until one answer arrives; returns seconds it took; NetworkError on timeout."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.ping(src, dst_ip, wait=1):
+                return time.monotonic() - t0
+        name = src if isinstance(src, str) else src.name
+        raise NetworkError(f"{name} cannot ping {dst_ip} over the overlay after {timeout:.0f} s",
+                           "see the daemon logs in the nodes' state directories")
+
+    def status(self, node: Node | str) -> dict:
+        return json.loads(self.meshrun(node, "status", "--json").stdout)

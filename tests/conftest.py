@@ -1,0 +1,66 @@
+"""Shared fixtures. Tests marked ``netns`` build network namespaces and need root.
+
+Not root and ``CI`` unset: those tests skip, saying why. Not root in CI: they fail, because a CI run
+that silently skips the end-to-end tests proves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+
+def netns_unavailable_reason() -> str | None:
+    """Why namespace tests cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root to build network namespaces (run the tests as root)"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("netns") is None:
+        return
+    reason = netns_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"netns test {item.name} cannot run in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def unique_prefix() -> str:
+    """A short testbed prefix unique enough for concurrent runs: "t" + 4 hex digits."""
+    return "t" + secrets.token_hex(2)
+
+
+@pytest.fixture
+def world_factory(tmp_path: Path) -> Callable:
+    """Build testbed Worlds with a fresh prefix each; every one is torn down after the test.
+
+    ``world_factory(3)`` is World.standard(3); ``world_factory([DatacenterSpec(...), ...])`` a custom
+    world; ``up=False`` returns it unbuilt (still torn down afterwards). Extra keywords go to World.
+    """
+    from meshrun.testbed import World
+
+    worlds: list[World] = []
+
+    def make(dcs, *, up: bool = True, **kw) -> World:
+        prefix = kw.pop("prefix", None) or unique_prefix()
+        kw.setdefault("workdir", tmp_path / prefix)
+        world = World.standard(dcs, prefix=prefix, **kw) if isinstance(dcs, int) else World(dcs, prefix=prefix, **kw)
+        worlds.append(world)
+        return world.up() if up else world
+
+    yield make
+    errors = []
+    for world in reversed(worlds):
+        try:
+            world.down()
+        except Exception as exc:  # tear down the others anyway, then report
+            errors.append(exc)
+    if errors:
+        raise errors[0]
