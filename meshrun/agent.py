@@ -217,18 +217,19 @@ class AgentService:
                 try:
                     self.sync_once(wait=SYNC_WAIT if self.ready else 0)
                     backoff = 0.5
-                except CoordinatorError as exc:
+                except MeshrunError as exc:
                     if getattr(exc, "status", None) == 410:
                         log.warning("this node was removed from the network; taking the interface down")
                         self.removed = True
                         self._cleanup_removed()
                         break
+                    if not isinstance(exc, CoordinatorError):
+                        log.error("sync could not be applied: %s", exc)
+                        self.stop_event.wait(2)
+                        continue
                     log.warning("sync failed: %s (tunnels stay up; retrying in %.1f s)", exc, backoff)
                     self.stop_event.wait(backoff)
                     backoff = min(backoff * 2, 10.0)
-                except MeshrunError as exc:
-                    log.error("sync could not be applied: %s", exc)
-                    self.stop_event.wait(2)
         finally:
             if self.job_server is not None:
                 self.job_server.close()

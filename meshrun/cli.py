@@ -267,6 +267,48 @@ def status(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
     typer.echo(json.dumps(data, indent=2) if json_out else st.render(data))
 
 
+@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True,
+                               "allow_extra_args": True})
+@handled
+def train(
+    ctx: typer.Context,
+    script: Annotated[str, typer.Argument(help="Training script (or module with --module); its args follow it.")],
+    nnodes: Annotated[Optional[str], typer.Option(help="Nodes to train on: N or MIN:MAX (elastic) [all joined].")] = None,
+    nproc_per_node: Annotated[Optional[int], typer.Option(help="Workers per node [GPUs on the node, else 1].")] = None,
+    max_restarts: Annotated[int, typer.Option(help="torchrun --max-restarts: restarts after a failure.")] = 0,
+    nodes: Annotated[Optional[str], typer.Option(help="Comma-separated node names to use [all].")] = None,
+    env: Annotated[Optional[list[str]], typer.Option("--env", help="KEY=VALUE for every worker (repeatable).")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the nodes to be ready.")] = 120,
+    no_sync: Annotated[bool, typer.Option("--no-sync", help="Do not ship code: it already is at this path on every node.")] = False,
+    sync_limit: Annotated[int, typer.Option(help="Most MiB of code to ship.")] = 50,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each node's command and environment, run nothing.")] = False,
+    local: Annotated[bool, typer.Option("--local", help="Run only this node's share (you start every node yourself).")] = False,
+    job_id: Annotated[Optional[str], typer.Option(help="Rendezvous id (needed with --local; same on every node).")] = None,
+    python: Annotated[Optional[str], typer.Option(help="Python interpreter on the nodes [the agent's].")] = None,
+    state_dir: StateOpt = None,
+) -> None:
+    """Train across every node: torchrun on each, rendezvous at the coordinator, NCCL/Gloo pinned to the overlay.
+
+    \b
+    Meshrun's options come before the script; everything after it goes to the script.
+    Examples:
+      meshrun train train.py --epochs 3
+      meshrun train --nnodes 2 --nproc-per-node 4 train.py --epochs 3
+      meshrun train --dry-run train.py
+      meshrun train --local --nnodes 2 --job-id exp7 train.py     # on each node, e.g. from a batch job
+    Exits with the first failing rank's exit code; Ctrl-C stops the job on every node.
+    """
+    from meshrun import runner
+    req = runner.TrainRequest(
+        script=script, script_args=list(ctx.args), nnodes=nnodes, nproc_per_node=nproc_per_node,
+        max_restarts=max_restarts, nodes=[n.strip() for n in nodes.split(",") if n.strip()] if nodes else None,
+        wait_timeout=timeout, no_sync=no_sync, sync_limit_mb=sync_limit, dry_run=dry_run,
+        env=runner.parse_env_pairs(env or []), job_id=job_id, python=python)
+    state = _state(state_dir)
+    code = runner.train_local(state, req) if local else runner.train(state, req)
+    raise typer.Exit(code)
+
+
 @app.command(hidden=True)
 @handled
 def daemon(state_dir: StateOpt = None) -> None:

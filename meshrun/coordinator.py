@@ -98,6 +98,8 @@ def init(opts: InitOptions, state: StateDir, start: bool = True) -> InitResult:
         role = state.read_json("member.json").get("role")
         raise StateError(f"{state.path} already holds a meshrun {role}",
                          "start it with `meshrun up`, or remove it with `meshrun down --purge` first")
+    # Bad options are reported before missing privileges: the user fixes one thing at a time.
+    plan_network(opts, [], opts.endpoint or "127.0.0.1", keys.public_key(keys.generate_private_key()), "0" * 64)
     wg.require_admin()
     wg.require_tools("ip", "wg")
     private_key = keys.generate_private_key()
@@ -371,8 +373,9 @@ class CoordinatorService:
             token_id, secret_b64 = str(b["token_id"]), str(b["secret"])
             secret = base64.urlsafe_b64decode(secret_b64 + "=" * (-len(secret_b64) % 4))
             name = check_name(str(b["name"]))
-            public_key = str(b["public_key"])
-            keys.decode_key(public_key, "public key")
+            public_key = b["public_key"]
+            if not keys.is_public_key(public_key):
+                raise ValueError("public_key is not a canonical WireGuard key")
             network_name = str(b.get("network", ""))
             candidates = [parse_endpoint(str(c)) for c in b.get("candidates", [])][:16]
         except (KeyError, ValueError, TypeError, binascii.Error):

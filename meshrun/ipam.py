@@ -10,6 +10,7 @@ from meshrun.errors import NetworkError, UsageError
 # Uncommon on purpose: clouds default to 10.0.0.0/16 and 172.31.0.0/16, Docker to 172.17+,
 # Tailscale to 100.64.0.0/10, Kubernetes to 10.96/12 and 10.244/16.
 DEFAULT_CIDR = "10.213.0.0/16"
+_RFC1918 = tuple(ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
 
 
 def parse_cidr(value: str) -> ipaddress.IPv4Network:
@@ -25,7 +26,8 @@ def parse_cidr(value: str) -> ipaddress.IPv4Network:
     if net.prefixlen > 29:
         raise UsageError(f"--cidr {value!r} leaves room for fewer than 6 members",
                          "use a prefix of /29 or shorter, e.g. /24 or /16")
-    if not net.is_private or net.is_loopback or net.is_link_local:
+    # RFC 1918 only: `is_private` also admits 0.0.0.0/8, 240.0.0.0/4 and documentation ranges.
+    if not any(net.subnet_of(r) for r in _RFC1918):
         raise UsageError(f"--cidr {value!r} is not a private range",
                          f"pick a range from 10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16, e.g. {DEFAULT_CIDR}")
     return net

@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -222,7 +223,7 @@ class JobServer:
             with self.lock:
                 running = [j for j, job in self.jobs.items() if job.proc.poll() is None]
             return Response(200, {"name": self.agent.rec["name"], "gpus": self.gpus, "jobs": running,
-                                  "cwd_ok": True})
+                                  "python": sys.executable})
         m = re.match(r"^/v1/jobs/([^/]+)/(code|run|cancel)$", req.path)
         if not m or req.method != "POST":
             return Response.error(404, f"no such endpoint {req.method} {req.path}")

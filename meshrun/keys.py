@@ -45,7 +45,9 @@ def decode_key(value: str, what: str = "key") -> bytes:
         raw = base64.b64decode(value.strip(), validate=True)
     except (binascii.Error, ValueError):
         raw = b""
-    if len(raw) != 32:
+    # Canonical spelling only: b64decode ignores the last character's spare bits, so one key
+    # would otherwise have several spellings (and slip past per-key checks on the coordinator).
+    if len(raw) != 32 or base64.b64encode(raw).decode() != value.strip():
         raise UsageError(f"the {what} is not a WireGuard key (44 base64 characters for 32 bytes)",
                          "pass a key made by meshrun or `wg genkey`/`wg pubkey`")
     return raw

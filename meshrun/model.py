@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 from meshrun.keys import is_public_key
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
-IFACE_RE = re.compile(r"^[A-Za-z0-9_=+.-]{1,15}$")
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}\Z")  # \Z: `$` would accept a trailing newline
+IFACE_RE = re.compile(r"^[A-Za-z0-9_=+.-]{1,15}\Z")
 DEFAULT_PORT = 51820
 DEFAULT_MTU = 1420
 DEFAULT_IFACE = "meshrun0"
@@ -54,7 +54,7 @@ class Network:
             interface=_str(d, "interface", IFACE_RE), listen_port=_port(d, "listen_port"),
             mtu=_int(d, "mtu", 1280, 9000), coordinator_ip=str(ipaddress.IPv4Address(_str(d, "coordinator_ip"))),
             coordinator_public_key=_key(d, "coordinator_public_key"),
-            endpoints=tuple(_strlist(d, "endpoints")), fingerprint=_str(d, "fingerprint", re.compile(r"^[0-9a-f]{64}$")),
+            endpoints=tuple(_strlist(d, "endpoints")), fingerprint=_str(d, "fingerprint", re.compile(r"^[0-9a-f]{64}\Z")),
             api_port=_port(d, "api_port"), rdzv_port=_port(d, "rdzv_port"))
         return net
 

@@ -20,12 +20,13 @@ import secrets
 from dataclasses import dataclass
 
 from meshrun.errors import TokenError, UsageError
+from meshrun.model import parse_endpoint
 
 PREFIX = "mr1."
 _VERSION_RE = re.compile(r"^mr(\d+)\.")
-_ID_RE = re.compile(r"^[a-z0-9]{10}$")
-_FP_RE = re.compile(r"^[0-9a-f]{64}$")
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+_ID_RE = re.compile(r"^[a-z0-9]{10}\Z")
+_FP_RE = re.compile(r"^[0-9a-f]{64}\Z")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}\Z")
 _FIX_COPY = "copy the whole token again from the output of `meshrun token create` on the coordinator"
 
 
@@ -95,9 +96,14 @@ def parse_token(value: str) -> JoinToken:
         raise TokenError("the join token is truncated or garbled (its checksum does not match)", _FIX_COPY)
     try:
         data = json.loads(payload)
+        # Exact shapes: str() of a number, or iterating a string as endpoints, would let a
+        # malformed payload through to fail later with a confusing error.
+        if not (isinstance(data, dict) and all(isinstance(data.get(k), str) for k in "nfis")
+                and isinstance(data.get("e"), list) and all(isinstance(e, str) for e in data["e"])):
+            raise ValueError("wrong field types")
         secret_b64 = data["s"]
         secret = base64.urlsafe_b64decode(secret_b64 + "=" * (-len(secret_b64) % 4))
-        tok = JoinToken(str(data["n"]), tuple(str(e) for e in data["e"]), str(data["f"]), str(data["i"]), secret)
+        tok = JoinToken(data["n"], tuple(parse_endpoint(e) for e in data["e"]), data["f"], data["i"], secret)
     except (ValueError, KeyError, TypeError, binascii.Error):
         raise TokenError("the join token's contents are malformed", _FIX_COPY) from None
     if (not _NAME_RE.match(tok.network) or not tok.endpoints or not _FP_RE.match(tok.fingerprint)
@@ -106,7 +112,7 @@ def parse_token(value: str) -> JoinToken:
     return tok
 
 
-_DURATION_RE = re.compile(r"^(\d+)([smhd])$")
+_DURATION_RE = re.compile(r"^([0-9]{1,12})([smhd])\Z")  # bounded: int() refuses >4300 digits
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_TTL = 30 * 86400
 

@@ -53,7 +53,7 @@ class Response:
     def error(cls, status: int, err: MeshrunError | str, kind: str = "") -> "Response":
         if isinstance(err, MeshrunError):
             return cls(status, {"error": err.message, "fix": err.fix, "kind": type(err).__name__})
-        return cls(status, {"error": err, "fix": "", "kind": kind or "MeshrunError"})
+        return cls(status, {"error": err, "fix": "", "kind": kind or "CoordinatorError"})
 
 
 Handler = Callable[[Request], Response]
@@ -70,7 +70,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         srv: JSONServer = self.server  # type: ignore[assignment]
         length = self.headers.get("Content-Length", "0")
-        if not length.isdigit() or int(length) > srv.max_body:
+        # isascii and the length cap first: int() refuses "²" and strings over 4300 digits.
+        if not (length.isascii() and length.isdigit()) or len(length) > 12 or int(length) > srv.max_body:
             return self._send(Response.error(413, f"request body over {srv.max_body} bytes or without length"))
         raw = self.rfile.read(int(length)) if int(length) else b""
         body = None

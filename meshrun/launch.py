@@ -1,0 +1,253 @@
+"""Pure training-launch planning: nodes + options -> per-node torchrun argv and environment.
+
+Nothing here starts a process or opens a socket (the agent's job runner does that). Every
+node runs torch's own elastic launcher (``python -m torch.distributed.run``, i.e. torchrun)
+with the c10d rendezvous pointed at the store the coordinator hosts on its overlay IP, so
+every node passes ``is_host=0``, and announces its own overlay IP with ``--local-addr``
+(without it a node announces its hostname, which other datacenters cannot resolve or reach).
+Each worker runs under ``meshrun.worker``, which prefixes its output with node and rank and
+records its exit code.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from meshrun.errors import UsageError
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# torchrun polls its workers this often (seconds); a failure is noticed within it.
+MONITOR_INTERVAL = "0.5"
+# The value-taking options of `meshrun train` (for split_train_argv).
+TRAIN_VALUE_OPTIONS = frozenset({
+    "--nnodes", "--nproc-per-node", "--max-restarts", "--nodes", "--env", "--timeout",
+    "--sync-limit", "--job-id", "--python", "--state-dir",
+})
+
+# Several TCP streams per peer: one TCP stream is capped at window/RTT, so on a high
+# bandwidth-delay-product WAN link (e.g. 10 Gbit/s at 80 ms) a single socket cannot fill
+# the pipe; NCCL stripes each peer connection over NTHREADS x NSOCKS_PERTHREAD sockets.
+# NCCL requires the product to be <= 64; 4 x 4 = 16 fills typical inter-region links without
+# burning many CPU threads (the overlay's own encryption also needs CPU).
+NCCL_SOCKET_NTHREADS = 4
+NCCL_NSOCKS_PERTHREAD = 4
+NCCL_MAX_SOCKETS = 64
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node that can take a share of the job."""
+
+    name: str
+    overlay_ip: str
+    gpus: int = 0          # visible CUDA devices on that node
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What to run and how to rendezvous (validated by `plan`)."""
+
+    script: str                          # path as the node sees it (relative to the job workdir)
+    script_args: tuple[str, ...] = ()
+    nnodes: str | None = None            # "N" or "MIN:MAX"; None -> number of nodes given
+    nproc_per_node: int | None = None    # None -> per node: its gpus, else 1
+    max_restarts: int = 0
+    job_id: str = ""                     # rendezvous id, required
+    rdzv_host: str = ""                  # coordinator overlay IP
+    rdzv_port: int = 29400
+    interface: str = "meshrun0"
+    python: str = "python3"              # interpreter on the node
+    rdzv_timeout: int = 900              # seconds -> --rdzv-conf join_timeout
+    module: bool = False                 # script is a module name (python -m)
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """One node's share: the command to run and the variables meshrun sets for it."""
+
+    node: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)   # merged over the agent's environment
+
+    def shell(self) -> str:
+        """A copy-pasteable line: ``VAR=... python3 -m torch.distributed.run ...``."""
+        parts = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        parts += [shlex.quote(a) for a in self.argv]
+        return " ".join(parts)
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"3"`` -> (3, 3), ``"2:3"`` -> (2, 3); UsageError for anything else or MIN > MAX."""
+    text = str(value).strip()
+    m = re.fullmatch(r"(\d+)(?::(\d+))?", text)
+    if not m:
+        raise UsageError(f"--nnodes {value!r} is not N or MIN:MAX", "e.g. --nnodes 2 or --nnodes 2:4")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if lo < 1:
+        raise UsageError(f"--nnodes {value!r} asks for fewer than 1 node", "use at least 1")
+    if lo > hi:
+        raise UsageError(f"--nnodes {value!r} has MIN {lo} larger than MAX {hi}", f"e.g. --nnodes {hi}:{lo}")
+    return lo, hi
+
+
+def split_train_argv(argv: list[str], value_options: Collection[str] = TRAIN_VALUE_OPTIONS
+                     ) -> tuple[list[str], str, list[str]]:
+    """Split ``meshrun train`` arguments torchrun-style: (meshrun options, script, script args).
+
+    Options before the script are meshrun's; the first token that is not an option (nor the
+    value of an option in `value_options`, given as ``--opt VALUE`` or ``--opt=VALUE``) is the
+    script; everything after it goes to the script unchanged, even tokens that look like
+    meshrun options. A ``--`` ends meshrun's options: the next token is the script.
+    """
+    opts: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            if i + 1 >= len(argv):
+                raise UsageError("no training script after `--`", "e.g. meshrun train --nnodes 2 -- train.py")
+            return opts, argv[i + 1], list(argv[i + 2:])
+        if tok.startswith("-") and tok != "-":
+            opts.append(tok)
+            name = tok.split("=", 1)[0]
+            if "=" not in tok and name in value_options:
+                if i + 1 >= len(argv):
+                    raise UsageError(f"option {tok} needs a value", f"e.g. {tok} VALUE train.py")
+                opts.append(argv[i + 1])
+                i += 1
+            i += 1
+            continue
+        return opts, tok, list(argv[i + 1:])
+    raise UsageError("no training script given", "e.g. meshrun train --nnodes 2 train.py --epochs 3")
+
+
+def worker_env(interface: str, node_name: str, user_env: Mapping[str, str]) -> dict[str, str]:
+    """The variables meshrun sets for one node's torchrun and workers.
+
+    Pins Gloo and NCCL to the overlay interface, disables
+    InfiniBand (an overlay carries sockets only) and opens several TCP streams per peer.
+    Every variable in `user_env` is included and wins over meshrun's defaults, except
+    ``MESHRUN_NODE_NAME``, which is always `node_name`.
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is not set: torchrun's agent already defaults it to 1
+    for its workers in torch 2.13, so a hung collective on a dead peer tears the worker down.
+    """
+    env: dict[str, str] = {
+        "GLOO_SOCKET_IFNAME": interface,
+        "PYTHONUNBUFFERED": "1",
+        # Leading "=" means exact match; a bare name is a prefix ("meshrun0" also matches "meshrun01").
+        # Set on CPU nodes too: a GPU the agent could not count must still not pick the wrong interface.
+        "NCCL_SOCKET_IFNAME": "=" + interface,
+        # The overlay carries TCP/UDP only; don't let NCCL try IB/RoCE (or a vendor net plugin
+        # such as EFA) between datacenters, where those fabrics do not reach.
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_NET": "Socket",
+        "NCCL_SOCKET_NTHREADS": str(NCCL_SOCKET_NTHREADS),
+        "NCCL_NSOCKS_PERTHREAD": str(NCCL_NSOCKS_PERTHREAD),
+    }
+    # If the user raised one of the two, lower our default for the other so the product stays <= 64.
+    for mine, theirs in (("NCCL_NSOCKS_PERTHREAD", "NCCL_SOCKET_NTHREADS"),
+                         ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD")):
+        if theirs in user_env and mine not in user_env:
+            try:
+                n = int(user_env[theirs])
+            except ValueError:
+                continue
+            if n > 0 and n * int(env[mine]) > NCCL_MAX_SOCKETS:
+                env[mine] = str(max(1, NCCL_MAX_SOCKETS // n))
+    env.update(user_env)
+    env["MESHRUN_NODE_NAME"] = node_name
+    return env
+
+
+def _rdzv_endpoint(host: str, port: int) -> str:
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]:{port}"
+    except ValueError:
+        pass
+    return f"{host}:{port}"
+
+
+def _validate(nodes: Sequence[NodeInfo], opts: TrainOptions, local: bool) -> tuple[str, int, int]:
+    if not nodes:
+        raise UsageError("no nodes to train on", "join a node with `meshrun join TOKEN`, or check --nodes")
+    seen: set[str] = set()
+    for n in nodes:
+        if not n.name:
+            raise UsageError(f"a node with overlay IP {n.overlay_ip!r} has no name", "give every node a name")
+        if n.name in seen:
+            raise UsageError(f"node {n.name!r} is listed twice", "list every node once")
+        seen.add(n.name)
+        try:
+            ipaddress.ip_address(n.overlay_ip)
+        except ValueError:
+            raise UsageError(f"node {n.name!r} has overlay IP {n.overlay_ip!r}, not an IP address",
+                             "check the node's enrolment (`meshrun status`)") from None
+    if not opts.script:
+        raise UsageError("no training script given", "e.g. meshrun train train.py")
+    if not JOB_ID_RE.match(opts.job_id or ""):
+        raise UsageError(f"job id {opts.job_id!r} is not 1-64 characters of A-Z a-z 0-9 _ . -",
+                         "e.g. --job-id exp7")
+    if not opts.rdzv_host:
+        raise UsageError("rendezvous host '' is empty", "pass the coordinator's overlay IP")
+    if isinstance(opts.rdzv_port, bool) or not isinstance(opts.rdzv_port, int) or not 1 <= opts.rdzv_port <= 65535:
+        raise UsageError(f"rendezvous port {opts.rdzv_port!r} is not in 1-65535", "use e.g. 29400")
+    if opts.max_restarts < 0:
+        raise UsageError(f"--max-restarts {opts.max_restarts} is negative", "use 0 or more")
+    if opts.rdzv_timeout <= 0:
+        raise UsageError(f"rendezvous timeout {opts.rdzv_timeout} is not positive", "use e.g. 900 seconds")
+    if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node {opts.nproc_per_node} is less than 1", "use 1 or more")
+    if opts.nnodes is None:
+        lo = hi = len(nodes)
+        spec = str(len(nodes))
+    else:
+        lo, hi = parse_nnodes(opts.nnodes)
+        spec = str(lo) if lo == hi else f"{lo}:{hi}"
+    if lo > len(nodes) and not local:
+        raise UsageError(f"--nnodes {opts.nnodes} needs {lo} node(s) but {len(nodes)} are available",
+                         f"join more nodes or use --nnodes {len(nodes)}")
+    return spec, lo, hi
+
+
+def plan(nodes: Sequence[NodeInfo], opts: TrainOptions, user_env: Mapping[str, str] | None = None,
+         local: bool = False) -> list[NodeLaunch]:
+    """One torchrun command + environment per node that takes part.
+
+    With ``nnodes`` N (or MIN:MAX) only the first N (MAX) nodes, in the order given, are
+    planned: a node beyond the rendezvous's maximum would wait forever. A node runs
+    ``nproc_per_node`` workers, by default as many as it has GPUs, else 1 (nodes may differ).
+    `user_env` wins over meshrun's variables (see `worker_env`). UsageError names any bad value.
+    With `local`, `nodes` is just this node and the others start their shares themselves
+    (`meshrun train --local`), so fewer nodes than ``nnodes`` is expected.
+    """
+    user_env = dict(user_env or {})
+    spec, _lo, hi = _validate(nodes, opts, local)
+    endpoint = _rdzv_endpoint(opts.rdzv_host, opts.rdzv_port)
+    # is_host=0: the coordinator hosts the store; torch's guess (hostname match) is wrong on overlays.
+    # join_timeout: the c10d handler's rendezvous deadline (the generic "timeout" key is etcd/static only).
+    rdzv_conf = f"is_host=0,join_timeout={opts.rdzv_timeout}"
+    out = []
+    for n in list(nodes)[:hi]:
+        nproc = opts.nproc_per_node if opts.nproc_per_node is not None else (n.gpus if n.gpus > 0 else 1)
+        if nproc < 1:
+            raise UsageError(f"node {n.name!r} would run {nproc} workers", "pass --nproc-per-node 1 or more")
+        worker = ["-m", "meshrun.worker"] + (["--module"] if opts.module else []) + [opts.script]
+        argv = (opts.python, "-m", "torch.distributed.run",
+                "--nnodes", spec,
+                "--nproc-per-node", str(nproc),
+                "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint,
+                "--rdzv-id", opts.job_id,
+                "--rdzv-conf", rdzv_conf,
+                "--local-addr", n.overlay_ip,
+                "--max-restarts", str(opts.max_restarts),
+                "--monitor-interval", MONITOR_INTERVAL,
+                *worker, *opts.script_args)
+        out.append(NodeLaunch(n.name, argv, worker_env(opts.interface, n.name, user_env)))
+    return out

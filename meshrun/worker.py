@@ -1,0 +1,140 @@
+"""Runs inside each torchrun worker: ``python -m meshrun.worker [--module] SCRIPT ARGS...``.
+
+Starts the script as a child (``sys.executable -u SCRIPT ARGS`` or ``-u -m MODULE ARGS``),
+copies every line of its stdout/stderr to ours prefixed ``[NODE rRANK] ``, forwards
+SIGTERM/SIGINT/SIGHUP to it, and exits as it did: same exit code, or the same signal
+re-raised on ourselves so torchrun sees the same death. When ``MESHRUN_JOB_DIR`` is set the
+child's exit is recorded in ``$MESHRUN_JOB_DIR/exit-r{RANK}-a{RESTART}.json`` for the agent.
+Stdlib only: it must not import torch (the child does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+USAGE = "usage: python -m meshrun.worker [--module] SCRIPT [ARGS...]"
+
+
+def prefix() -> bytes:
+    node = os.environ.get("MESHRUN_NODE_NAME") or os.uname().nodename
+    rank = os.environ.get("RANK", "?")
+    return f"[{node} r{rank}] ".encode()
+
+
+def pump(src, dst, pre: bytes) -> None:
+    """Copy lines from `src` (binary) to `dst` (binary), each prefixed; a last partial line gets a newline."""
+    for raw in iter(src.readline, b""):
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        dst.write(pre + line.encode("utf-8") + b"\n")
+        dst.flush()
+    src.close()
+
+
+def _signame(sig: int | None) -> str | None:
+    if not sig:
+        return None
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+def record_exit(code: int | None, sig: int | None) -> None:
+    """Write the child's exit to $MESHRUN_JOB_DIR atomically (tmp + rename); no-op when unset."""
+    job_dir = os.environ.get("MESHRUN_JOB_DIR")
+    if not job_dir:
+        return
+    rank = os.environ.get("RANK", "0")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rec = {
+        "rank": int(rank) if rank.isdigit() else rank,
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0") or 0),
+        "node": os.environ.get("MESHRUN_NODE_NAME", ""),
+        "exit_code": code,
+        "signal": _signame(sig),
+        "time": time.time(),
+    }
+    path = os.path.join(job_dir, f"exit-r{rank}-a{attempt}.json")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        sys.stderr.write(f"meshrun.worker: cannot record exit in {path}: {exc}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    module = False
+    if args and args[0] == "--module":
+        module, args = True, args[1:]
+    elif args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        sys.stderr.write(USAGE + "\n")
+        return 2
+    cmd = [sys.executable, "-u"] + (["-m"] if module else []) + args
+    child: subprocess.Popen | None = None
+    pending: list[int] = []
+
+    def forward(signum, _frame):
+        if child is None:               # arrived before the child started: deliver it right after
+            pending.append(signum)
+            return
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+    # Installed before the child starts, so no signal can kill us and orphan it.
+    for s in FORWARDED:
+        signal.signal(s, forward)
+    try:
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as exc:
+        sys.stderr.write(f"meshrun.worker: cannot start {cmd[0]}: {exc}\n")
+        record_exit(127, None)
+        return 127
+    for signum in pending:
+        child.send_signal(signum)
+
+    pre = prefix()
+    threads = [threading.Thread(target=pump, args=(child.stdout, sys.stdout.buffer, pre), daemon=True),
+               threading.Thread(target=pump, args=(child.stderr, sys.stderr.buffer, pre), daemon=True)]
+    for t in threads:
+        t.start()
+    while True:
+        try:
+            rc = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
+            continue
+    for t in threads:
+        t.join(timeout=10)   # a grandchild that inherited the pipes must not keep us alive
+    sig = -rc if rc < 0 else None
+    # A signal death is recorded as the shell reports it (128 + N) so "exit_code != 0" means failed.
+    record_exit(128 + sig if sig else rc, sig)
+    if sig:
+        for s in FORWARDED:
+            signal.signal(s, signal.SIG_DFL)
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):    # SIGKILL/SIGSTOP cannot be caught, so they are default already
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), sig)
+        time.sleep(1)       # the signal is delivered before this returns, unless it is ignorable
+        return 128 + sig
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""meshrun.peers: desired peer sets and the minimal diff (pure)."""
+
+from __future__ import annotations
+
+from meshrun.model import Member
+from meshrun.peers import HANDSHAKE_FRESH_S, KEEPALIVE, PeerDiff, PeerSpec, PeerState, desired_for_coordinator, \
+    desired_for_node, diff, wg_set_args
+
+K_COORD = "j0DFrbaPJWJK5bIU6nZ6bslNgp09e14a0bpvPiE4KF8="
+K_A = "omjXDyOxNCkYbimc/y3YipnkEnnasAyCC8uW60+7wVU="
+K_B = "xTIBA5rboUvnH4htodjb6e697QjLERt1NAB4mZqp8Dg="
+K_C = "AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE="
+NOW = 1_700_000_000.0
+
+MEMBERS = [
+    Member("coord", K_COORD, "10.213.0.1", "203.0.113.1:51820", (), True, 0),
+    Member("gpu-a", K_A, "10.213.0.2", "198.51.100.2:40000", ("172.31.40.46:51820",), False, 1),
+    Member("gpu-b", K_B, "10.213.0.3", None, ("172.31.40.47:51820",), False, 0),
+]
+
+
+def state(key, endpoint="198.51.100.2:40000", ips=("10.213.0.2/32",), hs=0, ka=KEEPALIVE) -> PeerState:
+    return PeerState(key, endpoint, tuple(ips), int(hs), 10, 20, ka)
+
+
+class TestDesired:
+    def test_for_node_excludes_self_and_sets_endpoints(self):
+        assert desired_for_node(K_A, MEMBERS) == [
+            PeerSpec(K_COORD, ("10.213.0.1/32",), "203.0.113.1:51820", 25, "coord"),
+            PeerSpec(K_B, ("10.213.0.3/32",), None, 25, "gpu-b"),
+        ]
+
+    def test_for_node_unknown_self_gets_everyone(self):
+        assert [p.name for p in desired_for_node(K_C, MEMBERS)] == ["coord", "gpu-a", "gpu-b"]
+
+    def test_for_coordinator_has_no_endpoints_and_no_self(self):
+        assert desired_for_coordinator(MEMBERS) == [
+            PeerSpec(K_A, ("10.213.0.2/32",), None, 25, "gpu-a"),
+            PeerSpec(K_B, ("10.213.0.3/32",), None, 25, "gpu-b"),
+        ]
+
+    def test_empty(self):
+        assert desired_for_node(K_A, []) == [] and desired_for_coordinator([]) == []
+
+
+class TestDiff:
+    def test_no_op_is_falsy(self):
+        want = [PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000")]
+        d = diff([state(K_A, hs=NOW - 5)], want, NOW)
+        assert d == PeerDiff()
+        assert not d
+        assert wg_set_args(d) == []
+
+    def test_empty_diff_is_falsy_and_non_empty_truthy(self):
+        assert not PeerDiff()
+        assert PeerDiff(remove=(K_A,))
+        assert PeerDiff(add=(PeerSpec(K_A, ()),))
+        assert PeerDiff(update=(PeerSpec(K_A, ()),))
+
+    def test_add_and_remove(self):
+        want = [PeerSpec(K_B, ("10.213.0.3/32",), None, 25, "gpu-b"),
+                PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000", 25, "gpu-a")]
+        d = diff([state(K_C, ips=("10.213.0.9/32",))], want, NOW)
+        assert d.add == (want[1], want[0])      # sorted by key: "omj..." < "xTI..."
+        assert d.update == ()
+        assert d.remove == (K_C,)
+        assert d
+
+    def test_remove_sorted(self):
+        d = diff([state(K_B), state(K_A), state(K_C)], [], NOW)
+        assert d.remove == (K_C, K_A, K_B)
+
+    def test_endpoint_kept_while_handshake_fresh(self):
+        cur = [state(K_A, endpoint="198.51.100.9:5555", hs=NOW - (HANDSHAKE_FRESH_S - 1))]
+        want = [PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000")]
+        assert not diff(cur, want, NOW)
+
+    def test_endpoint_replaced_when_stale(self):
+        cur = [state(K_A, endpoint="198.51.100.9:5555", hs=NOW - HANDSHAKE_FRESH_S)]
+        want = [PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000", 25, "gpu-a")]
+        assert diff(cur, want, NOW) == PeerDiff(update=(want[0],))
+
+    def test_endpoint_replaced_when_never_handshaken(self):
+        cur = [state(K_A, endpoint="198.51.100.9:5555", hs=0)]
+        want = [PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000")]
+        assert diff(cur, want, NOW).update[0].endpoint == "198.51.100.2:40000"
+
+    def test_endpoint_set_when_unknown_even_if_fresh(self):
+        cur = [state(K_A, endpoint=None, hs=NOW - 1)]
+        want = [PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000")]
+        assert diff(cur, want, NOW).update == (want[0],)
+
+    def test_desired_without_endpoint_keeps_roamed_one(self):
+        cur = [state(K_A, endpoint="198.51.100.9:5555", hs=0)]
+        assert not diff(cur, [PeerSpec(K_A, ("10.213.0.2/32",), None)], NOW)
+
+    def test_allowed_ips_change_keeps_fresh_endpoint(self):
+        cur = [state(K_A, endpoint="198.51.100.9:5555", hs=NOW - 1)]
+        want = [PeerSpec(K_A, ("10.213.0.2/32", "10.213.5.0/24"), "198.51.100.2:40000", 25, "gpu-a")]
+        d = diff(cur, want, NOW)
+        # The update carries no endpoint, so `wg set` leaves the live one alone.
+        assert d == PeerDiff(update=(PeerSpec(K_A, ("10.213.0.2/32", "10.213.5.0/24"), None, 25, "gpu-a"),))
+
+    def test_allowed_ips_order_does_not_matter(self):
+        cur = [state(K_A, ips=("10.213.0.2/32", "10.213.5.0/24"))]
+        want = [PeerSpec(K_A, ("10.213.5.0/24", "10.213.0.2/32"), "198.51.100.2:40000")]
+        assert not diff(cur, want, NOW)
+
+    def test_keepalive_change(self):
+        cur = [state(K_A, ka=0)]
+        want = [PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000", 25)]
+        assert diff(cur, want, NOW) == PeerDiff(update=(PeerSpec(K_A, ("10.213.0.2/32",), None, 25),))
+
+
+class TestWgSetArgs:
+    def test_exact_list(self):
+        d = PeerDiff(
+            add=(PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000", 25, "gpu-a"),),
+            update=(PeerSpec(K_B, ("10.213.0.3/32", "10.213.7.0/24"), None, 0, "gpu-b"),),
+            remove=(K_C,))
+        assert wg_set_args(d) == [
+            "peer", K_C, "remove",
+            "peer", K_A, "endpoint", "198.51.100.2:40000", "persistent-keepalive", "25",
+            "allowed-ips", "10.213.0.2/32",
+            "peer", K_B, "persistent-keepalive", "off", "allowed-ips", "10.213.0.3/32,10.213.7.0/24",
+        ]
+
+    def test_from_diff_end_to_end(self):
+        cur = [state(K_A, endpoint=None), state(K_C)]
+        d = diff(cur, desired_for_node(K_COORD, MEMBERS), NOW)
+        assert wg_set_args(d) == [
+            "peer", K_C, "remove",
+            "peer", K_B, "persistent-keepalive", "25", "allowed-ips", "10.213.0.3/32",
+            "peer", K_A, "endpoint", "198.51.100.2:40000", "persistent-keepalive", "25",
+            "allowed-ips", "10.213.0.2/32",
+        ]

@@ -1,0 +1,59 @@
+"""meshrun.status.render: exact text for fixed status dicts (pure)."""
+
+from __future__ import annotations
+
+import copy
+
+from meshrun.status import _age, _bytes, render
+
+STATUS = {
+    "network": "lab", "role": "node", "name": "gpu-a", "overlay_ip": "10.213.0.2", "cidr": "10.213.0.0/16",
+    "interface": "meshrun0", "interface_up": True, "backend": "wireguard-go", "listen_port": 51820, "mtu": 1420,
+    "daemon_pid": 4242, "removed": False,
+    "peers": [
+        {"name": "coord", "overlay_ip": "10.213.0.1", "endpoint": "203.0.113.1:51820", "handshake_age_s": 5,
+         "rx_bytes": 1023, "tx_bytes": 1024},
+        {"name": "gpu-b", "overlay_ip": "10.213.0.3", "endpoint": None, "handshake_age_s": None,
+         "rx_bytes": 0, "tx_bytes": 5 * 1024 * 1024},
+        {"name": "?", "overlay_ip": "10.213.0.10", "endpoint": "[2001:db8::1]:51820", "handshake_age_s": 7300,
+         "rx_bytes": 3 * 1024 ** 4, "tx_bytes": 1536},
+    ],
+}
+
+
+def test_render_table():
+    assert render(STATUS) == """\
+network lab  node gpu-a  10.213.0.2 in 10.213.0.0/16
+interface meshrun0 (wireguard-go)  udp/51820  mtu 1420  daemon running (pid 4242)
+
+NAME   OVERLAY IP   ENDPOINT             HANDSHAKE  RX          TX
+coord  10.213.0.1   203.0.113.1:51820    5s ago     1023 B      1.0 KiB
+gpu-b  10.213.0.3   -                    never      0 B         5.0 MiB
+?      10.213.0.10  [2001:db8::1]:51820  2h ago     3072.0 GiB  1.5 KiB"""
+
+
+def test_render_down_removed_no_peers():
+    st = copy.deepcopy(STATUS)
+    st.update(interface_up=False, daemon_pid=None, removed=True, peers=[], role="coordinator", name="coord",
+              overlay_ip="10.213.0.1")
+    assert render(st) == """\
+network lab  coordinator coord  10.213.0.1 in 10.213.0.0/16
+interface meshrun0 DOWN  udp/51820  mtu 1420  daemon not running
+this node was REMOVED from the network by the coordinator
+
+NAME  OVERLAY IP  ENDPOINT  HANDSHAKE  RX  TX
+(no peers yet)"""
+
+
+def test_no_trailing_spaces():
+    assert all(line == line.rstrip() for line in render(STATUS).splitlines())
+
+
+def test_age():
+    assert [_age(s) for s in (None, 0, 119, 120, 7199, 7200, 86400)] == [
+        "never", "0s ago", "119s ago", "2m ago", "119m ago", "2h ago", "24h ago"]
+
+
+def test_bytes():
+    assert [_bytes(n) for n in (0, 1023, 1024, 1536, 1024 ** 3, 5 * 1024 ** 4)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 GiB", "5120.0 GiB"]

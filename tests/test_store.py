@@ -1,0 +1,447 @@
+"""meshrun.store: state directory files (atomic, private) and the coordinator's SQLite DB."""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import os
+import stat
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from meshrun.errors import StateError, TokenError
+from meshrun.model import Member
+from meshrun.store import CoordinatorDB, StateDir, TokenInfo, default_state_dir
+
+CIDR = "10.213.0.0/16"
+SECRET = b"s" * 32
+NOW = 1_700_000_000.0
+FIX_NEW = "ask the coordinator's operator for a new token (`meshrun token create`)"
+UNKNOWN = "the coordinator does not know this join token (wrong network, or deleted); " + FIX_NEW
+
+
+def key(i: int) -> str:
+    """A distinct, well-formed public key per i (these tests never need the private half)."""
+    import base64
+    return base64.b64encode(i.to_bytes(4, "big") * 8).decode()
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+# --------------------------------------------------------------------------- StateDir
+
+class TestStateDir:
+    def test_create_is_0700_and_reports_creation(self, tmp_path):
+        old = os.umask(0o022)
+        try:
+            sd = StateDir(tmp_path / "a" / "state")
+            assert sd.create() is True
+            assert mode(sd.path) == 0o700
+            os.chmod(sd.path, 0o755)
+            assert sd.create() is False
+            assert mode(sd.path) == 0o700
+        finally:
+            os.umask(old)
+
+    def test_create_failure_names_the_path(self, tmp_path):
+        (tmp_path / "file").write_text("x")
+        sd = StateDir(tmp_path / "file" / "state")
+        with pytest.raises(StateError) as info:
+            sd.create()
+        assert str(info.value) == (f"cannot create state directory {tmp_path}/file/state: Not a directory; "
+                                   "pick a writable place with --state-dir or MESHRUN_STATE_DIR")
+
+    def test_path_is_absolute(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        assert StateDir("rel").path == tmp_path / "rel"
+        assert StateDir("rel") / "member.json" == tmp_path / "rel" / "member.json"
+
+    def test_exists_means_member_json(self, tmp_path):
+        sd = StateDir(tmp_path)
+        assert not sd.exists
+        sd.write_json("member.json", {"role": "node"})
+        assert sd.exists
+
+    def test_file_modes(self, tmp_path):
+        old = os.umask(0o077)
+        try:
+            sd = StateDir(tmp_path)
+            assert mode(sd.write("private.key", "k\n", secret=True)) == 0o600
+            assert mode(sd.write("member.json", b"{}")) == 0o644
+            # Replacing a public file with a secret one must tighten it, and the reverse.
+            assert mode(sd.write("member.json", "{}", secret=True)) == 0o600
+        finally:
+            os.umask(old)
+
+    def test_write_and_read(self, tmp_path):
+        sd = StateDir(tmp_path)
+        sd.write_json("x.json", {"b": 1, "a": [1, 2]})
+        assert (tmp_path / "x.json").read_text() == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'
+        assert sd.read_json("x.json") == {"a": [1, 2], "b": 1}
+        assert sd.read("x.json").startswith(b"{")
+
+    def test_failed_write_keeps_old_content_and_leaves_no_temp(self, tmp_path, monkeypatch):
+        sd = StateDir(tmp_path)
+        sd.write("private.key", "old\n", secret=True)
+
+        def full_disk(fd):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(os, "fsync", full_disk)
+        with pytest.raises(StateError) as info:
+            sd.write("private.key", "new\n", secret=True)
+        assert str(info.value) == (f"cannot write {tmp_path}/private.key: No space left on device; the previous "
+                                   "version is unchanged; free disk space or fix permissions, then run the "
+                                   "command again")
+        assert (tmp_path / "private.key").read_text() == "old\n"
+        assert sorted(os.listdir(tmp_path)) == ["private.key"]
+
+    def test_failed_rename_leaves_no_temp(self, tmp_path, monkeypatch):
+        sd = StateDir(tmp_path)
+        sd.write("a.json", "{}")
+
+        def deny(src, dst):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        monkeypatch.setattr(os, "replace", deny)
+        with pytest.raises(StateError, match=r"cannot write .*/a\.json: Permission denied"):
+            sd.write("a.json", '{"x": 1}')
+        assert (tmp_path / "a.json").read_text() == "{}"
+        assert os.listdir(tmp_path) == ["a.json"]
+
+    def test_read_missing(self, tmp_path):
+        with pytest.raises(StateError) as info:
+            StateDir(tmp_path).read("member.json")
+        assert str(info.value) == (f"{tmp_path}/member.json is missing; run `meshrun init` or `meshrun join` "
+                                   "first, or point --state-dir at the right place")
+
+    @pytest.mark.parametrize("content", [b'{"role": "no', b"", b"\xff\xfe", b"[1, 2]", b"null", b"{}garbage"])
+    def test_read_json_corrupt(self, tmp_path, content):
+        (tmp_path / "member.json").write_bytes(content)
+        with pytest.raises(StateError) as info:
+            StateDir(tmp_path).read_json("member.json")
+        msg = str(info.value)
+        assert msg.startswith(f"{tmp_path}/member.json is corrupt (")
+        assert msg.endswith("); restore it from a backup, or remove the state directory and join again")
+        assert "\n" not in msg
+        assert (tmp_path / "member.json").read_bytes() == content   # never reset
+
+    def test_read_json_not_object_message(self, tmp_path):
+        (tmp_path / "peers.json").write_text("[]")
+        with pytest.raises(StateError, match=r"peers\.json is corrupt \(not an object\)"):
+            StateDir(tmp_path).read_json("peers.json")
+
+    def test_remove_ignores_missing(self, tmp_path):
+        sd = StateDir(tmp_path)
+        sd.write("a", "1")
+        sd.remove("a", "b")
+        assert os.listdir(tmp_path) == []
+
+    def test_read_pid(self, tmp_path):
+        sd = StateDir(tmp_path)
+        assert sd.read_pid() is None
+        sd.write("daemon.pid", "garbage\n")
+        assert sd.read_pid() is None
+        sd.write("daemon.pid", "")
+        assert sd.read_pid() is None
+        # A live process that is not meshrun (e.g. a reused PID) does not count.
+        sd.write("daemon.pid", f"{os.getppid() if os.getppid() > 1 else 1}\n")
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "meshrun-daemon"])
+        try:
+            sd.write("daemon.pid", f"{proc.pid}\n")
+            assert sd.read_pid() == proc.pid
+        finally:
+            proc.kill()
+            proc.wait()
+        assert sd.read_pid() is None
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            sd.write("daemon.pid", f"{other.pid}\n")
+            assert sd.read_pid() is None
+        finally:
+            other.kill()
+            other.wait()
+
+    def test_default_state_dir(self, monkeypatch, tmp_path):
+        monkeypatch.setenv("MESHRUN_STATE_DIR", str(tmp_path / "s"))
+        assert default_state_dir() == tmp_path / "s"
+        monkeypatch.delenv("MESHRUN_STATE_DIR")
+        monkeypatch.setattr(os, "geteuid", lambda: 0)
+        assert str(default_state_dir()) == "/var/lib/meshrun"
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+        assert default_state_dir() == tmp_path / "xdg" / "meshrun"
+
+
+# --------------------------------------------------------------------------- CoordinatorDB
+
+@pytest.fixture
+def db(tmp_path):
+    d = CoordinatorDB.create(tmp_path / "coordinator.db")
+    d.add_coordinator("coord", key(0), "10.213.0.1")
+    d.add_token("tok0000001", SECRET, 3600, None, now=NOW)
+    yield d
+    d.close()
+
+
+def enrol(db, name, i, token_id="tok0000001", secret=SECRET, now=NOW + 1, cidr=CIDR):
+    return db.enrol(token_id, secret, name, key(i), [f"172.31.40.{i % 250}:51820"], cidr, now=now)
+
+
+class TestDBFile:
+    def test_missing(self, tmp_path):
+        with pytest.raises(StateError) as info:
+            CoordinatorDB(tmp_path / "coordinator.db")
+        assert str(info.value) == (f"{tmp_path}/coordinator.db is missing; run `meshrun init` on the "
+                                   "coordinator first")
+
+    def test_create_mode_0600(self, tmp_path):
+        CoordinatorDB.create(tmp_path / "c.db").close()
+        assert mode(tmp_path / "c.db") == 0o600
+
+    def test_corrupt_random_bytes(self, tmp_path):
+        path = tmp_path / "coordinator.db"
+        junk = os.urandom(8192)
+        path.write_bytes(junk)
+        with pytest.raises(StateError) as info:
+            CoordinatorDB(path)
+        assert str(info.value) == (f"{path} is not a readable meshrun database (file is not a database); "
+                                   "restore it from a backup; meshrun will not reset it")
+        assert path.read_bytes() == junk
+
+    def test_reopen_keeps_everything(self, tmp_path, db):
+        enrol(db, "gpu-a", 1)
+        db.set_meta(network='{"x": 1}')
+        again = CoordinatorDB(tmp_path / "coordinator.db")
+        try:
+            assert [m.name for m in again.members()] == ["coord", "gpu-a"]
+            assert again.meta("network") == '{"x": 1}'
+            assert again.meta("nope") is None
+        finally:
+            again.close()
+
+
+class TestTokens:
+    def test_list_and_status(self, db):
+        db.add_token("tok0000002", b"t" * 32, 60, 2, now=NOW + 10)
+        infos = db.tokens()
+        assert infos == [TokenInfo("tok0000001", NOW, NOW + 3600, None, 0, False),
+                         TokenInfo("tok0000002", NOW + 10, NOW + 70, 2, 0, False)]
+        assert infos[1].to_dict(NOW + 20) == {"id": "tok0000002", "created_at": NOW + 10, "expires_at": NOW + 70,
+                                              "max_uses": 2, "uses": 0, "uses_left": 2, "status": "valid"}
+        assert infos[0].to_dict(NOW)["uses_left"] is None
+
+    def test_status_transitions(self):
+        t = TokenInfo("x", NOW, NOW + 60, 1, 0, False)
+        assert t.status(NOW) == "valid"
+        assert t.status(NOW + 60) == "expired"
+        assert TokenInfo("x", NOW, NOW + 60, 1, 1, False).status(NOW) == "used up"
+        assert TokenInfo("x", NOW, NOW + 60, 1, 1, True).status(NOW + 999) == "revoked"
+        assert TokenInfo("x", NOW, NOW + 60, 1, 5, False).to_dict(NOW)["uses_left"] == 0
+
+    def test_never_exposes_secret_or_hash(self, db):
+        from meshrun.token import hash_secret
+        h = hash_secret(SECRET)
+        for t in db.tokens():
+            text = repr(t) + json.dumps(t.to_dict(NOW))
+            assert h not in text and SECRET.decode() not in text
+            assert not any("secret" in k or "hash" in k for k in t.to_dict(NOW))
+
+    def test_revoke(self, db):
+        assert db.revoke_token("tok0000001", now=NOW + 5) is True
+        assert db.tokens()[0].revoked
+        assert db.revoke_token("tok0000001") is True        # already revoked: still "exists"
+        assert db.revoke_token("nosuchtok1") is False
+
+
+class TestEnrol:
+    def test_first_member_gets_second_address(self, db):
+        m, created = enrol(db, "gpu-a", 1)
+        assert created is True
+        assert m == Member("gpu-a", key(1), "10.213.0.2", None, ("172.31.40.1:51820",))
+        assert db.tokens()[0].uses == 1
+        assert db.member_by_name("gpu-a") == m
+        assert db.member_by_ip("10.213.0.2") == m
+
+    def test_version_bumps(self, db):
+        v = db.version()
+        enrol(db, "gpu-a", 1)
+        assert db.version() == v + 1
+
+    def test_unknown_token_and_wrong_secret_same_message(self, db):
+        with pytest.raises(TokenError) as a:
+            enrol(db, "gpu-a", 1, token_id="nosuchtok1")
+        with pytest.raises(TokenError) as b:
+            enrol(db, "gpu-a", 1, secret=b"x" * 32)
+        assert str(a.value) == str(b.value) == UNKNOWN
+        assert db.members()[-1].name == "coord" and db.tokens()[0].uses == 0
+
+    def test_revoked(self, db):
+        db.revoke_token("tok0000001")
+        with pytest.raises(TokenError) as info:
+            enrol(db, "gpu-a", 1)
+        assert str(info.value) == "this join token has been revoked; " + FIX_NEW
+
+    def test_expired(self, db):
+        enrol(db, "gpu-a", 1, now=NOW + 3599)
+        with pytest.raises(TokenError) as info:
+            enrol(db, "gpu-b", 2, now=NOW + 3600)
+        assert str(info.value) == "this join token has expired; " + FIX_NEW
+
+    def test_used_up(self, db):
+        db.add_token("tok0000002", SECRET, 3600, 2, now=NOW)
+        enrol(db, "gpu-a", 1, token_id="tok0000002")
+        enrol(db, "gpu-b", 2, token_id="tok0000002")
+        with pytest.raises(TokenError) as info:
+            enrol(db, "gpu-c", 3, token_id="tok0000002")
+        assert str(info.value) == "this join token is used up (2 of 2 uses); " + FIX_NEW
+        assert [m.name for m in db.members()] == ["coord", "gpu-a", "gpu-b"]
+
+    def test_re_enrol_same_name_and_key_returns_existing(self, db):
+        db.add_token("tok0000002", SECRET, 3600, 1, now=NOW)
+        m, created = enrol(db, "gpu-a", 1, token_id="tok0000002")
+        again, created2 = db.enrol("tok0000002", SECRET, "gpu-a", key(1), ["10.0.0.9:1"], CIDR, now=NOW + 2)
+        assert created and not created2
+        assert again == m                                   # even though the token is now used up
+        assert db.tokens()[1].uses == 1
+
+    def test_name_taken(self, db):
+        enrol(db, "gpu-a", 1)
+        db.heartbeat("10.213.0.2", [], now=NOW + 5)        # it completed its join
+        with pytest.raises(StateError) as info:
+            enrol(db, "gpu-a", 2)
+        assert str(info.value) == ("the name 'gpu-a' is already taken by another member; "
+                                   "pick another --name, or `meshrun remove` the old member first")
+
+    def test_coordinator_name_never_reclaimed(self, db):
+        with pytest.raises(StateError, match="^the name 'coord' is already taken by another member"):
+            enrol(db, "coord", 1)
+
+    def test_pending_name_is_reused_but_address_is_burnt(self, db):
+        first, _ = enrol(db, "gpu-a", 1)                    # never synced: its join failed on the node
+        second, created = enrol(db, "gpu-a", 2)
+        assert created and second.overlay_ip == "10.213.0.3" and first.overlay_ip == "10.213.0.2"
+        assert [m.public_key for m in db.members()] == [key(0), key(2)]
+        assert db.is_removed_ip("10.213.0.2")
+        third, _ = enrol(db, "gpu-b", 3)
+        assert third.overlay_ip == "10.213.0.4"
+
+    def test_removed_key_cannot_rejoin(self, db):
+        enrol(db, "gpu-a", 1)
+        assert db.remove_member("gpu-a").name == "gpu-a"
+        for name in ("gpu-a", "other"):
+            with pytest.raises(StateError) as info:
+                enrol(db, name, 1)
+            assert str(info.value) == ("this node's key belonged to a removed member and cannot join again; "
+                                       "run `meshrun leave --purge` on the node to make a new identity, then join")
+
+    def test_active_key_under_another_name(self, db):
+        enrol(db, "gpu-a", 1)
+        db.heartbeat("10.213.0.2", [], now=NOW + 5)
+        with pytest.raises(StateError) as info:
+            enrol(db, "gpu-b", 1)
+        assert str(info.value) == ("this node's key is already enrolled as member 'gpu-a'; join again with "
+                                   "--name gpu-a, or `meshrun leave --purge` for a new identity")
+
+    def test_remove_then_address_never_reused(self, db):
+        enrol(db, "gpu-a", 1)
+        enrol(db, "gpu-b", 2)
+        removed = db.remove_member("gpu-a", now=NOW + 10)
+        assert removed.overlay_ip == "10.213.0.2"
+        assert db.member_by_ip("10.213.0.2") is None and db.is_removed_ip("10.213.0.2")
+        m, _ = enrol(db, "gpu-a", 3)                        # same name, new key: allowed, new address
+        assert m.overlay_ip == "10.213.0.4"
+        assert db.remove_member("gpu-a") is not None
+        assert db.remove_member("gpu-a") is None
+        assert db.remove_member("coord") is None            # the coordinator cannot be removed
+        assert enrol(db, "gpu-c", 4)[0].overlay_ip == "10.213.0.5"
+
+    def test_exhausted_range(self, db):
+        for i in range(1, 6):
+            enrol(db, f"n{i}", i, cidr="10.9.0.0/29")
+        from meshrun.errors import NetworkError
+        with pytest.raises(NetworkError, match=r"^overlay range 10\.9\.0\.0/29 has no free address left"):
+            enrol(db, "n6", 6, cidr="10.9.0.0/29")
+        assert db.tokens()[0].uses == 5                     # the failed one was rolled back
+
+    def test_heartbeat_and_observe(self, db):
+        enrol(db, "gpu-a", 1)
+        v = db.version()
+        db.heartbeat("10.213.0.2", ["172.31.40.1:51820"], now=NOW + 5)
+        assert db.version() == v                            # same candidates: no change
+        db.heartbeat("10.213.0.2", ["172.31.40.9:51820"], now=NOW + 6)
+        assert db.version() == v + 1
+        assert db.observe({key(1): ("198.51.100.2:40000", 123)}) is True
+        assert db.observe({key(1): ("198.51.100.2:40000", 124)}) is False
+        assert db.observe({key(1): (None, 125)}) is False
+        m = db.member_by_name("gpu-a")
+        assert (m.endpoint, m.last_handshake, m.candidates) == ("198.51.100.2:40000", 125, ("172.31.40.9:51820",))
+        assert db.observe({key(99): ("1.2.3.4:5", 1)}) is False
+
+
+# ---- concurrency: distinct names through separate connections on one file
+
+def _enrol_many(path: str, names: list[str], first_key: int, out) -> None:
+    try:
+        d = CoordinatorDB(path)
+        try:
+            for j, name in enumerate(names):
+                m, _ = d.enrol("tok0000001", SECRET, name, key(first_key + j), [], CIDR, now=NOW + 1)
+                out.put((name, m.overlay_ip))
+        finally:
+            d.close()
+    except Exception as exc:  # reported to the test instead of a hang on the queue
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class _ListQueue(list):
+    put = list.append
+
+
+class TestConcurrency:
+    def test_threads(self, tmp_path, db):
+        path = str(tmp_path / "coordinator.db")
+        results: list = []
+        lock = threading.Lock()
+        errors: list = []
+
+        def run(i):
+            try:
+                q = _ListQueue()
+                _enrol_many(path, [f"t{i}"], 1000 + i, q)
+                with lock:
+                    results.extend(q)
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == [] and [r for r in results if r[0] == "error"] == []
+        ips = [ip for _, ip in results]
+        assert len(ips) == 16 and len(set(ips)) == 16
+        assert "10.213.0.1" not in ips
+        assert sorted(ips, key=lambda s: int(s.rsplit(".", 1)[1])) == [f"10.213.0.{i}" for i in range(2, 18)]
+        assert db.tokens()[0].uses == 16
+
+    def test_processes(self, tmp_path, db):
+        path = str(tmp_path / "coordinator.db")
+        ctx = multiprocessing.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_enrol_many, args=(path, [f"p{i}-{j}" for j in range(4)], 2000 + 10 * i, q))
+                 for i in range(4)]
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=60) for _ in range(16)]
+        assert [r for r in results if r[0] == "error"] == []
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        ips = [ip for _, ip in results]
+        assert len(set(ips)) == 16 and "10.213.0.1" not in ips
+        assert {m.overlay_ip for m in db.members()} == set(ips) | {"10.213.0.1"}

@@ -1,0 +1,279 @@
+"""meshrun.transport: JSON over HTTP(S) on loopback, pinned TLS, error mapping, NDJSON streams."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import threading
+
+import pytest
+
+from meshrun import keys
+from meshrun.errors import CoordinatorError, MeshrunError, StateError, TokenError, UsageError
+from meshrun.transport import MAX_JSON, JSONServer, Request, Response, call, server_tls_context, stream
+
+
+class Recorder:
+    """A handler that remembers every request it was given."""
+
+    def __init__(self):
+        self.requests: list[Request] = []
+
+    def __call__(self, req: Request) -> Response:
+        self.requests.append(req)
+        if req.path == "/echo":
+            return Response(200, {"method": req.method, "body": req.body, "raw": req.raw.decode(),
+                                  "client_ip": req.client_ip})
+        if req.path == "/token-error":
+            raise TokenError("this join token has expired", "ask for a new token")
+        if req.path == "/state-error":
+            return Response.error(410, StateError("this node was removed from the network", "join again"))
+        if req.path == "/odd-kind":
+            return Response(400, {"error": "boom", "fix": "f", "kind": "KeyError"})
+        if req.path == "/not-json-error":
+            return Response(502, ["no"])
+        if req.path == "/list":
+            return Response(200, [1, 2])
+        if req.path == "/bug":
+            raise RuntimeError("secret internals")
+        if req.path == "/stream":
+            return Response(200, stream=iter([{"i": i, "line": f"rank {i}"} for i in range(3)]))
+        if req.path == "/stream-error":
+            return Response.error(404, UsageError("no such job", "see `meshrun jobs`"))
+        return Response.error(404, f"no such endpoint {req.method} {req.path}")
+
+
+@pytest.fixture
+def handler():
+    return Recorder()
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    cert, key = keys.generate_tls_identity("meshrun-test")
+    (tmp_path / "tls.crt").write_bytes(cert)
+    (tmp_path / "tls.key").write_bytes(key)
+    return str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), keys.cert_fingerprint(cert)
+
+
+def _serve(handler, ctx=None, **kw):
+    srv = JSONServer(("127.0.0.1", 0), handler, ssl_context=ctx, **kw)
+    # Like srv.start(), with a short poll so that shutdown() in teardown is quick.
+    threading.Thread(target=srv.serve_forever, args=(0.02,), daemon=True).start()
+    return srv
+
+
+@pytest.fixture
+def tls_server(handler, tls_files):
+    srv = _serve(handler, server_tls_context(tls_files[0], tls_files[1]))
+    yield srv, tls_files[2]
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def plain_server(handler):
+    srv = _serve(handler)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def port_of(srv) -> int:
+    return srv.server_address[1]
+
+
+def raw_http(port: int, data: bytes) -> tuple[int, dict]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+class TestPinnedTLS:
+    def test_right_fingerprint(self, tls_server, handler):
+        srv, fp = tls_server
+        assert call("127.0.0.1", port_of(srv), "POST", "/echo", {"a": 1}, fingerprint=fp) == {
+            "method": "POST", "body": {"a": 1}, "raw": "", "client_ip": "127.0.0.1"}
+        assert len(handler.requests) == 1
+
+    def test_wrong_fingerprint_never_sends_the_body(self, tls_server, handler):
+        srv, fp = tls_server
+        wrong = "0" * 64
+        with pytest.raises(CoordinatorError) as info:
+            call("127.0.0.1", port_of(srv), "POST", "/echo", {"secret": "s3cr3t"}, fingerprint=wrong)
+        assert str(info.value) == (f"the TLS certificate at 127.0.0.1:{port_of(srv)} does not match the join "
+                                   "token's fingerprint; make sure the token is for this coordinator; if the "
+                                   "coordinator was re-initialised, create a new token there")
+        # The server is still healthy, and it never saw the request.
+        call("127.0.0.1", port_of(srv), "GET", "/echo", fingerprint=fp)
+        assert [r.method for r in handler.requests] == ["GET"]
+
+    def test_plain_client_against_tls_server_fails_cleanly(self, tls_server, handler):
+        srv, _ = tls_server
+        with pytest.raises(CoordinatorError, match=rf"^connection to 127\.0\.0\.1:{port_of(srv)} failed during GET"):
+            call("127.0.0.1", port_of(srv), "GET", "/echo", timeout=5)
+        assert handler.requests == []
+
+    def test_tls_client_against_plain_server(self, plain_server, handler):
+        with pytest.raises(CoordinatorError, match=rf"^cannot reach 127\.0\.0\.1:{port_of(plain_server)} over TCP"):
+            call("127.0.0.1", port_of(plain_server), "GET", "/echo", fingerprint="0" * 64, timeout=5)
+        assert handler.requests == []
+
+
+class TestClientErrors:
+    def test_connection_refused_names_host_port(self):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        with pytest.raises(CoordinatorError) as info:
+            call("127.0.0.1", port, "GET", "/x", timeout=5)
+        assert str(info.value) == (f"cannot reach 127.0.0.1:{port} over TCP (Connection refused); check that the "
+                                   f"address is right and TCP port {port} is open on that machine")
+
+    def test_named_error_class_is_re_raised(self, plain_server):
+        with pytest.raises(TokenError) as info:
+            call("127.0.0.1", port_of(plain_server), "POST", "/token-error", {})
+        assert info.value.message == "this join token has expired"
+        assert info.value.fix == "ask for a new token"
+        assert info.value.status == 400
+
+    def test_error_response_status_and_class(self, plain_server):
+        with pytest.raises(StateError) as info:
+            call("127.0.0.1", port_of(plain_server), "GET", "/state-error")
+        assert str(info.value) == "this node was removed from the network; join again"
+        assert info.value.status == 410
+
+    def test_unknown_kind_becomes_coordinator_error(self, plain_server):
+        with pytest.raises(CoordinatorError) as info:
+            call("127.0.0.1", port_of(plain_server), "GET", "/odd-kind")
+        assert str(info.value) == "boom; f" and info.value.status == 400
+
+    def test_error_without_error_body(self, plain_server):
+        with pytest.raises(CoordinatorError) as info:
+            call("127.0.0.1", port_of(plain_server), "GET", "/not-json-error")
+        assert str(info.value) == (f"127.0.0.1:{port_of(plain_server)} answered HTTP 502; "
+                                   "see the daemon log on that machine")
+
+    def test_non_object_answer(self, plain_server):
+        with pytest.raises(CoordinatorError, match="sent an unexpected answer"):
+            call("127.0.0.1", port_of(plain_server), "GET", "/list")
+
+    def test_handler_bug_is_500_without_internals(self, plain_server):
+        # Plain-string server errors travel as kind "CoordinatorError", so callers' retry paths see them.
+        with pytest.raises(CoordinatorError) as info:
+            call("127.0.0.1", port_of(plain_server), "GET", "/bug")
+        assert type(info.value) is CoordinatorError and info.value.status == 500
+        assert str(info.value) == "internal error (see the daemon log)"
+        assert "secret internals" not in str(info.value)
+
+    def test_404(self, plain_server):
+        with pytest.raises(MeshrunError, match="^no such endpoint DELETE /nope$"):
+            call("127.0.0.1", port_of(plain_server), "DELETE", "/nope")
+
+    def test_raw_upload(self, plain_server):
+        got = call("127.0.0.1", port_of(plain_server), "POST", "/echo", raw=b"tarball-bytes")
+        assert got["body"] is None and got["raw"] == "tarball-bytes"
+
+
+class TestServerLimits:
+    def test_declared_oversize_body_is_413_unread(self, plain_server, handler):
+        status, body = raw_http(port_of(plain_server),
+                                b"POST /echo HTTP/1.0\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: 1000000000\r\n\r\n{}")
+        assert status == 413
+        assert body == {"error": f"request body over {MAX_JSON} bytes or without length", "fix": "",
+                        "kind": "CoordinatorError"}
+        assert handler.requests == []
+
+    def test_bad_length_is_413(self, plain_server, handler):
+        status, _ = raw_http(port_of(plain_server), b"POST /echo HTTP/1.0\r\nContent-Length: -5\r\n\r\n")
+        assert status == 413 and handler.requests == []
+
+    def test_absurd_length_is_413(self, plain_server, handler):
+        status, _ = raw_http(port_of(plain_server),
+                             b"POST /echo HTTP/1.0\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n")
+        assert status == 413 and handler.requests == []
+
+    def test_oversize_json_on_raw_capable_server(self, handler):
+        srv = _serve(handler, max_body=4 * MAX_JSON)
+        try:
+            body = b'"' + b"x" * MAX_JSON + b'"'
+            status, got = raw_http(port_of(srv), b"POST /echo HTTP/1.0\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            assert status == 413 and got["error"] == f"JSON body over {MAX_JSON} bytes"
+            # The same size as an upload is fine.
+            assert call("127.0.0.1", port_of(srv), "POST", "/echo", raw=body)["raw"] == body.decode()
+        finally:
+            srv.shutdown()
+            srv.server_close()
+        assert len(handler.requests) == 1
+
+    @pytest.mark.parametrize("payload", [b"{not json", b"\xff\xfe\xfd", b'{"a": 1'])
+    def test_malformed_json_is_400(self, plain_server, handler, payload):
+        status, body = raw_http(port_of(plain_server), b"POST /echo HTTP/1.0\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        assert status == 400
+        assert body == {"error": "request body is not valid JSON", "fix": "", "kind": "CoordinatorError"}
+        assert handler.requests == []
+
+    def test_octet_stream_is_not_parsed(self, plain_server):
+        assert call("127.0.0.1", port_of(plain_server), "POST", "/echo", raw=b"{x")["raw"] == "{x"
+
+    def test_no_body_means_none(self, plain_server):
+        assert call("127.0.0.1", port_of(plain_server), "GET", "/echo")["body"] is None
+
+
+def test_start_runs_a_daemon_thread(handler):
+    srv = JSONServer(("127.0.0.1", 0), handler)
+    t = srv.start("meshrun-test-api")
+    try:
+        assert t.daemon and t.name == "meshrun-test-api"
+        assert call("127.0.0.1", port_of(srv), "GET", "/echo")["method"] == "GET"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+class TestStream:
+    def test_yields_ndjson_lines(self, plain_server):
+        got = list(stream("127.0.0.1", port_of(plain_server), "/stream", {"job": 1}))
+        assert got == [{"i": 0, "line": "rank 0"}, {"i": 1, "line": "rank 1"}, {"i": 2, "line": "rank 2"}]
+
+    def test_error_before_stream(self, plain_server):
+        with pytest.raises(UsageError) as info:
+            list(stream("127.0.0.1", port_of(plain_server), "/stream-error", {}))
+        assert str(info.value) == "no such job; see `meshrun jobs`" and info.value.status == 404
+
+    def test_on_connect_gets_connection(self, plain_server):
+        seen = []
+        assert len(list(stream("127.0.0.1", port_of(plain_server), "/stream", {},
+                               on_connect=lambda c: seen.append(c)))) == 3
+        assert len(seen) == 1
+
+    def test_closing_early_cancels_generator(self, handler):
+        closed = threading.Event()
+
+        def endless():
+            try:
+                i = 0
+                while True:
+                    yield {"i": i}
+                    i += 1
+            finally:
+                closed.set()
+        srv = _serve(lambda req: Response(200, stream=endless()))
+        try:
+            gen = stream("127.0.0.1", port_of(srv), "/x", {})
+            assert next(gen) == {"i": 0}
+            gen.close()
+            assert closed.wait(10)
+        finally:
+            srv.shutdown()
+            srv.server_close()

@@ -1,0 +1,146 @@
+"""meshrun.worker: prefixes, exit code and signal passthrough, exit records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_worker(tmp_path: Path, code: str, *args: str, module: bool = False, env: dict | None = None,
+               timeout: float = 30) -> subprocess.CompletedProcess:
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(code))
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "MESHRUN_JOB_DIR",
+                                                                  "TORCHELASTIC_RESTART_COUNT")}
+    full_env.update({"PYTHONPATH": str(ROOT), "MESHRUN_NODE_NAME": "dc1-gpu0", "RANK": "3", "LOCAL_RANK": "1"})
+    full_env.update(env or {})
+    target = ["--module", "child"] if module else [str(script)]
+    return subprocess.run([sys.executable, "-m", "meshrun.worker", *target, *args], cwd=tmp_path,
+                          env=full_env, capture_output=True, timeout=timeout)
+
+
+def test_prefixes_stdout_and_stderr(tmp_path):
+    r = run_worker(tmp_path, """
+        import sys
+        print("hello")
+        print("oops", file=sys.stderr)
+        print("args", sys.argv[1:])
+    """, "--epochs", "3")
+    assert r.returncode == 0
+    assert r.stdout.decode().splitlines() == ["[dc1-gpu0 r3] hello", "[dc1-gpu0 r3] args ['--epochs', '3']"]
+    assert r.stderr.decode().splitlines() == ["[dc1-gpu0 r3] oops"]
+
+
+def test_module_mode(tmp_path):
+    r = run_worker(tmp_path, "import sys; print('as module', __name__, sys.argv[1:])", "x", module=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode() == "[dc1-gpu0 r3] as module __main__ ['x']\n"
+
+
+def test_partial_last_line_and_binary(tmp_path):
+    r = run_worker(tmp_path, r"""
+        import sys
+        sys.stdout.buffer.write(b"line1\nbad \xff byte\nno newline at end")
+    """)
+    assert r.returncode == 0
+    assert r.stdout.decode().splitlines() == [
+        "[dc1-gpu0 r3] line1", "[dc1-gpu0 r3] bad \ufffd byte", "[dc1-gpu0 r3] no newline at end"]
+    assert r.stdout.endswith(b"\n")
+
+
+def test_exit_code_passthrough_and_record(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    before = time.time()
+    r = run_worker(tmp_path, "import sys; print('bye'); sys.exit(3)",
+                   env={"MESHRUN_JOB_DIR": str(job), "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert r.returncode == 3
+    assert r.stdout.decode() == "[dc1-gpu0 r3] bye\n"
+    rec = json.loads((job / "exit-r3-a2.json").read_text())
+    assert rec["rank"] == 3 and rec["local_rank"] == 1 and rec["node"] == "dc1-gpu0"
+    assert rec["exit_code"] == 3 and rec["signal"] is None
+    assert before <= rec["time"] <= time.time()
+    assert [p.name for p in job.iterdir()] == ["exit-r3-a2.json"]     # no temp file left behind
+
+
+def test_no_record_without_job_dir(tmp_path):
+    r = run_worker(tmp_path, "pass")
+    assert r.returncode == 0
+    assert not list(tmp_path.glob("exit-*.json"))
+
+
+def test_signal_death_passthrough(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    r = run_worker(tmp_path, "import os, signal; print('dying', flush=True); os.kill(os.getpid(), signal.SIGKILL)",
+                   env={"MESHRUN_JOB_DIR": str(job)})
+    assert r.returncode == -signal.SIGKILL
+    assert r.stdout.decode() == "[dc1-gpu0 r3] dying\n"
+    rec = json.loads((job / "exit-r3-a0.json").read_text())
+    assert rec["signal"] == "SIGKILL" and rec["exit_code"] == 128 + signal.SIGKILL
+
+
+def test_sigterm_is_forwarded_to_the_child(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent("""
+        import signal, sys, time
+        def bye(signum, frame):
+            print("child got", signal.Signals(signum).name, flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, bye)
+        print("ready", flush=True)
+        time.sleep(30)
+    """))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
+    p = subprocess.Popen([sys.executable, "-m", "meshrun.worker", str(script)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"[n1 r0] ready\n"
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert out == b"[n1 r0] child got SIGTERM\n"
+    assert p.returncode == 7
+
+
+def test_unhandled_sigterm_kills_child_and_worker_alike(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(30)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
+    p = subprocess.Popen([sys.executable, "-m", "meshrun.worker", str(script)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"[n1 r0] ready\n"
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -signal.SIGTERM
+
+
+def test_usage_without_script():
+    r = subprocess.run([sys.executable, "-m", "meshrun.worker"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, timeout=30)
+    assert r.returncode == 2
+    assert b"usage" in r.stderr
+
+
+@pytest.mark.parametrize("mod", ["meshrun.worker", "meshrun.launch"])
+def test_does_not_import_torch(mod):
+    code = f"import sys, {mod}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True, timeout=30)
