@@ -309,6 +309,56 @@ def train(
     raise typer.Exit(code)
 
 
+@app.command()
+@handled
+def bench(
+    sizes: Annotated[str, typer.Option(help="All-reduce sizes, comma-separated (K/M/G binary).")] = "1M,4M,16M,64M",
+    duration: Annotated[Optional[float], typer.Option(help="Seconds of TCP traffic per ordered pair [about 20 s over all pairs, 0.5-2 s each].")] = None,
+    streams: Annotated[int, typer.Option(help="Parallel TCP connections per bandwidth test.")] = 4,
+    iters: Annotated[int, typer.Option(help="Most timed all-reduces per size (each size is time-bounded).")] = 10,
+    nodes: Annotated[Optional[str], typer.Option(help="Comma-separated node names to test [all].")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the nodes to be ready.")] = 60,
+    json_out: JsonOpt = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG heat-map here (needs matplotlib).")] = None,
+    state_dir: StateOpt = None,
+) -> None:
+    """Measure the mesh (on the coordinator): per node pair RTT, TCP bandwidth, path; then all-reduce busbw.
+
+    \b
+    Runs through the same machinery as `meshrun train` (gloo on CPU, NCCL on GPU).
+    Examples:
+      meshrun bench
+      meshrun bench --sizes 1M,16M --duration 1 --json > bench.json
+      meshrun bench --plot mesh.png            # pip install meshrun[plot]
+    Pairs below half the median bandwidth are flagged SLOW.
+    """
+    from meshrun import bench as b
+    if plot is not None:
+        b.require_matplotlib()          # fail before the minute of measuring, not after
+    res = b.run(_state(state_dir), sizes=sizes, duration=duration, streams=streams, iters=iters,
+                nodes=[n.strip() for n in nodes.split(",") if n.strip()] if nodes else None, wait_timeout=timeout,
+                echo=None if json_out else (lambda line: typer.echo(line, err=True)))
+    if plot is not None:
+        b.plot(res, plot)
+    typer.echo(json.dumps(res, indent=2) if json_out else b.render(res))
+    if plot is not None and not json_out:
+        typer.echo(f"heat-map written to {plot}")
+
+
+@app.command()
+@handled
+def demo(nodes: Annotated[int, typer.Option(help="Training datacenters to simulate (plus one for the coordinator).")] = 3
+         ) -> None:
+    """Show the whole product on this machine: NAT'd datacenters in namespaces, init, join, train.
+
+    \b
+    Needs root (it builds network namespaces) and a meshrun checkout. Example:
+      sudo meshrun demo --nodes 3
+    """
+    from meshrun import demo as d
+    raise typer.Exit(d.run(nodes, out=typer.echo))
+
+
 @app.command(hidden=True)
 @handled
 def daemon(state_dir: StateOpt = None) -> None:
@@ -320,6 +370,34 @@ def daemon(state_dir: StateOpt = None) -> None:
     rec, _ = agent.load_node(state)
     svc = coordinator.CoordinatorService(state) if rec["role"] == "coordinator" else agent.AgentService(state)
     svc.run()
+
+
+# --------------------------------------------------------------------------- service
+
+service_app = typer.Typer(no_args_is_help=True, help="Run this member under systemd.")
+app.add_typer(service_app, name="service")
+
+
+@service_app.command("install")
+@handled
+def service_install(
+    role: Annotated[Optional[str], typer.Option(help="coordinator or agent [from the state directory].")] = None,
+    unit_dir: Annotated[Optional[Path], typer.Option(help="Where to write the unit [/etc/systemd/system].")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the unit and the commands, change nothing.")] = False,
+    state_dir: StateOpt = None,
+) -> None:
+    """Write a systemd unit running `meshrun up --foreground` and enable it (restarts on failure and at boot).
+
+    \b
+    Examples:
+      meshrun service install --dry-run
+      meshrun service install --role agent --state-dir /srv/meshrun
+    Without a running systemd (containers) it writes the unit and prints the commands to run.
+    """
+    from meshrun import service
+    state = _state(state_dir)
+    plan = service.plan_install(state, role=role, unit_dir=unit_dir)
+    service.install(plan, state, typer.echo, dry_run=dry_run)
 
 
 def main() -> None:

@@ -690,15 +690,20 @@ class Mesh:
 
     def meshrun(self, node: Node | str, *args: str, check: bool = True, timeout: float = 120,
                 env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-        """Run `meshrun ARGS --state-dir <node's>` in `node`."""
+        """Run `meshrun ARGS` in `node` with MESHRUN_STATE_DIR set to the node's state dir.
+
+        (An environment variable, not --state-dir: after `train SCRIPT` every argument is the script's.)
+        """
         n = self.world.node(node) if isinstance(node, str) else node
         n.workdir.mkdir(parents=True, exist_ok=True)
-        return n.run(self.python, "-m", "meshrun", *args, "--state-dir", str(self.state_dir(n)), check=check,
-                     timeout=timeout, env=env, cwd=cwd)
+        return n.run(self.python, "-m", "meshrun", *args, check=check, timeout=timeout,
+                     env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, cwd=cwd)
 
-    def meshrun_popen(self, node: Node | str, *args: str, **kw) -> subprocess.Popen:
+    def meshrun_popen(self, node: Node | str, *args: str, env: dict[str, str] | None = None,
+                      **kw) -> subprocess.Popen:
         n = self.world.node(node) if isinstance(node, str) else node
-        return n.popen(self.python, "-m", "meshrun", *args, "--state-dir", str(self.state_dir(n)), **kw)
+        return n.popen(self.python, "-m", "meshrun", *args,
+                       env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, **kw)
 
     def init(self, *extra: str) -> str:
         """`meshrun init` on the coordinator with its public IP as endpoint; returns the token."""

@@ -1,0 +1,132 @@
+"""End-to-end `meshrun train` on a 3-datacenter NAT world (+ a coordinator datacenter)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import unique_prefix
+from meshrun.testbed import DatacenterSpec, Mesh, World
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    from conftest import netns_unavailable_reason
+    if netns_unavailable_reason():
+        pytest.skip(netns_unavailable_reason())
+    prefix = unique_prefix()
+    world = World([DatacenterSpec("hq"), DatacenterSpec("dc1"), DatacenterSpec("dc2"), DatacenterSpec("dc3")],
+                  prefix=prefix, workdir=tmp_path_factory.mktemp(prefix))
+    try:
+        world.up()
+        m = Mesh(world, "hq-a")
+        m.init()
+        for n in ("dc1-a", "dc2-a", "dc3-a"):
+            m.join(n)
+        yield m
+    finally:
+        world.down()
+
+
+def train(mesh: Mesh, *args: str, check: bool = False, timeout: float = 240) -> subprocess.CompletedProcess:
+    return mesh.meshrun(mesh.coordinator, "train", *args, check=check, timeout=timeout, cwd=EXAMPLES)
+
+
+def test_ddp_three_ranks_end_identical(mesh):
+    """3 ranks in 3 datacenters train to completion; every rank holds the same parameters."""
+    res = train(mesh, "ddp_train.py", "--epochs", "3", "--steps-per-epoch", "10")
+    assert res.returncode == 0, res.stdout + res.stderr
+    sums = dict(re.findall(r"\[(dc\d-a) r\d\] param_checksum rank=\d value=(\w+)", res.stdout))
+    assert set(sums) == {"dc1-a", "dc2-a", "dc3-a"}
+    assert len(set(sums.values())) == 1
+    losses = [float(x) for x in re.findall(r"epoch \d+ loss ([0-9.]+)", res.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert "3/3 nodes ready" in res.stderr
+    assert re.search(r"meshrun: job \S+ finished on 3 node\(s\)", res.stderr)
+
+
+def test_failing_rank_sets_exit_code_and_is_named(mesh):
+    """Rank 1 exits 3: `meshrun train` exits 3 and names rank 1 and its node."""
+    t0 = time.monotonic()
+    res = train(mesh, "--nnodes", "2", "exit_code.py", "--rank", "1", "--code", "3")
+    assert res.returncode == 3, res.stdout + res.stderr
+    m = re.search(r"failed: rank 1 on (dc\d-a) exited with code 3 \(first failure\)", res.stderr)
+    assert m, res.stderr
+    assert time.monotonic() - t0 < 90  # the surviving node is stopped, not left in torchrun's exit barrier
+
+
+def _workers(mesh: Mesh) -> list[str]:
+    """Command lines of worker/torchrun processes inside any training node."""
+    found = []
+    for node in mesh.world.nodes[1:]:
+        res = node.run("ps", "-eo", "pid,args", check=False)
+        found += [ln for ln in res.stdout.splitlines()
+                  if "meshrun.worker" in ln or "torch.distributed.run" in ln or "ddp_train.py" in ln]
+    return found
+
+
+def test_sigint_stops_every_worker(mesh):
+    """SIGINT to `meshrun train` on the coordinator leaves no worker process on any node."""
+    coord = mesh.coordinator
+    proc = coord.popen(mesh.python, "-m", "meshrun", "train", "--state-dir", str(mesh.state_dir(coord)),
+                       "ddp_train.py", "--epochs", "100", "--sleep-per-step", "0.2",
+                       cwd=EXAMPLES, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "training on 3 rank(s)" in line:
+                break
+            assert time.monotonic() < deadline, "".join(seen)
+        assert len(_workers(mesh)) >= 6   # torchrun + worker wrapper + script per node
+        # nsenter runs meshrun as its child: signal the meshrun process itself.
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        target = int(children[0]) if children else proc.pid
+        import os
+        os.kill(target, signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 130, "".join(seen) + rest
+        assert "meshrun: job cancelled" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 15
+    while _workers(mesh) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _workers(mesh) == []
+
+
+def test_dry_run_prints_each_nodes_command(mesh):
+    res = train(mesh, "--dry-run", "--nproc-per-node", "2", "ddp_train.py", "--epochs", "2", "--nnodes", "9",
+                check=True)
+    blocks = re.findall(r"^# (dc\d-a)$", res.stdout, re.M)
+    assert blocks == ["dc1-a", "dc2-a", "dc3-a"]
+    for ip in ("10.213.0.2", "10.213.0.3", "10.213.0.4"):
+        assert f"--local-addr {ip}" in res.stdout
+    assert res.stdout.count("--rdzv-endpoint 10.213.0.1:29400") == 3
+    assert res.stdout.count("NCCL_SOCKET_IFNAME==meshrun0") == 3
+    assert res.stdout.count("GLOO_SOCKET_IFNAME=meshrun0") == 3
+    assert res.stdout.count("is_host=0") == 3
+    # Options after the script belong to the script, even meshrun's own names.
+    assert res.stdout.count("ddp_train.py --epochs 2 --nnodes 9") == 3
+
+
+def test_missing_node_times_out_naming_it(mesh):
+    res = train(mesh, "--nodes", "dc1-a,dc2-a", "--nnodes", "2", "--timeout", "3", "--dry-run", "ddp_train.py",
+                check=True)
+    assert "# dc3-a" not in res.stdout
+    res = train(mesh, "--nodes", "nosuch", "ddp_train.py")
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines() == [
+        "meshrun: error: --nodes names unknown node(s): nosuch; members are: dc1-a, dc2-a, dc3-a"]
