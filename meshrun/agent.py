@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun import daemon, keys, peers, transport, wg
+from meshrun import daemon, keys, peers, probe, transport, wg
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, UsageError
-from meshrun.model import Member, Network, check_name, default_node_name, parse_endpoint
+from meshrun.model import Member, Network, check_mtu, check_name, default_node_name, parse_endpoint
 from meshrun.store import StateDir
 from meshrun.token import JoinToken, parse_token
 from meshrun.wgconf import render_quick
@@ -32,6 +32,8 @@ from meshrun.wgconf import render_quick
 log = logging.getLogger("meshrun.agent")
 
 SYNC_WAIT = 20.0
+FAST_WAIT = 2.0          # long-poll while a path is unproven
+PROBE_WINDOW_S = 10.0    # = paths.ATTEMPT_S: how long a new path gets to handshake
 READY_TIMEOUT = 45.0
 
 
@@ -43,6 +45,7 @@ class JoinResult:
     backend: str
     resumed: bool
     daemon_pid: int | None
+    mtu: int
 
 
 def enrol(tok: JoinToken, name: str, public_key: str, candidates: list[str], timeout: float = 15) -> dict:
@@ -67,7 +70,7 @@ def enrol(tok: JoinToken, name: str, public_key: str, candidates: list[str], tim
 
 
 def join(token: str, state: StateDir, name: str | None = None, endpoint: str | None = None,
-         start: bool = True) -> JoinResult:
+         start: bool = True, mtu: int | None = None) -> JoinResult:
     """Enrol this machine and bring up its interface; start the agent unless start=False.
 
     Run again on an enrolled node, it resumes with the same key and address. On failure
@@ -78,6 +81,8 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
     if state.exists:
         return resume(state, tok, start)
     name = check_name(name) if name else default_node_name(socket.gethostname())
+    if mtu is not None:
+        check_mtu(mtu)
     advertised = []
     if endpoint:
         try:
@@ -100,13 +105,19 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
         raise MeshrunError(f"network interface {network.interface} already exists on this machine",
                            "run `meshrun leave` if it is a leftover of meshrun, or remove it with `ip link del`")
 
+    underlay = None
+    if mtu is None:
+        host, _, port = network.endpoints[0].rpartition(":")
+        underlay = probe.path_mtu(host.strip("[]"), int(port))
+        mtu = probe.overlay_mtu(network.mtu, underlay)
+
     created_dir = state.create()
     pid = None
     try:
         state.write("private.key", private_key + "\n", secret=True)
         record = {"role": "node", "name": me.name, "network": network.to_dict(), "overlay_ip": me.overlay_ip,
-                  "public_key": me.public_key, "advertised": advertised}
-        backend, pid = bring_up(state, network, me.overlay_ip)
+                  "public_key": me.public_key, "advertised": advertised, "mtu": mtu, "underlay_mtu": underlay}
+        backend, pid = bring_up(state, network, me.overlay_ip, mtu)
         record.update(backend=backend, wg_pid=pid)
         state.write_json("member.json", record)
         save_members(state, 0, members)
@@ -123,7 +134,7 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
             state.remove("private.key", "member.json", "peers.json", f"{network.interface}.conf", "daemon.log",
                          "daemon.error", "daemon.lock", "wireguard-go.log")
         raise
-    return JoinResult(me.name, me.overlay_ip, network, backend, False, daemon_pid)
+    return JoinResult(me.name, me.overlay_ip, network, backend, False, daemon_pid, mtu)
 
 
 def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinResult:
@@ -140,7 +151,8 @@ def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinRe
     pid = state.read_pid()
     if pid is None and start:
         pid = daemon.spawn(state, timeout=READY_TIMEOUT)
-    return JoinResult(rec["name"], rec["overlay_ip"], network, wg.backend_of(network.interface), True, pid)
+    return JoinResult(rec["name"], rec["overlay_ip"], network, wg.backend_of(network.interface), True, pid,
+                      int(rec.get("mtu") or network.mtu))
 
 
 def _network(state: StateDir, rec: dict) -> Network:
@@ -151,9 +163,9 @@ def _network(state: StateDir, rec: dict) -> Network:
                          "restore it, or `meshrun leave --purge` and join again") from None
 
 
-def bring_up(state: StateDir, network: Network, address: str) -> tuple[str, int | None]:
+def bring_up(state: StateDir, network: Network, address: str, mtu: int | None = None) -> tuple[str, int | None]:
     from meshrun.coordinator import bring_up as _bring_up
-    return _bring_up(state, network, address)
+    return _bring_up(state, network, address, mtu)
 
 
 def save_members(state: StateDir, version: int, members: list[Member]) -> None:
@@ -168,17 +180,25 @@ def load_members(state: StateDir) -> tuple[int, list[Member]]:
         raise StateError(f"{state / 'peers.json'} is corrupt ({exc})", "remove it; the agent fetches it again") from None
 
 
-def apply_members(state: StateDir, network: Network, my_key: str, members: list[Member]) -> None:
-    """Make the interface's peers match `members` (minimal diff) and rewrite the wg-quick file."""
+def apply_members(state: StateDir, network: Network, my_key: str, members: list[Member],
+                  recreate: frozenset[str] = frozenset()) -> None:
+    """Make the interface's peers match `members` (minimal diff) and rewrite the wg-quick file.
+
+    Peers in `recreate` changed path: they are re-created so a fresh handshake proves the path.
+    """
     desired = peers.desired_for_node(my_key, members)
     _, current = wg.show(network.interface)
-    d = peers.diff(current, desired, time.time())
+    d = peers.diff(current, desired, time.time(), recreate)
     if d:
         log.info("peers: +%d ~%d -%d", len(d.add), len(d.update), len(d.remove))
         wg.apply(network.interface, d)
+        # WireGuard handshakes only when it has something to send: a datagram to each new
+        # direct peer starts the handshake now, so the new path is proven (or not) quickly.
+        probe.nudge([ip.split("/")[0] for spec in d.add for ip in spec.allowed_ips[:1]])
     rec = state.read_json("member.json")
     key = state.read("private.key").decode().strip()
-    text = render_quick(key, f"{rec['overlay_ip']}/{network.prefixlen}", network.listen_port, network.mtu,
+    text = render_quick(key, f"{rec['overlay_ip']}/{network.prefixlen}", network.listen_port,
+                        int(rec.get("mtu") or network.mtu),
                         desired, comment=f"meshrun network {network.name}, node {rec['name']}; managed by meshrun")
     state.write(f"{network.interface}.conf", text, secret=True)
 
@@ -195,6 +215,7 @@ class AgentService:
         self.version, self.members = load_members(state)
         self.ready = False
         self.removed = False
+        self.path_changed_at = 0.0
 
     def run(self) -> None:
         lock_fd = daemon.hold_lock(self.state)
@@ -215,7 +236,7 @@ class AgentService:
         try:
             while not self.stop_event.is_set():
                 try:
-                    self.sync_once(wait=SYNC_WAIT if self.ready else 0)
+                    self.sync_once(wait=self.wait_time() if self.ready else 0)
                     backoff = 0.5
                 except MeshrunError as exc:
                     if getattr(exc, "status", None) == 410:
@@ -242,7 +263,7 @@ class AgentService:
         if wg.interface_exists(self.iface):
             return
         log.info("interface %s is missing (reboot?); recreating it from state", self.iface)
-        backend, pid = bring_up(self.state, self.network, self.rec["overlay_ip"])
+        backend, pid = bring_up(self.state, self.network, self.rec["overlay_ip"], self.rec.get("mtu"))
         self.rec.update(backend=backend, wg_pid=pid)
         self.state.write_json("member.json", self.rec)
         if self.members:
@@ -256,6 +277,20 @@ class AgentService:
                   for p in current}
         return {"candidates": cands[:16], "peers": report}
 
+    def wait_time(self) -> float:
+        """Long-poll briefly while a path is being probed, so the coordinator hears of the
+        handshake (or its absence) quickly; otherwise wait long and cost nothing."""
+        if time.time() - self.path_changed_at < 2 * PROBE_WINDOW_S:
+            return FAST_WAIT
+        try:
+            _, current = wg.show(self.iface)
+        except MeshrunError:
+            return FAST_WAIT
+        relayed = {m.public_key for m in self.members if m.path == "relayed"}
+        if any(not p.latest_handshake for p in current if p.public_key not in relayed):
+            return FAST_WAIT
+        return SYNC_WAIT
+
     def sync_once(self, wait: float) -> None:
         body = dict(self.heartbeat(), version=self.version, wait=wait)
         answer = transport.call(self.network.coordinator_ip, self.network.api_port, "POST", "/v1/sync", body,
@@ -265,10 +300,20 @@ class AgentService:
             members = [Member.from_dict(m) for m in answer["members"]]
         except (KeyError, ValueError, TypeError) as exc:
             raise CoordinatorError(f"malformed sync answer ({exc})", "run the same meshrun version everywhere") from None
+        before = {m.public_key: m.path for m in self.members}
+        # Re-create a peer only when its path really changed; a first assignment ("" -> mode)
+        # keeps a tunnel that already works (the coordinator counts its handshake as proof).
+        recreate = frozenset(m.public_key for m in members
+                             if before.get(m.public_key) and before[m.public_key] != m.path
+                             or before.get(m.public_key) == "" and m.path == "private")
+        if recreate:
+            self.path_changed_at = time.time()
+            log.info("path changed for %s", ", ".join(f"{m.name}->{m.path}" for m in members
+                                                       if m.public_key in recreate))
         if version != self.version or members != self.members:
             save_members(self.state, version, members)
         self.version, self.members = version, members
-        apply_members(self.state, self.network, self.rec["public_key"], members)
+        apply_members(self.state, self.network, self.rec["public_key"], members, recreate)
         if not self.ready:
             self.ready = True
             daemon.mark_ready(self.state)

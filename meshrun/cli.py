@@ -231,6 +231,7 @@ def remove(name: str, state_dir: StateOpt = None) -> None:
 def join(token: Annotated[str, typer.Argument(help="The token printed by `meshrun init` or `token create`.")],
          name: Annotated[Optional[str], typer.Option(help="This node's name [default: hostname].")] = None,
          endpoint: Annotated[Optional[str], typer.Option(help="This node's own public HOST[:PORT], if it has one.")] = None,
+         mtu: Annotated[Optional[int], typer.Option(help="Overlay MTU [probed: the network's, lowered to fit the path].")] = None,
          foreground: Annotated[bool, typer.Option(help="Run the agent in this process (for systemd).")] = False,
          state_dir: StateOpt = None) -> None:
     """Join this machine to a network: make keys, enrol, bring up the interface, start the agent.
@@ -244,9 +245,10 @@ def join(token: Annotated[str, typer.Argument(help="The token printed by `meshru
     """
     from meshrun import agent, daemon
     state = _state(state_dir)
-    res = agent.join(token, state, name=name, endpoint=endpoint, start=not foreground)
+    res = agent.join(token, state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu)
     verb = "resumed" if res.resumed else "joined"
-    typer.echo(f"{verb} {res.network.name} as {res.name} at {res.overlay_ip} on {res.network.interface} ({res.backend})")
+    typer.echo(f"{verb} {res.network.name} as {res.name} at {res.overlay_ip} on {res.network.interface} "
+               f"({res.backend}, mtu {res.mtu})")
     if foreground:
         daemon.setup_logging()
         agent.AgentService(state).run()
@@ -265,6 +267,25 @@ def status(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
     from meshrun import status as st
     data = st.gather(_state(state_dir))
     typer.echo(json.dumps(data, indent=2) if json_out else st.render(data))
+
+
+@app.command()
+@handled
+def ping(peer: Annotated[str, typer.Argument(help="Peer name or overlay IP.")],
+         count: Annotated[int, typer.Option("--count", "-c", help="Probes to send.")] = 5,
+         json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+    """Measure the round trip to a peer over the overlay and show its path (direct/relayed).
+
+    \b
+    Examples:
+      meshrun ping gpu-b
+      meshrun ping 10.213.0.3 --count 20 --json
+    """
+    from meshrun import status as st
+    r = st.ping(_state(state_dir), peer, count)
+    typer.echo(json.dumps(r, indent=2) if json_out else st.render_ping(r))
+    if not r["received"]:
+        raise typer.Exit(1)
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True,

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun import daemon, ipam, keys, peers, wg
+from meshrun import daemon, ipam, keys, paths, peers, wg
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, TokenError, UsageError
 from meshrun.model import (DEFAULT_IFACE, DEFAULT_MTU, DEFAULT_PORT, Member, Network, check_interface, check_mtu,
                            check_name, check_port, parse_endpoint)
@@ -144,12 +144,12 @@ def init(opts: InitOptions, state: StateDir, start: bool = True) -> InitResult:
     return InitResult(network, tok.encode(), backend, state.path, daemon_pid)
 
 
-def bring_up(state: StateDir, network: Network, address: str) -> tuple[str, int | None]:
+def bring_up(state: StateDir, network: Network, address: str, mtu: int | None = None) -> tuple[str, int | None]:
     """Create and configure the interface from state; returns (backend, wireguard-go pid)."""
     backend, pid = wg.create_interface(network.interface, state / "wireguard-go.log")
     try:
         wg.configure(network.interface, state / "private.key", network.listen_port,
-                     f"{address}/{network.prefixlen}", network.mtu)
+                     f"{address}/{network.prefixlen}", mtu or network.mtu)
     except BaseException:
         with contextlib.suppress(Exception):
             wg.delete_interface(network.interface, pid)
@@ -247,8 +247,10 @@ class CoordinatorService:
         self.member = state.read_json("member.json")
         self.iface = self.network.interface
         self.cond = threading.Condition()
+        self.path_changes = 0
         self.version = self.db.version()
         self.reports: dict[str, dict] = {}     # node name -> its latest view of its peers
+        self.pairs: dict[tuple[str, str], paths.PairState] = self._load_pairs()
         self.limiter = RateLimiter()
         self.stop_event = threading.Event()
         self.apply_lock = threading.Lock()
@@ -260,6 +262,7 @@ class CoordinatorService:
         lock_fd = daemon.hold_lock(self.state)
         try:
             self._ensure_interface()
+            wg.enable_forwarding(self.iface)   # relayed pairs are forwarded wg -> wg here
             self.apply_peers()
             tls = server_tls_context(str(self.state / "tls.crt"), str(self.state / "tls.key"))
             self.servers.append(JSONServer(("0.0.0.0", self.network.listen_port), self.handle_public, tls))
@@ -315,19 +318,73 @@ class CoordinatorService:
                         self.network.rdzv_port, exc)
 
     def tick(self) -> None:
-        """One observation round: WireGuard's endpoints into the DB, peers onto the interface."""
+        """One observation round: WireGuard's endpoints into the DB, pair paths, peers onto the interface."""
         try:
             _, current = wg.show(self.iface)
         except MeshrunError as exc:
             log.warning("cannot read %s: %s", self.iface, exc)
             return
         changed = self.db.observe({p.public_key: (p.endpoint, p.latest_handshake) for p in current})
-        v = self.db.version()
+        if self.update_pairs(time.time()):
+            self.path_changes += 1
+        v = self.db.version() + self.path_changes
         if changed or v != self.version:
             self.apply_peers(current)
             with self.cond:
                 self.version = v
                 self.cond.notify_all()
+
+    # pair paths -------------------------------------------------------------
+    def _load_pairs(self) -> dict[tuple[str, str], paths.PairState]:
+        """Pair states survive a coordinator restart (paths.json), so working pairs are not re-probed."""
+        if not (self.state / "paths.json").exists():
+            return {}
+        try:
+            data = self.state.read_json("paths.json")
+            return {tuple(k.split("|", 1)): paths.PairState(v["mode"], float(v["since"]), bool(v["verified"]))
+                    for k, v in data.get("pairs", {}).items()}
+        except (StateError, KeyError, ValueError, TypeError) as exc:
+            log.warning("ignoring unreadable paths.json (%s); pairs are probed again", exc)
+            return {}
+
+    def pair_handshake(self, a: Member, b: Member) -> int:
+        """The newest handshake between a and b that either of them reported."""
+        best = 0
+        for x, y in ((a, b), (b, a)):
+            rep = self.reports.get(x.name, {}).get("peers", {}).get(y.public_key)
+            if isinstance(rep, dict) and isinstance(rep.get("handshake"), int):
+                best = max(best, rep["handshake"])
+        return best
+
+    def update_pairs(self, now: float) -> bool:
+        """Advance every pair's path state; True if any mode changed (nodes must be told)."""
+        # A pair is judged once both nodes have an observed endpoint and have reported their
+        # candidates (first sync): only then can "same site" be told apart from "elsewhere".
+        nodes = [m for m in self.db.members() if not m.is_coordinator and m.endpoint and m.candidates]
+        changed = False
+        new: dict[tuple[str, str], paths.PairState] = {}
+        for i, a in enumerate(nodes):
+            for b in nodes[i + 1:]:
+                key = paths.pair_key(a.name, b.name)
+                old = self.pairs.get(key)
+                hs = self.pair_handshake(a, b)
+                log.debug("pair %s-%s handshake %s state %s", a.name, b.name, hs, self.pairs.get(
+                    paths.pair_key(a.name, b.name)))
+                if old is None:
+                    st = paths.initial(a, b, hs, now)
+                    changed = True
+                else:
+                    st = paths.step(old, a, b, hs, now)
+                    if st.mode != old.mode:
+                        log.info("path %s <-> %s: %s -> %s", a.name, b.name, old.mode, st.mode)
+                        changed = True
+                new[key] = st
+        if new != self.pairs or len(new) != len(self.pairs):
+            self.pairs = new
+            self.state.write_json("paths.json", {"pairs": {
+                f"{a}|{b}": {"mode": st.mode, "since": st.since, "verified": st.verified}
+                for (a, b), st in sorted(new.items())}})
+        return changed
 
     def apply_peers(self, current=None) -> None:
         with self.apply_lock:
@@ -347,12 +404,18 @@ class CoordinatorService:
                             comment=f"meshrun network {self.network.name} (coordinator); managed by meshrun")
         self.state.write(f"{self.iface}.conf", text, secret=True)
 
-    def members_payload(self) -> list[dict]:
+    def members_payload(self, caller: Member | None = None) -> list[dict]:
+        """The member list as `caller` should see it: per peer the endpoint to dial and the path."""
         out = []
         for m in self.db.members():
             d = m.to_dict()
             if m.is_coordinator:
                 d["endpoint"] = self.network.endpoints[0]
+            elif caller is not None and m.name != caller.name and not caller.is_coordinator:
+                st = self.pairs.get(paths.pair_key(caller.name, m.name))
+                if st is not None:
+                    d["path"] = st.mode
+                    d["endpoint"] = paths.endpoint_for(st.mode, m)
             out.append(d)
         return out
 
@@ -392,7 +455,7 @@ class CoordinatorService:
         self.apply_peers()   # so the node's first handshake is answered
         self.tick()
         return Response(200, {"member": member.to_dict(), "network": self.network.to_dict(),
-                              "members": self.members_payload()})
+                              "members": self.members_payload(member)})
 
     # overlay API (WireGuard-authenticated) ------------------------------------
     def handle_overlay(self, req: Request) -> Response:
@@ -405,7 +468,7 @@ class CoordinatorService:
         if req.method == "POST" and req.path == "/v1/sync":
             return self.sync(caller, req.body if isinstance(req.body, dict) else {})
         if req.method == "GET" and req.path == "/v1/members":
-            return Response(200, {"network": self.network.to_dict(), "members": self.members_payload()})
+            return Response(200, {"network": self.network.to_dict(), "members": self.members_payload(caller)})
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
 
     def sync(self, caller: Member, body: dict) -> Response:
@@ -430,7 +493,7 @@ class CoordinatorService:
                 self.cond.wait(left)
             version = self.version
         return Response(200, {"version": version, "network": self.network.to_dict(),
-                              "members": self.members_payload()})
+                              "members": self.members_payload(caller)})
 
 
 def is_overlay_ip(network: Network, ip: str) -> bool:

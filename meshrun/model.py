@@ -70,6 +70,7 @@ class Member:
     candidates: tuple[str, ...] = field(default=())  # the member's own local ip:port addresses
     is_coordinator: bool = False
     last_handshake: int = 0                   # with the coordinator, unix seconds (0 = never)
+    path: str = ""                            # for the receiving node: private | public | relayed | ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -88,7 +89,8 @@ class Member:
             overlay_ip=str(ipaddress.IPv4Address(_str(d, "overlay_ip"))), endpoint=endpoint,
             candidates=tuple(parse_endpoint(c) for c in _strlist(d, "candidates", required=False)),
             is_coordinator=bool(d.get("is_coordinator", False)),
-            last_handshake=_int(d, "last_handshake", 0, 2**40, required=False))
+            last_handshake=_int(d, "last_handshake", 0, 2**40, required=False),
+            path=_choice(d, "path", ("", "private", "public", "relayed")))
 
 
 def parse_endpoint(value: str, default_port: int | None = None) -> str:
@@ -119,6 +121,13 @@ def _int(d: dict, key: str, lo: int, hi: int, required: bool = True) -> int:
     v = d.get(key, None if required else lo)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise ValueError(f"{key} must be an integer in {lo}..{hi}")
+    return v
+
+
+def _choice(d: dict, key: str, allowed: tuple[str, ...]) -> str:
+    v = d.get(key, allowed[0])
+    if v not in allowed:
+        raise ValueError(f"{key} must be one of {', '.join(allowed)}")
     return v
 
 

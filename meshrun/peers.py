@@ -57,15 +57,24 @@ class PeerDiff:
 
 
 def desired_for_node(my_key: str, members: Sequence[Member]) -> list[PeerSpec]:
-    """Peers for a node: every other member, at the endpoint the coordinator observed.
+    """Peers for a node: every other member, at the endpoint the coordinator chose for this node.
 
-    The coordinator's own entry carries its public endpoint(s) from the token.
+    The coordinator's own entry carries its public endpoint from the token. A peer whose path
+    is `relayed` keeps its entry (endpoint, keepalive: WireGuard keeps trying direct) but no
+    allowed IPs; its address is routed through the coordinator's entry instead.
     """
     out = []
+    relayed = [f"{m.overlay_ip}/32" for m in members if m.path == "relayed" and m.public_key != my_key]
     for m in members:
         if m.public_key == my_key:
             continue
-        out.append(PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), m.endpoint, KEEPALIVE, m.name))
+        if m.is_coordinator:
+            ips = (f"{m.overlay_ip}/32", *relayed)
+        elif m.path == "relayed":
+            ips = ()
+        else:
+            ips = (f"{m.overlay_ip}/32",)
+        out.append(PeerSpec(m.public_key, ips, m.endpoint, KEEPALIVE, m.name))
     return out
 
 
@@ -75,20 +84,25 @@ def desired_for_coordinator(members: Sequence[Member]) -> list[PeerSpec]:
             for m in members if not m.is_coordinator]
 
 
-def diff(current: Sequence[PeerState], desired: Sequence[PeerSpec], now: float) -> PeerDiff:
+def diff(current: Sequence[PeerState], desired: Sequence[PeerSpec], now: float,
+         recreate: frozenset[str] | set[str] = frozenset()) -> PeerDiff:
     """Compute the minimal PeerDiff.
 
     An existing peer's endpoint is only replaced when the desired one differs and the
     current one is unknown or has had no handshake for HANDSHAKE_FRESH_S: a live tunnel
-    is never moved to an address that might be worse.
+    is never moved to an address that might be worse. Peers in `recreate` (their path
+    changed) are removed and added again, so the next handshake proves the new path.
     """
     cur = {p.public_key: p for p in current}
     want = {p.public_key: p for p in desired}
     add, update = [], []
+    recreated = []
     for key, spec in want.items():
         have = cur.get(key)
-        if have is None:
+        if have is None or key in recreate:
             add.append(spec)
+            if have is not None:
+                recreated.append(key)
             continue
         endpoint = None
         if spec.endpoint and spec.endpoint != have.endpoint:
@@ -98,7 +112,7 @@ def diff(current: Sequence[PeerState], desired: Sequence[PeerSpec], now: float) 
         if (endpoint or tuple(sorted(spec.allowed_ips)) != tuple(sorted(have.allowed_ips))
                 or spec.keepalive != have.keepalive):
             update.append(PeerSpec(key, spec.allowed_ips, endpoint, spec.keepalive, spec.name))
-    remove = tuple(sorted(k for k in cur if k not in want))
+    remove = tuple(sorted([k for k in cur if k not in want] + recreated))
     key_order = lambda p: p.public_key  # noqa: E731 - deterministic output for tests and logs
     return PeerDiff(tuple(sorted(add, key=key_order)), tuple(sorted(update, key=key_order)), remove)
 

@@ -1,24 +1,56 @@
-"""`meshrun status`: what this member's interface and daemon look like, per peer.
+"""`meshrun status` and `meshrun ping`: what this member's interface and daemon look like.
 
-`gather` reads state and the live interface; `render` is pure text formatting.
+`gather`/`ping` read state, the live interface and probe peers; `render*` are pure text formatting.
 """
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
 
-from meshrun import agent, wg
-from meshrun.errors import MeshrunError
+from meshrun import agent, paths, probe, wg
+from meshrun.errors import UsageError
+from meshrun.model import Member
 from meshrun.store import CoordinatorDB, StateDir
 
 
-def gather(state: StateDir) -> dict:
+def path_label(m: Member | None, endpoint: str | None, allowed_ips: tuple[str, ...]) -> str:
+    """What a peer's traffic really takes: relayed (routed via the coordinator), or direct over a
+    private (same-site) or public endpoint, judged from the endpoint WireGuard is using now."""
+    if m is None:
+        return "unknown"
+    if m.path == paths.RELAYED or (not m.is_coordinator and not allowed_ips):
+        return paths.LABELS[paths.RELAYED]
+    private = paths.private_candidate(m)
+    if endpoint and private and paths.host_of(endpoint) == paths.host_of(private) and not m.is_coordinator:
+        return paths.LABELS[paths.PRIVATE]
+    return paths.LABELS[paths.PUBLIC]
+
+
+def _members(state: StateDir, rec: dict) -> list[Member]:
+    if rec.get("role") == "coordinator":
+        return CoordinatorDB(state / "coordinator.db").members()
+    return agent.load_members(state)[1] if (state / "peers.json").exists() else []
+
+
+def _latencies(ips: list[str], port: int) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+
+    def one(ip: str) -> None:
+        out[ip] = probe.tcp_rtt(ip, port, timeout=1.0)
+    ts = [threading.Thread(target=one, args=(ip,)) for ip in ips]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def gather(state: StateDir, measure: bool = True) -> dict:
     """Collect status as a JSON-able dict (no secrets: public keys only)."""
     rec, network = agent.load_node(state)
-    if rec.get("role") == "coordinator":
-        members = CoordinatorDB(state / "coordinator.db").members()
-    else:
-        members = agent.load_members(state)[1] if (state / "peers.json").exists() else []
+    members = _members(state, rec)
     by_key = {m.public_key: m for m in members}
     up = wg.interface_exists(network.interface)
     current = wg.show(network.interface)[1] if up else []
@@ -26,18 +58,36 @@ def gather(state: StateDir) -> dict:
     rows = []
     for p in current:
         m = by_key.get(p.public_key)
+        ip = m.overlay_ip if m else (p.allowed_ips[0].split("/")[0] if p.allowed_ips else "")
         rows.append({
-            "name": m.name if m else "?", "overlay_ip": m.overlay_ip if m else p.allowed_ips[0].split("/")[0]
-            if p.allowed_ips else "", "public_key": p.public_key, "endpoint": p.endpoint,
+            "name": m.name if m else "?", "overlay_ip": ip, "public_key": p.public_key, "endpoint": p.endpoint,
+            "path": path_label(m, p.endpoint, p.allowed_ips),
             "latest_handshake": p.latest_handshake or None,
             "handshake_age_s": now - p.latest_handshake if p.latest_handshake else None,
-            "rx_bytes": p.rx, "tx_bytes": p.tx, "allowed_ips": list(p.allowed_ips)})
+            "rx_bytes": p.rx, "tx_bytes": p.tx, "allowed_ips": list(p.allowed_ips), "latency_ms": None})
+    if measure and up:
+        rtts = _latencies([r["overlay_ip"] for r in rows if r["overlay_ip"]], network.api_port)
+        for r in rows:
+            rtt = rtts.get(r["overlay_ip"])
+            r["latency_ms"] = round(rtt * 1000, 2) if rtt is not None else None
     rows.sort(key=lambda r: tuple(int(x) for x in r["overlay_ip"].split(".")) if r["overlay_ip"] else (999,))
-    return {"network": network.name, "role": rec["role"], "name": rec["name"], "overlay_ip": rec["overlay_ip"],
-            "cidr": network.cidr, "interface": network.interface, "interface_up": up,
-            "backend": wg.backend_of(network.interface) if up else rec.get("backend"),
-            "listen_port": network.listen_port, "mtu": network.mtu, "daemon_pid": state.read_pid(),
-            "removed": bool(rec.get("removed")), "peers": rows}
+    out = {"network": network.name, "role": rec["role"], "name": rec["name"], "overlay_ip": rec["overlay_ip"],
+           "cidr": network.cidr, "interface": network.interface, "interface_up": up,
+           "backend": wg.backend_of(network.interface) if up else rec.get("backend"),
+           "listen_port": network.listen_port, "mtu": int(rec.get("mtu") or network.mtu),
+           "daemon_pid": state.read_pid(), "removed": bool(rec.get("removed")), "peers": rows}
+    if rec.get("role") == "coordinator":
+        out["pairs"] = _pairs(state)
+    return out
+
+
+def _pairs(state: StateDir) -> list[dict]:
+    """Every node pair's path as the coordinator decided it (paths.json, written by its daemon)."""
+    if not (state / "paths.json").exists():
+        return []
+    data = state.read_json("paths.json").get("pairs", {})
+    return [{"a": k.split("|")[0], "b": k.split("|")[1], "path": paths.LABELS.get(v.get("mode"), "?"),
+             "verified": bool(v.get("verified"))} for k, v in sorted(data.items())]
 
 
 def _age(s: int | None) -> str:
@@ -58,20 +108,59 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
+def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*cols)] + [fmt.format(*r) for r in rows]
+
+
 def render(st: dict) -> str:
-    """Human-readable status: a header and a table of peers."""
+    """Human-readable status: a header, a table of peers, and on the coordinator the node pairs."""
     daemon = f"running (pid {st['daemon_pid']})" if st["daemon_pid"] else "not running"
     iface = f"{st['interface']} ({st['backend']})" if st["interface_up"] else f"{st['interface']} DOWN"
     head = [f"network {st['network']}  {st['role']} {st['name']}  {st['overlay_ip']} in {st['cidr']}",
             f"interface {iface}  udp/{st['listen_port']}  mtu {st['mtu']}  daemon {daemon}"]
     if st.get("removed"):
         head.append("this node was REMOVED from the network by the coordinator")
-    cols = ["NAME", "OVERLAY IP", "ENDPOINT", "HANDSHAKE", "RX", "TX"]
-    rows = [[r["name"], r["overlay_ip"], r["endpoint"] or "-", _age(r["handshake_age_s"]), _bytes(r["rx_bytes"]),
-             _bytes(r["tx_bytes"])] for r in st["peers"]]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = head + ["", fmt.format(*cols)] + [fmt.format(*r) for r in rows]
+    cols = ["NAME", "OVERLAY IP", "PATH", "ENDPOINT", "HANDSHAKE", "LATENCY", "RX", "TX"]
+    rows = [[r["name"], r["overlay_ip"], r.get("path", "-"), r["endpoint"] or "-", _age(r["handshake_age_s"]),
+             "-" if r.get("latency_ms") is None else f"{r['latency_ms']:.1f} ms",
+             _bytes(r["rx_bytes"]), _bytes(r["tx_bytes"])] for r in st["peers"]]
+    lines = head + [""] + _table(cols, rows)
     if not rows:
         lines.append("(no peers yet)")
+    if st.get("pairs"):
+        lines += ["", "node pairs:"] + _table(["A", "B", "PATH", "VERIFIED"], [
+            [p["a"], p["b"], p["path"], "yes" if p["verified"] else "probing"] for p in st["pairs"]])
     return "\n".join(line.rstrip() for line in lines)
+
+
+def ping(state: StateDir, peer: str, count: int = 5, interval: float = 0.2) -> dict:
+    """TCP round trips to `peer` (name or overlay IP) over the overlay, with its path."""
+    if count < 1:
+        raise UsageError(f"--count {count} must be at least 1", "e.g. --count 5")
+    st = gather(state, measure=False)
+    row = next((r for r in st["peers"] if peer in (r["name"], r["overlay_ip"])), None)
+    if row is None:
+        names = ", ".join(r["name"] for r in st["peers"]) or "none"
+        raise UsageError(f"{peer!r} is not a peer of this member", f"peers are: {names}")
+    _, network = agent.load_node(state)
+    rtts = []
+    for i in range(count):
+        rtt = probe.tcp_rtt(row["overlay_ip"], network.api_port, timeout=2.0)
+        if rtt is not None:
+            rtts.append(rtt * 1000)
+        if i + 1 < count:
+            time.sleep(interval)
+    return {"peer": row["name"], "overlay_ip": row["overlay_ip"], "path": row["path"], "endpoint": row["endpoint"],
+            "sent": count, "received": len(rtts),
+            "rtt_ms": {"min": min(rtts), "avg": statistics.fmean(rtts), "max": max(rtts)} if rtts else None}
+
+
+def render_ping(r: dict) -> str:
+    via = f"{r['path']}" + (f" via {r['endpoint']}" if r["endpoint"] and r["path"] != "relayed" else "")
+    if not r["rtt_ms"]:
+        return f"{r['peer']} ({r['overlay_ip']}) {via}: no answer ({r['received']}/{r['sent']})"
+    t = r["rtt_ms"]
+    return (f"{r['peer']} ({r['overlay_ip']}) {via}: rtt min/avg/max {t['min']:.2f}/{t['avg']:.2f}/{t['max']:.2f} ms "
+            f"({r['received']}/{r['sent']} answered)")

@@ -21,7 +21,8 @@ from meshrun.wgconf import parse_dump
 
 log = logging.getLogger("meshrun.wg")
 
-PACKAGES = {"ip": "iproute2", "wg": "wireguard-tools", "wireguard-go": "wireguard-go", "iptables": "iptables"}
+PACKAGES = {"ip": "iproute2", "wg": "wireguard-tools", "wireguard-go": "wireguard-go", "iptables": "iptables",
+            "sysctl": "procps"}
 UAPI_DIR = Path("/var/run/wireguard")
 CAP_NET_ADMIN = 12
 
@@ -158,6 +159,23 @@ def configure(name: str, key_path: Path, listen_port: int, address: str, mtu: in
     cmd(["wg", "set", name, "listen-port", str(listen_port), "private-key", str(key_path)])
     cmd(["ip", "-4", "address", "replace", address, "dev", name])
     cmd(["ip", "link", "set", "dev", name, "mtu", str(mtu), "up"])
+
+
+def enable_forwarding(name: str) -> None:
+    """Let the coordinator forward overlay packets between peers (relayed pairs).
+
+    Only packets that arrive on `name` are forwarded (per-interface switch, not the global
+    ip_forward); redirects are off because in and out interface are the same. If the FORWARD
+    chain drops by default (Docker hosts), one rule accepts wg-to-wg traffic.
+    """
+    for key, value in (("forwarding", "1"), ("send_redirects", "0")):
+        cmd(["sysctl", "-q", "-w", f"net.ipv4.conf.{name}.{key}={value}"])
+    if shutil.which("iptables") is None:
+        return
+    policy = cmd(["iptables", "-S", "FORWARD"], check=False, quiet=True).stdout
+    rule = ["FORWARD", "-i", name, "-o", name, "-j", "ACCEPT"]
+    if "-P FORWARD DROP" in policy and cmd(["iptables", "-C", *rule], check=False, quiet=True).returncode != 0:
+        cmd(["iptables", "-I", *rule])
 
 
 def set_mtu(name: str, mtu: int) -> None:

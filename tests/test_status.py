@@ -12,11 +12,11 @@ STATUS = {
     "daemon_pid": 4242, "removed": False,
     "peers": [
         {"name": "coord", "overlay_ip": "10.213.0.1", "endpoint": "203.0.113.1:51820", "handshake_age_s": 5,
-         "rx_bytes": 1023, "tx_bytes": 1024},
+         "rx_bytes": 1023, "tx_bytes": 1024, "path": "direct (public)", "latency_ms": 0.5},
         {"name": "gpu-b", "overlay_ip": "10.213.0.3", "endpoint": None, "handshake_age_s": None,
-         "rx_bytes": 0, "tx_bytes": 5 * 1024 * 1024},
+         "rx_bytes": 0, "tx_bytes": 5 * 1024 * 1024, "path": "relayed", "latency_ms": None},
         {"name": "?", "overlay_ip": "10.213.0.10", "endpoint": "[2001:db8::1]:51820", "handshake_age_s": 7300,
-         "rx_bytes": 3 * 1024 ** 4, "tx_bytes": 1536},
+         "rx_bytes": 3 * 1024 ** 4, "tx_bytes": 1536, "path": "unknown", "latency_ms": None},
     ],
 }
 
@@ -26,10 +26,10 @@ def test_render_table():
 network lab  node gpu-a  10.213.0.2 in 10.213.0.0/16
 interface meshrun0 (wireguard-go)  udp/51820  mtu 1420  daemon running (pid 4242)
 
-NAME   OVERLAY IP   ENDPOINT             HANDSHAKE  RX          TX
-coord  10.213.0.1   203.0.113.1:51820    5s ago     1023 B      1.0 KiB
-gpu-b  10.213.0.3   -                    never      0 B         5.0 MiB
-?      10.213.0.10  [2001:db8::1]:51820  2h ago     3072.0 GiB  1.5 KiB"""
+NAME   OVERLAY IP   PATH             ENDPOINT             HANDSHAKE  LATENCY  RX          TX
+coord  10.213.0.1   direct (public)  203.0.113.1:51820    5s ago     0.5 ms   1023 B      1.0 KiB
+gpu-b  10.213.0.3   relayed          -                    never      -        0 B         5.0 MiB
+?      10.213.0.10  unknown          [2001:db8::1]:51820  2h ago     -        3072.0 GiB  1.5 KiB"""
 
 
 def test_render_down_removed_no_peers():
@@ -41,7 +41,7 @@ network lab  coordinator coord  10.213.0.1 in 10.213.0.0/16
 interface meshrun0 DOWN  udp/51820  mtu 1420  daemon not running
 this node was REMOVED from the network by the coordinator
 
-NAME  OVERLAY IP  ENDPOINT  HANDSHAKE  RX  TX
+NAME  OVERLAY IP  PATH  ENDPOINT  HANDSHAKE  LATENCY  RX  TX
 (no peers yet)"""
 
 

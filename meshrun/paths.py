@@ -1,0 +1,95 @@
+"""Per-pair path selection: private (same site), public (direct), or relayed via the coordinator.
+
+Pure; the coordinator runs `step` for every pair of nodes once a second with what both nodes
+report about each other (their latest WireGuard handshake), and tells both sides the result,
+so the two ends of a pair always agree (a pair relayed on one side only would drop packets:
+WireGuard filters inbound packets by the sending peer's allowed IPs).
+
+A pair starts `private` when both nodes sit behind the same public IP and report private
+candidates (same VPC/LAN: no hairpin through the gateway), else `public`. Each side re-creates
+its peer entry on a mode change, so a handshake newer than the change proves the new path.
+Without one within ATTEMPT_S, the pair falls back: private -> public -> relayed. A relayed pair
+keeps its direct entry (no allowed IPs, keepalive on), so WireGuard keeps trying; the first
+handshake there switches the pair back to public.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from meshrun.model import Member
+
+ATTEMPT_S = 10.0         # how long a new path gets to produce a handshake
+STALE_S = 180.0          # WireGuard rekeys every 120 s while a tunnel is used; older = broken
+PRIVATE, PUBLIC, RELAYED = "private", "public", "relayed"
+LABELS = {PRIVATE: "direct (private)", PUBLIC: "direct (public)", RELAYED: "relayed"}
+
+
+@dataclass(frozen=True)
+class PairState:
+    mode: str
+    since: float             # when this mode was chosen
+    verified: bool = False   # a handshake newer than `since` was seen
+
+
+def host_of(endpoint: str | None) -> str | None:
+    if not endpoint:
+        return None
+    return endpoint.rpartition(":")[0].strip("[]")
+
+
+def private_candidate(m: Member) -> str | None:
+    """The member's first self-reported candidate on a private address (its LAN endpoint)."""
+    for c in m.candidates:
+        try:
+            if ipaddress.ip_address(host_of(c) or "").is_private:
+                return c
+        except ValueError:
+            continue
+    return None
+
+
+def same_site(a: Member, b: Member) -> bool:
+    """Both behind one public IP (as the coordinator observed them) and both with a LAN candidate."""
+    ha, hb = host_of(a.endpoint), host_of(b.endpoint)
+    return bool(ha and ha == hb and private_candidate(a) and private_candidate(b))
+
+
+def initial(a: Member, b: Member, handshake: int, now: float) -> PairState:
+    """First state of a pair. A pair that already has a fresh handshake (e.g. after a coordinator
+    restart without paths.json) keeps its working tunnel instead of being probed again."""
+    if same_site(a, b):
+        return PairState(PRIVATE, now)
+    fresh = bool(handshake) and now - handshake < STALE_S
+    return PairState(PUBLIC, now, verified=fresh)
+
+
+def _since(handshake: int, since: float) -> bool:
+    # WireGuard reports handshakes in whole seconds: one in the same second as `since` counts.
+    return handshake >= int(since)
+
+
+def step(state: PairState, a: Member, b: Member, handshake: int, now: float) -> PairState:
+    """Next state of pair (a, b) given the newest handshake either side reports (unix s, 0 = none)."""
+    fresh = bool(handshake) and now - handshake < STALE_S
+    if state.mode == RELAYED:
+        # The direct entry kept trying; a handshake after we relayed means direct works now.
+        return PairState(PUBLIC, now) if fresh and handshake > int(state.since) else state
+    if fresh and (state.verified or _since(handshake, state.since)):
+        return state if state.verified else PairState(state.mode, state.since, True)
+    if not state.verified and now - state.since < ATTEMPT_S:
+        return state
+    # Unproven after the attempt window, or a verified tunnel gone stale: fall back one step.
+    return PairState(PUBLIC, now) if state.mode == PRIVATE else PairState(RELAYED, now)
+
+
+def endpoint_for(mode: str, peer: Member) -> str | None:
+    """The endpoint a node should dial for `peer` in `mode`."""
+    if mode == PRIVATE:
+        return private_candidate(peer) or peer.endpoint
+    return peer.endpoint
+
+
+def pair_key(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a < b else (b, a)
