@@ -300,6 +300,10 @@ class AgentService:
             members = [Member.from_dict(m) for m in answer["members"]]
         except (KeyError, ValueError, TypeError) as exc:
             raise CoordinatorError(f"malformed sync answer ({exc})", "run the same meshrun version everywhere") from None
+        if not any(m.public_key == self.rec["public_key"] for m in members):
+            err = StateError("this node is no longer a member of the network", "ask the operator for a new token")
+            err.status = 410  # type: ignore[attr-defined]
+            raise err
         before = {m.public_key: m.path for m in self.members}
         # Re-create a peer only when its path really changed; a first assignment ("" -> mode)
         # keeps a tunnel that already works (the coordinator counts its handshake as proof).

@@ -388,8 +388,12 @@ def daemon(state_dir: StateOpt = None) -> None:
     from meshrun import daemon as d
     d.setup_logging()
     state = _state(state_dir)
-    rec, _ = agent.load_node(state)
-    svc = coordinator.CoordinatorService(state) if rec["role"] == "coordinator" else agent.AgentService(state)
+    try:
+        rec, _ = agent.load_node(state)
+        svc = coordinator.CoordinatorService(state) if rec["role"] == "coordinator" else agent.AgentService(state)
+    except MeshrunError as err:
+        d.record_fatal(state, err)  # so `up`/`join` can show the real reason, naming the file
+        raise
     svc.run()
 
 

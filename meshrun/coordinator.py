@@ -38,6 +38,7 @@ log = logging.getLogger("meshrun.coordinator")
 
 DEFAULT_TTL = "12h"
 SYNC_WAIT_MAX = 25.0
+REMOVED_GRACE_S = 5.0   # a removed node's pending long-poll is answered 410 within this
 OBSERVE_INTERVAL = 1.0
 
 
@@ -328,7 +329,7 @@ class CoordinatorService:
         if self.update_pairs(time.time()):
             self.path_changes += 1
         v = self.db.version() + self.path_changes
-        if changed or v != self.version:
+        if changed or v != self.version or self.db.recently_removed(REMOVED_GRACE_S + 5):
             self.apply_peers(current)
             with self.cond:
                 self.version = v
@@ -390,14 +391,20 @@ class CoordinatorService:
         with self.apply_lock:
             if current is None:
                 _, current = wg.show(self.iface)
-            d = peers.diff(current, peers.desired_for_coordinator(self.db.members()), time.time())
+            d = peers.diff(current, self.desired_peers(), time.time())
             if d:
                 log.info("peers: +%d ~%d -%d", len(d.add), len(d.update), len(d.remove))
                 wg.apply(self.iface, d)
                 self._write_conf()
 
+    def desired_peers(self) -> list[peers.PeerSpec]:
+        """Every member, plus members removed in the last REMOVED_GRACE_S: the coordinator stays
+        reachable for a moment so the removed node's pending long-poll gets its 410 and its agent
+        takes the interface down. Other nodes drop a removed member at once."""
+        return peers.desired_for_coordinator(self.db.members() + self.db.recently_removed(REMOVED_GRACE_S))
+
     def _write_conf(self) -> None:
-        specs = peers.desired_for_coordinator(self.db.members())
+        specs = self.desired_peers()
         key = self.state.read("private.key").decode().strip()
         text = render_quick(key, f"{self.network.coordinator_ip}/{self.network.prefixlen}",
                             self.network.listen_port, self.network.mtu, specs,
@@ -480,7 +487,7 @@ class CoordinatorService:
             report = body.get("peers", {})
             if not isinstance(report, dict):
                 raise ValueError("peers must be an object")
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):
             return Response.error(400, UsageError("malformed sync request", "use the meshrun agent"))
         self.db.heartbeat(caller.overlay_ip, candidates)
         self.reports[caller.name] = {"time": time.time(), "peers": report}
@@ -492,6 +499,9 @@ class CoordinatorService:
                     break
                 self.cond.wait(left)
             version = self.version
+        if self.db.member_by_ip(caller.overlay_ip) is None:   # removed while it waited
+            return Response.error(410, StateError("this node was removed from the network",
+                                                  "ask the operator for a new token and join again"))
         return Response(200, {"version": version, "network": self.network.to_dict(),
                               "members": self.members_payload(caller)})
 

@@ -31,7 +31,7 @@ from meshrun.transport import JSONServer, Request, Response
 
 log = logging.getLogger("meshrun.jobs")
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+JOB_ID_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,64}\Z")  # never "." or "..": it names a directory
 MAX_CODE = 200 * 1024 * 1024
 TICK_S = 2.0
 KILL_GRACE_S = 5.0

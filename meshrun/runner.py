@@ -296,12 +296,16 @@ class Train:
                     self.console.line(text, err=ev.get("stream") == "stderr")
                 elif kind == "exit":
                     self.results[p.node] = ev
-                    if (ev.get("code") or ev.get("failures")) and not self.elastic():
+                    # A launcher that exits 0 may carry failure records from attempts torch elastic
+                    # recovered from; only a failed launcher stops a fixed-size job.
+                    if ev.get("code") and not self.elastic():
                         self._fail_fast(p.node)
         except MeshrunError as exc:
             if not self.cancel_event.is_set():
                 self.console.line(f"{prefix} meshrun: lost the job stream: {exc}", err=True)
-                self.results.setdefault(p.node, {"code": 255, "failures": [], "lost": True})
+        if p.node not in self.results and not self.cancel_event.is_set():
+            self.console.line(f"{prefix} meshrun: lost the node's share (node or agent gone)", err=True)
+            self.results[p.node] = {"code": 255, "failures": [], "lost": True}
 
     def elastic(self) -> bool:
         if not self.req.nnodes:
@@ -340,27 +344,36 @@ class Train:
             t.start()
 
     def _verdict(self, plans: list[launch.NodeLaunch]) -> int:
+        """The exit code: 0 when the job finished (on at least MIN nodes for elastic jobs), else the
+        first failing rank's code (by time), else the failing launcher's code."""
         if self.cancel_event.is_set():
             self.console.line("meshrun: job cancelled", err=True)
             return 130
+        ok = [p.node for p in plans if self.results.get(p.node, {}).get("code") == 0]
+        lost = [p.node for p in plans if self.results.get(p.node, {}).get("lost")]
         failures = [f for r in self.results.values() for f in r.get("failures", [])]
+        lo = launch.parse_nnodes(self.req.nnodes)[0] if self.req.nnodes else len(plans)
+        if len(ok) == len(plans) or (self.elastic() and len(ok) >= lo):
+            notes = []
+            if lost:
+                notes.append(f"lost {', '.join(lost)} mid-job; torch elastic continued without it")
+            if failures:
+                notes.append(f"{len(failures)} worker exit(s) recovered by restarts")
+            self.console.line(f"meshrun: job {self.job_id} finished on {len(ok)} node(s)"
+                              + (f" ({'; '.join(notes)})" if notes else ""), err=True)
+            return 0
         if failures:
             first = min(failures, key=lambda f: f.get("time", 0))
             code = int(first.get("exit_code") or 1)
             self.console.line(f"meshrun: job {self.job_id} failed: rank {first.get('rank')} on "
                               f"{first.get('node')} exited with code {code} (first failure)", err=True)
             return code if 0 < code < 256 else 1
-        bad = [(n, r) for n, r in self.results.items() if r.get("code")]
-        missing = [p.node for p in plans if p.node not in self.results]
-        if bad or missing:
-            node, r = bad[0] if bad else (missing[0], {"code": 1})
-            code = int(r.get("code") or 1)
-            code = code if 0 < code < 256 else 1
-            self.console.line(f"meshrun: job {self.job_id} failed: the launcher on {node} exited with code {code}",
-                              err=True)
-            return code
-        self.console.line(f"meshrun: job {self.job_id} finished on {len(plans)} node(s)", err=True)
-        return 0
+        node = next(p.node for p in plans if p.node not in ok)
+        code = int(self.results.get(node, {}).get("code") or 1)
+        code = code if 0 < code < 256 else 1
+        self.console.line(f"meshrun: job {self.job_id} failed: the launcher on {node} exited with code {code}",
+                          err=True)
+        return code
 
 
 def train(state: StateDir, req: TrainRequest, console: Console | None = None) -> int:

@@ -228,6 +228,19 @@ class CoordinatorDB:
         return cls(path)
 
     def _open(self) -> None:
+        # Check read-only first: a read-write open would let SQLite "repair" a truncated or
+        # garbled file (CREATE TABLE IF NOT EXISTS writes page 1), silently resetting the network.
+        try:
+            ro = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30)
+            try:
+                verdict = ro.execute("PRAGMA quick_check").fetchone()
+                if self.path.stat().st_size and (verdict is None or verdict[0] != "ok"):
+                    raise sqlite3.DatabaseError(f"quick_check says {verdict[0] if verdict else 'nothing'}")
+            finally:
+                ro.close()
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"{self.path} is not a readable meshrun database ({exc})",
+                             "restore it from a backup; meshrun will not reset it") from None
         try:
             self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
             self.conn.execute("PRAGMA journal_mode=WAL")
@@ -245,13 +258,19 @@ class CoordinatorDB:
     def tx(self):
         """A write transaction (BEGIN IMMEDIATE); rolled back on any exception."""
         with self._lock:
-            self.conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self.conn
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-            self.conn.execute("COMMIT")
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self.conn
+                except BaseException:
+                    self.conn.execute("ROLLBACK")
+                    raise
+                self.conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:  # disk full, read-only, locked too long
+                with contextlib.suppress(sqlite3.Error):
+                    self.conn.execute("ROLLBACK")
+                raise StateError(f"cannot write {self.path}: {exc}; the previous version is unchanged",
+                                 "free disk space or fix permissions, then run the command again") from None
 
     # meta ------------------------------------------------------------------
     def set_meta(self, **values: str) -> None:
@@ -381,6 +400,14 @@ class CoordinatorDB:
         return self._member_where(self.conn, "name=? AND removed_at IS NULL", (name,))
 
     @_locked
+    @_locked
+    def recently_removed(self, grace_s: float, now: float | None = None) -> list[Member]:
+        """Members removed less than `grace_s` ago (kept reachable so they can learn of it)."""
+        now = time.time() if now is None else now
+        rows = self.conn.execute(f"SELECT {self._COLS} FROM members WHERE removed_at > ? AND is_coordinator=0",
+                                 (now - grace_s,)).fetchall()
+        return [self._row_member(r) for r in rows]
+
     def is_removed_ip(self, ip: str) -> bool:
         return self.conn.execute("SELECT 1 FROM members WHERE overlay_ip=? AND removed_at IS NOT NULL",
                                  (ip,)).fetchone() is not None
