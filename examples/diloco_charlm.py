@@ -68,11 +68,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per worker [0: the node's cores / its local workers]; set it when "
+                        "several nodes share one machine (e.g. the namespace testbed)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     args = p.parse_args(argv)
     for name in ("steps", "sync_every", "batch_size", "seq_len", "hidden", "val_batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    if args.threads < 0:
+        p.error(f"--threads={args.threads} must be 0 (automatic) or more")
     return args
 
 
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         torch.cuda.set_device(device)
     else:  # share the CPU cores between the local workers instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
 

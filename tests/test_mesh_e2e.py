@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 import json
 import socket
 
@@ -117,3 +118,76 @@ def test_leave_and_down_remove_interfaces_and_daemons(world_factory):
     assert world.node("dc1-a").run("ip", "link", "show", "meshrun0", check=False).returncode != 0
     st = json.loads(mesh.meshrun("dc1-a", "status", "--json").stdout)
     assert st["interface_up"] is False and st["daemon_pid"] is None
+
+
+def _one_error(res) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0 and len(lines) == 1 and lines[0].startswith("meshrun: error: "), res
+    return lines[0]
+
+
+def test_setup_errors_are_one_line_and_leave_nothing(world_factory, tmp_path):
+    """Interface already there, CIDR overlapping a local route, coordinator unreachable, missing
+    `wg`: each is one clear line naming the value and the fix, with no state or interface left."""
+    from meshrun.token import parse_token
+    world = world_factory(3)
+    mesh = Mesh(world, "dc1-a")
+    n2, n3 = world.node("dc2-a"), world.node("dc3-a")
+
+    # Overlay range overlapping the datacenter's own subnet (172.31.32.0/20 on eth0).
+    line = _one_error(mesh.meshrun(n2, "init", "--cidr", "172.31.0.0/16", "--endpoint", "203.0.113.21", check=False))
+    assert line == ("meshrun: error: overlay range 172.31.0.0/16 overlaps the local route 172.31.32.0/20 on eth0; "
+                    "pick a range that no local network uses with --cidr, e.g. --cidr 10.213.0.0/16 or 10.231.0.0/16")
+    assert not mesh.state_dir(n2).exists()
+
+    # `wg` missing: only `ip` on PATH (plus python itself, called by absolute path).
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "ip").symlink_to("/usr/sbin/ip" if Path("/usr/sbin/ip").exists() else "/sbin/ip")
+    line = _one_error(n2.run("env", f"PATH={bindir}", f"MESHRUN_STATE_DIR={mesh.state_dir(n2)}", mesh.python, "-m",
+                             "meshrun", "init", "--endpoint", "203.0.113.21", check=False))
+    assert line == "meshrun: error: `wg` is not installed; install it: apt-get install wireguard-tools"
+    assert not mesh.state_dir(n2).exists()
+
+    # A leftover interface with our name.
+    n2.run("ip", "link", "add", "meshrun0", "type", "veth", "peer", "name", "mrpeer0")
+    line = _one_error(mesh.meshrun(n2, "init", "--endpoint", "203.0.113.21", check=False))
+    assert "network interface meshrun0 already exists" in line and "--interface" in line
+    assert not mesh.state_dir(n2).exists()
+
+    token = mesh.init()
+    line = _one_error(mesh.meshrun(n2, "join", token, "--name", "dc2-a", check=False))
+    assert "network interface meshrun0 already exists on this machine" in line
+    assert not mesh.state_dir(n2).exists()
+    n2.run("ip", "link", "del", "meshrun0")
+
+    # A token whose endpoint has no coordinator (dc3's public IP: nothing listens there).
+    tok = parse_token(token)
+    wrong = type(tok)(tok.network, ("203.0.113.31:51820",), tok.fingerprint, tok.token_id, tok.secret).encode()
+    line = _one_error(mesh.meshrun(n2, "join", wrong, "--name", "dc2-a", check=False))
+    assert line.startswith("meshrun: error: cannot reach 203.0.113.31:51820 over TCP (")
+    assert "TCP port 51820 is open" in line
+    assert not mesh.state_dir(n2).exists()
+    assert n2.run("ip", "link", "show", "meshrun0", check=False).returncode != 0
+    # The real token still works afterwards: nothing half-done got in the way.
+    mesh.join(n2)
+    mesh.wait_ping(n2, mesh.overlay_ip("dc1-a"))
+
+
+def test_new_peer_does_not_interrupt_running_traffic(world_factory):
+    """A ping stream between two nodes loses nothing while a third node joins (peers are
+    added with one `wg set`, existing sessions untouched)."""
+    world = world_factory(4)
+    mesh = Mesh(world, "dc1-a")
+    mesh.init()
+    mesh.join("dc2-a")
+    mesh.join("dc3-a")
+    dst = mesh.overlay_ip("dc3-a")
+    mesh.wait_ping("dc2-a", dst)
+    stream = world.node("dc2-a").popen("ping", "-i", "0.05", "-c", "120", dst, stdout=__import__("subprocess").PIPE,
+                                       text=True)
+    import time
+    time.sleep(1)
+    mesh.join("dc4-a")
+    out = stream.communicate(timeout=60)[0]
+    assert " 0% packet loss" in out, out

@@ -1,0 +1,110 @@
+"""Shared helpers for the benchmarks: testbed worlds running meshrun, results files, summaries.
+
+Every benchmark builds its own world under a unique prefix and tears it down on exit (also on
+errors and Ctrl-C, through World's context manager), writes benchmarks/results/NAME.json and
+prints one summary line. Ratios are always measured side by side in one run: the machine is
+shared and absolute timings are noisy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+
+from meshrun.testbed import DatacenterSpec, Mesh, World  # noqa: E402
+
+
+def need_root() -> None:
+    if os.geteuid() != 0:
+        sys.exit("this benchmark builds network namespaces: run it as root")
+
+
+def prefix(tag: str) -> str:
+    """A short unique testbed prefix: tag (<= 3 chars) + 4 hex digits."""
+    return f"{tag[:3]}{secrets.token_hex(2)}"
+
+
+@contextlib.contextmanager
+def mesh_world(n_nodes: int, tag: str, rate_mbit: int | None = None, join: bool = True):
+    """A world with one coordinator datacenter (dc1) plus `n_nodes` node datacenters, meshrun running.
+
+    Yields (world, mesh, node_names). Joins run in parallel. Everything is torn down on exit.
+    """
+    specs = [DatacenterSpec(f"dc{i}", rate_mbit=rate_mbit) for i in range(1, n_nodes + 2)]
+    with World(specs, prefix=prefix(tag)) as world:
+        mesh = Mesh(world, "dc1-a")
+        mesh.init()
+        names = [f"dc{i}-a" for i in range(2, n_nodes + 2)]
+        if join:
+            join_all(mesh, names)
+        try:
+            yield world, mesh, names
+        finally:
+            for n in [*names, "dc1-a"]:     # stop daemons cleanly; down() kills whatever is left
+                with contextlib.suppress(Exception):
+                    mesh.meshrun(n, "leave" if n != "dc1-a" else "down", "--purge", check=False, timeout=30)
+
+
+def join_all(mesh: Mesh, names: list[str]) -> list[float]:
+    """`meshrun join` on every node at once; returns each join's wall time (raises the first error)."""
+    errs: list[BaseException] = []
+    times = [0.0] * len(names)
+
+    def go(i: int, n: str) -> None:
+        t0 = time.monotonic()
+        try:
+            mesh.join(n)
+        except BaseException as exc:   # noqa: BLE001 - re-raised below
+            errs.append(exc)
+        times[i] = time.monotonic() - t0
+    ts = [threading.Thread(target=go, args=(i, n)) for i, n in enumerate(names)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errs:
+        raise errs[0]
+    return times
+
+
+def wg_version() -> str:
+    try:
+        out = subprocess.run(["wireguard-go", "--version"], capture_output=True, text=True, timeout=5).stdout
+        return out.strip().splitlines()[0] if out.strip() else "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def environment() -> dict:
+    """What the numbers were measured on."""
+    import torch
+    return {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__, "wireguard_go": wg_version(),
+            "loadavg_at_start": os.getloadavg()[0], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def write_result(name: str, data: dict, summary: str) -> Path:
+    """benchmarks/results/NAME.json (with the summary line and the environment); prints the summary."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = {"benchmark": name, "summary": summary, "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "environment": environment(), **data}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(summary, flush=True)
+    return path
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"

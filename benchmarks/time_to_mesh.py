@@ -1,0 +1,115 @@
+"""Time to mesh: N nodes run `meshrun join` at the same moment; seconds until every pair has a handshake.
+
+    sudo python benchmarks/time_to_mesh.py                 # N = 2, 4, 8, 16
+    sudo python benchmarks/time_to_mesh.py --sizes 2,8
+
+One world per N: a coordinator datacenter plus N node datacenters (1:1 NAT each). The clock
+starts just before the first `meshrun join` starts; all joins start together (threads). Each
+node's `wg show meshrun0 latest-handshakes` is then polled (in the node's own mount
+namespace) until every member pair, the coordinator included, shows a handshake on both
+sides. Target: under 5 s for 8 nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def handshakes(node) -> dict[str, int]:
+    res = node.run("wg", "show", "meshrun0", "latest-handshakes", check=False, timeout=20)
+    out = {}
+    for line in res.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+def public_key(node) -> str:
+    return node.run("wg", "show", "meshrun0", "public-key").stdout.strip()
+
+
+def one(n: int, timeout: float) -> dict:
+    from common import join_all, mesh_world
+    with mesh_world(n, "ttm", join=False) as (world, mesh, names):
+        members = ["dc1-a", *names]
+        nodes = [world.node(x) for x in members]
+        keys: dict[str, str] = {"dc1-a": public_key(nodes[0])}
+        join_times: list[float] = []
+        join_err: list[BaseException] = []
+
+        def joiner():
+            try:
+                join_times.extend(join_all(mesh, names))
+            except BaseException as exc:   # noqa: BLE001
+                join_err.append(exc)
+        t0 = time.monotonic()
+        th = threading.Thread(target=joiner)
+        th.start()
+        done_at = None
+        missing = len(members) * (len(members) - 1)
+        while time.monotonic() - t0 < timeout:
+            if join_err:
+                raise join_err[0]
+            for x, node in zip(members, nodes):
+                if x not in keys:
+                    r = node.run("wg", "show", "meshrun0", "public-key", check=False)
+                    # "(none)" until `meshrun join` has set the private key
+                    if r.returncode == 0 and len(r.stdout.strip()) == 44:
+                        keys[x] = r.stdout.strip()
+            if len(keys) == len(members):
+                # Poll every node in parallel: one round should cost about one nsenter, not N.
+                seen: dict[str, dict] = {}
+                ts = [threading.Thread(target=lambda x=x, node=node: seen.__setitem__(x, handshakes(node)))
+                      for x, node in zip(members, nodes)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                missing = sum(1 for x in members for y in members
+                              if x != y and not seen.get(x, {}).get(keys[y]))
+                if missing == 0:
+                    done_at = time.monotonic() - t0
+                    break
+            time.sleep(0.05)
+        th.join()
+        return {"nodes": n, "seconds": done_at, "pairs_missing_at_timeout": 0 if done_at else missing,
+                "join_wall_s_max": max(join_times) if join_times else None,
+                "join_wall_s_median": sorted(join_times)[len(join_times) // 2] if join_times else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="2,4,8,16")
+    ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--name", default="time_to_mesh")
+    args = ap.parse_args()
+    from common import need_root, verdict, write_result
+    need_root()
+    t_start = time.monotonic()
+    rows = []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        rows.append(one(n, args.timeout))
+        r = rows[-1]
+        print(f"{n:>3} nodes: every pair handshaken after "
+              f"{'%.2f s' % r['seconds'] if r['seconds'] is not None else 'TIMEOUT'} "
+              f"(slowest `meshrun join` {r['join_wall_s_max']:.2f} s)", flush=True)
+    eight = next((r for r in rows if r["nodes"] == 8), None)
+    ok = eight is not None and eight["seconds"] is not None and eight["seconds"] < 5
+    parts = ", ".join(f"{r['nodes']} nodes {r['seconds']:.1f} s" if r["seconds"] is not None else
+                      f"{r['nodes']} nodes TIMEOUT" for r in rows)
+    summary = (f"time_to_mesh: all pairs handshaken after {parts} "
+               + (f"({verdict(ok)} < 5 s for 8 nodes)" if eight else "(8 nodes not measured)")
+               + f" [{time.monotonic() - t_start:.0f} s]")
+    write_result(args.name, {"rows": rows, "target_s_8_nodes": 5.0, "met": ok if eight else None}, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

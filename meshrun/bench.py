@@ -1,0 +1,292 @@
+"""`meshrun bench`: pairwise RTT / TCP bandwidth / path, then an all-reduce sweep, across the mesh.
+
+`run` launches ``python -m meshrun.benchworker`` on every node through `meshrun train`'s own
+machinery (runner.Train: agents, torchrun, the coordinator's rendezvous store, NCCL/Gloo
+pinned to the overlay), so the numbers describe the path training takes. Rank 0 prints one
+result line; this module picks it up, flags slow pairs and renders it. Everything except
+`run` and `plot` is pure.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from meshrun.errors import LaunchError, UsageError
+
+SLOW_FRACTION = 0.5           # a pair below this fraction of the median bandwidth is flagged
+DEFAULT_SIZES = "1M,4M,16M,64M"
+DEFAULT_DURATION = 2.0
+DEFAULT_STREAMS = 4
+PROGRESS_MARKS = ("] pair ", "] all_reduce ", "meshrun: job")
+
+
+def busbw(algbw: float, world: int) -> float:
+    """nccl-tests' bus bandwidth of an all-reduce: algbw * 2(n-1)/n (0 for a single rank)."""
+    if world < 1:
+        raise ValueError("world size must be at least 1")
+    return algbw * 2 * (world - 1) / world
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1M,4M,64M"`` -> byte counts (K/M/G are binary; a trailing B or iB is allowed); UsageError else."""
+    from meshrun.benchworker import parse_sizes as _parse
+    try:
+        sizes = _parse(text)
+    except (ValueError, IndexError):
+        sizes = []
+    if not sizes or any(s < 4 for s in sizes):
+        raise UsageError(f"--sizes {text!r} is not a comma-separated list of sizes of at least 4 bytes",
+                         "e.g. --sizes 1M,4M,16M")
+    return sorted(set(sizes))
+
+
+def human_size(n: int) -> str:
+    for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return f"{n}B"
+
+
+def flag_slow(pairs: list[dict], fraction: float = SLOW_FRACTION) -> list[dict]:
+    """Pairs whose bandwidth is below `fraction` of the median of all pairs (each gets "slow": True).
+
+    Returns the flagged pairs, each with "fraction_of_median"; every pair dict gets "slow" set.
+    A pair that failed (mbit_s 0 or missing) is always flagged when others worked.
+    """
+    rates = [float(p.get("mbit_s") or 0.0) for p in pairs]
+    med = statistics.median(rates) if rates else 0.0
+    flagged = []
+    for p, r in zip(pairs, rates):
+        p["slow"] = bool(med > 0 and r < fraction * med)
+        if p["slow"]:
+            flagged.append({"src": p["src"], "dst": p["dst"], "mbit_s": r, "median_mbit_s": med,
+                            "fraction_of_median": r / med})
+    return flagged
+
+
+def summarize(raw: dict, fraction: float = SLOW_FRACTION) -> dict:
+    """The worker's raw result plus "flagged", "median_mbit_s" and "best_busbw_GBps" (JSON output)."""
+    out = dict(raw)
+    out["pairs"] = [dict(p) for p in raw.get("pairs", [])]
+    out["flagged"] = flag_slow(out["pairs"], fraction)
+    rates = [float(p.get("mbit_s") or 0.0) for p in out["pairs"]]
+    out["median_mbit_s"] = statistics.median(rates) if rates else None
+    results = raw.get("allreduce", {}).get("results", [])
+    out["best_busbw_GBps"] = max((r["busbw_GBps"] for r in results), default=None)
+    return out
+
+
+def matrix(names: list[str], pairs: list[dict], key: str) -> list[list[float | str | None]]:
+    """A names x names matrix of pair[key] (row = source, column = destination; None on the diagonal)."""
+    idx = {n: i for i, n in enumerate(names)}
+    m: list[list] = [[None] * len(names) for _ in names]
+    for p in pairs:
+        if p["src"] in idx and p["dst"] in idx:
+            m[idx[p["src"]]][idx[p["dst"]]] = p.get(key)
+    return m
+
+
+def _table(title: str, names: list[str], cells: list[list[str]]) -> list[str]:
+    w0 = max([len("from \\ to")] + [len(n) for n in names])
+    widths = [max(len(n), *(len(row[j]) for row in cells)) for j, n in enumerate(names)]
+    lines = [title, "  " + "from \\ to".ljust(w0) + "  " + "  ".join(n.rjust(w) for n, w in zip(names, widths))]
+    for n, row in zip(names, cells):
+        lines.append("  " + n.ljust(w0) + "  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    return lines
+
+
+def render(res: dict) -> str:
+    """The terminal report: bandwidth, RTT and path matrices, the all-reduce table, flagged pairs."""
+    names = [n["name"] for n in res.get("nodes", [])]
+    pairs = res.get("pairs", [])
+    lines: list[str] = []
+    if pairs:
+        st = res.get("settings", {})
+        bw = matrix(names, pairs, "mbit_s")
+        slow = {(p["src"], p["dst"]) for p in pairs if p.get("slow")}
+        cells = [["-" if i == j else (f"{bw[i][j]:.0f}" + ("!" if (a, b) in slow else "")
+                                      if bw[i][j] is not None else "?")
+                  for j, b in enumerate(names)] for i, a in enumerate(names)]
+        lines += _table(f"TCP bandwidth over the overlay, Mbit/s ({st.get('streams', '?')} stream(s), "
+                        f"{st.get('duration_s', '?')} s each; ! = below {SLOW_FRACTION:.0%} of the median)",
+                        names, cells)
+        rtt = matrix(names, pairs, "rtt_ms")
+        cells = [["-" if i == j else (f"{rtt[i][j]:.2f}" if rtt[i][j] is not None else "?")
+                  for j in range(len(names))] for i in range(len(names))]
+        lines += [""] + _table("round-trip time, ms (TCP, median of 10)", names, cells)
+        path = matrix(names, pairs, "path")
+        cells = [["-" if i == j else str(path[i][j] or "?") for j in range(len(names))] for i in range(len(names))]
+        lines += [""] + _table("path", names, cells)
+    ar = res.get("allreduce", {})
+    rows = ar.get("results", [])
+    if rows:
+        lines += ["", f"all-reduce ({ar.get('backend')}, {res.get('world_size')} ranks, sum float32)",
+                  f"  {'size':>6} {'iters':>5} {'time(ms)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'busbw(Mbit/s)':>14}"]
+        for r in rows:
+            lines.append(f"  {human_size(r['size']):>6} {r['iters']:>5} {r['time_s'] * 1e3:>10.2f} "
+                         f"{r['algbw_GBps']:>12.4f} {r['busbw_GBps']:>12.4f} {r['busbw_GBps'] * 8e3:>14.1f}"
+                         + ("" if r.get("correct", True) else "  WRONG RESULT"))
+    flagged = res.get("flagged", [])
+    if flagged:
+        lines.append("")
+        for f in flagged:
+            lines.append(f"SLOW PAIR: {f['src']} -> {f['dst']} {f['mbit_s']:.0f} Mbit/s is "
+                         f"{f['fraction_of_median']:.0%} of the median {f['median_mbit_s']:.0f} Mbit/s")
+    elif pairs:
+        lines += ["", "no slow pairs (all within "
+                  f"{SLOW_FRACTION:.0%} of the median {res.get('median_mbit_s') or 0:.0f} Mbit/s)"]
+    for p in pairs:
+        if p.get("error"):
+            lines.append(f"FAILED PAIR: {p['src']} -> {p['dst']}: {p['error']}")
+    return "\n".join(lines)
+
+
+def require_matplotlib():
+    """matplotlib.pyplot (Agg backend), or UsageError saying how to install it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib, which is not installed", "pip install meshrun[plot]") from None
+    return plt
+
+
+def plot(res: dict, path: str | Path) -> Path:
+    """A PNG heat-map of the pair bandwidth matrix (and RTT); needs matplotlib."""
+    plt = require_matplotlib()
+    names = [n["name"] for n in res.get("nodes", [])]
+    pairs = res.get("pairs", [])
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 2.4 * len(names), 1.5 + 1.1 * len(names)))
+    for ax, key, title, fmt in ((axes[0], "mbit_s", "TCP bandwidth (Mbit/s)", "{:.0f}"),
+                                (axes[1], "rtt_ms", "RTT (ms)", "{:.2f}")):
+        m = matrix(names, pairs, key)
+        data = [[float("nan") if v is None else float(v) for v in row] for row in m]
+        im = ax.imshow(data, cmap="viridis" if key == "mbit_s" else "magma_r")
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        ax.set_yticks(range(len(names)), names)
+        ax.set_xlabel("to")
+        ax.set_ylabel("from")
+        ax.set_title(title)
+        for i, row in enumerate(m):
+            for j, v in enumerate(row):
+                if v is not None:
+                    ax.text(j, i, fmt.format(v), ha="center", va="center", color="w", fontsize=8)
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    best = res.get("best_busbw_GBps")
+    if best is not None:
+        fig.suptitle(f"meshrun bench: best all-reduce busbw {best:.3f} GB/s ({best * 8e3:.0f} Mbit/s)")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# --------------------------------------------------------------------------- running it
+
+def worker_args(sizes: str, duration: float, streams: int, iters: int, size_budget: float,
+                pairs: bool = True) -> list[str]:
+    """The benchworker's argument list (validated)."""
+    parse_sizes(sizes)
+    if not 0.1 <= duration <= 30:
+        raise UsageError(f"--duration {duration} is out of range", "use 0.1 to 30 seconds")
+    if not 1 <= streams <= 64:
+        raise UsageError(f"--streams {streams} is out of range", "use 1 to 64")
+    if iters < 1:
+        raise UsageError(f"--iters {iters} must be at least 1", "e.g. --iters 10")
+    args = ["--sizes", sizes, "--duration", f"{duration:g}", "--streams", str(streams), "--iters", str(iters),
+            "--size-budget", f"{size_budget:g}"]
+    return args + ([] if pairs else ["--no-pairs"])
+
+
+class _Capture:
+    """A runner.Console stand-in: keeps the worker's output, picks out the result line."""
+
+    def __init__(self, echo=None) -> None:
+        import threading
+        self.lock = threading.Lock()
+        self.lines: list[str] = []
+        self.result: dict | None = None
+        self.echo = echo
+
+    def line(self, text: str, err: bool = False) -> None:
+        from meshrun.benchworker import RESULT_MARK
+        with self.lock:
+            if RESULT_MARK in text:
+                try:
+                    self.result = json.loads(text.split(RESULT_MARK, 1)[1])
+                    return
+                except ValueError:
+                    pass
+            self.lines.append(text)
+            # Progress only (pair results, sizes done, job start/end): torch's warnings stay in the
+            # buffer and are shown if the job fails.
+            if self.echo and any(k in text for k in PROGRESS_MARKS):
+                self.echo(text)
+
+    def status(self, text: str) -> None:
+        if self.echo:
+            self.echo(text)
+
+    def end_status(self) -> None:
+        pass
+
+
+def auto_duration(n_nodes: int, total_s: float = 20.0) -> float:
+    """Seconds per ordered pair so that all n(n-1) pair tests take about `total_s` (0.5 to 2 s each)."""
+    n_pairs = max(1, n_nodes * (n_nodes - 1))
+    return max(0.5, min(DEFAULT_DURATION, total_s / n_pairs))
+
+
+def run(state, *, sizes: str = DEFAULT_SIZES, duration: float | None = None, streams: int = DEFAULT_STREAMS,
+        iters: int = 10, nodes: list[str] | None = None, nproc_per_node: int | None = 1,
+        wait_timeout: float = 60, echo=None, env: dict[str, str] | None = None) -> dict:
+    """Run the benchmark from the coordinator; returns `summarize`'s dict (plus "elapsed_s").
+
+    Without `duration`, pair tests share about 20 s (`auto_duration`); each all-reduce size gets a
+    time budget and a size slower than it is the last, so that 4 nodes finish in under a minute.
+    Raises LaunchError with the workers' last output when the job fails.
+    """
+    from meshrun import coordinator, launch, runner
+
+    t0 = time.monotonic()
+    network, members = coordinator.members(state)
+    n_nodes = len([m for m in members if not m.is_coordinator and (not nodes or m.name in nodes)])
+    budget = 3.0 if n_nodes <= 4 else 2.0
+    if duration is None:
+        duration = auto_duration(n_nodes)
+    args = worker_args(sizes, duration, streams, iters, budget)
+    req = runner.TrainRequest(script="meshrun.benchworker", script_args=args, nodes=nodes,
+                              nproc_per_node=nproc_per_node, wait_timeout=wait_timeout, no_sync=True,
+                              env=dict(env or {}), job_id=runner.new_job_id("bench"))
+    cap = _Capture(echo)
+
+    class _BenchTrain(runner.Train):
+        """runner.Train, with the script run as a module (`python -m meshrun.benchworker`)."""
+
+        def plan(self, ready):
+            opts = launch.TrainOptions(
+                script=self.req.script, script_args=tuple(self.req.script_args), nnodes=self.req.nnodes,
+                nproc_per_node=self.req.nproc_per_node, job_id=self.job_id, rdzv_host=self.network.coordinator_ip,
+                rdzv_port=self.network.rdzv_port, interface=self.network.interface, module=True)
+            infos = [launch.NodeInfo(m.name, m.overlay_ip, int(h.get("gpus", 0)) if h else 0) for m, h in ready]
+            pythons = {m.name: str(h.get("python") or "python3") for m, h in ready}
+            return [launch.NodeLaunch(p.node, (pythons[p.node], *p.argv[1:]), p.env)
+                    for p in launch.plan(infos, opts, runner.user_env(self.req.env))]
+
+    job = _BenchTrain(network, members, req, cap, cwd=Path("/"))
+    if len(job.nodes) < 2:
+        raise UsageError(f"meshrun bench needs at least 2 nodes, the network has {len(job.nodes)}",
+                         "join more nodes with `meshrun join TOKEN`")
+    code = job.run()
+    if code != 0 or cap.result is None:
+        tail = "\n".join(cap.lines[-15:])
+        raise LaunchError(f"the benchmark job failed (exit code {code}); last output:\n{tail}",
+                          "check `meshrun status` and that every node can run `meshrun train`")
+    res = summarize(cap.result)
+    res["elapsed_s"] = round(time.monotonic() - t0, 2)
+    return res
