@@ -83,7 +83,6 @@ def server(args) -> int:
         return svc.handle_overlay(req)
 
     srv = JSONServer(("127.0.0.1", 0), handle)
-    srv.request_queue_size = 4096
     srv.start("overlay")
     print(json.dumps({"port": srv.server_address[1], "version": svc.version}), flush=True)
     extra = 0
@@ -105,11 +104,14 @@ def server(args) -> int:
 
 # --------------------------------------------------------------------------- agents
 
-def sync_body(n_peers: int, version: int, wait: float) -> bytes:
-    report = {f"{'k' * 40}{j:03d}==": {"endpoint": f"198.18.{j // 250}.{j % 250 + 1}:51820",
-                                       "handshake": int(time.time()), "rx": 123456789, "tx": 987654321}
-              for j in range(n_peers)}
-    return json.dumps({"candidates": CANDIDATES, "peers": report,
+def sync_body(n_peers: int, version: int, wait: float, full: bool = False) -> bytes:
+    """What agent.py sends: candidates, and {peer key: latest handshake} for the peers whose
+    handshake changed since its last acknowledged report. WireGuard rekeys an active tunnel every
+    120 s, so a steady-state long-poll of `wait` s reports about n_peers * wait / 120 of them
+    (all of them on the first sync, which the coordinator asks for with "report": "full")."""
+    count = n_peers if full else max(1, round(n_peers * max(wait, 1.0) / 120))
+    report = {f"{'k' * 40}{j:03d}==": int(time.time()) for j in range(count)}
+    return json.dumps({"candidates": CANDIDATES, "peers": report, "full": full,
                        "version": version, "wait": wait}).encode()
 
 
@@ -136,10 +138,10 @@ class Agents:
         self.errors = 0
         self.stop = False
 
-    def body(self, version: int, wait: float) -> bytes:
-        key = (version, wait)
+    def body(self, version: int, wait: float, full: bool = False) -> bytes:
+        key = (version, wait, full)
         if key not in self.bodies:
-            self.bodies[key] = sync_body(self.n - 1, version, wait)
+            self.bodies[key] = sync_body(self.n - 1, version, wait, full)
         return self.bodies[key]
 
     async def agent(self, i: int, start_delay: float) -> None:
@@ -148,7 +150,8 @@ class Agents:
         while not self.stop:
             v = self.version[i]
             try:
-                status, nv, secs = await post_sync(self.port, src, self.body(v, self.wait))
+                # The first sync of an agent carries its complete report, as agent.py's does.
+                status, nv, secs = await post_sync(self.port, src, self.body(v, self.wait, full=(v == 0)))
             except OSError:
                 self.errors += 1
                 await asyncio.sleep(0.5)

@@ -216,6 +216,8 @@ class AgentService:
         self.ready = False
         self.removed = False
         self.path_changed_at = 0.0
+        self.reported: dict[str, int] = {}   # handshakes the coordinator has acknowledged
+        self.full_report = True
 
     def run(self) -> None:
         lock_fd = daemon.hold_lock(self.state)
@@ -270,12 +272,17 @@ class AgentService:
             apply_members(self.state, self.network, self.rec["public_key"], self.members)
 
     def heartbeat(self) -> dict:
+        """Candidates plus {peer key: latest handshake} for peers whose handshake changed since the
+        last report the coordinator acknowledged (all of them when it asked for a full report)."""
         port = self.network.listen_port
         cands = list(self.rec.get("advertised", [])) + [f"{a}:{port}" for a in wg.local_addresses(exclude=self.iface)]
         _, current = wg.show(self.iface)
-        report = {p.public_key: {"endpoint": p.endpoint, "handshake": p.latest_handshake, "rx": p.rx, "tx": p.tx}
-                  for p in current}
-        return {"candidates": cands[:16], "peers": report}
+        now = {p.public_key: p.latest_handshake for p in current}
+        if self.full_report:
+            delta = now
+        else:
+            delta = {k: hs for k, hs in now.items() if self.reported.get(k) != hs}
+        return {"candidates": cands[:16], "peers": delta, "full": self.full_report}
 
     def wait_time(self) -> float:
         """Long-poll briefly while a path is being probed, so the coordinator hears of the
@@ -295,9 +302,12 @@ class AgentService:
         body = dict(self.heartbeat(), version=self.version, wait=wait)
         answer = transport.call(self.network.coordinator_ip, self.network.api_port, "POST", "/v1/sync", body,
                                 timeout=wait + 15)
+        self.reported.update(body["peers"])
+        self.full_report = answer.get("report") == "full"
         try:
             version = int(answer["version"])
-            members = [Member.from_dict(m) for m in answer["members"]]
+            # "unchanged": our member list is current (a long-poll that timed out).
+            members = self.members if answer.get("unchanged") else [Member.from_dict(m) for m in answer["members"]]
         except (KeyError, ValueError, TypeError) as exc:
             raise CoordinatorError(f"malformed sync answer ({exc})", "run the same meshrun version everywhere") from None
         if not any(m.public_key == self.rec["public_key"] for m in members):

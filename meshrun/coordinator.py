@@ -250,8 +250,9 @@ class CoordinatorService:
         self.cond = threading.Condition()
         self.path_changes = 0
         self.version = self.db.version()
-        self.reports: dict[str, dict] = {}     # node name -> its latest view of its peers
+        self.reports: dict[str, dict[str, int]] = {}   # node name -> {peer key: latest handshake}
         self.pairs: dict[tuple[str, str], paths.PairState] = self._load_pairs()
+        self._payload_cache: tuple[int, list] | None = None
         self.limiter = RateLimiter()
         self.stop_event = threading.Event()
         self.apply_lock = threading.Lock()
@@ -350,12 +351,8 @@ class CoordinatorService:
 
     def pair_handshake(self, a: Member, b: Member) -> int:
         """The newest handshake between a and b that either of them reported."""
-        best = 0
-        for x, y in ((a, b), (b, a)):
-            rep = self.reports.get(x.name, {}).get("peers", {}).get(y.public_key)
-            if isinstance(rep, dict) and isinstance(rep.get("handshake"), int):
-                best = max(best, rep["handshake"])
-        return best
+        return max(self.reports.get(a.name, {}).get(b.public_key, 0),
+                   self.reports.get(b.name, {}).get(a.public_key, 0))
 
     def update_pairs(self, now: float) -> bool:
         """Advance every pair's path state; True if any mode changed (nodes must be told)."""
@@ -412,18 +409,26 @@ class CoordinatorService:
         self.state.write(f"{self.iface}.conf", text, secret=True)
 
     def members_payload(self, caller: Member | None = None) -> list[dict]:
-        """The member list as `caller` should see it: per peer the endpoint to dial and the path."""
+        """The member list as `caller` should see it: per peer the endpoint to dial and the path.
+
+        The base list is built once per database version (with 1000 members, building it per
+        request was most of the coordinator's CPU); per caller only pair overrides are copied.
+        """
+        v = self.db.version()
+        if self._payload_cache is None or self._payload_cache[0] != v:
+            base = []
+            for m in self.db.members():
+                d = m.to_dict()
+                if m.is_coordinator:
+                    d["endpoint"] = self.network.endpoints[0]
+                base.append((m, d))
+            self._payload_cache = (v, base)
         out = []
-        for m in self.db.members():
-            d = m.to_dict()
-            if m.is_coordinator:
-                d["endpoint"] = self.network.endpoints[0]
-            elif caller is not None and m.name != caller.name and not caller.is_coordinator:
+        for m, d in self._payload_cache[1]:
+            st = None
+            if caller is not None and not m.is_coordinator and m.name != caller.name and not caller.is_coordinator:
                 st = self.pairs.get(paths.pair_key(caller.name, m.name))
-                if st is not None:
-                    d["path"] = st.mode
-                    d["endpoint"] = paths.endpoint_for(st.mode, m)
-            out.append(d)
+            out.append(dict(d, path=st.mode, endpoint=paths.endpoint_for(st.mode, m)) if st is not None else d)
         return out
 
     # enrolment API (public, TLS) ---------------------------------------------
@@ -479,18 +484,26 @@ class CoordinatorService:
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
 
     def sync(self, caller: Member, body: dict) -> Response:
-        """Heartbeat in, member list out; waits (long-poll) while nothing changed."""
+        """Heartbeat in, member list out; waits (long-poll) while nothing changed.
+
+        The heartbeat's `peers` is {peer public key: latest handshake} for the peers whose
+        handshake changed since the agent's last report (the first report after either side
+        restarted is complete: the answer asks for it with "report": "full"). An answer to a
+        long-poll that timed out without a change is just {"version", "unchanged": true}.
+        """
         try:
             known = int(body.get("version", 0))
             wait = min(max(float(body.get("wait", 0)), 0.0), SYNC_WAIT_MAX)
             candidates = [parse_endpoint(str(c)) for c in body.get("candidates", [])][:16]
             report = body.get("peers", {})
-            if not isinstance(report, dict):
+            if not isinstance(report, dict) or len(report) > 100_000:
                 raise ValueError("peers must be an object")
-        except (ValueError, TypeError, OverflowError):
+            delta = {str(k): int(v["handshake"] if isinstance(v, dict) else v) for k, v in report.items()}
+        except (ValueError, TypeError, KeyError, OverflowError):
             return Response.error(400, UsageError("malformed sync request", "use the meshrun agent"))
         self.db.heartbeat(caller.overlay_ip, candidates)
-        self.reports[caller.name] = {"time": time.time(), "peers": report}
+        first = caller.name not in self.reports
+        self.reports.setdefault(caller.name, {}).update(delta)
         deadline = time.monotonic() + wait
         with self.cond:
             while self.version == known and not self.stop_event.is_set():
@@ -502,8 +515,11 @@ class CoordinatorService:
         if self.db.member_by_ip(caller.overlay_ip) is None:   # removed while it waited
             return Response.error(410, StateError("this node was removed from the network",
                                                   "ask the operator for a new token and join again"))
+        extra = {"report": "full"} if first and not body.get("full") else {}
+        if version == known:
+            return Response(200, {"version": version, "unchanged": True, **extra})
         return Response(200, {"version": version, "network": self.network.to_dict(),
-                              "members": self.members_payload(caller)})
+                              "members": self.members_payload(caller), **extra})
 
 
 def is_overlay_ip(network: Network, ip: str) -> bool:

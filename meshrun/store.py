@@ -423,14 +423,19 @@ class CoordinatorDB:
             return m
 
     def heartbeat(self, ip: str, candidates: list[str], now: float | None = None) -> None:
-        """Record a member's latest self-reported candidates; bump the version if they changed."""
+        """Record a member's self-reported candidates; bump the version if they changed.
+
+        Writes only when something changed or on the member's first sync (last_seen): an idle
+        network's heartbeats cost no disk write (and no fsync).
+        """
+        new = json.dumps(candidates)
+        with self._lock:
+            old = self.conn.execute("SELECT candidates, last_seen FROM members WHERE overlay_ip=? "
+                                    "AND removed_at IS NULL", (ip,)).fetchone()
+        if old is None or (old[0] == new and old[1] is not None):
+            return
         with self.tx() as c:
-            old = c.execute("SELECT candidates FROM members WHERE overlay_ip=? AND removed_at IS NULL",
-                            (ip,)).fetchone()
-            if old is None:
-                return
-            new = json.dumps(candidates)
-            c.execute("UPDATE members SET candidates=?, last_seen=? WHERE overlay_ip=?",
+            c.execute("UPDATE members SET candidates=?, last_seen=? WHERE overlay_ip=? AND removed_at IS NULL",
                       (new, time.time() if now is None else now, ip))
             if old[0] != new:
                 self._bump(c)

@@ -122,6 +122,9 @@ class JSONServer(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: a burst of agents reconnecting after a long-poll
+    # returned would see dropped SYNs and a 1 s retransmit each.
+    request_queue_size = 1024
 
     def __init__(self, addr: tuple[str, int], handler: Handler, ssl_context: ssl.SSLContext | None = None,
                  device: str | None = None, max_body: int = MAX_JSON) -> None:
