@@ -194,7 +194,10 @@ def apply_members(state: StateDir, network: Network, my_key: str, members: list[
         wg.apply(network.interface, d)
         # WireGuard handshakes only when it has something to send: a datagram to each new
         # direct peer starts the handshake now, so the new path is proven (or not) quickly.
-        probe.nudge([ip.split("/")[0] for spec in d.add for ip in spec.allowed_ips[:1]])
+        # Only peers with an endpoint: an attempt without one still counts as "sent" for
+        # wireguard-go, which then waits REKEY_TIMEOUT (5 s) before it tries again.
+        probe.nudge([ip.split("/")[0] for spec in (*d.add, *d.update) if spec.endpoint
+                     for ip in spec.allowed_ips[:1]])
     rec = state.read_json("member.json")
     key = state.read("private.key").decode().strip()
     text = render_quick(key, f"{rec['overlay_ip']}/{network.prefixlen}", network.listen_port,

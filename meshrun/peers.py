@@ -74,13 +74,18 @@ def desired_for_node(my_key: str, members: Sequence[Member]) -> list[PeerSpec]:
             ips = ()
         else:
             ips = (f"{m.overlay_ip}/32",)
-        out.append(PeerSpec(m.public_key, ips, m.endpoint, KEEPALIVE, m.name))
+        # No keepalive until there is an endpoint: wireguard-go would try to handshake at once,
+        # fail for want of an address, and then hold off every attempt for 5 s (REKEY_TIMEOUT).
+        out.append(PeerSpec(m.public_key, ips, m.endpoint, KEEPALIVE if m.endpoint else 0, m.name))
     return out
 
 
 def desired_for_coordinator(members: Sequence[Member]) -> list[PeerSpec]:
-    """Peers for the coordinator: every node, no endpoint (nodes dial in; WireGuard roams)."""
-    return [PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), None, KEEPALIVE, m.name)
+    """Peers for the coordinator: every node, no endpoint (nodes dial in; WireGuard roams).
+
+    The coordinator sends no keepalives: each node's own keepalive holds its NAT mapping open."""
+    # No keepalive here (see desired_for_node): nodes keep their NAT mappings open themselves.
+    return [PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), None, 0, m.name)
             for m in members if not m.is_coordinator]
 
 

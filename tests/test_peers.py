@@ -27,7 +27,7 @@ class TestDesired:
     def test_for_node_excludes_self_and_sets_endpoints(self):
         assert desired_for_node(K_A, MEMBERS) == [
             PeerSpec(K_COORD, ("10.213.0.1/32",), "203.0.113.1:51820", 25, "coord"),
-            PeerSpec(K_B, ("10.213.0.3/32",), None, 25, "gpu-b"),
+            PeerSpec(K_B, ("10.213.0.3/32",), None, 0, "gpu-b"),   # no keepalive before an endpoint
         ]
 
     def test_for_node_unknown_self_gets_everyone(self):
@@ -35,8 +35,8 @@ class TestDesired:
 
     def test_for_coordinator_has_no_endpoints_and_no_self(self):
         assert desired_for_coordinator(MEMBERS) == [
-            PeerSpec(K_A, ("10.213.0.2/32",), None, 25, "gpu-a"),
-            PeerSpec(K_B, ("10.213.0.3/32",), None, 25, "gpu-b"),
+            PeerSpec(K_A, ("10.213.0.2/32",), None, 0, "gpu-a"),
+            PeerSpec(K_B, ("10.213.0.3/32",), None, 0, "gpu-b"),
         ]
 
     def test_empty(self):
@@ -130,7 +130,7 @@ class TestWgSetArgs:
         d = diff(cur, desired_for_node(K_COORD, MEMBERS), NOW)
         assert wg_set_args(d) == [
             "peer", K_C, "remove",
-            "peer", K_B, "persistent-keepalive", "25", "allowed-ips", "10.213.0.3/32",
+            "peer", K_B, "persistent-keepalive", "off", "allowed-ips", "10.213.0.3/32",
             "peer", K_A, "endpoint", "198.51.100.2:40000", "persistent-keepalive", "25",
             "allowed-ips", "10.213.0.2/32",
         ]
