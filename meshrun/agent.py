@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import logging
+import os
 import shutil
 import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from meshrun import daemon, keys, peers, probe, transport, wg
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, UsageError
@@ -260,7 +259,6 @@ class AgentService:
             if self.job_server is not None:
                 self.job_server.close()
             self.state.remove("daemon.pid", "daemon.ready")
-            import os
             os.close(lock_fd)
         log.info("agent stopped")
 

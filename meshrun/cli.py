@@ -10,7 +10,6 @@ import functools
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional

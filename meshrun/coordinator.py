@@ -17,7 +17,9 @@ import base64
 import binascii
 import contextlib
 import ipaddress
+import json
 import logging
+import os
 import shutil
 import signal
 import threading
@@ -30,7 +32,7 @@ from meshrun.errors import CoordinatorError, MeshrunError, StateError, TokenErro
 from meshrun.model import (DEFAULT_IFACE, DEFAULT_MTU, DEFAULT_PORT, Member, Network, check_interface, check_mtu,
                            check_name, check_port, parse_endpoint)
 from meshrun.store import CoordinatorDB, StateDir
-from meshrun.token import JoinToken, looks_like_token, new_token, parse_duration, parse_token
+from meshrun.token import looks_like_token, new_token, parse_duration, parse_token
 from meshrun.transport import JSONServer, Request, Response, server_tls_context
 from meshrun.wgconf import render_quick
 
@@ -123,7 +125,7 @@ def init(opts: InitOptions, state: StateDir, start: bool = True) -> InitResult:
         undo.append(lambda: state.remove("tls.key", "tls.crt"))
         db = CoordinatorDB.create(state / "coordinator.db")
         undo.append(lambda: state.remove("coordinator.db", "coordinator.db-wal", "coordinator.db-shm"))
-        db.set_meta(network=__import__("json").dumps(network.to_dict()))
+        db.set_meta(network=json.dumps(network.to_dict()))
         db.add_coordinator("coordinator", network.coordinator_public_key, network.coordinator_ip)
         tok = new_token(network.name, network.endpoints, network.fingerprint)
         db.add_token(tok.token_id, tok.secret, ttl, opts.token_uses)
@@ -167,7 +169,6 @@ def _open_db(state: StateDir) -> tuple[CoordinatorDB, Network]:
         raise StateError(f"{state.path} belongs to a node, not the coordinator",
                          "run this command on the coordinator")
     db = CoordinatorDB(state / "coordinator.db")
-    import json
     try:
         network = Network.from_dict(json.loads(db.meta("network") or "null"))
     except (ValueError, TypeError) as exc:
@@ -296,7 +297,6 @@ class CoordinatorService:
             with self.cond:
                 self.cond.notify_all()
             self.state.remove("daemon.pid", "daemon.ready")
-            import os
             os.close(lock_fd)
         log.info("coordinator stopped (the interface stays up; `meshrun down` removes it)")
 
@@ -366,8 +366,6 @@ class CoordinatorService:
                 key = paths.pair_key(a.name, b.name)
                 old = self.pairs.get(key)
                 hs = self.pair_handshake(a, b)
-                log.debug("pair %s-%s handshake %s state %s", a.name, b.name, hs, self.pairs.get(
-                    paths.pair_key(a.name, b.name)))
                 if old is None:
                     st = paths.initial(a, b, hs, now)
                     changed = True

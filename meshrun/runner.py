@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun import launch, transport
-from meshrun.errors import CoordinatorError, LaunchError, MeshrunError, UsageError
+from meshrun.errors import LaunchError, MeshrunError, UsageError
 from meshrun.model import Member, Network
 from meshrun.store import StateDir
 

@@ -653,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             world = World(specs, prefix=args.prefix, workdir=wd).up()
             world.detach()
             print(world.describe())
-            print(f"run a command in a node: nsenter -t ANCHOR -m -n -- CMD  (anchors: "
+            print("run a command in a node: nsenter -t ANCHOR -m -n -- CMD  (anchors: "
                   + ", ".join(f"{n.name}={n.anchor_pid}" for n in world.nodes) + ")")
             print(f"remove it: python -m meshrun.testbed down --prefix {args.prefix}")
         else:

@@ -127,7 +127,7 @@ def create_interface(name: str, log_path: Path) -> tuple[str, int | None]:
     """
     if interface_exists(name):
         raise NetworkError(f"network interface {name} already exists",
-                           f"run `meshrun leave`/`meshrun down` if it is meshrun's, or pick another --interface")
+                           "run `meshrun leave`/`meshrun down` if it is meshrun's, or pick another --interface")
     res = cmd(["ip", "link", "add", "dev", name, "type", "wireguard"], check=False)
     if res.returncode == 0:
         return "kernel", None

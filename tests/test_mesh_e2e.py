@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import time
 from pathlib import Path
 import json
 import socket
 
 import pytest
 
+from conftest import running as _running
+
 from meshrun.testbed import Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
-
-
-def _running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie (an orphan's zombie may linger under pid 1)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _tcp_reaches(mesh: Mesh, src, dst_ip: str, port: int, listener) -> bool:
@@ -42,9 +37,9 @@ def test_private_ips_do_not_route_across_datacenters(world_factory):
                        "socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 29500)); s.listen(); time.sleep(30)")
     try:
         mesh = Mesh(world, "dc1-a")
-        deadline = __import__("time").monotonic() + 10
+        deadline = time.monotonic() + 10
         while not _tcp_reaches(mesh, a, b.public_ip, 29500, listener):
-            assert __import__("time").monotonic() < deadline, "public path never worked"
+            assert time.monotonic() < deadline, "public path never worked"
         assert not _tcp_reaches(mesh, a, b.private_ip, 29500, listener)
     finally:
         listener.kill()
@@ -132,7 +127,7 @@ def test_setup_errors_are_one_line_and_leave_nothing(world_factory, tmp_path):
     from meshrun.token import parse_token
     world = world_factory(3)
     mesh = Mesh(world, "dc1-a")
-    n2, n3 = world.node("dc2-a"), world.node("dc3-a")
+    n2 = world.node("dc2-a")
 
     # Overlay range overlapping the datacenter's own subnet (172.31.32.0/20 on eth0).
     line = _one_error(mesh.meshrun(n2, "init", "--cidr", "172.31.0.0/16", "--endpoint", "203.0.113.21", check=False))
@@ -184,9 +179,8 @@ def test_new_peer_does_not_interrupt_running_traffic(world_factory):
     mesh.join("dc3-a")
     dst = mesh.overlay_ip("dc3-a")
     mesh.wait_ping("dc2-a", dst)
-    stream = world.node("dc2-a").popen("ping", "-i", "0.05", "-c", "120", dst, stdout=__import__("subprocess").PIPE,
+    stream = world.node("dc2-a").popen("ping", "-i", "0.05", "-c", "120", dst, stdout=subprocess.PIPE,
                                        text=True)
-    import time
     time.sleep(1)
     mesh.join("dc4-a")
     out = stream.communicate(timeout=60)[0]

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from conftest import running as _running
 from typer.testing import CliRunner
 
 from meshrun import service
@@ -31,14 +33,6 @@ from meshrun.testbed import DatacenterSpec, Mesh
 REPO = Path(__file__).resolve().parents[1]
 e2e = [pytest.mark.netns, pytest.mark.slow]
 ERROR_PREFIX = "meshrun: error:"
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _kill9(pid: int) -> None:

@@ -161,7 +161,7 @@ class TestParseDump:
         assert parse_dump(f"\n{PRIV}\t{PUB}\t0\toff\n\n") == (0, [])
 
     def test_interface_line_with_no_listen_port(self):
-        assert parse_dump(f"(none)\t(none)\t(none)\toff\n") == (0, [])
+        assert parse_dump("(none)\t(none)\t(none)\toff\n") == (0, [])
 
     def test_wrong_field_count(self):
         with pytest.raises(ValueError, match=r"^unexpected `wg show dump` line with 5 fields$"):
