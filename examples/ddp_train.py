@@ -57,7 +57,8 @@ def batches(seed: int, rank: int, epoch: int, steps: int, bs: int, device):
 
 def checksum(model: torch.nn.Module) -> str:
     flat = torch.cat([p.detach().to("cpu", torch.float64).flatten() for p in model.parameters()])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    # bytes of the storage, not .numpy(): torch does not depend on numpy, and it may be absent.
+    return hashlib.sha256(bytes(flat.contiguous().untyped_storage())).hexdigest()
 
 
 def save_checkpoint(path: str, model, opt, epoch: int) -> None:

@@ -499,8 +499,8 @@ class CoordinatorService:
             delta = {str(k): int(v["handshake"] if isinstance(v, dict) else v) for k, v in report.items()}
         except (ValueError, TypeError, KeyError, OverflowError):
             return Response.error(400, UsageError("malformed sync request", "use the meshrun agent"))
-        self.db.heartbeat(caller.overlay_ip, candidates)
         first = caller.name not in self.reports
+        self.db.heartbeat(caller.overlay_ip, candidates, touch=first)
         self.reports.setdefault(caller.name, {}).update(delta)
         deadline = time.monotonic() + wait
         with self.cond:

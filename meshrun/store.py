@@ -422,17 +422,19 @@ class CoordinatorDB:
                 self._bump(c)
             return m
 
-    def heartbeat(self, ip: str, candidates: list[str], now: float | None = None) -> None:
+    def heartbeat(self, ip: str, candidates: list[str], now: float | None = None, touch: bool = False) -> None:
         """Record a member's self-reported candidates; bump the version if they changed.
 
-        Writes only when something changed or on the member's first sync (last_seen): an idle
-        network's heartbeats cost no disk write (and no fsync).
+        Writes only when the candidates changed, on the member's first sync ever, or with
+        `touch` (the coordinator passes it on a member's first sync since the daemon started,
+        so last_seen says when it last reconnected): an idle network's heartbeats cost no
+        disk write (and no fsync).
         """
         new = json.dumps(candidates)
         with self._lock:
             old = self.conn.execute("SELECT candidates, last_seen FROM members WHERE overlay_ip=? "
                                     "AND removed_at IS NULL", (ip,)).fetchone()
-        if old is None or (old[0] == new and old[1] is not None):
+        if old is None or (old[0] == new and old[1] is not None and not touch):
             return
         with self.tx() as c:
             c.execute("UPDATE members SET candidates=?, last_seen=? WHERE overlay_ip=? AND removed_at IS NULL",
