@@ -33,6 +33,9 @@ FORWARD_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
 # later: their torchrun would otherwise sit in its exit barrier (300 s, not configurable from
 # the command line) waiting for the dead node. The grace lets simultaneous failures report.
 FAIL_GRACE_S = 3.0
+# An elastic (MIN:MAX) job starts with MIN..MAX ready nodes after this long, instead of
+# waiting for a node that may be down.
+ELASTIC_GRACE_S = 10.0
 
 
 @dataclass
@@ -127,9 +130,16 @@ class Console:
 
 
 def wait_for_nodes(network: Network, members: list[Member], want: int, timeout: float,
-                   console: Console) -> list[tuple[Member, dict]]:
-    """Poll each node's agent (GET /v1/health over the overlay) until `want` answer."""
-    deadline = time.monotonic() + timeout
+                   console: Console, enough: int | None = None, grace: float = ELASTIC_GRACE_S
+                   ) -> list[tuple[Member, dict]]:
+    """Poll each node's agent (GET /v1/health over the overlay) until `want` answer.
+
+    For an elastic job (`enough` = its MIN < `want`), `enough` answering agents suffice once
+    `grace` seconds have passed: a node that is down must not keep a MIN:MAX job from starting.
+    Returns at most `want` ready nodes.
+    """
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     last = ""
     while True:
         ready: list[tuple[Member, dict]] = []
@@ -152,9 +162,10 @@ def wait_for_nodes(network: Network, members: list[Member], want: int, timeout: 
         if msg != last:
             console.status(msg)
             last = msg
-        if len(ready) >= want:
+        if len(ready) >= want or (enough is not None and len(ready) >= enough
+                                  and time.monotonic() - t0 >= min(grace, timeout)):
             console.end_status()
-            return ready[:want] if len(ready) > want and not missing else ready
+            return ready[:want]
         if time.monotonic() >= deadline:
             console.end_status()
             raise LaunchError(f"only {len(ready)} of {want} nodes were ready after {timeout:.0f} s; "
@@ -189,11 +200,12 @@ class Train:
         self.results: dict[str, dict] = {}
         self.conns: list = []
 
-    def wanted(self) -> int:
+    def wanted(self) -> tuple[int, int]:
+        """(nodes to wait for, nodes that suffice after ELASTIC_GRACE_S): MAX and MIN of --nnodes."""
         if self.req.nnodes:
             lo, hi = launch.parse_nnodes(self.req.nnodes)
-            return min(hi, len(self.nodes)) if hi > lo else hi
-        return len(self.nodes)
+            return (min(hi, len(self.nodes)), lo) if hi > lo else (hi, hi)
+        return len(self.nodes), len(self.nodes)
 
     def plan(self, ready: list[tuple[Member, dict]]) -> list[launch.NodeLaunch]:
         script = self.req.script
@@ -216,11 +228,12 @@ class Train:
         """Run the job; returns the exit code `meshrun train` should exit with."""
         if not self.req.dry_run:
             self._check_store()
-        want = self.wanted()
+        want, enough = self.wanted()
         if self.req.dry_run:
             ready = [(m, {"gpus": 0}) for m in self.nodes]
         else:
-            ready = wait_for_nodes(self.network, self.nodes, want, self.req.wait_timeout, self.console)
+            ready = wait_for_nodes(self.network, self.nodes, want, self.req.wait_timeout, self.console,
+                                   enough=enough if enough < want else None)
         plans = self.plan(ready)
         workdir = None
         if self.req.no_sync:

@@ -130,3 +130,19 @@ def test_missing_node_times_out_naming_it(mesh):
     assert res.returncode != 0
     assert res.stderr.strip().splitlines() == [
         "meshrun: error: --nodes names unknown node(s): nosuch; members are: dc1-a, dc2-a, dc3-a"]
+
+
+def test_elastic_job_starts_without_a_node_that_is_down(mesh):
+    """--nnodes MIN:MAX: with one agent stopped, the job starts on the nodes that answer after
+    the grace period instead of waiting for the missing one until the timeout."""
+    assert mesh.meshrun("dc3-a", "leave").returncode == 0
+    try:
+        t0 = time.monotonic()
+        res = train(mesh, "--nnodes", "1:3", "--timeout", "120", "ddp_train.py", "--epochs", "1",
+                    "--steps-per-epoch", "5")
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert "2/3 nodes ready (waiting for: dc3-a)" in res.stderr
+        assert re.search(r"meshrun: job \S+ finished on 2 node\(s\)", res.stderr), res.stderr
+        assert time.monotonic() - t0 < 100
+    finally:
+        mesh.meshrun("dc3-a", "up")
