@@ -65,9 +65,8 @@ class InitResult:
     daemon_pid: int | None
 
 
-def plan_network(opts: InitOptions, routes: list[tuple[str, str]], fallback_host: str | None,
-                 public_key: str, fingerprint: str) -> Network:
-    """Validate init options against the machine's routes and return the Network (pure)."""
+def check_init_options(opts: InitOptions) -> None:
+    """Raise UsageError for any init option that is wrong on its own (no system needed)."""
     check_name(opts.name, "--network")
     check_interface(opts.interface)
     check_port(opts.port)
@@ -75,17 +74,30 @@ def plan_network(opts: InitOptions, routes: list[tuple[str, str]], fallback_host
     parse_duration(opts.token_ttl)
     if opts.token_uses is not None and opts.token_uses < 1:
         raise UsageError(f"--uses {opts.token_uses} must be at least 1", "leave it out for unlimited uses until expiry")
+    ipam.parse_cidr(opts.cidr)
+    if opts.endpoint:
+        _endpoint(opts.endpoint, opts.port)
+
+
+def _endpoint(host: str, port: int) -> str:
+    try:
+        return parse_endpoint(host, default_port=port)
+    except ValueError as exc:
+        raise UsageError(f"--endpoint {host!r} is not HOST or HOST:PORT ({exc})",
+                         "e.g. --endpoint 203.0.113.1 or --endpoint vpn.example.com:51820") from None
+
+
+def plan_network(opts: InitOptions, routes: list[tuple[str, str]], fallback_host: str | None,
+                 public_key: str, fingerprint: str) -> Network:
+    """Validate init options against the machine's routes and return the Network (pure)."""
+    check_init_options(opts)
     net = ipam.parse_cidr(opts.cidr)
     ipam.check_overlap(net, [(d, dev) for d, dev in routes if dev != opts.interface])
     host = opts.endpoint or fallback_host
     if not host:
         raise UsageError("no --endpoint given and this machine has no default route to guess one from",
                          "pass the address nodes reach this machine at, e.g. --endpoint 203.0.113.1")
-    try:
-        endpoint = parse_endpoint(host, default_port=opts.port)
-    except ValueError as exc:
-        raise UsageError(f"--endpoint {host!r} is not HOST or HOST:PORT ({exc})",
-                         "e.g. --endpoint 203.0.113.1 or --endpoint vpn.example.com:51820") from None
+    endpoint = _endpoint(host, opts.port)
     return Network(name=opts.name, cidr=str(net), interface=opts.interface, listen_port=opts.port, mtu=opts.mtu,
                    coordinator_ip=str(ipam.coordinator_address(net)), coordinator_public_key=public_key,
                    endpoints=(endpoint,), fingerprint=fingerprint, api_port=opts.port + 1)
@@ -102,7 +114,7 @@ def init(opts: InitOptions, state: StateDir, start: bool = True) -> InitResult:
         raise StateError(f"{state.path} already holds a meshrun {role}",
                          "start it with `meshrun up`, or remove it with `meshrun down --purge` first")
     # Bad options are reported before missing privileges: the user fixes one thing at a time.
-    plan_network(opts, [], opts.endpoint or "127.0.0.1", keys.public_key(keys.generate_private_key()), "0" * 64)
+    check_init_options(opts)
     wg.require_admin()
     wg.require_tools("ip", "wg")
     private_key = keys.generate_private_key()
@@ -375,7 +387,7 @@ class CoordinatorService:
                         log.info("path %s <-> %s: %s -> %s", a.name, b.name, old.mode, st.mode)
                         changed = True
                 new[key] = st
-        if new != self.pairs or len(new) != len(self.pairs):
+        if new != self.pairs:
             self.pairs = new
             self.state.write_json("paths.json", {"pairs": {
                 f"{a}|{b}": {"mode": st.mode, "since": st.since, "verified": st.verified}

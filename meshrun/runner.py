@@ -18,6 +18,7 @@ import tarfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,20 +143,14 @@ def wait_for_nodes(network: Network, members: list[Member], want: int, timeout: 
     deadline = t0 + timeout
     last = ""
     while True:
-        ready: list[tuple[Member, dict]] = []
-        results: dict[str, dict | None] = {}
-
-        def probe(m: Member) -> None:
+        def probe(m: Member) -> dict | None:
             try:
-                results[m.name] = transport.call(m.overlay_ip, network.api_port, "GET", "/v1/health", timeout=3)
+                return transport.call(m.overlay_ip, network.api_port, "GET", "/v1/health", timeout=3)
             except MeshrunError:
-                results[m.name] = None
+                return None
 
-        threads = [threading.Thread(target=probe, args=(m,)) for m in members]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+            results = dict(zip((m.name for m in members), pool.map(probe, members)))
         ready = [(m, results[m.name]) for m in members if results.get(m.name)]
         missing = [m.name for m in members if not results.get(m.name)]
         msg = f"{len(ready)}/{want} nodes ready" + (f" (waiting for: {', '.join(missing)})" if missing else "")
@@ -281,20 +276,8 @@ class Train:
                               "its log says why the store did not start") from None
 
     def _each(self, plans, fn: Callable) -> None:
-        errs: list[MeshrunError] = []
-
-        def go(p):
-            try:
-                fn(p)
-            except MeshrunError as exc:
-                errs.append(exc)
-        ts = [threading.Thread(target=go, args=(p,)) for p in plans]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        if errs:
-            raise errs[0]
+        with ThreadPoolExecutor(max_workers=max(1, len(plans))) as pool:
+            list(pool.map(fn, plans))   # every call finishes; the first error (in plan order) is raised
 
     def _stream(self, p: launch.NodeLaunch, m: Member, workdir: str | None) -> None:
         body = {"argv": list(p.argv), "env": p.env, "cwd": workdir}

@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import statistics
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from meshrun import agent, paths, probe, wg
 from meshrun.errors import UsageError
@@ -35,16 +35,8 @@ def _members(state: StateDir, rec: dict) -> list[Member]:
 
 
 def _latencies(ips: list[str], port: int) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-
-    def one(ip: str) -> None:
-        out[ip] = probe.tcp_rtt(ip, port, timeout=1.0)
-    ts = [threading.Thread(target=one, args=(ip,)) for ip in ips]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return out
+    with ThreadPoolExecutor(max_workers=max(1, len(ips))) as pool:
+        return dict(zip(ips, pool.map(lambda ip: probe.tcp_rtt(ip, port, timeout=1.0), ips)))
 
 
 def gather(state: StateDir, measure: bool = True) -> dict:
