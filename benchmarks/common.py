@@ -106,5 +106,16 @@ def write_result(name: str, data: dict, summary: str) -> Path:
     return path
 
 
+def set_congctl(node, dev: str, algo: str | None) -> None:
+    """Congestion control `algo` (None: the host's default) for TCP over `dev`'s connected route.
+
+    A route attribute, so it works inside namespaces, where only the algorithms listed in
+    net.ipv4.tcp_allowed_congestion_control may be picked by sysctl.
+    """
+    route = node.run("ip", "-4", "route", "show", "dev", dev, "proto", "kernel").stdout.split()
+    base = [route[0], "dev", dev, "proto", "kernel", "scope", "link", "src", route[route.index("src") + 1]]
+    node.run("ip", "route", "replace", *base, *(["congctl", algo] if algo else []))
+
+
 def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"

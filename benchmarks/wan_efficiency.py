@@ -139,16 +139,17 @@ def main() -> int:
     ap.add_argument("--iface", help=argparse.SUPPRESS)
     ap.add_argument("--sizes", default="8M,64M,256M")
     ap.add_argument("--rate", type=int, default=200, help="link rate, Mbit/s")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating meshrun/hand rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating meshrun/hand rounds")
     ap.add_argument("--iperf-seconds", type=float, default=5)
     ap.add_argument("--hand-mtu", type=int, default=1420)
     ap.add_argument("--gomaxprocs", help="GOMAXPROCS for every wireguard-go (meshrun's and hand-built)")
+    ap.add_argument("--congctl", help="TCP congestion control over both tunnels (route attribute) [host default]")
     ap.add_argument("--name", default="wan_efficiency", help="results file name")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
 
-    from common import mesh_world, need_root, verdict, write_result
+    from common import mesh_world, need_root, set_congctl, verdict, write_result
     from meshrun.benchworker import parse_sizes
     need_root()
     sizes = parse_sizes(args.sizes) if not args.sizes.replace(",", "").isdigit() else [int(s) for s in args.sizes.split(",")]
@@ -162,6 +163,10 @@ def main() -> int:
         procs = hand_tunnel(world, a, b, args.hand_mtu, args.gomaxprocs)
         try:
             mesh.wait_ping(a, f"{HAND_NET}.2")
+            if args.congctl:
+                for n in (a, b):
+                    for dev in ("meshrun0", HAND_IFACE):
+                        set_congctl(n, dev, args.congctl)
             mtu = mesh.status(a)["mtu"]
             runs = {"meshrun": [], "hand": []}
             tcp = {"meshrun": [], "hand": [], "underlay": []}
@@ -204,7 +209,8 @@ def main() -> int:
     vs_hand = min(p["meshrun_vs_hand"] for p in per_size)
     vs_link = big["meshrun_vs_link"]
     ok_hand, ok_link = vs_hand >= 0.98, vs_link >= 0.87
-    summary = (f"wan_efficiency: {args.rate} Mbit/s link, gloo all-reduce {big['size'] >> 20} MiB: meshrun "
+    cc = f" (congctl {args.congctl})" if args.congctl else ""
+    summary = (f"wan_efficiency: {args.rate} Mbit/s link{cc}, gloo all-reduce {big['size'] >> 20} MiB: meshrun "
                f"{big['meshrun_busbw_Mbit']:.1f} Mbit/s busbw = {vs_link:.3f} x link ({verdict(ok_link)} >= 0.87); "
                f"meshrun/hand-built worst over sizes {vs_hand:.3f} ({verdict(ok_hand)} >= 0.98); iperf3 overlay "
                f"{tcp_med['meshrun']:.0f} / hand {tcp_med['hand']:.0f} / underlay {tcp_med['underlay']:.0f} Mbit/s "
@@ -214,7 +220,7 @@ def main() -> int:
               f"Mbit/s  meshrun/hand {p['meshrun_vs_hand']:.3f}  meshrun/link {p['meshrun_vs_link']:.3f}  "
               f"hand/link {p['hand_vs_link']:.3f}")
     write_result(args.name, {"rate_mbit": args.rate, "overlay_mtu": mtu, "hand_mtu": args.hand_mtu,
-                             "gomaxprocs": args.gomaxprocs, "rounds": args.rounds, "per_size": per_size,
+                             "gomaxprocs": args.gomaxprocs, "congctl": args.congctl, "rounds": args.rounds, "per_size": per_size,
                              "iperf3_mbit": tcp_med, "iperf3_runs": tcp, "allreduce_runs": runs,
                              "targets": {"meshrun_vs_hand": 0.98, "meshrun_vs_link": 0.87},
                              "met": {"meshrun_vs_hand": ok_hand, "meshrun_vs_link": ok_link}}, summary)

@@ -180,13 +180,20 @@ def load_members(state: StateDir) -> tuple[int, list[Member]]:
 
 
 def apply_members(state: StateDir, network: Network, my_key: str, members: list[Member],
-                  recreate: frozenset[str] = frozenset()) -> None:
+                  recreate: frozenset[str] = frozenset(),
+                  hold_windows: dict[tuple[str, str, str], float] | None = None) -> frozenset[str]:
     """Make the interface's peers match `members` (minimal diff) and rewrite the wg-quick file.
 
     Peers in `recreate` changed path: they are re-created so a fresh handshake proves the path.
+    With `hold_windows` (see `peers.handshake_holds`), peers whose handshake this node must leave
+    to the other end for now get no keepalive; returns their keys: apply again when HOLD_S is up.
     """
-    desired = peers.desired_for_node(my_key, members)
     _, current = wg.show(network.interface)
+    hold: frozenset[str] = frozenset()
+    if hold_windows is not None:
+        hold = peers.handshake_holds(my_key, members, {p.public_key: p.latest_handshake for p in current},
+                                     hold_windows, time.monotonic(), recreate)
+    desired = peers.desired_for_node(my_key, members, hold)
     d = peers.diff(current, desired, time.time(), recreate)
     if d:
         log.info("peers: +%d ~%d -%d", len(d.add), len(d.update), len(d.remove))
@@ -195,7 +202,8 @@ def apply_members(state: StateDir, network: Network, my_key: str, members: list[
         # direct peer starts the handshake now, so the new path is proven (or not) quickly.
         # Only peers with an endpoint: an attempt without one still counts as "sent" for
         # wireguard-go, which then waits REKEY_TIMEOUT (5 s) before it tries again.
-        probe.nudge([ip.split("/")[0] for spec in (*d.add, *d.update) if spec.endpoint
+        # Held peers (no keepalive yet) are left alone: the other end starts their handshake.
+        probe.nudge([ip.split("/")[0] for spec in (*d.add, *d.update) if spec.endpoint and spec.keepalive
                      for ip in spec.allowed_ips[:1]])
     rec = state.read_json("member.json")
     key = state.read("private.key").decode().strip()
@@ -203,6 +211,7 @@ def apply_members(state: StateDir, network: Network, my_key: str, members: list[
                         int(rec.get("mtu") or network.mtu),
                         desired, comment=f"meshrun network {network.name}, node {rec['name']}; managed by meshrun")
     state.write(f"{network.interface}.conf", text, secret=True)
+    return hold
 
 
 class AgentService:
@@ -220,6 +229,9 @@ class AgentService:
         self.path_changed_at = 0.0
         self.reported: dict[str, int] = {}   # handshakes the coordinator has acknowledged
         self.full_report = True
+        self.hold_windows: dict[tuple[str, str, str], float] = {}
+        self.apply_lock = threading.Lock()    # the sync loop and the hold-release timer both apply
+        self.release_timer: threading.Timer | None = None
 
     def run(self) -> None:
         lock_fd = daemon.hold_lock(self.state)
@@ -328,12 +340,32 @@ class AgentService:
         if version != self.version or members != self.members:
             save_members(self.state, version, members)
         self.version, self.members = version, members
-        apply_members(self.state, self.network, self.rec["public_key"], members, recreate)
+        self._apply(members, recreate)
         if not self.ready:
             self.ready = True
             daemon.mark_ready(self.state)
             log.info("agent of %s up: %s on %s, %d members", self.rec["name"], self.rec["overlay_ip"], self.iface,
                      len(members))
+
+    def _apply(self, members: list[Member], recreate: frozenset[str] = frozenset()) -> None:
+        """apply_members with handshake holds; a timer applies again when the holds are up."""
+        with self.apply_lock:
+            held = apply_members(self.state, self.network, self.rec["public_key"], members, recreate,
+                                 self.hold_windows)
+            if held and (self.release_timer is None or not self.release_timer.is_alive()):
+                self.release_timer = threading.Timer(peers.HOLD_S + 0.05, self._release_holds)
+                self.release_timer.daemon = True
+                self.release_timer.start()
+
+    def _release_holds(self) -> None:
+        with self.apply_lock:
+            self.release_timer = None     # this thread: _apply may need to start the next one
+        if self.stop_event.is_set():
+            return
+        try:
+            self._apply(self.members)
+        except MeshrunError as exc:   # the next sync applies again
+            log.warning("could not release handshake holds: %s", exc)
 
     def _cleanup_removed(self) -> None:
         with contextlib.suppress(MeshrunError):

@@ -292,15 +292,20 @@ def ping(peer: Annotated[str, typer.Argument(help="Peer name or overlay IP.")],
 @handled
 def train(
     ctx: typer.Context,
-    script: Annotated[str, typer.Argument(help="Training script (or module with --module); its args follow it.")],
+    script: Annotated[Optional[str], typer.Argument(
+        help="Training script (a module name with --module); its args follow it. [the job file's]")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", help="TOML job file with these options (configs/job.example.toml); the command line wins.")] = None,
     nnodes: Annotated[Optional[str], typer.Option(help="Nodes to train on: N or MIN:MAX (elastic) [all joined].")] = None,
     nproc_per_node: Annotated[Optional[int], typer.Option(help="Workers per node [GPUs on the node, else 1].")] = None,
-    max_restarts: Annotated[int, typer.Option(help="torchrun --max-restarts: restarts after a failure.")] = 0,
+    max_restarts: Annotated[Optional[int], typer.Option(help="torchrun --max-restarts: restarts after a failure. [0]")] = None,
     nodes: Annotated[Optional[str], typer.Option(help="Comma-separated node names to use [all].")] = None,
     env: Annotated[Optional[list[str]], typer.Option("--env", help="KEY=VALUE for every worker (repeatable).")] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the nodes to be ready.")] = 120,
+    timeout: Annotated[Optional[float], typer.Option(help="Seconds to wait for the nodes to be ready. [120]")] = None,
+    rdzv_timeout: Annotated[Optional[int], typer.Option(help="Seconds the rendezvous waits for every node. [900]")] = None,
+    module: Annotated[bool, typer.Option("--module", help="SCRIPT is a module name, run as python -m SCRIPT.")] = False,
     no_sync: Annotated[bool, typer.Option("--no-sync", help="Do not ship code: it already is at this path on every node.")] = False,
-    sync_limit: Annotated[int, typer.Option(help="Most MiB of code to ship.")] = 50,
+    sync_limit: Annotated[Optional[int], typer.Option(help="Most MiB of code to ship. [50]")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each node's command and environment, run nothing.")] = False,
     local: Annotated[bool, typer.Option("--local", help="Run only this node's share (you start every node yourself).")] = False,
     job_id: Annotated[Optional[str], typer.Option(help="Rendezvous id (needed with --local; same on every node).")] = None,
@@ -314,16 +319,19 @@ def train(
     Examples:
       meshrun train train.py --epochs 3
       meshrun train --nnodes 2 --nproc-per-node 4 train.py --epochs 3
+      meshrun train --config job.toml                 # options from a job file
       meshrun train --dry-run train.py
       meshrun train --local --nnodes 2 --job-id exp7 train.py     # on each node, e.g. from a batch job
     Exits with the first failing rank's exit code; Ctrl-C stops the job on every node.
     """
-    from meshrun import runner
-    req = runner.TrainRequest(
-        script=script, script_args=list(ctx.args), nnodes=nnodes, nproc_per_node=nproc_per_node,
-        max_restarts=max_restarts, nodes=[n.strip() for n in nodes.split(",") if n.strip()] if nodes else None,
-        wait_timeout=timeout, no_sync=no_sync, sync_limit_mb=sync_limit, dry_run=dry_run,
-        env=runner.parse_env_pairs(env or []), job_id=job_id, python=python)
+    from meshrun import jobfile, runner
+    cli = {"script": script, "script_args": list(ctx.args) if script is not None else None, "nnodes": nnodes,
+           "nproc_per_node": nproc_per_node, "max_restarts": max_restarts,
+           "nodes": [n.strip() for n in nodes.split(",") if n.strip()] if nodes else None,
+           "wait_timeout": timeout, "rdzv_timeout": rdzv_timeout, "module": module, "no_sync": no_sync,
+           "sync_limit_mb": sync_limit, "dry_run": dry_run, "env": runner.parse_env_pairs(env or []),
+           "job_id": job_id, "python": python}
+    req = runner.TrainRequest(**jobfile.merge(jobfile.load(config) if config else {}, cli))
     state = _state(state_dir)
     code = runner.train_local(state, req) if local else runner.train(state, req)
     raise typer.Exit(code)

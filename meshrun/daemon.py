@@ -67,14 +67,17 @@ def stop(state: StateDir, timeout: float = 10) -> bool:
         return False
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
+    # Wait for the process itself, not its pid file: the daemon removes that file on its way
+    # out, and callers go on to delete the interface it may still be touching.
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if state.read_pid() is None or not _alive(pid):
-            break
+    while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    else:
+    if _alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 2
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
     state.remove("daemon.pid", "daemon.ready")
     return True
 

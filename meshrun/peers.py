@@ -18,6 +18,12 @@ KEEPALIVE = 25
 # last handshake is younger than that has a working endpoint, possibly one WireGuard
 # learned by roaming, which is better than anything the coordinator can tell us.
 HANDSHAKE_FRESH_S = 180
+# When both ends of a pair start a handshake at the same moment (the coordinator tells everyone
+# of a new endpoint together), the two initiations cross: each end answers the other's and then
+# drops the answer to its own, both are left as responders waiting for data, and WireGuard tries
+# again only after REKEY_TIMEOUT, 5 s (wireguard-go logs "Received invalid response message").
+# So the end with the greater public key holds back this long.
+HOLD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,12 +62,14 @@ class PeerDiff:
         return bool(self.add or self.update or self.remove)
 
 
-def desired_for_node(my_key: str, members: Sequence[Member]) -> list[PeerSpec]:
+def desired_for_node(my_key: str, members: Sequence[Member],
+                     hold: frozenset[str] | set[str] = frozenset()) -> list[PeerSpec]:
     """Peers for a node: every other member, at the endpoint the coordinator chose for this node.
 
     The coordinator's own entry carries its public endpoint from the token. A peer whose path
     is `relayed` keeps its entry (endpoint, keepalive: WireGuard keeps trying direct) but no
-    allowed IPs; its address is routed through the coordinator's entry instead.
+    allowed IPs; its address is routed through the coordinator's entry instead. Peers in `hold`
+    (see `handshake_holds`) get their endpoint but no keepalive yet, so nothing starts a handshake.
     """
     out = []
     relayed = [f"{m.overlay_ip}/32" for m in members if m.path == "relayed" and m.public_key != my_key]
@@ -76,8 +84,37 @@ def desired_for_node(my_key: str, members: Sequence[Member]) -> list[PeerSpec]:
             ips = (f"{m.overlay_ip}/32",)
         # No keepalive until there is an endpoint: wireguard-go would try to handshake at once,
         # fail for want of an address, and then hold off every attempt for 5 s (REKEY_TIMEOUT).
-        out.append(PeerSpec(m.public_key, ips, m.endpoint, KEEPALIVE if m.endpoint else 0, m.name))
+        keepalive = KEEPALIVE if m.endpoint and m.public_key not in hold else 0
+        out.append(PeerSpec(m.public_key, ips, m.endpoint, keepalive, m.name))
     return out
+
+
+def handshake_holds(my_key: str, members: Sequence[Member], handshakes: dict[str, int],
+                    windows: dict[tuple[str, str, str], float], now: float,
+                    recreate: frozenset[str] | set[str] = frozenset()) -> frozenset[str]:
+    """Peers this node must not start a handshake with yet (see HOLD_S).
+
+    For a node pair with no handshake (or one being re-created for a new path), the end with the
+    greater public key waits HOLD_S after it learns the other's endpoint: the other end's
+    initiation normally completes the handshake first. If it does not (a NAT that lets packets in
+    only after one went out), the held end starts its own when the window ends.
+    `handshakes` maps peer keys to their latest handshake (0: none). `windows` maps (peer key,
+    endpoint, path) to when that hold ends and is updated in place: a new endpoint or path opens
+    a new window; entries of peers that no longer wait are dropped.
+    """
+    held, waiting = set(), set()
+    for m in members:
+        if m.is_coordinator or not m.endpoint or not my_key > m.public_key:
+            continue
+        if handshakes.get(m.public_key) and m.public_key not in recreate:
+            continue
+        window = (m.public_key, m.endpoint, m.path)
+        waiting.add(window)
+        if now < windows.setdefault(window, now + HOLD_S):
+            held.add(m.public_key)
+    for window in [w for w in windows if w not in waiting]:
+        del windows[window]
+    return frozenset(held)
 
 
 def desired_for_coordinator(members: Sequence[Member]) -> list[PeerSpec]:

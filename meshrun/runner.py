@@ -56,6 +56,16 @@ class TrainRequest:
     env: dict[str, str] = field(default_factory=dict)
     job_id: str | None = None
     python: str | None = None              # interpreter on the nodes [the one running their agent]
+    module: bool = False                   # script is a module name: python -m script
+    rdzv_timeout: int = 900                # seconds the rendezvous waits for every node
+
+    def options(self, script: str, job_id: str, network: Network, python: str) -> launch.TrainOptions:
+        """The launch options for this request on `network` (validated later by `launch.plan`)."""
+        return launch.TrainOptions(
+            script=script, script_args=tuple(self.script_args), nnodes=self.nnodes,
+            nproc_per_node=self.nproc_per_node, max_restarts=self.max_restarts, job_id=job_id,
+            rdzv_host=network.coordinator_ip, rdzv_port=network.rdzv_port, interface=network.interface,
+            python=python, rdzv_timeout=self.rdzv_timeout, module=self.module)
 
 
 def user_env(extra: dict[str, str]) -> dict[str, str]:
@@ -204,13 +214,10 @@ class Train:
 
     def plan(self, ready: list[tuple[Member, dict]]) -> list[launch.NodeLaunch]:
         script = self.req.script
-        if not self.req.no_sync:
-            script = str(Path(script).name) if Path(script).is_file() else script
-        opts = launch.TrainOptions(
-            script=script, script_args=tuple(self.req.script_args), nnodes=self.req.nnodes,
-            nproc_per_node=self.req.nproc_per_node, max_restarts=self.req.max_restarts, job_id=self.job_id,
-            rdzv_host=self.network.coordinator_ip, rdzv_port=self.network.rdzv_port,
-            interface=self.network.interface, python=self.req.python or "python3")
+        if not self.req.no_sync and not self.req.module:
+            # The script's directory is shipped and becomes the job's working directory.
+            script = str(Path(script).name) if (self.cwd / script).is_file() else script
+        opts = self.req.options(script, self.job_id, self.network, self.req.python or "python3")
         infos = [launch.NodeInfo(m.name, m.overlay_ip, int(h.get("gpus", 0)) if h else 0) for m, h in ready]
         plans = launch.plan(infos, opts, user_env(self.req.env))
         if self.req.python:
@@ -240,11 +247,12 @@ class Train:
             return 0
         by_name = {m.name: m for m, _ in ready}
         if not self.req.no_sync:
-            script_path = (self.cwd / self.req.script)
-            if not script_path.is_file():
+            # A module runs from the shipped current directory (python -m puts it on sys.path).
+            script_path = self.cwd if self.req.module else self.cwd / self.req.script
+            if not self.req.module and not script_path.is_file():
                 raise UsageError(f"script {self.req.script!r} not found in {self.cwd}",
                                  "run `meshrun train` from the directory of your training code, or use --no-sync")
-            blob = pack_code(script_path.parent, self.req.sync_limit_mb)
+            blob = pack_code(script_path if self.req.module else script_path.parent, self.req.sync_limit_mb)
             self._each(plans, lambda p: transport.call(by_name[p.node].overlay_ip, self.network.api_port, "POST",
                                                       f"/v1/jobs/{self.job_id}/code", raw=blob, timeout=120))
         self.console.line(f"meshrun: job {self.job_id} on {len(plans)} node(s): "
@@ -394,11 +402,7 @@ def train_local(state: StateDir, req: TrainRequest) -> int:
         raise UsageError("--local needs --job-id, the same on every node (or MESHRUN_JOB_ID / SLURM_JOB_ID set)",
                          "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py")
     from meshrun.jobs import visible_gpus
-    opts = launch.TrainOptions(
-        script=req.script, script_args=tuple(req.script_args), nnodes=req.nnodes,
-        nproc_per_node=req.nproc_per_node, max_restarts=req.max_restarts, job_id=job_id,
-        rdzv_host=network.coordinator_ip, rdzv_port=network.rdzv_port, interface=network.interface,
-        python=req.python or sys.executable)
+    opts = req.options(req.script, job_id, network, req.python or sys.executable)
     me = launch.NodeInfo(rec["name"], rec["overlay_ip"], visible_gpus())
     (p,) = launch.plan([me], opts, user_env(req.env), local=True)
     if req.dry_run:

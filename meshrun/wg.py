@@ -7,10 +7,13 @@ typed error carrying the command's stderr. Output that can hold a private key
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -25,6 +28,11 @@ PACKAGES = {"ip": "iproute2", "wg": "wireguard-tools", "wireguard-go": "wireguar
             "sysctl": "procps"}
 UAPI_DIR = Path("/var/run/wireguard")
 CAP_NET_ADMIN = 12
+# wireguard-go >= 0.0.20231211 gives its UDP sockets 7 MiB buffers itself (conn/controlfns.go);
+# older builds (Debian's and Ubuntu's package) keep the kernel default of 208 KiB.
+SOCKET_BUFFER = 7 << 20
+SYS_PIDFD_GETFD = 438            # one number on every Linux architecture (Linux >= 5.6)
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 
 
 def cmd(argv: list[str], *, input: str | None = None, timeout: float = 30, check: bool = True,
@@ -176,6 +184,54 @@ def enable_forwarding(name: str) -> None:
     rule = ["FORWARD", "-i", name, "-o", name, "-j", "ACCEPT"]
     if "-P FORWARD DROP" in policy and cmd(["iptables", "-C", *rule], check=False, quiet=True).returncode != 0:
         cmd(["iptables", "-I", *rule])
+
+
+def _udp_socket_fds(pid: int) -> list[int]:
+    """Descriptor numbers of the UDP sockets process `pid` holds, seen from its network namespace."""
+    inodes = set()
+    for table in ("udp", "udp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                inodes.add(line.split()[9])
+    fds = []
+    for link in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            target = os.readlink(link)
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                fds.append(int(link.name))
+    return fds
+
+
+def widen_socket_buffers(pid: int, size: int = SOCKET_BUFFER, only_grow: bool = True) -> list[tuple[int, int]]:
+    """Give wireguard-go's UDP sockets `size`-byte buffers, as newer wireguard-go does itself.
+
+    With the 208 KiB default a scheduling hiccup at a few hundred Mbit/s overflows the receive
+    buffer, and every dropped datagram costs an inner TCP retransmit (benchmarks/wan_tuning.py:
+    hundreds of drops per 256 MiB all-reduce at 200 Mbit/s, none with 7 MiB). A descriptor copied
+    with pidfd_getfd is the same socket, so setsockopt on the copy changes wireguard-go's socket.
+    Call it after the listen port is set and the link is up (wireguard-go binds new sockets then).
+    Returns (rcvbuf, sndbuf) per socket as the kernel reports them (twice the size asked for);
+    `only_grow=False` also shrinks (benchmarks use it to measure the default). Raises OSError where
+    the kernel (< 5.6) or permissions do not allow it: callers log it, it costs throughput only.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    out = []
+    try:
+        for target in _udp_socket_fds(pid):
+            fd = libc.syscall(SYS_PIDFD_GETFD, pidfd, target, 0)
+            if fd < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"pidfd_getfd(wireguard-go pid {pid}, fd {target}): {os.strerror(err)}")
+            with socket.socket(fileno=fd) as s:
+                for force, opt in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+                    if not only_grow or s.getsockopt(socket.SOL_SOCKET, opt) < size:
+                        s.setsockopt(socket.SOL_SOCKET, force, size)
+                out.append((s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+                            s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)))
+    finally:
+        os.close(pidfd)
+    return out
 
 
 def set_mtu(name: str, mtu: int) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import re
 import subprocess
 import time
 from pathlib import Path
 import json
-import socket
 
 import pytest
 
@@ -90,6 +90,14 @@ def test_three_datacenters_full_mesh_and_late_joiner(world_factory):
     assert oct(conf.stat().st_mode & 0o777) == "0o600"
     stripped = world.node("dc2-a").run("wg-quick", "strip", str(conf)).stdout
     assert stripped.count("[Peer]") == 3
+
+    # wireguard-go's UDP sockets got 7 MiB buffers (the packaged build keeps the 208 KiB default,
+    # which drops datagrams at a few hundred Mbit/s): the kernel reports rb/tb = 2 x 7 MiB.
+    if st["backend"] == "wireguard-go":
+        for n in ("dc1-a", "dc2-a"):
+            ss = world.node(n).run("ss", "-uanm", "sport = :51820").stdout
+            bufs = re.findall(r"skmem:\(r\d+,rb(\d+),t\d+,tb(\d+)", ss)
+            assert bufs and all(int(rb) >= 7 << 20 and int(tb) >= 7 << 20 for rb, tb in bufs), ss
 
 
 def test_leave_and_down_remove_interfaces_and_daemons(world_factory):

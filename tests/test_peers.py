@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from meshrun.model import Member
-from meshrun.peers import HANDSHAKE_FRESH_S, KEEPALIVE, PeerDiff, PeerSpec, PeerState, desired_for_coordinator, \
-    desired_for_node, diff, wg_set_args
+from meshrun.peers import HANDSHAKE_FRESH_S, HOLD_S, KEEPALIVE, PeerDiff, PeerSpec, PeerState, \
+    desired_for_coordinator, desired_for_node, diff, handshake_holds, wg_set_args
 
 K_COORD = "j0DFrbaPJWJK5bIU6nZ6bslNgp09e14a0bpvPiE4KF8="
 K_A = "omjXDyOxNCkYbimc/y3YipnkEnnasAyCC8uW60+7wVU="
@@ -41,6 +41,47 @@ class TestDesired:
 
     def test_empty(self):
         assert desired_for_node(K_A, []) == [] and desired_for_coordinator([]) == []
+
+    def test_held_peer_gets_its_endpoint_but_no_keepalive(self):
+        spec = desired_for_node(K_B, MEMBERS, hold={K_A})[1]
+        assert (spec.public_key, spec.endpoint, spec.keepalive) == (K_A, "198.51.100.2:40000", 0)
+
+
+class TestHandshakeHolds:
+    """Only the end with the greater key of a pair without a handshake waits, for HOLD_S."""
+
+    # K_B > K_A > K_C (base64 text order, which both ends compute the same way)
+    B_SEES_A = [Member("coord", K_COORD, "10.213.0.1", "203.0.113.1:51820", (), True, 0),
+                Member("gpu-a", K_A, "10.213.0.2", "198.51.100.2:40000", (), False, 0, "public")]
+
+    def test_greater_key_waits_then_goes(self):
+        windows: dict = {}
+        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0) == {K_A}
+        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0 + HOLD_S - 0.01) == {K_A}
+        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0 + HOLD_S) == frozenset()
+
+    def test_smaller_key_never_waits_and_coordinator_is_never_held(self):
+        a_sees_b = [Member("coord", K_COORD, "10.213.0.1", "203.0.113.1:51820", (), True, 0),
+                    Member("gpu-b", K_B, "10.213.0.3", "198.51.100.3:40000", (), False, 0, "public")]
+        assert handshake_holds(K_A, a_sees_b, {}, {}, 100.0) == frozenset()
+        # A key greater than everyone's holds the node, never the coordinator (which has no endpoint
+        # for nodes and never initiates to them).
+        assert handshake_holds("z" * 43 + "=", self.B_SEES_A, {}, {}, 100.0) == {K_A}
+
+    def test_no_hold_with_a_handshake_or_without_an_endpoint(self):
+        windows: dict = {}
+        assert handshake_holds(K_B, self.B_SEES_A, {K_A: 1234}, windows, 100.0) == frozenset()
+        assert windows == {}
+        no_endpoint = [Member("gpu-a", K_A, "10.213.0.2", None, (), False, 0)]
+        assert handshake_holds(K_B, no_endpoint, {}, {}, 100.0) == frozenset()
+
+    def test_new_path_or_recreate_opens_a_new_window(self):
+        windows: dict = {}
+        handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0)
+        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 102.0) == frozenset()
+        moved = [self.B_SEES_A[0], Member("gpu-a", K_A, "10.213.0.2", "172.31.40.46:51820", (), False, 0, "private")]
+        assert handshake_holds(K_B, moved, {K_A: 99}, windows, 103.0, recreate={K_A}) == {K_A}
+        assert list(windows) == [(K_A, "172.31.40.46:51820", "private")]   # the old window is dropped
 
 
 class TestDiff:

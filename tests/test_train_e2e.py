@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -120,6 +119,23 @@ def test_dry_run_prints_each_nodes_command(mesh):
     assert res.stdout.count("is_host=0") == 3
     # Options after the script belong to the script, even meshrun's own names.
     assert res.stdout.count("ddp_train.py --epochs 2 --nnodes 9") == 3
+
+
+def test_job_file_runs_a_module_and_the_command_line_wins(mesh, tmp_path):
+    """--config: a job file's settings reach every node; options on the command line override it."""
+    job = tmp_path / "job.toml"
+    job.write_text('script = "ddp_train"\nmodule = true\nargs = ["--epochs", "1", "--steps-per-epoch", "5"]\n'
+                   'nnodes = 2\nnodes = ["dc1-a", "dc2-a"]\nrdzv_timeout = 600\n[env]\nMESHRUN_JOBFILE_TEST = "yes"\n')
+    res = train(mesh, "--config", str(job), "--dry-run", "--rdzv-timeout", "77", check=True)
+    assert re.findall(r"^# (dc\d-a)$", res.stdout, re.M) == ["dc1-a", "dc2-a"]
+    assert res.stdout.count("join_timeout=77") == 2 and "join_timeout=600" not in res.stdout
+    assert res.stdout.count("MESHRUN_JOBFILE_TEST=yes") == 2
+    assert res.stdout.count("meshrun.worker --module ddp_train --epochs 1 --steps-per-epoch 5") == 2
+    res = train(mesh, "--config", str(job))
+    assert res.returncode == 0, res.stdout + res.stderr
+    sums = dict(re.findall(r"\[(dc\d-a) r\d\] param_checksum rank=\d value=(\w+)", res.stdout))
+    assert set(sums) == {"dc1-a", "dc2-a"} and len(set(sums.values())) == 1
+    assert re.search(r"meshrun: job \S+ finished on 2 node\(s\)", res.stderr)
 
 
 def test_missing_node_times_out_naming_it(mesh):

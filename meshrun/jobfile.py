@@ -1,0 +1,110 @@
+"""Job files for `meshrun train --config job.toml` (see configs/job.example.toml).
+
+A job file holds the same settings as `meshrun train`'s options, under their long names with
+underscores (`nproc_per_node`, `max_restarts`, ...) plus `script`, `args` and an `[env]` table.
+Options given on the command line win over the file; `--env` pairs are merged over the file's
+`[env]`; a script given on the command line replaces the file's script and its `args`.
+Pure: reading the file is the only side effect.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshrun.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# key -> (TrainRequest field, check, what the value must be, an example)
+KEYS: dict[str, tuple[str, Any, str, str]] = {
+    "script": ("script", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'script = "train.py"'),
+    "args": ("script_args", _str_list, "a list of strings", 'args = ["--epochs", "3"]'),
+    "module": ("module", lambda v: isinstance(v, bool), "true or false", "module = false"),
+    "nnodes": ("nnodes", lambda v: isinstance(v, str) or _is_int(v), 'a number or "MIN:MAX"', 'nnodes = "2:4"'),
+    "nproc_per_node": ("nproc_per_node", _is_int, "an integer", "nproc_per_node = 1"),
+    "max_restarts": ("max_restarts", _is_int, "an integer", "max_restarts = 1"),
+    "rdzv_timeout": ("rdzv_timeout", _is_int, "an integer (seconds)", "rdzv_timeout = 900"),
+    "nodes": ("nodes", _str_list, "a list of node names", 'nodes = ["gpu-a", "gpu-b"]'),
+    "python": ("python", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'python = "python3"'),
+    "timeout": ("wait_timeout", lambda v: (_is_int(v) or isinstance(v, float)) and v > 0,
+                "a positive number (seconds)", "timeout = 120"),
+    "no_sync": ("no_sync", lambda v: isinstance(v, bool), "true or false", "no_sync = false"),
+    "sync_limit": ("sync_limit_mb", _is_int, "an integer (MiB)", "sync_limit = 50"),
+    "job_id": ("job_id", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'job_id = "exp7"'),
+    "env": ("env", lambda v: isinstance(v, dict) and all(isinstance(x, (str, int, float)) and not isinstance(x, bool)
+                                                       for x in v.values()),
+            "a table of NAME = \"value\"", 'NCCL_DEBUG = "WARN" under [env]'),
+}
+
+
+def _shown(value: Any) -> str:
+    """A value as TOML spells it (true, not Python's True)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def parse(text: str, source: str = "job file") -> dict[str, Any]:
+    """TrainRequest keyword arguments from a job file's text; UsageError naming the bad key or value."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{source} is not valid TOML: {exc}", "fix the syntax (see configs/job.example.toml)") from None
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in KEYS:
+            raise UsageError(f"{source}: unknown key {key!r}", f"use one of: {', '.join(KEYS)}")
+        field, ok, must, example = KEYS[key]
+        if not ok(value):
+            raise UsageError(f"{source}: {key} = {_shown(value)} must be {must}", f"e.g. {example}")
+        if key == "nnodes":
+            value = str(value)
+        elif key == "env":
+            value = {str(k): str(v) for k, v in value.items()}
+        elif key in ("args", "nodes"):
+            value = list(value)
+        out[field] = value
+    return out
+
+
+def load(path: Path) -> dict[str, Any]:
+    """parse() of the file at `path`."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"job file {str(path)!r} not found", "check the path given to --config") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read job file {str(path)!r}: {exc}", "pass a readable UTF-8 TOML file") from None
+    return parse(text, f"job file {str(path)!r}")
+
+
+def merge(from_file: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:
+    """The command line's values (None = not given) over the file's; a CLI script brings its own args."""
+    out = dict(from_file)
+    if cli.get("script") is not None:
+        out.pop("script_args", None)
+    for key, value in cli.items():
+        if key == "env":
+            out["env"] = {**from_file.get("env", {}), **(value or {})}
+        elif key in ("no_sync", "dry_run", "module"):    # flags: on if either turns them on
+            out[key] = bool(value) or bool(from_file.get(key))
+        elif value is not None:
+            out[key] = value
+    if not out.get("script"):
+        raise UsageError("no training script given", "pass SCRIPT, or set script = \"...\" in the --config job file")
+    if out["script"].startswith("-"):
+        raise UsageError(f"unknown option {out['script']!r}",
+                         "meshrun's options come before the script (see `meshrun train --help`)")
+    return out

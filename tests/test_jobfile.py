@@ -1,0 +1,72 @@
+"""Job files (`meshrun train --config`): parsing, errors naming the bad key, command line precedence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshrun import jobfile
+from meshrun.errors import UsageError
+from meshrun.runner import TrainRequest
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "configs" / "job.example.toml"
+NOTHING = {"script": None, "script_args": None, "nnodes": None, "nproc_per_node": None, "max_restarts": None,
+           "nodes": None, "wait_timeout": None, "rdzv_timeout": None, "module": False, "no_sync": False,
+           "sync_limit_mb": None, "dry_run": False, "env": {}, "job_id": None, "python": None}
+
+
+def test_the_shipped_example_loads_into_a_request():
+    req = TrainRequest(**jobfile.merge(jobfile.load(EXAMPLE), NOTHING))
+    assert req.script == "examples/ddp_train.py"
+    assert req.script_args == ["--epochs", "5", "--steps-per-epoch", "50", "--checkpoint", "checkpoint.pt"]
+    assert (req.nnodes, req.nproc_per_node, req.max_restarts, req.rdzv_timeout) == ("2", 1, 1, 900)
+    assert req.env == {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "4"}
+    assert req.module is False and req.python == "python3"
+
+
+def test_every_key_maps_to_a_request_field():
+    fields = set(TrainRequest.__dataclass_fields__)
+    assert {field for field, *_ in jobfile.KEYS.values()} <= fields
+
+
+def test_command_line_wins_and_env_merges():
+    got = jobfile.merge(jobfile.parse('script = "a.py"\nargs = ["--x"]\nnnodes = 3\nmax_restarts = 2\n'
+                                      '[env]\nA = "1"\nB = 2\n'),
+                        dict(NOTHING, nnodes="2:4", env={"B": "9"}, no_sync=True))
+    assert got["nnodes"] == "2:4" and got["max_restarts"] == 2
+    assert got["env"] == {"A": "1", "B": "9"}
+    assert got["script"] == "a.py" and got["script_args"] == ["--x"] and got["no_sync"] is True
+
+
+def test_a_script_on_the_command_line_brings_its_own_args():
+    got = jobfile.merge(jobfile.parse('script = "a.py"\nargs = ["--x"]\n'),
+                        dict(NOTHING, script="b.py", script_args=[]))
+    assert got["script"] == "b.py" and got["script_args"] == []
+
+
+@pytest.mark.parametrize("text, words", [
+    ("epochs = 3", ["unknown key 'epochs'", "use one of"]),
+    ("nnodes = true", ["nnodes = true must be", 'nnodes = "2:4"']),
+    ("max_restarts = \"1\"", ["max_restarts = '1' must be an integer"]),
+    ("args = \"--epochs 3\"", ["args = '--epochs 3' must be a list of strings"]),
+    ("timeout = 0", ["timeout = 0 must be a positive number"]),
+    ("[env]\nA = true", ["env = {'A': True} must be a table"]),
+    ("script = \"a", ["is not valid TOML", "fix the syntax"]),
+])
+def test_bad_job_files_name_the_key_and_the_fix(text, words):
+    with pytest.raises(UsageError) as exc:
+        jobfile.parse(text)
+    msg = f"{exc.value.message}; {exc.value.fix}"
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+def test_missing_file_and_missing_script(tmp_path):
+    with pytest.raises(UsageError, match="not found"):
+        jobfile.load(tmp_path / "nope.toml")
+    with pytest.raises(UsageError, match="no training script given"):
+        jobfile.merge({}, NOTHING)
+    with pytest.raises(UsageError, match="unknown option '--bogus'"):
+        jobfile.merge({}, dict(NOTHING, script="--bogus"))
