@@ -170,8 +170,8 @@ def bring_up(state: StateDir, network: Network, address: str, mtu: int | None = 
                 log.debug("wireguard-go socket buffers (rcv, snd): %s", wg.widen_socket_buffers(pid))
             except OSError as exc:
                 log.warning("could not widen wireguard-go's UDP socket buffers (%s): at high rates it may "
-                            "drop datagrams (inner TCP retransmits); kernel WireGuard and wireguard-go >= "
-                            "0.0.20231211 do not need this", exc)
+                            "drop datagrams (inner TCP retransmits); kernel WireGuard and wireguard-go after "
+                            "0.0.20230223 do not need this", exc)
     except BaseException:
         with contextlib.suppress(Exception):
             wg.delete_interface(network.interface, pid)

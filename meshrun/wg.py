@@ -28,8 +28,8 @@ PACKAGES = {"ip": "iproute2", "wg": "wireguard-tools", "wireguard-go": "wireguar
             "sysctl": "procps"}
 UAPI_DIR = Path("/var/run/wireguard")
 CAP_NET_ADMIN = 12
-# wireguard-go >= 0.0.20231211 gives its UDP sockets 7 MiB buffers itself (conn/controlfns.go);
-# older builds (Debian's and Ubuntu's package) keep the kernel default of 208 KiB.
+# wireguard-go gives its UDP sockets 7 MiB buffers itself since commit f26efb6 (March 2023, after
+# release 0.0.20230223); older builds (0.0.20220316 is packaged here) keep the kernel default, 208 KiB.
 SOCKET_BUFFER = 7 << 20
 SYS_PIDFD_GETFD = 438            # one number on every Linux architecture (Linux >= 5.6)
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
@@ -207,7 +207,7 @@ def widen_socket_buffers(pid: int, size: int = SOCKET_BUFFER, only_grow: bool = 
 
     With the 208 KiB default a scheduling hiccup at a few hundred Mbit/s overflows the receive
     buffer, and every dropped datagram costs an inner TCP retransmit (benchmarks/wan_tuning.py:
-    hundreds of drops per 256 MiB all-reduce at 200 Mbit/s, none with 7 MiB). A descriptor copied
+    180-783 drops per two 256 MiB all-reduces at 200 Mbit/s, none with 7 MiB). A descriptor copied
     with pidfd_getfd is the same socket, so setsockopt on the copy changes wireguard-go's socket.
     Call it after the listen port is set and the link is up (wireguard-go binds new sockets then).
     Returns (rcvbuf, sndbuf) per socket as the kernel reports them (twice the size asked for);
