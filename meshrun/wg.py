@@ -66,15 +66,23 @@ def _fix_for(detail: str) -> str:
 
 
 def require_admin() -> None:
-    """Raise SystemError_ unless we are root or hold CAP_NET_ADMIN."""
-    if os.geteuid() == 0:
-        return
+    """Raise SystemError_ unless this process holds CAP_NET_ADMIN.
+
+    Root normally does, but root in a container started without NET_ADMIN does not: checking the
+    capability, not the uid, turns that case into a clear error instead of a failed `ip link add`.
+    """
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("CapEff:") and int(line.split()[1], 16) >> CAP_NET_ADMIN & 1:
-                return
-    except OSError:
-        pass
+        status = Path("/proc/self/status").read_text().splitlines()
+        caps = next(int(line.split()[1], 16) for line in status if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        caps = None                  # cannot tell: trust the uid
+    if caps is None and os.geteuid() == 0 or caps is not None and caps >> CAP_NET_ADMIN & 1:
+        return
+    if os.geteuid() == 0:
+        raise SystemError_("this process runs as root but without CAP_NET_ADMIN, which WireGuard interfaces "
+                           "need (a container?)",
+                           "start the container with --cap-add NET_ADMIN --device /dev/net/tun, or run meshrun "
+                           "on the host")
     raise SystemError_("meshrun needs root (or CAP_NET_ADMIN) to manage WireGuard interfaces",
                        "run it with sudo")
 

@@ -131,7 +131,8 @@ def _one_error(res) -> str:
 
 def test_setup_errors_are_one_line_and_leave_nothing(world_factory, tmp_path):
     """Interface already there, CIDR overlapping a local route, coordinator unreachable, missing
-    `wg`: each is one clear line naming the value and the fix, with no state or interface left."""
+    `wg`, no CAP_NET_ADMIN: each is one clear line naming the value and the fix, with no state or
+    interface left."""
     from meshrun.token import parse_token
     world = world_factory(3)
     mesh = Mesh(world, "dc1-a")
@@ -151,6 +152,17 @@ def test_setup_errors_are_one_line_and_leave_nothing(world_factory, tmp_path):
                              "meshrun", "init", "--endpoint", "203.0.113.21", check=False))
     assert line == "meshrun: error: `wg` is not installed; install it: apt-get install wireguard-tools"
     assert not mesh.state_dir(n2).exists()
+
+    # Root without CAP_NET_ADMIN (a container started without --cap-add NET_ADMIN): dropped from the
+    # inheritable and bounding sets, so the exec'ed meshrun runs as uid 0 without it.
+    no_admin = ["setpriv", "--inh-caps=-net_admin", "--bounding-set=-net_admin", "env",
+                f"MESHRUN_STATE_DIR={mesh.state_dir(n2)}", mesh.python, "-m", "meshrun"]
+    line = _one_error(n2.run(*no_admin, "init", "--endpoint", "203.0.113.21", check=False))
+    assert line == ("meshrun: error: this process runs as root but without CAP_NET_ADMIN, which WireGuard "
+                    "interfaces need (a container?); start the container with --cap-add NET_ADMIN --device "
+                    "/dev/net/tun, or run meshrun on the host")
+    assert not mesh.state_dir(n2).exists()
+    assert n2.run("ip", "link", "show", "meshrun0", check=False).returncode != 0
 
     # A leftover interface with our name.
     n2.run("ip", "link", "add", "meshrun0", "type", "veth", "peer", "name", "mrpeer0")
@@ -172,6 +184,9 @@ def test_setup_errors_are_one_line_and_leave_nothing(world_factory, tmp_path):
     assert "TCP port 51820 is open" in line
     assert not mesh.state_dir(n2).exists()
     assert n2.run("ip", "link", "show", "meshrun0", check=False).returncode != 0
+    line = _one_error(n2.run(*no_admin, "join", token, "--name", "dc2-a", check=False))
+    assert "without CAP_NET_ADMIN" in line and "--cap-add NET_ADMIN" in line
+    assert not mesh.state_dir(n2).exists()
     # The real token still works afterwards: nothing half-done got in the way.
     mesh.join(n2)
     mesh.wait_ping(n2, mesh.overlay_ip("dc1-a"))
