@@ -15,8 +15,8 @@ import platform
 import secrets
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,24 +59,12 @@ def mesh_world(n_nodes: int, tag: str, rate_mbit: int | None = None, join: bool 
 
 def join_all(mesh: Mesh, names: list[str]) -> list[float]:
     """`meshrun join` on every node at once; returns each join's wall time (raises the first error)."""
-    errs: list[BaseException] = []
-    times = [0.0] * len(names)
-
-    def go(i: int, n: str) -> None:
+    def timed(n: str) -> float:
         t0 = time.monotonic()
-        try:
-            mesh.join(n)
-        except BaseException as exc:   # noqa: BLE001 - re-raised below
-            errs.append(exc)
-        times[i] = time.monotonic() - t0
-    ts = [threading.Thread(target=go, args=(i, n)) for i, n in enumerate(names)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errs:
-        raise errs[0]
-    return times
+        mesh.join(n)
+        return time.monotonic() - t0
+    with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:   # one thread each: all start together
+        return list(pool.map(timed, names))
 
 
 def wg_version() -> str:

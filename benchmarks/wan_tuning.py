@@ -54,7 +54,7 @@ class Variants:
     """Applies and restores one variant on both nodes."""
 
     def __init__(self, mesh, nodes) -> None:
-        self.mesh, self.nodes = mesh, nodes
+        self.nodes = nodes
         self.mtu = {n.name: mesh.status(n)["mtu"] for n in nodes}
         self.wg_pid = {n.name: json.loads((mesh.state_dir(n) / "member.json").read_text())["wg_pid"] for n in nodes}
 

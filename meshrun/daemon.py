@@ -69,16 +69,21 @@ def stop(state: StateDir, timeout: float = 10) -> bool:
         os.kill(pid, signal.SIGTERM)
     # Wait for the process itself, not its pid file: the daemon removes that file on its way
     # out, and callers go on to delete the interface it may still be touching.
-    deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if _alive(pid):
+    if not _gone(pid, timeout):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 2
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _gone(pid, 2)
     state.remove("daemon.pid", "daemon.ready")
+    return True
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for `pid` to exit; True if it did."""
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
     return True
 
 

@@ -247,12 +247,15 @@ class Train:
             return 0
         by_name = {m.name: m for m, _ in ready}
         if not self.req.no_sync:
-            # A module runs from the shipped current directory (python -m puts it on sys.path).
-            script_path = self.cwd if self.req.module else self.cwd / self.req.script
-            if not self.req.module and not script_path.is_file():
-                raise UsageError(f"script {self.req.script!r} not found in {self.cwd}",
-                                 "run `meshrun train` from the directory of your training code, or use --no-sync")
-            blob = pack_code(script_path if self.req.module else script_path.parent, self.req.sync_limit_mb)
+            if self.req.module:    # runs from the shipped current directory (python -m puts it on sys.path)
+                code_dir = self.cwd
+            else:
+                script_path = self.cwd / self.req.script
+                if not script_path.is_file():
+                    raise UsageError(f"script {self.req.script!r} not found in {self.cwd}",
+                                     "run `meshrun train` from the directory of your training code, or use --no-sync")
+                code_dir = script_path.parent
+            blob = pack_code(code_dir, self.req.sync_limit_mb)
             self._each(plans, lambda p: transport.call(by_name[p.node].overlay_ip, self.network.api_port, "POST",
                                                       f"/v1/jobs/{self.job_id}/code", raw=blob, timeout=120))
         self.console.line(f"meshrun: job {self.job_id} on {len(plans)} node(s): "

@@ -73,3 +73,15 @@ def world_factory(tmp_path: Path) -> Callable:
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+def json_strategy(max_text: int = 40, max_list: int = 5, max_key: int = 12, max_dict: int = 6, max_leaves: int = 20):
+    """Hypothesis strategy: any JSON value (NaN, huge integers and odd text included), for fuzzing parsers."""
+    from hypothesis import strategies as st
+    return st.recursive(
+        st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats(allow_nan=True)
+        | st.text(max_size=max_text),
+        lambda children: st.lists(children, max_size=max_list)
+        | st.dictionaries(st.text(max_size=max_key), children, max_size=max_dict),
+        max_leaves=max_leaves)
+

@@ -32,6 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import json_strategy
 from meshrun import coordinator, jobs, keys, wg
 from meshrun.errors import MeshrunError
 from meshrun.model import Network
@@ -45,11 +46,7 @@ ALLOWED = {200, 400, 403, 404, 409, 410, 413, 429}
 CIDR = "10.213.0.0/16"
 COORD_IP = "10.213.0.1"
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats(allow_nan=True)
-    | st.text(max_size=30),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=5),
-    max_leaves=15)
+json_values = json_strategy(max_text=30, max_list=4, max_key=10, max_dict=5, max_leaves=15)
 
 
 def dispatch(handler, req: Request) -> Response:

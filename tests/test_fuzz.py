@@ -12,6 +12,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import json_strategy
 from meshrun.errors import TokenError, UsageError
 from meshrun.model import Member, Network, parse_endpoint
 from meshrun.token import PREFIX, JoinToken, parse_duration, parse_token
@@ -22,11 +23,7 @@ VALID = JoinToken("lab", ("203.0.113.1:51820", "[2001:db8::1]:51820"), "ab" * 32
 SECRET_B64 = base64.urlsafe_b64encode(SECRET).decode().rstrip("=")
 KEY = "j0DFrbaPJWJK5bIU6nZ6bslNgp09e14a0bpvPiE4KF8="
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats(allow_nan=True)
-    | st.text(max_size=40),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=6),
-    max_leaves=20)
+json_values = json_strategy()
 
 
 def _check_token_error(value: str) -> None:

@@ -90,17 +90,10 @@ def test_signal_death_passthrough(tmp_path):
     assert rec["signal"] == "SIGKILL" and rec["exit_code"] == 128 + signal.SIGKILL
 
 
-def test_sigterm_is_forwarded_to_the_child(tmp_path):
+def sigterm_worker(tmp_path: Path, code: str) -> tuple[bytes, int]:
+    """Run `code` under the worker, SIGTERM the worker once the child printed "ready"; (rest of stdout, exit code)."""
     script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent("""
-        import signal, sys, time
-        def bye(signum, frame):
-            print("child got", signal.Signals(signum).name, flush=True)
-            sys.exit(7)
-        signal.signal(signal.SIGTERM, bye)
-        print("ready", flush=True)
-        time.sleep(30)
-    """))
+    script.write_text(textwrap.dedent(code))
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
     p = subprocess.Popen([sys.executable, "-m", "meshrun.worker", str(script)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -112,25 +105,26 @@ def test_sigterm_is_forwarded_to_the_child(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+    return out, p.returncode
+
+
+def test_sigterm_is_forwarded_to_the_child(tmp_path):
+    out, code = sigterm_worker(tmp_path, """
+        import signal, sys, time
+        def bye(signum, frame):
+            print("child got", signal.Signals(signum).name, flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, bye)
+        print("ready", flush=True)
+        time.sleep(30)
+    """)
     assert out == b"[n1 r0] child got SIGTERM\n"
-    assert p.returncode == 7
+    assert code == 7
 
 
 def test_unhandled_sigterm_kills_child_and_worker_alike(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(30)\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
-    p = subprocess.Popen([sys.executable, "-m", "meshrun.worker", str(script)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert p.stdout.readline() == b"[n1 r0] ready\n"
-        p.send_signal(signal.SIGTERM)
-        p.communicate(timeout=20)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == -signal.SIGTERM
+    _, code = sigterm_worker(tmp_path, "import time\nprint('ready', flush=True)\ntime.sleep(30)\n")
+    assert code == -signal.SIGTERM
 
 
 def test_usage_without_script():
