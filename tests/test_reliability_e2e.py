@@ -350,7 +350,10 @@ def test_training_survives_losing_a_node(world_factory, tmp_path):
                 killed.append(pid)
             except ProcessLookupError:
                 pass
-        proc.wait(timeout=420)
+        try:
+            proc.wait(timeout=420)
+        except subprocess.TimeoutExpired:
+            pytest.fail("training did not finish within 420 s of losing a node:\n" + "\n".join(lines[-60:]))
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
