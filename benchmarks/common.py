@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from meshrun.testbed import DatacenterSpec, Mesh, World  # noqa: E402
+from meshrun.lab.testbed import DatacenterSpec, Mesh, World  # noqa: E402
 
 
 def need_root() -> None:

@@ -48,11 +48,12 @@ def loop_ip(i: int) -> str:
 # --------------------------------------------------------------------------- server process
 
 def server(args) -> int:
-    from meshrun import coordinator, keys
-    from meshrun.model import Network
-    from meshrun.store import CoordinatorDB, StateDir
-    from meshrun.token import new_token
-    from meshrun.transport import JSONServer, Request
+    from meshrun.mesh import coordinator
+    from meshrun.core import keys
+    from meshrun.core.model import Network
+    from meshrun.system.store import CoordinatorDB, StateDir
+    from meshrun.core.token import new_token
+    from meshrun.system.transport import JSONServer, Request
 
     tmp = Path(tempfile.mkdtemp(prefix="meshrun-load-"))
     state = StateDir(tmp / "state")
@@ -189,7 +190,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def drive(args, port: int, proc: subprocess.Popen, version0: int) -> dict:
-    from meshrun.agent import SYNC_WAIT
+    from meshrun.mesh.agent import SYNC_WAIT
     agents = Agents(port, args.agents, SYNC_WAIT, {})
     for i in range(args.agents):
         agents.version[i] = 0

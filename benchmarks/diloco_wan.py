@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """DiLoCo vs DDP over a shaped WAN: 3 workers in 3 NAT'd datacenters, every internet link 200 Mbit/s.
 
-Builds the namespace world of ``meshrun.testbed`` (a coordinator datacenter that does not train,
+Builds the namespace world of ``meshrun.lab.testbed`` (a coordinator datacenter that does not train,
 plus one datacenter per worker, each gateway's internet link shaped with tbf in both directions),
 runs ``meshrun init`` / ``meshrun join`` for real (wireguard-go overlay), then trains the same model
 on the same token budget twice with ``meshrun train`` launched on the coordinator:
@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing meshrun
 
-from meshrun.testbed import DatacenterSpec, Mesh, World  # noqa: E402
+from meshrun.lab.testbed import DatacenterSpec, Mesh, World  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 SCRIPT = "diloco_charlm.py"

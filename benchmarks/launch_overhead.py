@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--name", default="launch_overhead")
     args = ap.parse_args()
     from common import mesh_world, need_root, verdict, write_result
-    from meshrun import launch
+    from meshrun.core import launch
     need_root()
     t_start = time.monotonic()
     code_dir = Path(tempfile.mkdtemp(prefix="meshrun-launch-"))

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshrun.testbed import DatacenterSpec, Mesh, World
+from meshrun.lab.testbed import DatacenterSpec, Mesh, World
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"

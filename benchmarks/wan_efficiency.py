@@ -150,7 +150,7 @@ def main() -> int:
         return worker(args)
 
     from common import mesh_world, need_root, set_congctl, verdict, write_result
-    from meshrun.benchworker import parse_sizes
+    from meshrun.bench.worker import parse_sizes
     need_root()
     sizes = parse_sizes(args.sizes) if not args.sizes.replace(",", "").isdigit() else [int(s) for s in args.sizes.split(",")]
     if args.gomaxprocs:

@@ -41,7 +41,7 @@ from common import mesh_world, need_root, set_congctl, write_result  # noqa: E40
 from wan_efficiency import ITERS, allreduce  # noqa: E402
 
 from meshrun import wg  # noqa: E402
-from meshrun.benchworker import parse_sizes  # noqa: E402
+from meshrun.bench.worker import parse_sizes  # noqa: E402
 
 VARIANTS = ("default", "smallbuf", "mtu1440", "cubic", "reno", "nots", "frag2840")
 CONGCTL = ("cubic", "reno")

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 try:
-    from meshrun.diloco import DiLoCo
+    from meshrun.train.diloco import DiLoCo
 except ImportError:  # run from a checkout without installing meshrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from meshrun.diloco import DiLoCo
+    from meshrun.train.diloco import DiLoCo
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 

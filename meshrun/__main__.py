@@ -1,3 +1,3 @@
-from meshrun.cli import main
+from meshrun.cli.main import main
 
 main()

@@ -53,7 +53,7 @@ def world_factory(tmp_path: Path) -> Callable:
     ``world_factory(3)`` is World.standard(3); ``world_factory([DatacenterSpec(...), ...])`` a custom
     world; ``up=False`` returns it unbuilt (still torn down afterwards). Extra keywords go to World.
     """
-    from meshrun.testbed import World
+    from meshrun.lab.testbed import World
 
     worlds: list[World] = []
 

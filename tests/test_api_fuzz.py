@@ -33,12 +33,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import json_strategy
-from meshrun import coordinator, jobs, keys, wg
+from meshrun.mesh import coordinator
+from meshrun.jobs import server as jobs
+from meshrun.core import keys
+from meshrun.system import wg
 from meshrun.errors import MeshrunError
-from meshrun.model import Network
-from meshrun.store import CoordinatorDB, StateDir
-from meshrun.token import new_token
-from meshrun.transport import JSONServer, Request, Response
+from meshrun.core.model import Network
+from meshrun.system.store import CoordinatorDB, StateDir
+from meshrun.core.token import new_token
+from meshrun.system.transport import JSONServer, Request, Response
 
 BUDGET = settings(max_examples=200, deadline=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -50,7 +53,7 @@ json_values = json_strategy(max_text=30, max_list=4, max_key=10, max_dict=5, max
 
 
 def dispatch(handler, req: Request) -> Response:
-    """What meshrun.transport's request handler does with a handler's outcome."""
+    """What meshrun.system.transport's request handler does with a handler's outcome."""
     try:
         return handler(req)
     except MeshrunError as exc:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from meshrun import bench
-from meshrun.benchworker import PairServer, parse_sizes as worker_sizes, tcp_bandwidth, tcp_rtt_ms
+from meshrun.bench import report as bench
+from meshrun.bench.worker import PairServer, parse_sizes as worker_sizes, tcp_bandwidth, tcp_rtt_ms
 from meshrun.errors import UsageError
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from meshrun.testbed import Mesh
+from meshrun.lab.testbed import Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -16,10 +16,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from meshrun import __version__, wg
-from meshrun.cli import app
+from meshrun import __version__
+from meshrun.system import wg
+from meshrun.cli.main import app
 from meshrun.errors import SystemError_
-from meshrun.token import JoinToken
+from meshrun.core.token import JoinToken
 
 FIX_COPY = "copy the whole token again from the output of `meshrun token create` on the coordinator"
 

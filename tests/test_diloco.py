@@ -1,4 +1,4 @@
-"""Tests for meshrun.diloco: exact math against references, int8 error feedback, resume, compression.
+"""Tests for meshrun.train.diloco: exact math against references, int8 error feedback, resume, compression.
 
 Multi-worker checks spawn 2 and 3 CPU processes with a gloo group (FileStore rendezvous, loopback).
 Each spawn runs a suite of scenarios once (module-scoped fixture) to keep the file fast on 2 cores.
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from meshrun.diloco import INT8_CHUNK, DiLoCo, dequantize_int8, quantize_int8
+from meshrun.train.diloco import INT8_CHUNK, DiLoCo, dequantize_int8, quantize_int8
 from meshrun.errors import StateError, UsageError
 
 IN, HID, OUT = 8, 16, 4

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.testbed import Mesh
+from meshrun.lab.testbed import Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from conftest import json_strategy
 from meshrun.errors import TokenError, UsageError
-from meshrun.model import Member, Network, parse_endpoint
-from meshrun.token import PREFIX, JoinToken, parse_duration, parse_token
+from meshrun.core.model import Member, Network, parse_endpoint
+from meshrun.core.token import PREFIX, JoinToken, parse_duration, parse_token
 
 BUDGET = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SECRET = bytes(range(32))

@@ -1,4 +1,4 @@
-"""meshrun.ipam: overlay CIDR checks and address allocation (pure)."""
+"""meshrun.core.ipam: overlay CIDR checks and address allocation (pure)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ipaddress
 import pytest
 
 from meshrun.errors import NetworkError, UsageError
-from meshrun.ipam import DEFAULT_CIDR, allocate, check_overlap, coordinator_address, parse_cidr
+from meshrun.core.ipam import DEFAULT_CIDR, allocate, check_overlap, coordinator_address, parse_cidr
 
 NET = ipaddress.IPv4Network("10.213.0.0/16")
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from meshrun import jobfile
+from meshrun.core import jobfile
 from meshrun.errors import UsageError
-from meshrun.runner import TrainRequest
+from meshrun.jobs.runner import TrainRequest
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "configs" / "job.example.toml"
 NOTHING = {"script": None, "script_args": None, "nnodes": None, "nproc_per_node": None, "max_restarts": None,

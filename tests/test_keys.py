@@ -1,4 +1,4 @@
-"""meshrun.keys: WireGuard keys and the coordinator's TLS identity."""
+"""meshrun.core.keys: WireGuard keys and the coordinator's TLS identity."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from meshrun.errors import UsageError
-from meshrun.keys import (cert_fingerprint, decode_key, generate_private_key, generate_tls_identity, is_public_key,
+from meshrun.core.keys import (cert_fingerprint, decode_key, generate_private_key, generate_tls_identity, is_public_key,
                           public_key)
 
 # Computed with `echo PRIVATE | wg pubkey` (wireguard-tools); the first private key is

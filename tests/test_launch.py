@@ -1,4 +1,4 @@
-"""meshrun.launch: torchrun argv/env planning, validation, train argv splitting, and one real local run."""
+"""meshrun.core.launch: torchrun argv/env planning, validation, train argv splitting, and one real local run."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from meshrun import launch
+from meshrun.core import launch
 from meshrun.errors import UsageError
-from meshrun.launch import NodeInfo, NodeLaunch, TrainOptions
+from meshrun.core.launch import NodeInfo, NodeLaunch, TrainOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def expected_argv(ip: str, nproc: str, nnodes: str = "3") -> tuple[str, ...]:
             "--local-addr", ip,
             "--max-restarts", "0",
             "--monitor-interval", "0.5",
-            "-m", "meshrun.worker", "train.py", "--epochs", "3")
+            "-m", "meshrun.jobs.worker", "train.py", "--epochs", "3")
 
 
 def test_three_node_plan_exact_argv():
@@ -111,7 +111,7 @@ def test_options_module_restarts_port_timeout_python():
                                     rdzv_timeout=60, python="/opt/py/bin/python", script_args=()))[0]
     a = list(p.argv)
     assert a[0] == "/opt/py/bin/python"
-    assert a[-4:] == ["-m", "meshrun.worker", "--module", "pkg.train"]
+    assert a[-4:] == ["-m", "meshrun.jobs.worker", "--module", "pkg.train"]
     assert a[a.index("--max-restarts") + 1] == "2"
     assert a[a.index("--rdzv-endpoint") + 1] == "10.77.0.1:29555"
     assert a[a.index("--rdzv-conf") + 1] == "is_host=0,join_timeout=60"

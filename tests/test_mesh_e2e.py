@@ -13,7 +13,7 @@ import pytest
 
 from conftest import running as _running
 
-from meshrun.testbed import Mesh
+from meshrun.lab.testbed import Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -133,7 +133,7 @@ def test_setup_errors_are_one_line_and_leave_nothing(world_factory, tmp_path):
     """Interface already there, CIDR overlapping a local route, coordinator unreachable, missing
     `wg`, no CAP_NET_ADMIN: each is one clear line naming the value and the fix, with no state or
     interface left."""
-    from meshrun.token import parse_token
+    from meshrun.core.token import parse_token
     world = world_factory(3)
     mesh = Mesh(world, "dc1-a")
     n2 = world.node("dc2-a")

@@ -1,11 +1,11 @@
-"""meshrun.model: wire shapes (round trip, hostile input), endpoints, option checks."""
+"""meshrun.core.model: wire shapes (round trip, hostile input), endpoints, option checks."""
 
 from __future__ import annotations
 
 import pytest
 
 from meshrun.errors import UsageError
-from meshrun.model import (Member, Network, check_interface, check_mtu, check_name, check_port, default_node_name,
+from meshrun.core.model import (Member, Network, check_interface, check_mtu, check_name, check_port, default_node_name,
                            parse_endpoint)
 
 KEY_A = "j0DFrbaPJWJK5bIU6nZ6bslNgp09e14a0bpvPiE4KF8="

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.testbed import DatacenterSpec, Mesh
+from meshrun.lab.testbed import DatacenterSpec, Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

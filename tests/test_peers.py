@@ -1,9 +1,9 @@
-"""meshrun.peers: desired peer sets and the minimal diff (pure)."""
+"""meshrun.core.peers: desired peer sets and the minimal diff (pure)."""
 
 from __future__ import annotations
 
-from meshrun.model import Member
-from meshrun.peers import HANDSHAKE_FRESH_S, HOLD_S, KEEPALIVE, PeerDiff, PeerSpec, PeerState, \
+from meshrun.core.model import Member
+from meshrun.core.peers import HANDSHAKE_FRESH_S, HOLD_S, KEEPALIVE, PeerDiff, PeerSpec, PeerState, \
     desired_for_coordinator, desired_for_node, diff, handshake_holds, wg_set_args
 
 K_COORD = "j0DFrbaPJWJK5bIU6nZ6bslNgp09e14a0bpvPiE4KF8="

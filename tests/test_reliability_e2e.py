@@ -1,7 +1,7 @@
 """Reliability: crashes and restarts of the coordinator and agents, concurrent joins, bad state on disk,
 a full disk, losing a node in the middle of training, and `meshrun service install`.
 
-The end-to-end tests run real meshrun in NAT'd network namespaces (meshrun.testbed); the service tests
+The end-to-end tests run real meshrun in NAT'd network namespaces (meshrun.lab.testbed); the service tests
 only render and write unit files.
 """
 
@@ -25,10 +25,10 @@ import pytest
 from conftest import running as _running
 from typer.testing import CliRunner
 
-from meshrun import service
-from meshrun.cli import app
-from meshrun.store import StateDir
-from meshrun.testbed import DatacenterSpec, Mesh
+from meshrun.mesh import service
+from meshrun.cli.main import app
+from meshrun.system.store import StateDir
+from meshrun.lab.testbed import DatacenterSpec, Mesh
 
 REPO = Path(__file__).resolve().parents[1]
 e2e = [pytest.mark.netns, pytest.mark.slow]
@@ -250,7 +250,7 @@ def test_corrupt_state_files_fail_loudly_and_stay_untouched(world_factory):
 
 DISK_FULL = r"""
 import json, os, sys
-from meshrun.store import StateDir
+from meshrun.system.store import StateDir
 from meshrun.errors import StateError
 s = StateDir(sys.argv[1])
 s.create()
@@ -317,7 +317,7 @@ def test_coordinator_on_full_disk_refuses_cleanly(world_factory):
 @pytest.mark.netns
 @pytest.mark.slow
 def test_training_survives_losing_a_node(world_factory, tmp_path):
-    from meshrun.jobs import descendants
+    from meshrun.jobs.server import descendants
     world = world_factory(4)
     mesh = Mesh(world, "dc1-a")
     mesh.init()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshrun.model import Member, Network
-from meshrun.runner import Console, Train, TrainRequest
+from meshrun.core.model import Member, Network
+from meshrun.jobs.runner import Console, Train, TrainRequest
 
 NET = Network(name="t", cidr="10.213.0.0/16", interface="meshrun0", listen_port=51820, mtu=1420,
               coordinator_ip="10.213.0.1", coordinator_public_key="A" * 43 + "=", endpoints=("192.0.2.1:51820",),

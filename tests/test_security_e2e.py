@@ -1,7 +1,7 @@
 """End-to-end security: refused joins leave nothing behind, secrets stay secret, removed nodes are cut off,
 the overlay API is reachable only through WireGuard.
 
-Real meshrun (init/join/remove, wireguard-go) in NAT'd network namespaces (meshrun.testbed).
+Real meshrun (init/join/remove, wireguard-go) in NAT'd network namespaces (meshrun.lab.testbed).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.testbed import Mesh, World
-from meshrun.token import JoinToken, parse_token
+from meshrun.lab.testbed import Mesh, World
+from meshrun.core.token import JoinToken, parse_token
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -257,7 +257,7 @@ print("connected")
 
 CALL = """
 import json, sys
-from meshrun import transport
+from meshrun.system import transport
 from meshrun.errors import MeshrunError
 host, port, method, path, fp = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] or None
 try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from meshrun.status import _age, _bytes, render
+from meshrun.mesh.status import _age, _bytes, render
 
 STATUS = {
     "network": "lab", "role": "node", "name": "gpu-a", "overlay_ip": "10.213.0.2", "cidr": "10.213.0.0/16",

@@ -1,4 +1,4 @@
-"""meshrun.store: state directory files (atomic, private) and the coordinator's SQLite DB."""
+"""meshrun.system.store: state directory files (atomic, private) and the coordinator's SQLite DB."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from meshrun.errors import StateError, TokenError
-from meshrun.model import Member
-from meshrun.store import CoordinatorDB, StateDir, TokenInfo, default_state_dir
+from meshrun.core.model import Member
+from meshrun.system.store import CoordinatorDB, StateDir, TokenInfo, default_state_dir
 
 CIDR = "10.213.0.0/16"
 SECRET = b"s" * 32
@@ -244,7 +244,7 @@ class TestTokens:
         assert TokenInfo("x", NOW, NOW + 60, 1, 5, False).to_dict(NOW)["uses_left"] == 0
 
     def test_never_exposes_secret_or_hash(self, db):
-        from meshrun.token import hash_secret
+        from meshrun.core.token import hash_secret
         h = hash_secret(SECRET)
         for t in db.tokens():
             text = repr(t) + json.dumps(t.to_dict(NOW))

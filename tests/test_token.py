@@ -1,4 +1,4 @@
-"""meshrun.token: join token format, validation messages, secret hashing, durations."""
+"""meshrun.core.token: join token format, validation messages, secret hashing, durations."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import pytest
 
 from meshrun.errors import TokenError, UsageError
-from meshrun.token import (PREFIX, JoinToken, hash_secret, looks_like_token, new_token, parse_duration,
+from meshrun.core.token import (PREFIX, JoinToken, hash_secret, looks_like_token, new_token, parse_duration,
                            parse_token, secret_matches)
 
 FP = "ab" * 32

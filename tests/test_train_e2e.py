@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import unique_prefix
-from meshrun.testbed import DatacenterSpec, Mesh, World
+from meshrun.lab.testbed import DatacenterSpec, Mesh, World
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -69,7 +69,7 @@ def _workers(mesh: Mesh) -> list[str]:
     for node in mesh.world.nodes[1:]:
         res = node.run("ps", "-eo", "pid,args", check=False)
         found += [ln for ln in res.stdout.splitlines()
-                  if "meshrun.worker" in ln or "torch.distributed.run" in ln or "ddp_train.py" in ln]
+                  if "meshrun.jobs.worker" in ln or "torch.distributed.run" in ln or "ddp_train.py" in ln]
     return found
 
 
@@ -130,7 +130,7 @@ def test_job_file_runs_a_module_and_the_command_line_wins(mesh, tmp_path):
     assert re.findall(r"^# (dc\d-a)$", res.stdout, re.M) == ["dc1-a", "dc2-a"]
     assert res.stdout.count("join_timeout=77") == 2 and "join_timeout=600" not in res.stdout
     assert res.stdout.count("MESHRUN_JOBFILE_TEST=yes") == 2
-    assert res.stdout.count("meshrun.worker --module ddp_train --epochs 1 --steps-per-epoch 5") == 2
+    assert res.stdout.count("meshrun.jobs.worker --module ddp_train --epochs 1 --steps-per-epoch 5") == 2
     res = train(mesh, "--config", str(job))
     assert res.returncode == 0, res.stdout + res.stderr
     sums = dict(re.findall(r"\[(dc\d-a) r\d\] param_checksum rank=\d value=(\w+)", res.stdout))

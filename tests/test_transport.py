@@ -1,4 +1,4 @@
-"""meshrun.transport: JSON over HTTP(S) on loopback, pinned TLS, error mapping, NDJSON streams."""
+"""meshrun.system.transport: JSON over HTTP(S) on loopback, pinned TLS, error mapping, NDJSON streams."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from meshrun import keys
+from meshrun.core import keys
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, TokenError, UsageError
-from meshrun.transport import MAX_JSON, JSONServer, Request, Response, call, server_tls_context, stream
+from meshrun.system.transport import MAX_JSON, JSONServer, Request, Response, call, server_tls_context, stream
 
 
 class Recorder:

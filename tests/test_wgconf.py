@@ -1,4 +1,4 @@
-"""meshrun.wgconf: wg-quick rendering (checked by `wg-quick strip`) and `wg show dump` parsing."""
+"""meshrun.core.wgconf: wg-quick rendering (checked by `wg-quick strip`) and `wg show dump` parsing."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from meshrun.peers import PeerSpec, PeerState
-from meshrun.wgconf import parse_dump, read_quick, render_quick
+from meshrun.core.peers import PeerSpec, PeerState
+from meshrun.core.wgconf import parse_dump, read_quick, render_quick
 
 PRIV = "UGPrxkGtf7NS043XEah/Axhqr7YTXB4MzFvrfrAZyUs="
 PUB = "omjXDyOxNCkYbimc/y3YipnkEnnasAyCC8uW60+7wVU="

@@ -1,4 +1,4 @@
-"""meshrun.worker: prefixes, exit code and signal passthrough, exit records."""
+"""meshrun.jobs.worker: prefixes, exit code and signal passthrough, exit records."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def run_worker(tmp_path: Path, code: str, *args: str, module: bool = False, env:
     full_env.update({"PYTHONPATH": str(ROOT), "MESHRUN_NODE_NAME": "dc1-gpu0", "RANK": "3", "LOCAL_RANK": "1"})
     full_env.update(env or {})
     target = ["--module", "child"] if module else [str(script)]
-    return subprocess.run([sys.executable, "-m", "meshrun.worker", *target, *args], cwd=tmp_path,
+    return subprocess.run([sys.executable, "-m", "meshrun.jobs.worker", *target, *args], cwd=tmp_path,
                           env=full_env, capture_output=True, timeout=timeout)
 
 
@@ -95,7 +95,7 @@ def sigterm_worker(tmp_path: Path, code: str) -> tuple[bytes, int]:
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(code))
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
-    p = subprocess.Popen([sys.executable, "-m", "meshrun.worker", str(script)], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "meshrun.jobs.worker", str(script)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert p.stdout.readline() == b"[n1 r0] ready\n"
@@ -128,13 +128,13 @@ def test_unhandled_sigterm_kills_child_and_worker_alike(tmp_path):
 
 
 def test_usage_without_script():
-    r = subprocess.run([sys.executable, "-m", "meshrun.worker"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    r = subprocess.run([sys.executable, "-m", "meshrun.jobs.worker"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
                        capture_output=True, timeout=30)
     assert r.returncode == 2
     assert b"usage" in r.stderr
 
 
-@pytest.mark.parametrize("mod", ["meshrun.worker", "meshrun.launch"])
+@pytest.mark.parametrize("mod", ["meshrun.jobs.worker", "meshrun.core.launch"])
 def test_does_not_import_torch(mod):
     code = f"import sys, {mod}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True, timeout=30)

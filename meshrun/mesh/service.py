@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.errors import StateError, SystemError_, UsageError
-from meshrun.store import StateDir
+from meshrun.system.store import StateDir
 
 ROLES = ("coordinator", "agent")
 SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
@@ -151,7 +151,7 @@ def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry
         raise SystemError_("`systemctl` is not installed", "install systemd, or start `meshrun up` another way")
     # A daemon started by init/join/up holds the state directory's lock: hand over to systemd.
     # Stopping it leaves the interface (and every tunnel) up.
-    from meshrun import daemon
+    from meshrun.mesh import daemon
     if daemon.stop(state):
         echo("stopped the background daemon; systemd takes over")
     for argv in plan.commands:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import wgconfig
 
-from meshrun.peers import PeerSpec, PeerState
+from meshrun.core.peers import PeerSpec, PeerState
 
 
 def render_quick(private_key: str, address: str, listen_port: int, mtu: int,

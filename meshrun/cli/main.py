@@ -18,7 +18,7 @@ import typer
 
 from meshrun import __version__
 from meshrun.errors import MeshrunError
-from meshrun.store import StateDir, default_state_dir
+from meshrun.system.store import StateDir, default_state_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None,
@@ -94,7 +94,7 @@ def init(
     The token is the last line of output; give it to `meshrun join` on each node.
     Open UDP and TCP 51820 on this machine (UDP 51820 on every node).
     """
-    from meshrun import coordinator
+    from meshrun.mesh import coordinator
     opts = coordinator.InitOptions(endpoint=endpoint, cidr=cidr, port=port, interface=interface, mtu=mtu,
                                    name=network, token_ttl=ttl, token_uses=uses)
     state = _state(state_dir)
@@ -118,7 +118,9 @@ def up(foreground: Annotated[bool, typer.Option(help="Run the daemon in this pro
     Example:
       meshrun up
     """
-    from meshrun import agent, coordinator, daemon
+    from meshrun.mesh import agent
+    from meshrun.mesh import coordinator
+    from meshrun.mesh import daemon
     state = _state(state_dir)
     rec, network = agent.load_node(state)
     if foreground:
@@ -139,7 +141,7 @@ def down(purge: Annotated[bool, typer.Option(help="Also delete the network's sta
     Example:
       meshrun down            # `meshrun up` starts it again with every member kept
     """
-    from meshrun import agent
+    from meshrun.mesh import agent
     iface = agent.leave(_state(state_dir), purge=purge)
     typer.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
 
@@ -154,7 +156,7 @@ def leave(purge: Annotated[bool, typer.Option(help="Also delete this node's key 
     Example:
       meshrun leave --purge
     """
-    from meshrun import agent
+    from meshrun.mesh import agent
     iface = agent.leave(_state(state_dir), purge=purge)
     typer.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
 
@@ -170,7 +172,7 @@ def token_create(ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 30m, 12h,
     Example:
       meshrun token create --ttl 2h --uses 3
     """
-    from meshrun import coordinator
+    from meshrun.mesh import coordinator
     typer.echo(coordinator.create_token(_state(state_dir), ttl, uses))
 
 
@@ -183,7 +185,7 @@ def token_list(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
     Example:
       meshrun token list --json
     """
-    from meshrun import coordinator
+    from meshrun.mesh import coordinator
     tokens = coordinator.list_tokens(_state(state_dir))
     if json_out:
         typer.echo(json.dumps(tokens, indent=2))
@@ -205,7 +207,7 @@ def token_revoke(token_or_id: Annotated[str, typer.Argument(metavar="TOKEN_OR_ID
     Example:
       meshrun token revoke k3j9x2abcd
     """
-    from meshrun import coordinator
+    from meshrun.mesh import coordinator
     typer.echo(f"revoked {coordinator.revoke_token(_state(state_dir), token_or_id)}")
 
 
@@ -218,7 +220,7 @@ def remove(name: str, state_dir: StateOpt = None) -> None:
     Example:
       meshrun remove gpu-b
     """
-    from meshrun import coordinator
+    from meshrun.mesh import coordinator
     m = coordinator.remove_member(_state(state_dir), name)
     typer.echo(f"removed {m.name} ({m.overlay_ip}); every peer drops it on its next sync")
 
@@ -242,7 +244,8 @@ def join(token: Annotated[str, typer.Argument(help="The token printed by `meshru
     Returns once the interface is up and the node is registered. Running it again on an
     enrolled node resumes with the same key and address.
     """
-    from meshrun import agent, daemon
+    from meshrun.mesh import agent
+    from meshrun.mesh import daemon
     state = _state(state_dir)
     res = agent.join(token, state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu)
     verb = "resumed" if res.resumed else "joined"
@@ -263,7 +266,7 @@ def status(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
       meshrun status
       meshrun status --json | jq '.peers[].name'
     """
-    from meshrun import status as st
+    from meshrun.mesh import status as st
     data = st.gather(_state(state_dir))
     typer.echo(json.dumps(data, indent=2) if json_out else st.render(data))
 
@@ -280,7 +283,7 @@ def ping(peer: Annotated[str, typer.Argument(help="Peer name or overlay IP.")],
       meshrun ping gpu-b
       meshrun ping 10.213.0.3 --count 20 --json
     """
-    from meshrun import status as st
+    from meshrun.mesh import status as st
     r = st.ping(_state(state_dir), peer, count)
     typer.echo(json.dumps(r, indent=2) if json_out else st.render_ping(r))
     if not r["received"]:
@@ -324,7 +327,8 @@ def train(
       meshrun train --local --nnodes 2 --job-id exp7 train.py     # on each node, e.g. from a batch job
     Exits with the first failing rank's exit code; Ctrl-C stops the job on every node.
     """
-    from meshrun import jobfile, runner
+    from meshrun.core import jobfile
+    from meshrun.jobs import runner
     cli = {"script": script, "script_args": list(ctx.args) if script is not None else None, "nnodes": nnodes,
            "nproc_per_node": nproc_per_node, "max_restarts": max_restarts,
            "nodes": [n.strip() for n in nodes.split(",") if n.strip()] if nodes else None,
@@ -360,7 +364,7 @@ def bench(
       meshrun bench --plot mesh.png            # pip install meshrun[plot]
     Pairs below half the median bandwidth are flagged SLOW.
     """
-    from meshrun import bench as b
+    from meshrun.bench import report as b
     if plot is not None:
         b.require_matplotlib()          # fail before the minute of measuring, not after
     res = b.run(_state(state_dir), sizes=sizes, duration=duration, streams=streams, iters=iters,
@@ -383,7 +387,7 @@ def demo(nodes: Annotated[int, typer.Option(help="Training datacenters to simula
     Needs root (it builds network namespaces) and a meshrun checkout. Example:
       sudo meshrun demo --nodes 3
     """
-    from meshrun import demo as d
+    from meshrun.lab import demo as d
     raise typer.Exit(d.run(nodes, out=typer.echo))
 
 
@@ -391,8 +395,9 @@ def demo(nodes: Annotated[int, typer.Option(help="Training datacenters to simula
 @handled
 def daemon(state_dir: StateOpt = None) -> None:
     """Run the coordinator or agent daemon for a state directory (started by init/join/up)."""
-    from meshrun import agent, coordinator
-    from meshrun import daemon as d
+    from meshrun.mesh import agent
+    from meshrun.mesh import coordinator
+    from meshrun.mesh import daemon as d
     d.setup_logging()
     state = _state(state_dir)
     try:
@@ -426,7 +431,7 @@ def service_install(
       meshrun service install --role agent --state-dir /srv/meshrun
     Without a running systemd (containers) it writes the unit and prints the commands to run.
     """
-    from meshrun import service
+    from meshrun.mesh import service
     state = _state(state_dir)
     plan = service.plan_install(state, role=role, unit_dir=unit_dir)
     service.install(plan, state, typer.echo, dry_run=dry_run)

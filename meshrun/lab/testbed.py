@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 
 from meshrun.errors import NetworkError, UsageError
 
-logger = logging.getLogger("meshrun.testbed")
+logger = logging.getLogger("meshrun.lab.testbed")
 
 NAT_KINDS = ("one-to-one", "cone", "symmetric")
 PRIVATE_CIDR = "172.31.32.0/20"
@@ -104,7 +104,7 @@ def _fix_for(stderr: str) -> str:
     if "operation not permitted" in low or "permission denied" in low:
         return "the testbed needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"
     if "file exists" in low:
-        return "a namespace or interface with that name exists; run `python -m meshrun.testbed down --prefix P`"
+        return "a namespace or interface with that name exists; run `python -m meshrun.lab.testbed down --prefix P`"
     return "see the command's output above"
 
 
@@ -342,7 +342,7 @@ class World:
             if isinstance(exc, NetworkError) or not isinstance(exc, Exception):
                 raise
             raise NetworkError(f"building testbed {self.prefix!r} failed: {exc!r}",
-                               "see the debug log (logger meshrun.testbed) for the commands run") from exc
+                               "see the debug log (logger meshrun.lab.testbed) for the commands run") from exc
         self._up = True
         self._say(f"testbed {self.prefix!r} up in {time.monotonic() - t0:.1f} s")
         return self
@@ -496,7 +496,7 @@ class World:
     # ----- tearing down -----
 
     def detach(self) -> None:
-        """Leave the world running when this process exits (for `python -m meshrun.testbed up`)."""
+        """Leave the world running when this process exits (for `python -m meshrun.lab.testbed up`)."""
         _live_worlds.discard(self)
         for proc in self._anchors.values():
             if proc.stderr:
@@ -632,8 +632,8 @@ def _cli_workdir(prefix: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m meshrun.testbed up --dcs 3 [--nat cone] [--prefix mr]` / `down --prefix mr`."""
-    ap = argparse.ArgumentParser(prog="python -m meshrun.testbed",
+    """`python -m meshrun.lab.testbed up --dcs 3 [--nat cone] [--prefix mr]` / `down --prefix mr`."""
+    ap = argparse.ArgumentParser(prog="python -m meshrun.lab.testbed",
                                  description="Build or remove a NAT'd multi-datacenter testbed (root).")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every command")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -655,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
             print(world.describe())
             print("run a command in a node: nsenter -t ANCHOR -m -n -- CMD  (anchors: "
                   + ", ".join(f"{n.name}={n.anchor_pid}" for n in world.nodes) + ")")
-            print(f"remove it: python -m meshrun.testbed down --prefix {args.prefix}")
+            print(f"remove it: python -m meshrun.lab.testbed down --prefix {args.prefix}")
         else:
             if not _PREFIX.match(args.prefix):
                 raise UsageError(f"testbed prefix {args.prefix!r} is not usable", "give the prefix used for `up`")

@@ -21,14 +21,19 @@ import threading
 import time
 from dataclasses import dataclass
 
-from meshrun import daemon, keys, peers, probe, transport, wg
+from meshrun.mesh import daemon
+from meshrun.core import keys
+from meshrun.core import peers
+from meshrun.system import probe
+from meshrun.system import transport
+from meshrun.system import wg
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, UsageError
-from meshrun.model import Member, Network, check_mtu, check_name, default_node_name, parse_endpoint
-from meshrun.store import StateDir
-from meshrun.token import JoinToken, parse_token
-from meshrun.wgconf import render_quick
+from meshrun.core.model import Member, Network, check_mtu, check_name, default_node_name, parse_endpoint
+from meshrun.system.store import StateDir
+from meshrun.core.token import JoinToken, parse_token
+from meshrun.core.wgconf import render_quick
 
-log = logging.getLogger("meshrun.agent")
+log = logging.getLogger("meshrun.mesh.agent")
 
 SYNC_WAIT = 20.0
 FAST_WAIT = 2.0          # long-poll while a path is unproven
@@ -163,7 +168,7 @@ def _network(state: StateDir, rec: dict) -> Network:
 
 
 def bring_up(state: StateDir, network: Network, address: str, mtu: int | None = None) -> tuple[str, int | None]:
-    from meshrun.coordinator import bring_up as _bring_up
+    from meshrun.mesh.coordinator import bring_up as _bring_up
     return _bring_up(state, network, address, mtu)
 
 
@@ -244,7 +249,7 @@ class AgentService:
         signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
         self.job_server = None
         try:
-            from meshrun import jobs
+            from meshrun.jobs import server as jobs
             self.job_server = jobs.start_job_server(self)
         except MeshrunError as exc:
             log.warning("job API unavailable: %s", exc)

@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass
 
 from meshrun.errors import TokenError, UsageError
-from meshrun.model import parse_endpoint
+from meshrun.core.model import parse_endpoint
 
 PREFIX = "mr1."
 _VERSION_RE = re.compile(r"^mr(\d+)\.")

@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from meshrun import errors
 from meshrun.errors import CoordinatorError, MeshrunError
 
-log = logging.getLogger("meshrun.transport")
+log = logging.getLogger("meshrun.system.transport")
 
 MAX_JSON = 256 * 1024
 TIMEOUT = 15

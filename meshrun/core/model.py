@@ -10,7 +10,7 @@ import ipaddress
 import re
 from dataclasses import asdict, dataclass, field
 
-from meshrun.keys import is_public_key
+from meshrun.core.keys import is_public_key
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}\Z")  # \Z: `$` would accept a trailing newline
 IFACE_RE = re.compile(r"^[A-Za-z0-9_=+.-]{1,15}\Z")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshrun.model import Member
+from meshrun.core.model import Member
 
 KEEPALIVE = 25
 # WireGuard rejects a session 180 s after its handshake (REJECT_AFTER_TIME); a peer whose

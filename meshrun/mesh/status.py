@@ -9,10 +9,13 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from meshrun import agent, paths, probe, wg
+from meshrun.mesh import agent
+from meshrun.core import paths
+from meshrun.system import probe
+from meshrun.system import wg
 from meshrun.errors import UsageError
-from meshrun.model import Member
-from meshrun.store import CoordinatorDB, StateDir
+from meshrun.core.model import Member
+from meshrun.system.store import CoordinatorDB, StateDir
 
 
 def path_label(m: Member | None, endpoint: str | None, allowed_ips: tuple[str, ...]) -> str:

@@ -2,7 +2,7 @@
 
 Usage (identical on every worker; all workers must call ``step()`` the same number of times)::
 
-    from meshrun.diloco import DiLoCo
+    from meshrun.train.diloco import DiLoCo
     opt = DiLoCo(model, inner_optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
                  sync_every=100, outer_lr=0.7, outer_momentum=0.9, compression="fp16")
     for batch in loader:
@@ -95,7 +95,7 @@ COMPRESSIONS = ("none", "fp16", "bf16", "int8")
 INT8_CHUNK = 2048  # elements per int8 scale: 4 bytes of scale per 2048 bytes of payload (0.2 %)
 BUCKET_NUMEL = 1 << 24  # elements per collective (64 MiB of fp32); bounds the temporary memory
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_STATE_FORMAT = "meshrun.diloco/1"
+_STATE_FORMAT = "meshrun.train.diloco/1"
 
 
 def quantize_int8(x: torch.Tensor, chunk: int = INT8_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,7 +406,7 @@ class DiLoCo:
         Raises ``StateError`` when the checkpoint does not match this model.
         """
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-            raise StateError("the DiLoCo checkpoint is not in the meshrun.diloco/1 format",
+            raise StateError("the DiLoCo checkpoint is not in the meshrun.train.diloco/1 format",
                              "pass the dict returned by DiLoCo.state_dict()")
         for key in ("step_count", "steps_since_sync", "sync_count", "inner_optimizer",
                     "outer_optimizer", "global_params", "error_feedback"):

@@ -2,7 +2,7 @@
 
 Listens on the node's overlay IP (socket bound to the WireGuard device) and only answers
 the coordinator's overlay address. `meshrun train` on the coordinator plans the command
-(meshrun.launch), uploads the code, then POSTs /v1/jobs/ID/run and reads NDJSON events
+(meshrun.core.launch), uploads the code, then POSTs /v1/jobs/ID/run and reads NDJSON events
 until the job exits. If that connection drops (Ctrl-C, coordinator gone) or
 /v1/jobs/ID/cancel arrives, the whole process tree is stopped: SIGTERM to torchrun, then
 SIGKILL to every process that was in the tree (torchrun starts workers in their own
@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from meshrun.errors import LaunchError, MeshrunError, UsageError
-from meshrun.transport import JSONServer, Request, Response
+from meshrun.system.transport import JSONServer, Request, Response
 
-log = logging.getLogger("meshrun.jobs")
+log = logging.getLogger("meshrun.jobs.server")
 
 JOB_ID_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,64}\Z")  # never "." or "..": it names a directory
 MAX_CODE = 200 * 1024 * 1024

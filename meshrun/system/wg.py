@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from meshrun.errors import NetworkError, SystemError_
-from meshrun.peers import PeerDiff, PeerState, wg_set_args
-from meshrun.wgconf import parse_dump
+from meshrun.core.peers import PeerDiff, PeerState, wg_set_args
+from meshrun.core.wgconf import parse_dump
 
-log = logging.getLogger("meshrun.wg")
+log = logging.getLogger("meshrun.system.wg")
 
 PACKAGES = {"ip": "iproute2", "wg": "wireguard-tools", "wireguard-go": "wireguard-go", "iptables": "iptables",
             "sysctl": "procps"}

@@ -1,6 +1,6 @@
 """`meshrun demo`: the whole product on one Linux machine, with nothing to configure.
 
-Builds a NAT'd multi-datacenter world in network namespaces (meshrun.testbed), shows plain
+Builds a NAT'd multi-datacenter world in network namespaces (meshrun.lab.testbed), shows plain
 torchrun failing across the NAT, then runs the real `meshrun init`, `join`, `status` and
 `train` inside it, and tears everything down. Needs root and the examples/ directory of a
 meshrun checkout (the bundled DDP example it trains).
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from meshrun.errors import MeshrunError, SystemError_, UsageError
-from meshrun.testbed import DatacenterSpec, Mesh, World
+from meshrun.lab.testbed import DatacenterSpec, Mesh, World
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RDZV_PORT = 29500

@@ -26,10 +26,10 @@ from functools import wraps
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun import ipam
+from meshrun.core import ipam
 from meshrun.errors import StateError, TokenError
-from meshrun.model import Member
-from meshrun.token import hash_secret, secret_matches
+from meshrun.core.model import Member
+from meshrun.core.token import hash_secret, secret_matches
 
 
 def default_state_dir() -> Path:

@@ -22,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrun import launch, transport
+from meshrun.core import launch
+from meshrun.system import transport
 from meshrun.errors import LaunchError, MeshrunError, UsageError
-from meshrun.model import Member, Network
-from meshrun.store import StateDir
+from meshrun.core.model import Member, Network
+from meshrun.system.store import StateDir
 
 SYNC_EXCLUDE = {".git", "__pycache__", ".venv", "venv", ".mypy_cache", ".pytest_cache", "node_modules"}
 DEFAULT_SYNC_LIMIT_MB = 50
@@ -385,7 +386,7 @@ class Train:
 
 def train(state: StateDir, req: TrainRequest, console: Console | None = None) -> int:
     """Entry point for `meshrun train` on the coordinator."""
-    from meshrun import coordinator
+    from meshrun.mesh import coordinator
     network, members = coordinator.members(state)
     return Train(network, members, req, console or Console()).run()
 
@@ -395,7 +396,7 @@ def train_local(state: StateDir, req: TrainRequest) -> int:
 
     Every other node runs the same command; they meet at the coordinator's rendezvous store.
     """
-    from meshrun import agent
+    from meshrun.mesh import agent
     rec, network = agent.load_node(state)
     if not req.nnodes:
         raise UsageError("--local needs --nnodes: how many nodes take part in total",
@@ -404,7 +405,7 @@ def train_local(state: StateDir, req: TrainRequest) -> int:
     if not job_id:
         raise UsageError("--local needs --job-id, the same on every node (or MESHRUN_JOB_ID / SLURM_JOB_ID set)",
                          "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py")
-    from meshrun.jobs import visible_gpus
+    from meshrun.jobs.server import visible_gpus
     opts = req.options(req.script, job_id, network, req.python or sys.executable)
     me = launch.NodeInfo(rec["name"], rec["overlay_ip"], visible_gpus())
     (p,) = launch.plan([me], opts, user_env(req.env), local=True)

@@ -18,9 +18,9 @@ import sys
 import time
 
 from meshrun.errors import MeshrunError, StateError
-from meshrun.store import StateDir
+from meshrun.system.store import StateDir
 
-log = logging.getLogger("meshrun.daemon")
+log = logging.getLogger("meshrun.mesh.daemon")
 
 
 def spawn(state: StateDir, timeout: float = 60) -> int:

@@ -27,16 +27,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun import daemon, ipam, keys, paths, peers, wg
+from meshrun.mesh import daemon
+from meshrun.core import ipam
+from meshrun.core import keys
+from meshrun.core import paths
+from meshrun.core import peers
+from meshrun.system import wg
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, TokenError, UsageError
-from meshrun.model import (DEFAULT_IFACE, DEFAULT_MTU, DEFAULT_PORT, Member, Network, check_interface, check_mtu,
+from meshrun.core.model import (DEFAULT_IFACE, DEFAULT_MTU, DEFAULT_PORT, Member, Network, check_interface, check_mtu,
                            check_name, check_port, parse_endpoint)
-from meshrun.store import CoordinatorDB, StateDir
-from meshrun.token import looks_like_token, new_token, parse_duration, parse_token
-from meshrun.transport import JSONServer, Request, Response, server_tls_context
-from meshrun.wgconf import render_quick
+from meshrun.system.store import CoordinatorDB, StateDir
+from meshrun.core.token import looks_like_token, new_token, parse_duration, parse_token
+from meshrun.system.transport import JSONServer, Request, Response, server_tls_context
+from meshrun.core.wgconf import render_quick
 
-log = logging.getLogger("meshrun.coordinator")
+log = logging.getLogger("meshrun.mesh.coordinator")
 
 DEFAULT_TTL = "12h"
 SYNC_WAIT_MAX = 25.0

@@ -1,6 +1,6 @@
 """Runs inside every torchrun worker of `meshrun bench`: pairwise TCP tests, then an all-reduce sweep.
 
-    python -m meshrun.benchworker --sizes 1M,4M,16M --duration 2 --streams 4
+    python -m meshrun.bench.worker --sizes 1M,4M,16M --duration 2 --streams 4
 
 Launched by `meshrun bench` through the same machinery as `meshrun train` (agents, torchrun,
 the coordinator's rendezvous store), so it measures exactly the path a training job uses.
@@ -170,8 +170,8 @@ def peer_paths() -> dict[str, str]:
     if not job_dir:
         return {}
     try:
-        from meshrun import status
-        from meshrun.store import StateDir
+        from meshrun.mesh import status
+        from meshrun.system.store import StateDir
         st = status.gather(StateDir(Path(job_dir).parents[1]))     # <state>/jobs/<id>
     except Exception:
         return {}
@@ -193,7 +193,7 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m meshrun.benchworker")
+    ap = argparse.ArgumentParser(prog="python -m meshrun.bench.worker")
     ap.add_argument("--sizes", default="1M,4M,16M")
     ap.add_argument("--duration", type=float, default=2.0)
     ap.add_argument("--streams", type=int, default=4)

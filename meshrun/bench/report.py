@@ -1,6 +1,6 @@
 """`meshrun bench`: pairwise RTT / TCP bandwidth / path, then an all-reduce sweep, across the mesh.
 
-`run` launches ``python -m meshrun.benchworker`` on every node through `meshrun train`'s own
+`run` launches ``python -m meshrun.bench.worker`` on every node through `meshrun train`'s own
 machinery (runner.Train: agents, torchrun, the coordinator's rendezvous store, NCCL/Gloo
 pinned to the overlay), so the numbers describe the path training takes. Rank 0 prints one
 result line; this module picks it up, flags slow pairs and renders it. Everything except
@@ -32,7 +32,7 @@ def busbw(algbw: float, world: int) -> float:
 
 def parse_sizes(text: str) -> list[int]:
     """``"1M,4M,64M"`` -> byte counts (K/M/G are binary; a trailing B or iB is allowed); UsageError else."""
-    from meshrun.benchworker import parse_sizes as _parse
+    from meshrun.bench.worker import parse_sizes as _parse
     try:
         sizes = _parse(text)
     except (ValueError, IndexError):
@@ -214,7 +214,7 @@ class _Capture:
         self.echo = echo
 
     def line(self, text: str, err: bool = False) -> None:
-        from meshrun.benchworker import RESULT_MARK
+        from meshrun.bench.worker import RESULT_MARK
         with self.lock:
             if RESULT_MARK in text:
                 try:
@@ -251,7 +251,9 @@ def run(state, *, sizes: str = DEFAULT_SIZES, duration: float | None = None, str
     time budget and a size slower than it is the last, so that 4 nodes finish in under a minute.
     Raises LaunchError with the workers' last output when the job fails.
     """
-    from meshrun import coordinator, launch, runner
+    from meshrun.mesh import coordinator
+    from meshrun.core import launch
+    from meshrun.jobs import runner
 
     t0 = time.monotonic()
     network, members = coordinator.members(state)
@@ -260,13 +262,13 @@ def run(state, *, sizes: str = DEFAULT_SIZES, duration: float | None = None, str
     if duration is None:
         duration = auto_duration(n_nodes)
     args = worker_args(sizes, duration, streams, iters, budget)
-    req = runner.TrainRequest(script="meshrun.benchworker", script_args=args, nodes=nodes,
+    req = runner.TrainRequest(script="meshrun.bench.worker", script_args=args, nodes=nodes,
                               nproc_per_node=nproc_per_node, wait_timeout=wait_timeout, no_sync=True,
                               env=dict(env or {}), job_id=runner.new_job_id("bench"))
     cap = _Capture(echo)
 
     class _BenchTrain(runner.Train):
-        """runner.Train, with the script run as a module (`python -m meshrun.benchworker`)."""
+        """runner.Train, with the script run as a module (`python -m meshrun.bench.worker`)."""
 
         def plan(self, ready):
             opts = launch.TrainOptions(

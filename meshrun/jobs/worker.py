@@ -1,4 +1,4 @@
-"""Runs inside each torchrun worker: ``python -m meshrun.worker [--module] SCRIPT ARGS...``.
+"""Runs inside each torchrun worker: ``python -m meshrun.jobs.worker [--module] SCRIPT ARGS...``.
 
 Starts the script as a child (``sys.executable -u SCRIPT ARGS`` or ``-u -m MODULE ARGS``),
 copies every line of its stdout/stderr to ours prefixed ``[NODE rRANK] ``, forwards
@@ -19,7 +19,7 @@ import threading
 import time
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-USAGE = "usage: python -m meshrun.worker [--module] SCRIPT [ARGS...]"
+USAGE = "usage: python -m meshrun.jobs.worker [--module] SCRIPT [ARGS...]"
 
 
 def prefix() -> bytes:
@@ -68,7 +68,7 @@ def record_exit(code: int | None, sig: int | None) -> None:
             json.dump(rec, f)
         os.replace(tmp, path)
     except OSError as exc:
-        sys.stderr.write(f"meshrun.worker: cannot record exit in {path}: {exc}\n")
+        sys.stderr.write(f"meshrun.jobs.worker: cannot record exit in {path}: {exc}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as exc:
-        sys.stderr.write(f"meshrun.worker: cannot start {cmd[0]}: {exc}\n")
+        sys.stderr.write(f"meshrun.jobs.worker: cannot start {cmd[0]}: {exc}\n")
         record_exit(127, None)
         return 127
     for signum in pending:

@@ -5,7 +5,7 @@ node runs torch's own elastic launcher (``python -m torch.distributed.run``, i.e
 with the c10d rendezvous pointed at the store the coordinator hosts on its overlay IP, so
 every node passes ``is_host=0``, and announces its own overlay IP with ``--local-addr``
 (without it a node announces its hostname, which other datacenters cannot resolve or reach).
-Each worker runs under ``meshrun.worker``, which prefixes its output with node and rank and
+Each worker runs under ``meshrun.jobs.worker``, which prefixes its output with node and rank and
 records its exit code.
 """
 
@@ -237,7 +237,7 @@ def plan(nodes: Sequence[NodeInfo], opts: TrainOptions, user_env: Mapping[str, s
         nproc = opts.nproc_per_node if opts.nproc_per_node is not None else (n.gpus if n.gpus > 0 else 1)
         if nproc < 1:
             raise UsageError(f"node {n.name!r} would run {nproc} workers", "pass --nproc-per-node 1 or more")
-        worker = ["-m", "meshrun.worker"] + (["--module"] if opts.module else []) + [opts.script]
+        worker = ["-m", "meshrun.jobs.worker"] + (["--module"] if opts.module else []) + [opts.script]
         argv = (opts.python, "-m", "torch.distributed.run",
                 "--nnodes", spec,
                 "--nproc-per-node", str(nproc),

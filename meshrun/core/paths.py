@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from meshrun.model import Member
+from meshrun.core.model import Member
 
 ATTEMPT_S = 10.0         # how long a new path gets to produce a handshake
 STALE_S = 180.0          # WireGuard rekeys every 120 s while a tunnel is used; older = broken

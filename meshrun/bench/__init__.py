@@ -1,0 +1,1 @@
+"""`meshrun bench`: the mesh measured through the same path training takes."""

@@ -1,0 +1,321 @@
+"""Processes: start, watch and stop them. The only module that forks, signals or waits.
+
+- `spawn_daemon` starts a long-lived process in its own session and waits until it says it is
+  ready through an inherited pipe (`MESHRUN_READY_FD`): no polling for a file. A child that fails
+  before it is ready writes its error to the same pipe (`notify_error`), so the caller can show
+  the real reason.
+- `DaemonLock` is the liveness of a daemon: an exclusive flock on a file in its state directory,
+  held for the daemon's lifetime. The holder's PID is read from the kernel's lock table
+  (/proc/locks), never from a command-line match, so `stop` signals exactly the process that
+  holds the lock.
+- `alive`, `descendants` and `kill_tree` work on /proc; `kill_tree` snapshots a process tree
+  before signalling it and re-checks start times before SIGKILL, so a reused PID is never hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from meshrun.errors import MeshrunError, StateError
+
+READY_ENV = "MESHRUN_READY_FD"
+KILL_GRACE_S = 5.0
+
+
+# --------------------------------------------------------------------------- looking at processes
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state is [0], ppid [1], start time [19])."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int | None) -> bool:
+    """True while `pid` exists and is not a zombie (an orphan's zombie may linger under pid 1)."""
+    if not pid or pid < 1:
+        return False
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (tells a reused PID apart), or None."""
+    st = _stat(pid)
+    return st[19] if st else None
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, start time) for every process we can see."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                table[int(entry)] = (int(st[1]), st[19])
+    return table
+
+
+def descendants(root: int) -> dict[int, str]:
+    """{pid: start time} of `root` and everything below it."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table and pid not in out:
+            out[pid] = table[pid][1]
+            todo.extend(children.get(pid, []))
+    return out
+
+
+def signal_pid(pid: int, sig: int) -> bool:
+    """Send `sig` to `pid`; False if it no longer exists (or is not ours to signal)."""
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _tree_alive(tree: Mapping[int, str]) -> bool:
+    return any(alive(pid) and start_time(pid) == start for pid, start in tree.items())
+
+
+def kill_tree(root: int, grace: float = KILL_GRACE_S, sig: int = signal.SIGTERM) -> None:
+    """Stop `root` and all its descendants: `sig` first, SIGKILL to what is left after `grace` s.
+
+    The tree is snapshotted before any signal and re-read while waiting (workers get re-parented
+    once their launcher exits, and torchrun starts them in their own sessions, so a process group
+    is not enough); start times are re-checked before SIGKILL, so a reused PID is never hit.
+    """
+    tree = descendants(root)
+    for pid in tree:
+        signal_pid(pid, sig)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        tree.update({p: s for p, s in descendants(root).items() if p not in tree})
+        if not _tree_alive(tree):
+            return
+        time.sleep(0.1)
+    for pid, start in tree.items():
+        if alive(pid) and start_time(pid) == start:
+            signal_pid(pid, signal.SIGKILL)
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for `pid` to exit (or turn zombie); True if it did."""
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# --------------------------------------------------------------------------- starting processes
+
+def popen(argv: Sequence[str], **kw) -> subprocess.Popen:
+    """subprocess.Popen, the one place meshrun starts a child it keeps a handle on."""
+    return subprocess.Popen(list(argv), **kw)
+
+
+def run(argv: Sequence[str], **kw) -> subprocess.CompletedProcess:
+    """subprocess.run, for the callers that need a finished process and its output."""
+    return subprocess.run(list(argv), **kw)
+
+
+TimeoutExpired = subprocess.TimeoutExpired
+PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
+
+
+def spawn_daemon(argv: Sequence[str], log_path: Path, timeout: float = 60,
+                 env: Mapping[str, str] | None = None, what: str = "the meshrun daemon") -> int:
+    """Start `argv` in its own session (output appended to `log_path`, 0600) and wait until ready.
+
+    The child finds a pipe's write end in $MESHRUN_READY_FD and calls `notify_ready()` (or
+    `notify_error(err)`). Returns the child's PID. Raises MeshrunError with the child's own error
+    if it reports one or exits first, and stops it if it is not ready within `timeout` seconds.
+    """
+    rfd, wfd = os.pipe()
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        child_env = dict(os.environ if env is None else env, **{READY_ENV: str(wfd)})
+        try:
+            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                                    start_new_session=True, pass_fds=(wfd,), env=child_env)
+        finally:
+            os.close(fd)
+    except BaseException:
+        os.close(rfd)
+        os.close(wfd)
+        raise
+    os.close(wfd)        # only the child holds the write end now: EOF means it exited (or closed it)
+    try:
+        message = _read_ready(rfd, timeout)
+    finally:
+        os.close(rfd)
+    if message is not None and message.get("ready"):
+        return proc.pid
+    if message is None and proc.poll() is None:     # silent past the deadline
+        kill_tree(proc.pid, grace=5)
+        _reap(proc)
+        raise MeshrunError(f"{what} was not ready within {timeout:.0f} s", f"see {log_path}")
+    _reap(proc)
+    if message and message.get("error"):
+        raise MeshrunError(str(message["error"]), str(message.get("fix", "")))
+    raise MeshrunError(f"{what} exited with code {proc.returncode} before it was ready", f"see {log_path}")
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+def _read_ready(fd: int, timeout: float) -> dict | None:
+    """The child's one-line JSON message, {} on EOF without one, None on timeout."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        buf += chunk
+    try:
+        msg = json.loads(buf.split(b"\n", 1)[0] or b"{}")
+    except ValueError:
+        return {}
+    return msg if isinstance(msg, dict) else {}
+
+
+def _notify(message: dict) -> None:
+    fd = os.environ.pop(READY_ENV, None)
+    if fd is None or not fd.isdigit():
+        return          # not started by spawn_daemon (systemd, a terminal): nobody waits
+    with contextlib.suppress(OSError):
+        os.write(int(fd), json.dumps(message).encode() + b"\n")
+    with contextlib.suppress(OSError):
+        os.close(int(fd))
+
+
+def notify_ready() -> None:
+    """Tell the process that spawned us (`spawn_daemon`) that we serve now."""
+    _notify({"ready": True, "pid": os.getpid()})
+
+
+def notify_error(err: MeshrunError) -> None:
+    """Tell the process that spawned us why we cannot start (the message the user will see)."""
+    _notify({"error": err.message, "fix": err.fix})
+
+
+# --------------------------------------------------------------------------- daemon lock
+
+class DaemonLock:
+    """An exclusive flock on `path`: held by a daemon for its lifetime; its liveness signal.
+
+    `acquire` takes it (StateError if another process holds it); `holder` says which PID holds it,
+    from the kernel's lock table; `stop` signals that PID and waits for the lock to be released.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.fd: int | None = None
+
+    def acquire(self, what: str = "another meshrun daemon") -> "DaemonLock":
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StateError(f"{what} already runs for {self.path.parent} (pid {self.holder() or '?'})",
+                             "stop it first (`meshrun leave`/`meshrun down`), or use another --state-dir") from None
+        os.set_inheritable(fd, False)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def held(self) -> bool:
+        """True while some process holds the lock."""
+        return self.holder() is not None or self._busy()
+
+    def _busy(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def holder(self) -> int | None:
+        """PID of the process holding the lock, from /proc/locks; None when it is free."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return lock_holder(st.st_dev, st.st_ino)
+
+    def stop(self, timeout: float = 10) -> bool:
+        """SIGTERM the holder, wait for the lock to be free, SIGKILL it after `timeout`.
+
+        Returns True if a daemon held the lock. The PID signalled is the lock's holder as the
+        kernel reports it, re-read before SIGKILL, so no other process can be hit.
+        """
+        pid = self.holder()
+        if pid is None:
+            return False
+        signal_pid(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self.holder() == pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.holder() == pid:
+            signal_pid(pid, signal.SIGKILL)
+        # The lock goes with the last descriptor; wait for the process itself as well, since
+        # callers go on to remove what it may still be touching (its interface, its files).
+        wait_gone(pid, 5)
+        return True
+
+
+def lock_holder(dev: int, ino: int) -> int | None:
+    """The PID holding a FLOCK write lock on the file (dev, ino), from /proc/locks."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (blocked waiters carry a "->" field)
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK" or parts[3] != "WRITE":
+            continue
+        if parts[5] == want and parts[4].lstrip("-").isdigit() and int(parts[4]) > 0:
+            return int(parts[4])
+    return None

@@ -1,0 +1,1 @@
+"""Training helpers for scripts that `meshrun train` runs (DiLoCo)."""
