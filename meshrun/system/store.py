@@ -43,6 +43,35 @@ def default_state_dir() -> Path:
     return Path(base) / "meshrun"
 
 
+def atomic_write(target: Path | str, data: bytes | str, mode: int = 0o600) -> Path:
+    """Replace `target` with `data` atomically (temp file in the same directory, fsync, rename).
+
+    A crash or a full disk leaves the previous version; StateError names the file otherwise.
+    """
+    if isinstance(data, str):
+        data = data.encode()
+    target = Path(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise StateError(f"cannot write {target}: {exc.strerror}; the previous version is unchanged",
+                         "free disk space or fix permissions, then run the command again") from None
+    dfd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return target
+
+
 class StateDir:
     """A member's state directory. Paths are attributes; writes are atomic."""
 
@@ -69,28 +98,7 @@ class StateDir:
 
     def write(self, name: str, data: bytes | str, secret: bool = False) -> Path:
         """Atomically replace `name` with `data` (mode 0600 if secret, else 0644)."""
-        if isinstance(data, str):
-            data = data.encode()
-        target = self.path / name
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.path)
-        try:
-            os.fchmod(fd, 0o600 if secret else 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise StateError(f"cannot write {target}: {exc.strerror}; the previous version is unchanged",
-                             "free disk space or fix permissions, then run the command again") from None
-        dfd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-        return target
+        return atomic_write(self.path / name, data, 0o600 if secret else 0o644)
 
     def write_json(self, name: str, obj: object, secret: bool = False) -> Path:
         return self.write(name, json.dumps(obj, indent=2, sort_keys=True) + "\n", secret)
