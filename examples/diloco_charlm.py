@@ -1,21 +1,33 @@
 #!/usr/bin/env python
-"""Train a tiny character-level GRU language model with DiLoCo (or a DDP baseline) and compare.
+"""Train a tiny character-level GRU language model with DiLoCo (or a DDP / no-communication baseline).
 
 Run alone (world size 1, no process group):
     python examples/diloco_charlm.py --steps 200
 Run with several workers (each trains on its own shard of the corpus):
-    torchrun --standalone --nproc-per-node 2 examples/diloco_charlm.py --steps 100 --mode diloco
-    torchrun --standalone --nproc-per-node 2 examples/diloco_charlm.py --steps 100 --mode ddp
-Over meshrun, the same script runs under the torchrun command meshrun plans for each node.
+    torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode diloco
+    torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode diloco \
+        --sync-every 50 --fragments 2 --compression fp4          # Streaming DiLoCo, 4-bit
+    torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode ddp
+    torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode local
+Over meshrun (`meshrun train diloco_charlm.py ...`, elastic with `--nnodes MIN:MAX`) the same script
+resumes by itself after torchrun restarts the workers: DiLoCo recovers the newest synced state
+(node-local snapshots under $MESHRUN_JOB_DIR, a joiner gets it from a peer), and the loop goes on
+from that step with the data re-sharded for the new rank and world size.
 
-Rank 0 prints one line per sync (every --sync-every steps, also in ddp mode, for comparison):
-    train step=40 train_loss=2.3456 bytes_sent=26624
-and at the end (stable, key=value, parseable):
+--mode local is the same workers with no communication at all (each trains alone on its shard;
+the process group exists only for the rendezvous): the wall-time floor DiLoCo is compared with.
+
+Rank 0 prints one line per sync (diloco) or per --sync-every steps (ddp, local):
+    outer_step 3 step=150 train_loss=0.4321 bytes_sent=123456
+    train step=150 train_loss=0.4321 bytes_sent=123456
+(train_loss: rank 0's mean over the steps since the previous line; no collective), a line when it
+resumed (every rank: ``resumed rank=1 sync=3 step=150 source_rank=0 received=yes``), every rank
+``param_checksum rank=R sync=N digest=HEX`` at the end (a 64-bit digest of the final global
+parameters: equal on every worker), and rank 0, at the end (stable, key=value, parseable):
     final val_loss=1.9876 bytes_sent=123456 wall_s=12.3 mode=diloco world_size=2 steps=100 ...
 bytes_sent is the payload this worker contributed to collectives: for DiLoCo the counter of
-meshrun.diloco.DiLoCo; for DDP 4 bytes * parameters * steps (its fp32 gradient all-reduce).
-train_loss is the mean over the last window and over all workers; val_loss is on the held-out
-last 10 % of the corpus, with the synchronized (global) model.
+meshrun.train.diloco.DiLoCo; for DDP 4 bytes * parameters * steps (its fp32 gradient all-reduce).
+val_loss is on the held-out last 10 % of the corpus, with the synchronized (global) model.
 """
 
 from __future__ import annotations
@@ -32,10 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 try:
-    from meshrun.train.diloco import DiLoCo
+    from meshrun.train.diloco import COMPRESSIONS, DiLoCo, state_digest
 except ImportError:  # run from a checkout without installing meshrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from meshrun.train.diloco import DiLoCo
+    from meshrun.train.diloco import COMPRESSIONS, DiLoCo, state_digest
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 
@@ -56,10 +68,15 @@ class CharGRU(nn.Module):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["diloco", "ddp"], default="diloco")
+    p.add_argument("--mode", choices=["diloco", "ddp", "local"], default="diloco")
     p.add_argument("--steps", type=int, default=300, help="inner (optimizer) steps per worker")
-    p.add_argument("--sync-every", type=int, default=20, help="DiLoCo inner steps per sync; also the log interval")
-    p.add_argument("--compression", choices=["none", "fp16", "bf16", "int8"], default="none")
+    p.add_argument("--sync-every", type=int, default=20,
+                   help="DiLoCo H: inner steps between two syncs of a fragment; the log interval of ddp/local")
+    p.add_argument("--compression", choices=COMPRESSIONS, default="none")
+    p.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments (1: plain DiLoCo)")
+    p.add_argument("--overlap", type=int, default=None, help="inner steps a fragment's sync overlaps [DiLoCo's default]")
+    p.add_argument("--mixing", type=float, default=None, help="local weight when merging [DiLoCo's default]")
+    p.add_argument("--no-check-state", action="store_true", help="skip the digest comparison after each sync")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
@@ -132,57 +149,73 @@ def main(argv: list[str] | None = None) -> None:
     train, val, vocab = load_corpus(args.data)
     shard_len = len(train) // world
     shard = train[rank * shard_len:(rank + 1) * shard_len]  # each worker sees only its own shard
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
-    data = batches(shard, args.batch_size, args.seq_len, gen, device)
 
     torch.manual_seed(args.seed)
     model = CharGRU(vocab, embed=64, hidden=args.hidden, layers=2).to(device)
     numel = sum(p.numel() for p in model.parameters())
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    net: nn.Module = model
+    opt: DiLoCo | torch.optim.Optimizer = inner
     if args.mode == "diloco":
-        net: nn.Module = model
         opt = DiLoCo(model, inner, sync_every=args.sync_every, outer_lr=args.outer_lr,
-                     outer_momentum=args.outer_momentum, compression=args.compression)
-    else:
-        net = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None) \
-            if world > 1 else model
-        opt = inner
+                     outer_momentum=args.outer_momentum, compression=args.compression, fragments=args.fragments,
+                     overlap=args.overlap, mixing=args.mixing, check_state=not args.no_check_state)
+        if opt.resumed:
+            r = opt.resumed
+            print(f"resumed rank={rank} sync={r['sync_count']} step={r['step_count']} source_rank={r['source_rank']} "
+                  f"received={'yes' if rank in r['receivers'] else 'no'}", flush=True)
+    elif args.mode == "ddp" and world > 1:
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
+    first = opt.step_count + 1 if isinstance(opt, DiLoCo) else 1
+    # A resumed worker must not replay the batches of the steps before it: the stream depends on `first`.
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1 + 1_000_003 * (first - 1))
+    data = batches(shard, args.batch_size, args.seq_len, gen, device)
 
     def bytes_sent(steps: int) -> int:
-        if args.mode == "diloco":
+        if isinstance(opt, DiLoCo):
             return opt.bytes_sent_total
-        return 4 * numel * steps if world > 1 else 0
+        return 4 * numel * steps if args.mode == "ddp" and world > 1 else 0
 
     if rank == 0:
-        print(f"start mode={args.mode} world_size={world} params={numel} steps={args.steps} "
-              f"sync_every={args.sync_every} compression={args.compression} device={device.type}", flush=True)
+        extra = (f" fragments={opt.fragments} overlap={opt.overlap} mixing={opt.mixing}"
+                 if isinstance(opt, DiLoCo) else "")
+        print(f"start mode={args.mode} world_size={world} params={numel} steps={args.steps} first_step={first} "
+              f"sync_every={args.sync_every} compression={args.compression}{extra} device={device.type}", flush=True)
     t0 = time.perf_counter()
     window_loss, window_n = 0.0, 0
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         x, y = next(data)
         loss = nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten())
         loss.backward()
+        syncs = opt.sync_count if isinstance(opt, DiLoCo) else 0
         opt.step()
         opt.zero_grad(set_to_none=True)
         window_loss += loss.item()
         window_n += 1
-        if step % args.sync_every == 0 or step == args.steps:
-            mean = torch.tensor([window_loss / window_n], device=device)
-            if world > 1:  # reporting only (4 bytes), not counted in bytes_sent
-                dist.all_reduce(mean)
-                mean /= world
-            if rank == 0:
-                print(f"train step={step} train_loss={mean.item():.4f} bytes_sent={bytes_sent(step)}", flush=True)
+        if isinstance(opt, DiLoCo):
+            report = opt.sync_count != syncs
+            label = f"outer_step {opt.sync_count} step={step}"
+        else:
+            report = step % args.sync_every == 0 or step == args.steps
+            label = f"train step={step}"
+        if report and rank == 0:
+            print(f"{label} train_loss={window_loss / window_n:.4f} bytes_sent={bytes_sent(step)}", flush=True)
+        if report:
             window_loss, window_n = 0.0, 0
-    if args.mode == "diloco" and opt.steps_since_sync:
-        opt.sync_now()  # end on the global model, like every worker after a regular sync
+    if isinstance(opt, DiLoCo):
+        opt.finish()  # end on the global model, the same on every worker
+        digest = state_digest(list(opt.global_parameters().values())) & (2**64 - 1)
+        print(f"param_checksum rank={rank} sync={opt.sync_count} digest={digest:016x}", flush=True)
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
 
     if rank == 0:
         val_loss = validate(model, val, args.val_batches, args.batch_size, args.seq_len, device)
-        extra = (f" sync_every={args.sync_every} compression={args.compression}" if args.mode == "diloco" else "")
+        extra = ""
+        if isinstance(opt, DiLoCo):
+            extra = (f" sync_every={args.sync_every} compression={args.compression} fragments={opt.fragments} "
+                     f"syncs={opt.sync_count}")
         ddp_bytes = 4 * numel * args.steps if world > 1 else 0
         print(f"final val_loss={val_loss:.4f} bytes_sent={bytes_sent(args.steps)} wall_s={wall:.1f} "
               f"mode={args.mode} world_size={world} steps={args.steps}{extra} ddp_bytes={ddp_bytes} "

@@ -1,88 +1,105 @@
-"""DiLoCo: train locally for ``sync_every`` steps, then all-reduce one (compressed) pseudo-gradient.
+"""DiLoCo and Streaming DiLoCo: train locally, sync a (compressed) pseudo-gradient now and then.
 
 Usage (identical on every worker; all workers must call ``step()`` the same number of times)::
 
     from meshrun.train.diloco import DiLoCo
     opt = DiLoCo(model, inner_optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
-                 sync_every=100, outer_lr=0.7, outer_momentum=0.9, compression="fp16")
-    for batch in loader:
+                 sync_every=100, compression="fp4", fragments=4)
+    for batch in loader:                       # resume: skip the first opt.step_count steps
         loss = model(batch).loss; loss.backward(); opt.step(); opt.zero_grad()
+    opt.finish()                               # every worker ends on the same global model
 
-Algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models"):
-each worker keeps a *global copy* of the trainable parameters. ``step()`` runs the inner optimizer
-on the local model only. Every ``sync_every`` inner steps the *pseudo-gradient*
-``delta = global - local`` is averaged over the workers (compressed on the wire as asked), fed to an
-outer ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)`` that
-updates the global copy, and every worker copies the new global copy into its model and goes on.
-The inner optimizer state (e.g. AdamW moments) is kept across rounds, as in the paper.
+Algorithm (Douillard et al. 2023, arXiv 2311.08105): each worker keeps a *global copy* of the
+trainable parameters. ``step()`` runs the inner optimizer on the local model only. Every
+``sync_every`` (H) inner steps the *pseudo-gradient* ``delta = global - local`` is averaged over the
+workers (compressed on the wire as asked), fed to an outer ``torch.optim.SGD(lr=outer_lr,
+momentum=outer_momentum, nesterov=outer_momentum > 0)`` that updates the global copy, and every
+worker copies the new global copy into its model. The inner optimizer state is kept across rounds.
 With world size 1 nothing is sent, but the math (including quantization) is the same.
 
-What travels, and what ``bytes_sent_total`` / ``last_sync_bytes`` count: the payload this worker
-contributes to the collective per sync (numel * wire element size, plus the int8 scales, plus
-the floating-point buffers). That is the figure to compare with DDP, which contributes
-``4 * numel`` bytes of fp32 gradients *every step* (see ``ddp_equivalent_bytes``). It is not the
-per-link traffic of the ring/tree algorithm the backend picks. With world size 1 it is 0.
+Streaming (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication", arXiv
+2501.18512; schedule as in torchft's ``torchft/local_sgd.py``), turned on by ``fragments=F``:
 
-Compression (the pseudo-gradient only; buffers always travel in their own dtype):
+- The parameter tensors are split into F fragments of about equal size (largest tensor first
+  onto the lightest fragment; a tensor is never split, so F <= number of tensors). Each fragment
+  syncs once every H steps, staggered: one fragment every H / F steps, fragment 0 first. Per sync
+  only 1/F of the model crosses the wire: the same total bytes as DiLoCo, 1/F of the peak.
+- Overlap (``overlap`` = tau inner steps, default 1 when F > 1, else 0): a fragment's pseudo-gradient
+  is taken and its collective launched (``async_op=True``) tau steps before it is due, and
+  training goes on meanwhile; at the due step the worker waits for it (usually long done), runs the
+  outer step on that fragment's global copy, and merges: ``local = mixing * local + (1 - mixing) *
+  global`` (``mixing`` = alpha, default 0.5 with overlap, as in the paper, else 0). tau < H / F.
+- F = 1, tau = 0, alpha = 0 is plain DiLoCo (the default).
+
+Compression (the pseudo-gradient only; floating-point buffers travel in their own dtype):
 
 - ``"none"``: fp32 ``all_reduce(SUM)``, then divide by the world size. (gloo has no ``ReduceOp.AVG``.)
 - ``"fp16"`` / ``"bf16"``: divide by the world size *first*, cast, ``all_reduce(SUM)``, cast back.
-  Pre-dividing keeps the sum in range: fp16 overflows above 65504 (and flushes values below
-  ~6e-8 to zero); a pseudo-gradient that overflows anyway raises ``UsageError`` after the reduce
-  instead of silently writing ``inf`` into the global copy. bf16 has fp32's range but only 8
-  mantissa bits (~0.4 % relative error, fp16 has 11); prefer bf16 when pseudo-gradients can be large.
-  No error feedback for these two (as specified): their rounding error is relative and unbiased.
-- ``"int8"``: symmetric per-chunk quantization (one fp32 scale per ``INT8_CHUNK`` elements,
-  ``scale = absmax / 127``), with *error feedback*: the residual ``x - dequant(quant(x))`` of this
-  worker is kept (one fp32 buffer per parameter) and added to the next pseudo-gradient, so the
-  quantization error does not accumulate over syncs (the cumulative error stays below scale/2).
-  Why ``all_gather`` rather than ``all_reduce``: summing int8 values in an ``all_reduce`` overflows
-  (two workers at +127 wrap around), and the fixes that keep ``all_reduce`` either cost the saving
-  (reduce in int32: 4 bytes per element on the wire again) or the precision (agree a shared scale
-  via ``all_reduce(MAX)`` and quantize to ``127 // world_size`` levels so the int8 sum cannot
-  overflow: only 63 levels at 2 workers, 15 at 8). So each worker ``all_gather``s its int8 payload
-  with its scales appended (one collective), and every worker dequantizes the ``world_size``
-  contributions and averages them locally in fp32, in the same order, so all workers get
-  bit-identical results. Each worker *contributes* ``numel + 4 * chunks`` bytes, but *receives*
-  ``(world_size - 1)`` times that, which is fine for the handful of datacenters meshrun targets; for
-  many workers a reduce-scatter scheme (what torchft does, below) is bandwidth-optimal.
+  Pre-dividing keeps the sum in range: fp16 overflows above 65504 (and flushes values below ~6e-8
+  to zero); a pseudo-gradient that overflows anyway raises ``UsageError`` after the reduce instead
+  of writing ``inf`` into the global copy. bf16 has fp32's range but 8 mantissa bits (fp16 has 11).
+  No error feedback for these two: their rounding error is relative and unbiased.
+- ``"int8"`` (1.002 bytes per element) and ``"fp4"`` (FP4 E2M1 with a bf16 scale per 128
+  elements, 0.516 bytes per element): see ``meshrun.train.compress``. Both keep *error feedback*:
+  this worker's residual ``x - dequant(quant(x))`` is added to its next pseudo-gradient, so the
+  quantization error does not accumulate over syncs (the cumulative error stays within one
+  rounding error). Both are averaged by ``all_gather``: summing 8- or 4-bit codes in an
+  ``all_reduce`` overflows, and the fixes that keep ``all_reduce`` cost the saving (reduce in
+  int32) or the precision (a shared scale with ``levels // world_size`` levels per worker). Each
+  worker dequantizes the ``world_size`` contributions and averages them in rank order, so all
+  workers get bit-identical results. Each worker *contributes* its payload once but *receives*
+  ``world_size - 1`` payloads: fine for the handful of datacenters meshrun targets; for many
+  workers a reduce-scatter scheme (torchft's fp8 path) is bandwidth-optimal.
 
-Buffers: floating-point buffers (e.g. BatchNorm ``running_mean``/``running_var``) are averaged at
-each sync (``all_reduce(SUM)`` in their own dtype, then divided; no outer optimizer, no
-compression). Integer buffers (e.g. ``num_batches_tracked``) are left as they are. At construction,
-parameters and buffers are broadcast from rank 0 of the group (as DDP does) so all workers start
-from the same model.
+What ``bytes_sent_total`` / ``last_sync_bytes`` count: the payload this worker contributes to
+collectives per sync (pseudo-gradient, scales, floating-point buffers), plus the model or state
+it sends at construction (a broadcast or a recovery, see below). That is the figure to compare
+with DDP, which contributes ``4 * numel`` bytes of fp32 gradients *every step*
+(``ddp_equivalent_bytes``); it is not the per-link traffic of the algorithm the backend picks.
+The state check's 8-byte digests are not counted.
 
-Checkpoints: ``state_dict()`` holds the inner and outer optimizer state, the global copy, the int8
-error-feedback buffers, the step counters and the byte counters. Like a torch optimizer's, it is
-*per worker* (inner state and error feedback differ between workers: save one file per rank) and
-does not include the model: save ``model.state_dict()`` too and load both to resume bit-identically.
-Its tensors are shared with live state, so ``torch.save`` it (or deep-copy it) before training on.
+State check (``check_state=True``): after every sync each worker hashes the fragment's global
+parameters and outer momentum (64-bit BLAKE2b of the raw bytes: bit-exact, about 1 GB/s on one
+CPU core) and the digests are ``all_gather``ed; a worker that differs from the majority makes
+every worker raise ``StateError`` naming the ranks. ``verify_state()`` checks everything now.
+
+Membership changes (``snapshot_dir``, default ``$MESHRUN_JOB_DIR/diloco`` when meshrun runs the
+script, else off): torchrun restarts *every* worker of an elastic job when a node dies or joins,
+so in-memory state is gone. After every sync each worker writes a node-local snapshot
+(``worker{LOCAL_RANK}.pt``: global copy, outer momentum, buffers, counters, and its own inner
+optimizer state and error feedback). At construction the workers ``all_gather`` (sync count,
+digest of the snapshot); the lowest rank holding the newest snapshot sends global copy, outer
+momentum and buffers point-to-point to every worker whose snapshot is older, differs, or is
+missing (a joiner); everyone sets its model to the global copy and goes on from that sync's
+``step_count``. Survivors lose at most the inner steps since their last completed sync; nobody
+writes checkpoint code. ``resumed`` says what happened. Without any snapshot the model is
+broadcast from rank 0 unless every worker already holds identical parameters (compared by digest).
+
+Checkpoints: ``state_dict()`` holds the inner and outer optimizer state, the global copy, the error
+feedback, the step counters and the byte counters. It is *per worker* and does not include the model:
+save ``model.state_dict()`` too and load both to resume bit-identically. Not while a sync is in flight.
 
 How this differs from torchft's ``torchft.local_sgd.DiLoCo`` and from OpenDiLoCo, and why:
 
-- Outer optimizer: torchft takes any user-built outer optimizer (over the model's own parameters,
-  which it restores from a backup before the outer step); OpenDiLoCo builds Nesterov SGD over
-  ``model.parameters()`` and swaps ``param.data``. meshrun builds the Nesterov SGD itself over a
-  separate global copy: fewer ways to get the pairing wrong, and a checkpoint with clear parts.
-- Where the global copy lives: torchft and OpenDiLoCo keep it on the CPU (pinned) to save GPU
-  memory. meshrun keeps it on the parameter's device (costs 1x parameters, plus 1x outer momentum)
-  because NCCL needs device tensors anyway and models trained over meshrun are small-to-medium.
-- Fault tolerance: torchft runs each sync under its Manager (quorum, ``should_commit``, recovery
-  from live peers, streaming fragments). meshrun has none: a dead worker blocks the collective until
-  the process group's timeout; recover by restarting the job from the per-rank checkpoints.
-- Compression: torchft quantizes to fp8 with row-wise scales through all-to-all + local reduce +
-  all-gather (Triton, CUDA only) and has no error feedback; OpenDiLoCo's torch path sends fp32
-  with ``ReduceOp.AVG`` (NCCL only), its hivemind path can send fp16. meshrun offers
-  fp16/bf16/int8 on both gloo and NCCL using plain torch.distributed collectives, int8 with error
-  feedback, and averages floating-point buffers as well.
-- API: torchft hooks the inner optimizer inside a context manager; meshrun is an optimizer-like
-  wrapper (``step``/``zero_grad``/``state_dict``), so it drops into an existing loop.
+- Outer optimizer: torchft takes any user-built outer optimizer over the model's own parameters,
+  which it restores from a backup before the outer step; meshrun builds the Nesterov SGD over a
+  separate global copy (on the parameter's device: NCCL needs device tensors anyway).
+- Fault tolerance: torchft's Manager forms a quorum per step (lighthouse), reconfigures the process
+  group without restarting processes, and a recovering replica fetches the state from a live peer.
+  meshrun runs under plain torchrun, which restarts everyone; the snapshot exchange above makes that
+  restart cost at most one sync of progress (see docs/diloco.md).
+- Compression: torchft quantizes to fp8 with row-wise scales (Triton, CUDA only), no error
+  feedback; meshrun offers fp16/bf16/int8/fp4 on gloo and NCCL with plain collectives.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -90,41 +107,23 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.errors import StateError, UsageError
+from meshrun.system.store import atomic_write
+from meshrun.train.compress import CODECS
 
-COMPRESSIONS = ("none", "fp16", "bf16", "int8")
-INT8_CHUNK = 2048  # elements per int8 scale: 4 bytes of scale per 2048 bytes of payload (0.2 %)
+AUTO = "auto"
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp4")
 BUCKET_NUMEL = 1 << 24  # elements per collective (64 MiB of fp32); bounds the temporary memory
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _STATE_FORMAT = "meshrun.train.diloco/1"
+_SNAPSHOT_FORMAT = "meshrun.train.diloco.snapshot/1"
 
 
-def quantize_int8(x: torch.Tensor, chunk: int = INT8_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 1-D float tensor to int8 with one fp32 scale per ``chunk`` elements.
-
-    Returns ``(q, scales)``: ``q`` has ``x``'s length, ``scales`` has ``ceil(len / chunk)`` entries.
-    ``dequantize_int8(q, scales)`` differs from ``x`` by at most ``scale / 2`` per element (round to
-    nearest; ``scale = absmax / 127`` of the chunk, or 1 for an all-zero chunk).
-    """
-    n = x.numel()
-    nchunks = max(1, math.ceil(n / chunk))
-    padded = torch.zeros(nchunks * chunk, dtype=torch.float32, device=x.device)
-    padded[:n] = x.reshape(-1)
-    rows = padded.view(nchunks, chunk)
-    absmax = rows.abs().amax(dim=1)
-    # absmax == 0 -> scale 1 (all q are 0). NaN/inf stay in the scale on purpose: the receiver's
-    # finite check then catches a diverged worker instead of averaging garbage.
-    scales = torch.where(absmax == 0, torch.ones_like(absmax), absmax / 127.0)
-    q = torch.round(rows / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.view(-1)[:n], scales
-
-
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, chunk: int = INT8_CHUNK) -> torch.Tensor:
-    """Invert ``quantize_int8``: fp32 tensor of ``q``'s length."""
-    n = q.numel()
-    nchunks = scales.numel()
-    padded = torch.zeros(nchunks * chunk, dtype=torch.float32, device=q.device)
-    padded[:n] = q.to(torch.float32)
-    return (padded.view(nchunks, chunk) * scales[:, None]).view(-1)[:n]
+def state_digest(tensors: list[torch.Tensor]) -> int:
+    """64-bit BLAKE2b of the tensors' raw bytes, in order, as a signed int (fits an int64 tensor)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -145,22 +144,52 @@ def _check_float(name: str, value: Any, lo: float, hi: float, hi_open: bool) -> 
     return float(value)
 
 
+def _balanced_fragments(sizes: list[int], n: int) -> list[list[int]]:
+    """Indices of ``sizes`` in ``n`` groups of about equal total: largest first onto the lightest."""
+    load = [0] * n
+    groups: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        f = min(range(n), key=lambda f: (load[f], f))
+        groups[f].append(i)
+        load[f] += sizes[i]
+    return [sorted(g) for g in groups]
+
+
+@dataclass
+class _InFlight:
+    """A launched sync: per bucket its collective handle and how to read the average once done."""
+    fragments: list[int]        # fragments synced
+    indices: list[int]          # their parameter indices
+    due: int                    # step_count at which it is merged
+    parts: list[tuple[list[int], Any, Callable[[], torch.Tensor]]]
+    buffer_part: tuple[Any, torch.Tensor] | None
+    nbytes: int
+
+
 class DiLoCo:
-    """Optimizer wrapper: local inner steps, an averaged outer Nesterov step every ``sync_every``.
+    """Optimizer wrapper: local inner steps, an averaged outer Nesterov step per fragment every ``sync_every``.
 
     Args:
         model: the bare module being trained (not wrapped in DistributedDataParallel).
         inner_optimizer: a ``torch.optim.Optimizer`` over (some of) ``model``'s parameters; only
             those parameters are synchronized (the others never change locally).
-        sync_every: inner steps between syncs (>= 1).
+        sync_every: inner steps between two syncs of the same fragment (H >= 1; a multiple of ``fragments``).
         outer_lr: learning rate of the outer SGD (> 0; the paper uses 0.7).
         outer_momentum: its momentum in [0, 1); Nesterov when > 0 (the paper uses 0.9).
-        compression: pseudo-gradient wire format: "none" (fp32), "fp16", "bf16" or "int8".
+        compression: pseudo-gradient wire format: "none" (fp32), "fp16", "bf16", "int8" or "fp4".
         process_group: group to average over; default: the default group if
             ``torch.distributed`` is initialized, else none (world size 1, no communication).
+        fragments: F >= 1; F > 1 turns on Streaming DiLoCo (see the module docstring).
+        overlap: tau, inner steps a fragment's sync runs in the background (0 <= tau < H / F);
+            default 1 when F > 1 (0 when H / F is 1), else 0.
+        mixing: alpha in [0, 1), the weight of the local parameters in the merge; default 0.5
+            when tau > 0, else 0.
+        check_state: after each sync, compare a digest of the synced global state over the group.
+        snapshot_dir: where this node keeps its snapshot for resuming after a restart; "auto":
+            ``$MESHRUN_JOB_DIR/diloco`` when that is set, else none; None: no snapshots.
 
-    Construction broadcasts the model from rank 0, so every worker of the group must construct it.
-    ``step()`` and ``sync_now()`` are collective at sync time: call them on every worker alike.
+    Construction is collective (every worker of the group must construct it). ``step()`` is
+    collective at sync steps, ``sync_now()``, ``finish()`` and ``verify_state()`` always.
     """
 
     def __init__(
@@ -172,6 +201,11 @@ class DiLoCo:
         outer_momentum: float = 0.9,
         compression: str = "none",
         process_group: Any = None,
+        fragments: int = 1,
+        overlap: int | None = None,
+        mixing: float | None = None,
+        check_state: bool = True,
+        snapshot_dir: str | os.PathLike | None = AUTO,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"model={type(model).__name__} is not a torch.nn.Module",
@@ -189,7 +223,20 @@ class DiLoCo:
             raise UsageError(f"compression={compression!r} is not supported",
                              f"use one of {', '.join(repr(c) for c in COMPRESSIONS)}")
         self.compression = compression
-
+        self._codec = CODECS.get(compression)
+        self.fragments = _check_int("fragments", fragments, 1)
+        if self.sync_every % self.fragments:
+            raise UsageError(f"sync_every={sync_every} is not a multiple of fragments={fragments}",
+                             "each fragment syncs every sync_every steps, one every sync_every / fragments: "
+                             f"use e.g. sync_every={self.fragments * max(1, sync_every // self.fragments)}")
+        self._period = self.sync_every // self.fragments
+        default_overlap = min(1, self._period - 1) if self.fragments > 1 else 0
+        self.overlap = _check_int("overlap", default_overlap if overlap is None else overlap, 0)
+        if self.overlap >= self._period:
+            raise UsageError(f"overlap={self.overlap} is not below sync_every / fragments = {self._period}",
+                             "a fragment's sync must land before the next one starts: lower overlap")
+        self.mixing = _check_float("mixing", (0.5 if self.overlap else 0.0) if mixing is None else mixing,
+                                   0.0, 1.0, hi_open=True)
         if process_group is not None and not (dist.is_available() and dist.is_initialized()):
             raise UsageError("process_group was given but torch.distributed is not initialized",
                              "call torch.distributed.init_process_group() first, or drop process_group")
@@ -197,6 +244,12 @@ class DiLoCo:
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if self._distributed else 1
         self.rank = dist.get_rank(process_group) if self._distributed else 0
+        self.check_state = bool(check_state)
+        if snapshot_dir == AUTO:
+            job_dir = os.environ.get("MESHRUN_JOB_DIR")
+            snapshot_dir = Path(job_dir) / "diloco" if job_dir else None
+        self.snapshot_path = (Path(snapshot_dir) / f"worker{os.environ.get('LOCAL_RANK', '0')}.pt"
+                              if snapshot_dir is not None else None)
 
         self.model = model
         self.inner_optimizer = inner_optimizer
@@ -206,25 +259,36 @@ class DiLoCo:
             raise UsageError(f"inner_optimizer holds {len(opt_params) - len(named)} tensor(s) that are "
                              "not parameters of model",
                              "build the inner optimizer from this model's parameters")
+        if self.fragments > len(named):
+            raise UsageError(f"fragments={fragments} is more than the {len(named)} parameter tensors",
+                             f"use at most {len(named)} fragments (a tensor is never split)")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        self._buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self._fragment_indices = _balanced_fragments([p.numel() for p in self._params], self.fragments)
 
-        if self.world_size > 1:
-            self._broadcast_model()
         # Global copy in the parameter's dtype and device (see module docstring).
         self._global = [p.detach().clone() for p in self._params]
         self.outer_optimizer = torch.optim.SGD(self._global, lr=self.outer_lr, momentum=self.outer_momentum,
                                                nesterov=self.outer_momentum > 0)
+        if self.outer_momentum > 0:
+            # SGD would create each buffer at its first step as a copy of the gradient, which is what
+            # a zero buffer gives as well; made now, every fragment's state has one fixed layout.
+            for g in self._global:
+                self.outer_optimizer.state[g]["momentum_buffer"] = torch.zeros_like(g)
         self._error_feedback: list[torch.Tensor] | None = None
-        if compression == "int8":
+        if self._codec is not None:
             self._error_feedback = [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
-        self._buckets = self._make_buckets()
 
         self.step_count = 0  # inner steps taken
-        self.steps_since_sync = 0
-        self.sync_count = 0
+        self.sync_count = 0  # syncs merged (one per fragment sync, sync_now or finish)
         self.last_sync_bytes = 0
         self.bytes_sent_total = 0
+        self._inflight: _InFlight | None = None
+        self._clean: set[int] = set()  # fragments whose local part equals the global copy
+        self._pending_check: tuple[int, Any, list[torch.Tensor]] | None = None  # sync, handle, digests
+        self.resumed: dict[str, Any] | None = None
+        self._start()
 
     # ----------------------------------------------------------------- optimizer-like API
     @property
@@ -242,17 +306,31 @@ class DiLoCo:
         """Bytes DDP would have contributed for the steps taken so far (fp32 grads every step)."""
         return self.step_count * 4 * self.numel if self.world_size > 1 else 0
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a fragment's sync is running in the background (``state_dict()`` must wait)."""
+        return self._inflight is not None
+
+    @property
+    def fragment_names(self) -> list[list[str]]:
+        """The parameter names of each fragment, in sync order."""
+        return [[self._names[i] for i in idx] for idx in self._fragment_indices]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the inner optimizer's gradients."""
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One inner step; every ``sync_every``-th call also syncs (collective). Returns the closure's loss."""
+        """One inner step; launches and merges fragment syncs on schedule (collective then). Returns the closure's loss."""
         loss = self.inner_optimizer.step(closure) if closure is not None else self.inner_optimizer.step()
         self.step_count += 1
-        self.steps_since_sync += 1
-        if self.steps_since_sync >= self.sync_every:
-            self.sync_now()
+        self._clean.clear()
+        ahead = self.step_count + self.overlap
+        if ahead % self._period == 0:
+            fragment = (ahead // self._period - 1) % self.fragments
+            self._inflight = self._launch([fragment], due=ahead)
+        if self._inflight is not None and self._inflight.due == self.step_count:
+            self._merge(self.mixing)
         return loss
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
@@ -262,20 +340,93 @@ class DiLoCo:
     # ----------------------------------------------------------------- sync
     @torch.no_grad()
     def sync_now(self) -> None:
-        """Sync now (collective): average the pseudo-gradient, outer step, all workers take the result.
+        """Sync every fragment now (collective, blocking); the model equals the global copy afterwards.
 
-        Raises ``UsageError`` when the averaged pseudo-gradient is not finite (fp16 overflow or a
-        diverged run); every worker sees the same reduced values, so all of them raise alike.
+        A fragment in flight is merged first (with ``mixing``). Raises ``UsageError`` when the
+        averaged pseudo-gradient is not finite (fp16 overflow or a diverged run); every worker
+        sees the same reduced values, so all of them raise alike.
         """
+        self._sync_blocking(list(range(self.fragments)))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """End of training (collective): sync what the model holds that the global copy lacks.
+
+        Merges a fragment in flight, then syncs every fragment not synced (without mixing) since
+        the last ``step()``, so all workers end on the same global model. With F = 1 and a final
+        step that synced, it sends nothing.
+        """
+        self._sync_blocking([f for f in range(self.fragments) if f not in self._clean])
+
+    def _sync_blocking(self, fragments: list[int]) -> None:
+        if self._inflight is not None:
+            self._merge(self.mixing)
+        if fragments:
+            self._inflight = self._launch(fragments, due=self.step_count)
+            self._merge(0.0)
+        self._check_digests()
+
+    @torch.no_grad()
+    def _launch(self, fragments: list[int], due: int) -> _InFlight:
+        """Take the pseudo-gradient of ``fragments`` now and start averaging it (asynchronously).
+
+        Floating-point buffers ride along with fragment 0.
+        """
+        indices = sorted(i for f in fragments for i in self._fragment_indices[f])
+        parts = []
         nbytes = 0
-        for bucket in self._buckets:
+        for bucket in self._make_buckets(indices):
             dtype = self._compute_dtype(self._params[bucket[0]])
-            flat = torch.cat([(self._global[i].to(dtype) - self._params[i].to(dtype)).reshape(-1)
-                              for i in bucket])
-            if self._error_feedback is not None:
-                flat += torch.cat([self._error_feedback[i].to(dtype).reshape(-1) for i in bucket])
-            avg, sent = self._average(flat, bucket)
+            flat = torch.cat([(self._global[i].to(dtype) - self._params[i].to(dtype)).reshape(-1) for i in bucket])
+            work, finish, sent = self._start_average(flat, bucket)
+            parts.append((bucket, work, finish))
             nbytes += sent
+        buffer_part = None
+        if 0 in fragments and self._buffers and self.world_size > 1:
+            # Buffers are averaged in their own dtype (no outer optimizer, no compression).
+            flat = torch.cat([b.detach().reshape(-1) for b in self._buffers])
+            buffer_part = (dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True), flat)
+            nbytes += flat.numel() * flat.element_size()
+        return _InFlight(fragments, indices, due, parts, buffer_part, nbytes if self.world_size > 1 else 0)
+
+    def _start_average(self, flat: torch.Tensor, bucket: list[int]) -> tuple[Any, Callable[[], torch.Tensor], int]:
+        """Start averaging ``flat`` with the configured compression: (handle or None, read result, bytes contributed)."""
+        world, group = self.world_size, self.process_group
+        if self._codec is None:
+            wire = flat if self.compression == "none" else (flat / world).to(_WIRE_DTYPE[self.compression])
+            work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True) if world > 1 else None
+            if self.compression == "none":
+                return work, lambda: wire / world, wire.numel() * wire.element_size()
+            return work, lambda: wire.to(flat.dtype), wire.numel() * wire.element_size()
+        assert self._error_feedback is not None
+        flat += torch.cat([self._error_feedback[i].to(flat.dtype).reshape(-1) for i in bucket])
+        payload, approx = self._codec.encode(flat)
+        residual = flat - approx
+        offset = 0
+        for i in bucket:
+            ef = self._error_feedback[i]
+            ef.copy_(residual[offset:offset + ef.numel()].view_as(ef))
+            offset += ef.numel()
+        gathered = [torch.empty_like(payload) for _ in range(world)] if world > 1 else [payload]
+        work = dist.all_gather(gathered, payload, group=group, async_op=True) if world > 1 else None
+
+        def average() -> torch.Tensor:
+            total = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+            for part in gathered:  # fixed rank order: identical result on every worker
+                total += self._codec.decode(part, flat.numel())
+            return (total / world).to(flat.dtype)
+        return work, average, payload.numel()
+
+    @torch.no_grad()
+    def _merge(self, alpha: float) -> None:
+        """Wait for the sync in flight, outer-step its fragment, mix it into the model (collective)."""
+        job, self._inflight = self._inflight, None
+        assert job is not None
+        self._check_digests()
+        for bucket, work, read in job.parts:
+            if work is not None:
+                work.wait()
+            avg = read()
             if not bool(torch.isfinite(avg).all()):
                 raise UsageError(f"the averaged pseudo-gradient is not finite with compression={self.compression!r}",
                                  "use compression='bf16' (fp16 overflows above 65504), or lower the "
@@ -287,86 +438,200 @@ class DiLoCo:
                 offset += g.numel()
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
-        for p, g in zip(self._params, self._global):
-            p.copy_(g)
-        nbytes += self._average_buffers()
-
-        self.last_sync_bytes = nbytes if self.world_size > 1 else 0
-        self.bytes_sent_total += self.last_sync_bytes
-        self.sync_count += 1
-        self.steps_since_sync = 0
-
-    def _average(self, flat: torch.Tensor, bucket: list[int]) -> tuple[torch.Tensor, int]:
-        """Average ``flat`` over the group with the configured compression; returns (avg, bytes contributed)."""
-        world = self.world_size
-        if self.compression == "none":
-            if world > 1:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
-                flat /= world
-            return flat, flat.numel() * flat.element_size()
-        if self.compression in _WIRE_DTYPE:
-            wire = (flat / world).to(_WIRE_DTYPE[self.compression])
-            if world > 1:
-                dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.process_group)
-            return wire.to(flat.dtype), wire.numel() * wire.element_size()
-        # int8: quantize, keep the residual as error feedback, all_gather payload+scales, average locally.
-        q, scales = quantize_int8(flat)
-        mine = dequantize_int8(q, scales)
-        residual = flat - mine
-        assert self._error_feedback is not None
-        offset = 0
-        for i in bucket:
-            ef = self._error_feedback[i]
-            ef.copy_(residual[offset:offset + ef.numel()].view_as(ef))
-            offset += ef.numel()
-        # Scales ride along as raw bytes so one collective carries everything; they go first so
-        # the receiver's float32 view of them starts at an aligned offset.
-        head = scales.numel() * 4
-        payload = torch.cat([scales.view(torch.int8), q])
-        if world == 1:
-            return mine.to(flat.dtype), payload.numel()
-        gathered = [torch.empty_like(payload) for _ in range(world)]
-        dist.all_gather(gathered, payload, group=self.process_group)
-        total = torch.zeros(q.numel(), dtype=torch.float32, device=flat.device)
-        for part in gathered:  # fixed rank order: identical result on every worker
-            total += dequantize_int8(part[head:], part[:head].view(torch.float32))
-        return (total / world).to(flat.dtype), payload.numel()
-
-    def _average_buffers(self) -> int:
-        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        if self.world_size == 1 or not buffers:
-            return 0
-        nbytes = 0
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for b in buffers:
-            groups.setdefault((b.device, b.dtype), []).append(b)
-        for group in groups.values():
-            flat = torch.cat([b.reshape(-1) for b in group])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
+        for i in job.indices:
+            p, g = self._params[i], self._global[i]
+            p.copy_(g if alpha == 0 else torch.lerp(g, p, alpha))
+        if job.buffer_part is not None:
+            work, flat = job.buffer_part
+            work.wait()
             flat /= self.world_size
-            nbytes += flat.numel() * flat.element_size()
             offset = 0
-            for b in group:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            for b in self._buffers:
+                avg = flat[offset:offset + b.numel()].view_as(b)
+                b.copy_(avg if alpha == 0 else torch.lerp(avg, b, alpha))
                 offset += b.numel()
-        return nbytes
+        if alpha == 0:
+            self._clean.update(job.fragments)
+        self.last_sync_bytes = job.nbytes
+        self.bytes_sent_total += job.nbytes
+        self.sync_count += 1
+        if self.check_state and self.world_size > 1:
+            # Compared at the next sync (or finish): waiting here would make every sync a barrier.
+            digest = state_digest(self._shared_tensors(job.indices))
+            self._pending_check = (self.sync_count, *self._start_gather([digest]))
+        if self.snapshot_path is not None:
+            self._write_snapshot()
+
+    # ----------------------------------------------------------------- state check
+    def _shared_tensors(self, indices: list[int]) -> list[torch.Tensor]:
+        """What every worker must hold identically for ``indices``: global copy, then outer momentum."""
+        momentum = [self.outer_optimizer.state[self._global[i]]["momentum_buffer"] for i in indices] \
+            if self.outer_momentum > 0 else []
+        return [self._global[i] for i in indices] + momentum
 
     @torch.no_grad()
-    def _broadcast_model(self) -> None:
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
-            dist.broadcast(t.data, src=src, group=self.process_group)
+    def verify_state(self) -> None:
+        """Check now that every worker holds bit-identical global state (collective).
 
+        Compares 64-bit digests of the global copy, the outer momentum and the floating-point
+        buffers. Raises ``StateError`` naming the ranks that differ from the majority.
+        """
+        if self.world_size == 1:
+            return
+        self._check_digests()
+        work, out = self._start_gather([state_digest(self._snapshot_tensors())])
+        self._pending_check = (self.sync_count, work, out)
+        self._check_digests()
+
+    def _check_digests(self) -> None:
+        """Wait for the digests gathered after a sync and raise ``StateError`` if a worker differs."""
+        if self._pending_check is None:
+            return
+        sync, work, out = self._pending_check
+        self._pending_check = None
+        work.wait()
+        digests = [int(t[0]) for t in out]
+        majority = max(digests, key=lambda d: (digests.count(d), -digests.index(d)))
+        odd = [r for r, d in enumerate(digests) if d != majority]
+        if odd:
+            agree = [r for r, d in enumerate(digests) if d == majority]
+            raise StateError(f"the DiLoCo global state differs between workers after sync {sync}: "
+                             f"rank(s) {odd} disagree with rank(s) {agree}",
+                             "a worker diverged (faulty hardware, a non-deterministic outer step, or state "
+                             "changed by hand); restart the job: workers resume from the newest snapshot")
+
+    def _start_gather(self, values: list[int]) -> tuple[Any, list[torch.Tensor]]:
+        """Start an ``all_gather`` of a few int64 values: (handle, one tensor per rank once done)."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self._params[0].device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        return dist.all_gather(out, mine, group=self.process_group, async_op=True), out
+
+    def _gather_ints(self, values: list[int]) -> list[list[int]]:
+        """``all_gather`` a few int64 values from every worker (blocking): one row per rank."""
+        work, out = self._start_gather(values)
+        work.wait()
+        return [t.tolist() for t in out]
+
+    # ----------------------------------------------------------------- start, snapshots, recovery
+    def _global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.process_group, group_rank) if self.process_group is not None else group_rank
+
+    def _snapshot_tensors(self) -> list[torch.Tensor]:
+        """Global copy, outer momentum, buffers: the state a recovery sends, in a fixed layout."""
+        return self._shared_tensors(list(range(len(self._params)))) + self._buffers
+
+    def _write_snapshot(self) -> None:
+        assert self.snapshot_path is not None
+        self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save({
+            "format": _SNAPSHOT_FORMAT,
+            "names": self._names,
+            "step_count": self.step_count,
+            "sync_count": self.sync_count,
+            "bytes_sent_total": self.bytes_sent_total,
+            "shared": self._snapshot_tensors(),
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "error_feedback": self._error_feedback,
+        }, buf)
+        atomic_write(self.snapshot_path, buf.getvalue())
+
+    def _read_snapshot(self) -> dict[str, Any] | None:
+        """This worker's snapshot, checked against this model; None when there is none."""
+        path = self.snapshot_path
+        if path is None or not path.exists():
+            return None
+        try:
+            snap = torch.load(path, weights_only=True, map_location=self._params[0].device)
+        except Exception as exc:  # torch.load raises many types (pickle, zip, EOF) for a bad file
+            raise StateError(f"cannot read the DiLoCo snapshot {path}: {exc}",
+                             f"delete {path} to make this worker start as a joiner") from None
+        layout = self._snapshot_tensors()
+        shared = snap.get("shared") if isinstance(snap, dict) else None
+        if (not isinstance(snap, dict) or snap.get("format") != _SNAPSHOT_FORMAT or snap.get("names") != self._names
+                or not isinstance(shared, list) or len(shared) != len(layout)
+                or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(shared, layout))):
+            raise StateError(f"the DiLoCo snapshot {path} is not for this model and outer optimizer",
+                             f"delete {path}, or use another snapshot_dir for a different model")
+        return snap
+
+    @torch.no_grad()
+    def _start(self) -> None:
+        """Agree on the starting state: resume from the newest snapshot, or align the models (collective)."""
+        snap = self._read_snapshot()
+        if snap is not None:  # this worker's own part
+            self.inner_optimizer.load_state_dict(snap["inner_optimizer"])
+            self.bytes_sent_total = int(snap["bytes_sent_total"])
+        if self.world_size == 1:
+            if snap is not None:
+                self._adopt(snap["shared"], snap["step_count"], snap["sync_count"], snap)
+            return
+        if snap is not None:
+            mine = [snap["sync_count"], snap["step_count"], state_digest(snap["shared"])]
+        else:
+            mine = [-1, 0, state_digest(list(self.model.parameters()) + list(self.model.buffers()))]
+        table = self._gather_ints(mine)
+        newest = max(row[0] for row in table)
+        if newest < 0:  # a fresh start: broadcast only if the models differ
+            if len({row[2] for row in table}) > 1:
+                self._broadcast_model()
+            return
+        src = next(r for r, row in enumerate(table) if row[0] == newest)
+        receivers = [r for r, row in enumerate(table) if (row[0], row[2]) != (newest, table[src][2])]
+        group = self.process_group
+        if self.rank in receivers:
+            shared = [torch.empty_like(t) for t in self._snapshot_tensors()]
+            for t in shared:
+                dist.recv(t, src=self._global_rank(src), group=group)
+        else:
+            assert snap is not None
+            shared = snap["shared"]
+        if self.rank == src:
+            for r in receivers:
+                for t in shared:
+                    dist.send(t.contiguous(), dst=self._global_rank(r), group=group)
+                    self.bytes_sent_total += t.numel() * t.element_size()
+        self._adopt(shared, table[src][1], newest, snap if snap is not None and snap["sync_count"] == newest else None)
+        self.resumed = {"sync_count": newest, "step_count": self.step_count, "source_rank": src,
+                        "receivers": receivers}
+        if self.check_state:
+            self.verify_state()
+
+    def _broadcast_model(self) -> None:
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            dist.broadcast(t.data, src=self._global_rank(0), group=self.process_group)
+            if self.rank == 0:
+                self.bytes_sent_total += t.numel() * t.element_size() * (self.world_size - 1)
+        for g, p in zip(self._global, self._params):
+            g.copy_(p)
+
+    def _adopt(self, shared: list[torch.Tensor], step_count: int, sync_count: int,
+               own: dict[str, Any] | None) -> None:
+        """Take ``shared`` (``_snapshot_tensors`` layout) as the state; the model becomes the global copy.
+
+        ``own``: this worker's snapshot when it is of the same sync, so its error feedback still applies.
+        """
+        for t, s in zip(self._snapshot_tensors(), shared):
+            t.copy_(s)
+        for p, g in zip(self._params, self._global):
+            p.copy_(g)
+        if own is not None and self._error_feedback is not None and own["error_feedback"] is not None:
+            for ef, s in zip(self._error_feedback, own["error_feedback"]):
+                ef.copy_(s)
+        self.step_count, self.sync_count = int(step_count), int(sync_count)
+
+    # ----------------------------------------------------------------- helpers
     @staticmethod
     def _compute_dtype(p: torch.Tensor) -> torch.dtype:
         # Pseudo-gradients are formed in at least fp32 (a bf16 model's delta would lose the small updates).
         return torch.promote_types(p.dtype, torch.float32)
 
-    def _make_buckets(self) -> list[list[int]]:
-        """Group parameter indices by (device, compute dtype), at most BUCKET_NUMEL elements each."""
+    def _make_buckets(self, indices: list[int]) -> list[list[int]]:
+        """Group ``indices`` by (device, compute dtype), at most BUCKET_NUMEL elements each."""
         buckets: list[list[int]] = []
         open_bucket: dict[tuple[torch.device, torch.dtype], tuple[list[int], int]] = {}
-        for i, p in enumerate(self._params):
+        for i in indices:
+            p = self._params[i]
             key = (p.device, self._compute_dtype(p))
             idx, size = open_bucket.get(key, ([], 0))
             if idx and size + p.numel() > BUCKET_NUMEL:
@@ -379,14 +644,22 @@ class DiLoCo:
 
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """This worker's DiLoCo state (save one per rank, next to ``model.state_dict()``)."""
+        """This worker's DiLoCo state (save one per rank, next to ``model.state_dict()``).
+
+        Raises ``UsageError`` while a fragment's sync is in flight (``in_flight``): its collective
+        cannot be saved. Save right after a sync, when ``sync_count`` has just changed.
+        """
+        if self._inflight is not None:
+            raise UsageError(f"state_dict() at step {self.step_count}: a fragment's sync is in flight "
+                             f"until step {self._inflight.due}",
+                             "save when opt.in_flight is False (e.g. right after sync_count changes)")
         return {
             "format": _STATE_FORMAT,
             "compression": self.compression,
             "sync_every": self.sync_every,
+            "fragments": self.fragments,
             "world_size": self.world_size,
             "step_count": self.step_count,
-            "steps_since_sync": self.steps_since_sync,
             "sync_count": self.sync_count,
             "last_sync_bytes": self.last_sync_bytes,
             "bytes_sent_total": self.bytes_sent_total,
@@ -401,15 +674,15 @@ class DiLoCo:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()`` output (load the model's own state dict as well).
 
-        Changing ``compression`` across a resume is allowed: int8 error feedback starts from zero
-        when the checkpoint has none and is dropped when the new run is not int8.
+        Changing ``compression`` across a resume is allowed: error feedback starts from zero
+        when the checkpoint has none and is dropped when the new run does not quantize.
         Raises ``StateError`` when the checkpoint does not match this model.
         """
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise StateError("the DiLoCo checkpoint is not in the meshrun.train.diloco/1 format",
                              "pass the dict returned by DiLoCo.state_dict()")
-        for key in ("step_count", "steps_since_sync", "sync_count", "inner_optimizer",
-                    "outer_optimizer", "global_params", "error_feedback"):
+        for key in ("step_count", "sync_count", "inner_optimizer", "outer_optimizer", "global_params",
+                    "error_feedback"):
             if key not in state:
                 raise StateError(f"the DiLoCo checkpoint lacks {key!r}", "save it with DiLoCo.state_dict()")
         saved = state["global_params"]
@@ -434,13 +707,13 @@ class DiLoCo:
                 else:
                     ef.zero_()
         self.step_count = int(state["step_count"])
-        self.steps_since_sync = int(state["steps_since_sync"])
         self.sync_count = int(state["sync_count"])
         self.last_sync_bytes = int(state.get("last_sync_bytes", 0))
         self.bytes_sent_total = int(state.get("bytes_sent_total", 0))
+        self._clean.clear()
 
     def __repr__(self) -> str:
         return (f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
                 f"outer_momentum={self.outer_momentum}, compression={self.compression!r}, "
+                f"fragments={self.fragments}, overlap={self.overlap}, mixing={self.mixing}, "
                 f"world_size={self.world_size}, params={self.numel})")
-
