@@ -1,3 +1,3 @@
-from meshrun.cli.main import main
+from meshrun.cli import main
 
 main()

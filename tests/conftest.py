@@ -32,15 +32,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.skip(reason)
 
 
-def running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie (an orphan's zombie may linger under pid 1)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def unique_prefix() -> str:
     """A short testbed prefix unique enough for concurrent runs: "t" + 4 hex digits."""
     return "t" + secrets.token_hex(2)

@@ -1,10 +1,10 @@
 """Property-based fuzzing of meshrun's two HTTP APIs (bounded budget, no namespaces, no root).
 
-- The coordinator's enrolment API (`handle_public`) and overlay API (`handle_overlay`) of a real
-  CoordinatorService over a real SQLite state directory; the WireGuard calls are stubbed, so no
+- The coordinator's enrolment API (`EnrolmentAPI.handle`) and overlay API (`OverlayAPI.handle`) of a real
+  CoordinatorService over a real SQLite state directory, on an in-memory FakeDevice, so no
   interface is touched. Requests go both straight to the handlers (as the server dispatches
   them) and over real HTTP on 127.0.0.1 through meshrun's JSONServer.
-- The agent's job API (`JobServer.handle`) with the process launcher replaced by a fake: fuzzed
+- The agent's job API (`JobAPI.handle`) with a launcher that records and runs nothing: fuzzed
   argv must never be executed.
 
 Properties: every answer is one of the statuses an API may give (never 500), the server keeps
@@ -33,10 +33,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import json_strategy
-from meshrun.mesh import coordinator
-from meshrun.jobs import server as jobs
 from meshrun.core import keys
-from meshrun.system import wg
+from meshrun.jobs import server as jobs
+from meshrun.mesh.coordinator.enrolment import RateLimiter
+from meshrun.mesh.coordinator.service import CoordinatorService
+from meshrun.system.fakedevice import FakeDevice
 from meshrun.errors import MeshrunError
 from meshrun.core.model import Network
 from meshrun.system.store import CoordinatorDB, StateDir
@@ -66,7 +67,7 @@ def dispatch(handler, req: Request) -> Response:
 
 @dataclasses.dataclass
 class Coord:
-    svc: coordinator.CoordinatorService
+    svc: CoordinatorService
     state: StateDir
     token_id: str
     secret_b64: str
@@ -106,14 +107,11 @@ def _b64(secret: bytes) -> str:
 
 
 @pytest.fixture
-def coord(tmp_path, monkeypatch) -> Coord:
-    # No interface: WireGuard reads return nothing, writes are dropped.
-    monkeypatch.setattr(wg, "show", lambda iface: (51820, []))
-    monkeypatch.setattr(wg, "apply", lambda iface, d: None)
-    monkeypatch.setattr(coordinator, "SYNC_WAIT_MAX", 0.01)   # long-polls must not stall the fuzzer
+def coord(tmp_path) -> Coord:
     state, toks = _make_state(tmp_path / "coord")
-    svc = coordinator.CoordinatorService(state)
-    svc.limiter = coordinator.RateLimiter(burst=10**9)
+    svc = CoordinatorService(state, device=FakeDevice(present=True))   # no interface, no root
+    svc.overlay.max_wait = 0.01                 # long-polls must not stall the fuzzer
+    svc.enrolment.limiter = RateLimiter(burst=10**9)
     open_tok = toks["open"]
     # One live member and one removed member to call the overlay API as.
     m, _ = svc.db.enrol(open_tok.token_id, open_tok.secret, "member", keys.public_key(keys.generate_private_key()),
@@ -184,7 +182,7 @@ def test_enrolment_api_handler(coord, data):
     req = Request(data.draw(st.sampled_from(["POST", "POST", "POST", "GET"]) | methods),
                   data.draw(st.sampled_from(["/v1/join"] * 4) | paths),
                   data.draw(st.sampled_from(["203.0.113.5", "203.0.113.6", "::1"])), body)
-    resp = dispatch(coord.svc.handle_public, req)
+    resp = dispatch(coord.svc.enrolment.handle, req)
     assert resp.status in ALLOWED
     if resp.status == 200 and req.path == "/v1/join":
         me = resp.body["member"]
@@ -208,7 +206,7 @@ def test_overlay_api_handler(coord, data):
                                         COORD_IP, "203.0.113.5", "not an ip"]))
     req = Request(data.draw(st.sampled_from(["POST", "GET"]) | methods),
                   data.draw(st.sampled_from(["/v1/sync", "/v1/members"]) | paths), caller, data.draw(sync_bodies))
-    resp = dispatch(coord.svc.handle_overlay, req)
+    resp = dispatch(coord.svc.overlay.handle, req)
     assert resp.status in ALLOWED
     if caller == coord.removed_ip:
         assert resp.status == 410
@@ -219,20 +217,20 @@ def test_overlay_api_handler(coord, data):
 
 def test_overlay_api_refuses_non_members(coord):
     for ip in ("10.213.77.77", "203.0.113.5", "127.0.0.1"):
-        assert coord.svc.handle_overlay(Request("POST", "/v1/sync", ip, {})).status == 403
-    assert coord.svc.handle_overlay(Request("POST", "/v1/sync", coord.removed_ip, {})).status == 410
-    ok = coord.svc.handle_overlay(Request("POST", "/v1/sync", coord.member_ip, {"version": -1}))
+        assert coord.svc.overlay.handle(Request("POST", "/v1/sync", ip, {})).status == 403
+    assert coord.svc.overlay.handle(Request("POST", "/v1/sync", coord.removed_ip, {})).status == 410
+    ok = coord.svc.overlay.handle(Request("POST", "/v1/sync", coord.member_ip, {"version": -1}))
     assert ok.status == 200 and {m["overlay_ip"] for m in ok.body["members"]} == {COORD_IP, coord.member_ip}
 
 
 def test_enrolment_port_does_not_serve_overlay_routes(coord):
     for method, path in (("POST", "/v1/sync"), ("GET", "/v1/members")):
-        assert coord.svc.handle_public(Request(method, path, coord.member_ip, {})).status == 404
+        assert coord.svc.enrolment.handle(Request(method, path, coord.member_ip, {})).status == 404
 
 
 def test_used_up_token_refused_and_counted_once(coord):
     def join(name):
-        return dispatch(coord.svc.handle_public, Request("POST", "/v1/join", "203.0.113.9", {
+        return dispatch(coord.svc.enrolment.handle, Request("POST", "/v1/join", "203.0.113.9", {
             "token_id": coord.limited_id, "secret": coord.limited_b64, "name": name, "network": "fuzz",
             "public_key": keys.public_key(keys.generate_private_key())}))
     assert [join(n).status for n in ("l1", "l2", "l3")] == [200, 200, 400]
@@ -293,8 +291,8 @@ def _json_bytes(value) -> bytes:
 @pytest.fixture
 def servers(coord):
     """The enrolment handler and the overlay handler (called as a member) on loopback HTTP."""
-    as_member = lambda req: coord.svc.handle_overlay(dataclasses.replace(req, client_ip=coord.member_ip))  # noqa: E731
-    with serve(coord.svc.handle_public) as public, serve(as_member) as overlay:
+    as_member = lambda req: coord.svc.overlay.handle(dataclasses.replace(req, client_ip=coord.member_ip))  # noqa: E731
+    with serve(coord.svc.enrolment.handle) as public, serve(as_member) as overlay:
         yield {"public": public, "overlay": overlay}
 
 
@@ -333,7 +331,7 @@ def test_both_coordinator_apis_over_http(coord, servers, data):
                                   b'{"wait": Infinity}', b'{"version": 1e400}', b'{"version": "1e3"}'])
 def test_sync_non_finite_numbers_are_a_400_not_a_500(coord, body):
     """Python's json accepts NaN/Infinity: a member's sync must not crash the handler with them."""
-    as_member = lambda req: coord.svc.handle_overlay(dataclasses.replace(req, client_ip=coord.member_ip))  # noqa: E731
+    as_member = lambda req: coord.svc.overlay.handle(dataclasses.replace(req, client_ip=coord.member_ip))  # noqa: E731
     with serve(as_member) as port:
         assert http_request(port, "POST", "/v1/sync", body) in {200, 400}
 
@@ -357,19 +355,14 @@ class FakeJob:
 
 
 @pytest.fixture
-def job_server(tmp_path, monkeypatch):
-    monkeypatch.setattr(jobs, "Job", FakeJob)
+def job_server(tmp_path):
     FakeJob.started = []
-    srv = jobs.JobServer.__new__(jobs.JobServer)
     state = tmp_path / "node-state"
     state.mkdir()
-    srv.agent = types.SimpleNamespace(rec={"name": "dc2-a", "overlay_ip": "10.213.0.2"}, state=StateDir(state))
-    srv.network = types.SimpleNamespace(coordinator_ip=COORD_IP, api_port=51821, interface="meshrun0")
-    srv.jobs_dir = state / "jobs"
-    srv.jobs = {}
-    srv.lock = threading.Lock()
-    srv.gpus = 0
-    return srv
+    network = types.SimpleNamespace(coordinator_ip=COORD_IP, api_port=51821, interface="meshrun0")
+    api = jobs.JobAPI(state / "jobs", network, "dc2-a", launch=FakeJob)
+    api.state_path = state
+    return api
 
 
 def _tar(members: list[tuple[str, bytes, str]]) -> bytes:
@@ -423,7 +416,7 @@ def test_job_api_handler(job_server, data):
     if caller != COORD_IP:
         assert resp.status == 403
     # Nothing is ever written outside the jobs directory.
-    root = job_server.agent.state.path
+    root = job_server.state_path
     after = set(root.parent.rglob("*"))
     for p in after - before:
         assert p == root or _inside(p, root / "jobs"), f"{p} written outside {root / 'jobs'}"
@@ -439,5 +432,5 @@ def test_job_ids_cannot_name_the_jobs_dir_or_its_parent(job_server, job_id):
     blob = _tar([("train.py", b"print(1)", "file")])
     resp = dispatch(job_server.handle, Request("POST", f"/v1/jobs/{job_id}/code", COORD_IP, None, blob))
     assert resp.status == 400
-    root = job_server.agent.state.path
+    root = job_server.state_path
     assert not (root / "code").exists() and not (root / "jobs" / "code").exists()

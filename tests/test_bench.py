@@ -7,7 +7,8 @@ import json
 import pytest
 
 from meshrun.bench import report as bench
-from meshrun.bench.worker import PairServer, parse_sizes as worker_sizes, tcp_bandwidth, tcp_rtt_ms
+from meshrun.bench.run import _Capture
+from meshrun.system.tcpbench import PairServer, tcp_bandwidth, tcp_rtt_ms
 from meshrun.errors import UsageError
 
 
@@ -90,7 +91,7 @@ def test_render_says_when_no_pair_is_slow_and_reports_failures():
 
 def test_parse_sizes_and_errors():
     assert bench.parse_sizes("4M,1M,1MiB,16K") == [16 << 10, 1 << 20, 4 << 20]
-    assert worker_sizes("1G") == [1 << 30]
+    assert bench.parse_sizes("1G") == [1 << 30]
     for bad in ("", "x", "1Q", "2"):
         with pytest.raises(UsageError):
             bench.parse_sizes(bad)
@@ -112,7 +113,7 @@ def test_auto_duration_keeps_pair_tests_bounded():
 
 
 def test_capture_picks_the_result_line():
-    cap = bench._Capture()
+    cap = _Capture()
     cap.line("[gpu-a r0] pair gpu-a -> gpu-b: rtt 0.1 ms")
     cap.line('[gpu-a r0] MESHRUN_BENCH_RESULT {"pairs": []}')
     assert cap.result == {"pairs": []} and cap.lines == ["[gpu-a r0] pair gpu-a -> gpu-b: rtt 0.1 ms"]

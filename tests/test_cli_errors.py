@@ -17,8 +17,8 @@ import typer
 from typer.testing import CliRunner
 
 from meshrun import __version__
-from meshrun.system import wg
-from meshrun.cli.main import app
+from meshrun.system import net
+from meshrun.cli import app
 from meshrun.errors import SystemError_
 from meshrun.core.token import JoinToken
 
@@ -27,8 +27,8 @@ FIX_COPY = "copy the whole token again from the output of `meshrun token create`
 
 def _has_admin() -> bool:
     try:
-        wg.require_admin()
-        wg.require_tools("ip", "wg")
+        net.require_admin()
+        net.require_tools("ip", "wg")
     except SystemError_:
         return False
     return True

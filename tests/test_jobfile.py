@@ -9,6 +9,7 @@ import pytest
 from meshrun.core import jobfile
 from meshrun.errors import UsageError
 from meshrun.jobs.runner import TrainRequest
+from meshrun.system.store import read_user_file
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "configs" / "job.example.toml"
 NOTHING = {"script": None, "script_args": None, "nnodes": None, "nproc_per_node": None, "max_restarts": None,
@@ -17,7 +18,7 @@ NOTHING = {"script": None, "script_args": None, "nnodes": None, "nproc_per_node"
 
 
 def test_the_shipped_example_loads_into_a_request():
-    req = TrainRequest(**jobfile.merge(jobfile.load(EXAMPLE), NOTHING))
+    req = TrainRequest(**jobfile.merge(jobfile.parse(EXAMPLE.read_text()), NOTHING))
     assert req.script == "examples/ddp_train.py"
     assert req.script_args == ["--epochs", "5", "--steps-per-epoch", "50", "--checkpoint", "checkpoint.pt"]
     assert (req.nnodes, req.nproc_per_node, req.max_restarts, req.rdzv_timeout) == ("2", 1, 1, 900)
@@ -64,8 +65,8 @@ def test_bad_job_files_name_the_key_and_the_fix(text, words):
 
 
 def test_missing_file_and_missing_script(tmp_path):
-    with pytest.raises(UsageError, match="not found"):
-        jobfile.load(tmp_path / "nope.toml")
+    with pytest.raises(UsageError, match="job file '.*nope.toml' not found; check the path given to --config"):
+        read_user_file(tmp_path / "nope.toml", "job file", "--config")
     with pytest.raises(UsageError, match="no training script given"):
         jobfile.merge({}, NOTHING)
     with pytest.raises(UsageError, match="unknown option '--bogus'"):

@@ -157,39 +157,6 @@ def test_parse_nnodes():
         assert repr(bad) in str(exc.value)
 
 
-VALUE_OPTS = {"--nnodes", "--nproc-per-node", "--env"}
-
-
-@pytest.mark.parametrize("argv, want", [
-    (["--nnodes", "2", "train.py", "--epochs", "3"], (["--nnodes", "2"], "train.py", ["--epochs", "3"])),
-    (["train.py", "--nnodes", "5"], ([], "train.py", ["--nnodes", "5"])),
-    (["--nnodes=2", "train.py"], (["--nnodes=2"], "train.py", [])),
-    (["--dry-run", "--env", "A=1", "t.py", "--", "x"], (["--dry-run", "--env", "A=1"], "t.py", ["--", "x"])),
-    (["--nnodes", "2", "--", "train.py", "--nnodes", "3"], (["--nnodes", "2"], "train.py", ["--nnodes", "3"])),
-    (["--", "-weird.py", "a"], ([], "-weird.py", ["a"])),
-    (["train.py"], ([], "train.py", [])),
-])
-def test_split_train_argv(argv, want):
-    assert launch.split_train_argv(argv, VALUE_OPTS) == want
-
-
-@pytest.mark.parametrize("argv, needle", [
-    ([], "no training script"),
-    (["--nnodes", "2"], "no training script"),
-    (["--nnodes", "2", "--"], "no training script"),
-    (["--nnodes"], "--nnodes needs a value"),
-])
-def test_split_train_argv_errors(argv, needle):
-    with pytest.raises(UsageError) as exc:
-        launch.split_train_argv(argv, VALUE_OPTS)
-    assert needle in str(exc.value)
-
-
-def test_split_train_argv_default_options_match_the_cli():
-    assert launch.split_train_argv(["--nproc-per-node", "4", "--job-id", "x", "t.py"]) == (
-        ["--nproc-per-node", "4", "--job-id", "x"], "t.py", [])
-
-
 def test_shell_round_trips():
     p = launch.plan(NODES[:1], opts(script_args=("--msg", "it's a $HOME test", "a b")),
                     {"NCCL_DEBUG": "INFO", "WEIRD": "x y'z"})[0]

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from conftest import running as _running
+from meshrun.system.procs import alive as _running
 
 from meshrun.lab.testbed import Mesh
 

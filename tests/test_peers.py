@@ -55,33 +55,35 @@ class TestHandshakeHolds:
                 Member("gpu-a", K_A, "10.213.0.2", "198.51.100.2:40000", (), False, 0, "public")]
 
     def test_greater_key_waits_then_goes(self):
-        windows: dict = {}
-        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0) == {K_A}
-        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0 + HOLD_S - 0.01) == {K_A}
-        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0 + HOLD_S) == frozenset()
+        held, windows = handshake_holds(K_B, self.B_SEES_A, {}, {}, 100.0)
+        assert held == {K_A}
+        assert windows == {(K_A, "198.51.100.2:40000", "public"): 100.0 + HOLD_S}
+        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0 + HOLD_S - 0.01)[0] == {K_A}
+        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0 + HOLD_S)[0] == frozenset()
 
     def test_smaller_key_never_waits_and_coordinator_is_never_held(self):
         a_sees_b = [Member("coord", K_COORD, "10.213.0.1", "203.0.113.1:51820", (), True, 0),
                     Member("gpu-b", K_B, "10.213.0.3", "198.51.100.3:40000", (), False, 0, "public")]
-        assert handshake_holds(K_A, a_sees_b, {}, {}, 100.0) == frozenset()
+        assert handshake_holds(K_A, a_sees_b, {}, {}, 100.0) == (frozenset(), {})
         # A key greater than everyone's holds the node, never the coordinator (which has no endpoint
         # for nodes and never initiates to them).
-        assert handshake_holds("z" * 43 + "=", self.B_SEES_A, {}, {}, 100.0) == {K_A}
+        assert handshake_holds("z" * 43 + "=", self.B_SEES_A, {}, {}, 100.0)[0] == {K_A}
 
     def test_no_hold_with_a_handshake_or_without_an_endpoint(self):
-        windows: dict = {}
-        assert handshake_holds(K_B, self.B_SEES_A, {K_A: 1234}, windows, 100.0) == frozenset()
-        assert windows == {}
+        assert handshake_holds(K_B, self.B_SEES_A, {K_A: 1234}, {}, 100.0) == (frozenset(), {})
         no_endpoint = [Member("gpu-a", K_A, "10.213.0.2", None, (), False, 0)]
-        assert handshake_holds(K_B, no_endpoint, {}, {}, 100.0) == frozenset()
+        assert handshake_holds(K_B, no_endpoint, {}, {}, 100.0) == (frozenset(), {})
 
     def test_new_path_or_recreate_opens_a_new_window(self):
-        windows: dict = {}
-        handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0)
-        assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 102.0) == frozenset()
+        _, windows = handshake_holds(K_B, self.B_SEES_A, {}, {}, 100.0)
+        held, windows = handshake_holds(K_B, self.B_SEES_A, {}, windows, 102.0)
+        assert held == frozenset()
         moved = [self.B_SEES_A[0], Member("gpu-a", K_A, "10.213.0.2", "172.31.40.46:51820", (), False, 0, "private")]
-        assert handshake_holds(K_B, moved, {K_A: 99}, windows, 103.0, recreate={K_A}) == {K_A}
+        before = dict(windows)
+        held, windows = handshake_holds(K_B, moved, {K_A: 99}, windows, 103.0, recreate={K_A})
+        assert held == {K_A}
         assert list(windows) == [(K_A, "172.31.40.46:51820", "private")]   # the old window is dropped
+        assert list(before) == [(K_A, "198.51.100.2:40000", "public")]     # the input is left as it was
 
 
 class TestDiff:

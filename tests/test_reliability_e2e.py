@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import running as _running
+from meshrun.system.procs import alive as _running
 from typer.testing import CliRunner
 
 from meshrun.mesh import service
-from meshrun.cli.main import app
+from meshrun.cli import app
 from meshrun.system.store import StateDir
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 
@@ -317,7 +317,7 @@ def test_coordinator_on_full_disk_refuses_cleanly(world_factory):
 @pytest.mark.netns
 @pytest.mark.slow
 def test_training_survives_losing_a_node(world_factory, tmp_path):
-    from meshrun.jobs.server import descendants
+    from meshrun.system.procs import descendants
     world = world_factory(4)
     mesh = Mesh(world, "dc1-a")
     mesh.init()

@@ -141,31 +141,6 @@ class TestStateDir:
         sd.remove("a", "b")
         assert os.listdir(tmp_path) == []
 
-    def test_read_pid(self, tmp_path):
-        sd = StateDir(tmp_path)
-        assert sd.read_pid() is None
-        sd.write("daemon.pid", "garbage\n")
-        assert sd.read_pid() is None
-        sd.write("daemon.pid", "")
-        assert sd.read_pid() is None
-        # A live process that is not meshrun (e.g. a reused PID) does not count.
-        sd.write("daemon.pid", f"{os.getppid() if os.getppid() > 1 else 1}\n")
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "meshrun-daemon"])
-        try:
-            sd.write("daemon.pid", f"{proc.pid}\n")
-            assert sd.read_pid() == proc.pid
-        finally:
-            proc.kill()
-            proc.wait()
-        assert sd.read_pid() is None
-        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        try:
-            sd.write("daemon.pid", f"{other.pid}\n")
-            assert sd.read_pid() is None
-        finally:
-            other.kill()
-            other.wait()
-
     def test_default_state_dir(self, monkeypatch, tmp_path):
         monkeypatch.setenv("MESHRUN_STATE_DIR", str(tmp_path / "s"))
         assert default_state_dir() == tmp_path / "s"

@@ -15,6 +15,7 @@ import pytest
 from meshrun.lab import testbed
 from meshrun.errors import NetworkError
 from meshrun.lab.testbed import DatacenterSpec
+from meshrun.system.procs import alive as _alive
 
 pytestmark = pytest.mark.netns
 
@@ -99,10 +100,6 @@ def udp(node: testbed.Node, dst: str, port: int = PORT, sport: int = 0, *more: s
 
 def tcp(node: testbed.Node, dst: str, port: int = PORT, sport: int = 0, nbytes: int = 5) -> str:
     return node.run(sys.executable, "-c", PROBE, "tcp", dst, str(port), str(sport), str(nbytes)).stdout.strip()
-
-
-def _alive(pid: int) -> bool:
-    return testbed._alive(pid)
 
 
 def test_private_ips_do_not_cross_datacenters_public_ips_do(world_factory):

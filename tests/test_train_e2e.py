@@ -64,12 +64,18 @@ def test_failing_rank_sets_exit_code_and_is_named(mesh):
 
 
 def _workers(mesh: Mesh) -> list[str]:
-    """Command lines of worker/torchrun processes inside any training node."""
+    """Command lines of worker/torchrun processes in any training node's network namespace (not the
+    whole machine's: other jobs may run torchrun beside the tests)."""
     found = []
     for node in mesh.world.nodes[1:]:
-        res = node.run("ps", "-eo", "pid,args", check=False)
-        found += [ln for ln in res.stdout.splitlines()
-                  if "meshrun.jobs.worker" in ln or "torch.distributed.run" in ln or "ddp_train.py" in ln]
+        pids = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "meshrun.jobs.worker" in line or "torch.distributed.run" in line or "ddp_train.py" in line:
+                found.append(f"{pid} {line}")
     return found
 
 

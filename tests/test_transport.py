@@ -251,12 +251,6 @@ class TestStream:
             list(stream("127.0.0.1", port_of(plain_server), "/stream-error", {}))
         assert str(info.value) == "no such job; see `meshrun jobs`" and info.value.status == 404
 
-    def test_on_connect_gets_connection(self, plain_server):
-        seen = []
-        assert len(list(stream("127.0.0.1", port_of(plain_server), "/stream", {},
-                               on_connect=lambda c: seen.append(c)))) == 3
-        assert len(seen) == 1
-
     def test_closing_early_cancels_generator(self, handler):
         closed = threading.Event()
 

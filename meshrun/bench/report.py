@@ -21,6 +21,7 @@ DEFAULT_SIZES = "1M,4M,16M,64M"
 DEFAULT_DURATION = 2.0
 DEFAULT_STREAMS = 4
 PROGRESS_MARKS = ("] pair ", "] all_reduce ", "meshrun: job")
+RESULT_MARK = "MESHRUN_BENCH_RESULT "    # rank 0 of the bench job prints its result after this
 
 
 def busbw(algbw: float, world: int) -> float:
@@ -30,11 +31,22 @@ def busbw(algbw: float, world: int) -> float:
     return algbw * 2 * (world - 1) / world
 
 
+def _parse_sizes(text: str) -> list[int]:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    out = []
+    for part in text.split(","):
+        p = part.strip().upper().removesuffix("IB").removesuffix("B")
+        if not p:
+            continue
+        num, unit = (p[:-1], p[-1]) if p[-1] in units else (p, "")
+        out.append(int(num) * units[unit])
+    return out
+
+
 def parse_sizes(text: str) -> list[int]:
     """``"1M,4M,64M"`` -> byte counts (K/M/G are binary; a trailing B or iB is allowed); UsageError else."""
-    from meshrun.bench.worker import parse_sizes as _parse
     try:
-        sizes = _parse(text)
+        sizes = _parse_sizes(text)
     except (ValueError, IndexError):
         sizes = []
     if not sizes or any(s < 4 for s in sizes):
@@ -203,92 +215,7 @@ def worker_args(sizes: str, duration: float, streams: int, iters: int, size_budg
     return args + ([] if pairs else ["--no-pairs"])
 
 
-class _Capture:
-    """A runner.Console stand-in: keeps the worker's output, picks out the result line."""
-
-    def __init__(self, echo=None) -> None:
-        import threading
-        self.lock = threading.Lock()
-        self.lines: list[str] = []
-        self.result: dict | None = None
-        self.echo = echo
-
-    def line(self, text: str, err: bool = False) -> None:
-        from meshrun.bench.worker import RESULT_MARK
-        with self.lock:
-            if RESULT_MARK in text:
-                try:
-                    self.result = json.loads(text.split(RESULT_MARK, 1)[1])
-                    return
-                except ValueError:
-                    pass
-            self.lines.append(text)
-            # Progress only (pair results, sizes done, job start/end): torch's warnings stay in the
-            # buffer and are shown if the job fails.
-            if self.echo and any(k in text for k in PROGRESS_MARKS):
-                self.echo(text)
-
-    def status(self, text: str) -> None:
-        if self.echo:
-            self.echo(text)
-
-    def end_status(self) -> None:
-        pass
-
-
 def auto_duration(n_nodes: int, total_s: float = 20.0) -> float:
     """Seconds per ordered pair so that all n(n-1) pair tests take about `total_s` (0.5 to 2 s each)."""
     n_pairs = max(1, n_nodes * (n_nodes - 1))
     return max(0.5, min(DEFAULT_DURATION, total_s / n_pairs))
-
-
-def run(state, *, sizes: str = DEFAULT_SIZES, duration: float | None = None, streams: int = DEFAULT_STREAMS,
-        iters: int = 10, nodes: list[str] | None = None, nproc_per_node: int | None = 1,
-        wait_timeout: float = 60, echo=None, env: dict[str, str] | None = None) -> dict:
-    """Run the benchmark from the coordinator; returns `summarize`'s dict (plus "elapsed_s").
-
-    Without `duration`, pair tests share about 20 s (`auto_duration`); each all-reduce size gets a
-    time budget and a size slower than it is the last, so that 4 nodes finish in under a minute.
-    Raises LaunchError with the workers' last output when the job fails.
-    """
-    from meshrun.mesh import coordinator
-    from meshrun.core import launch
-    from meshrun.jobs import runner
-
-    t0 = time.monotonic()
-    network, members = coordinator.members(state)
-    n_nodes = len([m for m in members if not m.is_coordinator and (not nodes or m.name in nodes)])
-    budget = 3.0 if n_nodes <= 4 else 2.0
-    if duration is None:
-        duration = auto_duration(n_nodes)
-    args = worker_args(sizes, duration, streams, iters, budget)
-    req = runner.TrainRequest(script="meshrun.bench.worker", script_args=args, nodes=nodes,
-                              nproc_per_node=nproc_per_node, wait_timeout=wait_timeout, no_sync=True,
-                              env=dict(env or {}), job_id=runner.new_job_id("bench"))
-    cap = _Capture(echo)
-
-    class _BenchTrain(runner.Train):
-        """runner.Train, with the script run as a module (`python -m meshrun.bench.worker`)."""
-
-        def plan(self, ready):
-            opts = launch.TrainOptions(
-                script=self.req.script, script_args=tuple(self.req.script_args), nnodes=self.req.nnodes,
-                nproc_per_node=self.req.nproc_per_node, job_id=self.job_id, rdzv_host=self.network.coordinator_ip,
-                rdzv_port=self.network.rdzv_port, interface=self.network.interface, module=True)
-            infos = [launch.NodeInfo(m.name, m.overlay_ip, int(h.get("gpus", 0)) if h else 0) for m, h in ready]
-            pythons = {m.name: str(h.get("python") or "python3") for m, h in ready}
-            return [launch.NodeLaunch(p.node, (pythons[p.node], *p.argv[1:]), p.env)
-                    for p in launch.plan(infos, opts, runner.user_env(self.req.env))]
-
-    job = _BenchTrain(network, members, req, cap, cwd=Path("/"))
-    if len(job.nodes) < 2:
-        raise UsageError(f"meshrun bench needs at least 2 nodes, the network has {len(job.nodes)}",
-                         "join more nodes with `meshrun join TOKEN`")
-    code = job.run()
-    if code != 0 or cap.result is None:
-        tail = "\n".join(cap.lines[-15:])
-        raise LaunchError(f"the benchmark job failed (exit code {code}); last output:\n{tail}",
-                          "check `meshrun status` and that every node can run `meshrun train`")
-    res = summarize(cap.result)
-    res["elapsed_s"] = round(time.monotonic() - t0, 2)
-    return res

@@ -22,174 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import statistics
-import struct
 import sys
-import threading
 import time
-from pathlib import Path
 
-RESULT_MARK = "MESHRUN_BENCH_RESULT "
-CHUNK = 256 * 1024
-PINGS = 10
-
-
-# --------------------------------------------------------------------------- TCP tests (stdlib only)
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ConnectionError("peer closed the connection")
-        buf += part
-    return buf
-
-
-class PairServer:
-    """TCP server for the pair tests: 'P' echoes 1-byte pings, 'S' sinks data and reports bytes/seconds."""
-
-    def __init__(self, host: str) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.stopped = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.stopped:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            mode = _recv_exact(conn, 1)
-            if mode == b"P":
-                while True:
-                    b = conn.recv(1)
-                    if not b:
-                        return
-                    conn.sendall(b)
-            elif mode == b"S":
-                total, first, last = 0, None, None
-                while True:
-                    n = conn.recv_into(memoryview(bytearray(CHUNK)))
-                    if not n:
-                        break
-                    now = time.perf_counter()
-                    first = now if first is None else first
-                    last = now
-                    total += n
-                secs = (last - first) if first is not None and last is not None else 0.0
-                conn.sendall(struct.pack("!Qd", total, secs))
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self.stopped = True
-        self.sock.close()
-
-
-def tcp_rtt_ms(host: str, port: int, count: int = PINGS, timeout: float = 10) -> float:
-    """Median round trip of a 1-byte TCP ping-pong, in milliseconds (first exchange not counted)."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(b"P")
-        times = []
-        for _ in range(count + 1):
-            t0 = time.perf_counter()
-            s.sendall(b"x")
-            _recv_exact(s, 1)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times[1:])
-
-
-def tcp_bandwidth(host: str, port: int, duration: float, streams: int = 1, timeout: float = 30) -> dict:
-    """Push data to host:port over `streams` connections for `duration` s; the receiver's view.
-
-    Returns {"bytes", "seconds", "mbit_s"}: total bytes over the longest receiving time.
-    """
-    payload = b"\0" * CHUNK
-    results: list[tuple[int, float]] = []
-    errors: list[BaseException] = []
-    start = threading.Barrier(streams)
-
-    def one() -> None:
-        try:
-            with socket.create_connection((host, port), timeout=timeout) as s:
-                s.sendall(b"S")
-                start.wait()
-                end = time.perf_counter() + duration
-                while time.perf_counter() < end:
-                    s.sendall(payload)
-                s.shutdown(socket.SHUT_WR)
-                total, secs = struct.unpack("!Qd", _recv_exact(s, 16))
-                results.append((total, secs))
-        except (OSError, threading.BrokenBarrierError) as exc:
-            errors.append(exc)
-            start.abort()
-
-    threads = [threading.Thread(target=one) for _ in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    total = sum(r[0] for r in results)
-    secs = max(r[1] for r in results) or 1e-9
-    return {"bytes": total, "seconds": secs, "mbit_s": total * 8 / secs / 1e6}
-
-
-# --------------------------------------------------------------------------- where this node is
-
-def overlay_ip(interface: str) -> str:
-    """This node's address on `interface` (the overlay), from `ip -4 -o addr show`."""
-    import subprocess
-    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", interface], capture_output=True,
-                         text=True).stdout
-    for line in out.splitlines():
-        parts = line.split()
-        if "inet" in parts:
-            return parts[parts.index("inet") + 1].split("/")[0]
-    raise RuntimeError(f"interface {interface} has no IPv4 address; is this node on the overlay?")
-
-
-def peer_paths() -> dict[str, str]:
-    """{peer name: "direct" | "relayed" ...} from this node's `meshrun status` (missing field: direct)."""
-    job_dir = os.environ.get("MESHRUN_JOB_DIR")
-    if not job_dir:
-        return {}
-    try:
-        from meshrun.mesh import status
-        from meshrun.system.store import StateDir
-        st = status.gather(StateDir(Path(job_dir).parents[1]))     # <state>/jobs/<id>
-    except Exception:
-        return {}
-    return {p.get("name"): str(p.get("path") or "direct") for p in st.get("peers", [])}
-
-
-# --------------------------------------------------------------------------- the run
-
-def parse_sizes(text: str) -> list[int]:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    out = []
-    for part in text.split(","):
-        p = part.strip().upper().removesuffix("IB").removesuffix("B")
-        if not p:
-            continue
-        num, unit = (p[:-1], p[-1]) if p[-1] in units else (p, "")
-        out.append(int(num) * units[unit])
-    return out
+from meshrun.bench.report import RESULT_MARK, busbw, parse_sizes
+from meshrun.system.tcpbench import PairServer, tcp_bandwidth, tcp_rtt_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,14 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=120))
     ctl = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
-    iface = os.environ.get("GLOO_SOCKET_IFNAME", "meshrun0")
-    node = os.environ.get("MESHRUN_NODE_NAME") or socket.gethostname()
+    node = os.environ.get("MESHRUN_NODE_NAME") or os.uname().nodename
+    my_ip = os.environ.get("MESHRUN_OVERLAY_IP", "")    # set by meshrun's launch plan
 
     leader = local_rank == 0
-    server = PairServer(overlay_ip(iface)) if leader and not args.no_pairs else None
+    server = (PairServer(my_ip, os.environ.get("GLOO_SOCKET_IFNAME"))
+              if leader and not args.no_pairs else None)
     me = {"rank": rank, "node": node, "leader": leader,
-          "overlay_ip": overlay_ip(iface) if leader else None, "port": server.port if server else None,
-          "paths": peer_paths() if leader else {}}
+          "overlay_ip": my_ip if leader else None, "port": server.port if server else None}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, me, group=ctl)
     leaders = [e for e in everyone if e["leader"]]
@@ -237,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 row = None
                 if rank == src["rank"]:
-                    row = {"src": src["node"], "dst": dst["node"], "path": src["paths"].get(dst["node"], "direct")}
+                    row = {"src": src["node"], "dst": dst["node"]}
                     try:
                         row["rtt_ms"] = tcp_rtt_ms(dst["overlay_ip"], dst["port"])
                         bw = tcp_bandwidth(dst["overlay_ip"], dst["port"], args.duration, args.streams)
@@ -281,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         sec = el[0].item()
         algbw = size / sec / 1e9
         rows.append({"size": size, "iters": iters, "time_s": sec, "algbw_GBps": algbw,
-                     "busbw_GBps": algbw * 2 * (world - 1) / world, "correct": ok})
+                     "busbw_GBps": busbw(algbw, world), "correct": ok})
         if rank == 0:
             print(f"all_reduce {size} B: {sec * 1e3:.1f} ms, busbw {rows[-1]['busbw_GBps']:.4f} GB/s", flush=True)
         del buf

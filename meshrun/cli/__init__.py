@@ -1,1 +1,11 @@
-"""The `meshrun` command line: one small module per command group over one Application."""
+"""The `meshrun` command line: one small module per command group over one Application.
+
+`app` is the typer root with every command registered; `main` is the console entry point.
+"""
+
+from meshrun.cli import bench, lab, network, node, service, status, train  # noqa: F401  (register commands)
+from meshrun.cli.app import root as app
+
+
+def main() -> None:
+    app(prog_name="meshrun")

@@ -4,13 +4,12 @@ A job file holds the same settings as `meshrun train`'s options, under their lon
 underscores (`nproc_per_node`, `max_restarts`, ...) plus `script`, `args` and an `[env]` table.
 Options given on the command line win over the file; `--env` pairs are merged over the file's
 `[env]`; a script given on the command line replaces the file's script and its `args`.
-Pure: reading the file is the only side effect.
+Pure: the caller reads the file (meshrun.system.store.read_user_file).
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 from meshrun.errors import UsageError
@@ -77,17 +76,6 @@ def parse(text: str, source: str = "job file") -> dict[str, Any]:
             value = list(value)
         out[field] = value
     return out
-
-
-def load(path: Path) -> dict[str, Any]:
-    """parse() of the file at `path`."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"job file {str(path)!r} not found", "check the path given to --config") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read job file {str(path)!r}: {exc}", "pass a readable UTF-8 TOML file") from None
-    return parse(text, f"job file {str(path)!r}")
 
 
 def merge(from_file: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import shlex
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshrun.errors import UsageError
@@ -22,12 +22,6 @@ from meshrun.errors import UsageError
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # torchrun polls its workers this often (seconds); a failure is noticed within it.
 MONITOR_INTERVAL = "0.5"
-# The value-taking options of `meshrun train` (for split_train_argv).
-TRAIN_VALUE_OPTIONS = frozenset({
-    "--nnodes", "--nproc-per-node", "--max-restarts", "--nodes", "--env", "--timeout",
-    "--sync-limit", "--job-id", "--python", "--state-dir",
-})
-
 # Several TCP streams per peer: one TCP stream is capped at window/RTT, so on a high
 # bandwidth-delay-product WAN link (e.g. 10 Gbit/s at 80 ms) a single socket cannot fill
 # the pipe; NCCL stripes each peer connection over NTHREADS x NSOCKS_PERTHREAD sockets.
@@ -95,44 +89,13 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return lo, hi
 
 
-def split_train_argv(argv: list[str], value_options: Collection[str] = TRAIN_VALUE_OPTIONS
-                     ) -> tuple[list[str], str, list[str]]:
-    """Split ``meshrun train`` arguments torchrun-style: (meshrun options, script, script args).
-
-    Options before the script are meshrun's; the first token that is not an option (nor the
-    value of an option in `value_options`, given as ``--opt VALUE`` or ``--opt=VALUE``) is the
-    script; everything after it goes to the script unchanged, even tokens that look like
-    meshrun options. A ``--`` ends meshrun's options: the next token is the script.
-    """
-    opts: list[str] = []
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "--":
-            if i + 1 >= len(argv):
-                raise UsageError("no training script after `--`", "e.g. meshrun train --nnodes 2 -- train.py")
-            return opts, argv[i + 1], list(argv[i + 2:])
-        if tok.startswith("-") and tok != "-":
-            opts.append(tok)
-            name = tok.split("=", 1)[0]
-            if "=" not in tok and name in value_options:
-                if i + 1 >= len(argv):
-                    raise UsageError(f"option {tok} needs a value", f"e.g. {tok} VALUE train.py")
-                opts.append(argv[i + 1])
-                i += 1
-            i += 1
-            continue
-        return opts, tok, list(argv[i + 1:])
-    raise UsageError("no training script given", "e.g. meshrun train --nnodes 2 train.py --epochs 3")
-
-
-def worker_env(interface: str, node_name: str, user_env: Mapping[str, str]) -> dict[str, str]:
+def worker_env(interface: str, node_name: str, user_env: Mapping[str, str], overlay_ip: str = "") -> dict[str, str]:
     """The variables meshrun sets for one node's torchrun and workers.
 
     Pins Gloo and NCCL to the overlay interface, disables
     InfiniBand (an overlay carries sockets only) and opens several TCP streams per peer.
     Every variable in `user_env` is included and wins over meshrun's defaults, except
-    ``MESHRUN_NODE_NAME``, which is always `node_name`.
+    ``MESHRUN_NODE_NAME`` and ``MESHRUN_OVERLAY_IP``, which are always the node's name and address.
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is not set: torchrun's agent already defaults it to 1
     for its workers in torch 2.13, so a hung collective on a dead peer tears the worker down.
     """
@@ -161,6 +124,7 @@ def worker_env(interface: str, node_name: str, user_env: Mapping[str, str]) -> d
                 env[mine] = str(max(1, NCCL_MAX_SOCKETS // n))
     env.update(user_env)
     env["MESHRUN_NODE_NAME"] = node_name
+    env["MESHRUN_OVERLAY_IP"] = overlay_ip
     return env
 
 
@@ -249,5 +213,5 @@ def plan(nodes: Sequence[NodeInfo], opts: TrainOptions, user_env: Mapping[str, s
                 "--max-restarts", str(opts.max_restarts),
                 "--monitor-interval", MONITOR_INTERVAL,
                 *worker, *opts.script_args)
-        out.append(NodeLaunch(n.name, argv, worker_env(opts.interface, n.name, user_env)))
+        out.append(NodeLaunch(n.name, argv, worker_env(opts.interface, n.name, user_env, n.overlay_ip)))
     return out

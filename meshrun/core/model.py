@@ -110,6 +110,12 @@ def parse_endpoint(value: str, default_port: int | None = None) -> str:
     return f"{host}:{int(port)}"
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' (as parse_endpoint returns it) -> (host without brackets, port)."""
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def _str(d: dict, key: str, pattern: re.Pattern | None = None) -> str:
     v = d.get(key)
     if not isinstance(v, str) or (pattern is not None and not pattern.match(v)):
@@ -182,6 +188,17 @@ def check_name(value: str, option: str = "--name") -> str:
                          f"use 1-32 lower-case letters, digits and '-', starting with a letter or digit, "
                          f"e.g. {option} gpu-a")
     return value
+
+
+WG_OVERHEAD = 60   # outer IPv4 20 + UDP 8 + WireGuard 32 (IPv6 underlays would need 80)
+MIN_MTU = 576      # smallest IPv4 MTU every host must accept
+
+
+def overlay_mtu(configured: int, underlay: int | None) -> int:
+    """The interface MTU: the configured one, lowered to fit the probed underlay path MTU."""
+    if underlay is None:
+        return configured
+    return max(MIN_MTU, min(configured, underlay - WG_OVERHEAD))
 
 
 def default_node_name(hostname: str) -> str:

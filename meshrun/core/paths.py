@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from meshrun.core.model import Member
+from meshrun.core.model import Member, split_endpoint
 
 ATTEMPT_S = 10.0         # how long a new path gets to produce a handshake
 STALE_S = 180.0          # WireGuard rekeys every 120 s while a tunnel is used; older = broken
@@ -34,9 +34,7 @@ class PairState:
 
 
 def host_of(endpoint: str | None) -> str | None:
-    if not endpoint:
-        return None
-    return endpoint.rpartition(":")[0].strip("[]")
+    return split_endpoint(endpoint)[0] if endpoint else None
 
 
 def private_candidate(m: Member) -> str | None:

@@ -8,7 +8,7 @@ tunnels are not interrupted when a member joins.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from meshrun.core.model import Member
@@ -90,31 +90,31 @@ def desired_for_node(my_key: str, members: Sequence[Member],
 
 
 def handshake_holds(my_key: str, members: Sequence[Member], handshakes: dict[str, int],
-                    windows: dict[tuple[str, str, str], float], now: float,
-                    recreate: frozenset[str] | set[str] = frozenset()) -> frozenset[str]:
-    """Peers this node must not start a handshake with yet (see HOLD_S).
+                    windows: Mapping[tuple[str, str, str], float], now: float,
+                    recreate: frozenset[str] | set[str] = frozenset()
+                    ) -> tuple[frozenset[str], dict[tuple[str, str, str], float]]:
+    """Peers this node must not start a handshake with yet (see HOLD_S), and the new hold windows.
 
     For a node pair with no handshake (or one being re-created for a new path), the end with the
     greater public key waits HOLD_S after it learns the other's endpoint: the other end's
     initiation normally completes the handshake first. If it does not (a NAT that lets packets in
     only after one went out), the held end starts its own when the window ends.
     `handshakes` maps peer keys to their latest handshake (0: none). `windows` maps (peer key,
-    endpoint, path) to when that hold ends and is updated in place: a new endpoint or path opens
-    a new window; entries of peers that no longer wait are dropped.
+    endpoint, path) to when that hold ends; the returned windows keep those still waiting and
+    open one for each new endpoint or path. `windows` itself is not changed.
     """
-    held, waiting = set(), set()
+    held = set()
+    out: dict[tuple[str, str, str], float] = {}
     for m in members:
         if m.is_coordinator or not m.endpoint or not my_key > m.public_key:
             continue
         if handshakes.get(m.public_key) and m.public_key not in recreate:
             continue
         window = (m.public_key, m.endpoint, m.path)
-        waiting.add(window)
-        if now < windows.setdefault(window, now + HOLD_S):
+        out[window] = windows.get(window, now + HOLD_S)
+        if now < out[window]:
             held.add(m.public_key)
-    for window in [w for w in windows if w not in waiting]:
-        del windows[window]
-    return frozenset(held)
+    return frozenset(held), out
 
 
 def desired_for_coordinator(members: Sequence[Member]) -> list[PeerSpec]:

@@ -7,14 +7,11 @@ code, and cancel everywhere on Ctrl-C/SIGTERM.
 
 from __future__ import annotations
 
-import io
 import os
 import secrets
 import shlex
 import signal
-import socket
 import sys
-import tarfile
 import threading
 import time
 from collections.abc import Callable
@@ -23,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.core import launch
-from meshrun.system import transport
-from meshrun.errors import LaunchError, MeshrunError, UsageError
 from meshrun.core.model import Member, Network
+from meshrun.errors import LaunchError, MeshrunError, UsageError
+from meshrun.mesh import member
+from meshrun.mesh.coordinator import admin
+from meshrun.system import archive, host, probe, procs, transport
 from meshrun.system.store import StateDir
 
-SYNC_EXCLUDE = {".git", "__pycache__", ".venv", "venv", ".mypy_cache", ".pytest_cache", "node_modules"}
 DEFAULT_SYNC_LIMIT_MB = 50
 FORWARD_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
 # After one node's share fails in a fixed-size job, the others are stopped this many seconds
@@ -89,27 +87,6 @@ def parse_env_pairs(pairs: list[str]) -> dict[str, str]:
 def new_job_id(script: str) -> str:
     stem = "".join(c if c.isalnum() or c in "-_" else "-" for c in Path(script).stem)[:24] or "job"
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
-def pack_code(directory: Path, limit_mb: int) -> bytes:
-    """tar.gz of `directory` (VCS and cache dirs left out); LaunchError past `limit_mb`."""
-    buf = io.BytesIO()
-    limit = limit_mb * 1024 * 1024
-    total = 0
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for root, dirs, files in os.walk(directory):
-            dirs[:] = sorted(d for d in dirs if d not in SYNC_EXCLUDE)
-            for f in sorted(files):
-                path = Path(root) / f
-                if path.is_symlink() or not path.is_file():
-                    continue
-                total += path.stat().st_size
-                if total > limit:
-                    raise LaunchError(f"the script's directory {directory} holds more than {limit_mb} MiB",
-                                      "move data out of it, raise --sync-limit, or put the code on every node "
-                                      "and use --no-sync")
-                tar.add(path, arcname=str(path.relative_to(directory)), recursive=False)
-    return buf.getvalue()
 
 
 class Console:
@@ -204,7 +181,6 @@ class Train:
         self.cancel_event = threading.Event()    # the user cancelled (Ctrl-C / SIGTERM)
         self.abort_event = threading.Event()     # a node failed: the rest are being stopped
         self.results: dict[str, dict] = {}
-        self.conns: list = []
 
     def wanted(self) -> tuple[int, int]:
         """(nodes to wait for, nodes that suffice after ELASTIC_GRACE_S): MAX and MIN of --nnodes."""
@@ -256,7 +232,7 @@ class Train:
                     raise UsageError(f"script {self.req.script!r} not found in {self.cwd}",
                                      "run `meshrun train` from the directory of your training code, or use --no-sync")
                 code_dir = script_path.parent
-            blob = pack_code(code_dir, self.req.sync_limit_mb)
+            blob = archive.pack_code(code_dir, self.req.sync_limit_mb)
             self._each(plans, lambda p: transport.call(by_name[p.node].overlay_ip, self.network.api_port, "POST",
                                                       f"/v1/jobs/{self.job_id}/code", raw=blob, timeout=120))
         self.console.line(f"meshrun: job {self.job_id} on {len(plans)} node(s): "
@@ -278,14 +254,11 @@ class Train:
         return self._verdict(plans)
 
     def _check_store(self) -> None:
-        try:
-            with socket.create_connection((self.network.coordinator_ip, self.network.rdzv_port), timeout=3):
-                pass
-        except OSError:
+        if not probe.listening(self.network.coordinator_ip, self.network.rdzv_port, timeout=3):
             raise LaunchError(f"the rendezvous store is not listening on {self.network.coordinator_ip}:"
                               f"{self.network.rdzv_port}",
                               "run `meshrun train` on the coordinator while its daemon runs (`meshrun up`); "
-                              "its log says why the store did not start") from None
+                              "its log says why the store did not start")
 
     def _each(self, plans, fn: Callable) -> None:
         with ThreadPoolExecutor(max_workers=max(1, len(plans))) as pool:
@@ -296,7 +269,7 @@ class Train:
         prefix = f"[{p.node}]"
         try:
             for ev in transport.stream(m.overlay_ip, self.network.api_port, f"/v1/jobs/{self.job_id}/run", body,
-                                       timeout=60, on_connect=self.conns.append):
+                                       timeout=60):
                 kind = ev.get("type")
                 if kind == "out":
                     line = str(ev.get("line", ""))
@@ -386,8 +359,7 @@ class Train:
 
 def train(state: StateDir, req: TrainRequest, console: Console | None = None) -> int:
     """Entry point for `meshrun train` on the coordinator."""
-    from meshrun.mesh import coordinator
-    network, members = coordinator.members(state)
+    network, members = admin.members(state)
     return Train(network, members, req, console or Console()).run()
 
 
@@ -396,8 +368,7 @@ def train_local(state: StateDir, req: TrainRequest) -> int:
 
     Every other node runs the same command; they meet at the coordinator's rendezvous store.
     """
-    from meshrun.mesh import agent
-    rec, network = agent.load_node(state)
+    rec, network = member.load(state)
     if not req.nnodes:
         raise UsageError("--local needs --nnodes: how many nodes take part in total",
                          "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py")
@@ -405,14 +376,11 @@ def train_local(state: StateDir, req: TrainRequest) -> int:
     if not job_id:
         raise UsageError("--local needs --job-id, the same on every node (or MESHRUN_JOB_ID / SLURM_JOB_ID set)",
                          "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py")
-    from meshrun.jobs.server import visible_gpus
     opts = req.options(req.script, job_id, network, req.python or sys.executable)
-    me = launch.NodeInfo(rec["name"], rec["overlay_ip"], visible_gpus())
+    me = launch.NodeInfo(rec["name"], rec["overlay_ip"], host.visible_gpus())
     (p,) = launch.plan([me], opts, user_env(req.env), local=True)
     if req.dry_run:
         print(p.shell())
         return 0
-    env = dict(os.environ)
-    env.update(p.env)
     sys.stdout.flush()
-    os.execvpe(p.argv[0], list(p.argv), env)  # torchrun owns signals and exit codes from here
+    procs.exec_replace(p.argv, p.env)  # torchrun owns signals and exit codes from here

@@ -11,22 +11,19 @@ sessions, so killing a process group is not enough).
 
 from __future__ import annotations
 
-import io
-import json
+import contextlib
 import logging
 import os
 import queue
 import re
-import shutil
-import signal
-import subprocess
 import sys
-import tarfile
 import threading
-import time
 from pathlib import Path
 
+from meshrun.core.model import Network
 from meshrun.errors import LaunchError, MeshrunError, UsageError
+from meshrun.system import archive, host, procs, store
+from meshrun.system.store import StateDir
 from meshrun.system.transport import JSONServer, Request, Response
 
 log = logging.getLogger("meshrun.jobs.server")
@@ -35,97 +32,6 @@ JOB_ID_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,64}\Z")  # never "." or "
 MAX_CODE = 200 * 1024 * 1024
 TICK_S = 2.0
 KILL_GRACE_S = 5.0
-
-
-def visible_gpus() -> int:
-    """Number of CUDA devices a worker on this node would see (0 without a GPU)."""
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None:
-        return len([d for d in cvd.split(",") if d.strip() and d.strip() != "-1"])
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-# --------------------------------------------------------------------------- process trees
-
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, start time) for every process we can see."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-            table[int(entry)] = (int(rest[1]), rest[19])
-        except (OSError, IndexError, ValueError):
-            continue
-    return table
-
-
-def descendants(root: int) -> dict[int, str]:
-    """{pid: start time} of `root` and everything below it."""
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in table and pid not in out:
-            out[pid] = table[pid][1]
-            todo.extend(children.get(pid, []))
-    return out
-
-
-def kill_tree(proc: subprocess.Popen, grace: float = KILL_GRACE_S) -> None:
-    """Stop `proc` and all its descendants: SIGTERM first, SIGKILL after `grace` seconds.
-
-    PIDs are snapshotted before any signal (workers get re-parented once torchrun exits)
-    and re-checked by start time before SIGKILL, so a reused PID is never hit.
-    """
-    tree = descendants(proc.pid)
-    for pid in tree:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        tree.update({p: s for p, s in descendants(proc.pid).items() if p not in tree})
-        if proc.poll() is not None and not _alive(tree):
-            return
-        time.sleep(0.1)
-    table = _proc_table()
-    for pid, start in tree.items():
-        if pid in table and table[pid][1] == start:
-            _signal(pid, signal.SIGKILL)
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _alive(tree: dict[int, str]) -> bool:
-    table = _proc_table()
-    return any(pid in table and table[pid][1] == start and _state(pid) != "Z" for pid, start in tree.items())
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # --------------------------------------------------------------------------- one job
@@ -142,8 +48,8 @@ class Job:
         full_env.update(env)
         full_env["MESHRUN_JOB_DIR"] = str(job_dir)
         try:
-            self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            self.proc = procs.popen(argv, cwd=cwd, env=full_env, stdin=procs.DEVNULL, stdout=procs.PIPE,
+                                    stderr=procs.PIPE, start_new_session=True)
         except OSError as exc:
             raise LaunchError(f"cannot start {argv[0]} on this node: {exc.strerror}",
                               "check the python interpreter and torch are installed on every node") from None
@@ -161,16 +67,12 @@ class Job:
         if not self.cancelled.is_set():
             self.cancelled.set()
             log.info("cancelling job %s", self.id)
-            kill_tree(self.proc)
+            procs.kill_tree(self.proc.pid, KILL_GRACE_S)
+            with contextlib.suppress(procs.TimeoutExpired):
+                self.proc.wait(5)
 
     def exit_records(self) -> list[dict]:
-        recs = []
-        for f in sorted(self.job_dir.glob("exit-r*.json")):
-            try:
-                recs.append(json.loads(f.read_text()))
-            except (OSError, ValueError):
-                continue
-        return recs
+        return store.read_json_files(self.job_dir, "exit-r*.json")
 
     def stream(self):
         """Yield output events, ticks while quiet, and a final exit event."""
@@ -194,27 +96,24 @@ class Job:
                 self.cancel()
 
 
-class JobServer:
-    """HTTP job API of one agent."""
+class JobAPI:
+    """The job API's handler for the node `name`: jobs kept under `jobs_dir`, started by `launch`
+    (a Job; tests pass a stand-in that runs nothing), `gpus` reported to the coordinator."""
 
-    def __init__(self, agent) -> None:
-        self.agent = agent
-        self.network = agent.network
-        self.jobs_dir = agent.state.path / "jobs"
+    def __init__(self, jobs_dir: Path, network: Network, name: str, launch=None, gpus: int = 0) -> None:
+        self.network = network
+        self.name = name
+        self.jobs_dir = jobs_dir
+        self.launch = launch or Job
+        self.gpus = gpus
         self.jobs: dict[str, Job] = {}
         self.lock = threading.Lock()
-        self.gpus = visible_gpus()
-        self.server = JSONServer((agent.rec["overlay_ip"], self.network.api_port), self.handle,
-                                 device=self.network.interface, max_body=MAX_CODE)
-        self.server.start("jobs")
 
-    def close(self) -> None:
+    def cancel_all(self) -> None:
         with self.lock:
             jobs = list(self.jobs.values())
         for j in jobs:
             j.cancel()
-        self.server.shutdown()
-        self.server.server_close()
 
     def handle(self, req: Request) -> Response:
         if req.client_ip != self.network.coordinator_ip:
@@ -222,7 +121,7 @@ class JobServer:
         if req.method == "GET" and req.path == "/v1/health":
             with self.lock:
                 running = [j for j, job in self.jobs.items() if job.proc.poll() is None]
-            return Response(200, {"name": self.agent.rec["name"], "gpus": self.gpus, "jobs": running,
+            return Response(200, {"name": self.name, "gpus": self.gpus, "jobs": running,
                                   "python": sys.executable})
         m = re.match(r"^/v1/jobs/([^/]+)/(code|run|cancel)$", req.path)
         if not m or req.method != "POST":
@@ -242,16 +141,10 @@ class JobServer:
         return self._run(job_id, job_dir, req.body)
 
     def _code(self, job_dir: Path, blob: bytes) -> Response:
-        dest = job_dir / "code"
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir(parents=True, mode=0o700)
         try:
-            with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
-                tar.extractall(dest, filter="data")  # refuses absolute paths, .., devices, links out
-        except (tarfile.TarError, OSError, EOFError) as exc:
-            return Response.error(400, UsageError(f"the code archive cannot be unpacked ({exc})",
-                                                  "retry; meshrun train builds it itself"))
-        return Response(200, {"files": sum(1 for _ in dest.rglob("*"))})
+            return Response(200, {"files": archive.unpack_code(blob, job_dir / "code")})
+        except UsageError as exc:
+            return Response.error(400, exc)
 
     def _run(self, job_id: str, job_dir: Path, body: object) -> Response:
         try:
@@ -266,16 +159,15 @@ class JobServer:
         if not argv:
             return Response.error(400, UsageError("empty command", "use `meshrun train`"))
         if not cwd.is_dir():
-            return Response.error(400, LaunchError(f"working directory {cwd} does not exist on "
-                                                   f"{self.agent.rec['name']}",
+            return Response.error(400, LaunchError(f"working directory {cwd} does not exist on {self.name}",
                                                    "drop --no-sync so meshrun ships the code, or copy it there"))
-        job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        store.make_dir(job_dir, 0o700)
         with self.lock:
             old = self.jobs.get(job_id)
             if old is not None and old.proc.poll() is None:
                 return Response.error(409, LaunchError(f"job {job_id} already runs here", "use a new job id"))
             try:
-                job = Job(job_id, argv, env, cwd, job_dir)
+                job = self.launch(job_id, argv, env, cwd, job_dir)
             except MeshrunError as exc:
                 return Response.error(400, exc)
             self.jobs[job_id] = job
@@ -283,9 +175,25 @@ class JobServer:
         return Response(200, stream=job.stream())
 
 
-def start_job_server(agent) -> JobServer:
+class JobServer:
+    """The job API served on the node's overlay IP, bound to the WireGuard device."""
+
+    def __init__(self, api: JobAPI, overlay_ip: str) -> None:
+        self.api = api
+        self.server = JSONServer((overlay_ip, api.network.api_port), api.handle, device=api.network.interface,
+                                 max_body=MAX_CODE)
+        self.server.start("jobs")
+
+    def close(self) -> None:
+        self.api.cancel_all()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
+    """The node's job API (an agent extension): jobs under <state>/jobs, served on its overlay IP."""
     try:
-        return JobServer(agent)
+        return JobServer(JobAPI(state.path / "jobs", network, rec["name"], gpus=host.visible_gpus()), rec["overlay_ip"])
     except OSError as exc:
-        raise MeshrunError(f"cannot listen on {agent.rec['overlay_ip']}:{agent.network.api_port}: {exc.strerror}",
-                           "free that port on the node") from None
+        raise MeshrunError(f"job API unavailable: cannot listen on {rec['overlay_ip']}:{network.api_port}: "
+                           f"{exc.strerror}", "free that port on the node") from None

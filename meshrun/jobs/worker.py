@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
+
+from meshrun.errors import StateError
+from meshrun.system import procs
+from meshrun.system.store import atomic_write
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 USAGE = "usage: python -m meshrun.jobs.worker [--module] SCRIPT [ARGS...]"
@@ -62,13 +65,10 @@ def record_exit(code: int | None, sig: int | None) -> None:
         "time": time.time(),
     }
     path = os.path.join(job_dir, f"exit-r{rank}-a{attempt}.json")
-    tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
-            json.dump(rec, f)
-        os.replace(tmp, path)
-    except OSError as exc:
-        sys.stderr.write(f"meshrun.jobs.worker: cannot record exit in {path}: {exc}\n")
+        atomic_write(path, json.dumps(rec), 0o644)
+    except StateError as exc:
+        sys.stderr.write(f"meshrun.jobs.worker: cannot record the exit: {exc}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(USAGE + "\n")
         return 2
     cmd = [sys.executable, "-u"] + (["-m"] if module else []) + args
-    child: subprocess.Popen | None = None
+    child = None
     pending: list[int] = []
 
     def forward(signum, _frame):
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in FORWARDED:
         signal.signal(s, forward)
     try:
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        child = procs.popen(cmd, stdout=procs.PIPE, stderr=procs.PIPE)
     except OSError as exc:
         sys.stderr.write(f"meshrun.jobs.worker: cannot start {cmd[0]}: {exc}\n")
         record_exit(127, None)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         sys.stdout.flush()
         sys.stderr.flush()
-        os.kill(os.getpid(), sig)
+        procs.signal_pid(os.getpid(), sig)
         time.sleep(1)       # the signal is delivered before this returns, unless it is ignorable
         return 128 + sig
     return rc

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from meshrun.errors import MeshrunError, SystemError_, UsageError
+from meshrun.system import procs
 from meshrun.lab.testbed import DatacenterSpec, Mesh, World
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RDZV_PORT = 29500
 NEGATIVE_TIMEOUT = 15
 
@@ -43,18 +43,18 @@ def negative_control(world: World, out) -> str:
     out(f"    {a.name}: torchrun --rdzv-endpoint {a.public_ip}:{RDZV_PORT} --rdzv-conf is_host=1 ... ddp_train.py")
     out(f"    {b.name}: torchrun --rdzv-endpoint {a.public_ip}:{RDZV_PORT} --rdzv-conf is_host=0 ... ddp_train.py")
     env = {"PYTHONUNBUFFERED": "1"}
-    procs = [n.popen(*common[:13], "--rdzv-conf", f"is_host={int(i == 0)}", *common[13:][2:],
-                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i, n in enumerate((a, b))]
+    runs = [n.popen(*common[:13], "--rdzv-conf", f"is_host={int(i == 0)}", *common[13:][2:],
+                    env=env, stdout=procs.PIPE, stderr=procs.STDOUT, text=True)
+            for i, n in enumerate((a, b))]
     t0 = time.monotonic()
     outputs = []
-    for p in procs:
+    for p in runs:
         try:
             outputs.append(p.communicate(timeout=max(1.0, NEGATIVE_TIMEOUT + 10 - (time.monotonic() - t0)))[0])
-        except subprocess.TimeoutExpired:
+        except procs.TimeoutExpired:
             p.kill()
             outputs.append((p.communicate()[0] or "") + "\n(killed after the time limit: hung)")
-    codes = [p.returncode for p in procs]
+    codes = [p.returncode for p in runs]
     if all(c == 0 for c in codes):
         raise MeshrunError("plain torchrun unexpectedly worked across the NAT",
                            "the testbed is not simulating NAT; report this as a bug")
@@ -120,7 +120,7 @@ def run(nodes: int = 3, out=print) -> int:
         _say(out, 6, total, f"meshrun train ddp_train.py on {len(workers)} datacenters (gloo over the overlay)")
         argv = [mesh.python, "-m", "meshrun", "train", "--state-dir", str(mesh.state_dir(coord)),
                 "ddp_train.py", "--epochs", "5", "--steps-per-epoch", "20"]
-        proc = coord.popen(*argv, cwd=EXAMPLES, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = coord.popen(*argv, cwd=EXAMPLES, stdout=procs.PIPE, stderr=procs.STDOUT, text=True)
         checksums = {}
         for line in proc.stdout:
             line = line.rstrip()

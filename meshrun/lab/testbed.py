@@ -25,19 +25,19 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from meshrun.errors import NetworkError, UsageError
+from meshrun.system import procs, store
+from meshrun.system.store import StateDir
+from meshrun.system.cmd import run as run_command, tail
 
 logger = logging.getLogger("meshrun.lab.testbed")
 
@@ -53,59 +53,20 @@ RUN_WIREGUARD = Path("/run/wireguard")
 _DC_NAME = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 _PREFIX = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RESERVED_DC_NAMES = {"gw", "lan", "inet"}
-_TOOLS = {"ip": "iproute2", "iptables": "iptables", "tc": "iproute2", "nsenter": "util-linux",
-          "unshare": "util-linux", "sysctl": "procps"}
-
-
-class CommandError(NetworkError):
-    """A command failed; ``result`` holds the CompletedProcess (stdout/stderr included)."""
-
-    def __init__(self, message: str, fix: str = "", result: subprocess.CompletedProcess | None = None):
-        super().__init__(message, fix)
-        self.result = result
-
-
-def _tail(text: str | None, limit: int = 2000) -> str:
-    text = (text or "").strip()
-    return text if len(text) <= limit else "..." + text[-limit:]
+# What to do when a lab command fails, for the reader of the lab's errors (first match wins).
+LAB_FIXES = (("operation not permitted", "the testbed needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"),
+             ("permission denied", "the testbed needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"),
+             ("file exists", "a namespace or interface with that name exists; "
+                             "run `python -m meshrun.lab.testbed down --prefix P`"))
 
 
 def sh(argv: list[str], *, input: str | None = None, timeout: float = 30, check: bool = True,
        env: dict[str, str] | None = None, where: str = "") -> subprocess.CompletedProcess:
-    """Run one command (text mode, output captured); the single subprocess entry point of this module.
+    """Run one lab command through meshrun.system.cmd.run, with the lab's fixes.
 
-    Raises NetworkError (CommandError) naming the command, where it ran, its exit code, stderr and stdout
-    when it fails and ``check`` is true, when the tool is missing, or when it runs past ``timeout``.
+    Raises NetworkError (CommandError) naming the command, where it ran, its exit code and stderr.
     """
-    line = " ".join(argv)
-    logger.debug("run%s: %s", f" [{where}]" if where else "", line)
-    try:
-        res = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout, env=env)
-    except FileNotFoundError:
-        tool = argv[0]
-        raise NetworkError(f"`{tool}` is not installed (needed for `{line}`)",
-                           f"install it: apt-get install {_TOOLS.get(tool, tool)}") from None
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
-        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
-        raise CommandError(f"`{line}`{' in ' + where if where else ''} did not finish within {timeout:g} s"
-                           f" (stderr: {_tail(err) or '-'}; stdout: {_tail(out) or '-'})",
-                           "the command hung; check the testbed with `ip netns list`") from None
-    if check and res.returncode != 0:
-        raise CommandError(
-            f"`{line}`{' in ' + where if where else ''} failed with exit code {res.returncode}"
-            f" (stderr: {_tail(res.stderr) or '-'}; stdout: {_tail(res.stdout) or '-'})",
-            _fix_for(res.stderr or ""), res)
-    return res
-
-
-def _fix_for(stderr: str) -> str:
-    low = stderr.lower()
-    if "operation not permitted" in low or "permission denied" in low:
-        return "the testbed needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"
-    if "file exists" in low:
-        return "a namespace or interface with that name exists; run `python -m meshrun.lab.testbed down --prefix P`"
-    return "see the command's output above"
+    return run_command(argv, input=input, timeout=timeout, check=check, env=env, where=where, fixes=LAB_FIXES)
 
 
 @dataclass(frozen=True)
@@ -174,7 +135,7 @@ class Node:
         """
         argv = self.argv(*cmd, cwd=kw.get("cwd"))
         logger.debug("start [%s]: %s", self.name, " ".join(argv))
-        return subprocess.Popen(argv, env=_merge_env(env), **kw)
+        return procs.popen(argv, env=_merge_env(env), **kw)
 
 
 def _merge_env(env: dict[str, str] | None) -> dict[str, str] | None:
@@ -330,12 +291,11 @@ class World:
         try:
             remove_stale(self.prefix)
             if self._own_workdir:
-                self.workdir = Path(tempfile.mkdtemp(prefix=f"meshrun-testbed-{self.prefix}-"))
+                self.workdir = store.make_temp_dir(f"meshrun-testbed-{self.prefix}-")
             assert self.workdir is not None
-            self.workdir.mkdir(parents=True, exist_ok=True)
             for n in self.nodes:
                 n.workdir = self.workdir / n.name
-                n.workdir.mkdir(parents=True, exist_ok=True)
+                store.make_dir(n.workdir)
             self._build()
         except BaseException as exc:
             self.down()
@@ -355,7 +315,7 @@ class World:
         sh(["ip", "-n", name, "link", "set", "lo", "up"])
 
     def _build(self) -> None:
-        RUN_WIREGUARD.mkdir(parents=True, exist_ok=True)
+        store.make_dir(RUN_WIREGUARD)
         inet = self.inet
         self._netns_add(inet)
         sh(["ip", "netns", "exec", inet, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
@@ -439,8 +399,8 @@ class World:
         logger.debug("start anchor [%s]: %s", n.name, " ".join(argv))
         try:
             # Own session: a Ctrl-C in the terminal must not kill the anchors before down() runs.
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+            proc = procs.popen(argv, stdin=procs.DEVNULL, stdout=procs.DEVNULL, stderr=procs.PIPE, text=True,
+                               start_new_session=True)
         except FileNotFoundError:
             raise NetworkError("`ip` is not installed", "install it: apt-get install iproute2") from None
         self._anchors[proc.pid] = proc
@@ -453,14 +413,11 @@ class World:
             if proc.poll() is not None:
                 err = proc.stderr.read() if proc.stderr else ""
                 raise NetworkError(f"the anchor process of node {n.name} (`{' '.join(proc.args)}`) exited with "
-                                   f"code {proc.returncode} (stderr: {_tail(err) or '-'})",
+                                   f"code {proc.returncode} (stderr: {tail(err) or '-'})",
                                    "the testbed needs root and a kernel with mount namespaces and tmpfs")
-            try:
-                # comm turns to "sleep" only after the tmpfs mount succeeded (`&&`).
-                if Path(f"/proc/{proc.pid}/comm").read_text().strip() == "sleep":
-                    return
-            except OSError:
-                pass
+            # comm turns to "sleep" only after the tmpfs mount succeeded (`&&`).
+            if procs.comm(proc.pid) == "sleep":
+                return
             time.sleep(0.01)
         raise NetworkError(f"the anchor process of node {n.name} did not start within {timeout:g} s",
                            "check the machine's load and `ip netns list`")
@@ -523,7 +480,7 @@ class World:
             self._anchors.clear()
             self._created.clear()
             if self._own_workdir and self.workdir is not None:
-                shutil.rmtree(self.workdir, ignore_errors=True)
+                store.remove_tree(self.workdir)
                 self.workdir = None
             self._up = False
             _live_worlds.discard(self)
@@ -543,7 +500,7 @@ class World:
 def _reap(proc: subprocess.Popen) -> None:
     try:
         proc.wait(timeout=2)
-    except subprocess.TimeoutExpired:
+    except procs.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=2)
     if proc.stderr:
@@ -567,20 +524,12 @@ def _pids_in(netns: str) -> list[int]:
     return [int(p) for p in res.stdout.split() if p.isdigit()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
 def _teardown(names: Iterable[str], extra_pids: Iterable[int] = (), grace: float = 2.0) -> None:
     """Kill every process in ``names`` (SIGTERM, then SIGKILL), plus ``extra_pids``; delete the namespaces."""
     names = list(names)
     existing = set(_list_netns())
     names = [n for n in names if n in existing]
-    extra = [p for p in extra_pids if _alive(p)]
+    extra = [p for p in extra_pids if procs.alive(p)]
     for round_ in range(3):            # processes may fork while we kill: look again
         pids = sorted({p for n in names for p in _pids_in(n)} | set(extra))
         pids = [p for p in pids if p != os.getpid()]
@@ -588,17 +537,17 @@ def _teardown(names: Iterable[str], extra_pids: Iterable[int] = (), grace: float
             break
         logger.debug("teardown: SIGTERM %s", pids)
         for p in pids:
-            _kill(p, signal.SIGTERM)
+            procs.signal_pid(p, signal.SIGTERM)
         deadline = time.monotonic() + (grace if round_ == 0 else 0.5)
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(procs.alive(p) for p in pids):
             time.sleep(0.02)
-        left = [p for p in pids if _alive(p)]
+        left = [p for p in pids if procs.alive(p)]
         if left:
             logger.debug("teardown: SIGKILL %s", left)
             for p in left:
-                _kill(p, signal.SIGKILL)
+                procs.signal_pid(p, signal.SIGKILL)
             deadline = time.monotonic() + 2
-            while time.monotonic() < deadline and any(_alive(p) for p in left):
+            while time.monotonic() < deadline and any(procs.alive(p) for p in left):
                 time.sleep(0.02)
         extra = []
     errors = []
@@ -611,13 +560,6 @@ def _teardown(names: Iterable[str], extra_pids: Iterable[int] = (), grace: float
                            "delete them by hand with `ip netns del NAME`")
 
 
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def remove_stale(prefix: str) -> list[str]:
     """Tear down namespaces left under ``prefix`` by an earlier crashed run; return their names."""
     names = _stale_names(prefix)
@@ -625,6 +567,72 @@ def remove_stale(prefix: str) -> list[str]:
         logger.info("removing stale testbed namespaces: %s", ", ".join(names))
         _teardown(names)
     return names
+
+
+class Mesh:
+    """Runs meshrun itself on a World's nodes: init on one, join on others (demo and e2e tests).
+
+    Each node's state lives in ``node.workdir / "state"``; commands run in the node's network
+    and mount namespaces with the same Python interpreter as this process.
+    """
+
+    def __init__(self, world: World, coordinator: str, python: str = sys.executable) -> None:
+        self.world = world
+        self.coordinator = world.node(coordinator)
+        self.python = python
+        self.token = ""
+
+    def state_dir(self, node: Node) -> Path:
+        return node.workdir / "state"
+
+    def meshrun(self, node: Node | str, *args: str, check: bool = True, timeout: float = 120,
+                env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+        """Run `meshrun ARGS` in `node` with MESHRUN_STATE_DIR set to the node's state dir.
+
+        (An environment variable, not --state-dir: after `train SCRIPT` every argument is the script's.)
+        """
+        n = self.world.node(node) if isinstance(node, str) else node
+        store.make_dir(n.workdir)
+        return n.run(self.python, "-m", "meshrun", *args, check=check, timeout=timeout,
+                     env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, cwd=cwd)
+
+    def meshrun_popen(self, node: Node | str, *args: str, env: dict[str, str] | None = None,
+                      **kw) -> subprocess.Popen:
+        n = self.world.node(node) if isinstance(node, str) else node
+        return n.popen(self.python, "-m", "meshrun", *args,
+                       env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, **kw)
+
+    def init(self, *extra: str) -> str:
+        """`meshrun init` on the coordinator with its public IP as endpoint; returns the token."""
+        out = self.meshrun(self.coordinator, "init", "--endpoint", str(self.coordinator.public_ip), *extra).stdout
+        self.token = out.strip().splitlines()[-1]
+        return self.token
+
+    def join(self, node: Node | str, *extra: str, token: str | None = None) -> subprocess.CompletedProcess:
+        n = self.world.node(node) if isinstance(node, str) else node
+        return self.meshrun(n, "join", token or self.token, "--name", n.name, *extra)
+
+    def overlay_ip(self, node: Node | str) -> str:
+        n = self.world.node(node) if isinstance(node, str) else node
+        return StateDir(self.state_dir(n)).read_json("member.json")["overlay_ip"]
+
+    def ping(self, src: Node | str, dst_ip: str, count: int = 1, wait: float = 2) -> bool:
+        n = self.world.node(src) if isinstance(src, str) else src
+        res = n.run("ping", "-c", str(count), "-W", str(wait), "-i", "0.2", dst_ip, check=False, timeout=count * wait + 10)
+        return res.returncode == 0
+
+    def wait_ping(self, src: Node | str, dst_ip: str, timeout: float = 30) -> float:
+        """Ping until one answer arrives; returns seconds it took; NetworkError on timeout."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.ping(src, dst_ip, wait=1):
+                return time.monotonic() - t0
+        name = src if isinstance(src, str) else src.name
+        raise NetworkError(f"{name} cannot ping {dst_ip} over the overlay after {timeout:.0f} s",
+                           "see the daemon logs in the nodes' state directories")
+
+    def status(self, node: Node | str) -> dict:
+        return json.loads(self.meshrun(node, "status", "--json").stdout)
 
 
 def _cli_workdir(prefix: str) -> Path:
@@ -660,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             if not _PREFIX.match(args.prefix):
                 raise UsageError(f"testbed prefix {args.prefix!r} is not usable", "give the prefix used for `up`")
             names = remove_stale(args.prefix)
-            shutil.rmtree(_cli_workdir(args.prefix), ignore_errors=True)
+            store.remove_tree(_cli_workdir(args.prefix))
             print(f"removed {len(names)} namespace(s)" + (f": {', '.join(names)}" if names else ""))
     except (NetworkError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -670,69 +678,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-class Mesh:
-    """Runs meshrun itself on a World's nodes: init on one, join on others (demo and e2e tests).
-
-    Each node's state lives in ``node.workdir / "state"``; commands run in the node's network
-    and mount namespaces with the same Python interpreter as this process.
-    """
-
-    def __init__(self, world: World, coordinator: str, python: str = sys.executable) -> None:
-        self.world = world
-        self.coordinator = world.node(coordinator)
-        self.python = python
-        self.token = ""
-
-    def state_dir(self, node: Node) -> Path:
-        return node.workdir / "state"
-
-    def meshrun(self, node: Node | str, *args: str, check: bool = True, timeout: float = 120,
-                env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-        """Run `meshrun ARGS` in `node` with MESHRUN_STATE_DIR set to the node's state dir.
-
-        (An environment variable, not --state-dir: after `train SCRIPT` every argument is the script's.)
-        """
-        n = self.world.node(node) if isinstance(node, str) else node
-        n.workdir.mkdir(parents=True, exist_ok=True)
-        return n.run(self.python, "-m", "meshrun", *args, check=check, timeout=timeout,
-                     env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, cwd=cwd)
-
-    def meshrun_popen(self, node: Node | str, *args: str, env: dict[str, str] | None = None,
-                      **kw) -> subprocess.Popen:
-        n = self.world.node(node) if isinstance(node, str) else node
-        return n.popen(self.python, "-m", "meshrun", *args,
-                       env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, **kw)
-
-    def init(self, *extra: str) -> str:
-        """`meshrun init` on the coordinator with its public IP as endpoint; returns the token."""
-        out = self.meshrun(self.coordinator, "init", "--endpoint", str(self.coordinator.public_ip), *extra).stdout
-        self.token = out.strip().splitlines()[-1]
-        return self.token
-
-    def join(self, node: Node | str, *extra: str, token: str | None = None) -> subprocess.CompletedProcess:
-        n = self.world.node(node) if isinstance(node, str) else node
-        return self.meshrun(n, "join", token or self.token, "--name", n.name, *extra)
-
-    def overlay_ip(self, node: Node | str) -> str:
-        n = self.world.node(node) if isinstance(node, str) else node
-        return json.loads((self.state_dir(n) / "member.json").read_text())["overlay_ip"]
-
-    def ping(self, src: Node | str, dst_ip: str, count: int = 1, wait: float = 2) -> bool:
-        n = self.world.node(src) if isinstance(src, str) else src
-        res = n.run("ping", "-c", str(count), "-W", str(wait), "-i", "0.2", dst_ip, check=False, timeout=count * wait + 10)
-        return res.returncode == 0
-
-    def wait_ping(self, src: Node | str, dst_ip: str, timeout: float = 30) -> float:
-        """Ping until one answer arrives; returns seconds it took; NetworkError on timeout."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.ping(src, dst_ip, wait=1):
-                return time.monotonic() - t0
-        name = src if isinstance(src, str) else src.name
-        raise NetworkError(f"{name} cannot ping {dst_ip} over the overlay after {timeout:.0f} s",
-                           "see the daemon logs in the nodes' state directories")
-
-    def status(self, node: Node | str) -> dict:
-        return json.loads(self.meshrun(node, "status", "--json").stdout)

@@ -1,123 +1,94 @@
-"""Background daemons: start one for a state directory, wait until it is ready, stop it.
+"""A member's daemon: start it in the background, know whether it runs, stop it, run it.
 
-`meshrun init`/`join`/`up` start `python -m meshrun daemon --state-dir DIR` in its own
-session. The daemon takes an exclusive lock on DIR/daemon.lock (one daemon per state
-directory), writes daemon.pid, and writes daemon.ready once it serves. Stopping sends
-SIGTERM to the recorded PID (and SIGKILL after a grace period).
+`meshrun init`/`join`/`up` start `python -m meshrun daemon --state-dir DIR` in its own session
+(`spawn`) and wait until it reports ready through a pipe. The daemon holds an exclusive lock on
+DIR/daemon.lock for its lifetime: that lock is its liveness (`pid`), and `stop` signals the
+process the kernel says holds it. Its log is DIR/daemon.log: timestamped INFO lines, rotated
+(LOG_BYTES x LOG_BACKUPS), mode 0600; anything it prints outside logging (a crash) goes to
+DIR/daemon.out.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
+import logging.handlers
 import os
-import signal
-import subprocess
 import sys
-import time
+from collections.abc import Iterator
 
-from meshrun.errors import MeshrunError, StateError
+from meshrun.errors import MeshrunError
+from meshrun.system import procs
 from meshrun.system.store import StateDir
 
 log = logging.getLogger("meshrun.mesh.daemon")
+
+LOG_BYTES = 5 << 20
+LOG_BACKUPS = 3
+FILES = ("daemon.log", *(f"daemon.log.{i}" for i in range(1, LOG_BACKUPS + 1)), "daemon.out", "daemon.lock")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _lock(state: StateDir) -> procs.DaemonLock:
+    return procs.DaemonLock(state / "daemon.lock")
+
+
+def pid(state: StateDir) -> int | None:
+    """The PID of the daemon running for `state` (the holder of its lock), or None."""
+    return _lock(state).holder()
 
 
 def spawn(state: StateDir, timeout: float = 60) -> int:
     """Start the daemon for `state` and return its PID once it reports ready.
 
-    Raises MeshrunError with the daemon's own last error line if it exits or does not
-    become ready in time (then it is stopped).
+    Raises MeshrunError with the daemon's own error if it fails to start (it is stopped if it
+    does not become ready in time).
     """
-    state.remove("daemon.ready", "daemon.error")
-    logf = open(state / "daemon.log", "ab")
-    os.chmod(state / "daemon.log", 0o600)
-    proc = subprocess.Popen([sys.executable, "-m", "meshrun", "daemon", "--state-dir", str(state.path)],
-                            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                            start_new_session=True, close_fds=True)
-    logf.close()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (state / "daemon.ready").exists():
-            return proc.pid
-        if proc.poll() is not None:
-            raise _daemon_error(state, f"the meshrun daemon exited with code {proc.returncode}")
-        time.sleep(0.05)
-    proc.terminate()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
-    if proc.poll() is None:
-        proc.kill()
-    raise _daemon_error(state, f"the meshrun daemon was not ready within {timeout:.0f} s")
-
-
-def _daemon_error(state: StateDir, what: str) -> MeshrunError:
-    """The daemon writes its fatal error as JSON to daemon.error; rebuild it for the user."""
-    try:
-        data = state.read_json("daemon.error")
-        return MeshrunError(str(data.get("error")), str(data.get("fix", "")))
-    except StateError:
-        return MeshrunError(what, f"see {state / 'daemon.log'}")
+    return procs.spawn_daemon([sys.executable, "-m", "meshrun", "daemon", "--state-dir", str(state.path)],
+                              state / "daemon.out", timeout=timeout)
 
 
 def stop(state: StateDir, timeout: float = 10) -> bool:
     """Stop the daemon of `state` if one runs; True if one was running."""
-    pid = state.read_pid()
-    if pid is None:
-        return False
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    # Wait for the process itself, not its pid file: the daemon removes that file on its way
-    # out, and callers go on to delete the interface it may still be touching.
-    if not _gone(pid, timeout):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        _gone(pid, 2)
-    state.remove("daemon.pid", "daemon.ready")
-    return True
+    return _lock(state).stop(timeout)
 
 
-def _gone(pid: int, timeout: float) -> bool:
-    """Wait up to `timeout` seconds for `pid` to exit; True if it did."""
-    deadline = time.monotonic() + timeout
-    while _alive(pid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _alive(pid: int) -> bool:
+@contextlib.contextmanager
+def running(state: StateDir) -> Iterator[None]:
+    """Hold the daemon lock while the block runs; a MeshrunError escaping it is reported to the
+    process that spawned us (the user sees that message) before it propagates."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def hold_lock(state: StateDir) -> int:
-    """Take the daemon lock for this process's lifetime; StateError if another daemon holds it."""
-    fd = os.open(state / "daemon.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        lock = _lock(state).acquire()
+    except MeshrunError as exc:
+        procs.notify_error(exc)
+        raise
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StateError(f"another meshrun daemon already runs for {state.path}",
-                         "stop it with `meshrun leave`/`meshrun down`, or use another --state-dir") from None
-    state.write("daemon.pid", f"{os.getpid()}\n")
-    return fd
+        yield
+    except MeshrunError as exc:
+        procs.notify_error(exc)
+        raise
+    finally:
+        lock.release()
 
 
-def mark_ready(state: StateDir) -> None:
-    state.write("daemon.ready", f"{os.getpid()}\n")
+def ready() -> None:
+    """Tell `spawn` (if it started us) that the daemon serves now."""
+    procs.notify_ready()
 
 
-def record_fatal(state: StateDir, err: MeshrunError) -> None:
-    with contextlib.suppress(MeshrunError):
-        state.write_json("daemon.error", {"error": err.message, "fix": err.fix})
+def failed(err: MeshrunError) -> None:
+    """Tell `spawn` (if it started us) why the daemon cannot start."""
+    procs.notify_error(err)
 
 
-def setup_logging() -> None:
-    level = logging.DEBUG if os.environ.get("MESHRUN_DEBUG") else logging.INFO
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(state: StateDir, foreground: bool = False) -> None:
+    """Log INFO (DEBUG with MESHRUN_DEBUG) with timestamps to DIR/daemon.log, rotated; in the
+    foreground (systemd) also to stderr, which the journal keeps."""
+    os.umask(0o077)           # every file the daemon makes (logs included) is private
+    handlers: list[logging.Handler] = [logging.handlers.RotatingFileHandler(
+        state / "daemon.log", maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)]
+    if foreground:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    # force: the CLI configured WARNING-level logging before the daemon took over this process.
+    logging.basicConfig(level=logging.DEBUG if os.environ.get("MESHRUN_DEBUG") else logging.INFO,
+                        format=LOG_FORMAT, handlers=handlers, force=True)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.errors import StateError, SystemError_, UsageError
+from meshrun.mesh import daemon
+from meshrun.system import procs, store
 from meshrun.system.store import StateDir
 
 ROLES = ("coordinator", "agent")
@@ -124,7 +125,7 @@ def plan_install(state: StateDir, role: str | None = None, unit_dir: Path | None
 
 
 def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry_run: bool = False,
-            runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
+            runner: Callable[..., procs.CompletedProcess] = procs.run) -> None:
     """Carry out `plan` (or, with dry_run, only say what would happen)."""
     if dry_run:
         echo(f"would write {plan.unit_path}:")
@@ -135,14 +136,10 @@ def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry
     if plan.run_commands and os.geteuid() != 0:
         raise SystemError_("installing a systemd unit needs root", "run it with sudo")
     try:
-        plan.unit_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = plan.unit_path.with_name(f".{plan.unit_path.name}.tmp")
-        tmp.write_text(plan.text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, plan.unit_path)
-    except OSError as exc:
-        raise StateError(f"cannot write {plan.unit_path}: {exc.strerror}",
-                         "run as root, or pick a writable --unit-dir") from None
+        store.make_dir(plan.unit_path.parent)
+        store.atomic_write(plan.unit_path, plan.text, 0o644)
+    except StateError as exc:
+        raise StateError(exc.message, "run as root, or pick a writable --unit-dir") from None
     echo(f"wrote {plan.unit_path}")
     if not plan.run_commands:
         echo(f"{plan.reason}; to enable it: " + " && ".join(" ".join(c) for c in plan.commands))
@@ -151,7 +148,6 @@ def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry
         raise SystemError_("`systemctl` is not installed", "install systemd, or start `meshrun up` another way")
     # A daemon started by init/join/up holds the state directory's lock: hand over to systemd.
     # Stopping it leaves the interface (and every tunnel) up.
-    from meshrun.mesh import daemon
     if daemon.stop(state):
         echo("stopped the background daemon; systemd takes over")
     for argv in plan.commands:

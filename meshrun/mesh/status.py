@@ -9,12 +9,11 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from meshrun.mesh import agent
 from meshrun.core import paths
-from meshrun.system import probe
-from meshrun.system import wg
-from meshrun.errors import UsageError
 from meshrun.core.model import Member
+from meshrun.errors import UsageError
+from meshrun.mesh import daemon, iface, member
+from meshrun.system import probe
 from meshrun.system.store import CoordinatorDB, StateDir
 
 
@@ -33,8 +32,8 @@ def path_label(m: Member | None, endpoint: str | None, allowed_ips: tuple[str, .
 
 def _members(state: StateDir, rec: dict) -> list[Member]:
     if rec.get("role") == "coordinator":
-        return CoordinatorDB(state / "coordinator.db").members()
-    return agent.load_members(state)[1] if (state / "peers.json").exists() else []
+        return CoordinatorDB(state / "coordinator.db", readonly=True).members()
+    return member.load_members(state)[1]
 
 
 def _latencies(ips: list[str], port: int) -> dict[str, float | None]:
@@ -44,11 +43,12 @@ def _latencies(ips: list[str], port: int) -> dict[str, float | None]:
 
 def gather(state: StateDir, measure: bool = True) -> dict:
     """Collect status as a JSON-able dict (no secrets: public keys only)."""
-    rec, network = agent.load_node(state)
+    rec, network = member.load(state)
     members = _members(state, rec)
     by_key = {m.public_key: m for m in members}
-    up = wg.interface_exists(network.interface)
-    current = wg.show(network.interface)[1] if up else []
+    device = iface.device_for(state, network, rec)
+    up = device.exists()
+    current = device.peers() if up else []
     now = int(time.time())
     rows = []
     for p in current:
@@ -68,9 +68,9 @@ def gather(state: StateDir, measure: bool = True) -> dict:
     rows.sort(key=lambda r: tuple(int(x) for x in r["overlay_ip"].split(".")) if r["overlay_ip"] else (999,))
     out = {"network": network.name, "role": rec["role"], "name": rec["name"], "overlay_ip": rec["overlay_ip"],
            "cidr": network.cidr, "interface": network.interface, "interface_up": up,
-           "backend": wg.backend_of(network.interface) if up else rec.get("backend"),
+           "backend": device.backend() if up else rec.get("backend"),
            "listen_port": network.listen_port, "mtu": int(rec.get("mtu") or network.mtu),
-           "daemon_pid": state.read_pid(), "removed": bool(rec.get("removed")), "peers": rows}
+           "daemon_pid": daemon.pid(state), "removed": bool(rec.get("removed")), "peers": rows}
     if rec.get("role") == "coordinator":
         out["pairs"] = _pairs(state)
     return out
@@ -83,6 +83,11 @@ def _pairs(state: StateDir) -> list[dict]:
     data = state.read_json("paths.json").get("pairs", {})
     return [{"a": k.split("|")[0], "b": k.split("|")[1], "path": paths.LABELS.get(v.get("mode"), "?"),
              "verified": bool(v.get("verified"))} for k, v in sorted(data.items())]
+
+
+def pair_labels(state: StateDir) -> dict[frozenset[str], str]:
+    """{frozenset((a, b)): path label} for every node pair the coordinator has decided."""
+    return {frozenset((p["a"], p["b"])): p["path"] for p in _pairs(state)}
 
 
 def _age(s: int | None) -> str:
@@ -139,7 +144,7 @@ def ping(state: StateDir, peer: str, count: int = 5, interval: float = 0.2) -> d
     if row is None:
         names = ", ".join(r["name"] for r in st["peers"]) or "none"
         raise UsageError(f"{peer!r} is not a peer of this member", f"peers are: {names}")
-    _, network = agent.load_node(state)
+    _, network = member.load(state)
     rtts = []
     for i in range(count):
         rtt = probe.tcp_rtt(row["overlay_ip"], network.api_port, timeout=2.0)

@@ -15,8 +15,6 @@ import time
 IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
 IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
 IP_MTU = getattr(socket, "IP_MTU", 14)
-WG_OVERHEAD = 60   # outer IPv4 20 + UDP 8 + WireGuard 32 (the probe is IPv4; IPv6 would need 80)
-MIN_MTU = 576      # smallest IPv4 MTU every host must accept
 
 
 def path_mtu(host: str, port: int, start: int = 1500, rounds: int = 4, wait: float = 0.15) -> int | None:
@@ -47,13 +45,6 @@ def path_mtu(host: str, port: int, start: int = 1500, rounds: int = 4, wait: flo
         s.close()
 
 
-def overlay_mtu(configured: int, underlay: int | None) -> int:
-    """The interface MTU: the configured one, lowered to fit the probed underlay path."""
-    if underlay is None:
-        return configured
-    return max(MIN_MTU, min(configured, underlay - WG_OVERHEAD))
-
-
 def tcp_rtt(host: str, port: int, timeout: float = 1.0) -> float | None:
     """Seconds for one TCP handshake to host:port (a SYN/SYN-ACK round trip), None if no answer.
 
@@ -70,13 +61,10 @@ def tcp_rtt(host: str, port: int, timeout: float = 1.0) -> float | None:
     return time.perf_counter() - t0
 
 
-def nudge(ips: list[str], port: int = 9) -> None:
-    """Send one empty UDP datagram to each overlay IP (discard port) to make WireGuard handshake."""
-    if not ips:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for ip in ips:
-            try:
-                s.sendto(b"", (ip, port))
-            except OSError:
-                continue
+def listening(host: str, port: int, timeout: float = 3.0) -> bool:
+    """True when a TCP connection to host:port is accepted (something listens there)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False

@@ -42,6 +42,15 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+def comm(pid: int) -> str | None:
+    """The process's command name (/proc/PID/comm), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def alive(pid: int | None) -> bool:
     """True while `pid` exists and is not a zombie (an orphan's zombie may linger under pid 1)."""
     if not pid or pid < 1:
@@ -139,7 +148,13 @@ def run(argv: Sequence[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(list(argv), **kw)
 
 
+def exec_replace(argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """Replace this process with `argv`, `env` merged over the current environment (never returns)."""
+    os.execvpe(argv[0], list(argv), {**os.environ, **env})
+
+
 TimeoutExpired = subprocess.TimeoutExpired
+CompletedProcess = subprocess.CompletedProcess
 PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
 
 

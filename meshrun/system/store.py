@@ -5,7 +5,7 @@ A state directory (0700) holds, per member:
   private.key    the WireGuard private key (0600, never leaves the machine)
   <iface>.conf   wg-quick file for operators (0600: it embeds the private key)
   peers.json     the last member list from the coordinator (nodes; for status and restarts)
-  daemon.pid / daemon.log
+  daemon.lock / daemon.log (rotated) / daemon.out
 and on the coordinator also tls.key (0600), tls.crt and coordinator.db (SQLite, 0600).
 
 Every file is replaced atomically (temp file, fsync, rename), so a crash or a full disk
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sqlite3
 import tempfile
 import threading
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshrun.core import ipam
-from meshrun.errors import StateError, TokenError
+from meshrun.errors import StateError, TokenError, UsageError
 from meshrun.core.model import Member
 from meshrun.core.token import hash_secret, secret_matches
 
@@ -70,6 +71,47 @@ def atomic_write(target: Path | str, data: bytes | str, mode: int = 0o600) -> Pa
     finally:
         os.close(dfd)
     return target
+
+
+def make_dir(path: Path | str, mode: int = 0o755) -> None:
+    """mkdir -p; StateError naming the directory if it cannot be made."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True, mode=mode)
+    except OSError as exc:
+        raise StateError(f"cannot create {path}: {exc.strerror}", "fix permissions, or pick another place") from None
+
+
+def remove_tree(path: Path | str) -> None:
+    """rm -rf: no error if it is gone already."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def make_temp_dir(prefix: str) -> Path:
+    """A new private directory under the system's temporary directory."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def read_user_file(path: Path | str, what: str, option: str) -> str:
+    """The text of a file the user named with `option` (UsageError naming it if it cannot be read)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{what} {str(path)!r} not found", f"check the path given to {option}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {what} {str(path)!r}: {exc}", "pass a readable UTF-8 file") from None
+
+
+def read_json_files(directory: Path, pattern: str) -> list[dict]:
+    """The JSON objects in `directory`'s files matching `pattern`, sorted by name; unreadable ones skipped."""
+    out = []
+    for f in sorted(Path(directory).glob(pattern)):
+        try:
+            obj = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
 
 
 class StateDir:
@@ -123,29 +165,14 @@ class StateDir:
                              "restore it from a backup, or remove the state directory and join again") from None
         return obj
 
+    def delete(self) -> None:
+        """Delete the whole state directory (`--purge`, or undoing a failed init/join)."""
+        remove_tree(self.path)
+
     def remove(self, *names: str) -> None:
         for n in names:
             with contextlib.suppress(FileNotFoundError):
                 (self.path / n).unlink()
-
-    def read_pid(self, name: str = "daemon.pid") -> int | None:
-        """The PID recorded in `name` if that process still runs, else None."""
-        try:
-            pid = int((self.path / name).read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return pid
-        # A PID can be reused after a reboot: accept it only if it is a meshrun process.
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return None
-        return pid if b"meshrun" in cmdline or b"wireguard-go" in cmdline else None
 
 
 # --------------------------------------------------------------------------- coordinator DB
@@ -219,8 +246,9 @@ class CoordinatorDB:
     receive the same address.
     """
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, readonly: bool = False) -> None:
         self.path = Path(path)
+        self.readonly = readonly
         # One connection shared by the daemon's threads: the lock keeps their
         # transactions from interleaving on it.
         self._lock = threading.RLock()
@@ -249,6 +277,10 @@ class CoordinatorDB:
         except sqlite3.DatabaseError as exc:
             raise StateError(f"{self.path} is not a readable meshrun database ({exc})",
                              "restore it from a backup; meshrun will not reset it") from None
+        if self.readonly:     # readers (status, listings) never write, not even the schema
+            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30, isolation_level=None,
+                                        check_same_thread=False)
+            return
         try:
             self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
             self.conn.execute("PRAGMA journal_mode=WAL")

@@ -203,7 +203,7 @@ def _send(conn: http.client.HTTPConnection, method: str, path: str, body: object
         conn.request(method, path)
 
 
-def _raise_for(resp_status: int, data: object, where: str) -> None:
+def raise_for(resp_status: int, data: object, where: str) -> None:
     if resp_status < 400:
         return
     if isinstance(data, dict) and "error" in data:
@@ -234,19 +234,16 @@ def call(host: str, port: int, method: str, path: str, body: object = None, *, r
         data = json.loads(payload) if payload else {}
     except ValueError:
         raise CoordinatorError(f"{where} sent an answer that is not JSON", "is that really a meshrun daemon?") from None
-    _raise_for(resp.status, data, where)
+    raise_for(resp.status, data, where)
     if not isinstance(data, dict):
         raise CoordinatorError(f"{where} sent an unexpected answer", "check that both sides run the same meshrun")
     return data
 
 
-def stream(host: str, port: int, path: str, body: object, *, timeout: float = 60,
-           on_connect: Callable[[http.client.HTTPConnection], None] | None = None) -> Iterator[dict]:
+def stream(host: str, port: int, path: str, body: object, *, timeout: float = 60) -> Iterator[dict]:
     """POST and yield NDJSON objects as they arrive. Closing the generator closes the socket."""
     where = f"{host}:{port}"
     conn = _connect(host, port, timeout, None)
-    if on_connect:
-        on_connect(conn)
     try:
         _send(conn, "POST", path, body, None)
         resp = conn.getresponse()
@@ -256,7 +253,7 @@ def stream(host: str, port: int, path: str, body: object, *, timeout: float = 60
                 data = json.loads(payload)
             except ValueError:
                 data = None
-            _raise_for(resp.status, data, where)
+            raise_for(resp.status, data, where)
         for line in resp:
             if line.strip():
                 yield json.loads(line)

@@ -1,0 +1,154 @@
+"""Commands on the coordinator: init, up, down, token create/list/revoke, remove."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from meshrun.cli.app import Application, JsonOpt, StateOpt, handled, root
+
+token_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke join tokens (on the coordinator).")
+root.add_typer(token_app, name="token")
+
+
+@root.command()
+@handled
+def init(
+    endpoint: Annotated[Optional[str], typer.Option(help="Public HOST[:PORT] nodes reach this machine at.")] = None,
+    cidr: Annotated[str, typer.Option(help="Overlay address range.")] = "10.213.0.0/16",
+    port: Annotated[int, typer.Option(help="UDP port for WireGuard and TCP port for enrolment.")] = 51820,
+    interface: Annotated[str, typer.Option(help="WireGuard interface name.")] = "meshrun0",
+    mtu: Annotated[int, typer.Option(help="Overlay MTU (1420 fits a 1500-byte underlay).")] = 1420,
+    network: Annotated[str, typer.Option(help="Network name.")] = "meshrun",
+    ttl: Annotated[str, typer.Option(help="Lifetime of the first join token.")] = "12h",
+    uses: Annotated[Optional[int], typer.Option(help="How many joins the first token allows [unlimited].")] = None,
+    foreground: Annotated[bool, typer.Option(help="Run the coordinator in this process (for systemd).")] = False,
+    state_dir: StateOpt = None,
+) -> None:
+    """Create a network on this machine (the coordinator) and print a join token.
+
+    \b
+    Examples:
+      meshrun init --endpoint 203.0.113.1
+      meshrun init --endpoint vpn.example.com:51820 --cidr 10.77.0.0/16 --uses 4
+    The token is the last line of output; give it to `meshrun join` on each node.
+    Open UDP and TCP 51820 on this machine (UDP 51820 on every node).
+    """
+    from meshrun.mesh.coordinator import setup
+    app = Application.for_command(state_dir)
+    opts = setup.InitOptions(endpoint=endpoint, cidr=cidr, port=port, interface=interface, mtu=mtu,
+                             name=network, token_ttl=ttl, token_uses=uses)
+    res = setup.init(opts, app.state, start=not foreground)
+    net = res.network
+    app.echo(f"network {net.name}: {net.cidr}, coordinator {net.coordinator_ip} on {net.interface} ({res.backend})")
+    app.echo(f"nodes enrol at {', '.join(net.endpoints)} (TCP) and tunnel to UDP {net.listen_port}")
+    app.echo(f"state in {res.state_dir}; join each node with:  meshrun join <token> --name NAME")
+    app.echo(res.token)
+    if foreground:
+        app.serve(foreground=True)
+
+
+@root.command()
+@handled
+def up(foreground: Annotated[bool, typer.Option(help="Run the daemon in this process (for systemd).")] = False,
+       state_dir: StateOpt = None) -> None:
+    """Start this member again from its state (after `leave`/`down`, a crash or a reboot).
+
+    \b
+    Example:
+      meshrun up
+    """
+    from meshrun.mesh import daemon, member
+    app = Application.for_command(state_dir)
+    rec, network = member.load(app.state)
+    if foreground:
+        return app.serve(foreground=True)
+    pid = daemon.pid(app.state) or daemon.spawn(app.state)
+    app.echo(f"{rec['role']} {rec['name']} up at {rec['overlay_ip']} on {network.interface} (daemon pid {pid})")
+
+
+@root.command()
+@handled
+def down(purge: Annotated[bool, typer.Option(help="Also delete the network's state (keys, members, tokens).")] = False,
+         state_dir: StateOpt = None) -> None:
+    """Stop the coordinator and remove its interface (state stays unless --purge).
+
+    \b
+    Example:
+      meshrun down            # `meshrun up` starts it again with every member kept
+    """
+    from meshrun.mesh import member
+    app = Application.for_command(state_dir)
+    iface = member.take_down(app.state, "coordinator", purge=purge)
+    app.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
+
+
+@token_app.command("create")
+@handled
+def token_create(ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 30m, 12h, 2d (max 30d).")] = "12h",
+                 uses: Annotated[Optional[int], typer.Option(help="How many joins it allows [unlimited].")] = None,
+                 state_dir: StateOpt = None) -> None:
+    """Print a new join token (and nothing else).
+
+    \b
+    Example:
+      meshrun token create --ttl 2h --uses 3
+    """
+    from meshrun.mesh.coordinator import admin
+    app = Application.for_command(state_dir)
+    app.echo(admin.create_token(app.state, ttl, uses))
+
+
+@token_app.command("list")
+@handled
+def token_list(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+    """List tokens: id, uses, expiry, status (never the secret).
+
+    \b
+    Example:
+      meshrun token list --json
+    """
+    from meshrun.mesh.coordinator import admin
+    app = Application.for_command(state_dir)
+    tokens = admin.list_tokens(app.state)
+    if json_out:
+        app.echo(json.dumps(tokens, indent=2))
+        return
+    app.echo(f"{'ID':<12} {'STATUS':<8} {'USES':<6} {'LEFT':<9} EXPIRES (UTC)")
+    for t in tokens:
+        left = "unlimited" if t["uses_left"] is None else str(t["uses_left"])
+        exp = time.strftime("%Y-%m-%d %H:%M", time.gmtime(t["expires_at"]))
+        app.echo(f"{t['id']:<12} {t['status']:<8} {t['uses']:<6} {left:<9} {exp}")
+
+
+@token_app.command("revoke")
+@handled
+def token_revoke(token_or_id: Annotated[str, typer.Argument(metavar="TOKEN_OR_ID")],
+                 state_dir: StateOpt = None) -> None:
+    """Revoke a token so no further node can join with it.
+
+    \b
+    Example:
+      meshrun token revoke k3j9x2abcd
+    """
+    from meshrun.mesh.coordinator import admin
+    app = Application.for_command(state_dir)
+    app.echo(f"revoked {admin.revoke_token(app.state, token_or_id)}")
+
+
+@root.command()
+@handled
+def remove(name: str, state_dir: StateOpt = None) -> None:
+    """Remove a node from the network (on the coordinator); its address is never reused.
+
+    \b
+    Example:
+      meshrun remove gpu-b
+    """
+    from meshrun.mesh.coordinator import admin
+    app = Application.for_command(state_dir)
+    m = admin.remove_member(app.state, name)
+    app.echo(f"removed {m.name} ({m.overlay_ip}); every peer drops it on its next sync")

@@ -1,0 +1,73 @@
+"""What the operator does on the coordinator besides init: tokens, removing nodes, listing members.
+
+Each function opens the coordinator's database for one short transaction; the daemon sees the
+change on its next tick.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from meshrun.core.model import Member, Network
+from meshrun.core.token import looks_like_token, new_token, parse_duration, parse_token
+from meshrun.errors import StateError, UsageError
+from meshrun.mesh.coordinator.setup import DEFAULT_TTL, check_token_uses
+from meshrun.system.store import CoordinatorDB, StateDir
+
+
+def open_db(state: StateDir, readonly: bool = False) -> tuple[CoordinatorDB, Network]:
+    """The coordinator's database and network; StateError on a node's or a missing state directory."""
+    if not state.exists:
+        raise StateError(f"no meshrun state in {state.path}", "run `meshrun init` first, or pass --state-dir")
+    if state.read_json("member.json").get("role") != "coordinator":
+        raise StateError(f"{state.path} belongs to a node, not the coordinator",
+                         "run this command on the coordinator")
+    db = CoordinatorDB(state / "coordinator.db", readonly=readonly)
+    try:
+        network = Network.from_dict(json.loads(db.meta("network") or "null"))
+    except (ValueError, TypeError) as exc:
+        raise StateError(f"{state / 'coordinator.db'} holds a corrupt network description ({exc})",
+                         "restore the state directory from a backup") from None
+    return db, network
+
+
+def create_token(state: StateDir, ttl: str = DEFAULT_TTL, uses: int | None = None) -> str:
+    """Make a new join token and return its string (the only time the secret is shown)."""
+    seconds = parse_duration(ttl)
+    check_token_uses(uses)
+    db, network = open_db(state)
+    tok = new_token(network.name, network.endpoints, network.fingerprint)
+    db.add_token(tok.token_id, tok.secret, seconds, uses)
+    return tok.encode()
+
+
+def list_tokens(state: StateDir) -> list[dict]:
+    db, _ = open_db(state, readonly=True)
+    now = time.time()
+    return [t.to_dict(now) for t in db.tokens()]
+
+
+def revoke_token(state: StateDir, token_or_id: str) -> str:
+    """Revoke by token string or id; returns the id. Joins already made stay members."""
+    token_id = parse_token(token_or_id).token_id if looks_like_token(token_or_id) else token_or_id.strip()
+    db, _ = open_db(state)
+    if not db.revoke_token(token_id):
+        raise UsageError(f"there is no token with id {token_id!r}", "see the ids with `meshrun token list`")
+    return token_id
+
+
+def remove_member(state: StateDir, name: str) -> Member:
+    """Revoke a node: every peer drops its key on the next sync; its address is never reused."""
+    db, _ = open_db(state)
+    m = db.remove_member(name)
+    if m is None:
+        names = ", ".join(x.name for x in db.members() if not x.is_coordinator) or "none"
+        raise UsageError(f"there is no node named {name!r}", f"members are: {names}")
+    return m
+
+
+def members(state: StateDir) -> tuple[Network, list[Member]]:
+    """The network and its active members (read-only)."""
+    db, network = open_db(state, readonly=True)
+    return network, db.members()

@@ -1,0 +1,100 @@
+"""The enrolment API: the coordinator's only public TCP surface (TLS, pinned by the join token).
+
+POST /v1/join takes a token id and secret, the node's name, public key and candidates, and
+answers with the member record, the network and the member list. GET /v1/hello names the
+network. Everything else is 404. Join attempts are rate-limited per source address.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from meshrun.core import keys
+from meshrun.core.model import Member, Network, check_name, parse_endpoint
+from meshrun.errors import CoordinatorError, MeshrunError, TokenError, UsageError
+from meshrun.mesh.coordinator.roster import Roster
+from meshrun.system.store import CoordinatorDB
+from meshrun.system.transport import Request, Response
+
+log = logging.getLogger("meshrun.mesh.coordinator.enrolment")
+
+
+class RateLimiter:
+    """Token bucket per source address: `burst` attempts, refilled at `per_s` per second."""
+
+    def __init__(self, burst: int = 10, per_s: float = 0.5) -> None:
+        self.burst, self.per_s = burst, per_s
+        self._b: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, key: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            level, last = self._b.get(key, (float(self.burst), now))
+            level = min(self.burst, level + (now - last) * self.per_s)
+            ok = level >= 1
+            self._b[key] = (level - 1 if ok else level, now)
+            if len(self._b) > 10000:  # bound memory under a spray of source addresses
+                self._b = {k: v for k, v in self._b.items() if now - v[1] < 60}
+            return ok
+
+
+class EnrolmentAPI:
+    """Handler of the public TLS port. `on_enrolled(member)` runs after a join is recorded (the
+    service puts the new peer on the interface at once, so the node's first handshake is answered)."""
+
+    def __init__(self, db: CoordinatorDB, network: Network, roster: Roster,
+                 on_enrolled: Callable[[Member], None]) -> None:
+        self.db = db
+        self.network = network
+        self.roster = roster
+        self.on_enrolled = on_enrolled
+        self.limiter = RateLimiter()
+
+    def handle(self, req: Request) -> Response:
+        if req.method == "POST" and req.path == "/v1/join":
+            if not self.limiter.allow(req.client_ip):
+                log.warning("refused join from %s: rate limit", req.client_ip)
+                return Response.error(429, CoordinatorError(
+                    f"too many join attempts from {req.client_ip}", "wait a minute and try again"))
+            return self.join(req)
+        if req.method == "GET" and req.path == "/v1/hello":
+            return Response(200, {"network": self.network.name})
+        return Response.error(404, f"no such endpoint {req.method} {req.path}")
+
+    def join(self, req: Request) -> Response:
+        b = req.body if isinstance(req.body, dict) else {}
+        try:
+            token_id, secret_b64 = str(b["token_id"]), str(b["secret"])
+            secret = base64.urlsafe_b64decode(secret_b64 + "=" * (-len(secret_b64) % 4))
+            name = check_name(str(b["name"]))
+            public_key = b["public_key"]
+            if not keys.is_public_key(public_key):
+                raise ValueError("public_key is not a canonical WireGuard key")
+            network_name = str(b.get("network", ""))
+            candidates = [parse_endpoint(str(c)) for c in b.get("candidates", [])][:16]
+        except (KeyError, ValueError, TypeError, binascii.Error):
+            log.warning("refused join from %s: malformed request", req.client_ip)
+            return Response.error(400, UsageError("malformed join request", "use the meshrun client to join"))
+        if network_name != self.network.name:
+            log.warning("refused join of %s from %s: token for network %r", name, req.client_ip, network_name)
+            return Response.error(403, TokenError(
+                f"this token is for network {network_name!r} but this coordinator runs {self.network.name!r}",
+                "use a token created on this coordinator"))
+        if public_key == self.network.coordinator_public_key:
+            return Response.error(400, UsageError("the node presented the coordinator's own key", "join from a node"))
+        try:
+            member, created = self.db.enrol(token_id, secret, name, public_key, candidates, self.network.cidr)
+        except MeshrunError as exc:
+            log.warning("refused join of %s from %s: %s", name, req.client_ip, exc.message)
+            raise
+        log.info("%s %s at %s (from %s)", "enrolled" if created else "re-enrolled", name, member.overlay_ip,
+                 req.client_ip)
+        self.on_enrolled(member)
+        return Response(200, {"member": member.to_dict(), "network": self.network.to_dict(),
+                              "members": self.roster.payload(member)})

@@ -1,0 +1,143 @@
+"""The coordinator daemon: its listeners, its once-a-second loop, and the interface it keeps in step.
+
+Two listeners:
+- the enrolment API (meshrun.mesh.coordinator.enrolment), TLS on 0.0.0.0:PORT/tcp, pinned by the
+  fingerprint in the join token;
+- the overlay API (meshrun.mesh.coordinator.overlay) on COORD_OVERLAY_IP:API_PORT, bound to the
+  WireGuard device.
+
+The loop (`tick`) reads the device's peers every second: the endpoint WireGuard observes for a
+node is its public (server-reflexive) address, which other nodes need; it advances the pair
+paths, publishes a new member-list version when anything changed and applies the peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from meshrun.core import peers
+from meshrun.core.model import Member
+from meshrun.errors import MeshrunError
+from meshrun.mesh import daemon, iface
+from meshrun.mesh.coordinator.admin import open_db
+from meshrun.mesh.coordinator.enrolment import EnrolmentAPI
+from meshrun.mesh.coordinator.overlay import OverlayAPI
+from meshrun.mesh.coordinator.pairs import PairDriver
+from meshrun.mesh.coordinator.roster import Roster
+from meshrun.system.device import Device
+from meshrun.system.store import StateDir
+from meshrun.system.transport import JSONServer, server_tls_context
+
+log = logging.getLogger("meshrun.mesh.coordinator.service")
+
+REMOVED_GRACE_S = 5.0   # a removed node's pending long-poll is answered 410 within this
+OBSERVE_INTERVAL = 1.0
+
+
+class CoordinatorService:
+    """The coordinator daemon. `run()` blocks until SIGTERM/SIGINT; `tick()` is one loop round."""
+
+    def __init__(self, state: StateDir, device: Device | None = None) -> None:
+        self.state = state
+        self.db, self.network = open_db(state)
+        self.member = state.read_json("member.json")
+        self.device = device or iface.device_for(state, self.network, self.member)
+        self.stop_event = threading.Event()
+        self.apply_lock = threading.Lock()
+        self.pairs = PairDriver(state)
+        self.roster = Roster(self.db, self.network, self.pairs)
+        self.path_changes = 0
+        self.enrolment = EnrolmentAPI(self.db, self.network, self.roster, self._enrolled)
+        self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event)
+        self.servers: list[JSONServer] = []
+        self.rdzv_store = None
+
+    # lifecycle -------------------------------------------------------------
+    def run(self) -> None:
+        with daemon.running(self.state):
+            try:
+                self._ensure_interface()
+                self.device.enable_forwarding()   # relayed pairs are forwarded wg -> wg here
+                self.apply_peers()
+                tls = server_tls_context(str(self.state / "tls.crt"), str(self.state / "tls.key"))
+                self.servers.append(JSONServer(("0.0.0.0", self.network.listen_port), self.enrolment.handle, tls))
+                self.servers.append(JSONServer((self.network.coordinator_ip, self.network.api_port),
+                                               self.overlay.handle, device=self.network.interface))
+            except OSError as exc:
+                raise MeshrunError(f"cannot listen on TCP port {self.network.listen_port} or "
+                                   f"{self.network.api_port}: {exc.strerror}",
+                                   "stop whatever uses that port, or init with another --port") from None
+            for s in self.servers:
+                s.start(f"http-{s.server_address}")
+            signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
+            signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+            threading.Thread(target=self._host_rendezvous, name="rdzv", daemon=True).start()
+            daemon.ready()
+            log.info("coordinator of %s up: enrolment on :%d/tcp, overlay API on %s:%d", self.network.name,
+                     self.network.listen_port, self.network.coordinator_ip, self.network.api_port)
+            try:
+                while not self.stop_event.wait(OBSERVE_INTERVAL):
+                    self.tick()
+            finally:
+                for s in self.servers:
+                    s.shutdown()
+                    s.server_close()
+                self.roster.wake_all()
+        log.info("coordinator stopped (the interface stays up; `meshrun down` removes it)")
+
+    def _ensure_interface(self) -> None:
+        if self.device.exists():
+            return
+        log.info("interface %s is missing (reboot?); recreating it from state", self.network.interface)
+        backend = iface.bring_up(self.device, self.state, self.network, self.network.coordinator_ip)
+        self.state.write_json("member.json", dict(self.member, backend=backend, wg_pid=self.device.pid))
+
+    def _host_rendezvous(self) -> None:
+        # The job's c10d store lives here, on the overlay IP, so it outlives any worker and
+        # the coordinator need not train. Imported lazily: torch is slow to import.
+        try:
+            from torch.distributed import TCPStore
+            self.rdzv_store = TCPStore(self.network.coordinator_ip, self.network.rdzv_port, is_master=True,
+                                       wait_for_workers=False, multi_tenant=True)
+            log.info("rendezvous store on %s:%d", self.network.coordinator_ip, self.network.rdzv_port)
+        except Exception as exc:  # training is unavailable, the mesh still works
+            log.warning("cannot host the rendezvous store on %s:%d: %s", self.network.coordinator_ip,
+                        self.network.rdzv_port, exc)
+
+    def _enrolled(self, member: Member) -> None:
+        self.apply_peers()   # so the node's first handshake is answered
+        self.tick()
+
+    # the loop ----------------------------------------------------------------
+    def tick(self, now: float | None = None) -> None:
+        """One observation round: WireGuard's endpoints into the DB, pair paths, peers onto the interface.
+
+        `now` (unix seconds) is the clock the pair paths are advanced with (tests move it on)."""
+        try:
+            current = self.device.peers()
+        except MeshrunError as exc:
+            log.warning("cannot read %s: %s", self.network.interface, exc)
+            return
+        changed = self.db.observe({p.public_key: (p.endpoint, p.latest_handshake) for p in current})
+        if self.pairs.update(self.db.members(), time.time() if now is None else now):
+            self.path_changes += 1
+        v = self.db.version() + self.path_changes
+        if changed or v != self.roster.version or self.db.recently_removed(REMOVED_GRACE_S + 5):
+            self.apply_peers(current)
+            self.roster.publish(v)
+
+    def apply_peers(self, current=None) -> None:
+        with self.apply_lock:
+            iface.sync_peers(self.device, self.state, self.network, self.desired_peers(),
+                             address=self.network.coordinator_ip, mtu=self.network.mtu,
+                             comment=f"meshrun network {self.network.name} (coordinator); managed by meshrun",
+                             current=current)
+
+    def desired_peers(self) -> list[peers.PeerSpec]:
+        """Every member, plus members removed in the last REMOVED_GRACE_S: the coordinator stays
+        reachable for a moment so the removed node's pending long-poll gets its 410 and its agent
+        takes the interface down. Other nodes drop a removed member at once."""
+        return peers.desired_for_coordinator(self.db.members() + self.db.recently_removed(REMOVED_GRACE_S))

@@ -1,0 +1,60 @@
+"""The member's WireGuard interface, shared by coordinator and agent: bring it up, make its peers
+match a desired list, and keep the operator's wg-quick file in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+from meshrun.core import peers
+from meshrun.core.model import Network
+from meshrun.core.wgconf import render_quick
+from meshrun.system.device import Device, WireGuardDevice
+from meshrun.system.store import StateDir
+
+log = logging.getLogger("meshrun.mesh.iface")
+
+
+def device_for(state: StateDir, network: Network, rec: dict | None = None) -> WireGuardDevice:
+    """The real device of this member (wireguard-go's PID from member.json, when recorded)."""
+    pid = (rec or {}).get("wg_pid")
+    return WireGuardDevice(network.interface, state / "wireguard-go.log", pid if isinstance(pid, int) else None)
+
+
+def bring_up(device: Device, state: StateDir, network: Network, address: str, mtu: int | None = None) -> str:
+    """Create and configure the interface from state; returns the backend. On failure it is removed."""
+    device.create()
+    try:
+        device.configure(state / "private.key", network.listen_port, f"{address}/{network.prefixlen}",
+                         mtu or network.mtu)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            device.delete()
+        raise
+    return device.backend()
+
+
+def sync_peers(device: Device, state: StateDir, network: Network, desired: Sequence[peers.PeerSpec], *,
+               address: str, mtu: int, comment: str, recreate: frozenset[str] = frozenset(),
+               current: Sequence[peers.PeerState] | None = None) -> peers.PeerDiff:
+    """Make the interface's peers match `desired` with the minimal diff, and rewrite the wg-quick file.
+
+    `current` is the device's peer list if the caller just read it. Peers in `recreate` are
+    removed and added again (their path changed: a fresh handshake proves the new one). The
+    wg-quick file (0600: it embeds the private key) is rewritten when peers changed or it is
+    missing. Returns the diff applied.
+    """
+    d = peers.diff(device.peers() if current is None else current, desired, time.time(), recreate)
+    if d:
+        log.info("peers: +%d ~%d -%d", len(d.add), len(d.update), len(d.remove))
+        device.apply(d)
+    conf = f"{network.interface}.conf"
+    if d or not (state / conf).exists():
+        key = state.read("private.key").decode().strip()
+        state.write(conf, render_quick(key, f"{address}/{network.prefixlen}", network.listen_port, mtu, list(desired),
+                                       comment=comment), secret=True)
+    return d
+

@@ -1,0 +1,56 @@
+"""What every member (coordinator or node) has: its record in member.json, and taking it down."""
+
+from __future__ import annotations
+
+
+from meshrun.core.model import Member, Network
+from meshrun.errors import StateError
+from meshrun.mesh import daemon, iface
+from meshrun.system import net
+from meshrun.system.store import StateDir
+
+
+def load(state: StateDir) -> tuple[dict, Network]:
+    """(member.json as a dict, the network); StateError if there is no member here or it is corrupt."""
+    if not state.exists:
+        raise StateError(f"no meshrun state in {state.path}", "run `meshrun init` or `meshrun join` first")
+    rec = state.read_json("member.json")
+    try:
+        return rec, Network.from_dict(rec["network"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise StateError(f"{state / 'member.json'} is corrupt ({exc})",
+                         "restore it, or `meshrun leave --purge` and join again") from None
+
+
+def take_down(state: StateDir, role: str, purge: bool = False) -> str:
+    """Stop the daemon and remove the interface; delete the state with `purge`. Returns the interface.
+
+    `role` is what the command expects ("coordinator" for `down`, "node" for `leave`).
+    """
+    if not state.exists:
+        raise StateError(f"no meshrun state in {state.path}", "nothing to do; pass --state-dir if it lives elsewhere")
+    rec, network = load(state)
+    if rec.get("role") != role:
+        other = {"coordinator": "`meshrun down`", "node": "`meshrun leave`"}.get(rec.get("role"), "another command")
+        raise StateError(f"{state.path} holds a meshrun {rec.get('role')}, not a {role}", f"use {other} there")
+    net.require_admin()
+    daemon.stop(state)
+    iface.device_for(state, network, rec).delete()
+    if purge:
+        state.delete()
+    return network.interface
+
+
+def save_members(state: StateDir, version: int, members: list[Member]) -> None:
+    state.write_json("peers.json", {"version": version, "members": [m.to_dict() for m in members]})
+
+
+def load_members(state: StateDir) -> tuple[int, list[Member]]:
+    """The last member list the coordinator sent (version 0 and none before the first)."""
+    if not (state / "peers.json").exists():
+        return 0, []
+    try:
+        data = state.read_json("peers.json")
+        return int(data.get("version", 0)), [Member.from_dict(m) for m in data.get("members", [])]
+    except (ValueError, TypeError) as exc:
+        raise StateError(f"{state / 'peers.json'} is corrupt ({exc})", "remove it; the agent fetches it again") from None

@@ -1,0 +1,158 @@
+"""A node's life: `meshrun join` (enrol, bring up the interface, start the agent), resume, leave.
+
+Enrolment talks TLS to the coordinator's public port, pinned by the fingerprint in the token;
+the private key is made here and never leaves the machine. On failure nothing is left behind:
+no interface, no daemon, no state files.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshrun.core import keys
+from meshrun.core.model import (Member, Network, check_mtu, check_name, default_node_name, overlay_mtu,
+                                parse_endpoint, split_endpoint)
+from meshrun.core.token import JoinToken, parse_token
+from meshrun.errors import CoordinatorError, MeshrunError, StateError, UsageError
+from meshrun.mesh import daemon, iface, member
+from meshrun.mesh.agent import apply_members
+from meshrun.system import net, probe, transport
+from meshrun.system.device import Device
+from meshrun.system.store import StateDir
+
+READY_TIMEOUT = 45.0
+NODE_FILES = ("private.key", "member.json", "peers.json", "wireguard-go.log", *daemon.FILES)
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    name: str
+    overlay_ip: str
+    network: Network
+    backend: str
+    resumed: bool
+    daemon_pid: int | None
+    mtu: int
+
+
+def join_request(tok: JoinToken, name: str, public_key: str, candidates: list[str]) -> dict:
+    """The body of POST /v1/join (it carries the token secret: send it only over pinned TLS)."""
+    return {"token_id": tok.token_id, "secret": base64.urlsafe_b64encode(tok.secret).decode().rstrip("="),
+            "name": name, "public_key": public_key, "candidates": candidates, "network": tok.network}
+
+
+def enrol(tok: JoinToken, name: str, public_key: str, candidates: list[str], timeout: float = 15) -> dict:
+    """POST /v1/join to each endpoint in the token until one answers; TLS pinned by fingerprint."""
+    body = join_request(tok, name, public_key, candidates)
+    tried = []
+    for ep in tok.endpoints:
+        host, port = split_endpoint(ep)
+        try:
+            return transport.call(host, port, "POST", "/v1/join", body, fingerprint=tok.fingerprint,
+                                  timeout=timeout)
+        except CoordinatorError as exc:
+            if getattr(exc, "status", None):  # the coordinator answered: its verdict is final
+                raise
+            tried.append(exc)
+    if len(tried) == 1:
+        raise tried[0]
+    raise CoordinatorError("cannot reach the coordinator at any of " + ", ".join(tok.endpoints),
+                           "check the addresses and that TCP port is open on the coordinator")
+
+
+Enrol = Callable[[JoinToken, str, str, list[str]], dict]
+
+
+def join(token: str, state: StateDir, name: str | None = None, endpoint: str | None = None,
+         start: bool = True, mtu: int | None = None, device: Device | None = None,
+         enrol_with: Enrol = enrol) -> JoinResult:
+    """Enrol this machine and bring up its interface; start the agent unless start=False.
+
+    Run again on an enrolled node, it resumes with the same key and address. On failure
+    nothing is left: no interface, no daemon, no state files (the coordinator keeps a
+    reservation it frees for the same name on the next try). Tests pass a FakeDevice (whose
+    caller needs no privileges) and an in-process `enrol_with`.
+    """
+    tok = parse_token(token)
+    if state.exists:
+        return resume(state, tok, start)
+    name = check_name(name) if name else default_node_name(platform.node())
+    if mtu is not None:
+        check_mtu(mtu)
+    advertised = []
+    if endpoint:
+        try:
+            advertised = [parse_endpoint(endpoint, default_port=split_endpoint(tok.endpoints[0])[1])]
+        except ValueError as exc:
+            raise UsageError(f"--endpoint {endpoint!r} is not HOST or HOST:PORT ({exc})",
+                             "give this node's public address, e.g. --endpoint 198.51.100.7") from None
+    if device is None:
+        net.require_admin()
+        net.require_tools("ip", "wg")
+    private_key = keys.generate_private_key()
+    answer = enrol_with(tok, name, keys.public_key(private_key), advertised)
+    try:
+        network = Network.from_dict(answer["network"])
+        me = Member.from_dict(answer["member"])
+        members = [Member.from_dict(m) for m in answer["members"]]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CoordinatorError(f"the coordinator's join answer is malformed ({exc})",
+                               "use the same meshrun version on the node and the coordinator") from None
+    device = device or iface.device_for(state, network)
+    if device.exists():
+        raise MeshrunError(f"network interface {network.interface} already exists on this machine",
+                           "run `meshrun leave` if it is a leftover of meshrun, or remove it with `ip link del`")
+
+    underlay = None
+    if mtu is None:
+        underlay = probe.path_mtu(*split_endpoint(network.endpoints[0]))
+        mtu = overlay_mtu(network.mtu, underlay)
+
+    created_dir = state.create()
+    try:
+        state.write("private.key", private_key + "\n", secret=True)
+        record = {"role": "node", "name": me.name, "network": network.to_dict(), "overlay_ip": me.overlay_ip,
+                  "public_key": me.public_key, "advertised": advertised, "mtu": mtu, "underlay_mtu": underlay}
+        backend = iface.bring_up(device, state, network, me.overlay_ip, mtu)
+        record.update(backend=backend, wg_pid=device.pid)
+        state.write_json("member.json", record)
+        member.save_members(state, 0, members)
+        apply_members(device, state, record, network, members)
+        daemon_pid = daemon.spawn(state, timeout=READY_TIMEOUT) if start else None
+    except BaseException:
+        with contextlib.suppress(Exception):
+            daemon.stop(state)
+        with contextlib.suppress(Exception):
+            device.delete()
+        if created_dir:
+            state.delete()
+        else:
+            state.remove(f"{network.interface}.conf", *NODE_FILES)
+        raise
+    return JoinResult(me.name, me.overlay_ip, network, backend, False, daemon_pid, mtu)
+
+
+def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinResult:
+    """Bring an enrolled node back (same key, same address): interface and agent."""
+    rec, network = member.load(state)
+    if rec.get("role") != "node":
+        raise StateError(f"{state.path} holds a coordinator, not a node",
+                         "use another --state-dir to join from this machine")
+    if tok is not None and (tok.network != network.name or tok.fingerprint != network.fingerprint):
+        raise StateError(f"this node is already a member of network {network.name!r} (another network's token given)",
+                         "run `meshrun leave --purge` first to switch networks")
+    net.require_admin()
+    pid = daemon.pid(state)
+    if pid is None and start:
+        pid = daemon.spawn(state, timeout=READY_TIMEOUT)
+    return JoinResult(rec["name"], rec["overlay_ip"], network, iface.device_for(state, network, rec).backend(), True,
+                      pid, int(rec.get("mtu") or network.mtu))
+
+
+def leave(state: StateDir, purge: bool = False) -> str:
+    """Stop the agent and remove the interface; state stays unless `purge`. Returns the interface."""
+    return member.take_down(state, "node", purge)

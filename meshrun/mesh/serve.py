@@ -1,0 +1,32 @@
+"""Run this member's daemon in this process: the coordinator service or the node agent, by role."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshrun.errors import MeshrunError
+from meshrun.mesh import daemon, member
+from meshrun.mesh.agent import AgentService, ExtensionFactory
+from meshrun.system.store import StateDir
+
+
+def serve(state: StateDir, foreground: bool = False, node_extensions: Sequence[ExtensionFactory] = ()) -> None:
+    """Set up the daemon's log and run its service until SIGTERM/SIGINT.
+
+    `foreground` (systemd, `--foreground`) also logs to stderr; `node_extensions` run beside a
+    node's agent (the caller, which knows the layers above mesh, passes the job API). An error
+    before the service runs is reported to whoever spawned us (`meshrun init`/`join`/`up` show it)
+    and re-raised.
+    """
+    daemon.setup_logging(state, foreground)
+    try:
+        rec, _ = member.load(state)
+        if rec["role"] == "coordinator":
+            from meshrun.mesh.coordinator.service import CoordinatorService
+            svc = CoordinatorService(state)
+        else:
+            svc = AgentService(state, extensions=node_extensions)
+    except MeshrunError as err:
+        daemon.failed(err)
+        raise
+    svc.run()

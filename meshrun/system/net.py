@@ -1,0 +1,83 @@
+"""The host's network as meshrun reads and changes it: privileges, tools, routes, addresses, forwarding.
+
+Commands go through meshrun.system.cmd; their output is parsed by meshrun.core.netparse.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from meshrun.core import netparse
+from meshrun.errors import SystemError_
+from meshrun.system.cmd import PACKAGES, run
+
+CAP_NET_ADMIN = 12
+
+
+def require_admin() -> None:
+    """Raise SystemError_ unless this process holds CAP_NET_ADMIN.
+
+    Root normally does, but root in a container started without NET_ADMIN does not: checking the
+    capability, not the uid, turns that case into a clear error instead of a failed `ip link add`.
+    """
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+        caps = next(int(line.split()[1], 16) for line in status if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        caps = None                  # cannot tell: trust the uid
+    if caps is None and os.geteuid() == 0 or caps is not None and caps >> CAP_NET_ADMIN & 1:
+        return
+    if os.geteuid() == 0:
+        raise SystemError_("this process runs as root but without CAP_NET_ADMIN, which WireGuard interfaces "
+                           "need (a container?)",
+                           "start the container with --cap-add NET_ADMIN --device /dev/net/tun, or run meshrun "
+                           "on the host")
+    raise SystemError_("meshrun needs root (or CAP_NET_ADMIN) to manage WireGuard interfaces",
+                       "run it as root (e.g. with sudo)")
+
+
+def require_tools(*tools: str) -> None:
+    """Raise SystemError_ naming the apt package of the first missing tool."""
+    for t in tools:
+        if shutil.which(t) is None:
+            raise SystemError_(f"`{t}` is not installed", f"install it: apt-get install {PACKAGES.get(t, t)}")
+
+
+def local_routes() -> list[tuple[str, str]]:
+    """(destination, device) for every IPv4 route in every table, defaults excluded."""
+    return netparse.routes(run(["ip", "-4", "-o", "route", "show", "table", "all"], quiet=True).stdout)
+
+
+def local_addresses(exclude: str | None = None) -> list[str]:
+    """This machine's global-scope IPv4 addresses (candidates for same-site paths)."""
+    out = run(["ip", "-4", "-o", "addr", "show", "scope", "global"], quiet=True).stdout
+    return [addr for _, addr in netparse.addresses(out, exclude)]
+
+
+def default_route_address() -> str | None:
+    """The primary address of the default route's device, if there is one."""
+    dev = netparse.default_device(run(["ip", "-4", "-o", "route", "show", "default"], check=False, quiet=True).stdout)
+    if dev is None:
+        return None
+    out = run(["ip", "-4", "-o", "addr", "show", "dev", dev, "scope", "global"], check=False, quiet=True).stdout
+    found = netparse.addresses(out)
+    return found[0][1] if found else None
+
+
+def enable_forwarding(iface: str) -> None:
+    """Let the coordinator forward overlay packets between peers (relayed pairs).
+
+    Only packets that arrive on `iface` are forwarded (per-interface switch, not the global
+    ip_forward); redirects are off because in and out interface are the same. If the FORWARD
+    chain drops by default (Docker hosts), one rule accepts wg-to-wg traffic.
+    """
+    for key, value in (("forwarding", "1"), ("send_redirects", "0")):
+        run(["sysctl", "-q", "-w", f"net.ipv4.conf.{iface}.{key}={value}"])
+    if shutil.which("iptables") is None:
+        return
+    policy = run(["iptables", "-S", "FORWARD"], check=False, quiet=True).stdout
+    rule = ["FORWARD", "-i", iface, "-o", iface, "-j", "ACCEPT"]
+    if "-P FORWARD DROP" in policy and run(["iptables", "-C", *rule], check=False, quiet=True).returncode != 0:
+        run(["iptables", "-I", *rule])

@@ -1,0 +1,131 @@
+"""The import contract of meshrun's layers (docs/ARCHITECTURE.md), checked on the source itself.
+
+- `meshrun.core` is pure: it imports nothing from meshrun.system, .mesh, .jobs, .cli, .lab,
+  .bench or .train.
+- Only `meshrun.system` runs processes, opens sockets or touches files: anywhere else, importing a
+  process/socket/database/lock module or calling a file or process function is a violation.
+- Every layer imports only the layers below it (system and core from everyone; mesh from jobs,
+  bench, lab and cli; nothing imports cli).
+
+The checker is a plain AST walk; `test_the_checker_catches_violations` proves it flags each rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "meshrun"
+
+# Modules that put the system within reach; only meshrun.system may import them.
+SIDE_EFFECT_MODULES = {"subprocess", "socket", "ssl", "sqlite3", "fcntl", "ctypes", "select", "selectors",
+                       "socketserver", "http.server", "http.client", "asyncio", "multiprocessing", "tarfile",
+                       "tempfile", "pty"}
+# Calls that touch files or processes: module functions and (by name) path/file methods.
+SIDE_EFFECT_CALLS = {"open", "os.open", "os.kill", "os.killpg", "os.fork", "os.execv", "os.execvp", "os.execvpe",
+                     "os.execve", "os.system", "os.popen", "os.replace", "os.rename", "os.remove", "os.unlink",
+                     "os.mkdir", "os.makedirs", "os.rmdir", "os.chmod", "os.fchmod", "os.pipe", "os.setsid",
+                     "os.waitpid", "os.symlink", "os.link", "os.truncate", "shutil.rmtree", "shutil.copy",
+                     "shutil.copy2", "shutil.copyfile", "shutil.copytree", "shutil.move"}
+SIDE_EFFECT_METHODS = {"read_text", "write_text", "read_bytes", "write_bytes", "unlink", "mkdir", "rmdir",
+                       "touch", "chmod", "symlink_to", "hardlink_to", "rename"}
+
+# Who may import whom (meshrun.errors and the package root are shared by all).
+ALLOWED = {
+    "core": {"core"},
+    "system": {"system", "core"},
+    "mesh": {"mesh", "system", "core"},
+    "jobs": {"jobs", "mesh", "system", "core"},
+    "train": {"train", "system", "core"},
+    "bench": {"bench", "jobs", "mesh", "system", "core"},
+    "lab": {"lab", "system", "core"},
+    "cli": {"cli", "lab", "bench", "train", "jobs", "mesh", "system", "core"},
+}
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "meshrun" and parts[1] in ALLOWED else None
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return ""
+
+
+def violations(source: str, module: str) -> list[str]:
+    """Every breach of the contract in `source`, the text of meshrun module `module`."""
+    layer = layer_of(module)
+    tree = ast.parse(source)
+    out: list[str] = []
+    in_system = layer == "system"
+    type_checking = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                     and _dotted(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in type_checking:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                names = [base] + [f"{base}.{a.name}" for a in node.names] if base == "meshrun" else [base]
+            for name in names:
+                if not in_system and (name in SIDE_EFFECT_MODULES or name.split(".")[0] in SIDE_EFFECT_MODULES):
+                    out.append(f"{module}:{node.lineno} imports {name} (only meshrun.system may)")
+                target = layer_of(name)
+                if layer and target and target not in ALLOWED[layer]:
+                    out.append(f"{module}:{node.lineno} imports {name} (meshrun.{layer} may not use "
+                               f"meshrun.{target})")
+        elif isinstance(node, ast.Call) and not in_system:
+            name = _dotted(node.func)
+            if name in SIDE_EFFECT_CALLS:
+                out.append(f"{module}:{node.lineno} calls {name}() (only meshrun.system may)")
+            elif isinstance(node.func, ast.Attribute) and node.func.attr in SIDE_EFFECT_METHODS:
+                out.append(f"{module}:{node.lineno} calls .{node.func.attr}() (only meshrun.system may)")
+    return out
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        out.append((".".join(rel.parts).removesuffix(".__init__"), path))
+    return out
+
+
+def test_every_module_belongs_to_a_layer():
+    loose = [m for m, _ in _modules() if layer_of(m) is None and m not in ("meshrun", "meshrun.__main__",
+                                                                            "meshrun.errors")]
+    assert loose == []
+
+
+@pytest.mark.parametrize("module, path", _modules(), ids=[m for m, _ in _modules()])
+def test_module_keeps_the_contract(module, path):
+    assert violations(path.read_text(), module) == []
+
+
+@pytest.mark.parametrize("module, source, needle", [
+    ("meshrun.core.x", "from meshrun.system import procs\n", "meshrun.core may not use meshrun.system"),
+    ("meshrun.core.x", "from meshrun.mesh.agent import AgentService\n", "may not use meshrun.mesh"),
+    ("meshrun.mesh.x", "import subprocess\n", "imports subprocess (only meshrun.system may)"),
+    ("meshrun.jobs.x", "from http.server import HTTPServer\n", "imports http.server"),
+    ("meshrun.mesh.x", "open('/etc/passwd')\n", "calls open()"),
+    ("meshrun.cli.x", "import os\nos.kill(1, 9)\n", "calls os.kill()"),
+    ("meshrun.lab.x", "from pathlib import Path\nPath('x').write_text('y')\n", "calls .write_text()"),
+    ("meshrun.mesh.x", "from meshrun.cli import app\n", "meshrun.mesh may not use meshrun.cli"),
+    ("meshrun.system.x", "from meshrun.jobs import runner\n", "meshrun.system may not use meshrun.jobs"),
+])
+def test_the_checker_catches_violations(module, source, needle):
+    found = violations(source, module)
+    assert any(needle in v for v in found), found
+
+
+def test_the_checker_allows_what_the_layers_may_do():
+    assert violations("import subprocess\nopen('x')\nfrom meshrun.core import peers\n", "meshrun.system.cmd") == []
+    assert violations("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import subprocess\n",
+                      "meshrun.lab.testbed") == []
+    assert violations("from meshrun.errors import UsageError\nimport re\n", "meshrun.core.x") == []
