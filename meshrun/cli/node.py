@@ -11,6 +11,22 @@ from meshrun.cli.app import Application, StateOpt, handled, root
 
 @root.command()
 @handled
+def leave(purge: Annotated[bool, typer.Option(help="Also delete this node's key and state.")] = False,
+          state_dir: StateOpt = None) -> None:
+    """Stop this node's agent and remove its interface (state stays unless --purge).
+
+    \b
+    Example:
+      meshrun leave --purge
+    """
+    from meshrun.mesh import node
+    app = Application.for_command(state_dir)
+    iface = node.leave(app.state, purge=purge)
+    app.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
+
+
+@root.command()
+@handled
 def join(token: Annotated[str, typer.Argument(help="The token printed by `meshrun init` or `token create`.")],
          name: Annotated[Optional[str], typer.Option(help="This node's name [default: hostname].")] = None,
          endpoint: Annotated[Optional[str], typer.Option(help="This node's own public HOST[:PORT], if it has one.")] = None,
@@ -34,19 +50,3 @@ def join(token: Annotated[str, typer.Argument(help="The token printed by `meshru
              f"({res.backend}, mtu {res.mtu})")
     if foreground:
         app.serve(foreground=True)
-
-
-@root.command()
-@handled
-def leave(purge: Annotated[bool, typer.Option(help="Also delete this node's key and state.")] = False,
-          state_dir: StateOpt = None) -> None:
-    """Stop this node's agent and remove its interface (state stays unless --purge).
-
-    \b
-    Example:
-      meshrun leave --purge
-    """
-    from meshrun.mesh import node
-    app = Application.for_command(state_dir)
-    iface = node.leave(app.state, purge=purge)
-    app.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))

@@ -20,8 +20,15 @@ DEFAULT_IFACE = "meshrun0"
 DEFAULT_RDZV_PORT = 29400
 
 
+class _Wire:
+    """A data shape that travels as JSON."""
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
-class Network:
+class Network(_Wire):
     """What every member knows about the network (nothing secret)."""
 
     name: str
@@ -40,15 +47,9 @@ class Network:
     def prefixlen(self) -> int:
         return ipaddress.ip_network(self.cidr).prefixlen
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["endpoints"] = list(self.endpoints)
-        return d
-
     @classmethod
     def from_dict(cls, d: dict) -> "Network":
-        if not isinstance(d, dict):
-            raise ValueError("network must be an object")
+        _object(d, "network")
         net = cls(
             name=_str(d, "name", NAME_RE), cidr=str(ipaddress.ip_network(_str(d, "cidr"))),
             interface=_str(d, "interface", IFACE_RE), listen_port=_port(d, "listen_port"),
@@ -60,7 +61,7 @@ class Network:
 
 
 @dataclass(frozen=True)
-class Member:
+class Member(_Wire):
     """A member as the coordinator describes it to others."""
 
     name: str
@@ -72,15 +73,9 @@ class Member:
     last_handshake: int = 0                   # with the coordinator, unix seconds (0 = never)
     path: str = ""                            # for the receiving node: private | public | relayed | ""
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["candidates"] = list(self.candidates)
-        return d
-
     @classmethod
     def from_dict(cls, d: dict) -> "Member":
-        if not isinstance(d, dict):
-            raise ValueError("member must be an object")
+        _object(d, "member")
         endpoint = d.get("endpoint")
         if endpoint is not None:
             endpoint = parse_endpoint(str(endpoint))
@@ -114,6 +109,11 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     """'host:port' or '[v6]:port' (as parse_endpoint returns it) -> (host without brackets, port)."""
     host, _, port = endpoint.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def _object(d: object, what: str) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be an object")
 
 
 def _str(d: dict, key: str, pattern: re.Pattern | None = None) -> str:

@@ -1,0 +1,130 @@
+"""meshrun.system.procs: readiness through a pipe, liveness and stop through the daemon lock, kill_tree.
+
+Real processes (the test's own Python), real flocks; every process is killed by the PID started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from meshrun.errors import MeshrunError, StateError
+from meshrun.system import procs
+
+# A daemon stand-in: takes the lock, says ready (or fails), then waits for SIGTERM.
+DAEMON = textwrap.dedent("""
+    import signal, sys, time
+    from pathlib import Path
+    from meshrun.errors import MeshrunError
+    from meshrun.system import procs
+    mode, lock_path = sys.argv[1], Path(sys.argv[2])
+    if mode == "fail":
+        procs.notify_error(MeshrunError("port 51821 is taken", "free it"))
+        sys.exit(3)
+    if mode == "silent":
+        time.sleep(60)
+    if mode == "exit":
+        sys.exit(5)
+    lock = procs.DaemonLock(lock_path).acquire()
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    procs.notify_ready()
+    time.sleep(60)
+""")
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "daemon.py"
+    path.write_text(DAEMON)
+    return path
+
+
+def spawn(script, tmp_path, mode: str, timeout: float = 30) -> int:
+    return procs.spawn_daemon([sys.executable, str(script), mode, str(tmp_path / "d.lock")], tmp_path / "d.out",
+                              timeout=timeout, what="the test daemon")
+
+
+def test_spawn_returns_once_ready_and_the_lock_names_the_daemon(script, tmp_path):
+    pid = spawn(script, tmp_path, "ok")
+    try:
+        lock = procs.DaemonLock(tmp_path / "d.lock")
+        assert procs.alive(pid) and lock.holder() == pid and lock.held()
+        assert oct((tmp_path / "d.out").stat().st_mode & 0o777) == "0o600"
+        assert lock.stop(timeout=5) is True
+        assert not procs.alive(pid) and lock.holder() is None
+        assert lock.stop() is False                     # nothing runs any more
+    finally:
+        procs.signal_pid(pid, signal.SIGKILL)
+
+
+def test_the_childs_own_error_reaches_the_caller(script, tmp_path):
+    with pytest.raises(MeshrunError) as exc:
+        spawn(script, tmp_path, "fail")
+    assert str(exc.value) == "port 51821 is taken; free it"
+
+
+def test_exit_before_ready_and_silence_past_the_deadline(script, tmp_path):
+    with pytest.raises(MeshrunError, match="the test daemon exited with code 5 before it was ready"):
+        spawn(script, tmp_path, "exit")
+    t0 = time.monotonic()
+    with pytest.raises(MeshrunError, match="the test daemon was not ready within 1 s"):
+        spawn(script, tmp_path, "silent", timeout=1)
+    assert time.monotonic() - t0 < 10      # and it was stopped, not waited for
+
+
+def test_stop_kills_a_daemon_that_ignores_sigterm(script, tmp_path):
+    pid = spawn(script, tmp_path, "stubborn")
+    try:
+        lock = procs.DaemonLock(tmp_path / "d.lock")
+        t0 = time.monotonic()
+        assert lock.stop(timeout=1) is True
+        assert not procs.alive(pid) and time.monotonic() - t0 < 8
+    finally:
+        procs.signal_pid(pid, signal.SIGKILL)
+
+
+def test_a_second_holder_is_refused_naming_the_first(script, tmp_path):
+    pid = spawn(script, tmp_path, "ok")
+    try:
+        with pytest.raises(StateError, match=f"already runs for {tmp_path} \\(pid {pid}\\)"):
+            procs.DaemonLock(tmp_path / "d.lock").acquire()
+    finally:
+        procs.DaemonLock(tmp_path / "d.lock").stop(timeout=5)
+
+
+def test_a_process_that_merely_looks_like_a_daemon_is_never_signalled(tmp_path):
+    """The old check trusted any PID whose command line said "meshrun"; the lock does not."""
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "meshrun", "daemon"])
+    try:
+        (tmp_path / "d.lock").write_text(f"{decoy.pid}\n")      # a stale pid in the lock file
+        lock = procs.DaemonLock(tmp_path / "d.lock")
+        assert lock.holder() is None and lock.stop() is False
+        assert decoy.poll() is None
+    finally:
+        decoy.kill()
+        decoy.wait()
+
+
+def test_kill_tree_stops_grandchildren_in_other_sessions(tmp_path):
+    code = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+            "print('up', flush=True); time.sleep(60)")
+    root = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert root.stdout.readline().strip() == "up"
+        tree = procs.descendants(root.pid)
+        assert len(tree) == 2
+        procs.kill_tree(root.pid, grace=2)
+        root.wait(5)
+        assert not any(procs.alive(p) for p in tree)
+    finally:
+        for p in procs.descendants(root.pid):
+            os.kill(p, signal.SIGKILL)
+        root.kill()
