@@ -1,39 +1,45 @@
-"""Wire formats for DiLoCo's pseudo-gradients that are averaged by ``all_gather``: int8 and FP4.
+"""Wire formats for DiLoCo's pseudo-gradients that are averaged by ``all_gather``: int8, FP4, int2.
 
 Each format turns a 1-D float tensor into one ``uint8`` payload (block scales first, then the
-codes) and back. A worker ``all_gather``s its payload, decodes every worker's contribution and
-averages them locally in rank order, so the sum never overflows a narrow integer type and every
-worker gets bit-identical results (see ``meshrun.train.diloco``).
+packed codes) and back. A worker ``all_gather``s its payload, decodes every worker's contribution
+and averages them locally in rank order, so the sum never overflows a narrow integer type and
+every worker gets bit-identical results (see ``meshrun.train.diloco``, which adds error feedback).
 
 - ``int8``: one fp32 scale per ``INT8_CHUNK`` (2048) elements, ``scale = absmax / 127``, round to
   nearest: ``n + 4 * ceil(n / 2048)`` bytes, error at most ``scale / 2`` per element.
 - ``fp4``: FP4 E2M1 (the element type of the OCP MX and NVIDIA NVFP4 formats: 1 sign, 2 exponent,
   1 mantissa bit; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), two codes per byte, one bf16 scale per
-  ``FP4_BLOCK`` (128) elements, ``scale = absmax / 6``, round to the nearest magnitude:
-  ``ceil(n / 2) + 2 * ceil(n / 128)`` bytes, 0.52 bytes per element. Why E2M1 rather than int4
-  (uniform levels -7..7 with the same block scale): pseudo-gradients are heavy-tailed, and a
-  float grid spends its levels near zero where most elements are. Relative squared error measured
-  on 2^20 samples with 128-element blocks: Gaussian int4 1.38 % vs E2M1 1.19 %, Laplace 2.58 % vs
-  1.47 %, Student-t(3) 4.80 % vs 2.17 %. The error is relative to each block's largest element,
-  so DiLoCo pairs it with error feedback. (Streaming DiLoCo, arXiv 2501.18512, sent E3M0: 4-bit
-  floats without mantissa; E2M1 has half its error on these distributions: 3.70 % Gaussian.)
+  ``FP4_BLOCK`` (128) elements, ``scale = absmax / 6``, round to the nearest grid value:
+  ``ceil(n / 2) + 2 * ceil(n / 128)`` bytes (0.516 per element). Why E2M1 rather than int4
+  (levels -7..7 with the same block scale): pseudo-gradients are heavy-tailed, and a float grid
+  spends its levels near zero where most elements are. Relative squared error measured on 2^20
+  samples, 128-element blocks: Gaussian int4 1.38 % vs E2M1 1.19 %, Laplace 2.58 % vs 1.47 %,
+  Student-t(3) 4.80 % vs 2.17 %. (Streaming DiLoCo, arXiv 2501.18512, sent E3M0, 4-bit floats
+  without mantissa: 3.70 % on the Gaussian.)
+- ``int2``: four levels -1.5, -0.5, 0.5, 1.5 times the block's RMS (the uniform 4-level
+  quantizer that is optimal for Gaussian data: 11.7 % relative squared error; absmax scaling
+  would give 30 %), values beyond clamp to +-1.5 RMS, four codes per byte, one bf16 scale per
+  ``INT2_BLOCK`` (128): ``ceil(n / 4) + 2 * ceil(n / 128)`` bytes (0.266 per element). Usable
+  only with error feedback, which carries what the clamp and the coarse grid leave out to the
+  next sync (as MuLoCo, arXiv 2505.23725, and SparseLoCo, arXiv 2508.15706, do with 2 bits).
 
-Non-finite input is kept non-finite (it reaches the scale), so the receiver's finite check
-catches a diverged worker instead of averaging garbage.
+An all-zero block decodes to zeros. Non-finite input reaches the scale, so the
+receiver's finite check catches a diverged worker instead of averaging garbage.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 INT8_CHUNK = 2048  # elements per int8 scale: 4 bytes of scale per 2048 bytes of payload (0.2 %)
 FP4_BLOCK = 128    # elements per fp4 scale: 2 bytes of scale per 64 bytes of codes (3 %)
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_MIDPOINTS = torch.tensor([(a + b) / 2 for a, b in zip(_E2M1, _E2M1[1:])])
-# code = sign << 3 | magnitude index; the table maps all 16 codes to values.
-_E2M1_TABLE = torch.tensor(list(_E2M1) + [-v for v in _E2M1])
+INT2_BLOCK = 128   # elements per int2 scale: 2 bytes of scale per 32 bytes of codes (6 %)
+_E2M1 = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_GRID = torch.tensor([-v for v in reversed(_E2M1)] + [0.0] + list(_E2M1))  # 15 values, codes 0..14
+INT2_GRID = torch.tensor([-1.5, -0.5, 0.5, 1.5])
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -64,35 +70,66 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, chunk: int = INT8_CHU
     return (_blocks(q, chunk) * scales[:, None]).view(-1)[:q.numel()]
 
 
+def quantize_grid(x: torch.Tensor, grid: torch.Tensor, scales: torch.Tensor, bits: int,
+                  block: int) -> torch.Tensor:
+    """Round ``x / scale`` (one scale per ``block`` elements) to the nearest value of the sorted ``grid``.
+
+    Returns the grid indices, ``8 // bits`` per byte (element ``i`` in bits ``bits * (i % per_byte)``
+    of byte ``i // per_byte``), as uint8 of ``ceil(len / per_byte)`` bytes. A zero scale (an
+    all-zero block) decodes to zeros whatever its codes.
+    """
+    rows = _blocks(x, block)
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    # Beyond the grid's ends values clamp to them (bucketize's first and last bucket).
+    codes = torch.bucketize(rows / safe[:, None], midpoints.to(x.device)).to(torch.uint8).view(-1)
+    per_byte = 8 // bits
+    n = x.numel()
+    codes = codes[:math.ceil(n / per_byte) * per_byte].view(-1, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device)
+    return (codes << shifts).sum(dim=1, dtype=torch.uint8) if per_byte > 1 else codes.view(-1)
+
+
+def dequantize_grid(packed: torch.Tensor, scales: torch.Tensor, n: int, grid: torch.Tensor, bits: int,
+                    block: int) -> torch.Tensor:
+    """Invert ``quantize_grid``: fp32 tensor of ``n`` elements."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = ((packed[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:n]
+    values = grid.to(packed.device)[codes.long()]
+    return (_blocks(values, block) * scales.float()[:, None]).view(-1)[:n]
+
+
 def quantize_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 1-D float tensor to FP4 E2M1 codes, two per byte, one bf16 scale per ``block``.
 
-    Returns ``(packed, scales)``: ``packed`` is uint8 of ``ceil(len / 2)`` bytes (element ``2i`` in
-    the low nibble), ``scales`` bf16 of ``ceil(len / block)`` entries (1 for an all-zero block).
-    Every element is within half a grid step of ``dequantize_fp4``'s result: at most
-    ``scale`` for the largest magnitudes (grid 4..6), ``scale / 4`` below 2.
+    Returns ``(packed, scales)``: ``packed`` is uint8 of ``ceil(len / 2)`` bytes, ``scales`` bf16
+    of ``ceil(len / block)`` entries (``absmax / 6``). Every element is within half a grid step of
+    ``dequantize_fp4``'s result: at most ``scale`` for the largest magnitudes (grid 4..6),
+    ``scale / 4`` below 2.
     """
-    rows = _blocks(x, block)
-    scales = (rows.abs().amax(dim=1) / _E2M1[-1]).to(torch.bfloat16)
-    # A zero (or bf16-underflowing) scale would divide by zero: such a block is all zeros after
-    # rounding anyway, and error feedback carries what it held to the next sync.
-    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    y = rows / scales.float()[:, None]
-    # Magnitudes past 6 (bf16 rounded the scale down) land in the last bucket: clamped to 6.
-    codes = torch.bucketize(y.abs(), _E2M1_MIDPOINTS.to(y.device)).to(torch.uint8)
-    codes |= (y < 0).to(torch.uint8) << 3
-    codes = codes.view(-1)
-    if codes.numel() % 2:
-        codes = torch.cat([codes, codes.new_zeros(1)])
-    packed = codes[0::2] | (codes[1::2] << 4)
-    return packed[:math.ceil(x.numel() / 2)], scales
+    scales = (_blocks(x, block).abs().amax(dim=1) / FP4_GRID[-1]).to(torch.bfloat16)
+    return quantize_grid(x, FP4_GRID, scales, 4, block), scales
 
 
 def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int = FP4_BLOCK) -> torch.Tensor:
     """Invert ``quantize_fp4``: fp32 tensor of ``n`` elements."""
-    codes = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:n]
-    values = _E2M1_TABLE.to(packed.device)[codes.long()]
-    return (_blocks(values, block) * scales.float()[:, None]).view(-1)[:n]
+    return dequantize_grid(packed, scales, n, FP4_GRID, 4, block)
+
+
+def quantize_int2(x: torch.Tensor, block: int = INT2_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 1-D float tensor to 2-bit codes (grid -1.5, -0.5, 0.5, 1.5 times the block's RMS).
+
+    Returns ``(packed, scales)``: uint8 of ``ceil(len / 4)`` bytes and bf16 scales, one per ``block``.
+    """
+    rows = _blocks(x, block)
+    counts = (x.numel() - block * torch.arange(rows.shape[0], device=x.device)).clamp(max=block)  # last one: padded
+    scales = (rows.pow(2).sum(dim=1) / counts).sqrt().to(torch.bfloat16)
+    return quantize_grid(x, INT2_GRID, scales, 2, block), scales
+
+
+def dequantize_int2(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int = INT2_BLOCK) -> torch.Tensor:
+    """Invert ``quantize_int2``: fp32 tensor of ``n`` elements."""
+    return dequantize_grid(packed, scales, n, INT2_GRID, 2, block)
 
 
 class GatherCodec:
@@ -103,36 +140,33 @@ class GatherCodec:
     payload back. ``payload_bytes(n)`` is the payload's length for ``n`` elements.
     """
 
-    def __init__(self, name: str, block: int, scale_dtype: torch.dtype, code_bytes: float) -> None:
-        self.name = name
-        self.block = block
-        self.scale_dtype = scale_dtype
+    def __init__(self, quantize: Callable, dequantize: Callable, block: int, scale_dtype: torch.dtype,
+                 bits: int) -> None:
+        self.quantize, self.dequantize = quantize, dequantize
+        self.block, self.scale_dtype, self.bits = block, scale_dtype, bits
         self.scale_size = torch.tensor([], dtype=scale_dtype).element_size()
-        self.code_bytes = code_bytes
 
     def _head(self, n: int) -> int:
         return self.scale_size * max(1, math.ceil(n / self.block))
 
     def payload_bytes(self, n: int) -> int:
-        return self._head(n) + math.ceil(n * self.code_bytes)
+        return self._head(n) + math.ceil(n * self.bits / 8)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.name == "int8":
-            codes, scales = quantize_int8(x, self.block)
-            approx = dequantize_int8(codes, scales, self.block)
-        else:
-            codes, scales = quantize_fp4(x, self.block)
-            approx = dequantize_fp4(codes, scales, x.numel(), self.block)
+        codes, scales = self.quantize(x, self.block)
         # Scales go first so the receiver's view of them starts at an aligned offset.
-        return torch.cat([scales.view(torch.uint8), codes.view(torch.uint8)]), approx
+        payload = torch.cat([scales.view(torch.uint8), codes.view(torch.uint8)])
+        return payload, self.decode(payload, x.numel())
 
     def decode(self, payload: torch.Tensor, n: int) -> torch.Tensor:
         head = self._head(n)
-        scales, codes = payload[:head].view(self.scale_dtype), payload[head:]
-        if self.name == "int8":
-            return dequantize_int8(codes.view(torch.int8), scales, self.block)
-        return dequantize_fp4(codes, scales, n, self.block)
+        codes = payload[head:].view(torch.int8) if self.bits == 8 else payload[head:]
+        return self.dequantize(codes, payload[:head].view(self.scale_dtype), n, self.block)
 
 
-CODECS = {"int8": GatherCodec("int8", INT8_CHUNK, torch.float32, 1.0),
-          "fp4": GatherCodec("fp4", FP4_BLOCK, torch.bfloat16, 0.5)}
+CODECS = {
+    "int8": GatherCodec(quantize_int8, lambda q, s, n, block: dequantize_int8(q, s, block),
+                        INT8_CHUNK, torch.float32, 8),
+    "fp4": GatherCodec(quantize_fp4, dequantize_fp4, FP4_BLOCK, torch.bfloat16, 4),
+    "int2": GatherCodec(quantize_int2, dequantize_int2, INT2_BLOCK, torch.bfloat16, 2),
+}

@@ -111,7 +111,7 @@ from meshrun.system.store import atomic_write
 from meshrun.train.compress import CODECS
 
 AUTO = "auto"
-COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp4")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp4", "int2")
 BUCKET_NUMEL = 1 << 24  # elements per collective (64 MiB of fp32); bounds the temporary memory
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _STATE_FORMAT = "meshrun.train.diloco/1"
@@ -182,8 +182,7 @@ class DiLoCo:
         fragments: F >= 1; F > 1 turns on Streaming DiLoCo (see the module docstring).
         overlap: tau, inner steps a fragment's sync runs in the background (0 <= tau < H / F);
             default 1 when F > 1 (0 when H / F is 1), else 0.
-        mixing: alpha in [0, 1), the weight of the local parameters in the merge; default 0.5
-            when tau > 0, else 0.
+        mixing: alpha in [0, 1), the weight of the local parameters in the merge (default 0).
         check_state: after each sync, compare a digest of the synced global state over the group.
         snapshot_dir: where this node keeps its snapshot for resuming after a restart; "auto":
             ``$MESHRUN_JOB_DIR/diloco`` when that is set, else none; None: no snapshots.
@@ -203,7 +202,7 @@ class DiLoCo:
         process_group: Any = None,
         fragments: int = 1,
         overlap: int | None = None,
-        mixing: float | None = None,
+        mixing: float = 0.0,
         check_state: bool = True,
         snapshot_dir: str | os.PathLike | None = AUTO,
     ) -> None:
@@ -235,8 +234,7 @@ class DiLoCo:
         if self.overlap >= self._period:
             raise UsageError(f"overlap={self.overlap} is not below sync_every / fragments = {self._period}",
                              "a fragment's sync must land before the next one starts: lower overlap")
-        self.mixing = _check_float("mixing", (0.5 if self.overlap else 0.0) if mixing is None else mixing,
-                                   0.0, 1.0, hi_open=True)
+        self.mixing = _check_float("mixing", mixing, 0.0, 1.0, hi_open=True)
         if process_group is not None and not (dist.is_available() and dist.is_initialized()):
             raise UsageError("process_group was given but torch.distributed is not initialized",
                              "call torch.distributed.init_process_group() first, or drop process_group")
