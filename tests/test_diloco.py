@@ -263,12 +263,13 @@ def _sc_member_before(rank: int, world: int) -> dict:
     """Three workers, 7 steps (syncs at steps 2, 4, 6; step 7 is lost by a restart). The last
     worker also keeps a copy of its snapshot after sync 2: a node that missed the newest sync."""
     base = Path(os.environ["DILOCO_NODES"])
+    (base / f"node{rank}").mkdir()
     model, opt = _member_opt(base / f"node{rank}")
     for s in range(7):
         _train(model, opt, range(s, s + 1), rank)
         if rank == world - 1 and opt.step_count == 4:
             (base / "stale").mkdir()
-            shutil.copy(base / f"node{rank}" / "worker0.pt", base / "stale" / "worker0.pt")
+            shutil.copy(base / f"node{rank}" / "diloco-worker0.pt", base / "stale" / "diloco-worker0.pt")
     return {"state": _member_state(model, opt), "resumed": opt.resumed}
 
 
@@ -339,9 +340,11 @@ def membership(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]
             for d in dirs:
                 if (nodes / d).exists():
                     shutil.copytree(nodes / d, nodes / f"{case}-{d}")
+                else:  # a new node: its job directory exists, without a snapshot
+                    (nodes / f"{case}-{d}").mkdir()
                 copies.append(f"{case}-{d}")
             if case == "diverged":
-                path = nodes / "diverged-node1" / "worker0.pt"
+                path = nodes / "diverged-node1" / "diloco-worker0.pt"
                 snap = torch.load(path, weights_only=True)
                 snap["shared"][0][0, 0] += 1e-3
                 torch.save(snap, path)
@@ -783,17 +786,22 @@ def test_snapshot_of_another_model_is_refused(tmp_path: Path) -> None:
     other = nn.Linear(3, 3)
     with pytest.raises(StateError, match="not for this model") as info:
         DiLoCo(other, torch.optim.SGD(other.parameters(), lr=0.1), sync_every=2, snapshot_dir=tmp_path)
-    assert str(tmp_path / "worker0.pt") in info.value.fix
-    (tmp_path / "worker0.pt").write_bytes(b"garbage")
+    assert str(tmp_path / "diloco-worker0.pt") in info.value.fix
+    (tmp_path / "diloco-worker0.pt").write_bytes(b"garbage")
     with pytest.raises(StateError, match="cannot read"):
         _member_opt(tmp_path)
+
+
+def test_snapshot_dir_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="is not a directory"):
+        _make(_mlp(0), snapshot_dir=tmp_path / "missing")
 
 
 def test_snapshot_dir_defaults_to_the_meshrun_job_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHRUN_JOB_DIR", str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "3")
     model = _mlp(0)
-    assert _make(model).snapshot_path == tmp_path / "diloco" / "worker3.pt"
+    assert _make(model).snapshot_path == tmp_path / "diloco-worker3.pt"
     assert _make(model, snapshot_dir=None).snapshot_path is None
     monkeypatch.delenv("MESHRUN_JOB_DIR")
     assert _make(model).snapshot_path is None

@@ -63,10 +63,10 @@ parameters and outer momentum (64-bit BLAKE2b of the raw bytes: bit-exact, about
 CPU core) and the digests are ``all_gather``ed; a worker that differs from the majority makes
 every worker raise ``StateError`` naming the ranks. ``verify_state()`` checks everything now.
 
-Membership changes (``snapshot_dir``, default ``$MESHRUN_JOB_DIR/diloco`` when meshrun runs the
+Membership changes (``snapshot_dir``, default ``$MESHRUN_JOB_DIR`` when meshrun runs the
 script, else off): torchrun restarts *every* worker of an elastic job when a node dies or joins,
 so in-memory state is gone. After every sync each worker writes a node-local snapshot
-(``worker{LOCAL_RANK}.pt``: global copy, outer momentum, buffers, counters, and its own inner
+(``diloco-worker{LOCAL_RANK}.pt``: global copy, outer momentum, buffers, counters, and its own inner
 optimizer state and error feedback). At construction the workers ``all_gather`` (sync count,
 digest of the snapshot); the lowest rank holding the newest snapshot sends global copy, outer
 momentum and buffers point-to-point to every worker whose snapshot is older, differs, or is
@@ -184,8 +184,9 @@ class DiLoCo:
             default 1 when F > 1 (0 when H / F is 1), else 0.
         mixing: alpha in [0, 1), the weight of the local parameters in the merge (default 0).
         check_state: after each sync, compare a digest of the synced global state over the group.
-        snapshot_dir: where this node keeps its snapshot for resuming after a restart; "auto":
-            ``$MESHRUN_JOB_DIR/diloco`` when that is set, else none; None: no snapshots.
+        snapshot_dir: an existing directory on this node where it keeps its snapshot for resuming
+            after a restart; "auto": ``$MESHRUN_JOB_DIR`` (the node's job directory, which
+            ``meshrun train`` sets) when that is set, else none; None: no snapshots.
 
     Construction is collective (every worker of the group must construct it). ``step()`` is
     collective at sync steps, ``sync_now()``, ``finish()`` and ``verify_state()`` always.
@@ -244,9 +245,11 @@ class DiLoCo:
         self.rank = dist.get_rank(process_group) if self._distributed else 0
         self.check_state = bool(check_state)
         if snapshot_dir == AUTO:
-            job_dir = os.environ.get("MESHRUN_JOB_DIR")
-            snapshot_dir = Path(job_dir) / "diloco" if job_dir else None
-        self.snapshot_path = (Path(snapshot_dir) / f"worker{os.environ.get('LOCAL_RANK', '0')}.pt"
+            snapshot_dir = os.environ.get("MESHRUN_JOB_DIR")
+        if snapshot_dir is not None and not Path(snapshot_dir).is_dir():
+            raise UsageError(f"snapshot_dir={str(snapshot_dir)!r} is not a directory",
+                             "create it first (one per node, on local disk), or pass snapshot_dir=None")
+        self.snapshot_path = (Path(snapshot_dir) / f"diloco-worker{os.environ.get('LOCAL_RANK', '0')}.pt"
                               if snapshot_dir is not None else None)
 
         self.model = model
@@ -520,7 +523,6 @@ class DiLoCo:
 
     def _write_snapshot(self) -> None:
         assert self.snapshot_path is not None
-        self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
         torch.save({
             "format": _SNAPSHOT_FORMAT,
