@@ -39,6 +39,7 @@ import re
 import secrets
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -86,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix", default=None, help="testbed namespace prefix [dlw + 4 random hex digits]")
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run before it is cancelled")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"result file [{DEFAULT_JSON.relative_to(REPO)}]")
+    p.add_argument("--local", action="store_true",
+                   help="no meshrun: torchrun in one namespace per worker on a shaped bridge (see LinkTarget)")
     p.add_argument("-v", "--verbose", action="store_true", help="stream every rank's output")
     args = p.parse_args(argv)
     if args.steps % args.sync_every:
@@ -131,25 +134,106 @@ def parse_final(line: str) -> dict:
     return out
 
 
-def out_bytes(world: World, dcs: list[str]) -> dict[str, int]:
-    """Bytes each datacenter's gateway forwarded LAN -> internet so far (what the worker sent)."""
-    return {dc: world.gateway_counters(dc)["forward_out_bytes"] for dc in dcs}
+class MeshrunTarget:
+    """The real thing: `meshrun train` on the coordinator of a testbed mesh; bytes at each DC's gateway."""
+
+    def __init__(self, world: World, mesh: Mesh, worker_dcs: list[str]) -> None:
+        self.world, self.mesh, self.worker_dcs = world, mesh, worker_dcs
+
+    def counters(self) -> dict[str, int]:
+        """Bytes each datacenter's gateway forwarded LAN -> internet so far (what the worker sent)."""
+        return {dc: self.world.gateway_counters(dc)["forward_out_bytes"] for dc in self.worker_dcs}
+
+    def start(self, script_argv: list[str]) -> list[subprocess.Popen]:
+        argv = ["train", "--no-sync", "--timeout", "120", SCRIPT, *script_argv]
+        say(f"meshrun {' '.join(argv)}  (cwd {EXAMPLES})")
+        # Not Mesh.meshrun_popen: it appends --state-dir after ARGS, where `meshrun train` hands it to the script.
+        coord = self.mesh.coordinator
+        return [coord.popen(self.mesh.python, "-m", "meshrun", argv[0], "--state-dir", str(self.mesh.state_dir(coord)),
+                            *argv[1:], cwd=str(EXAMPLES), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)]
 
 
-def run_variant(world: World, mesh: Mesh, args: argparse.Namespace, variant: str, worker_dcs: list[str]) -> dict:
-    """One `meshrun train` run on the coordinator; returns its measurements."""
-    argv = ["train", "--no-sync", "--timeout", "120", SCRIPT, *script_args(args, variant)]
-    say(f"{variant}: meshrun {' '.join(argv)}  (cwd {EXAMPLES})")
-    before = out_bytes(world, worker_dcs)
+class LinkTarget:
+    """--local: no meshrun; one network namespace per worker, each linked to a bridge in a hub namespace
+    by a veth pair shaped with tbf in both directions (the testbed's settings), torchrun in each.
+
+    No WireGuard, no NAT, no rendezvous server: it checks the training side (losses, payload bytes,
+    bytes on a shaped link, wall times) when the mesh cannot be built. Bytes: what each worker's
+    veth transmitted (IP and TCP headers included, WireGuard's 60 bytes per packet not).
+    """
+
+    def __init__(self, prefix: str, workers: int, rate_mbit: int, run_dir: Path) -> None:
+        self.hub = f"{prefix}hub"
+        self.ns = [f"{prefix}w{i}" for i in range(workers)]
+        self.rate_mbit = rate_mbit
+        self.run_dir = run_dir  # under it, a fresh MESHRUN_JOB_DIR per run and worker, as meshrun gives one per job
+        self.runs = 0
+
+    @staticmethod
+    def sh(*argv: str) -> str:
+        return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+    def __enter__(self) -> "LinkTarget":
+        try:
+            self.sh("ip", "netns", "add", self.hub)
+            self.sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            self.sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+            for i, ns in enumerate(self.ns):
+                self.sh("ip", "netns", "add", ns)
+                self.sh("ip", "link", "add", "veth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}",
+                        "netns", self.hub)
+                self.sh("ip", "-n", self.hub, "link", "set", f"p{i}", "master", "br0", "up")
+                self.sh("ip", "-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", "veth0")
+                self.sh("ip", "-n", ns, "link", "set", "veth0", "up")
+                self.sh("ip", "-n", ns, "link", "set", "lo", "up")
+                for where, dev in ((ns, "veth0"), (self.hub, f"p{i}")):  # upload, download
+                    self.sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                            "rate", f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "50ms")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        say(f"--local: {len(self.ns)} worker namespaces on a bridge, every link {self.rate_mbit} Mbit/s both ways")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in [*self.ns, self.hub]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def counters(self) -> dict[str, int]:
+        out = {}
+        for ns in self.ns:
+            info = json.loads(self.sh("ip", "-n", ns, "-j", "-s", "link", "show", "dev", "veth0"))
+            out[ns] = int(info[0]["stats64"]["tx"]["bytes"])
+        return out
+
+    def start(self, script_argv: list[str]) -> list[subprocess.Popen]:
+        procs = []
+        self.runs += 1  # a fresh port (no TIME_WAIT clash) and fresh job directories per run
+        for i, ns in enumerate(self.ns):
+            job_dir = self.run_dir / f"run{self.runs}" / ns
+            job_dir.mkdir(parents=True)
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "veth0", "MESHRUN_JOB_DIR": str(job_dir),
+                   "PYTHONPATH": str(REPO)}
+            argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
+                    "--nnodes", str(len(self.ns)), "--nproc-per-node", "1", "--node-rank", str(i),
+                    "--master-addr", "10.77.0.1", "--master-port", str(29500 + self.runs), SCRIPT, *script_argv]
+            if i == 0:
+                say(" ".join(argv[4:]) + f"  (one per namespace, cwd {EXAMPLES})")
+            procs.append(subprocess.Popen(argv, cwd=str(EXAMPLES), env=env, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        return procs
+
+
+def run_variant(target: MeshrunTarget | LinkTarget, args: argparse.Namespace, variant: str) -> dict:
+    """One training run of `variant` on `target`; returns its measurements."""
+    say(f"{variant}:")
+    before = target.counters()
     lines: list[str] = []
     t0 = time.monotonic()
-    # Not Mesh.meshrun_popen: it appends --state-dir after ARGS, where `meshrun train` hands it to the script.
-    coord = mesh.coordinator
-    proc = coord.popen(mesh.python, "-m", "meshrun", argv[0], "--state-dir", str(mesh.state_dir(coord)), *argv[1:],
-                       cwd=str(EXAMPLES), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
+    procs = target.start(script_args(args, variant))
 
-    def pump() -> None:
+    def pump(proc: subprocess.Popen) -> None:
         assert proc.stdout is not None
         for raw in proc.stdout:
             line = raw.rstrip("\n")
@@ -157,27 +241,32 @@ def run_variant(world: World, mesh: Mesh, args: argparse.Namespace, variant: str
             if args.verbose or " final " in line or "failed" in line:
                 print(f"  {line}", file=sys.stderr, flush=True)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        code = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        say(f"{variant}: still running after {args.timeout:.0f} s: cancelling (SIGTERM to pid {proc.pid})")
-        proc.terminate()  # meshrun train cancels the job on every node
+    readers = [threading.Thread(target=pump, args=(p,), daemon=True) for p in procs]
+    for r in readers:
+        r.start()
+    codes = []
+    for proc in procs:
         try:
-            code = proc.wait(timeout=30)
+            codes.append(proc.wait(timeout=max(1.0, args.timeout - (time.monotonic() - t0))))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
+            say(f"{variant}: still running after {args.timeout:.0f} s: cancelling (SIGTERM to pid {proc.pid})")
+            proc.terminate()  # meshrun train cancels the job on every node; torchrun stops its worker
+            try:
+                codes.append(proc.wait(timeout=30))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+    code = next((c for c in codes if c != 0), 0)
     wall = time.monotonic() - t0
-    reader.join(timeout=10)
-    after = out_bytes(world, worker_dcs)
+    for r in readers:
+        r.join(timeout=10)
+    after = target.counters()
     finals = [parse_final(line) for line in lines if FINAL_RE.search(line)]
     result = {
         "variant": variant,
         "exit_code": code,
         "wall_s": round(wall, 2),
-        "wire_bytes_per_worker": {dc: after[dc] - before[dc] for dc in worker_dcs},
+        "wire_bytes_per_worker": {k: after[k] - before[k] for k in after},
         "script_args": script_args(args, variant),
         "outer_steps_logged": sum(1 for line in lines if " outer_step " in line),
         "param_checksums": sorted({m.group(1) for m in re.finditer(r"param_checksum rank=\d+ sync=\d+ digest=(\w+)",
@@ -246,8 +335,11 @@ def verdict_text(t: dict) -> str:
 def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict]) -> tuple[str, str]:
     """(readable multi-line summary, one-line summary)."""
     params = next((r["params"] for r in res.values() if "params" in r), "?")
-    lines = [f"DiLoCo variants vs DDP over meshrun: {cfg['workers']} workers in {cfg['workers']} datacenters "
-             f"+ coordinator, every internet link {cfg['rate_mbit']} Mbit/s, wireguard-go overlay",
+    where = (f"--local: torchrun in {cfg['workers']} namespaces on a bridge, every link {cfg['rate_mbit']} Mbit/s "
+             "(no meshrun, no WireGuard)" if cfg["local"] else
+             f"over meshrun: {cfg['workers']} workers in {cfg['workers']} datacenters + coordinator, every internet "
+             f"link {cfg['rate_mbit']} Mbit/s, wireguard-go overlay")
+    lines = [f"DiLoCo variants vs DDP {where}",
              f"model: char GRU hidden {cfg['hidden']} ({params} params), {cfg['steps']} steps x "
              f"{cfg['batch_size']}x{cfg['seq_len']} tokens per worker ({cfg['tokens_total']:,} tokens in all), inner "
              f"AdamW lr {cfg['lr']}; DiLoCo H={cfg['sync_every']}, outer lr {cfg['outer_lr']} momentum "
@@ -289,23 +381,30 @@ def main(argv: list[str] | None = None) -> int:
     specs = [DatacenterSpec(COORD_DC, rate_mbit=args.rate_mbit)] + \
             [DatacenterSpec(dc, rate_mbit=args.rate_mbit) for dc in worker_dcs]
     cfg = {k: getattr(args, k) for k in ("workers", "rate_mbit", "steps", "sync_every", "hidden", "batch_size",
-                                         "seq_len", "lr", "threads", "outer_lr", "outer_momentum", "variants")}
+                                         "seq_len", "lr", "threads", "outer_lr", "outer_momentum", "variants", "local")}
     cfg["tokens_total"] = args.steps * args.batch_size * args.seq_len * args.workers
     load_at_start = os.getloadavg()[0]
     t_start = time.monotonic()
     results: dict[str, dict] = {}
-    with World(specs, prefix=args.prefix, log=say) as world:
-        mesh = Mesh(world, f"{COORD_DC}-a")
-        mesh.init()
-        for dc in worker_dcs:
-            mesh.join(f"{dc}-a")
-        for dc in worker_dcs:  # every worker reaches the coordinator and every other worker
-            for other in worker_dcs + [COORD_DC]:
-                if other != dc:
-                    mesh.wait_ping(f"{dc}-a", mesh.overlay_ip(f"{other}-a"), timeout=60)
-        say(f"mesh up: coordinator + {', '.join(worker_dcs)} ({time.monotonic() - t_start:.0f} s)")
-        for variant in args.variants:
-            results[variant] = run_variant(world, mesh, args, variant, worker_dcs)
+    if args.local:
+        with tempfile.TemporaryDirectory(prefix="diloco_wan.") as tmp, \
+                LinkTarget(args.prefix, args.workers, args.rate_mbit, Path(tmp)) as target:
+            for variant in args.variants:
+                results[variant] = run_variant(target, args, variant)
+    else:
+        with World(specs, prefix=args.prefix, log=say) as world:
+            mesh = Mesh(world, f"{COORD_DC}-a")
+            mesh.init()
+            for dc in worker_dcs:
+                mesh.join(f"{dc}-a")
+            for dc in worker_dcs:  # every worker reaches the coordinator and every other worker
+                for other in worker_dcs + [COORD_DC]:
+                    if other != dc:
+                        mesh.wait_ping(f"{dc}-a", mesh.overlay_ip(f"{other}-a"), timeout=60)
+            say(f"mesh up: coordinator + {', '.join(worker_dcs)} ({time.monotonic() - t_start:.0f} s)")
+            target = MeshrunTarget(world, mesh, worker_dcs)
+            for variant in args.variants:
+                results[variant] = run_variant(target, args, variant)
     comps = {}
     if {"ddp", "local"} <= set(results):
         comps = {v: compare(results["ddp"], results["local"], results[v])
