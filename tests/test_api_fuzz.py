@@ -25,6 +25,7 @@ import re
 import socket
 import tarfile
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import json_strategy
-from meshrun.core import keys
+from meshrun.core import auth, keys
 from meshrun.jobs import server as jobs
 from meshrun.mesh.coordinator.enrolment import RateLimiter
 from meshrun.mesh.coordinator.service import CoordinatorService
@@ -46,7 +47,7 @@ from meshrun.system.transport import JSONServer, Request, Response
 
 BUDGET = settings(max_examples=200, deadline=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-ALLOWED = {200, 400, 403, 404, 409, 410, 413, 429}
+ALLOWED = {200, 400, 401, 403, 404, 409, 410, 413, 429}
 CIDR = "10.213.0.0/16"
 COORD_IP = "10.213.0.1"
 
@@ -88,6 +89,7 @@ def _make_state(path: Path) -> tuple[StateDir, dict]:
     state.write("private.key", priv + "\n", secret=True)
     state.write("tls.key", tls_key, secret=True)
     state.write("tls.crt", cert)
+    state.write("job.key", auth.encode_key(bytes(32)) + "\n", secret=True)
     db = CoordinatorDB.create(state / "coordinator.db")
     db.set_meta(network=json.dumps(net.to_dict()))
     db.add_coordinator("coordinator", net.coordinator_public_key, net.coordinator_ip)
@@ -338,31 +340,34 @@ def test_sync_non_finite_numbers_are_a_400_not_a_500(coord, body):
 
 # --------------------------------------------------------------------------- agent job API
 
-class FakeJob:
-    """Stands in for jobs.Job: records the request, never runs anything."""
+JOB_KEY = bytes(range(32))
 
-    started: list = []
 
-    def __init__(self, job_id, argv, env, cwd, job_dir):
-        FakeJob.started.append((job_id, list(argv), dict(env), Path(cwd), Path(job_dir)))
-        self.proc = types.SimpleNamespace(poll=lambda: 0, returncode=0)
+class FakeStart:
+    """Stands in for meshrun.jobs.share.start_share: records the request, never runs anything."""
 
-    def cancel(self):
-        pass
+    def __init__(self):
+        self.started: list = []
 
-    def stream(self):
-        yield {"type": "exit", "code": 0, "cancelled": False, "failures": []}
+    def __call__(self, job_dir, node, argv, env, cwd):
+        self.started.append((Path(job_dir.path), list(argv), dict(env), cwd))
+        return 4242
 
 
 @pytest.fixture
 def job_server(tmp_path):
-    FakeJob.started = []
     state = tmp_path / "node-state"
     state.mkdir()
     network = types.SimpleNamespace(coordinator_ip=COORD_IP, api_port=51821, interface="meshrun0")
-    api = jobs.JobAPI(state / "jobs", network, "dc2-a", launch=FakeJob)
+    api = jobs.JobAPI(state / "jobs", network, "dc2-a", JOB_KEY, start=FakeStart())
     api.state_path = state
     return api
+
+
+def signed(method: str, path: str, caller: str, body=None, raw: bytes = b"", key: bytes = JOB_KEY) -> Request:
+    """A request as `meshrun train` sends it: the body's bytes under a MAC of `key`."""
+    data = raw if raw else (json.dumps(body).encode() if body is not None else b"")
+    return Request(method, path, caller, body, data, {"Authorization": auth.sign(key, method, path, data, time.time())})
 
 
 def _tar(members: list[tuple[str, bytes, str]]) -> bytes:
@@ -397,7 +402,7 @@ tar_names = st.sampled_from(["train.py", "pkg/mod.py", "../escape.py", "/etc/evi
 def test_job_api_handler(job_server, data):
     caller = data.draw(st.sampled_from([COORD_IP, COORD_IP, COORD_IP, "10.213.0.3", "203.0.113.5"]))
     job_id = data.draw(job_ids)
-    action = data.draw(st.sampled_from(["code", "run", "cancel", "other"]))
+    action = data.draw(st.sampled_from(["code", "start", "output", "cancel", "other"]))
     path = data.draw(st.sampled_from([f"/v1/jobs/{job_id}/{action}", "/v1/health"]) | paths)
     method = data.draw(st.sampled_from(["POST", "POST", "GET"]) | methods)
     raw, body = b"", None
@@ -409,28 +414,38 @@ def test_job_api_handler(job_server, data):
         body = data.draw(st.one_of(json_values, st.fixed_dictionaries(
             {"argv": st.lists(st.text(max_size=10), max_size=3) | json_values},
             optional={"env": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3) | json_values,
-                      "cwd": st.sampled_from([None, "", "/nonexistent-dir", "/tmp", "a\x00b"]) | json_values})))
-    before = set(job_server.jobs_dir.parent.parent.rglob("*")) if job_server.jobs_dir.exists() else set()
-    resp = dispatch(job_server.handle, Request(method, path, caller, body, raw))
+                      "cwd": st.sampled_from([None, "", "/nonexistent-dir", "/tmp", "a\x00b"]) | json_values,
+                      "offset": st.integers(-5, 10**30) | json_values, "wait": st.floats() | json_values})))
+    key = data.draw(st.sampled_from(["right", "right", "right", "wrong", "none"]))
+    if key == "none":
+        req = Request(method, path, caller, body, raw if raw else (json.dumps(body).encode() if body is not None
+                                                                      else b""))
+    else:
+        req = signed(method, path, caller, body, raw, JOB_KEY if key == "right" else bytes(32))
+    before = set(job_server.state_path.rglob("*"))
+    starts = len(job_server.start.started)
+    resp = dispatch(job_server.handle, req)
     assert resp.status in ALLOWED
     if caller != COORD_IP:
         assert resp.status == 403
-    # Nothing is ever written outside the jobs directory.
+    elif key != "right":
+        assert resp.status == 401
+    # Nothing is ever written outside the jobs directory, and nothing without a valid MAC.
     root = job_server.state_path
-    after = set(root.parent.rglob("*"))
+    after = set(root.rglob("*"))
     for p in after - before:
-        assert p == root or _inside(p, root / "jobs"), f"{p} written outside {root / 'jobs'}"
-    for job_id_, argv, env, cwd, job_dir in FakeJob.started:
+        assert key == "right" and _inside(p, root / "jobs"), f"{p} written outside {root / 'jobs'}"
+    for job_dir, argv, env, cwd in job_server.start.started:
         assert _inside(job_dir, root / "jobs") and job_dir != (root / "jobs").resolve(), job_dir
-    if resp.stream is not None:
-        assert [e["type"] for e in resp.stream] == ["exit"]
+    if key != "right":
+        assert len(job_server.start.started) == starts, "a share started without a valid MAC"
 
 
 @pytest.mark.parametrize("job_id", [".", ".."])
 def test_job_ids_cannot_name_the_jobs_dir_or_its_parent(job_server, job_id):
     """POST /v1/jobs/../code must not unpack (and first rmtree!) <state>/code outside jobs/."""
     blob = _tar([("train.py", b"print(1)", "file")])
-    resp = dispatch(job_server.handle, Request("POST", f"/v1/jobs/{job_id}/code", COORD_IP, None, blob))
+    resp = dispatch(job_server.handle, signed("POST", f"/v1/jobs/{job_id}/code", COORD_IP, raw=blob))
     assert resp.status == 400
     root = job_server.state_path
     assert not (root / "code").exists() and not (root / "jobs" / "code").exists()

@@ -29,7 +29,7 @@ def expected_argv(ip: str, nproc: str, nnodes: str = "3") -> tuple[str, ...]:
     return ("python3", "-m", "torch.distributed.run",
             "--nnodes", nnodes,
             "--nproc-per-node", nproc,
-            "--rdzv-backend", "c10d",
+            "--rdzv-backend", "meshrun",
             "--rdzv-endpoint", "10.77.0.1:29400",
             "--rdzv-id", "exp7",
             "--rdzv-conf", "is_host=0,join_timeout=900",
@@ -65,18 +65,20 @@ def test_env_pins_nccl_and_gloo_to_the_overlay_exactly():
     assert gpu.env["PYTHONUNBUFFERED"] == "1"
     assert gpu.env["MESHRUN_NODE_NAME"] == "dc1-gpu0"
     assert cpu.env["GLOO_SOCKET_IFNAME"] == "wg7" and cpu.env["MESHRUN_NODE_NAME"] == "dc3-cpu"
+    # The rendezvous plugin binds the agent's store to this interface; the bench binds to this address.
+    assert gpu.env["MESHRUN_INTERFACE"] == "wg7" and gpu.env["MESHRUN_OVERLAY_IP"] == "10.77.0.2"
     # Pinned on CPU nodes too: an uncounted GPU must not make NCCL pick the underlay.
     assert cpu.env["NCCL_SOCKET_IFNAME"] == "=wg7"
 
 
 def test_user_env_wins_except_node_name():
     user = {"NCCL_SOCKET_IFNAME": "=eth1", "NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth1",
-            "MESHRUN_NODE_NAME": "liar"}
+            "MESHRUN_NODE_NAME": "liar", "MESHRUN_INTERFACE": "eth1"}
     p = launch.plan(NODES[:1], opts(), user)[0]
     assert p.env["NCCL_SOCKET_IFNAME"] == "=eth1"
     assert p.env["GLOO_SOCKET_IFNAME"] == "eth1"
     assert p.env["NCCL_DEBUG"] == "INFO"
-    assert p.env["MESHRUN_NODE_NAME"] == "dc1-gpu0"
+    assert p.env["MESHRUN_NODE_NAME"] == "dc1-gpu0" and p.env["MESHRUN_INTERFACE"] == "meshrun0"
 
 
 def test_user_socket_threads_keep_the_product_within_64():

@@ -1,37 +1,46 @@
-"""Train's launch planning (pure: no network, no root)."""
+"""A job's plan and shipped directory come from the job's own cwd, never the process's (no network, no root)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from meshrun.core.model import Member, Network
-from meshrun.jobs.runner import Console, Train, TrainRequest
+import pytest
+
+from meshrun.core.jobs import JobSpec
+from meshrun.core.model import Network
+from meshrun.errors import UsageError
+from meshrun.jobs.supervisor import code_dir, plan
 
 NET = Network(name="t", cidr="10.213.0.0/16", interface="meshrun0", listen_port=51820, mtu=1420,
               coordinator_ip="10.213.0.1", coordinator_public_key="A" * 43 + "=", endpoints=("192.0.2.1:51820",),
               fingerprint="0" * 64)
-MEMBERS = [Member("coord", "C" * 43 + "=", "10.213.0.1", is_coordinator=True),
-           Member("n1", "B" * 43 + "=", "10.213.0.2")]
+READY = [("n1", "10.213.0.2", {"gpus": 0, "python": "/opt/py/bin/python"})]
 
 
-def plan_script(tmp_path: Path, monkeypatch, script: str, **kw) -> list[str]:
+@pytest.fixture
+def tree(tmp_path, monkeypatch):
+    (tmp_path / "code" / "sub").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "code" / "sub" / "train.py").write_text("print(1)\n")
     monkeypatch.chdir(tmp_path / "elsewhere")
-    train = Train(NET, MEMBERS, TrainRequest(script=script, **kw), Console(), cwd=tmp_path / "code")
-    (plan,) = train.plan([(MEMBERS[1], {"gpus": 0, "python": "python3"})])
-    return list(plan.argv)
+    return tmp_path
 
 
-def test_shipped_script_is_resolved_against_the_job_cwd_not_the_process_cwd(tmp_path, monkeypatch):
-    (tmp_path / "code" / "sub").mkdir(parents=True)
-    (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "code" / "sub" / "train.py").write_text("print(1)\n")
-    argv = plan_script(tmp_path, monkeypatch, "sub/train.py")
-    # The code directory is shipped as the job's working directory: the script runs by its base name.
-    assert "train.py" in argv and "sub/train.py" not in argv
+def test_shipped_script_runs_by_its_base_name_from_the_shipped_directory(tree):
+    spec = JobSpec("j1", "sub/train.py", cwd=str(tree / "code"))
+    assert code_dir(spec) == tree / "code" / "sub"
+    (p,) = plan(spec, NET, READY, 29401)
+    assert "train.py" in p.argv and "sub/train.py" not in p.argv
+    assert p.argv[0] == "/opt/py/bin/python"                  # the node agent's interpreter
+    assert "--rdzv-endpoint" in p.argv and p.argv[p.argv.index("--rdzv-endpoint") + 1] == "10.213.0.1:29401"
 
 
-def test_no_sync_keeps_the_path_as_given(tmp_path, monkeypatch):
-    (tmp_path / "code" / "sub").mkdir(parents=True)
-    (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "code" / "sub" / "train.py").write_text("print(1)\n")
-    assert "sub/train.py" in plan_script(tmp_path, monkeypatch, "sub/train.py", no_sync=True)
+def test_no_sync_keeps_the_path_as_given(tree):
+    (p,) = plan(JobSpec("j1", "sub/train.py", cwd=str(tree / "code"), no_sync=True), NET, READY, 29401)
+    assert "sub/train.py" in p.argv
+
+
+def test_a_missing_script_is_named_with_the_jobs_directory(tree):
+    with pytest.raises(UsageError, match=f"script 'nope.py' not found in {tree / 'code'}"):
+        code_dir(JobSpec("j1", "nope.py", cwd=str(tree / "code")))
+    assert code_dir(JobSpec("j1", "pkg.mod", cwd=str(tree / "code"), module=True)) == tree / "code"

@@ -11,6 +11,7 @@ import pytest
 
 from meshrun.core import keys
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, TokenError, UsageError
+from meshrun.system.frontdoor import FrontDoor
 from meshrun.system.transport import MAX_JSON, JSONServer, Request, Response, call, server_tls_context, stream
 
 
@@ -57,8 +58,8 @@ def tls_files(tmp_path):
     return str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), keys.cert_fingerprint(cert)
 
 
-def _serve(handler, ctx=None, **kw):
-    srv = JSONServer(("127.0.0.1", 0), handler, ssl_context=ctx, **kw)
+def _serve(handler, **kw):
+    srv = JSONServer(("127.0.0.1", 0), handler, **kw)
     # Like srv.start(), with a short poll so that shutdown() in teardown is quick.
     threading.Thread(target=srv.serve_forever, args=(0.02,), daemon=True).start()
     return srv
@@ -66,10 +67,10 @@ def _serve(handler, ctx=None, **kw):
 
 @pytest.fixture
 def tls_server(handler, tls_files):
-    srv = _serve(handler, server_tls_context(tls_files[0], tls_files[1]))
+    srv = FrontDoor(("127.0.0.1", 0), handler, server_tls_context(tls_files[0], tls_files[1]))
+    srv.start()
     yield srv, tls_files[2]
     srv.shutdown()
-    srv.server_close()
 
 
 @pytest.fixture
@@ -99,7 +100,7 @@ class TestPinnedTLS:
     def test_right_fingerprint(self, tls_server, handler):
         srv, fp = tls_server
         assert call("127.0.0.1", port_of(srv), "POST", "/echo", {"a": 1}, fingerprint=fp) == {
-            "method": "POST", "body": {"a": 1}, "raw": "", "client_ip": "127.0.0.1"}
+            "method": "POST", "body": {"a": 1}, "raw": '{"a": 1}', "client_ip": "127.0.0.1"}
         assert len(handler.requests) == 1
 
     def test_wrong_fingerprint_never_sends_the_body(self, tls_server, handler):

@@ -20,7 +20,7 @@ SLOW_FRACTION = 0.5           # a pair below this fraction of the median bandwid
 DEFAULT_SIZES = "1M,4M,16M,64M"
 DEFAULT_DURATION = 2.0
 DEFAULT_STREAMS = 4
-PROGRESS_MARKS = ("] pair ", "] all_reduce ", "meshrun: job")
+PROGRESS_MARKS = ("] pair ", "] all_reduce ", "meshrun: ")
 RESULT_MARK = "MESHRUN_BENCH_RESULT "    # rank 0 of the bench job prints its result after this
 
 

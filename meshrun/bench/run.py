@@ -9,47 +9,37 @@ overlay), so the numbers describe the path training takes. Rank 0 prints one res
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
 from meshrun.bench.report import (DEFAULT_SIZES, DEFAULT_STREAMS, PROGRESS_MARKS, RESULT_MARK, auto_duration,
                                   summarize, worker_args)
 from meshrun.errors import LaunchError, UsageError
-from meshrun.jobs import runner
+from meshrun.jobs import control, runner
 from meshrun.mesh import status
 from meshrun.mesh.coordinator import admin
 
 
 class _Capture:
-    """A runner.Console stand-in: keeps the worker's output, picks out the result line."""
+    """Keeps the bench job's output, picks out the result line, echoes progress lines."""
 
     def __init__(self, echo=None) -> None:
-        self.lock = threading.Lock()
         self.lines: list[str] = []
         self.result: dict | None = None
         self.echo = echo
 
-    def line(self, text: str, err: bool = False) -> None:
-        with self.lock:
-            if RESULT_MARK in text:
-                try:
-                    self.result = json.loads(text.split(RESULT_MARK, 1)[1])
-                    return
-                except ValueError:
-                    pass
-            self.lines.append(text)
-            # Progress only (pair results, sizes done, job start/end): torch's warnings stay in the
-            # buffer and are shown if the job fails.
-            if self.echo and any(k in text for k in PROGRESS_MARKS):
-                self.echo(text)
-
-    def status(self, text: str) -> None:
-        if self.echo:
+    def line(self, text: str) -> None:
+        if RESULT_MARK in text:
+            try:
+                self.result = json.loads(text.split(RESULT_MARK, 1)[1])
+                return
+            except ValueError:
+                pass
+        self.lines.append(text)
+        # Progress only (pair results, sizes done, the job's own lines): torch's warnings stay in
+        # the buffer and are shown if the job fails.
+        if self.echo and any(k in text for k in PROGRESS_MARKS):
             self.echo(text)
-
-    def end_status(self) -> None:
-        pass
 
 
 def run(state, *, sizes: str = DEFAULT_SIZES, duration: float | None = None, streams: int = DEFAULT_STREAMS,
@@ -62,25 +52,24 @@ def run(state, *, sizes: str = DEFAULT_SIZES, duration: float | None = None, str
     Raises LaunchError with the workers' last output when the job fails.
     """
     t0 = time.monotonic()
-    network, members = admin.members(state)
+    _, members = admin.members(state)
     n_nodes = len([m for m in members if not m.is_coordinator and (not nodes or m.name in nodes)])
+    if n_nodes < 2:
+        raise UsageError(f"meshrun bench needs at least 2 nodes, the network has {n_nodes}",
+                         "join more nodes with `meshrun join TOKEN`")
     budget = 3.0 if n_nodes <= 4 else 2.0
     if duration is None:
         duration = auto_duration(n_nodes)
     args = worker_args(sizes, duration, streams, iters, budget)
-    req = runner.TrainRequest(script="meshrun.bench.worker", script_args=args, nodes=nodes,
-                              nproc_per_node=nproc_per_node, wait_timeout=wait_timeout, no_sync=True,
-                              env=dict(env or {}), job_id=runner.new_job_id("bench"), module=True)
+    spec = runner.TrainRequest(script="meshrun.bench.worker", script_args=args, nodes=nodes,
+                               nproc_per_node=nproc_per_node, wait_timeout=wait_timeout, no_sync=True,
+                               env=dict(env or {}), job_id=runner.new_job_id("bench"), module=True).spec(Path("/"))
+    runner.check(state, spec)
     cap = _Capture(echo)
-
-    job = runner.Train(network, members, req, cap, cwd=Path("/"))
-    if len(job.nodes) < 2:
-        raise UsageError(f"meshrun bench needs at least 2 nodes, the network has {len(job.nodes)}",
-                         "join more nodes with `meshrun join TOKEN`")
-    code = job.run()
-    if code != 0 or cap.result is None:
+    rec = control.follow(state, control.submit(state, spec), lambda line, ours: cap.line(line))
+    if rec.exit_code != 0 or cap.result is None:
         tail = "\n".join(cap.lines[-15:])
-        raise LaunchError(f"the benchmark job failed (exit code {code}); last output:\n{tail}",
+        raise LaunchError(f"the benchmark job failed ({rec.message or rec.state}); last output:\n{tail}",
                           "check `meshrun status` and that every node can run `meshrun train`")
     labels = status.pair_labels(state)
     for pair in cap.result.get("pairs", []):

@@ -49,10 +49,12 @@ class Application:
         raise typer.Exit(code)
 
     def serve(self, foreground: bool) -> None:
-        """Run this member's daemon in this process, with the job API beside a node's agent."""
+        """Run this member's daemon in this process: the job API beside a node's agent, job control
+        beside the coordinator."""
+        from meshrun.jobs.control import start_job_control
         from meshrun.jobs.server import start_job_server
         from meshrun.mesh.serve import serve
-        serve(self.state, foreground, node_extensions=[start_job_server])
+        serve(self.state, foreground, node_extensions=[start_job_server], coordinator_extensions=[start_job_control])
 
 
 def abort(err: MeshrunError) -> NoReturn:

@@ -25,6 +25,7 @@ def init(
     network: Annotated[str, typer.Option(help="Network name.")] = "meshrun",
     ttl: Annotated[str, typer.Option(help="Lifetime of the first join token.")] = "12h",
     uses: Annotated[Optional[int], typer.Option(help="How many joins the first token allows [unlimited].")] = None,
+    train: Annotated[bool, typer.Option("--train", help="This machine also trains: a share of every job.")] = False,
     foreground: Annotated[bool, typer.Option(help="Run the coordinator in this process (for systemd).")] = False,
     state_dir: StateOpt = None,
 ) -> None:
@@ -40,7 +41,7 @@ def init(
     from meshrun.mesh.coordinator import setup
     app = Application.for_command(state_dir)
     opts = setup.InitOptions(endpoint=endpoint, cidr=cidr, port=port, interface=interface, mtu=mtu,
-                             name=network, token_ttl=ttl, token_uses=uses)
+                             name=network, token_ttl=ttl, token_uses=uses, train=train)
     res = setup.init(opts, app.state, start=not foreground)
     net = res.network
     app.echo(f"network {net.name}: {net.cidr}, coordinator {net.coordinator_ip} on {net.interface} ({res.backend})")
@@ -80,8 +81,12 @@ def down(purge: Annotated[bool, typer.Option(help="Also delete the network's sta
     Example:
       meshrun down            # `meshrun up` starts it again with every member kept
     """
+    from meshrun.jobs import control
     from meshrun.mesh import member
     app = Application.for_command(state_dir)
+    for rec in control.list_jobs(app.state) if app.state.exists else []:
+        if not rec.final and control.cancel(app.state, rec.job_id):
+            app.echo(f"cancelled job {rec.job_id} (the overlay it runs on is going away)")
     iface = member.take_down(app.state, "coordinator", purge=purge)
     app.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
 

@@ -1,13 +1,19 @@
-"""Commands that run work on the nodes: train."""
+"""Commands that run work on the nodes: train, jobs, logs, cancel."""
 
 from __future__ import annotations
 
+import json
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from meshrun.cli.app import Application, StateOpt, handled, root
+from meshrun.cli.app import Application, JsonOpt, StateOpt, handled, root
+
+JobArg = Annotated[str, typer.Argument(help="A job id (see `meshrun jobs`).")]
 
 
 @root.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True,
@@ -29,9 +35,11 @@ def train(
     module: Annotated[bool, typer.Option("--module", help="SCRIPT is a module name, run as python -m SCRIPT.")] = False,
     no_sync: Annotated[bool, typer.Option("--no-sync", help="Do not ship code: it already is at this path on every node.")] = False,
     sync_limit: Annotated[Optional[int], typer.Option(help="Most MiB of code to ship. [50]")] = None,
+    with_coordinator: Annotated[bool, typer.Option("--with-coordinator", help="The coordinator takes a share too.")] = False,
+    detach: Annotated[bool, typer.Option("--detach", help="Print the job id once it started and return.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each node's command and environment, run nothing.")] = False,
     local: Annotated[bool, typer.Option("--local", help="Run only this node's share (you start every node yourself).")] = False,
-    job_id: Annotated[Optional[str], typer.Option(help="Rendezvous id (needed with --local; same on every node).")] = None,
+    job_id: Annotated[Optional[str], typer.Option(help="The job's id [SCRIPT-DATE-TIME-RANDOM]; needed with --local.")] = None,
     python: Annotated[Optional[str], typer.Option(help="Python interpreter on the nodes [the agent's].")] = None,
     state_dir: StateOpt = None,
 ) -> None:
@@ -43,12 +51,14 @@ def train(
       meshrun train train.py --epochs 3
       meshrun train --nnodes 2 --nproc-per-node 4 train.py --epochs 3
       meshrun train --config job.toml                 # options from a job file
+      meshrun train --detach train.py                 # then: meshrun logs -f JOB
       meshrun train --dry-run train.py
       meshrun train --local --nnodes 2 --job-id exp7 train.py     # on each node, e.g. from a batch job
-    Exits with the first failing rank's exit code; Ctrl-C stops the job on every node.
+    The job belongs to the coordinator, not to this terminal: closing it leaves the job running.
+    Ctrl-C cancels the job on every node (as torchrun does). Exits with the job's exit code.
     """
     from meshrun.core import jobfile
-    from meshrun.jobs import runner
+    from meshrun.jobs import control, runner
     from meshrun.system.store import read_user_file
     app = Application.for_command(state_dir)
     cli = {"script": script, "script_args": list(ctx.args) if script is not None else None, "nnodes": nnodes,
@@ -56,7 +66,122 @@ def train(
            "nodes": [n.strip() for n in nodes.split(",") if n.strip()] if nodes else None,
            "wait_timeout": timeout, "rdzv_timeout": rdzv_timeout, "module": module, "no_sync": no_sync,
            "sync_limit_mb": sync_limit, "dry_run": dry_run, "env": runner.parse_env_pairs(env or []),
-           "job_id": job_id, "python": python}
+           "job_id": job_id, "python": python, "with_coordinator": with_coordinator, "detach": detach}
     from_file = jobfile.parse(read_user_file(config, "job file", "--config"), f"job file {str(config)!r}") if config else {}
     req = runner.TrainRequest(**jobfile.merge(from_file, cli))
-    app.exit(runner.train_local(app.state, req) if local else runner.train(app.state, req))
+    if local:
+        app.exit(runner.train_local(app.state, req))
+    spec = req.spec(Path.cwd())
+    if req.dry_run:
+        for line in runner.dry_run(app.state, spec):
+            app.echo(line)
+        return
+    runner.check(app.state, spec)
+    job = control.submit(app.state, spec)
+    if req.detach:
+        app.echo(job)
+        return
+    app.echo(f"meshrun: job {job} submitted. Ctrl-C cancels it on every node (as with torchrun); if this "
+             f"terminal closes, the job keeps running: `meshrun logs -f {job}`, `meshrun cancel {job}`", err=True)
+    app.exit(_follow(app, job, cancel_on_interrupt=True).exit_code or 0)
+
+
+def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | None = None,
+            rank: int | None = None):
+    """Print the job as it runs until it ends; Ctrl-C cancels it (train) or stops following (logs)."""
+    from meshrun.jobs import control
+    stop = threading.Event()
+
+    def interrupted(*_) -> None:
+        if not cancel_on_interrupt:
+            stop.set()
+            return
+        app.echo(f"meshrun: cancelling job {job} on every node ...", err=True)
+        threading.Thread(target=control.cancel, args=(app.state, job), daemon=True).start()
+
+    old = signal.signal(signal.SIGINT, interrupted)
+    try:
+        rec = control.follow(app.state, job, lambda line, ours: app.echo(line, err=ours), node, rank, stop=stop)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if stop.is_set():
+        app.echo(f"meshrun: stopped following job {job} (it goes on: `meshrun logs -f {job}`)", err=True)
+        app.exit(0)
+    return rec
+
+
+@root.command()
+@handled
+def jobs(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+    """List the jobs on this coordinator: id, state, nodes, ranks, started, duration, exit.
+
+    \b
+    Examples:
+      meshrun jobs
+      meshrun jobs --json | jq '.[] | select(.state == "running")'
+    """
+    from meshrun.jobs import control
+    app = Application.for_command(state_dir)
+    recs = control.list_jobs(app.state)
+    if json_out:
+        app.echo(json.dumps([r.to_dict() for r in recs], indent=2))
+        return
+    now = time.time()
+    rows = [[r.job_id, r.state, ",".join(r.nodes) or "-", str(r.ranks or "-"),
+             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started)) if r.started else "-",
+             _duration(r.duration(now)) if r.started else "-", "-" if r.exit_code is None else str(r.exit_code)]
+            for r in recs]
+    cols = ["JOB", "STATE", "NODES", "RANKS", "STARTED", "DURATION", "EXIT"]
+    widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
+    for row in [cols] + rows:
+        app.echo("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+    if not rows:
+        app.echo("(no jobs yet)")
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+@root.command()
+@handled
+def logs(job: JobArg,
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+         node: Annotated[Optional[str], typer.Option(help="Only this node's lines.")] = None,
+         rank: Annotated[Optional[int], typer.Option(help="Only this rank's lines.")] = None,
+         state_dir: StateOpt = None) -> None:
+    """Print a job's output from its start (every rank, prefixed [node rRANK]); -f follows it.
+
+    \b
+    Works while the job runs, after it ended, and after a coordinator restart. Examples:
+      meshrun logs ddp_train-20261122-101500-ab12 -f
+      meshrun logs JOB --node gpu-a --rank 3
+    """
+    from meshrun.jobs import control
+    app = Application.for_command(state_dir)
+    if follow:
+        rec = _follow(app, job, cancel_on_interrupt=False, node=node, rank=rank)
+    else:
+        rec = control.follow(app.state, job, lambda line, ours: app.echo(line, err=ours), node, rank, keep_going=False)
+    if rec.final:
+        app.echo(f"meshrun: job {job} {rec.state}" + (f" (exit {rec.exit_code})" if rec.exit_code is not None else ""),
+                 err=True)
+
+
+@root.command()
+@handled
+def cancel(job: JobArg, state_dir: StateOpt = None) -> None:
+    """Cancel a running job on every node.
+
+    \b
+    Example:
+      meshrun cancel ddp_train-20261122-101500-ab12
+    """
+    from meshrun.jobs import control
+    app = Application.for_command(state_dir)
+    if control.cancel(app.state, job):
+        app.echo(f"cancelled {job}")
+    else:
+        rec = control.record(app.state, job)
+        app.echo(f"job {job} is not running ({rec.state})")

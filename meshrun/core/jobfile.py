@@ -42,12 +42,17 @@ KEYS: dict[str, tuple[str, Any, str, str]] = {
     "timeout": ("wait_timeout", lambda v: (_is_int(v) or isinstance(v, float)) and v > 0,
                 "a positive number (seconds)", "timeout = 120"),
     "no_sync": ("no_sync", lambda v: isinstance(v, bool), "true or false", "no_sync = false"),
+    "with_coordinator": ("with_coordinator", lambda v: isinstance(v, bool), "true or false",
+                         "with_coordinator = true"),
     "sync_limit": ("sync_limit_mb", _is_int, "an integer (MiB)", "sync_limit = 50"),
     "job_id": ("job_id", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'job_id = "exp7"'),
     "env": ("env", lambda v: isinstance(v, dict) and all(isinstance(x, (str, int, float)) and not isinstance(x, bool)
                                                        for x in v.values()),
             "a table of NAME = \"value\"", 'NCCL_DEBUG = "WARN" under [env]'),
 }
+
+
+FLAGS = ("no_sync", "dry_run", "module", "with_coordinator", "detach")
 
 
 def _shown(value: Any) -> str:
@@ -86,7 +91,7 @@ def merge(from_file: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:
     for key, value in cli.items():
         if key == "env":
             out["env"] = {**from_file.get("env", {}), **(value or {})}
-        elif key in ("no_sync", "dry_run", "module"):    # flags: on if either turns them on
+        elif key in FLAGS:    # on if either turns them on
             out[key] = bool(value) or bool(from_file.get(key))
         elif value is not None:
             out[key] = value

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from meshrun.errors import UsageError
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# meshrun.jobs.rendezvous: torch's c10d rendezvous, with the agent's store bound to the overlay.
+RDZV_BACKEND = "meshrun"
 # torchrun polls its workers this often (seconds); a failure is noticed within it.
 MONITOR_INTERVAL = "0.5"
 # Several TCP streams per peer: one TCP stream is capped at window/RTT, so on a high
@@ -95,7 +97,8 @@ def worker_env(interface: str, node_name: str, user_env: Mapping[str, str], over
     Pins Gloo and NCCL to the overlay interface, disables
     InfiniBand (an overlay carries sockets only) and opens several TCP streams per peer.
     Every variable in `user_env` is included and wins over meshrun's defaults, except
-    ``MESHRUN_NODE_NAME`` and ``MESHRUN_OVERLAY_IP``, which are always the node's name and address.
+    ``MESHRUN_NODE_NAME``, ``MESHRUN_OVERLAY_IP`` and ``MESHRUN_INTERFACE``, which are always the node's
+    name, address and overlay interface.
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is not set: torchrun's agent already defaults it to 1
     for its workers in torch 2.13, so a hung collective on a dead peer tears the worker down.
     """
@@ -125,6 +128,7 @@ def worker_env(interface: str, node_name: str, user_env: Mapping[str, str], over
     env.update(user_env)
     env["MESHRUN_NODE_NAME"] = node_name
     env["MESHRUN_OVERLAY_IP"] = overlay_ip
+    env["MESHRUN_INTERFACE"] = interface
     return env
 
 
@@ -205,7 +209,7 @@ def plan(nodes: Sequence[NodeInfo], opts: TrainOptions, user_env: Mapping[str, s
         argv = (opts.python, "-m", "torch.distributed.run",
                 "--nnodes", spec,
                 "--nproc-per-node", str(nproc),
-                "--rdzv-backend", "c10d",
+                "--rdzv-backend", RDZV_BACKEND,
                 "--rdzv-endpoint", endpoint,
                 "--rdzv-id", opts.job_id,
                 "--rdzv-conf", rdzv_conf,

@@ -13,7 +13,7 @@ import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshrun.core import keys
+from meshrun.core import auth, keys
 from meshrun.core.model import (Member, Network, check_mtu, check_name, default_node_name, overlay_mtu,
                                 parse_endpoint, split_endpoint)
 from meshrun.core.token import JoinToken, parse_token
@@ -25,7 +25,7 @@ from meshrun.system.device import Device
 from meshrun.system.store import StateDir
 
 READY_TIMEOUT = 45.0
-NODE_FILES = ("private.key", "member.json", "peers.json", "wireguard-go.log", *daemon.FILES)
+NODE_FILES = ("private.key", "job.key", "member.json", "peers.json", "wireguard-go.log", *daemon.FILES)
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,8 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
         network = Network.from_dict(answer["network"])
         me = Member.from_dict(answer["member"])
         members = [Member.from_dict(m) for m in answer["members"]]
-    except (KeyError, ValueError, TypeError) as exc:
+        job_key = auth.decode_key(str(answer["job_key"]))
+    except (KeyError, ValueError, TypeError, auth.AuthError) as exc:
         raise CoordinatorError(f"the coordinator's join answer is malformed ({exc})",
                                "use the same meshrun version on the node and the coordinator") from None
     device = device or iface.device_for(state, network)
@@ -115,6 +116,7 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
     created_dir = state.create()
     try:
         state.write("private.key", private_key + "\n", secret=True)
+        state.write("job.key", auth.encode_key(job_key) + "\n", secret=True)
         record = {"role": "node", "name": me.name, "network": network.to_dict(), "overlay_ip": me.overlay_ip,
                   "public_key": me.public_key, "advertised": advertised, "mtu": mtu, "underlay_mtu": underlay}
         backend = iface.bring_up(device, state, network, me.overlay_ip, mtu)

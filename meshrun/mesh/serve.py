@@ -10,11 +10,13 @@ from meshrun.mesh.agent import AgentService, ExtensionFactory
 from meshrun.system.store import StateDir
 
 
-def serve(state: StateDir, foreground: bool = False, node_extensions: Sequence[ExtensionFactory] = ()) -> None:
+def serve(state: StateDir, foreground: bool = False, node_extensions: Sequence[ExtensionFactory] = (),
+          coordinator_extensions: Sequence[ExtensionFactory] = ()) -> None:
     """Set up the daemon's log and run its service until SIGTERM/SIGINT.
 
     `foreground` (systemd, `--foreground`) also logs to stderr; `node_extensions` run beside a
-    node's agent (the caller, which knows the layers above mesh, passes the job API). An error
+    node's agent and `coordinator_extensions` beside the coordinator (the caller, which knows the
+    layers above mesh, passes the job API and job control). An error
     before the service runs is reported to whoever spawned us (`meshrun init`/`join`/`up` show it)
     and re-raised.
     """
@@ -23,7 +25,7 @@ def serve(state: StateDir, foreground: bool = False, node_extensions: Sequence[E
         rec, _ = member.load(state)
         if rec["role"] == "coordinator":
             from meshrun.mesh.coordinator.service import CoordinatorService
-            svc = CoordinatorService(state)
+            svc = CoordinatorService(state, extensions=coordinator_extensions)
         else:
             svc = AgentService(state, extensions=node_extensions)
     except MeshrunError as err:

@@ -12,19 +12,25 @@ is only sent after the certificate's SHA-256 matched.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import http.client
 import json
 import logging
+import os
 import socket
+import socketserver
 import ssl
+import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from meshrun import errors
+from meshrun.core import auth
 from meshrun.errors import CoordinatorError, MeshrunError
 
 log = logging.getLogger("meshrun.system.transport")
@@ -39,7 +45,7 @@ class Request:
     path: str
     client_ip: str
     body: object = None          # parsed JSON (or None)
-    raw: bytes = b""             # the raw body for application/octet-stream uploads
+    raw: bytes = b""             # the body as it arrived (uploads; what a request MAC covers)
     headers: dict = field(default_factory=dict)
 
 
@@ -65,33 +71,17 @@ class _RequestHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
 
     def log_message(self, fmt: str, *args) -> None:  # route through logging, never stderr
-        log.debug("%s %s", self.client_address[0], fmt % args)
+        log.debug("%s %s", self.server.client_id(self.request, self.client_address), fmt % args)
 
     def _handle(self) -> None:
         srv: JSONServer = self.server  # type: ignore[assignment]
-        length = self.headers.get("Content-Length", "0")
-        # isascii and the length cap first: int() refuses "²" and strings over 4300 digits.
-        if not (length.isascii() and length.isdigit()) or len(length) > 12 or int(length) > srv.max_body:
-            return self._send(Response.error(413, f"request body over {srv.max_body} bytes or without length"))
-        raw = self.rfile.read(int(length)) if int(length) else b""
-        body = None
-        if raw and self.headers.get("Content-Type", "application/json").startswith("application/json"):
-            if int(length) > MAX_JSON:
-                return self._send(Response.error(413, f"JSON body over {MAX_JSON} bytes"))
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
-                return self._send(Response.error(400, "request body is not valid JSON"))
-            raw = b""
-        req = Request(self.command, self.path, self.client_address[0], body, raw, dict(self.headers))
-        try:
-            resp = srv.handler(req)
-        except MeshrunError as exc:
-            resp = Response.error(400, exc)
-        except Exception:  # a bug must not kill the server thread silently, nor leak internals
-            log.exception("handler failed for %s %s", self.command, self.path)
-            resp = Response.error(500, "internal error (see the daemon log)")
-        self._send(resp)
+        length = body_length(self.headers.get("Content-Length", "0"), srv.max_body)
+        if isinstance(length, Response):
+            return self._send(length)
+        raw = self.rfile.read(length) if length else b""
+        req = make_request(self.command, self.path, srv.client_id(self.request, self.client_address),
+                           dict(self.headers), raw)
+        self._send(req if isinstance(req, Response) else answer(srv.handler, req))
 
     do_GET = do_POST = do_DELETE = _handle
 
@@ -117,8 +107,41 @@ class _RequestHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+def body_length(header: str, max_body: int) -> int | Response:
+    """The Content-Length to read, or the 413 answer to a missing, absurd or oversized one."""
+    # isascii and the length cap first: int() refuses "²" and strings over 4300 digits.
+    if not (header.isascii() and header.isdigit()) or len(header) > 12 or int(header) > max_body:
+        return Response.error(413, f"request body over {max_body} bytes or without length")
+    return int(header)
+
+
+def make_request(method: str, path: str, client_ip: str, headers: dict, raw: bytes) -> Request | Response:
+    """A Request from what arrived (JSON bodies parsed), or the 400/413 answer to a bad body."""
+    body = None
+    if raw and headers.get("Content-Type", "application/json").startswith("application/json"):
+        if len(raw) > MAX_JSON:
+            return Response.error(413, f"JSON body over {MAX_JSON} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return Response.error(400, "request body is not valid JSON")
+    return Request(method, path, client_ip, body, raw, headers)
+
+
+def answer(handler: Handler, req: Request) -> Response:
+    """The handler's response; a MeshrunError becomes a 400 naming it, any other exception a bare 500."""
+    try:
+        return handler(req)
+    except MeshrunError as exc:
+        return Response.error(400, exc)
+    except Exception:  # a bug must not kill the server thread silently, nor leak internals
+        log.exception("handler failed for %s %s", req.method, req.path)
+        return Response.error(500, "internal error (see the daemon log)")
+
+
 class JSONServer(ThreadingHTTPServer):
-    """Threaded HTTP server; TLS if `ssl_context`, bound to `device` if given."""
+    """Threaded plain-HTTP server, bound to `device` if given (the overlay APIs: WireGuard already
+    encrypted and authenticated the traffic). The public TLS port is meshrun.system.frontdoor."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -126,10 +149,9 @@ class JSONServer(ThreadingHTTPServer):
     # returned would see dropped SYNs and a 1 s retransmit each.
     request_queue_size = 1024
 
-    def __init__(self, addr: tuple[str, int], handler: Handler, ssl_context: ssl.SSLContext | None = None,
-                 device: str | None = None, max_body: int = MAX_JSON) -> None:
+    def __init__(self, addr: tuple[str, int], handler: Handler, device: str | None = None,
+                 max_body: int = MAX_JSON) -> None:
         self.handler = handler
-        self.ssl_context = ssl_context
         self.device = device
         self.max_body = max_body
         super().__init__(addr, _RequestHandler)
@@ -141,18 +163,85 @@ class JSONServer(ThreadingHTTPServer):
 
     def finish_request(self, request, client_address) -> None:
         request.settimeout(TIMEOUT)
-        if self.ssl_context is not None:
-            try:
-                request = self.ssl_context.wrap_socket(request, server_side=True)
-            except (ssl.SSLError, OSError) as exc:
-                log.debug("TLS handshake with %s failed: %s", client_address[0], exc)
-                return
         super().finish_request(request, client_address)
+
+    def client_id(self, request: socket.socket, client_address) -> str:
+        """Who is calling, as handlers see it (Request.client_ip): the source address."""
+        return client_address[0]
 
     def start(self, name: str) -> threading.Thread:
         t = threading.Thread(target=self.serve_forever, name=name, daemon=True)
         t.start()
         return t
+
+
+class AdminServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """A member's local admin API: HTTP on a Unix socket (0600, in the 0700 state directory).
+
+    Handlers see the caller as "uid:N" (SO_PEERCRED), so they can refuse anyone but root even if
+    the file's permissions were loosened. Nothing of it is reachable from any network.
+    """
+
+    daemon_threads = True
+    max_body = MAX_JSON
+
+    def __init__(self, path: str, handler: Handler) -> None:
+        self.handler = handler
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        old = os.umask(0o177)
+        try:
+            super().__init__(path, _RequestHandler)
+        finally:
+            os.umask(old)
+
+    def client_id(self, request: socket.socket, client_address) -> str:
+        _pid, uid, _gid = struct.unpack("3i", request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 struct.calcsize("3i")))
+        return f"uid:{uid}"
+
+    def start(self, name: str) -> threading.Thread:
+        return JSONServer.start(self, name)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.server_address)
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path_ = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path_)
+
+
+def call_admin(path: str, method: str, route: str, body: object = None, timeout: float = 60) -> dict:
+    """One request to a member's admin socket; the JSON answer, or the error the daemon named."""
+    conn = _UnixConnection(path, timeout)
+    try:
+        _send(conn, method, route, body, None, None)
+        resp = conn.getresponse()
+        payload = resp.read(16 * 1024 * 1024)
+    except FileNotFoundError:
+        raise CoordinatorError(f"the coordinator daemon does not run here ({path} is missing)",
+                               "start it with `meshrun up`") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise CoordinatorError(f"the coordinator daemon did not answer on {path} ({exc})",
+                               "check that it runs (`meshrun status`) and its log (daemon.log)") from None
+    finally:
+        conn.close()
+    try:
+        data = json.loads(payload) if payload else {}
+    except ValueError:
+        raise CoordinatorError(f"{path} sent an answer that is not JSON", "is that really a meshrun daemon?") from None
+    raise_for(resp.status, data, "the coordinator daemon")
+    return data
 
 
 def server_tls_context(cert_path: str, key_path: str) -> ssl.SSLContext:
@@ -194,13 +283,17 @@ def _connect(host: str, port: int, timeout: float, fingerprint: str | None) -> h
     return conn
 
 
-def _send(conn: http.client.HTTPConnection, method: str, path: str, body: object, raw: bytes | None) -> None:
+def _send(conn: http.client.HTTPConnection, method: str, path: str, body: object, raw: bytes | None,
+          key: bytes | None) -> None:
+    headers = {}
+    data: bytes | None = None
     if raw is not None:
-        conn.request(method, path, body=raw, headers={"Content-Type": "application/octet-stream"})
+        data, headers["Content-Type"] = raw, "application/octet-stream"
     elif body is not None:
-        conn.request(method, path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    else:
-        conn.request(method, path)
+        data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
+    if key is not None:
+        headers["Authorization"] = auth.sign(key, method, path, data or b"", time.time())
+    conn.request(method, path, body=data, headers=headers)
 
 
 def raise_for(resp_status: int, data: object, where: str) -> None:
@@ -217,12 +310,16 @@ def raise_for(resp_status: int, data: object, where: str) -> None:
 
 
 def call(host: str, port: int, method: str, path: str, body: object = None, *, raw: bytes | None = None,
-         fingerprint: str | None = None, timeout: float = TIMEOUT) -> dict:
-    """One request; returns the JSON answer or raises the error class the server named."""
+         fingerprint: str | None = None, timeout: float = TIMEOUT, key: bytes | None = None) -> dict:
+    """One request; returns the JSON answer or raises the error class the server named.
+
+    With `fingerprint` the TLS certificate is pinned; with `key` the request carries a MAC
+    (meshrun.core.auth) that the node's job API checks.
+    """
     where = f"{host}:{port}"
     conn = _connect(host, port, timeout, fingerprint)
     try:
-        _send(conn, method, path, body, raw)
+        _send(conn, method, path, body, raw, key)
         resp = conn.getresponse()
         payload = resp.read(16 * 1024 * 1024)
     except (OSError, http.client.HTTPException) as exc:
@@ -240,12 +337,13 @@ def call(host: str, port: int, method: str, path: str, body: object = None, *, r
     return data
 
 
-def stream(host: str, port: int, path: str, body: object, *, timeout: float = 60) -> Iterator[dict]:
+def stream(host: str, port: int, path: str, body: object, *, timeout: float = 60,
+           key: bytes | None = None) -> Iterator[dict]:
     """POST and yield NDJSON objects as they arrive. Closing the generator closes the socket."""
     where = f"{host}:{port}"
     conn = _connect(host, port, timeout, None)
     try:
-        _send(conn, "POST", path, body, None)
+        _send(conn, "POST", path, body, None, key)
         resp = conn.getresponse()
         if resp.status >= 400:
             payload = resp.read(1024 * 1024)

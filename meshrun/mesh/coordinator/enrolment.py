@@ -1,7 +1,7 @@
 """The enrolment API: the coordinator's only public TCP surface (TLS, pinned by the join token).
 
 POST /v1/join takes a token id and secret, the node's name, public key and candidates, and
-answers with the member record, the network and the member list. GET /v1/hello names the
+answers with the member record, the network, the member list and the node's job key. GET /v1/hello names the
 network. Everything else is 404. Join attempts are rate-limited per source address.
 """
 
@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from meshrun.core import keys
+from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network, check_name, parse_endpoint
 from meshrun.errors import CoordinatorError, MeshrunError, TokenError, UsageError
 from meshrun.mesh.coordinator.roster import Roster
@@ -48,9 +48,10 @@ class EnrolmentAPI:
     """Handler of the public TLS port. `on_enrolled(member)` runs after a join is recorded (the
     service puts the new peer on the interface at once, so the node's first handshake is answered)."""
 
-    def __init__(self, db: CoordinatorDB, network: Network, roster: Roster,
+    def __init__(self, db: CoordinatorDB, network: Network, roster: Roster, job_key: bytes,
                  on_enrolled: Callable[[Member], None]) -> None:
         self.db = db
+        self.job_key = job_key
         self.network = network
         self.roster = roster
         self.on_enrolled = on_enrolled
@@ -96,5 +97,7 @@ class EnrolmentAPI:
         log.info("%s %s at %s (from %s)", "enrolled" if created else "re-enrolled", name, member.overlay_ip,
                  req.client_ip)
         self.on_enrolled(member)
+        # Inside the pinned TLS, and only this node's own job key (derived; it opens no other node).
         return Response(200, {"member": member.to_dict(), "network": self.network.to_dict(),
-                              "members": self.roster.payload(member)})
+                              "members": self.roster.payload(member),
+                              "job_key": auth.encode_key(auth.node_key(self.job_key, public_key))})

@@ -17,11 +17,13 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Sequence
 
-from meshrun.core import peers
+from meshrun.core import auth, peers
 from meshrun.core.model import Member
 from meshrun.errors import MeshrunError
 from meshrun.mesh import daemon, iface
+from meshrun.mesh.agent import ExtensionFactory
 from meshrun.mesh.coordinator.admin import open_db
 from meshrun.mesh.coordinator.enrolment import EnrolmentAPI
 from meshrun.mesh.coordinator.overlay import OverlayAPI
@@ -29,6 +31,7 @@ from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.system.device import Device
 from meshrun.system.store import StateDir
+from meshrun.system.frontdoor import FrontDoor
 from meshrun.system.transport import JSONServer, server_tls_context
 
 log = logging.getLogger("meshrun.mesh.coordinator.service")
@@ -40,7 +43,8 @@ OBSERVE_INTERVAL = 1.0
 class CoordinatorService:
     """The coordinator daemon. `run()` blocks until SIGTERM/SIGINT; `tick()` is one loop round."""
 
-    def __init__(self, state: StateDir, device: Device | None = None) -> None:
+    def __init__(self, state: StateDir, device: Device | None = None,
+                 extensions: Sequence[ExtensionFactory] = ()) -> None:
         self.state = state
         self.db, self.network = open_db(state)
         self.member = state.read_json("member.json")
@@ -50,10 +54,10 @@ class CoordinatorService:
         self.pairs = PairDriver(state)
         self.roster = Roster(self.db, self.network, self.pairs)
         self.path_changes = 0
-        self.enrolment = EnrolmentAPI(self.db, self.network, self.roster, self._enrolled)
+        job_key = auth.decode_key(state.read("job.key").decode())
+        self.enrolment = EnrolmentAPI(self.db, self.network, self.roster, job_key, self._enrolled)
         self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event)
-        self.servers: list[JSONServer] = []
-        self.rdzv_store = None
+        self.extensions = list(extensions)
 
     # lifecycle -------------------------------------------------------------
     def run(self) -> None:
@@ -63,18 +67,18 @@ class CoordinatorService:
                 self.device.enable_forwarding()   # relayed pairs are forwarded wg -> wg here
                 self.apply_peers()
                 tls = server_tls_context(str(self.state / "tls.crt"), str(self.state / "tls.key"))
-                self.servers.append(JSONServer(("0.0.0.0", self.network.listen_port), self.enrolment.handle, tls))
-                self.servers.append(JSONServer((self.network.coordinator_ip, self.network.api_port),
-                                               self.overlay.handle, device=self.network.interface))
+                self.front = FrontDoor(("0.0.0.0", self.network.listen_port), self.enrolment.handle, tls)
+                self.overlay_server = JSONServer((self.network.coordinator_ip, self.network.api_port),
+                                                 self.overlay.handle, device=self.network.interface)
             except OSError as exc:
                 raise MeshrunError(f"cannot listen on TCP port {self.network.listen_port} or "
                                    f"{self.network.api_port}: {exc.strerror}",
                                    "stop whatever uses that port, or init with another --port") from None
-            for s in self.servers:
-                s.start(f"http-{s.server_address}")
+            self.front.start("enrolment")
+            self.overlay_server.start("overlay-api")
             signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
             signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
-            threading.Thread(target=self._host_rendezvous, name="rdzv", daemon=True).start()
+            running = [start(self.state, self.network, self.member) for start in self.extensions]
             daemon.ready()
             log.info("coordinator of %s up: enrolment on :%d/tcp, overlay API on %s:%d", self.network.name,
                      self.network.listen_port, self.network.coordinator_ip, self.network.api_port)
@@ -82,9 +86,11 @@ class CoordinatorService:
                 while not self.stop_event.wait(OBSERVE_INTERVAL):
                     self.tick()
             finally:
-                for s in self.servers:
-                    s.shutdown()
-                    s.server_close()
+                for ext in running:
+                    ext.close()
+                self.front.shutdown()
+                self.overlay_server.shutdown()
+                self.overlay_server.server_close()
                 self.roster.wake_all()
         log.info("coordinator stopped (the interface stays up; `meshrun down` removes it)")
 
@@ -94,18 +100,6 @@ class CoordinatorService:
         log.info("interface %s is missing (reboot?); recreating it from state", self.network.interface)
         backend = iface.bring_up(self.device, self.state, self.network, self.network.coordinator_ip)
         self.state.write_json("member.json", dict(self.member, backend=backend, wg_pid=self.device.pid))
-
-    def _host_rendezvous(self) -> None:
-        # The job's c10d store lives here, on the overlay IP, so it outlives any worker and
-        # the coordinator need not train. Imported lazily: torch is slow to import.
-        try:
-            from torch.distributed import TCPStore
-            self.rdzv_store = TCPStore(self.network.coordinator_ip, self.network.rdzv_port, is_master=True,
-                                       wait_for_workers=False, multi_tenant=True)
-            log.info("rendezvous store on %s:%d", self.network.coordinator_ip, self.network.rdzv_port)
-        except Exception as exc:  # training is unavailable, the mesh still works
-            log.warning("cannot host the rendezvous store on %s:%d: %s", self.network.coordinator_ip,
-                        self.network.rdzv_port, exc)
 
     def _enrolled(self, member: Member) -> None:
         self.apply_peers()   # so the node's first handshake is answered

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun.core import ipam, keys
+from meshrun.core import auth, ipam, keys
 from meshrun.core.model import (DEFAULT_IFACE, DEFAULT_MTU, DEFAULT_PORT, Network, check_interface, check_mtu,
                                 check_name, check_port, parse_endpoint)
 from meshrun.core.token import new_token, parse_duration
@@ -34,6 +34,7 @@ class InitOptions:
     name: str = "meshrun"
     token_ttl: str = DEFAULT_TTL
     token_uses: int | None = None
+    train: bool = False          # the coordinator takes a share of every job
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,8 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
         undo.append(lambda: state.remove("private.key"))
         state.write("tls.key", tls_key_pem, secret=True)
         state.write("tls.crt", cert_pem)
-        undo.append(lambda: state.remove("tls.key", "tls.crt"))
+        state.write("job.key", auth.encode_key(auth.new_key()) + "\n", secret=True)
+        undo.append(lambda: state.remove("tls.key", "tls.crt", "job.key"))
         db = CoordinatorDB.create(state / "coordinator.db")
         undo.append(lambda: state.remove("coordinator.db", "coordinator.db-wal", "coordinator.db-shm"))
         db.set_meta(network=json.dumps(network.to_dict()))
@@ -132,7 +134,7 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
         undo.append(device.delete)
         state.write_json("member.json", {"role": "coordinator", "name": "coordinator", "network": network.to_dict(),
                                          "overlay_ip": network.coordinator_ip, "backend": backend,
-                                         "wg_pid": device.pid})
+                                         "wg_pid": device.pid, "train": opts.train})
         undo.append(lambda: state.remove("member.json"))
         daemon_pid = daemon.spawn(state) if start else None
     except BaseException:

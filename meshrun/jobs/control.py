@@ -1,0 +1,188 @@
+"""Job control on the coordinator: submit, list, follow, cancel; and the daemon's side of it.
+
+`meshrun train` submits a job to the coordinator daemon through its admin socket
+(<state>/admin.sock: a Unix socket in the 0700 state directory, root only, checked by the peer's
+uid); the daemon writes the job's directory and starts its supervisor (meshrun.jobs.supervisor)
+in a session of its own, so the job outlives the terminal and the daemon. Everything else works
+on the job's files and its supervisor's lock, so it also works while the daemon is down:
+`meshrun jobs` reads job.json, `meshrun logs` replays and follows logs/<node>.log, `meshrun cancel`
+signals the supervisor that holds the job's lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from meshrun.core.jobs import JobRecord, JobSpec, check_job_id, line_matches
+from meshrun.core.model import Network
+from meshrun.errors import StateError, UsageError
+from meshrun.jobs.supervisor import EVENTS
+from meshrun.system import jobfiles, procs, rdzv, transport
+from meshrun.system.store import StateDir
+
+log = logging.getLogger("meshrun.jobs.control")
+
+ADMIN_SOCKET = "admin.sock"
+WATCH_EVERY_S = 2.0
+# Lines in logs/<node>.log: "<arrival time in ms> <line>"
+MIRROR_RE = re.compile(r"^(\d+) (.*)$", re.S)
+
+
+def _dir(state: StateDir, job_id: str) -> StateDir:
+    return StateDir(state / "jobs" / check_job_id(job_id))
+
+
+def _lock(state: StateDir, job_id: str) -> procs.DaemonLock:
+    return procs.DaemonLock(_dir(state, job_id) / "supervisor.lock")
+
+
+def record(state: StateDir, job_id: str) -> JobRecord:
+    """The job's record (StateError naming the job if there is none)."""
+    d = _dir(state, job_id)
+    if not (d / "job.json").exists():
+        raise StateError(f"there is no job {job_id!r} on this coordinator", "see the jobs with `meshrun jobs`")
+    rec = JobRecord.from_dict(d.read_json("job.json"))
+    if not rec.final and not _lock(state, job_id).held():
+        # Its supervisor is gone (the coordinator machine rebooted, or it crashed): nobody will finish it.
+        rec = replace(rec, state="lost", exit_code=255,
+                      message=f"job {job_id}'s supervisor on the coordinator stopped before the job ended")
+    return rec
+
+
+def list_jobs(state: StateDir) -> list[JobRecord]:
+    return [record(state, j) for j in jobfiles.job_ids(state) if (state / "jobs" / j / "job.json").exists()]
+
+
+# --------------------------------------------------------------------------- the daemon's side
+
+class JobControl:
+    """The coordinator daemon's job extension: the admin socket, and a log line per job start and end."""
+
+    def __init__(self, state: StateDir, network: Network) -> None:
+        self.state = state
+        self.network = network
+        self.local_store = None
+        threading.Thread(target=self._host_local_store, name="rdzv", daemon=True).start()
+        self.server = transport.AdminServer(str(state / ADMIN_SOCKET), self.handle)
+        self.server.start("admin")
+        self.stop = threading.Event()
+        self.known: dict[str, str] = {r.job_id: r.state for r in list_jobs(state)}
+        for job_id, st in self.known.items():
+            if st == "lost":
+                log.warning("job %s: its supervisor is gone; it cannot be resumed", job_id)
+        threading.Thread(target=self._watch, name="jobs", daemon=True).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+        # Running jobs are left alone: they belong to their supervisors.
+
+    def _host_local_store(self) -> None:
+        """The rendezvous store for `meshrun train --local` shares (every node started by hand or by a
+        batch scheduler), on rdzv_port; jobs that `meshrun train` runs have their own. Lives with
+        the daemon. Imported lazily: torch is slow to import."""
+        where = f"{self.network.coordinator_ip}:{self.network.rdzv_port}"
+        try:
+            self.local_store = rdzv.serve_store(self.network.coordinator_ip, self.network.rdzv_port,
+                                                self.network.interface, multi_tenant=True)
+            log.info("rendezvous store for --local shares on %s", where)
+        except Exception as exc:  # training is unavailable that way, the mesh and managed jobs still work
+            log.warning("cannot host the rendezvous store for --local shares on %s: %s", where, exc)
+
+    def handle(self, req: transport.Request) -> transport.Response:
+        if req.client_ip != "uid:0":
+            log.warning("refused admin request %s %s from %s: not root", req.method, req.path, req.client_ip)
+            return transport.Response.error(403, "only root may control jobs")
+        if req.method == "POST" and req.path == "/v1/jobs":
+            try:
+                spec = JobSpec.from_dict(req.body)
+            except (ValueError, TypeError) as exc:
+                return transport.Response.error(400, UsageError(f"malformed job ({exc})", "use `meshrun train`"))
+            return transport.Response(200, {"job": start(self.state, spec)})
+        return transport.Response.error(404, f"no such endpoint {req.method} {req.path}")
+
+    def _watch(self) -> None:
+        while not self.stop.wait(WATCH_EVERY_S):
+            try:
+                for r in list_jobs(self.state):
+                    if self.known.get(r.job_id) != r.state:
+                        self.known[r.job_id] = r.state
+                        log.info("job %s %s%s", r.job_id, r.state, f": {r.message}" if r.message else "")
+            except StateError as exc:
+                log.warning("cannot read the jobs: %s", exc)
+
+
+def start_job_control(state: StateDir, network: Network, rec: dict) -> JobControl:
+    """The coordinator daemon extension (see meshrun.mesh.coordinator.service)."""
+    return JobControl(state, network)
+
+
+def start(state: StateDir, spec: JobSpec) -> str:
+    """Create the job's directory and start its supervisor; the job id once the supervisor runs."""
+    d = _dir(state, spec.job_id)
+    if (d / "spec.json").exists():
+        raise UsageError(f"job {spec.job_id!r} exists already", "pick another --job-id")
+    d.create()
+    d.write_json("spec.json", spec.to_dict())
+    d.write_json("job.json", JobRecord(spec.job_id).to_dict())
+    pid = procs.spawn_daemon([sys.executable, "-m", "meshrun.jobs.supervisor", str(state.path), spec.job_id],
+                             d / "supervisor.out", timeout=60, what=f"job {spec.job_id}'s supervisor")
+    log.info("job %s submitted (supervisor pid %d): %s %s", spec.job_id, pid, spec.script, " ".join(spec.script_args))
+    return spec.job_id
+
+
+# --------------------------------------------------------------------------- the command line's side
+
+def submit(state: StateDir, spec: JobSpec) -> str:
+    """Hand the job to the coordinator daemon (it must run); returns the job id."""
+    return str(transport.call_admin(str(state / ADMIN_SOCKET), "POST", "/v1/jobs", spec.to_dict())["job"])
+
+
+def cancel(state: StateDir, job_id: str, wait: bool = True) -> bool:
+    """Cancel a running job (its supervisor stops every share); False if it was not running."""
+    rec = record(state, job_id)
+    lock = _lock(state, job_id)
+    pid = lock.holder()
+    if rec.final or pid is None:
+        return False
+    if wait:
+        return lock.stop(timeout=90)
+    return procs.signal_pid(pid, 15)
+
+
+def follow(state: StateDir, job_id: str, out: Callable[[str, bool], None], node: str | None = None,
+           rank: int | None = None, keep_going: bool = True, stop: threading.Event | None = None) -> JobRecord:
+    """Print the job's lines from the start, in arrival order (`out(line, is_meshrun_line)`).
+
+    With `keep_going`, follow until the job has ended and everything was printed (or `stop` is
+    set); otherwise print what is there and return. `node`/`rank` keep only those lines (the
+    supervisor's own lines are always shown). Returns the job's record as it was last read.
+    """
+    logs = _dir(state, job_id) / "logs"
+    offsets: dict[str, int] = {}
+    while True:
+        rec = record(state, job_id)
+        batch: list[tuple[int, int, str, str]] = []
+        for path in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+            lines, offsets[path.name] = jobfiles.read_from(path, offsets.get(path.name, 0))
+            for i, text in enumerate(lines):
+                m = MIRROR_RE.match(text)
+                if m:
+                    batch.append((int(m.group(1)), i, path.stem, m.group(2)))
+        for _, _, source, text in heapq.merge(*[sorted(b for b in batch if b[2] == s)
+                                                for s in {b[2] for b in batch}]):
+            if source == EVENTS:
+                out(text, True)
+            elif line_matches(text, node, rank):
+                out(text, False)
+        if not keep_going or (rec.final and not batch) or (stop is not None and stop.is_set()):
+            return rec
+        time.sleep(0.25)
+

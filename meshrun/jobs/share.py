@@ -1,0 +1,146 @@
+"""One node's share of a job: ``python -m meshrun.jobs.share JOB_DIR`` runs torchrun and outlives its caller.
+
+The node's job API (or, on the coordinator, the job's supervisor) starts this process in its own
+session with meshrun.system.procs.spawn_daemon; it is ready once torchrun runs. It holds
+JOB_DIR/share.lock while it lives (the agent finds running shares again after its own restart by
+that lock), writes every output line to JOB_DIR/output.log (bounded), and on exit writes
+JOB_DIR/status.json: torchrun's exit code or signal, the workers' failure records, torchrun's own
+last error line, and whether it was cancelled. SIGTERM cancels: the whole tree under torchrun is
+stopped. SIGHUP is ignored: a closed terminal anywhere is not a reason to stop training.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from meshrun.core.jobs import ShareEnd
+from meshrun.errors import LaunchError, MeshrunError
+from meshrun.system import procs, store
+from meshrun.system.store import StateDir
+from meshrun.system import jobfiles
+from meshrun.system.jobfiles import BoundedLog
+
+# torchrun's own lines that name what went wrong (the last one is the most specific)
+ERROR_RE = re.compile(r"^\S*(Error|Exception)\b.*?: \S|^RuntimeError|^ERROR:")
+
+
+class Share:
+    """The running share: torchrun, the pumps copying its output, and how it ended."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.dir = store.StateDir(job_dir)
+        spec = self.dir.read_json("share.json")
+        self.node = str(spec.get("node", ""))
+        self.argv = [str(a) for a in spec["argv"]]
+        self.env = {str(k): str(v) for k, v in spec.get("env", {}).items()}
+        self.cwd = str(spec.get("cwd") or self.dir / "code")
+        self.log = BoundedLog(self.dir / "output.log")
+        self.error = ""
+        self.cancelled = threading.Event()
+        self.proc = None
+
+    def start(self) -> None:
+        env = {**os.environ, **self.env, "MESHRUN_JOB_DIR": str(self.dir.path)}
+        try:
+            self.proc = procs.popen(self.argv, cwd=self.cwd, env=env, stdin=procs.DEVNULL, stdout=procs.PIPE,
+                                    stderr=procs.PIPE, start_new_session=True)
+        except OSError as exc:
+            raise LaunchError(f"cannot start {self.argv[0]} on {self.node}: {exc.strerror}",
+                              "check that the Python interpreter and torch are installed on every node") from None
+        self.pumps = [threading.Thread(target=self._pump, args=(s, s is self.proc.stderr), daemon=True)
+                      for s in (self.proc.stdout, self.proc.stderr)]
+        for t in self.pumps:
+            t.start()
+
+    def _pump(self, pipe, is_stderr: bool) -> None:
+        prefix = f"[{self.node}] "
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if not line.startswith(f"[{self.node} r"):
+                if is_stderr and ERROR_RE.search(line):
+                    self.error = line.strip()[:300]
+                line = prefix + line
+            self.log.write(line)
+        pipe.close()
+
+    def cancel(self) -> None:
+        if self.proc is not None and not self.cancelled.is_set():
+            self.cancelled.set()
+            procs.kill_tree(self.proc.pid)
+
+    def wait(self) -> ShareEnd:
+        rc = self.proc.wait()
+        procs.kill_tree(self.proc.pid, grace=2)      # workers torchrun left behind, if any
+        for t in self.pumps:
+            t.join(10)
+        failures = [r for r in store.read_json_files(self.dir.path, "exit-r*.json") if r.get("exit_code") not in (0, None)]
+        sig = signal.Signals(-rc).name if rc < 0 else None
+        return ShareEnd(code=None if sig else rc, signal=sig, failures=failures, error=self.error,
+                        cancelled=self.cancelled.is_set(), ended=time.time())
+
+
+def start_share(job_dir: StateDir, node: str, argv: list[str], env: dict[str, str], cwd: str | None,
+                timeout: float = 30) -> int:
+    """Write the share's command and start `python -m meshrun.jobs.share` for it; its PID once torchrun runs."""
+    job_dir.write_json("share.json", {"node": node, "argv": argv, "env": env, "cwd": cwd})
+    job_dir.remove("status.json", "output.log")
+    return procs.spawn_daemon([sys.executable, "-m", "meshrun.jobs.share", str(job_dir.path)],
+                              job_dir / "share.out", timeout=timeout, what=f"the share of job {job_dir.path.name}")
+
+
+def share_running(job_dir: StateDir) -> bool:
+    return procs.DaemonLock(job_dir / "share.lock").held()
+
+
+def cancel_share(job_dir: StateDir) -> bool:
+    """Stop a running share (its process cancels torchrun and records it); True if one ran."""
+    return procs.DaemonLock(job_dir / "share.lock").stop(timeout=30)
+
+
+def share_output(job_dir: StateDir, offset: int, wait: float) -> dict:
+    """Output lines from `offset` (waiting up to `wait` s for some); once the share has ended and
+    everything was read, its status too."""
+    deadline = time.monotonic() + wait
+    while True:
+        lines, new = jobfiles.read_from(job_dir / "output.log", offset)
+        running = share_running(job_dir)
+        status = None if running or not (job_dir / "status.json").exists() else job_dir.read_json("status.json")
+        if lines or status is not None or time.monotonic() >= deadline:
+            done = status is not None and new >= jobfiles.size(job_dir / "output.log")
+            return {"lines": lines, "offset": new, "done": done, "status": status if done else None,
+                    "running": running}
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m meshrun.jobs.share JOB_DIR\n")
+        return 2
+    job_dir = Path(args[0])
+    try:
+        lock = procs.DaemonLock(job_dir / "share.lock").acquire("this job's share")
+        share = Share(job_dir)
+        share.start()
+    except MeshrunError as exc:
+        procs.notify_error(exc)
+        return 1
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: threading.Thread(target=share.cancel, daemon=True).start())
+    procs.notify_ready()
+    end = share.wait()
+    share.log.close()
+    share.dir.write_json("status.json", end.__dict__)
+    lock.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,425 @@
+"""The coordinator's side of one job: ``python -m meshrun.jobs.supervisor STATE_DIR JOB_ID``.
+
+The coordinator daemon starts one supervisor per job (meshrun.jobs.control), in its own session:
+the job belongs to the mesh, not to the terminal that asked for it, and not to the daemon either
+(restarting the daemon leaves it running). The supervisor
+
+- hosts the job's c10d rendezvous store on the coordinator's overlay address (bound to the
+  WireGuard device; the first free port above the network's rdzv_port), so the store outlives
+  every training process and no worker needs to be its host;
+- waits for the nodes' agents, plans every node's torchrun (meshrun.core.launch), ships the code,
+  starts the shares (meshrun.jobs.share, on each node through its job API, every request MAC'd
+  with that node's job key; the coordinator's own share, if it trains, in a local process);
+- follows every share's output by offset into logs/<node>.log (what `meshrun logs` and
+  `meshrun train` print), and declares a node lost when its agent stops answering for LOST_AFTER_S;
+- stops the job when meshrun.core.jobs.Outcome says so (a fixed-size job's first failure or lost
+  node; an elastic job below MIN), starts a share on a node that becomes ready while an elastic
+  job runs below MAX, and records the verdict in job.json;
+- cancels every share on SIGTERM (`meshrun cancel`, Ctrl-C in `meshrun train`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from meshrun.core import auth, launch
+from meshrun.core.jobs import EXIT_CANCELLED, JobRecord, JobSpec, Outcome, ShareEnd
+from meshrun.core.model import Member, Network
+from meshrun.errors import LaunchError, MeshrunError, UsageError
+from meshrun.jobs import share as shares
+from meshrun.mesh import member
+from meshrun.mesh.coordinator import admin
+from meshrun.system import archive, host, jobfiles, procs, rdzv, transport
+from meshrun.system.store import StateDir
+
+log = logging.getLogger("meshrun.jobs.supervisor")
+
+LOST_AFTER_S = 15.0      # a share whose agent has not answered for this long is lost
+OUTPUT_WAIT_S = 4.0      # long-poll for output
+# After a fixed-size job's first failure the other nodes are stopped this many seconds later: their
+# torchrun would otherwise sit in its exit barrier (300 s) waiting for the dead node; the grace
+# lets simultaneous failures report their own cause.
+FAIL_GRACE_S = 3.0
+# An elastic (MIN:MAX) job starts with MIN..MAX ready nodes after this long, instead of waiting
+# for a node that may be down.
+ELASTIC_GRACE_S = 10.0
+SCALE_UP_EVERY_S = 5.0
+STORE_PORTS = 100        # how many ports from rdzv_port up a job's store may take
+EVENTS = "_meshrun"      # the supervisor's own lines, among the nodes' logs
+
+
+class RemoteShare:
+    """A node's share, driven through its job API (every request MAC'd with the node's job key)."""
+
+    def __init__(self, network: Network, m: Member, key: bytes) -> None:
+        self.name, self.overlay_ip = m.name, m.overlay_ip
+        self.network, self.key = network, key
+
+    def _call(self, method: str, path: str, body: object = None, raw: bytes | None = None,
+              timeout: float = 15) -> dict:
+        return transport.call(self.overlay_ip, self.network.api_port, method, path, body, raw=raw, key=self.key,
+                              timeout=timeout)
+
+    def health(self) -> dict:
+        return self._call("GET", "/v1/health", timeout=3)
+
+    def ship(self, job_id: str, blob: bytes) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/code", raw=blob, timeout=120)
+
+    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/start", {"argv": argv, "env": env, "cwd": cwd}, timeout=60)
+
+    def output(self, job_id: str, offset: int) -> dict:
+        return self._call("POST", f"/v1/jobs/{job_id}/output", {"offset": offset, "wait": OUTPUT_WAIT_S},
+                          timeout=OUTPUT_WAIT_S + 6)
+
+    def cancel(self, job_id: str) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/cancel", {}, timeout=40)
+
+
+class LocalShare:
+    """The coordinator's own share (`--with-coordinator`, `init --train`): the same share process, run here."""
+
+    def __init__(self, state: StateDir, job_id: str, name: str, overlay_ip: str) -> None:
+        self.name, self.overlay_ip = name, overlay_ip
+        self.dir = StateDir(state / "jobs" / job_id / "share")
+
+    def health(self) -> dict:
+        return {"name": self.name, "gpus": host.visible_gpus(), "python": sys.executable}
+
+    def ship(self, job_id: str, blob: bytes) -> None:
+        self.dir.create()
+        archive.unpack_code(blob, self.dir / "code")
+
+    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None) -> None:
+        self.dir.create()
+        shares.start_share(self.dir, self.name, argv, env, cwd)
+
+    def output(self, job_id: str, offset: int) -> dict:
+        return shares.share_output(self.dir, offset, OUTPUT_WAIT_S)
+
+    def cancel(self, job_id: str) -> None:
+        shares.cancel_share(self.dir)
+
+
+class Supervisor:
+    """One job, from waiting for its nodes to its verdict."""
+
+    def __init__(self, state: StateDir, job_id: str) -> None:
+        self.state = state
+        self.dir = StateDir(state / "jobs" / job_id)
+        self.spec = JobSpec.from_dict(self.dir.read_json("spec.json"))
+        self.job_id = job_id
+        db, self.network = admin.open_db(state, readonly=True)
+        self.members = db.members()
+        db.close()
+        self.rec, _ = member.load(state)
+        self.network_key = auth.decode_key(state.read("job.key").decode())
+        self.record = JobRecord(job_id, created=self.dir.read_json("job.json").get("created", time.time())
+                                if (self.dir / "job.json").exists() else time.time())
+        self.logs = StateDir(self.dir / "logs")
+        self.logs.create()
+        self.events = jobfiles.BoundedLog(self.logs / f"{EVENTS}.log")
+        self.lock = threading.Lock()
+        self.shares: dict[str, RemoteShare | LocalShare] = {}
+        self.followers: list[threading.Thread] = []
+        self.outcome: Outcome | None = None
+        self.aborting = False
+        self.cancel_event = threading.Event()
+        self.store = None
+        self.store_port = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def say(self, text: str) -> None:
+        """A line of the supervisor's own, shown by `meshrun train`/`logs` and kept in the daemon log."""
+        log.info("job %s: %s", self.job_id, text)
+        self.events.write(f"{int(time.time() * 1000)} meshrun: {text}")
+
+    def save(self) -> None:
+        self.dir.write_json("job.json", self.record.to_dict())
+
+    def candidates(self) -> list[RemoteShare | LocalShare]:
+        """Every member that may take a share, in the order the plan gives them ranks."""
+        nodes = [m for m in self.members if not m.is_coordinator]
+        if self.spec.nodes:
+            nodes = [m for m in nodes if m.name in self.spec.nodes]
+        out: list[RemoteShare | LocalShare] = [RemoteShare(self.network, m, auth.node_key(self.network_key, m.public_key))
+                                               for m in nodes]
+        if self.spec.with_coordinator or self.rec.get("train"):
+            out.insert(0, LocalShare(self.state, self.job_id, self.rec["name"], self.network.coordinator_ip))
+        return out
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> None:
+        self.store, self.store_port = self._host_store()
+        self.save()
+        procs.notify_ready()
+        try:
+            self._launch()
+        except MeshrunError as exc:
+            with self.lock:
+                started = list(self.shares.values())
+            for s in started:         # a share that did start must not run on alone
+                _quietly(s.cancel, self.job_id)
+            if self.cancel_event.is_set():
+                state, code, message = "cancelled", EXIT_CANCELLED, f"job {self.job_id} cancelled"
+            else:
+                state, code, message = "failed", exc.exit_code or 1, f"job {self.job_id} could not start: {exc}"
+            self.record.state, self.record.exit_code, self.record.message = state, code, message
+            self.record.ended = time.time()
+            self.say(message)
+            self.save()
+            return
+        self._supervise()
+
+    def _host_store(self):
+        # rdzv_port itself is the coordinator's store for `meshrun train --local` shares.
+        for port in range(self.network.rdzv_port + 1, self.network.rdzv_port + STORE_PORTS):
+            try:
+                return rdzv.serve_store(self.network.coordinator_ip, port, self.network.interface), port
+            except (OSError, RuntimeError):
+                continue
+        raise LaunchError(f"no free port for the rendezvous store on {self.network.coordinator_ip}:"
+                          f"{self.network.rdzv_port + 1}-{self.network.rdzv_port + STORE_PORTS - 1}",
+                          "wait for other jobs to end")
+
+    def _launch(self) -> None:
+        cands = self.candidates()
+        if not cands:
+            raise LaunchError("no node has joined this network yet", "run `meshrun join TOKEN` on the GPU machines")
+        lo, hi = self.spec.bounds(len(cands))
+        want = min(hi, len(cands))
+        ready = self._wait_for(cands, want, lo if lo < want else None)
+        plans = plan(self.spec, self.network, [(s.name, s.overlay_ip, h) for s, h in ready], self.store_port)
+        by_name = {s.name: s for s, _ in ready}
+        if not self.spec.no_sync:
+            blob = archive.pack_code(code_dir(self.spec), self.spec.sync_limit_mb)
+            self._each([by_name[p.node] for p in plans], lambda s: s.ship(self.job_id, blob))
+        self.outcome = Outcome(self.spec.elastic, lo if self.spec.nnodes else len(plans))
+        self._each(plans, lambda p: self._start(by_name[p.node], p))
+        self.record.state, self.record.started = "running", time.time()
+        self.record.nodes = [p.node for p in plans]
+        self.record.ranks = sum(nproc(p) for p in plans)
+        self.save()
+        self.say(f"job {self.job_id} on {len(plans)} node(s): {', '.join(p.node for p in plans)}")
+
+    def _wait_for(self, cands, want: int, enough: int | None) -> list[tuple]:
+        """Poll the agents until `want` answer (or `enough`, after ELASTIC_GRACE_S, for elastic jobs)."""
+        t0 = time.monotonic()
+        last = ""
+        while True:
+            with ThreadPoolExecutor(max_workers=len(cands)) as pool:
+                healths = list(pool.map(_health, cands))
+            ready = [(s, h) for s, h in zip(cands, healths) if h is not None]
+            missing = [s.name for s, h in zip(cands, healths) if h is None]
+            msg = f"{len(ready)}/{want} nodes ready" + (f" (waiting for: {', '.join(missing)})" if missing else "")
+            if msg != last:
+                self.say(msg)
+                last = msg
+            waited = time.monotonic() - t0
+            if len(ready) >= want or (enough is not None and len(ready) >= enough
+                                      and waited >= min(ELASTIC_GRACE_S, self.spec.wait_timeout)):
+                return ready[:want]
+            if self.cancel_event.is_set():
+                raise LaunchError("cancelled while waiting for the nodes", "")
+            if waited >= self.spec.wait_timeout:
+                raise LaunchError(f"only {len(ready)} of {want} nodes were ready after {self.spec.wait_timeout:.0f} s; "
+                                  f"not answering: {', '.join(missing) or 'none'}",
+                                  "check `meshrun status` on the coordinator and that those agents run "
+                                  "(`meshrun join`/`meshrun up` on them), or lower --nnodes")
+            time.sleep(1)
+
+    def _start(self, s, p: launch.NodeLaunch) -> None:
+        s.start(self.job_id, list(p.argv), p.env, self.spec.cwd if self.spec.no_sync else None)
+        with self.lock:
+            self.shares[s.name] = s
+            self.outcome.shares[s.name] = None
+        t = threading.Thread(target=self._follow, args=(s,), name=f"follow-{s.name}", daemon=True)
+        self.followers.append(t)
+        t.start()
+
+    def _each(self, items, fn) -> None:
+        with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+            list(pool.map(fn, items))     # the first error (in order) is raised, after all finished
+
+    # ------------------------------------------------------------------ following the shares
+    def _follow(self, s) -> None:
+        mirror = jobfiles.BoundedLog(self.logs / f"{s.name}.log")
+        offset, last_ok = 0, time.monotonic()
+        try:
+            while True:
+                try:
+                    ans = s.output(self.job_id, offset)
+                except MeshrunError as exc:
+                    if time.monotonic() - last_ok >= LOST_AFTER_S:
+                        with self.lock:
+                            self.outcome.lost[s.name] = time.time()
+                        self.say(f"lost {s.name}: no answer from its agent for {LOST_AFTER_S:.0f} s ({exc.message})")
+                        return
+                    time.sleep(1)
+                    continue
+                last_ok = time.monotonic()
+                now_ms = int(time.time() * 1000)
+                for line in ans.get("lines", []):
+                    mirror.write(f"{now_ms} {line}")
+                offset = int(ans.get("offset", offset))
+                if ans.get("done"):
+                    with self.lock:
+                        self.outcome.shares[s.name] = ShareEnd.from_dict(ans.get("status") or {})
+                    return
+        finally:
+            mirror.close()
+
+    def _supervise(self) -> None:
+        next_scale = time.monotonic() + SCALE_UP_EVERY_S
+        while True:
+            with self.lock:
+                if self.cancel_event.is_set():
+                    self.outcome.cancelled = True
+                reason = "" if self.aborting else self.outcome.stop_reason()
+                active = any(t.is_alive() for t in self.followers)
+            if reason:
+                self._abort(reason)
+            if not active:
+                break
+            if self.spec.elastic and not self.aborting and time.monotonic() >= next_scale:
+                next_scale = time.monotonic() + SCALE_UP_EVERY_S
+                self._scale_up()
+            time.sleep(0.5)
+        state, code, message = self.outcome.verdict(self.job_id)
+        self.record.state, self.record.exit_code, self.record.message = state, code, message
+        self.record.ended = time.time()
+        self.say(message)
+        self.save()
+
+    def _abort(self, reason: str) -> None:
+        """Stop every running share: at once when cancelled or below MIN, after FAIL_GRACE_S on a failure."""
+        self.aborting = True
+        grace = 0.0 if reason == "cancelled" or self.outcome.below_min else FAIL_GRACE_S
+        self.say(("cancelling the job on every node" if reason == "cancelled" else
+                  f"{reason}; stopping the other nodes" + (f" in {grace:.0f} s" if grace else "")))
+
+        def stop() -> None:
+            time.sleep(grace)
+            with self.lock:
+                running = [self.shares[n] for n in self.outcome.running()]
+            for s in running:
+                threading.Thread(target=_quietly, args=(s.cancel, self.job_id), daemon=True).start()
+        threading.Thread(target=stop, daemon=True).start()
+
+    def cancel(self) -> None:
+        """SIGTERM: cancel the job everywhere (the loop notices and stops the shares)."""
+        self.cancel_event.set()
+
+    def _scale_up(self) -> None:
+        """An elastic job below MAX takes a node that became ready (torchrun re-forms the group)."""
+        _, hi = self.spec.bounds(len(self.candidates()))
+        with self.lock:
+            taken = set(self.outcome.shares) | set(self.outcome.lost)
+            room = hi - len(self.outcome.running())
+        for s in self.candidates():
+            if room <= 0 or s.name in taken:
+                continue
+            h = _health(s)
+            if h is None:
+                continue
+            (p,) = plan(self.spec, self.network, [(s.name, s.overlay_ip, h)], self.store_port, local=True)
+            try:
+                if not self.spec.no_sync:
+                    s.ship(self.job_id, archive.pack_code(code_dir(self.spec), self.spec.sync_limit_mb))
+                self._start(s, p)
+            except MeshrunError as exc:
+                self.say(f"could not add {s.name}: {exc}")
+                continue
+            room -= 1
+            self.record.nodes.append(s.name)
+            self.record.ranks += nproc(p)
+            self.save()
+            self.say(f"{s.name} joined the job (elastic)")
+
+
+def _health(s) -> dict | None:
+    try:
+        return s.health()
+    except MeshrunError:
+        return None
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except MeshrunError as exc:
+        log.warning("%s", exc)
+
+
+def nproc(p: launch.NodeLaunch) -> int:
+    return int(p.argv[p.argv.index("--nproc-per-node") + 1])
+
+
+def code_dir(spec: JobSpec) -> Path:
+    """The directory a job ships: its cwd (a module job), else the script's directory."""
+    cwd = Path(spec.cwd)
+    if spec.module:
+        return cwd
+    script = cwd / spec.script
+    if not script.is_file():
+        raise UsageError(f"script {spec.script!r} not found in {cwd}",
+                         "run `meshrun train` from the directory of your training code, or use --no-sync")
+    return script.parent
+
+
+def plan(spec: JobSpec, network: Network, ready: list[tuple[str, str, dict]], store_port: int,
+         local: bool = False) -> list[launch.NodeLaunch]:
+    """Every ready node's torchrun command and environment for `spec` (ready: name, overlay IP, health)."""
+    script = spec.script
+    if not spec.no_sync and not spec.module:
+        script = Path(script).name        # the script's directory is shipped and becomes the job's cwd
+    opts = launch.TrainOptions(
+        script=script, script_args=tuple(spec.script_args), nnodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
+        max_restarts=spec.max_restarts, job_id=spec.job_id, rdzv_host=network.coordinator_ip, rdzv_port=store_port,
+        interface=network.interface, python=spec.python or "python3", rdzv_timeout=spec.rdzv_timeout,
+        module=spec.module)
+    infos = [launch.NodeInfo(name, ip, int(h.get("gpus", 0) or 0)) for name, ip, h in ready]
+    plans = launch.plan(infos, opts, spec.env, local=local)
+    if spec.python:
+        return plans
+    # By default each node uses the interpreter its agent runs under: it has meshrun and torch.
+    pythons = {name: str(h.get("python") or "python3") for name, _, h in ready}
+    return [launch.NodeLaunch(p.node, (pythons[p.node], *p.argv[1:]), p.env) for p in plans]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        sys.stderr.write("usage: python -m meshrun.jobs.supervisor STATE_DIR JOB_ID\n")
+        return 2
+    state, job_id = StateDir(args[0]), args[1]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        lock = procs.DaemonLock(state / "jobs" / job_id / "supervisor.lock").acquire(f"job {job_id}'s supervisor")
+        sup = Supervisor(state, job_id)
+    except MeshrunError as exc:
+        procs.notify_error(exc)
+        return 1
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: sup.cancel())
+    try:
+        sup.run()
+    except MeshrunError as exc:
+        procs.notify_error(exc)
+        return 1
+    finally:
+        sup.events.close()
+        lock.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

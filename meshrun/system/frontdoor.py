@@ -1,0 +1,154 @@
+"""The coordinator's public TLS listener (enrolment), built to keep serving under abuse.
+
+Every connection is counted before its TLS handshake starts: past `max_conns` in all, or
+`max_per_source` from one address, a new connection is closed at once, before any cryptography
+runs. The handshake must finish within `handshake_s` and the whole request arrive within
+`request_s`. TLS and HTTP parsing run on one asyncio thread (an idle connection costs a socket
+and a few kilobytes, no thread); handlers run on a pool of `workers` threads. So threads and
+memory stay bounded whatever arrives, and a legitimate join from another address always finds a
+free slot.
+
+Requests are HTTP/1.0 with JSON bodies; handlers are the same `handle(Request) -> Response`
+functions as meshrun.system.transport's servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import socket
+import ssl
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
+
+from meshrun.system.transport import MAX_JSON, Handler, Response, answer, body_length, make_request
+
+log = logging.getLogger("meshrun.system.frontdoor")
+
+HEAD_LIMIT = 16 * 1024        # request line + headers
+
+
+class FrontDoor:
+    """A TLS HTTP server on `addr` for `handler`; `start()` runs it on its own thread."""
+
+    def __init__(self, addr: tuple[str, int], handler: Handler, ssl_context: ssl.SSLContext, *,
+                 max_conns: int = 256, max_per_source: int = 8, handshake_s: float = 5.0, request_s: float = 10.0,
+                 workers: int = 4, max_body: int = MAX_JSON) -> None:
+        self.handler = handler
+        self.ssl_context = ssl_context
+        self.max_conns, self.max_per_source = max_conns, max_per_source
+        self.handshake_s, self.request_s = handshake_s, request_s
+        self.max_body = max_body
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontdoor")
+        self.active = 0
+        self.per_source: collections.Counter[str] = collections.Counter()
+        self.refused = 0              # connections closed at the cap (for tests and the log)
+        # Bind here, in the caller's thread: a port in use is the caller's error, not a thread's.
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(addr)
+        self.sock.listen(1024)
+        self.server_address = self.sock.getsockname()
+        self.loop = asyncio.new_event_loop()
+        self._server: asyncio.AbstractServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, name: str = "frontdoor") -> threading.Thread:
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self._server = self.loop.run_until_complete(
+                asyncio.start_server(self._connection, sock=self.sock, limit=HEAD_LIMIT))
+            ready.set()
+            self.loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        return self._thread
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self.loop.call_soon_threadsafe(self._server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        if self._thread is not None:
+            self._thread.join(5)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sock.close()
+
+    # ------------------------------------------------------------------ one connection
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername") or ("?", 0)
+        ip = peer[0]
+        if self.active >= self.max_conns or self.per_source[ip] >= self.max_per_source:
+            self.refused += 1
+            writer.transport.abort()          # before the TLS handshake: an attacker's cheapest move costs us least
+            return
+        self.active += 1
+        self.per_source[ip] += 1
+        transport = writer.transport
+        answered = False
+        try:
+            transport = await self.loop.start_tls(transport, transport.get_protocol(), self.ssl_context,
+                                                  server_side=True, ssl_handshake_timeout=self.handshake_s)
+            tls_writer = asyncio.StreamWriter(transport, transport.get_protocol(), reader, self.loop)
+            resp = await asyncio.wait_for(self._request(reader, ip), self.request_s)
+            tls_writer.write(_encode(resp))
+            await asyncio.wait_for(tls_writer.drain(), self.request_s)
+            answered = True
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+                ssl.SSLError, OSError, ValueError) as exc:
+            log.debug("connection from %s dropped: %s", ip, exc.__class__.__name__)
+        finally:
+            self.active -= 1
+            self.per_source[ip] -= 1
+            if not self.per_source[ip]:
+                del self.per_source[ip]
+            # A clean close lets the answer reach the client; anything else is dropped at once, so a
+            # misbehaving peer cannot keep a TLS shutdown pending.
+            if answered:
+                transport.close()
+            else:
+                transport.abort()
+
+    async def _request(self, reader: asyncio.StreamReader, ip: str) -> Response:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        parts = head[0].split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return Response.error(400, "not an HTTP request")
+        headers = {}
+        for line in head[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().title()] = value.strip()
+        length = body_length(headers.get("Content-Length", "0"), self.max_body)
+        if isinstance(length, Response):
+            await self._discard(reader, headers.get("Content-Length", ""))
+            return length
+        raw = await reader.readexactly(length) if length else b""
+        req = make_request(parts[0], parts[1], ip, headers, raw)
+        if isinstance(req, Response):
+            return req
+        return await self.loop.run_in_executor(self.pool, answer, self.handler, req)
+
+
+    async def _discard(self, reader: asyncio.StreamReader, declared: str) -> None:
+        """Read (and drop) a body too large to accept, up to 4 x max_body, so the client can read
+        our 413 instead of a reset; a larger declared body just gets the connection closed."""
+        if declared.isascii() and declared.isdigit() and len(declared) <= 12 and int(declared) <= 4 * self.max_body:
+            await reader.readexactly(int(declared))
+
+
+def _encode(resp: Response) -> bytes:
+    data = json.dumps(resp.body if resp.body is not None else {}).encode()
+    try:
+        reason = HTTPStatus(resp.status).phrase
+    except ValueError:
+        reason = ""
+    head = (f"HTTP/1.0 {resp.status} {reason}\r\nServer: meshrun\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + data

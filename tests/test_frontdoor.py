@@ -1,0 +1,116 @@
+"""meshrun.system.frontdoor: the public TLS listener keeps serving other sources under a flood.
+
+Loopback only: the flood comes from 127.0.0.1, the legitimate client from 127.0.0.2 (the whole
+127/8 is local on Linux), so per-source caps can be seen working.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import ssl
+import threading
+import time
+
+import pytest
+
+from meshrun.core import keys
+from meshrun.system.frontdoor import FrontDoor
+from meshrun.system.transport import Response, server_tls_context
+
+
+@pytest.fixture
+def door(tmp_path):
+    cert, key = keys.generate_tls_identity("meshrun-test")
+    (tmp_path / "c").write_bytes(cert)
+    (tmp_path / "k").write_bytes(key)
+    srv = FrontDoor(("127.0.0.1", 0), lambda req: Response(200, {"ip": req.client_ip, "body": req.body}),
+                    server_tls_context(str(tmp_path / "c"), str(tmp_path / "k")), max_conns=64, max_per_source=4,
+                    handshake_s=0.5, request_s=1.0)
+    srv.start()
+    srv.addr = ("127.0.0.1", srv.server_address[1])
+    yield srv
+    srv.shutdown()
+
+
+def tls_post(addr, source: str, body: dict, timeout: float = 5) -> tuple[int, dict]:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    conn = http.client.HTTPSConnection(*addr, timeout=timeout, context=ctx, source_address=(source, 0))
+    try:
+        conn.request("POST", "/v1/join", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def idle(addr, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((source, 0))
+        s.connect(addr)
+        socks.append(s)
+    return socks
+
+
+def test_a_request_is_answered_over_tls(door):
+    assert tls_post(door.addr, "127.0.0.2", {"a": 1}) == (200, {"ip": "127.0.0.2", "body": {"a": 1}})
+
+
+def test_idle_connections_from_one_source_do_not_lock_out_another(door):
+    socks = idle(door.addr, 100)
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        assert tls_post(door.addr, "127.0.0.2", {"a": 2})[0] == 200
+        assert time.monotonic() - t0 < 2
+        assert door.refused >= 100 - 4          # all but the source's 4 slots closed before any TLS
+        assert door.active <= 4
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_silent_connection_is_dropped_after_the_handshake_deadline(door):
+    (s,) = idle(door.addr, 1)
+    try:
+        s.settimeout(5)
+        t0 = time.monotonic()
+        assert s.recv(1) == b""                 # closed by the server
+        assert time.monotonic() - t0 < 3
+    finally:
+        s.close()
+
+
+def test_garbage_handshakes_and_threads_stay_bounded(door):
+    threads_before = threading.active_count()
+    stop = time.monotonic() + 2
+    def spray():
+        while time.monotonic() < stop:
+            with socket.create_connection(door.addr) as s:
+                s.sendall(os.urandom(300))
+                s.settimeout(1)
+                try:
+                    s.recv(100)
+                except OSError:
+                    pass
+    sprayers = [threading.Thread(target=spray) for _ in range(4)]
+    for t in sprayers:
+        t.start()
+    try:
+        assert tls_post(door.addr, "127.0.0.2", {"a": 3})[0] == 200
+        # the server's own threads: its loop and at most its pool, whatever arrives
+        assert threading.active_count() - threads_before - len(sprayers) <= 4
+    finally:
+        for t in sprayers:
+            t.join()
+
+
+def test_oversized_and_broken_requests_get_an_answer_not_a_crash(door):
+    status, body = tls_post(door.addr, "127.0.0.2", {"x": "y" * (300 * 1024)})
+    assert status == 413
+    assert tls_post(door.addr, "127.0.0.2", {"a": 4})[0] == 200
