@@ -19,13 +19,15 @@ waits for: rendezvous, start-up and validation included) and of the training loo
 each worker sent (the payload counter the script prints, and the bytes its datacenter's gateway
 actually forwarded to the internet during the run: WireGuard framing, rendezvous, heartbeats
 included), and the final validation loss. Targets for each DiLoCo variant (issue 16): >= 400x fewer
-bytes than DDP (judged on the smaller of the wire and payload ratios), end-to-end wall time <= 1.1x
-the no-communication run's, val loss <= 1.03x DDP's. A missed target is printed as MISSED with its
+bytes than DDP (judged on the smaller of the wire and payload ratios), wall time <= 1.1x the
+no-communication run's (judged end to end and, stricter, on the training loop alone), val loss
+<= 1.03x DDP's. A missed target is printed as MISSED with its
 numbers and how far off it is; nothing is retried or filtered.
 
 Needs root (network namespaces), wireguard-go, iproute2, iptables and torch. Usage:
 
-    sudo python benchmarks/diloco_wan.py                      # all variants, about 6 minutes on 2 cores
+    sudo python benchmarks/diloco_wan.py                      # all variants, about 7 minutes on 2 cores
+    sudo python benchmarks/diloco_wan.py --rounds 2           # twice, the order reversed: medians
     sudo python benchmarks/diloco_wan.py --variants ddp,local,diloco_int2 -v   # stream every rank's output
 """
 
@@ -38,6 +40,7 @@ import platform
 import re
 import secrets
 import subprocess
+import statistics
 import sys
 import tempfile
 import threading
@@ -83,14 +86,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads per worker: the 3 simulated nodes share this machine's cores")
     p.add_argument("--outer-lr", type=float, default=0.8, help="see benchmarks/README.md for what was tried")
     p.add_argument("--outer-momentum", type=float, default=0.5, help="Nesterov")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, run in this order [{','.join(VARIANTS)}]")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, run in this order [{','.join(VARIANTS)}]")
     p.add_argument("--prefix", default=None, help="testbed namespace prefix [dlw + 4 random hex digits]")
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run before it is cancelled")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"result file [{DEFAULT_JSON.relative_to(REPO)}]")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every variant this many times, alternating the order; medians are compared")
     p.add_argument("--local", action="store_true",
                    help="no meshrun: torchrun in one namespace per worker on a shaped bridge (see LinkTarget)")
     p.add_argument("-v", "--verbose", action="store_true", help="stream every rank's output")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds} must be at least 1")
     if args.steps % args.sync_every:
         p.error(f"--steps {args.steps} is not a multiple of --sync-every {args.sync_every}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -299,6 +307,29 @@ def mb(n: float) -> str:
     return f"{n / 1e6:,.2f} MB"
 
 
+def aggregate(runs: list[dict]) -> dict:
+    """One variant's rounds as one result: the median of each measurement, every round kept under "rounds"."""
+    if len(runs) == 1:
+        return runs[0]
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return {**failed[0], "rounds": runs}
+    out = dict(runs[-1])
+    for key in ("wall_s", "train_loop_s", "wire_bytes_mean", "payload_bytes_per_worker", "val_loss"):
+        out[key] = statistics.median(r[key] for r in runs)
+    out["rounds"] = runs
+    return out
+
+
+def run_rounds(target: MeshrunTarget | LinkTarget, args: argparse.Namespace) -> dict[str, dict]:
+    """Every variant once per round, the order reversed every other round (the machine's load drifts)."""
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    for i in range(args.rounds):
+        for variant in (args.variants if i % 2 == 0 else args.variants[::-1]):
+            runs[variant].append(run_variant(target, args, variant))
+    return {v: aggregate(r) for v, r in runs.items()}
+
+
 def compare(ddp: dict, local: dict, r: dict) -> dict:
     """One variant against DDP (bytes, loss) and the no-communication run (wall): ratios and verdicts."""
     if any("error" in x for x in (ddp, local, r)):
@@ -320,6 +351,11 @@ def compare(ddp: dict, local: dict, r: dict) -> dict:
         "wall": {"target": f"<= {TARGET_WALL_RATIO:g}x the no-communication wall time (end to end)",
                  "value": out["wall_ratio_vs_local"], "met": out["wall_ratio_vs_local"] <= TARGET_WALL_RATIO,
                  "off_by": out["wall_ratio_vs_local"] / TARGET_WALL_RATIO},
+        # The end-to-end time includes start-up that both runs share; the training loop alone is stricter.
+        "wall_loop": {"target": f"<= {TARGET_WALL_RATIO:g}x the no-communication training loop",
+                      "value": out["train_loop_ratio_vs_local"],
+                      "met": out["train_loop_ratio_vs_local"] <= TARGET_WALL_RATIO,
+                      "off_by": out["train_loop_ratio_vs_local"] / TARGET_WALL_RATIO},
         "loss": {"target": f"<= {TARGET_LOSS_RATIO:g}x DDP's val loss", "value": out["loss_ratio"],
                  "met": out["loss_ratio"] <= TARGET_LOSS_RATIO, "off_by": out["loss_ratio"] / TARGET_LOSS_RATIO},
     }
@@ -350,7 +386,8 @@ def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict]) -> tuple[st
         if "error" in r:
             lines.append(f"{name:<15} FAILED: {r['error']}")
             continue
-        lines.append(f"{name:<15}{r['wall_s']:>10.1f}s{r['train_loop_s']:>10.1f}s{mb(r['payload_bytes_per_worker']):>16}"
+        lines.append(f"{name:<15}{r['wall_s']:>10.1f}s{r['train_loop_s']:>10.1f}s"
+                     f"{mb(r['payload_bytes_per_worker']):>16}"
                      f"{mb(r['wire_bytes_mean']):>14}{r['val_loss']:>10.4f}{r.get('syncs') or '':>6}")
     ones = []
     for name, c in comps.items():
@@ -361,14 +398,17 @@ def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict]) -> tuple[st
         t = c["targets"]
         lines.append(
             f"{name}: bytes {c['wire_bytes_ratio']:.0f}x fewer on the wire, {c['payload_bytes_ratio']:.0f}x payload "
-            f"(target >= {TARGET_BYTES_RATIO:g}x): {verdict_text(t['bytes'])} | wall {c['wall_ratio_vs_local']:.3f}x "
-            f"no-comm end to end, {c['train_loop_ratio_vs_local']:.3f}x train loop, {c['wall_ratio_vs_ddp']:.2f}x DDP "
-            f"(target <= {TARGET_WALL_RATIO:g}x): {verdict_text(t['wall'])} | loss {c['loss_ratio']:.4f}x DDP "
+            f"(target >= {TARGET_BYTES_RATIO:g}x): {verdict_text(t['bytes'])} | wall vs no-comm (target <= "
+            f"{TARGET_WALL_RATIO:g}x) {c['wall_ratio_vs_local']:.3f}x end to end: {verdict_text(t['wall'])}, "
+            f"{c['train_loop_ratio_vs_local']:.3f}x train loop: {verdict_text(t['wall_loop'])}; "
+            f"{c['wall_ratio_vs_ddp']:.2f}x DDP | loss {c['loss_ratio']:.4f}x DDP "
             f"({res[name]['val_loss']:.4f} vs {res['ddp']['val_loss']:.4f}; target <= {TARGET_LOSS_RATIO:g}x): "
             f"{verdict_text(t['loss'])}")
         mark = "ALL MET" if c["all_met"] else "missed " + ",".join(k for k, v in t.items() if not v["met"])
-        ones.append(f"{name} {c['wire_bytes_ratio']:.0f}x/{c['wall_ratio_vs_local']:.2f}x/{c['loss_ratio']:.3f}x {mark}")
-    one = "diloco_wan (bytes/wall vs no-comm/loss): " + (" | ".join(ones) if ones else "no comparison (ddp or local missing)")
+        ones.append(f"{name} {c['wire_bytes_ratio']:.0f}x/{c['wall_ratio_vs_local']:.2f}x/"
+                    f"{c['train_loop_ratio_vs_local']:.2f}x/{c['loss_ratio']:.3f}x {mark}")
+    one = ("diloco_wan (wire bytes vs DDP / wall e2e, train loop vs no-comm / loss vs DDP): "
+           + (" | ".join(ones) if ones else "no comparison (ddp or local missing)"))
     return "\n".join(lines), one
 
 
@@ -381,16 +421,15 @@ def main(argv: list[str] | None = None) -> int:
     specs = [DatacenterSpec(COORD_DC, rate_mbit=args.rate_mbit)] + \
             [DatacenterSpec(dc, rate_mbit=args.rate_mbit) for dc in worker_dcs]
     cfg = {k: getattr(args, k) for k in ("workers", "rate_mbit", "steps", "sync_every", "hidden", "batch_size",
-                                         "seq_len", "lr", "threads", "outer_lr", "outer_momentum", "variants", "local")}
+                                         "seq_len", "lr", "threads", "outer_lr", "outer_momentum", "variants", "local",
+                                         "rounds")}
     cfg["tokens_total"] = args.steps * args.batch_size * args.seq_len * args.workers
     load_at_start = os.getloadavg()[0]
     t_start = time.monotonic()
-    results: dict[str, dict] = {}
     if args.local:
         with tempfile.TemporaryDirectory(prefix="diloco_wan.") as tmp, \
                 LinkTarget(args.prefix, args.workers, args.rate_mbit, Path(tmp)) as target:
-            for variant in args.variants:
-                results[variant] = run_variant(target, args, variant)
+            results = run_rounds(target, args)
     else:
         with World(specs, prefix=args.prefix, log=say) as world:
             mesh = Mesh(world, f"{COORD_DC}-a")
@@ -403,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                         mesh.wait_ping(f"{dc}-a", mesh.overlay_ip(f"{other}-a"), timeout=60)
             say(f"mesh up: coordinator + {', '.join(worker_dcs)} ({time.monotonic() - t_start:.0f} s)")
             target = MeshrunTarget(world, mesh, worker_dcs)
-            for variant in args.variants:
-                results[variant] = run_variant(target, args, variant)
+            results = run_rounds(target, args)
     comps = {}
     if {"ddp", "local"} <= set(results):
         comps = {v: compare(results["ddp"], results["local"], results[v])

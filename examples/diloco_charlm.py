@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DiLoCo H: inner steps between two syncs of a fragment; the log interval of ddp/local")
     p.add_argument("--compression", choices=COMPRESSIONS, default="none")
     p.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments (1: plain DiLoCo)")
-    p.add_argument("--overlap", type=int, default=None, help="inner steps a fragment's sync overlaps [DiLoCo's default]")
+    p.add_argument("--overlap", type=int, default=None,
+                   help="inner steps a fragment's sync overlaps [DiLoCo's default]")
     p.add_argument("--mixing", type=float, default=0.0, help="local weight when merging a fragment")
     p.add_argument("--no-check-state", action="store_true", help="skip the digest comparison after each sync")
     p.add_argument("--outer-lr", type=float, default=0.7)

@@ -5,7 +5,7 @@ Usage (identical on every worker; all workers must call ``step()`` the same numb
     from meshrun.train.diloco import DiLoCo
     opt = DiLoCo(model, inner_optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
                  sync_every=100, compression="fp4", fragments=4)
-    for batch in loader:                       # resume: skip the first opt.step_count steps
+    for batch in loader:                       # after a restart: skip the first opt.step_count steps
         loss = model(batch).loss; loss.backward(); opt.step(); opt.zero_grad()
     opt.finish()                               # every worker ends on the same global model
 
@@ -28,7 +28,8 @@ Streaming (Douillard et al. 2025, "Streaming DiLoCo with overlapping communicati
   is taken and its collective launched (``async_op=True``) tau steps before it is due, and
   training goes on meanwhile; at the due step the worker waits for it (usually long done), runs the
   outer step on that fragment's global copy, and merges: ``local = mixing * local + (1 - mixing) *
-  global`` (``mixing`` = alpha, default 0.5 with overlap, as in the paper, else 0). tau < H / F.
+  global``. tau < H / F. ``mixing`` (alpha) defaults to 0, as in torchft: the paper's 0.5 gave an
+  8 % worse validation loss on the benchmark of ``benchmarks/diloco_wan.py`` (docs/diloco.md).
 - F = 1, tau = 0, alpha = 0 is plain DiLoCo (the default).
 
 Compression (the pseudo-gradient only; floating-point buffers travel in their own dtype):
@@ -39,14 +40,14 @@ Compression (the pseudo-gradient only; floating-point buffers travel in their ow
   to zero); a pseudo-gradient that overflows anyway raises ``UsageError`` after the reduce instead
   of writing ``inf`` into the global copy. bf16 has fp32's range but 8 mantissa bits (fp16 has 11).
   No error feedback for these two: their rounding error is relative and unbiased.
-- ``"int8"`` (1.002 bytes per element) and ``"fp4"`` (FP4 E2M1 with a bf16 scale per 128
-  elements, 0.516 bytes per element): see ``meshrun.train.compress``. Both keep *error feedback*:
-  this worker's residual ``x - dequant(quant(x))`` is added to its next pseudo-gradient, so the
-  quantization error does not accumulate over syncs (the cumulative error stays within one
-  rounding error). Both are averaged by ``all_gather``: summing 8- or 4-bit codes in an
-  ``all_reduce`` overflows, and the fixes that keep ``all_reduce`` cost the saving (reduce in
-  int32) or the precision (a shared scale with ``levels // world_size`` levels per worker). Each
-  worker dequantizes the ``world_size`` contributions and averages them in rank order, so all
+- ``"int8"`` (1.002 bytes per element), ``"fp4"`` (FP4 E2M1 with a bf16 scale per 128 elements,
+  0.516 bytes per element) and ``"int2"`` (four levels times the block's RMS, 0.266 bytes per
+  element): see ``meshrun.train.compress``. All three keep *error feedback*: this worker's residual
+  ``x - dequant(quant(x))`` is added to its next pseudo-gradient, so the quantization error does not
+  accumulate over syncs (the cumulative error stays within one rounding error). They are averaged
+  by ``all_gather``: summing 8-, 4- or 2-bit codes in an ``all_reduce`` overflows, and the fixes
+  that keep ``all_reduce`` cost the saving (reduce in int32) or the precision (a shared scale with
+  ``levels // world_size`` levels per worker). Each worker dequantizes the ``world_size`` contributions and averages them in rank order, so all
   workers get bit-identical results. Each worker *contributes* its payload once but *receives*
   ``world_size - 1`` payloads: fine for the handful of datacenters meshrun targets; for many
   workers a reduce-scatter scheme (torchft's fp8 path) is bandwidth-optimal.
@@ -59,9 +60,11 @@ with DDP, which contributes ``4 * numel`` bytes of fp32 gradients *every step*
 The state check's 8-byte digests are not counted.
 
 State check (``check_state=True``): after every sync each worker hashes the fragment's global
-parameters and outer momentum (64-bit BLAKE2b of the raw bytes: bit-exact, about 1 GB/s on one
-CPU core) and the digests are ``all_gather``ed; a worker that differs from the majority makes
-every worker raise ``StateError`` naming the ranks. ``verify_state()`` checks everything now.
+parameters and outer momentum (64-bit BLAKE2b of the raw bytes: bit-exact, about 0.75 GB/s on one
+CPU core here) and the digests are ``all_gather``ed in the background; the next sync (or
+``finish()``) compares them, and a worker that differs from the majority makes every worker raise
+``StateError`` naming the ranks. (Waiting for the digests at the sync itself would make every sync
+a barrier.) ``verify_state()`` checks everything, blocking, now.
 
 Membership changes (``snapshot_dir``, default ``$MESHRUN_JOB_DIR`` when meshrun runs the
 script, else off): torchrun restarts *every* worker of an elastic job when a node dies or joins,
@@ -89,7 +92,7 @@ How this differs from torchft's ``torchft.local_sgd.DiLoCo`` and from OpenDiLoCo
   meshrun runs under plain torchrun, which restarts everyone; the snapshot exchange above makes that
   restart cost at most one sync of progress (see docs/diloco.md).
 - Compression: torchft quantizes to fp8 with row-wise scales (Triton, CUDA only), no error
-  feedback; meshrun offers fp16/bf16/int8/fp4 on gloo and NCCL with plain collectives.
+  feedback; meshrun offers fp16/bf16/int8/fp4/int2 on gloo and NCCL with plain collectives.
 """
 
 from __future__ import annotations
@@ -176,7 +179,7 @@ class DiLoCo:
         sync_every: inner steps between two syncs of the same fragment (H >= 1; a multiple of ``fragments``).
         outer_lr: learning rate of the outer SGD (> 0; the paper uses 0.7).
         outer_momentum: its momentum in [0, 1); Nesterov when > 0 (the paper uses 0.9).
-        compression: pseudo-gradient wire format: "none" (fp32), "fp16", "bf16", "int8" or "fp4".
+        compression: pseudo-gradient wire format: "none" (fp32), "fp16", "bf16", "int8", "fp4" or "int2".
         process_group: group to average over; default: the default group if
             ``torch.distributed`` is initialized, else none (world size 1, no communication).
         fragments: F >= 1; F > 1 turns on Streaming DiLoCo (see the module docstring).
@@ -322,7 +325,10 @@ class DiLoCo:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One inner step; launches and merges fragment syncs on schedule (collective then). Returns the closure's loss."""
+        """One inner step; launches and merges fragment syncs on schedule (collective then).
+
+        Returns the closure's loss.
+        """
         loss = self.inner_optimizer.step(closure) if closure is not None else self.inner_optimizer.step()
         self.step_count += 1
         self._clean.clear()
@@ -391,7 +397,7 @@ class DiLoCo:
         return _InFlight(fragments, indices, due, parts, buffer_part, nbytes if self.world_size > 1 else 0)
 
     def _start_average(self, flat: torch.Tensor, bucket: list[int]) -> tuple[Any, Callable[[], torch.Tensor], int]:
-        """Start averaging ``flat`` with the configured compression: (handle or None, read result, bytes contributed)."""
+        """Start averaging ``flat`` as configured: (handle or None, read the result, bytes contributed)."""
         world, group = self.world_size, self.process_group
         if self._codec is None:
             wire = flat if self.compression == "none" else (flat / world).to(_WIRE_DTYPE[self.compression])
