@@ -38,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits at start (tests)")
     p.add_argument("--fail-code", type=int, default=1, help="exit code for --fail-rank")
     p.add_argument("--sleep-per-step", type=float, default=0.0, help="seconds to sleep each step (tests)")
+    p.add_argument("--log-steps", action="store_true", help="every rank prints `step N` after each step")
     return p.parse_args(argv)
 
 
@@ -109,12 +110,14 @@ def main(argv=None) -> int:
     loss_fn = torch.nn.MSELoss()
     for epoch in range(start, args.epochs):
         total = torch.zeros((), device=device, dtype=torch.float64)
-        for x, y in batches(args.seed, rank, epoch, args.steps_per_epoch, args.batch_size, device):
+        for i, (x, y) in enumerate(batches(args.seed, rank, epoch, args.steps_per_epoch, args.batch_size, device)):
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(ddp(x), y)
             loss.backward()
             opt.step()
             total += loss.detach().double()
+            if args.log_steps:
+                print(f"step {epoch * args.steps_per_epoch + i + 1}", flush=True)
             if args.sleep_per_step:
                 time.sleep(args.sleep_per_step)
         dist.all_reduce(total)

@@ -7,6 +7,7 @@ AgentServices; only the WireGuard devices and the transport between them are sta
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from fakemesh import FakeMesh
 from meshrun.core import paths
 from meshrun.errors import StateError
+from meshrun.system.fakedevice import FakeDevice
 
 
 @pytest.fixture
@@ -117,3 +119,76 @@ def test_a_removed_node_hears_410_and_takes_its_interface_down(mesh):
     assert getattr(exc.value, "status", None) == 410
     a.agent._cleanup_removed()
     assert not a.device.exists() and a.agent.state.read_json("member.json")["removed"] is True
+
+
+# --------------------------------------------------------------------------- restarts (issue: jobs outlive the daemon)
+
+def _meshed(mesh):
+    """Two nodes with a verified direct pair, every agent in sync."""
+    a, b = mesh.join("a", "198.51.100.2:40000"), mesh.join("b", "198.51.100.3:40001")
+    mesh.see(a)
+    mesh.see(b)
+    for _ in range(3):
+        mesh.sync()
+    mesh.handshake(a, b)
+    for _ in range(2):
+        mesh.sync()
+    assert mesh.coord.pairs.mode("a", "b").verified
+    return a, b
+
+
+def test_versions_never_repeat_across_a_restart_and_path_changes_bump_them(mesh):
+    a, b = _meshed(mesh)
+    before = mesh.coord.roster.version
+    restarted = mesh.new_coordinator()
+    assert restarted.roster.version == before            # persisted, not rebuilt from a counter at 0
+    mesh.coord.tick(now=time.time() + paths.STALE_S + 60)  # nothing reported since: nothing judged
+    assert mesh.coord.roster.version == before
+    mesh.sync()                                           # first sync: delta, the coordinator asks for a full one
+    mesh.sync()
+    mesh.coord.tick(now=time.time() + paths.STALE_S + 60)  # the reported handshake is now too old: relayed
+    assert mesh.coord.pairs.mode("a", "b").mode == paths.RELAYED
+    assert mesh.coord.roster.version > before
+
+
+def test_a_working_pair_keeps_its_path_and_its_peers_across_a_restart(mesh):
+    a, b = _meshed(mesh)
+    hs = {n.name: mesh.peer(n, other).latest_handshake for n, other in ((a, b), (b, a))}
+    applied = {n.name: len(n.device.applied) for n in (a, b)}
+    mesh.new_coordinator()
+    for _ in range(4):
+        mesh.sync()
+    assert mesh.coord.pairs.mode("a", "b").mode == paths.PUBLIC and mesh.coord.pairs.mode("a", "b").verified
+    # No peer was re-created: the handshake WireGuard has is the one it had (a re-created peer has 0).
+    assert {n.name: mesh.peer(n, other).latest_handshake for n, other in ((a, b), (b, a))} == hs
+    assert {n.name: len(n.device.applied) for n in (a, b)} == applied
+
+
+class FlakyDevice(FakeDevice):
+    """A device whose reads fail with an unexpected exception a given number of times."""
+
+    def __init__(self, base: FakeDevice, failures: int) -> None:
+        self.__dict__.update(base.__dict__)
+        self.failures = failures
+
+    def peers(self):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("simulated bug in a tick")
+        return super().peers()
+
+
+def test_the_loop_survives_a_failing_tick(mesh):
+    svc = mesh.coord
+    svc.interval = 0.05
+    svc.device = FlakyDevice(mesh.coord_device, failures=2)
+    t = threading.Thread(target=svc._loop, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while svc.tick_count < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert svc.tick_count >= 5 and t.is_alive() and svc.device.failures == 0
+    finally:
+        svc.stop_event.set()
+        t.join(5)

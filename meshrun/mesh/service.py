@@ -28,7 +28,7 @@ SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
 SYSTEMD_UNIT_DIRS = (Path("/etc/systemd/system"), Path("/run/systemd/system"), Path("/usr/lib/systemd/system"),
                      Path("/lib/systemd/system"))
 
-_DESCRIPTION = {"coordinator": "meshrun coordinator (enrolment, overlay API, rendezvous store)",
+_DESCRIPTION = {"coordinator": "meshrun coordinator (enrolment, overlay API, job control)",
                 "agent": "meshrun agent (peer sync and job API of this node)"}
 
 
@@ -63,7 +63,10 @@ Type=simple
 ExecStart={exec_start}
 Restart=on-failure
 RestartSec=5s
-# A stop leaves the interface up (tunnels keep working); `meshrun leave`/`down` removes it.
+# A stop or restart ends the daemon only: wireguard-go (the tunnels), the jobs' supervisors and
+# shares run in their own sessions and must outlive an upgrade. `meshrun leave`/`down` removes the
+# interface, `meshrun cancel` stops a job.
+KillMode=process
 TimeoutStopSec=20s
 LimitNOFILE=65536
 UMask=0077

@@ -326,6 +326,13 @@ class CoordinatorDB:
     def version(self) -> int:
         return int(self.meta("version") or 0)
 
+    def bump_version(self) -> int:
+        """A new member-list version for a change the database does not see (a pair's path); persisted,
+        so versions never repeat across coordinator restarts. Returns it."""
+        with self.tx() as c:
+            self._bump(c)
+            return int(c.execute("SELECT value FROM meta WHERE key='version'").fetchone()[0])
+
     @staticmethod
     def _bump(c: sqlite3.Connection) -> None:
         c.execute("INSERT INTO meta(key, value) VALUES('version', '1') ON CONFLICT(key) "

@@ -8,6 +8,7 @@ the caller is identified by it, as in innernet. POST /v1/sync is the agents' lon
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from meshrun.core.model import Member, Network, parse_endpoint
@@ -16,6 +17,8 @@ from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.system.store import CoordinatorDB
 from meshrun.system.transport import Request, Response
+
+log = logging.getLogger("meshrun.mesh.coordinator.overlay")
 
 SYNC_WAIT_MAX = 25.0
 
@@ -42,6 +45,7 @@ class OverlayAPI:
         if caller is None:
             if self.db.is_removed_ip(req.client_ip):
                 return _gone()
+            log.warning("refused %s %s from %s: not a member", req.method, req.path, req.client_ip)
             return Response.error(403, f"{req.client_ip} is not a member of this network")
         if req.method == "POST" and req.path == "/v1/sync":
             return self.sync(caller, req.body if isinstance(req.body, dict) else {})
@@ -67,12 +71,13 @@ class OverlayAPI:
             delta = {str(k): int(v["handshake"] if isinstance(v, dict) else v) for k, v in report.items()}
         except (ValueError, TypeError, KeyError, OverflowError):
             return Response.error(400, UsageError("malformed sync request", "use the meshrun agent"))
-        first = self.pairs.report(caller.name, delta)
-        self.db.heartbeat(caller.overlay_ip, candidates, touch=first)
-        version = self.roster.wait(known, wait, self.stop)
+        owed = self.pairs.report(caller.name, delta, full=bool(body.get("full")))
+        self.db.heartbeat(caller.overlay_ip, candidates, touch=owed)
+        # A node that owes a full report is answered at once, so its pairs are judged again soon.
+        version = self.roster.wait(known, 0 if owed else wait, self.stop)
         if self.db.member_by_ip(caller.overlay_ip) is None:   # removed while it waited
             return _gone()
-        extra = {"report": "full"} if first and not body.get("full") else {}
+        extra = {"report": "full"} if owed else {}
         if version == known:
             return Response(200, {"version": version, "unchanged": True, **extra})
         return Response(200, {"version": version, "network": self.network.to_dict(),

@@ -2,7 +2,9 @@
 
 Each agent reports, with its heartbeat, the latest handshake it has with each peer; once a
 second the coordinator advances every pair's state with `meshrun.core.paths.step` and persists
-the result (paths.json), so a restart keeps working pairs as they are.
+the result (paths.json). Reports are not persisted: after a coordinator restart a pair is left as
+it was until both its nodes have reported again (each agent's first sync with a restarted
+coordinator carries a full report), so a working pair is never judged stale for want of news.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class PairDriver:
 
     def __init__(self, state: StateDir) -> None:
         self.state = state
-        self.reports: dict[str, dict[str, int]] = {}   # node name -> {peer key: latest handshake}
+        self.reports: dict[str, dict[str, int]] = {}   # node name -> {peer key: latest handshake}, since start
         self.pairs: dict[tuple[str, str], paths.PairState] = self._load()
 
     def _load(self) -> dict[tuple[str, str], paths.PairState]:
@@ -37,11 +39,14 @@ class PairDriver:
             log.warning("ignoring unreadable paths.json (%s); pairs are probed again", exc)
             return {}
 
-    def report(self, node: str, delta: dict[str, int]) -> bool:
-        """Record `node`'s handshakes {peer key: unix s}; True if it is the node's first report."""
-        first = node not in self.reports
-        self.reports.setdefault(node, {}).update(delta)
-        return first
+    def report(self, node: str, delta: dict[str, int], full: bool) -> bool:
+        """Record `node`'s handshakes {peer key: unix s}; True while a full report is still owed
+        (the node's pairs are judged only once one arrived since this coordinator started)."""
+        if full:
+            self.reports[node] = dict(delta)
+        elif node in self.reports:
+            self.reports[node].update(delta)
+        return node not in self.reports
 
     def handshake(self, a: Member, b: Member) -> int:
         """The newest handshake between a and b that either of them reported."""
@@ -52,9 +57,12 @@ class PairDriver:
         """Advance every pair's path state; True if any mode changed (nodes must be told)."""
         # A pair is judged once both nodes have an observed endpoint and have reported their
         # candidates (first sync): only then can "same site" be told apart from "elsewhere".
-        nodes = [m for m in members if not m.is_coordinator and m.endpoint and m.candidates]
+        nodes = [m for m in members if not m.is_coordinator and m.endpoint and m.candidates and m.name in self.reports]
         changed = False
-        new: dict[tuple[str, str], paths.PairState] = {}
+        # Pairs of nodes that have not reported since this coordinator started are kept as they were.
+        live = {m.name for m in members}
+        new: dict[tuple[str, str], paths.PairState] = {k: st for k, st in self.pairs.items()
+                                                      if k[0] in live and k[1] in live}
         for i, a in enumerate(nodes):
             for b in nodes[i + 1:]:
                 key = paths.pair_key(a.name, b.name)

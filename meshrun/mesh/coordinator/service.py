@@ -53,7 +53,12 @@ class CoordinatorService:
         self.apply_lock = threading.Lock()
         self.pairs = PairDriver(state)
         self.roster = Roster(self.db, self.network, self.pairs)
-        self.path_changes = 0
+        self.wake = threading.Event()            # a join asks the loop for a tick now
+        self.ticks = threading.Condition()
+        self.tick_count = 0
+        self.looping = False
+        self.interval = OBSERVE_INTERVAL
+        self.known = {m.name for m in self.db.members()}
         job_key = auth.decode_key(state.read("job.key").decode())
         self.enrolment = EnrolmentAPI(self.db, self.network, self.roster, job_key, self._enrolled)
         self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event)
@@ -83,8 +88,7 @@ class CoordinatorService:
             log.info("coordinator of %s up: enrolment on :%d/tcp, overlay API on %s:%d", self.network.name,
                      self.network.listen_port, self.network.coordinator_ip, self.network.api_port)
             try:
-                while not self.stop_event.wait(OBSERVE_INTERVAL):
-                    self.tick()
+                self._loop()
             finally:
                 for ext in running:
                     ext.close()
@@ -101,9 +105,33 @@ class CoordinatorService:
         backend = iface.bring_up(self.device, self.state, self.network, self.network.coordinator_ip)
         self.state.write_json("member.json", dict(self.member, backend=backend, wg_pid=self.device.pid))
 
+    def _loop(self) -> None:
+        """The one thread that ticks: once a second, or at once when a join asks for it. An error in
+        one tick is logged and the loop goes on (the daemon also serves enrolment and rendezvous)."""
+        self.looping = True
+        while not self.stop_event.is_set():
+            self.wake.wait(self.interval)
+            self.wake.clear()
+            if self.stop_event.is_set():
+                return
+            try:
+                self.tick()
+            except Exception:
+                log.exception("tick failed; the next one runs in %.0f s", self.interval)
+            with self.ticks:
+                self.tick_count += 1
+                self.ticks.notify_all()
+
     def _enrolled(self, member: Member) -> None:
-        self.apply_peers()   # so the node's first handshake is answered
-        self.tick()
+        """A join was recorded: wait (briefly) for a tick, so the new peer is on the interface before
+        the node's first handshake arrives."""
+        if not self.looping:        # no loop thread (tests drive the service by hand): tick here
+            self.tick()
+            return
+        with self.ticks:
+            target = self.tick_count + 1
+            self.wake.set()
+            self.ticks.wait_for(lambda: self.tick_count >= target or self.stop_event.is_set(), timeout=5)
 
     # the loop ----------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
@@ -116,9 +144,14 @@ class CoordinatorService:
             log.warning("cannot read %s: %s", self.network.interface, exc)
             return
         changed = self.db.observe({p.public_key: (p.endpoint, p.latest_handshake) for p in current})
-        if self.pairs.update(self.db.members(), time.time() if now is None else now):
-            self.path_changes += 1
-        v = self.db.version() + self.path_changes
+        members = self.db.members()
+        names = {m.name for m in members}
+        for gone in sorted(self.known - names):
+            log.info("%s was removed from the network; every member drops it", gone)
+        self.known = names
+        if self.pairs.update(members, time.time() if now is None else now):
+            self.db.bump_version()      # paths are part of what agents receive
+        v = self.db.version()
         if changed or v != self.roster.version or self.db.recently_removed(REMOVED_GRACE_S + 5):
             self.apply_peers(current)
             self.roster.publish(v)
