@@ -21,7 +21,7 @@ Rank 0 prints one line per sync (diloco) or per --sync-every steps (ddp, local):
     outer_step 3 step=150 train_loss=0.4321 bytes_sent=123456
     train step=150 train_loss=0.4321 bytes_sent=123456
 (train_loss: rank 0's mean over the steps since the previous line; no collective), a line when it
-resumed (every rank: ``resumed rank=1 sync=3 step=150 source_rank=0 received=yes``), every rank
+resumed (every rank: ``resumed rank=1 world_size=3 sync=3 step=150 source_rank=0 received=yes``), every rank
 ``param_checksum rank=R sync=N digest=HEX`` at the end (a 64-bit digest of the final global
 parameters: equal on every worker), and rank 0, at the end (stable, key=value, parseable):
     final val_loss=1.9876 bytes_sent=123456 wall_s=12.3 mode=diloco world_size=2 steps=100 ...
@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> None:
                      overlap=args.overlap, mixing=args.mixing, check_state=not args.no_check_state)
         if opt.resumed:
             r = opt.resumed
-            print(f"resumed rank={rank} sync={r['sync_count']} step={r['step_count']} source_rank={r['source_rank']} "
-                  f"received={'yes' if rank in r['receivers'] else 'no'}", flush=True)
+            print(f"resumed rank={rank} world_size={world} sync={r['sync_count']} step={r['step_count']} "
+                  f"source_rank={r['source_rank']} received={'yes' if rank in r['receivers'] else 'no'}", flush=True)
     elif args.mode == "ddp" and world > 1:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
     first = opt.step_count + 1 if isinstance(opt, DiLoCo) else 1
