@@ -182,7 +182,7 @@ def _walk_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
 
-SECRET_FILES = re.compile(r"^(private\.key|tls\.key|.*\.conf)$")
+SECRET_FILES = re.compile(r"^(private\.key|tls\.key|job\.key|.*\.conf)$")
 DB_FILES = re.compile(r"^coordinator\.db(-wal|-shm)?$")
 
 
@@ -210,6 +210,8 @@ def test_no_secret_in_logs_status_or_errors_and_modes(refusal_world):
     outputs["token list text"] = mesh.meshrun("dc1-a", "token", "list").stdout
 
     private_keys = {n: (mesh.state_dir(world.node(n)) / "private.key").read_text().strip() for n in members}
+    private_keys.update({f"{n} job key": (mesh.state_dir(world.node(n)) / "job.key").read_text().strip()
+                         for n in members})
     tls_key = (mesh.state_dir(world.node("dc1-a")) / "tls.key").read_text()
     tls_body = "".join(tls_key.strip().splitlines()[1:-1])[:60]
     token_secrets = [s for t in mesh.tokens if t.startswith("mr1.") for s in _secret_forms(t)]
@@ -229,7 +231,7 @@ def test_no_secret_in_logs_status_or_errors_and_modes(refusal_world):
             data = f.read_bytes()
             if SECRET_FILES.match(f.name) or DB_FILES.match(f.name):
                 assert mode == 0o600, f"{f} has mode {oct(mode)}, want 0o600"
-            if f.name == "daemon.log":
+            if f.name.startswith("daemon."):
                 assert mode == 0o600, f"{f} has mode {oct(mode)}"
             for s in token_secrets:   # the coordinator keeps only a hash; nobody writes the secret down
                 assert s.encode() not in data, f"a token secret in {f}"
