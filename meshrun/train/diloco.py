@@ -275,11 +275,7 @@ class DiLoCo:
         self._global = [p.detach().clone() for p in self._params]
         self.outer_optimizer = torch.optim.SGD(self._global, lr=self.outer_lr, momentum=self.outer_momentum,
                                                nesterov=self.outer_momentum > 0)
-        if self.outer_momentum > 0:
-            # SGD would create each buffer at its first step as a copy of the gradient, which is what
-            # a zero buffer gives as well; made now, every fragment's state has one fixed layout.
-            for g in self._global:
-                self.outer_optimizer.state[g]["momentum_buffer"] = torch.zeros_like(g)
+        self._make_momentum()
         self._error_feedback: list[torch.Tensor] | None = None
         if self._codec is not None:
             self._error_feedback = [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
@@ -627,6 +623,16 @@ class DiLoCo:
         self.step_count, self.sync_count = int(step_count), int(sync_count)
 
     # ----------------------------------------------------------------- helpers
+    def _make_momentum(self) -> None:
+        """Give every global tensor an outer momentum buffer (zeros) if it has none yet.
+
+        SGD would create each at its first step as a copy of the gradient, which is what a zero
+        buffer gives as well; made up front, the shared state has one fixed layout for every fragment.
+        """
+        if self.outer_momentum > 0:
+            for g in self._global:
+                self.outer_optimizer.state[g].setdefault("momentum_buffer", torch.zeros_like(g))
+
     @staticmethod
     def _compute_dtype(p: torch.Tensor) -> torch.dtype:
         # Pseudo-gradients are formed in at least fp32 (a bf16 model's delta would lose the small updates).
@@ -703,6 +709,7 @@ class DiLoCo:
                                  "resume with the same model architecture")
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self._make_momentum()  # a checkpoint saved before the first sync by an older meshrun has none
         for name, g in zip(self._names, self._global):
             g.copy_(saved[name])
         if self._error_feedback is not None:
