@@ -324,8 +324,8 @@ def world3(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def membership(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """A 3-worker run with snapshots, then restarts from copies of its node directories:
     "lost": workers on node0 and on a node whose snapshot missed the newest sync (node2's copy
-    after sync 2; node1 is gone); "joined": node0, node1 and a new node with no snapshot;
-    "diverged": node0 and node1 whose snapshot of the same sync has one global value changed."""
+    after sync 2; node1 is gone); "joined": node0, node1, node2 whose snapshot of the same sync
+    has one global value changed (diverged), and a new node with no snapshot."""
     tmp = tmp_path_factory.mktemp("member")
     nodes = tmp / "nodes"
     nodes.mkdir()
@@ -334,8 +334,7 @@ def membership(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]
     try:
         os.environ["DILOCO_NODES"] = str(nodes)
         out["before"] = _spawn(3, ["member_before"], str(tmp))
-        for case, dirs in (("lost", ["node0", "stale"]), ("joined", ["node0", "node1", "new"]),
-                           ("diverged", ["node0", "node1"])):
+        for case, dirs in (("lost", ["node0", "stale"]), ("joined", ["node0", "node1", "node2", "new"])):
             copies = []
             for d in dirs:
                 if (nodes / d).exists():
@@ -343,8 +342,8 @@ def membership(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]
                 else:  # a new node: its job directory exists, without a snapshot
                     (nodes / f"{case}-{d}").mkdir()
                 copies.append(f"{case}-{d}")
-            if case == "diverged":
-                path = nodes / "diverged-node1" / "diloco-worker0.pt"
+            if case == "joined":
+                path = nodes / "joined-node2" / "diloco-worker0.pt"
                 snap = torch.load(path, weights_only=True)
                 snap["shared"][0][0, 0] += 1e-3
                 torch.save(snap, path)
@@ -749,25 +748,19 @@ def test_lost_node_resumes_from_newest_snapshot(membership: dict[str, list[dict]
     assert 3 * after[1]["start"]["sent"] == 2 * before[2]["sent"]  # the stale copy's counter: 2 of 3 syncs
 
 
-def test_joined_node_receives_state_and_ends_identical(membership: dict[str, list[dict]]) -> None:
+def test_joined_and_diverged_nodes_receive_state_and_end_identical(membership: dict[str, list[dict]]) -> None:
     before = [r["member_before"]["state"] for r in membership["before"]]
     after = [r["member_after"] for r in membership["joined"]]
     for rank, r in enumerate(after):
-        assert r["resumed"] == {"sync_count": 3, "step_count": 6, "source_rank": 0, "receivers": [2]}
+        # Rank 2's snapshot is of the newest sync but differs; rank 3 has none: both receive.
+        assert r["resumed"] == {"sync_count": 3, "step_count": 6, "source_rank": 0, "receivers": [2, 3]}
         _assert_same(r["start"]["global"], before[0]["global"])
         assert (r["end"]["sync"], r["end"]["step"]) == (5, 10)
-    assert after[2]["start"]["exp_avg"] is None  # the joiner starts its inner optimizer fresh
+    assert after[3]["start"]["exp_avg"] is None  # the joiner starts its inner optimizer fresh
     assert after[1]["start"]["sent"] == before[1]["sent"]  # node1 already held sync 3: nothing sent
     for r in after[1:]:
         _assert_same(r["end"]["params"], after[0]["end"]["params"])
         _assert_same(r["end"]["global"], after[0]["end"]["global"])
-
-
-def test_diverged_snapshot_is_replaced_by_the_sources(membership: dict[str, list[dict]]) -> None:
-    before = membership["before"][0]["member_before"]["state"]
-    for r in (res["member_after"] for res in membership["diverged"]):
-        assert r["resumed"] == {"sync_count": 3, "step_count": 6, "source_rank": 0, "receivers": [1]}
-        _assert_same(r["start"]["global"], before["global"])
 
 
 def test_world_size_1_resumes_from_its_snapshot(tmp_path: Path) -> None:
