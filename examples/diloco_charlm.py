@@ -14,6 +14,14 @@ resumes by itself after torchrun restarts the workers: DiLoCo recovers the newes
 (node-local snapshots under $MESHRUN_JOB_DIR, a joiner gets it from a peer), and the loop goes on
 from that step with the data re-sharded for the new rank and world size.
 
+Choosing the options from the bandwidth `meshrun bench` measured (B bytes/s, the slowest pair's
+all-reduce bus bandwidth), N parameters, n workers, T seconds per step (docs/diloco.md has the
+details): one sync takes about w * N / B, with w = 1.03 (fp4), 0.53 (int2) or 2.67 (fp16) bytes
+per parameter at n = 3; pick --compression first (fp4 lost nothing against fp16 on
+benchmarks/diloco_wan.py), then the largest --sync-every the loss allows (there: 50 for 200
+steps; 100 cost 9-12 %) with w * N / B under 5 % of --sync-every * T, and --fragments F >= w * N
+/ (B * T) (F divides --sync-every) when one sync should hide behind one step of training.
+
 --mode local is the same workers with no communication at all (each trains alone on its shard;
 the process group exists only for the rendezvous): the wall-time floor DiLoCo is compared with.
 
