@@ -218,6 +218,15 @@ class JobRecord:
 # --------------------------------------------------------------------------- log lines
 
 LINE_RE = re.compile(r"^\[(?P<node>[a-z0-9][a-z0-9-]{0,31})(?: r(?P<rank>\d+))?\] ")
+# torch's TCPStore logs this for every client whose address has no reverse DNS (overlay addresses
+# never do): one line per node and rank, nothing anyone can act on. Only this exact line is dropped.
+REVERSE_DNS_NOISE = re.compile(r"^\[W\d{4} \d\d:\d\d:\d\d\.\d+ socket\.cpp:\d+\] \[c10d\] The hostname of the "
+                               r"client socket cannot be retrieved\. err=-?\d+$")
+
+
+def is_noise(line: str) -> bool:
+    """True for an output line (with or without its `[node rR] ` prefix) that is c10d's reverse-DNS warning."""
+    return bool(REVERSE_DNS_NOISE.match(LINE_RE.sub("", line, count=1)))
 
 
 def line_matches(line: str, node: str | None, rank: int | None) -> bool:

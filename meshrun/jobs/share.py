@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshrun.core.jobs import ShareEnd
+from meshrun.core.jobs import ShareEnd, is_noise
 from meshrun.errors import LaunchError, MeshrunError
 from meshrun.system import procs, store
 from meshrun.system.store import StateDir
@@ -62,6 +62,8 @@ class Share:
         prefix = f"[{self.node}] "
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if is_noise(line):
+                continue
             if not line.startswith(f"[{self.node} r"):
                 if is_stderr and ERROR_RE.search(line):
                     self.error = line.strip()[:300]

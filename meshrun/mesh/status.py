@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from meshrun.core import paths
 from meshrun.core.model import Member
@@ -36,9 +35,21 @@ def _members(state: StateDir, rec: dict) -> list[Member]:
     return member.load_members(state)[1]
 
 
-def _latencies(ips: list[str], port: int) -> dict[str, float | None]:
-    with ThreadPoolExecutor(max_workers=max(1, len(ips))) as pool:
-        return dict(zip(ips, pool.map(lambda ip: probe.tcp_rtt(ip, port, timeout=1.0), ips)))
+RTT_SAMPLES = 9
+RTT_PEERS_MAX = 64       # a larger mesh shows latency for this many peers (meshrun ping measures any one)
+RTT_LABEL = f"median of {RTT_SAMPLES} TCP connects over the overlay"
+
+
+def rtt_ms(ip: str, port: int, samples: int = RTT_SAMPLES, timeout: float = 1.0) -> float | None:
+    """Median round trip to ip:port in ms over `samples` TCP handshakes, measured one after the other.
+
+    One extra connect goes first and is not counted (it may wait for a WireGuard handshake), and
+    peers are measured one at a time: measured together on a small machine, the threads' scheduling
+    delays swamp a sub-millisecond round trip.
+    """
+    rtts = [probe.tcp_rtt(ip, port, timeout=timeout) for _ in range(samples + 1)][1:]
+    ok = [r * 1000 for r in rtts if r is not None]
+    return round(statistics.median(ok), 3) if ok else None
 
 
 def gather(state: StateDir, measure: bool = True) -> dict:
@@ -61,33 +72,40 @@ def gather(state: StateDir, measure: bool = True) -> dict:
             "handshake_age_s": now - p.latest_handshake if p.latest_handshake else None,
             "rx_bytes": p.rx, "tx_bytes": p.tx, "allowed_ips": list(p.allowed_ips), "latency_ms": None})
     if measure and up:
-        rtts = _latencies([r["overlay_ip"] for r in rows if r["overlay_ip"]], network.api_port)
-        for r in rows:
-            rtt = rtts.get(r["overlay_ip"])
-            r["latency_ms"] = round(rtt * 1000, 2) if rtt is not None else None
+        for r in [r for r in rows if r["overlay_ip"]][:RTT_PEERS_MAX]:
+            r["latency_ms"] = rtt_ms(r["overlay_ip"], network.api_port)
     rows.sort(key=lambda r: tuple(int(x) for x in r["overlay_ip"].split(".")) if r["overlay_ip"] else (999,))
     out = {"network": network.name, "role": rec["role"], "name": rec["name"], "overlay_ip": rec["overlay_ip"],
            "cidr": network.cidr, "interface": network.interface, "interface_up": up,
            "backend": device.backend() if up else rec.get("backend"),
-           "listen_port": network.listen_port, "mtu": int(rec.get("mtu") or network.mtu),
+           "listen_port": network.listen_port, "api_port": network.api_port,
+           "mtu": int(rec.get("mtu") or network.mtu), "latency": RTT_LABEL,
            "daemon_pid": daemon.pid(state), "removed": bool(rec.get("removed")), "peers": rows}
     if rec.get("role") == "coordinator":
-        out["pairs"] = _pairs(state)
+        out["pairs"] = _pairs(state, members)
     return out
 
 
-def _pairs(state: StateDir) -> list[dict]:
-    """Every node pair's path as the coordinator decided it (paths.json, written by its daemon)."""
-    if not (state / "paths.json").exists():
-        return []
-    data = state.read_json("paths.json").get("pairs", {})
-    return [{"a": k.split("|")[0], "b": k.split("|")[1], "path": paths.LABELS.get(v.get("mode"), "?"),
-             "verified": bool(v.get("verified"))} for k, v in sorted(data.items())]
+def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
+    """Every pair of nodes, with its path as the coordinator decided it (paths.json, written by its
+    daemon), or "probing" while no path is decided yet."""
+    decided = {}
+    if (state / "paths.json").exists():
+        for k, v in state.read_json("paths.json").get("pairs", {}).items():
+            decided[tuple(k.split("|", 1))] = v
+    nodes = sorted(m.name for m in members if not m.is_coordinator)
+    out = []
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            v = decided.get((a, b))
+            out.append({"a": a, "b": b, "path": paths.LABELS.get(v.get("mode"), "?") if v else "probing",
+                        "verified": bool(v and v.get("verified"))})
+    return out
 
 
 def pair_labels(state: StateDir) -> dict[frozenset[str], str]:
-    """{frozenset((a, b)): path label} for every node pair the coordinator has decided."""
-    return {frozenset((p["a"], p["b"])): p["path"] for p in _pairs(state)}
+    """{frozenset((a, b)): path label} for every node pair ("probing" while undecided)."""
+    return {frozenset((p["a"], p["b"])): p["path"] for p in _pairs(state, _members(state, member.load(state)[0]))}
 
 
 def _age(s: int | None) -> str:
@@ -122,16 +140,19 @@ def render(st: dict) -> str:
             f"interface {iface}  udp/{st['listen_port']}  mtu {st['mtu']}  daemon {daemon}"]
     if st.get("removed"):
         head.append("this node was REMOVED from the network by the coordinator")
-    cols = ["NAME", "OVERLAY IP", "PATH", "ENDPOINT", "HANDSHAKE", "LATENCY", "RX", "TX"]
+    cols = ["NAME", "OVERLAY IP", "PATH", "ENDPOINT", "HANDSHAKE", "RTT", "RX", "TX"]
     rows = [[r["name"], r["overlay_ip"], r.get("path", "-"), r["endpoint"] or "-", _age(r["handshake_age_s"]),
-             "-" if r.get("latency_ms") is None else f"{r['latency_ms']:.1f} ms",
+             "-" if r.get("latency_ms") is None else f"{r['latency_ms']:.2f} ms",
              _bytes(r["rx_bytes"]), _bytes(r["tx_bytes"])] for r in st["peers"]]
     lines = head + [""] + _table(cols, rows)
     if not rows:
         lines.append("(no peers yet)")
+    elif any(r.get("latency_ms") is not None for r in st["peers"]):
+        lines.append(f"RTT: {st.get('latency', RTT_LABEL)}")
     if st.get("pairs"):
         lines += ["", "node pairs:"] + _table(["A", "B", "PATH", "VERIFIED"], [
-            [p["a"], p["b"], p["path"], "yes" if p["verified"] else "probing"] for p in st["pairs"]])
+            [p["a"], p["b"], p["path"], "yes" if p["verified"] else "-" if p["path"] == "probing" else "no"]
+            for p in st["pairs"]])
     return "\n".join(line.rstrip() for line in lines)
 
 
