@@ -147,3 +147,27 @@ def test_pair_tests_on_loopback():
         assert bw["bytes"] > 0 and bw["mbit_s"] > 0
     finally:
         srv.close()
+
+
+def test_heat_map_marks_relayed_pairs_and_keeps_every_label_inside():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+    fig = bench.figure(bench.summarize(_raw({("gpu-b", "gpu-c"): 300.0})))
+    try:
+        fig.canvas.draw()
+        box = fig.bbox
+        renderer = fig.canvas.get_renderer()
+        texts = [t for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_window_extent"))
+                 if t.get_text().strip() and t.get_visible()]
+        assert {"to", "from", "gpu-a", "relayed through the coordinator"} <= {t.get_text() for t in texts}
+        for t in texts:
+            ext = t.get_window_extent(renderer)
+            assert box.x0 <= ext.x0 and ext.x1 <= box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1, t.get_text()
+        for ax in fig.axes[:2]:     # both matrices: the a<->c pair (relayed) is hatched, the others are not
+            hatched = sorted((round(p.get_x() + 0.5), round(p.get_y() + 0.5)) for p in ax.patches
+                             if isinstance(p, Rectangle) and p.get_hatch())
+            assert hatched == [(0, 2), (2, 0)]
+            assert sum("relayed" in t.get_text() for t in ax.texts) == 2
+    finally:
+        plt.close(fig)

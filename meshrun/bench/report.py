@@ -167,17 +167,19 @@ def require_matplotlib():
     return plt
 
 
-def plot(res: dict, path: str | Path) -> Path:
-    """A PNG heat-map of the pair bandwidth matrix (and RTT); needs matplotlib."""
+def figure(res: dict):
+    """The heat-map figure: pair bandwidth and RTT matrices, relayed pairs hatched and labelled."""
     plt = require_matplotlib()
+    from matplotlib.patches import Patch, Rectangle
     names = [n["name"] for n in res.get("nodes", [])]
     pairs = res.get("pairs", [])
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 2.4 * len(names), 1.5 + 1.1 * len(names)))
-    for ax, key, title, fmt in ((axes[0], "mbit_s", "TCP bandwidth (Mbit/s)", "{:.0f}"),
-                                (axes[1], "rtt_ms", "RTT (ms)", "{:.2f}")):
+    relayed = {(p["src"], p["dst"]) for p in pairs if p.get("path") == "relayed"}
+    fig, axes = plt.subplots(1, 2, figsize=(4.5 + 2.4 * len(names), 2.5 + 1.1 * len(names)), layout="constrained")
+    for ax, key, title, fmt, cmap in ((axes[0], "mbit_s", "TCP bandwidth (Mbit/s)", "{:.0f}", "viridis"),
+                                      (axes[1], "rtt_ms", "RTT (ms)", "{:.2f}", "magma_r")):
         m = matrix(names, pairs, key)
         data = [[float("nan") if v is None else float(v) for v in row] for row in m]
-        im = ax.imshow(data, cmap="viridis" if key == "mbit_s" else "magma_r")
+        im = ax.imshow(data, cmap=cmap)
         ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
         ax.set_yticks(range(len(names)), names)
         ax.set_xlabel("to")
@@ -185,13 +187,31 @@ def plot(res: dict, path: str | Path) -> Path:
         ax.set_title(title)
         for i, row in enumerate(m):
             for j, v in enumerate(row):
-                if v is not None:
-                    ax.text(j, i, fmt.format(v), ha="center", va="center", color="w", fontsize=8)
+                if v is None:
+                    continue
+                # Dark text on light cells, light on dark: readable on every colour of the map.
+                r, g, b, _ = im.cmap(im.norm(v))
+                color = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
+                is_relayed = (names[i], names[j]) in relayed
+                ax.text(j, i, fmt.format(v) + ("\nrelayed" if is_relayed else ""), ha="center", va="center",
+                        color=color, fontsize=8)
+                if is_relayed:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor=color,
+                                           linewidth=0, alpha=0.6))
         fig.colorbar(im, ax=ax, shrink=0.8)
+    if relayed:
+        fig.legend(handles=[Patch(facecolor="white", edgecolor="gray", hatch="///",
+                                  label="relayed through the coordinator")], loc="outside lower center")
     best = res.get("best_busbw_GBps")
     if best is not None:
         fig.suptitle(f"meshrun bench: best all-reduce busbw {best:.3f} GB/s ({best * 8e3:.0f} Mbit/s)")
-    fig.tight_layout()
+    return fig
+
+
+def plot(res: dict, path: str | Path) -> Path:
+    """Write `figure(res)` as a PNG; needs matplotlib."""
+    plt = require_matplotlib()
+    fig = figure(res)
     out = Path(path)
     fig.savefig(out, dpi=110)
     plt.close(fig)
