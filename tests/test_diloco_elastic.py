@@ -7,8 +7,8 @@ which must resume from their snapshots, losing at most the outer step in flight.
 9 a new node joins: torchrun restarts everyone, and the joiner must receive the global state from
 a peer and end with the same parameters as the others (checksums from the log).
 
-No meshrun, no namespaces: `meshrun train --nnodes MIN:MAX` runs the same torchrun elastic agents;
-its end-to-end test lives with the job runner.
+No namespaces: the torchrun agents are the ones `meshrun train --nnodes MIN:MAX` runs, with meshrun's
+rendezvous backend; the test under `meshrun train` in the namespace world is tests/test_diloco_e2e.py.
 """
 
 from __future__ import annotations
@@ -61,11 +61,11 @@ def _wait_for(pattern: str, logs: list[Path], timeout: float) -> None:
 
 def test_node_lost_then_node_joined(tmp_path: Path) -> None:
     port = _free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           # torch 2.13 shares the rendezvous TCPStore with init_process_group by default; a restarted
-           # group then reads the previous round's gloo addresses and fails to connect
-           # (pytorch/pytorch#135712). Not sharing it makes restarts work.
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # meshrun's rendezvous backend (what `meshrun train` runs): c10d with the agent store bound to the
+    # interface and made anew each round; plain c10d in torch 2.13 reuses the first round's store, so a
+    # restarted group reads the previous round's gloo addresses and fails to connect (pytorch#135712).
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MESHRUN_INTERFACE": "lo", "PYTHONPATH": str(ROOT),
+           "OMP_NUM_THREADS": "1"}
     procs: dict[int, subprocess.Popen] = {}
     logs = [tmp_path / f"node{n}.log" for n in range(4)]
     outputs = []
@@ -74,7 +74,7 @@ def test_node_lost_then_node_joined(tmp_path: Path) -> None:
         job_dir = tmp_path / f"node{n}"
         job_dir.mkdir()
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "diloco-elastic",
+                "--rdzv-backend", "meshrun", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "diloco-elastic",
                 "--rdzv-conf", "last_call_timeout=3,join_timeout=60", "--local-addr", "127.0.0.1",
                 "--max-restarts", "5", "--monitor-interval", "1",
                 str(SCRIPT), "--mode", "diloco", "--steps", str(STEPS), "--sync-every", str(SYNC_EVERY),

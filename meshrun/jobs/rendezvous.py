@@ -3,10 +3,12 @@
 Registered for torchrun through the `torchrun.handlers` entry point (pyproject.toml), so a node's
 torchrun runs ``--rdzv-backend meshrun``. It is torch's own c10d dynamic rendezvous
 (`DynamicRendezvousHandler` over the c10d backend, the coordinator's store as its client) with one
-change: the store the rank-0 node's torchrun agent serves for its workers
+change, in two parts: the store the rank-0 node's torchrun agent serves for its workers
 (`_create_tcp_store_server`, which torch binds to the wildcard) listens on this node's overlay
-address and WireGuard device only ($MESHRUN_INTERFACE, set by meshrun's launch plan). Workers
-reach it as before, at the address torchrun announces (`--local-addr`, the overlay IP).
+address and WireGuard device only ($MESHRUN_INTERFACE, set by meshrun's launch plan), and it is
+made anew for every rendezvous round, so workers restarted after a membership change never read
+the previous round's addresses. Workers reach it as before, at the address torchrun announces
+(`--local-addr`, the overlay IP).
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ def create_handler(params):
 
         def _create_tcp_store_server(self, master_addr, master_port):
             return serve_store(master_addr, master_port or 0, os.environ.get("MESHRUN_INTERFACE"), multi_tenant=True)
+
+        def next_rendezvous(self):
+            # torch keeps the first round's agent store for every later round (pytorch/pytorch#135712):
+            # after a restart the workers read the previous attempt's addresses from it, and when the
+            # rank-0 node was the one lost, every survivor still points at it. A store per round, its
+            # address published under that round's prefix, avoids both; the old one closes with it.
+            self._shared_tcp_store_server = None
+            self._bootstrap_store_info = None
+            return super().next_rendezvous()
 
     backend, store = c10d_rendezvous_backend.create_backend(params)
     # What dynamic_rendezvous.create_handler does, building our subclass instead.
