@@ -50,3 +50,112 @@ def test_diloco_charlm_trains_across_two_datacenters(world_factory):
     assert sent == 2 * 2 * params
     assert "finished on 2 node(s)" in res.stderr
     assert time.monotonic() - t0 < 90
+
+
+# --------------------------------------------------------------------------- membership changes under meshrun train
+
+ELASTIC = ("--nnodes", "2:3", "--nodes", "dc2-a,dc3-a,dc4-a", "--max-restarts", "3", "--timeout", "90",
+           "diloco_charlm.py", "--mode", "diloco", "--steps", "300", "--sync-every", "20", "--compression", "fp4",
+           "--hidden", "32", "--batch-size", "8", "--seq-len", "32", "--val-batches", "2", "--threads", "1")
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    from conftest import netns_unavailable_reason, unique_prefix
+    from meshrun.lab.testbed import World
+    if netns_unavailable_reason():
+        pytest.skip(netns_unavailable_reason())
+    prefix = unique_prefix()
+    world = World.standard(4, prefix=prefix, workdir=tmp_path_factory.mktemp(prefix))
+    try:
+        world.up()
+        mesh = Mesh(world, "dc1-a")
+        mesh.init()
+        for n in ("dc2-a", "dc3-a", "dc4-a"):
+            mesh.join(n)
+        yield mesh
+    finally:
+        world.down()
+
+
+class Job:
+    """`meshrun train` in the coordinator, its output collected line by line."""
+
+    def __init__(self, mesh: Mesh, *args: str) -> None:
+        import threading
+        self.proc = mesh.meshrun_popen(mesh.coordinator, "train", *args, cwd=EXAMPLES, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")),
+                                       daemon=True)
+        self.reader.start()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text, re.M):
+            assert self.proc.poll() is None and time.monotonic() < deadline, \
+                f"no {pattern!r} within {timeout} s:\n{self.text[-4000:]}"
+            time.sleep(0.5)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.reader.join(10)
+
+
+def _outer_steps(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\] outer_step (\d+) ", text)]
+
+
+def test_an_elastic_diloco_job_loses_a_node_and_finishes_on_two_losing_at_most_one_outer_step(four):
+    import os
+    import signal
+    from meshrun.system.procs import descendants
+    agent = four.status("dc4-a")["daemon_pid"]
+    job = Job(four, *ELASTIC)
+    try:
+        job.wait_for(r"\] outer_step 4 ", 180)
+        for pid in descendants(agent):       # the node is gone: agent, share, workers
+            os.kill(pid, signal.SIGKILL)
+        code = job.finish(420)
+    finally:
+        four.meshrun("dc4-a", "up")
+    text = job.text
+    assert code == 0, text[-4000:]
+    assert re.search(r"meshrun: job \S+ finished on 2 node\(s\) \(lost dc4-a mid-job", text), text[-3000:]
+    # Progress lost: the last outer step the 3-node group logged before the survivors resumed, less the
+    # step they resumed at (output arrives in order per node, so the lines before "resumed" are the old group's).
+    m = re.search(r"\] resumed rank=0 world_size=2 sync=(\d+) ", text)
+    assert m, text[-3000:]
+    last_old = max(_outer_steps(text[:m.start()]))
+    assert last_old - 1 <= int(m.group(1)) <= last_old, (last_old, m.group(0), text[-3000:])   # at most one lost
+    logged = _outer_steps(text)
+    assert sorted(set(logged)) == list(range(1, 300 // 20 + 1))                                 # no outer step skipped
+    digests = set(re.findall(r"\] param_checksum rank=\d+ sync=15 digest=(\w+)", text))
+    assert len(digests) == 1, text[-3000:]
+
+
+def test_a_node_that_joins_an_elastic_diloco_job_ends_identical(four):
+    assert four.meshrun("dc4-a", "leave").returncode == 0          # down when the job starts
+    job = Job(four, *ELASTIC)
+    try:
+        job.wait_for(r"\] outer_step 3 ", 240)
+        four.meshrun("dc4-a", "up")                                   # back: the job takes it
+        code = job.finish(420)
+    finally:
+        four.meshrun("dc4-a", "up")
+    text = job.text
+    assert code == 0, text[-4000:]
+    assert "dc4-a joined the job (elastic)" in text, text[-3000:]
+    assert re.search(r"\[dc4-a r\d\] resumed rank=\d world_size=3 sync=\d+ step=\d+ source_rank=\d received=yes", text), \
+        text[-3000:]
+    digests = dict(re.findall(r"\[(dc\d-a) r\d\] param_checksum rank=\d+ sync=15 digest=(\w+)", text))
+    assert set(digests) == {"dc2-a", "dc3-a", "dc4-a"} and len(set(digests.values())) == 1, digests
