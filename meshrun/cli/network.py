@@ -47,6 +47,8 @@ def init(
     app.echo(f"network {net.name}: {net.cidr}, coordinator {net.coordinator_ip} on {net.interface} ({res.backend})")
     app.echo(f"nodes enrol at {', '.join(net.endpoints)} (TCP) and tunnel to UDP {net.listen_port}")
     app.echo(f"state in {res.state_dir}; join each node with:  meshrun join <token> --name NAME")
+    if res.warning:
+        app.echo(f"meshrun: warning: {res.warning}", err=True)
     app.echo(res.token)
     if foreground:
         app.serve(foreground=True)

@@ -48,5 +48,7 @@ def join(token: Annotated[str, typer.Argument(help="The token printed by `meshru
     verb = "resumed" if res.resumed else "joined"
     app.echo(f"{verb} {res.network.name} as {res.name} at {res.overlay_ip} on {res.network.interface} "
              f"({res.backend}, mtu {res.mtu})")
+    if res.warning:
+        app.echo(f"meshrun: warning: {res.warning}", err=True)
     if foreground:
         app.serve(foreground=True)

@@ -37,6 +37,7 @@ class JoinResult:
     resumed: bool
     daemon_pid: int | None
     mtu: int
+    warning: str | None = None       # what the interface costs (an old wireguard-go), with the fix
 
 
 def join_request(tok: JoinToken, name: str, public_key: str, candidates: list[str]) -> dict:
@@ -135,7 +136,7 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
         else:
             state.remove(f"{network.interface}.conf", *NODE_FILES)
         raise
-    return JoinResult(me.name, me.overlay_ip, network, backend, False, daemon_pid, mtu)
+    return JoinResult(me.name, me.overlay_ip, network, backend, False, daemon_pid, mtu, device.warning())
 
 
 def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinResult:
@@ -151,8 +152,9 @@ def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinRe
     pid = daemon.pid(state)
     if pid is None and start:
         pid = daemon.spawn(state, timeout=READY_TIMEOUT)
-    return JoinResult(rec["name"], rec["overlay_ip"], network, iface.device_for(state, network, rec).backend(), True,
-                      pid, int(rec.get("mtu") or network.mtu))
+    device = iface.device_for(state, network, rec)
+    return JoinResult(rec["name"], rec["overlay_ip"], network, device.backend(), True, pid,
+                      int(rec.get("mtu") or network.mtu), device.warning())
 
 
 def leave(state: StateDir, purge: bool = False) -> str:

@@ -80,7 +80,8 @@ def gather(state: StateDir, measure: bool = True) -> dict:
            "backend": device.backend() if up else rec.get("backend"),
            "listen_port": network.listen_port, "api_port": network.api_port,
            "mtu": int(rec.get("mtu") or network.mtu), "latency": RTT_LABEL,
-           "daemon_pid": daemon.pid(state), "removed": bool(rec.get("removed")), "peers": rows}
+           "daemon_pid": daemon.pid(state), "removed": bool(rec.get("removed")), "peers": rows,
+           "warnings": [w for w in [device.warning() if up else None] if w]}
     if rec.get("role") == "coordinator":
         out["pairs"] = _pairs(state, members)
     return out
@@ -140,6 +141,7 @@ def render(st: dict) -> str:
             f"interface {iface}  udp/{st['listen_port']}  mtu {st['mtu']}  daemon {daemon}"]
     if st.get("removed"):
         head.append("this node was REMOVED from the network by the coordinator")
+    head += [f"warning: {w}" for w in st.get("warnings", [])]
     cols = ["NAME", "OVERLAY IP", "PATH", "ENDPOINT", "HANDSHAKE", "RTT", "RX", "TX"]
     rows = [[r["name"], r["overlay_ip"], r.get("path", "-"), r["endpoint"] or "-", _age(r["handshake_age_s"]),
              "-" if r.get("latency_ms") is None else f"{r['latency_ms']:.2f} ms",

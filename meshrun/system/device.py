@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from meshrun.core import versions
 from meshrun.core.peers import PeerDiff, PeerState, wg_set_args
 from meshrun.core.wgconf import parse_dump
 from meshrun.errors import NetworkError
@@ -35,6 +36,8 @@ SOCKET_BUFFER = 7 << 20
 SYS_PIDFD_GETFD = 438            # one number on every Linux architecture (Linux >= 5.6)
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 KERNEL, USERSPACE = "kernel", "wireguard-go"
+# The userspace implementation to start when the kernel has no WireGuard (a path to pick another build).
+WIREGUARD_GO = os.environ.get("MESHRUN_WIREGUARD_GO") or "wireguard-go"
 
 
 class Device(Protocol):
@@ -70,6 +73,9 @@ class Device(Protocol):
     def enable_forwarding(self) -> None:
         """Forward overlay packets between peers (the coordinator relays)."""
 
+    def warning(self) -> str | None:
+        """What about this interface costs the user (an old wireguard-go), with the fix; None if nothing."""
+
     def delete(self) -> None:
         """Remove the interface (and stop its wireguard-go); no error if it is gone."""
 
@@ -104,11 +110,12 @@ class WireGuardDevice:
             return
         if "not permitted" in res.stderr.lower():
             net.require_admin()
-        net.require_tools("wireguard-go")
+        if WIREGUARD_GO == "wireguard-go":
+            net.require_tools("wireguard-go")
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             env = dict(os.environ, WG_PROCESS_FOREGROUND="1", LOG_LEVEL="error")
-            proc = procs.popen(["wireguard-go", "-f", self.name], stdin=procs.DEVNULL, stdout=fd,
+            proc = procs.popen([WIREGUARD_GO, "-f", self.name], stdin=procs.DEVNULL, stdout=fd,
                                stderr=procs.STDOUT, env=env, start_new_session=True)
         finally:
             os.close(fd)
@@ -159,6 +166,16 @@ class WireGuardDevice:
 
     def enable_forwarding(self) -> None:
         net.enable_forwarding(self.name)
+
+    def warning(self) -> str | None:
+        if self.backend() != USERSPACE:
+            return None
+        binary = WIREGUARD_GO
+        if self.pid and procs.alive(self.pid):
+            with contextlib.suppress(OSError):
+                binary = os.readlink(f"/proc/{self.pid}/exe")    # the build that serves this interface
+        res = run([binary, "--version"], check=False, quiet=True, timeout=10)
+        return versions.wireguard_go_warning(versions.parse(res.stdout))
 
     def delete(self) -> None:
         if self.exists():

@@ -30,6 +30,7 @@ class FakeDevice:
         self.applied: list[PeerDiff] = []
         self.nudged: list[str] = []
         self.fail_reads = 0          # the next N peers() calls raise NetworkError (a flaky `wg show`)
+        self.warn: str | None = None  # what warning() says
 
     # the Device protocol ------------------------------------------------------
     def exists(self) -> bool:
@@ -76,6 +77,9 @@ class FakeDevice:
 
     def enable_forwarding(self) -> None:
         self.forwarding = True
+
+    def warning(self) -> str | None:
+        return self.warn
 
     def delete(self) -> None:
         self.present = False

@@ -44,6 +44,7 @@ class InitResult:
     backend: str
     state_dir: Path
     daemon_pid: int | None
+    warning: str | None = None       # what the interface costs (an old wireguard-go), with the fix
 
 
 def check_token_uses(uses: int | None) -> None:
@@ -145,4 +146,4 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
         if created_dir:
             state.delete()
         raise
-    return InitResult(network, tok.encode(), backend, state.path, daemon_pid)
+    return InitResult(network, tok.encode(), backend, state.path, daemon_pid, device.warning())
