@@ -6,8 +6,11 @@ that silently skips the end-to-end tests proves nothing.
 
 from __future__ import annotations
 
+import glob
 import os
 import secrets
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -76,3 +79,41 @@ def json_strategy(max_text: int = 40, max_list: int = 5, max_key: int = 12, max_
         | st.dictionaries(st.text(max_size=max_key), children, max_size=max_dict),
         max_leaves=max_leaves)
 
+
+# --------------------------------------------------------------------------- a second Python environment
+
+REPO = Path(__file__).resolve().parent.parent
+PY310_VENV = REPO / ".venv-py310"
+PY310_DEPS = ["typer>=0.9", "cryptography>=41", "wgconfig>=1.0", "numpy", "tomli>=1.1", "pytest>=7", "hypothesis>=6"]
+
+
+def python310() -> str | None:
+    """A working Python 3.10 (a pyenv shim on PATH may name one that is not installed)."""
+    candidates = [p for pattern in ("/root/.pyenv/versions/3.10*/bin/python3.10",
+                                    os.path.expanduser("~/.pyenv/versions/3.10*/bin/python3.10"))
+                  for p in sorted(glob.glob(pattern), reverse=True)]
+    candidates += [p for p in (shutil.which("python3.10"), "/usr/bin/python3.10", "/usr/local/bin/python3.10") if p]
+    for py in candidates:
+        ok = subprocess.run([py, "-c", "import sys, venv; assert sys.version_info[:2] == (3, 10)"],
+                            capture_output=True).returncode == 0
+        if ok:
+            return py
+    return None
+
+
+@pytest.fixture(scope="session")
+def py310_venv() -> Path:
+    """A Python 3.10 venv with meshrun and its dependencies but torch (no local 3.10 torch wheel): the
+    supported floor, and a real "other environment" for a node. Skipped outside CI without Python 3.10."""
+    py = python310()
+    if py is None:
+        if os.environ.get("CI"):
+            pytest.fail("no Python 3.10 interpreter to test the supported floor with", pytrace=False)
+        pytest.skip("no Python 3.10 interpreter here (python3.10 on PATH or under ~/.pyenv)")
+    vpy = PY310_VENV / "bin" / "python"
+    if not vpy.exists():
+        subprocess.run([py, "-m", "venv", str(PY310_VENV)], check=True, timeout=120)
+    pip = [str(vpy), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run(pip + PY310_DEPS, check=True, timeout=600)
+    subprocess.run(pip + ["--no-deps", "-e", str(REPO)], check=True, timeout=300)
+    return vpy

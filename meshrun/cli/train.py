@@ -37,6 +37,8 @@ def train(
     sync_limit: Annotated[Optional[int], typer.Option(help="Most MiB of code to ship. [50]")] = None,
     with_coordinator: Annotated[bool, typer.Option("--with-coordinator", help="The coordinator takes a share too.")] = False,
     detach: Annotated[bool, typer.Option("--detach", help="Print the job id once it started and return.")] = False,
+    skip_preflight: Annotated[bool, typer.Option("--skip-preflight",
+                                                 help="Start even if the nodes' environments disagree.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each node's command and environment, run nothing.")] = False,
     local: Annotated[bool, typer.Option("--local", help="Run only this node's share (you start every node yourself).")] = False,
     job_id: Annotated[Optional[str], typer.Option(help="The job's id [SCRIPT-DATE-TIME-RANDOM]; needed with --local.")] = None,
@@ -54,6 +56,9 @@ def train(
       meshrun train --detach train.py                 # then: meshrun logs -f JOB
       meshrun train --dry-run train.py
       meshrun train --local --nnodes 2 --job-id exp7 train.py     # on each node, e.g. from a batch job
+    Before anything starts, every node's environment is compared (Python, torch and its build, NCCL,
+    GPUs, free disk, the code, the clock): a mismatch that breaks collectives stops the job with a
+    table of what differs and the fix (--dry-run shows it too; --skip-preflight to start anyway).
     The job belongs to the coordinator, not to this terminal: closing it leaves the job running.
     Ctrl-C cancels the job on every node (as torchrun does). Exits with the job's exit code.
     """
@@ -66,7 +71,8 @@ def train(
            "nodes": [n.strip() for n in nodes.split(",") if n.strip()] if nodes else None,
            "wait_timeout": timeout, "rdzv_timeout": rdzv_timeout, "module": module, "no_sync": no_sync,
            "sync_limit_mb": sync_limit, "dry_run": dry_run, "env": runner.parse_env_pairs(env or []),
-           "job_id": job_id, "python": python, "with_coordinator": with_coordinator, "detach": detach}
+           "job_id": job_id, "python": python, "with_coordinator": with_coordinator, "detach": detach,
+           "skip_preflight": skip_preflight}
     from_file = jobfile.parse(read_user_file(config, "job file", "--config"), f"job file {str(config)!r}") if config else {}
     req = runner.TrainRequest(**jobfile.merge(from_file, cli))
     if local:

@@ -52,7 +52,7 @@ KEYS: dict[str, tuple[str, Any, str, str]] = {
 }
 
 
-FLAGS = ("no_sync", "dry_run", "module", "with_coordinator", "detach")
+FLAGS = ("no_sync", "dry_run", "module", "with_coordinator", "detach", "skip_preflight")
 
 
 def _shown(value: Any) -> str:

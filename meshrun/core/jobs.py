@@ -48,6 +48,7 @@ class JobSpec:
     module: bool = False
     rdzv_timeout: int = 900
     with_coordinator: bool = False             # the coordinator takes a share too
+    skip_preflight: bool = False               # start even if the nodes' environments disagree
 
     def to_dict(self) -> dict:
         return asdict(self)

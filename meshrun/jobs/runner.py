@@ -11,14 +11,15 @@ import os
 import secrets
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrun.core import launch
+from meshrun.core import auth, launch, preflight
 from meshrun.core.jobs import JobSpec
 from meshrun.core.model import Network
 from meshrun.errors import LaunchError, UsageError
-from meshrun.jobs.supervisor import code_dir, plan
+from meshrun.jobs.supervisor import ask_health, candidates, check_environments, code_dir, expected_code_hash, plan
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
 from meshrun.system import host, procs
@@ -49,6 +50,7 @@ class TrainRequest:
     rdzv_timeout: int = 900                # seconds the rendezvous waits for every node
     with_coordinator: bool = False         # the coordinator takes a share too
     detach: bool = False                   # return once the job started
+    skip_preflight: bool = False           # start even if the nodes' environments disagree
 
     def spec(self, cwd: Path) -> JobSpec:
         """The job spec to submit: options as given, the caller's NCCL_/GLOO_/TORCH_ variables under
@@ -58,7 +60,8 @@ class TrainRequest:
                        max_restarts=self.max_restarts, nodes=self.nodes, wait_timeout=self.wait_timeout,
                        no_sync=self.no_sync, cwd=str(cwd), sync_limit_mb=self.sync_limit_mb,
                        env=user_env(self.env), python=self.python, module=self.module,
-                       rdzv_timeout=self.rdzv_timeout, with_coordinator=self.with_coordinator)
+                       rdzv_timeout=self.rdzv_timeout, with_coordinator=self.with_coordinator,
+                       skip_preflight=self.skip_preflight)
 
     def options(self, script: str, job_id: str, network, python: str) -> launch.TrainOptions:
         """The launch options for this request on `network` (validated later by `launch.plan`)."""
@@ -91,37 +94,43 @@ def new_job_id(script: str) -> str:
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def check(state: StateDir, spec: JobSpec) -> tuple[Network, list[launch.NodeLaunch]]:
+def check(state: StateDir, spec: JobSpec) -> tuple[Network, list]:
     """Validate a job against this network before it is submitted: the nodes it names exist, there
-    are enough of them, the script is there to ship. Returns the network and a plan as it would be
-    without contacting any node (GPUs counted as 0, Python as python3)."""
+    is one at least, the script is there to ship. Returns the network and the candidate shares."""
     network, members = admin.members(state)
-    nodes = [m for m in members if not m.is_coordinator]
-    if spec.nodes:
-        unknown = sorted(set(spec.nodes) - {m.name for m in nodes})
-        if unknown:
-            raise UsageError(f"--nodes names unknown node(s): {', '.join(unknown)}",
-                             f"members are: {', '.join(m.name for m in nodes) or 'none'}")
-        nodes = [m for m in nodes if m.name in spec.nodes]
-    ready = [(m.name, m.overlay_ip, {}) for m in nodes]
     rec, _ = member.load(state)
-    if spec.with_coordinator or rec.get("train"):
-        ready.insert(0, (rec["name"], network.coordinator_ip, {}))
-    if not ready:
+    shares = candidates(state, spec, network, members, rec, auth.decode_key(state.read("job.key").decode()))
+    if not shares:
         raise LaunchError("no node has joined this network yet", "run `meshrun join TOKEN` on the GPU machines")
     if not spec.no_sync:
         code_dir(spec)
-    _, hi = spec.bounds(len(ready))
-    return network, plan(spec, network, ready[:hi], network.rdzv_port + 1)
+    return network, shares
 
 
 def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
-    """What every node would run, as shell lines."""
-    network, plans = check(state, spec)
-    lines = [f"# the job's rendezvous store listens on {network.coordinator_ip}, on the first free port from "
-             f"{network.rdzv_port + 1}"]
+    """What every node would run, as shell lines, after the pre-flight table of the nodes that answer.
+
+    The nodes are asked for their GPUs, interpreter and environment (nothing is shipped or started);
+    a node that does not answer is planned with 0 GPUs and python3.
+    """
+    network, shares = check(state, spec)
+    _, hi = spec.bounds(len(shares))
+    shares = shares[:hi]
+    with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+        healths = dict(zip((s.name for s in shares), pool.map(ask_health, shares)))
+    answering = [s for s in shares if healths[s.name] is not None]
+    lines = []
+    if not spec.skip_preflight and answering:
+        reports = check_environments(spec, answering, healths, spec.job_id)
+        # Shipped code is not shipped by a dry run: only --no-sync's copies can be compared.
+        findings = preflight.compare(reports, expected_code_hash(spec) if spec.no_sync else None,
+                                     spec.nproc_per_node is None)
+        lines += ["# pre-flight", *(f"#   {line}" for line in preflight.table(reports, findings))]
+    lines.append(f"# the job's rendezvous store listens on {network.coordinator_ip}, on the first free port from "
+                 f"{network.rdzv_port + 1}")
     workdir = spec.cwd if spec.no_sync else "<job dir>/code"
-    for p in plans:
+    ready = [(s.name, s.overlay_ip, healths[s.name] or {}) for s in shares]
+    for p in plan(spec, network, ready, network.rdzv_port + 1):
         lines += [f"# {p.node}", f"cd {workdir} && {p.shell()}"]
     return lines
 

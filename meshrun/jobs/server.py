@@ -8,6 +8,7 @@ be replayed.
 
   GET  /v1/health                 name, GPUs, Python, running shares
   POST /v1/jobs/ID/code           the job's code (tar.gz), unpacked into <state>/jobs/ID/code
+  POST /v1/jobs/ID/preflight      {python, cwd}: what that interpreter has, free disk, the code's hash, the clock
   POST /v1/jobs/ID/start          {argv, env, cwd}: start the share (meshrun.jobs.share)
   POST /v1/jobs/ID/output         {offset, wait}: output lines from `offset`, then the share's end
   POST /v1/jobs/ID/cancel         stop the share
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +39,15 @@ log = logging.getLogger("meshrun.jobs.server")
 
 MAX_CODE = 200 * 1024 * 1024
 OUTPUT_WAIT_MAX = 10.0
-ROUTE = re.compile(r"^/v1/jobs/([^/]+)/(code|start|output|cancel)$")
+ROUTE = re.compile(r"^/v1/jobs/([^/]+)/(code|preflight|start|output|cancel)$")
+
+
+def preflight(job_dir: StateDir, python: str, cwd: object = None) -> dict:
+    """This node's environment for a job (meshrun.core.preflight.EnvReport fields), with its clock."""
+    report = host.environment(python)
+    code = Path(str(cwd)) if cwd else job_dir / "code"
+    report.update(free_bytes=host.free_bytes(job_dir.path), code_hash=archive.tree_hash(code), time=time.time())
+    return report
 
 
 class JobAPI:
@@ -76,6 +86,8 @@ class JobAPI:
             job_dir.create()
             return Response(200, {"files": archive.unpack_code(req.raw, job_dir / "code")})
         body = req.body if isinstance(req.body, dict) else {}
+        if action == "preflight":
+            return Response(200, preflight(job_dir, str(body.get("python") or sys.executable), body.get("cwd")))
         if action == "start":
             return self._start(job_id, job_dir, body)
         if not (job_dir / "share.json").exists():
@@ -135,6 +147,8 @@ class JobServer:
 def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
     """The node's job API (an agent extension): shares under <state>/jobs, served on its overlay IP."""
     key = auth.decode_key(state.read("job.key").decode())
+    # Pre-flight reports import torch once (a second or two): do it now, not while a job waits.
+    threading.Thread(target=host.environment, args=(sys.executable,), name="preflight-warm", daemon=True).start()
     try:
         return JobServer(JobAPI(state / "jobs", network, rec["name"], key, gpus=host.visible_gpus()),
                          rec["overlay_ip"])

@@ -28,10 +28,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from meshrun.core import auth, launch
+from meshrun.core import auth, launch, preflight
 from meshrun.core.jobs import EXIT_CANCELLED, JobRecord, JobSpec, Outcome, ShareEnd
 from meshrun.core.model import Member, Network
 from meshrun.errors import LaunchError, MeshrunError, UsageError
+from meshrun.jobs import server as jobserver
 from meshrun.jobs import share as shares
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
@@ -72,6 +73,9 @@ class RemoteShare:
     def ship(self, job_id: str, blob: bytes) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/code", raw=blob, timeout=120)
 
+    def preflight(self, job_id: str, python: str | None, cwd: str | None) -> dict:
+        return self._call("POST", f"/v1/jobs/{job_id}/preflight", {"python": python, "cwd": cwd}, timeout=90)
+
     def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/start", {"argv": argv, "env": env, "cwd": cwd}, timeout=60)
 
@@ -96,6 +100,9 @@ class LocalShare:
     def ship(self, job_id: str, blob: bytes) -> None:
         self.dir.create()
         archive.unpack_code(blob, self.dir / "code")
+
+    def preflight(self, job_id: str, python: str | None, cwd: str | None) -> dict:
+        return jobserver.preflight(self.dir, python or sys.executable, cwd)
 
     def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None) -> None:
         self.dir.create()
@@ -145,24 +152,19 @@ class Supervisor:
         self.dir.write_json("job.json", self.record.to_dict())
 
     def candidates(self) -> list[RemoteShare | LocalShare]:
-        """Every member that may take a share, in the order the plan gives them ranks."""
-        nodes = [m for m in self.members if not m.is_coordinator]
-        if self.spec.nodes:
-            nodes = [m for m in nodes if m.name in self.spec.nodes]
-        out: list[RemoteShare | LocalShare] = [RemoteShare(self.network, m, auth.node_key(self.network_key, m.public_key))
-                                               for m in nodes]
-        if self.spec.with_coordinator or self.rec.get("train"):
-            out.insert(0, LocalShare(self.state, self.job_id, self.rec["name"], self.network.coordinator_ip))
-        return out
+        return candidates(self.state, self.spec, self.network, self.members, self.rec, self.network_key)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> None:
-        self.store, self.store_port = self._host_store()
         self.save()
         procs.notify_ready()
         try:
             self._launch()
-        except MeshrunError as exc:
+        except Exception as exc:  # noqa: BLE001 -- whatever stops the launch must end the job, not orphan it
+            if not isinstance(exc, MeshrunError):
+                log.exception("the launch of %s failed", self.job_id)
+                exc = MeshrunError(f"internal error ({type(exc).__name__}: {exc})",
+                                   f"please report it with {self.dir / 'supervisor.out'}")
             with self.lock:
                 started = list(self.shares.values())
             for s in started:         # a share that did start must not run on alone
@@ -196,11 +198,15 @@ class Supervisor:
         lo, hi = self.spec.bounds(len(cands))
         want = min(hi, len(cands))
         ready = self._wait_for(cands, want, lo if lo < want else None)
-        plans = plan(self.spec, self.network, [(s.name, s.overlay_ip, h) for s, h in ready], self.store_port)
         by_name = {s.name: s for s, _ in ready}
         if not self.spec.no_sync:
             blob = archive.pack_code(code_dir(self.spec), self.spec.sync_limit_mb)
-            self._each([by_name[p.node] for p in plans], lambda s: s.ship(self.job_id, blob))
+            self._each([s for s, _ in ready], lambda s: s.ship(self.job_id, blob))
+        if not self.spec.skip_preflight:
+            self._preflight(ready)
+        # The store comes after the pre-flight: hosting it imports torch, a refusal should not wait for that.
+        self.store, self.store_port = self._host_store()
+        plans = plan(self.spec, self.network, [(s.name, s.overlay_ip, h) for s, h in ready], self.store_port)
         self.outcome = Outcome(self.spec.elastic, lo if self.spec.nnodes else len(plans))
         self._each(plans, lambda p: self._start(by_name[p.node], p))
         self.record.state, self.record.started = "running", time.time()
@@ -209,13 +215,28 @@ class Supervisor:
         self.save()
         self.say(f"job {self.job_id} on {len(plans)} node(s): {', '.join(p.node for p in plans)}")
 
+    def _preflight(self, ready: list[tuple]) -> None:
+        """Compare the nodes' environments (meshrun.core.preflight); LaunchError with the table if they
+        cannot run this job together, the table as a warning if they can but differ."""
+        reports = check_environments(self.spec, [s for s, _ in ready], {s.name: h for s, h in ready}, self.job_id)
+        findings = preflight.compare(reports, expected_code_hash(self.spec), self.spec.nproc_per_node is None)
+        if not findings:
+            self.say(f"pre-flight: {len(reports)} node(s) agree (torch {reports[0].torch}, {reports[0].build})")
+            return
+        for line in preflight.table(reports, findings):
+            self.say(line)
+        if preflight.blocking(findings):
+            raise LaunchError("pre-flight refused the job: " + "; ".join(
+                f"{', '.join(f.nodes)}: {f.what}" for f in findings if f.level == preflight.BLOCK),
+                "fix what the table above says, or pass --skip-preflight if you know better")
+
     def _wait_for(self, cands, want: int, enough: int | None) -> list[tuple]:
         """Poll the agents until `want` answer (or `enough`, after ELASTIC_GRACE_S, for elastic jobs)."""
         t0 = time.monotonic()
         last = ""
         while True:
             with ThreadPoolExecutor(max_workers=len(cands)) as pool:
-                healths = list(pool.map(_health, cands))
+                healths = list(pool.map(ask_health, cands))
             ready = [(s, h) for s, h in zip(cands, healths) if h is not None]
             missing = [s.name for s, h in zip(cands, healths) if h is None]
             msg = f"{len(ready)}/{want} nodes ready" + (f" (waiting for: {', '.join(missing)})" if missing else "")
@@ -326,7 +347,7 @@ class Supervisor:
         for s in self.candidates():
             if room <= 0 or s.name in taken:
                 continue
-            h = _health(s)
+            h = ask_health(s)
             if h is None:
                 continue
             (p,) = plan(self.spec, self.network, [(s.name, s.overlay_ip, h)], self.store_port, local=True)
@@ -344,7 +365,47 @@ class Supervisor:
             self.say(f"{s.name} joined the job (elastic)")
 
 
-def _health(s) -> dict | None:
+def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[Member], rec: dict,
+               network_key: bytes) -> list[RemoteShare | LocalShare]:
+    """Every member that may take a share of `spec`, in the order the plan gives them ranks (the
+    coordinator first when it trains). UsageError when --nodes names a member that does not exist."""
+    nodes = [m for m in members if not m.is_coordinator]
+    if spec.nodes:
+        unknown = sorted(set(spec.nodes) - {m.name for m in nodes})
+        if unknown:
+            raise UsageError(f"--nodes names unknown node(s): {', '.join(unknown)}",
+                             f"members are: {', '.join(m.name for m in nodes) or 'none'}")
+        nodes = [m for m in nodes if m.name in spec.nodes]
+    out: list[RemoteShare | LocalShare] = [RemoteShare(network, m, auth.node_key(network_key, m.public_key))
+                                           for m in nodes]
+    if spec.with_coordinator or rec.get("train"):
+        out.insert(0, LocalShare(state, spec.job_id, rec["name"], network.coordinator_ip))
+    return out
+
+
+def check_environments(spec: JobSpec, shares, healths: dict[str, dict], job_id: str) -> list[preflight.EnvReport]:
+    """Every share's environment report, asked in parallel, with its clock offset from ours."""
+    def one(s) -> preflight.EnvReport:
+        python = spec.python or str(healths.get(s.name, {}).get("python") or "python3")
+        t0 = time.time()
+        try:
+            d = s.preflight(job_id, python, spec.cwd if spec.no_sync else None)
+        except MeshrunError as exc:
+            return preflight.EnvReport(s.name, python=python, error=exc.message)
+        d["clock_offset_s"] = float(d["time"]) - (t0 + time.time()) / 2 if "time" in d else None
+        return preflight.EnvReport.from_dict(s.name, d)
+    with ThreadPoolExecutor(max_workers=max(1, len(shares))) as pool:
+        return list(pool.map(one, shares))
+
+
+def expected_code_hash(spec: JobSpec) -> str | None:
+    """What every node's copy of the code must hash to: what the coordinator ships, or its own copy of
+    --no-sync's directory (None when the coordinator has none: the nodes are compared among themselves)."""
+    return archive.tree_hash(code_dir(spec) if not spec.no_sync else Path(spec.cwd))
+
+
+def ask_health(s) -> dict | None:
+    """The share's health answer (GPUs, interpreter), or None if its agent does not answer."""
     try:
         return s.health()
     except MeshrunError:

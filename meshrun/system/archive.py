@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
@@ -19,19 +20,36 @@ def pack_code(directory: Path, limit_mb: int) -> bytes:
     limit = limit_mb * 1024 * 1024
     total = 0
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for root, dirs, files in os.walk(directory):
-            dirs[:] = sorted(d for d in dirs if d not in SYNC_EXCLUDE)
-            for f in sorted(files):
-                path = Path(root) / f
-                if path.is_symlink() or not path.is_file():
-                    continue
-                total += path.stat().st_size
-                if total > limit:
-                    raise LaunchError(f"the script's directory {directory} holds more than {limit_mb} MiB",
-                                      "move data out of it, raise --sync-limit, or put the code on every node "
-                                      "and use --no-sync")
-                tar.add(path, arcname=str(path.relative_to(directory)), recursive=False)
+        for path in _files(directory):
+            total += path.stat().st_size
+            if total > limit:
+                raise LaunchError(f"the script's directory {directory} holds more than {limit_mb} MiB",
+                                  "move data out of it, raise --sync-limit, or put the code on every node "
+                                  "and use --no-sync")
+            tar.add(path, arcname=str(path.relative_to(directory)), recursive=False)
     return buf.getvalue()
+
+
+def _files(directory: Path):
+    """The files a job ships from `directory`, in a stable order (VCS and cache dirs left out)."""
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if d not in SYNC_EXCLUDE)
+        for f in sorted(files):
+            path = Path(root) / f
+            if not path.is_symlink() and path.is_file():
+                yield path
+
+
+def tree_hash(directory: Path) -> str | None:
+    """SHA-256 over the names and contents of the files a job would ship from `directory` (None if absent)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    h = hashlib.sha256()
+    for path in _files(directory):
+        h.update(str(path.relative_to(directory)).encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
 
 
 def _check_member(m: tarfile.TarInfo) -> None:
