@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,26 @@ def test_unpacking_refuses_escapes_links_and_devices(tmp_path, member):
 def test_the_fallback_checks_accept_plain_files_and_directories():
     archive._check_member(_info("pkg/m.py"))
     archive._check_member(_info("pkg", tarfile.DIRTYPE))
+
+
+def test_tree_hash_follows_content_and_gives_up_on_a_large_tree(tmp_path):
+    (tmp_path / "a.py").write_text("print(1)\n")
+    (tmp_path / "b.py").write_text("print(2)\n")
+    first = archive.tree_hash(tmp_path)
+    assert first is not None and archive.tree_hash(tmp_path) == first
+    (tmp_path / "b.py").write_text("print(3)\n")
+    assert archive.tree_hash(tmp_path) not in (None, first)
+    # A --no-sync directory with data in it: not read whole, not compared.
+    assert archive.tree_hash(tmp_path, max_files=1) is None
+    assert archive.tree_hash(tmp_path, max_bytes=10) is None
+    assert archive.tree_hash(tmp_path / "absent") is None
+
+
+def test_a_bench_job_hashes_no_code_a_no_sync_script_job_its_directory(tmp_path):
+    from meshrun.jobs import runner, supervisor
+    (tmp_path / "train.py").write_text("print(1)\n")
+    script = runner.TrainRequest(script="train.py", no_sync=True, job_id="j-1").spec(tmp_path)
+    assert supervisor.expected_code_hash(script) == archive.tree_hash(tmp_path)
+    bench = runner.TrainRequest(script="meshrun.bench.worker", no_sync=True, module=True,
+                                job_id="bench-1").spec(Path("/"))
+    assert supervisor.expected_code_hash(bench) is None      # not a walk of "/"

@@ -771,6 +771,11 @@ def test_world_size_1_resumes_from_its_snapshot(tmp_path: Path) -> None:
     assert (opt_b.step_count, opt_b.sync_count) == (4, 2) and opt_b.resumed is None
     _assert_same(opt_b.global_parameters(), glob)
     _assert_same({k: v for k, v in model_b.named_parameters()}, glob)
+    # Restarted after its last step: the end of training syncs nothing more.
+    sent = opt_b.bytes_sent_total
+    opt_b.finish()
+    assert (opt_b.sync_count, opt_b.bytes_sent_total) == (2, sent)
+    _assert_same(opt_b.global_parameters(), glob)
 
 
 def test_snapshot_of_another_model_is_refused(tmp_path: Path) -> None:

@@ -7,13 +7,16 @@ AgentServices; only the WireGuard devices and the transport between them are sta
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 
 from fakemesh import FakeMesh
-from meshrun.core import paths
+from meshrun.core import keys, memberlist, paths, peers
+from meshrun.core.model import Member
+from meshrun.mesh.agent import apply_members
 from meshrun.errors import StateError
 from meshrun.system.fakedevice import FakeDevice
 
@@ -192,3 +195,135 @@ def test_the_loop_survives_a_failing_tick(mesh):
     finally:
         svc.stop_event.set()
         t.join(5)
+
+
+# --------------------------------------------------------------------------- member-list deltas (issue 18)
+
+def _recording(n):
+    """Make n's agent keep every sync answer it receives; returns the list."""
+    answers = []
+    call = n.agent.call
+
+    def rec(method, path, body, timeout):
+        answers.append(call(method, path, body, timeout))
+        return answers[-1]
+    n.agent.call = rec
+    return answers
+
+
+def _as_coordinator_sends(mesh, n):
+    """The full member list the coordinator would send n now."""
+    return [Member.from_dict(d) for d in mesh.coord.roster.payload(mesh.coord.db.member_by_name(n.name))]
+
+
+def _three(mesh):
+    nodes = [mesh.join(x, f"198.51.100.{i + 2}:40000") for i, x in enumerate("abc")]
+    for n in nodes:
+        mesh.see(n)
+    for _ in range(3):
+        mesh.sync()
+    return nodes
+
+
+def test_a_join_reaches_each_agent_as_a_delta_of_one_member_and_one_peer_added(mesh):
+    a, b, c = _three(mesh)
+    answers = {n.name: _recording(n) for n in (a, b, c)}
+    full = len(json.dumps(mesh.coord.roster.payload()))
+    applied = {n.name: len(n.device.applied) for n in (a, b, c)}
+    d = mesh.join("d", "198.51.100.9:40000")
+    mesh.sync(a, b, c)
+    for n in (a, b, c):
+        ans = answers[n.name][-1]
+        assert "members" not in ans and [m["name"] for m in ans["changed"]] == ["d"] and ans["removed"] == []
+        assert len(json.dumps(ans)) < full / 2
+        assert n.agent.members == _as_coordinator_sends(mesh, n)
+        # On the node, only the new peer was touched: one diff, one peer added.
+        assert len(n.device.applied) == applied[n.name] + 1
+        assert n.device.applied[-1] == peers.PeerDiff(add=(peers.PeerSpec(d.key, (f"{d.ip}/32",), None, 0, "d"),))
+    assert n.agent.state.read_json("peers.json")["version"] == n.agent.version
+
+
+def test_a_removal_reaches_each_agent_as_a_delta_and_drops_only_that_peer(mesh):
+    a, b, c = _three(mesh)
+    answers = _recording(a)
+    mesh.coord.db.remove_member("c")
+    mesh.coord.tick()
+    a.agent.sync_once(wait=0)
+    assert answers[-1]["changed"] == [] and answers[-1]["removed"] == [c.key]
+    assert a.device.applied[-1] == peers.PeerDiff(remove=(c.key,))
+    assert a.agent.members == _as_coordinator_sends(mesh, a) and len(a.agent.members) == 3
+
+
+def test_an_agent_behind_a_restarted_coordinator_gets_the_full_list_and_then_deltas(mesh):
+    a, b, c = _three(mesh)
+    answers = _recording(a)
+    mesh.join("d", "198.51.100.9:40000")        # a has not heard of d when the coordinator restarts
+    mesh.new_coordinator()
+    a.agent.sync_once(wait=0)
+    assert "members" in answers[-1] and a.agent.members == _as_coordinator_sends(mesh, a)
+    mesh.join("e", "198.51.100.10:40000")
+    mesh.coord.tick()
+    a.agent.sync_once(wait=0)
+    assert [m["name"] for m in answers[-1]["changed"]] == ["e"]
+    assert a.agent.members == _as_coordinator_sends(mesh, a)
+
+
+def test_old_agents_get_full_lists_and_the_agent_applies_them_from_an_old_coordinator(mesh):
+    a, b, c = _three(mesh)
+    sent = []
+    call = a.agent.call
+
+    def old_coordinator(method, path, body, timeout):     # a coordinator that knows nothing of deltas
+        sent.append(body.pop("delta"))
+        return call(method, path, body, timeout)
+    a.agent.call = old_coordinator
+    answers = _recording(a)
+    mesh.join("d", "198.51.100.9:40000")
+    mesh.sync(a)
+    assert sent[-1] is True and "members" in answers[-1]
+    assert a.agent.members == _as_coordinator_sends(mesh, a)
+
+
+def test_a_path_change_of_another_pair_does_not_wake_an_uninvolved_agent(mesh):
+    a, b, c = _three(mesh)
+    t = int(time.time())
+    mesh.handshake(a, c, when=t)
+    mesh.handshake(b, c, when=t)
+    mesh.sync()
+    mesh.sync()
+    mesh.coord.tick(now=time.time() + paths.ATTEMPT_S + 1)     # only a <-> b had no handshake: relayed
+    assert mesh.coord.pairs.mode("a", "b").mode == paths.RELAYED
+    assert mesh.coord.pairs.mode("a", "c").mode == paths.PUBLIC
+    mesh.coord.overlay.max_wait = 5
+    answers = {n.name: _recording(n) for n in (a, c)}
+    t0 = time.monotonic()
+    a.agent.sync_once(wait=0.4)
+    assert time.monotonic() - t0 < 0.3 and [m["name"] for m in answers["a"][-1]["changed"]] == ["b"]
+    t0 = time.monotonic()
+    c.agent.sync_once(wait=0.4)
+    assert time.monotonic() - t0 >= 0.39             # it kept waiting: nothing it sees had changed
+    assert answers["c"][-1] == {"version": mesh.coord.roster.version, "unchanged": True}
+    assert c.agent.version == mesh.coord.roster.version
+
+
+def test_applying_one_join_to_a_node_with_1000_peers_touches_one_peer(mesh):
+    a = mesh.join("a", "198.51.100.2:40000")
+    a.agent.sync_once(wait=0)
+    members = list(a.agent.members) + [
+        Member(f"m{i}", keys.public_key(keys.generate_private_key()), f"10.213.{4 + i // 250}.{i % 250 + 1}",
+               f"198.18.{i // 250}.{i % 250 + 1}:51820", ("172.31.40.46:51820",), path="public")
+        for i in range(1000)]
+    apply_members(a.device, a.state, a.agent.rec, mesh.network, members)
+    assert len(a.device.peers()) == 1001
+    new = Member("late", keys.public_key(keys.generate_private_key()), "10.213.9.9", "198.18.9.9:51820",
+                 ("172.31.40.46:51820",), path="public")
+    n = len(a.device.applied)
+    apply_members(a.device, a.state, a.agent.rec, mesh.network, memberlist.apply_delta(members, [new], []))
+    assert len(a.device.applied) == n + 1
+    d = a.device.applied[-1]
+    assert d.add == (peers.PeerSpec(new.public_key, ("10.213.9.9/32",), "198.18.9.9:51820", 25, "late"),)
+    assert not d.update and not d.remove
+    args = peers.wg_set_args(d)                     # the one `wg set` a real device runs for it
+    assert args.count("peer") == 1 and args[:2] == ["peer", new.public_key]
+    apply_members(a.device, a.state, a.agent.rec, mesh.network, memberlist.apply_delta(members, [], []))
+    assert a.device.applied[-1] == peers.PeerDiff(remove=(new.public_key,))

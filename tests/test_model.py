@@ -91,7 +91,7 @@ class TestMember:
         assert member().to_dict() == {
             "name": "gpu-a", "public_key": KEY_B, "overlay_ip": "10.213.0.2", "endpoint": "198.51.100.2:40000",
             "candidates": ["172.31.40.46:51820"], "is_coordinator": False, "last_handshake": 1700000000,
-            "path": ""}
+            "path": "", "mtu": 0}
 
     @pytest.mark.parametrize("m", [member(), member(endpoint=None, candidates=(), last_handshake=0),
                                    member(is_coordinator=True, endpoint="[2001:db8::2]:51820")])

@@ -98,6 +98,15 @@ def test_small_mtu_hop_does_not_hang(world_factory):
     out = mesh.join("small-a").stdout
     assert "mtu 1220" in out, out
     assert "mtu 1420" in mesh.join("big-a").stdout
+    # The larger-MTU members size packets for the small node (wireguard-go sends with UDP GSO, which
+    # the kernel will not fragment: without this route bulk traffic to small-a stalls).
+    small_ip = mesh.overlay_ip("small-a")
+    for n in ("big-a", "hq-a"):
+        deadline = time.monotonic() + 30
+        while f"{small_ip} scope link mtu 1216" not in (
+                routes := world.node(n).run("ip", "-4", "route", "show", "dev", "meshrun0").stdout):
+            assert time.monotonic() < deadline, f"{n}: {routes}"
+            time.sleep(0.5)
     res = mesh.meshrun("hq-a", "train", "--timeout", "60", "allreduce.py", "--mib", "64", cwd=SCRIPTS, timeout=240,
                        check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -49,3 +49,11 @@ def test_overlay_mtu_fits_the_probed_path():
     assert overlay_mtu(1420, 1500) == 1420
     assert overlay_mtu(1420, 1280) == 1220          # a 1280-byte hop: 60 bytes of WireGuard over IPv4
     assert overlay_mtu(1420, 600) == 576            # never below IPv4's minimum
+
+
+def test_route_mtus_reads_only_host_routes_with_an_mtu():
+    text = ('[{"dst":"10.213.0.0/16","protocol":"kernel","scope":"link","prefsrc":"10.213.0.3","flags":[]},'
+            '{"dst":"10.213.0.2","scope":"link","flags":[],"metrics":[{"mtu":1216}]},'
+            '{"dst":"10.213.0.9","scope":"link","flags":[]}]')
+    assert netparse.route_mtus(text) == {"10.213.0.2": 1216}
+    assert netparse.route_mtus("") == {} and netparse.route_mtus("not json") == {}

@@ -177,3 +177,14 @@ class TestWgSetArgs:
             "peer", K_A, "endpoint", "198.51.100.2:40000", "persistent-keepalive", "25",
             "allowed-ips", "10.213.0.2/32",
         ]
+
+
+def test_route_mtus_fit_the_smaller_peers_with_wireguard_padding():
+    from meshrun.core.peers import route_mtus
+    me = Member("big", "K" * 43 + "=", "10.213.0.3", mtu=1420)
+    small = Member("small", "S" * 43 + "=", "10.213.0.2", mtu=1220)
+    same = Member("same", "T" * 43 + "=", "10.213.0.4", mtu=1420)
+    old = Member("old", "U" * 43 + "=", "10.213.0.5")               # an agent that reports no MTU
+    # 1220 rounds down to 1216: a 1217..1220-byte packet would be padded to 1232 with our MTU of 1420.
+    assert route_mtus(me.public_key, 1420, [me, small, same, old]) == {"10.213.0.2": 1216}
+    assert route_mtus(small.public_key, 1220, [me, small, same, old]) == {}   # larger peers: no route

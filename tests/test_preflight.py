@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshrun.core import preflight
 from meshrun.core.preflight import BLOCK, WARN, EnvReport, blocking, compare, table
 
 GIB = 1 << 30
@@ -86,3 +87,15 @@ def test_the_table_lists_every_node_then_blocks_before_warnings():
     assert lines[0].split() == ["NODE", "PYTHON", "TORCH", "BUILD", "NCCL", "GPUS", "FREE", "CODE", "CLOCK"]
     assert [line.split()[0] for line in lines[1:4]] == ["a", "b", "c"]
     assert lines[4].startswith("BLOCK c: torch 2.12.0+cpu") and lines[5].startswith("warn  b: Python 3.11.9")
+
+
+def test_clock_offset_discounts_the_remote_s_work_from_the_round_trip():
+    # a node 3 s ahead, 0.1 s of network each way, 20 s importing torch before it answered
+    sent = 1000.0
+    remote_time = sent + 0.1 + 20.0 + 3.0
+    received = sent + 0.1 + 20.0 + 0.1
+    assert preflight.clock_offset(sent, received, remote_time, remote_took=20.0) == pytest.approx(3.0)
+    # without the work accounted for, the midpoint would be 10 s off: that was the bug
+    assert abs(preflight.clock_offset(sent, received, remote_time) - 3.0) > 9
+    # a remote that claims more work than the round trip cannot make the network negative
+    assert preflight.clock_offset(sent, sent + 1.0, sent + 1.0, remote_took=5.0) == pytest.approx(0.0)

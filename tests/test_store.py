@@ -420,3 +420,26 @@ class TestConcurrency:
         ips = [ip for _, ip in results]
         assert len(set(ips)) == 16 and "10.213.0.1" not in ips
         assert {m.overlay_ip for m in db.members()} == set(ips) | {"10.213.0.1"}
+
+
+def test_a_reported_mtu_is_stored_and_moves_the_version_once(tmp_path):
+    import sqlite3
+    from meshrun.system.store import CoordinatorDB
+    # A database made before the column existed gains it on open.
+    old = sqlite3.connect(tmp_path / "coordinator.db")
+    old.executescript("CREATE TABLE members(id INTEGER PRIMARY KEY, name TEXT NOT NULL, public_key TEXT NOT NULL "
+                      "UNIQUE, overlay_ip TEXT NOT NULL UNIQUE, candidates TEXT NOT NULL DEFAULT '[]', endpoint TEXT, "
+                      "last_handshake INTEGER NOT NULL DEFAULT 0, is_coordinator INTEGER NOT NULL DEFAULT 0, "
+                      "token_id TEXT, joined_at REAL NOT NULL, last_seen REAL, removed_at REAL);"
+                      "INSERT INTO members(name, public_key, overlay_ip, joined_at) "
+                      f"VALUES('gpu-a', '{'A' * 43}=', '10.213.0.2', 1.0);")
+    old.close()
+    db = CoordinatorDB(tmp_path / "coordinator.db")
+    assert db.members()[0].mtu == 0
+    v = db.version()
+    db.heartbeat("10.213.0.2", [], mtu=1220)
+    assert db.members()[0].mtu == 1220 and db.version() == v + 1
+    db.heartbeat("10.213.0.2", [], mtu=1220)
+    db.heartbeat("10.213.0.2", [])                  # an agent that does not report it keeps the stored one
+    assert db.members()[0].mtu == 1220 and db.version() == v + 1
+    db.close()

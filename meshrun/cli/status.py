@@ -1,4 +1,4 @@
-"""Commands any member runs to look at the overlay: status, ping."""
+"""Commands any member runs to look at the overlay: status, ping, doctor."""
 
 from __future__ import annotations
 
@@ -12,18 +12,23 @@ from meshrun.cli.app import Application, JsonOpt, StateOpt, handled, root
 
 @root.command()
 @handled
-def status(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+def status(all_rows: Annotated[bool, typer.Option("--all", help="Every peer and pair, not a summary.")] = False,
+           json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
     """Show this member's peers: name, overlay IP, endpoint, last handshake, rx/tx.
+
+    With more than 20 peers (or node pairs) it shows counts by path and handshake and the worst
+    few; --all lists every row, --json always has every row.
 
     \b
     Examples:
       meshrun status
+      meshrun status --all
       meshrun status --json | jq '.peers[].name'
     """
     from meshrun.mesh import status as st
     app = Application.for_command(state_dir)
     data = st.gather(app.state)
-    app.echo(json.dumps(data, indent=2) if json_out else st.render(data))
+    app.echo(json.dumps(data, indent=2) if json_out else st.render(data, full=all_rows))
 
 
 @root.command()
@@ -43,4 +48,31 @@ def ping(peer: Annotated[str, typer.Argument(help="Peer name or overlay IP.")],
     r = st.ping(app.state, peer, count)
     app.echo(json.dumps(r, indent=2) if json_out else st.render_ping(r))
     if not r["received"]:
+        app.exit(1)
+
+
+@root.command()
+@handled
+def doctor(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+    """Check this member for what would stop or slow training, each problem with its fix.
+
+    Daemon, interface, WireGuard backend, MTU (a full-size DF probe), the coordinator over the
+    overlay, each peer's handshake and path, UDP reachability from outside, clock, disk, torch, and
+    variables that would override meshrun's interface pinning. Exits 1 when something blocks training.
+
+    \b
+    Examples:
+      meshrun doctor
+      meshrun doctor --json | jq '.checks[] | select(.level != "ok")'
+    """
+    from meshrun.core import doctor as dr
+    from meshrun.mesh import doctor as md
+    app = Application.for_command(state_dir)
+    facts, checks = md.run(app.state)
+    if json_out:
+        app.echo(json.dumps({"ok": not dr.blocking(checks), "checks": dr.to_json(checks), "facts": facts}, indent=2))
+    else:
+        app.echo(dr.render(checks, f"meshrun doctor: {facts['role']} {facts['name']} ({facts['overlay_ip']}) "
+                                   f"in network {facts['network']}"))
+    if dr.blocking(checks):
         app.exit(1)

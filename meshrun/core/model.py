@@ -72,6 +72,7 @@ class Member(_Wire):
     is_coordinator: bool = False
     last_handshake: int = 0                   # with the coordinator, unix seconds (0 = never)
     path: str = ""                            # for the receiving node: private | public | relayed | ""
+    mtu: int = 0                              # the member's overlay MTU as it reported it (0 = unknown)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Member":
@@ -85,7 +86,8 @@ class Member(_Wire):
             candidates=tuple(parse_endpoint(c) for c in _strlist(d, "candidates", required=False)),
             is_coordinator=bool(d.get("is_coordinator", False)),
             last_handshake=_int(d, "last_handshake", 0, 2**40, required=False),
-            path=_choice(d, "path", ("", "private", "public", "relayed")))
+            path=_choice(d, "path", ("", "private", "public", "relayed")),
+            mtu=_int(d, "mtu", 0, 9000, required=False))
 
 
 def parse_endpoint(value: str, default_port: int | None = None) -> str:

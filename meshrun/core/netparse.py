@@ -6,6 +6,8 @@ output without root.
 
 from __future__ import annotations
 
+import json
+
 _NOT_A_DESTINATION = ("default", "broadcast", "multicast", "unreachable", "prohibit", "blackhole")
 
 
@@ -37,3 +39,41 @@ def default_device(text: str) -> str | None:
     """The device of the first route in `ip -4 -o route show default`, or None."""
     parts = text.split()
     return parts[parts.index("dev") + 1] if "dev" in parts[:-1] else None
+
+
+def link(text: str) -> dict:
+    """`ip -j link show dev X` -> {"exists", "up", "mtu"} ("up": the administrative UP flag)."""
+    try:
+        items = json.loads(text or "[]")
+    except ValueError:
+        items = []
+    if not items:
+        return {"exists": False, "up": False, "mtu": None}
+    d = items[0]
+    return {"exists": True, "up": "UP" in d.get("flags", []), "mtu": d.get("mtu")}
+
+
+def route_mtus(text: str) -> dict[str, int]:
+    """`ip -j -4 route show dev X` -> {destination IP: mtu} of the /32 routes that carry an MTU."""
+    try:
+        items = json.loads(text or "[]")
+    except ValueError:
+        return {}
+    out = {}
+    for r in items:
+        dst, mtu = r.get("dst", ""), (r.get("metrics") or [{}])
+        value = next((m["mtu"] for m in mtu if isinstance(m, dict) and "mtu" in m), None)
+        if value is not None and "/" not in dst and dst not in _NOT_A_DESTINATION:
+            out[dst] = int(value)
+    return out
+
+
+def rule_packets(text: str, tag: str) -> int:
+    """Packets counted by the rule commented `tag` in `iptables -L CHAIN -v -x -n` output (0 if absent)."""
+    for line in text.splitlines():
+        if f"/* {tag} */" in line:
+            try:
+                return int(line.split()[0])
+            except (ValueError, IndexError):
+                return 0
+    return 0

@@ -1,9 +1,9 @@
 """Per-pair path selection: private (same site), public (direct), or relayed via the coordinator.
 
-Pure; the coordinator runs `step` for every pair of nodes once a second with what both nodes
-report about each other (their latest WireGuard handshake), and tells both sides the result,
-so the two ends of a pair always agree (a pair relayed on one side only would drop packets:
-WireGuard filters inbound packets by the sending peer's allowed IPs).
+Pure; the coordinator runs `step` for a pair of nodes when what both nodes report about each other
+(their latest WireGuard handshake) changed, or when `next_due` says time alone may change it, and
+tells both sides the result, so the two ends of a pair always agree (a pair relayed on one side
+only would drop packets: WireGuard filters inbound packets by the sending peer's allowed IPs).
 
 A pair starts `private` when both nodes sit behind the same public IP and report private
 candidates (same VPC/LAN: no hairpin through the gateway), else `public`. Each side re-creates
@@ -56,7 +56,7 @@ def same_site(a: Member, b: Member) -> bool:
 
 def initial(a: Member, b: Member, handshake: int, now: float) -> PairState:
     """First state of a pair. A pair that already has a fresh handshake (e.g. after a coordinator
-    restart without paths.json) keeps its working tunnel instead of being probed again."""
+    restart without saved pair state) keeps its working tunnel instead of being probed again."""
     if same_site(a, b):
         return PairState(PRIVATE, now)
     fresh = bool(handshake) and now - handshake < STALE_S
@@ -80,6 +80,20 @@ def step(state: PairState, a: Member, b: Member, handshake: int, now: float) -> 
         return state
     # Unproven after the attempt window, or a verified tunnel gone stale: fall back one step.
     return PairState(PUBLIC, now) if state.mode == PRIVATE else PairState(RELAYED, now)
+
+
+def next_due(state: PairState, handshake: int) -> float | None:
+    """When `step` may next change `state` by time alone, with `handshake` as the newest one reported
+    (None: only a new handshake can change it). Before this time, `step` with the same handshake
+    returns `state` unchanged, so a driver need not look at the pair until then or until its
+    handshake changes.
+    """
+    if state.mode == RELAYED:
+        return None                                  # waits for a handshake after `since`
+    if state.verified:
+        # Stale at handshake + STALE_S; a verified pair without any handshake falls back at once.
+        return float(handshake) + STALE_S if handshake else state.since
+    return state.since + ATTEMPT_S                   # the attempt window closes
 
 
 def endpoint_for(mode: str, peer: Member) -> str | None:

@@ -117,6 +117,27 @@ def handshake_holds(my_key: str, members: Sequence[Member], handshakes: dict[str
     return frozenset(held), out
 
 
+WG_PAD = 16    # WireGuard pads each packet's plaintext to a multiple of 16 bytes (up to the interface MTU)
+
+
+def route_mtus(my_key: str, my_mtu: int, members: Sequence[Member]) -> dict[str, int]:
+    """{overlay IP: route MTU} for the peers whose overlay MTU is below this member's.
+
+    A node behind a small-MTU hop lowers its own interface MTU to fit, but its peers send with
+    theirs: a packet that fits their MTU arrives too big for the hop. The kernel would fragment the
+    outer UDP packet, except that wireguard-go with batched I/O sends with UDP GSO, which the kernel
+    refuses to fragment ("sendmmsg: message too long"): bulk traffic to that node stalls. A /32
+    route with the peer's MTU makes TCP (and the kernel's PMTU for everything else) size packets for
+    the peer. It is rounded down to WireGuard's 16-byte padding, because padding is capped by the
+    sender's larger interface MTU, not the peer's.
+    """
+    out = {}
+    for m in members:
+        if m.public_key != my_key and 0 < m.mtu < my_mtu:
+            out[m.overlay_ip] = m.mtu - m.mtu % WG_PAD
+    return out
+
+
 def desired_for_coordinator(members: Sequence[Member]) -> list[PeerSpec]:
     """Peers for the coordinator: every node, no endpoint (nodes dial in; WireGuard roams).
 

@@ -145,6 +145,18 @@ def compare(reports: list[EnvReport], code_hash: str | None = None, nproc_auto: 
     return out
 
 
+def clock_offset(sent: float, received: float, remote_time: float, remote_took: float = 0.0) -> float:
+    """The remote clock minus ours, from one request: sent and received on our clock, the remote's
+    clock when it answered, and how long it worked on the request before answering.
+
+    The network's share of the round trip, (received - sent) - remote_took, is taken as symmetric,
+    so the error is at most half of it, however long the remote worked (a first pre-flight report
+    may import torch for many seconds).
+    """
+    network = max(0.0, (received - sent) - remote_took)
+    return remote_time - (received - network / 2)
+
+
 def blocking(findings: list[Finding]) -> bool:
     return any(f.level == BLOCK for f in findings)
 

@@ -44,9 +44,12 @@ ROUTE = re.compile(r"^/v1/jobs/([^/]+)/(code|preflight|start|output|cancel)$")
 
 def preflight(job_dir: StateDir, python: str, cwd: object = None) -> dict:
     """This node's environment for a job (meshrun.core.preflight.EnvReport fields), with its clock."""
+    t0 = time.monotonic()
     report = host.environment(python)
     code = Path(str(cwd)) if cwd else job_dir / "code"
-    report.update(free_bytes=host.free_bytes(job_dir.path), code_hash=archive.tree_hash(code), time=time.time())
+    report.update(free_bytes=host.free_bytes(job_dir.path), code_hash=archive.tree_hash(code))
+    # "took" lets the caller tell our work from the network in the round trip (preflight.clock_offset)
+    report.update(took=time.monotonic() - t0, time=time.time())
     return report
 
 

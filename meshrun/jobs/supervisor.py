@@ -218,13 +218,17 @@ class Supervisor:
     def _preflight(self, ready: list[tuple]) -> None:
         """Compare the nodes' environments (meshrun.core.preflight); LaunchError with the table if they
         cannot run this job together, the table as a warning if they can but differ."""
+        t0 = time.monotonic()
         reports = check_environments(self.spec, [s for s, _ in ready], {s.name: h for s, h in ready}, self.job_id)
         findings = preflight.compare(reports, expected_code_hash(self.spec), self.spec.nproc_per_node is None)
+        took = f"{time.monotonic() - t0:.2f} s"
         if not findings:
-            self.say(f"pre-flight: {len(reports)} node(s) agree (torch {reports[0].torch}, {reports[0].build})")
+            self.say(f"pre-flight: {len(reports)} node(s) agree (torch {reports[0].torch}, {reports[0].build}) in {took}")
             return
         for line in preflight.table(reports, findings):
             self.say(line)
+        verdict = "refused" if preflight.blocking(findings) else f"{len(findings)} warning(s), the job goes on"
+        self.say(f"pre-flight: {len(reports)} node(s) checked in {took}: {verdict}")
         if preflight.blocking(findings):
             raise LaunchError("pre-flight refused the job: " + "; ".join(
                 f"{', '.join(f.nodes)}: {f.what}" for f in findings if f.level == preflight.BLOCK),
@@ -389,19 +393,34 @@ def check_environments(spec: JobSpec, shares, healths: dict[str, dict], job_id: 
         python = spec.python or str(healths.get(s.name, {}).get("python") or "python3")
         t0 = time.time()
         try:
-            d = s.preflight(job_id, python, spec.cwd if spec.no_sync else None)
+            d = s.preflight(job_id, python, _unsynced_code(spec))
         except MeshrunError as exc:
             return preflight.EnvReport(s.name, python=python, error=exc.message)
-        d["clock_offset_s"] = float(d["time"]) - (t0 + time.time()) / 2 if "time" in d else None
+        t1 = time.time()
+        d["clock_offset_s"] = (preflight.clock_offset(t0, t1, float(d["time"]), float(d.get("took", 0.0)))
+                               if "time" in d else None)
         return preflight.EnvReport.from_dict(s.name, d)
     with ThreadPoolExecutor(max_workers=max(1, len(shares))) as pool:
         return list(pool.map(one, shares))
 
 
+def _unsynced_code(spec: JobSpec) -> str | None:
+    """The directory each node hashes for a --no-sync job (None: the shipped copy, or nothing to hash).
+
+    A module job without sync (`meshrun bench`) runs what each node's environment has installed,
+    which the version rows compare; its cwd may be anything ("/"), so it is not hashed.
+    """
+    return spec.cwd if spec.no_sync and not spec.module else None
+
+
 def expected_code_hash(spec: JobSpec) -> str | None:
     """What every node's copy of the code must hash to: what the coordinator ships, or its own copy of
-    --no-sync's directory (None when the coordinator has none: the nodes are compared among themselves)."""
-    return archive.tree_hash(code_dir(spec) if not spec.no_sync else Path(spec.cwd))
+    --no-sync's directory (None when the coordinator has none, or it is too large to hash: the nodes
+    are then compared among themselves)."""
+    if not spec.no_sync:
+        return archive.tree_hash(code_dir(spec))
+    unsynced = _unsynced_code(spec)
+    return archive.tree_hash(Path(unsynced)) if unsynced else None
 
 
 def ask_health(s) -> dict | None:

@@ -636,7 +636,7 @@ class Mesh:
 
 
 def _cli_workdir(prefix: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"meshrun-testbed-{prefix}"
+    return store.temp_root() / f"meshrun-testbed-{prefix}"
 
 
 def main(argv: list[str] | None = None) -> int:

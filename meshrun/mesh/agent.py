@@ -2,7 +2,7 @@
 
 The agent long-polls POST /v1/sync on the coordinator's overlay IP: the coordinator answers
 at once when the member list changed since the version the agent holds, else after up to
-25 s. Each request carries the node's heartbeat (its candidate addresses and its view of
+25 s; the answer is the full list or only what changed since that version (a delta). Each request carries the node's heartbeat (its candidate addresses and its view of
 its peers). When the coordinator is unreachable the agent keeps the tunnels it has and
 retries with backoff; the data path never depends on the coordinator being up.
 """
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from meshrun.core import peers
+from meshrun.core import memberlist, peers
 from meshrun.core.model import Member, Network
 from meshrun.errors import CoordinatorError, MeshrunError, StateError
 from meshrun.mesh import daemon, iface, member
@@ -63,8 +63,10 @@ def apply_members(device: Device, state: StateDir, rec: dict, network: Network, 
                                               {p.public_key: p.latest_handshake for p in current},
                                               hold_windows, time.monotonic(), recreate)
     desired = peers.desired_for_node(rec["public_key"], members, hold)
+    mtu = int(rec.get("mtu") or network.mtu)
     d = iface.sync_peers(device, state, network, desired, address=rec["overlay_ip"],
-                         mtu=int(rec.get("mtu") or network.mtu), recreate=recreate, current=current,
+                         mtu=mtu, recreate=recreate, current=current,
+                         route_mtus=peers.route_mtus(rec["public_key"], mtu, members),
                          comment=f"meshrun network {network.name}, node {rec['name']}; managed by meshrun")
     # WireGuard handshakes only when it has something to send: a datagram to each new
     # direct peer starts the handshake now, so the new path is proven (or not) quickly.
@@ -166,7 +168,8 @@ class AgentService:
             delta = now
         else:
             delta = {k: hs for k, hs in now.items() if self.reported.get(k) != hs}
-        return {"candidates": cands[:16], "peers": delta, "full": self.full_report}
+        return {"candidates": cands[:16], "peers": delta, "full": self.full_report,
+                "mtu": int(self.rec.get("mtu") or self.network.mtu)}
 
     def wait_time(self, current: list[peers.PeerState] | None = None) -> float:
         """Long-poll briefly while a path is being probed, so the coordinator hears of the
@@ -184,14 +187,24 @@ class AgentService:
 
     def sync_once(self, wait: float) -> None:
         """One long-poll: report, receive the member list, apply what changed."""
-        body = dict(self.heartbeat(self.device.peers()), version=self.version, wait=wait)
+        body = dict(self.heartbeat(self.device.peers()), version=self.version, wait=wait, delta=True)
         answer = self.call("POST", "/v1/sync", body, wait + 15)
         self.reported.update(body["peers"])
         self.full_report = answer.get("report") == "full"
         try:
             version = int(answer["version"])
-            # "unchanged": our member list is current (a long-poll that timed out).
-            members = self.members if answer.get("unchanged") else [Member.from_dict(m) for m in answer["members"]]
+            if answer.get("unchanged"):           # our member list is current (a long-poll that timed out)
+                members = self.members
+            elif "members" in answer:             # the full list
+                members = [Member.from_dict(m) for m in answer["members"]]
+            elif int(answer["since"]) == self.version:   # what changed since the version we hold
+                members = memberlist.apply_delta(self.members, [Member.from_dict(m) for m in answer["changed"]],
+                                                 {str(k) for k in answer["removed"]})
+            else:                                 # a delta from elsewhere: ask for the full list next
+                log.warning("ignored a member-list delta since version %s (this node holds %d)",
+                            answer["since"], self.version)
+                self.version = 0
+                return
         except (KeyError, ValueError, TypeError) as exc:
             raise CoordinatorError(f"malformed sync answer ({exc})", "run the same meshrun version everywhere") from None
         if not any(m.public_key == self.rec["public_key"] for m in members):
@@ -208,7 +221,10 @@ class AgentService:
             self.path_changed_at = time.time()
             log.info("path changed for %s", ", ".join(f"{m.name}->{m.path}" for m in members
                                                        if m.public_key in recreate))
-        if version != self.version or members != self.members:
+        # Saved when the list changed, not for a version alone: a node holding an older version with
+        # the same list gets the same delta after a restart, and 1000 nodes do not rewrite 1000 files
+        # for a change elsewhere.
+        if members != self.members:
             member.save_members(self.state, version, members)
         self.version, self.members = version, members
         self._apply(members, recreate)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from meshrun.core import peers
 from meshrun.core.model import Network
@@ -39,18 +39,22 @@ def bring_up(device: Device, state: StateDir, network: Network, address: str, mt
 
 def sync_peers(device: Device, state: StateDir, network: Network, desired: Sequence[peers.PeerSpec], *,
                address: str, mtu: int, comment: str, recreate: frozenset[str] = frozenset(),
-               current: Sequence[peers.PeerState] | None = None) -> peers.PeerDiff:
+               current: Sequence[peers.PeerState] | None = None,
+               route_mtus: Mapping[str, int] | None = None) -> peers.PeerDiff:
     """Make the interface's peers match `desired` with the minimal diff, and rewrite the wg-quick file.
 
     `current` is the device's peer list if the caller just read it. Peers in `recreate` are
     removed and added again (their path changed: a fresh handshake proves the new one). The
     wg-quick file (0600: it embeds the private key) is rewritten when peers changed or it is
-    missing. Returns the diff applied.
+    missing. With `route_mtus` ({overlay IP: MTU}, peers.route_mtus), exactly those peers get a
+    /32 route with their smaller MTU. Returns the diff applied.
     """
     d = peers.diff(device.peers() if current is None else current, desired, time.time(), recreate)
     if d:
         log.info("peers: +%d ~%d -%d", len(d.add), len(d.update), len(d.remove))
         device.apply(d)
+    if route_mtus is not None:
+        device.set_route_mtus(route_mtus)
     conf = f"{network.interface}.conf"
     if d or not (state / conf).exists():
         key = state.read("private.key").decode().strip()

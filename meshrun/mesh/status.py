@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 
 from meshrun.core import paths
 from meshrun.core.model import Member
@@ -88,19 +89,20 @@ def gather(state: StateDir, measure: bool = True) -> dict:
 
 
 def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
-    """Every pair of nodes, with its path as the coordinator decided it (paths.json, written by its
+    """Every pair of nodes, with its path as the coordinator decided it (its database, written by its
     daemon), or "probing" while no path is decided yet."""
-    decided = {}
-    if (state / "paths.json").exists():
-        for k, v in state.read_json("paths.json").get("pairs", {}).items():
-            decided[tuple(k.split("|", 1))] = v
+    db = CoordinatorDB(state / "coordinator.db", readonly=True)
+    try:
+        decided = db.pairs()
+    finally:
+        db.close()
     nodes = sorted(m.name for m in members if not m.is_coordinator)
     out = []
     for i, a in enumerate(nodes):
         for b in nodes[i + 1:]:
             v = decided.get((a, b))
-            out.append({"a": a, "b": b, "path": paths.LABELS.get(v.get("mode"), "?") if v else "probing",
-                        "verified": bool(v and v.get("verified"))})
+            out.append({"a": a, "b": b, "path": paths.LABELS.get(v.mode, "?") if v else "probing",
+                        "verified": bool(v and v.verified)})
     return out
 
 
@@ -133,8 +135,30 @@ def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt.format(*cols)] + [fmt.format(*r) for r in rows]
 
 
-def render(st: dict) -> str:
-    """Human-readable status: a header, a table of peers, and on the coordinator the node pairs."""
+SUMMARY_AT = 20     # more peers (or pairs) than this: counts and the worst few, unless --all
+WORST = 5
+
+
+def _counts(values: list[str]) -> str:
+    return ", ".join(f"{label} {n}" for label, n in Counter(values).most_common())
+
+
+def _peer_badness(r: dict) -> tuple:
+    # Never handshaken, then a stale handshake, then relayed, then the oldest handshake.
+    age = r["handshake_age_s"]
+    rank = 0 if age is None else 1 if age >= paths.STALE_S else 2 if r.get("path") == "relayed" else 3
+    return rank, -(age or 0), r["overlay_ip"]
+
+
+def _pair_badness(p: dict) -> tuple:
+    return {"probing": 0, paths.LABELS[paths.RELAYED]: 1}.get(p["path"], 2 if not p["verified"] else 3), p["a"], p["b"]
+
+
+def render(st: dict, full: bool = False) -> str:
+    """Human-readable status: a header, a table of peers, and on the coordinator the node pairs.
+
+    With more than SUMMARY_AT peers (or pairs), each table becomes a summary (counts by path and by
+    handshake state) and the WORST few rows, unless `full` (`meshrun status --all`)."""
     daemon = f"running (pid {st['daemon_pid']})" if st["daemon_pid"] else "not running"
     iface = f"{st['interface']} ({st['backend']})" if st["interface_up"] else f"{st['interface']} DOWN"
     head = [f"network {st['network']}  {st['role']} {st['name']}  {st['overlay_ip']} in {st['cidr']}",
@@ -143,18 +167,34 @@ def render(st: dict) -> str:
         head.append("this node was REMOVED from the network by the coordinator")
     head += [f"warning: {w}" for w in st.get("warnings", [])]
     cols = ["NAME", "OVERLAY IP", "PATH", "ENDPOINT", "HANDSHAKE", "RTT", "RX", "TX"]
+    shown = st["peers"]
+    lines = head + [""]
+    if not full and len(shown) > SUMMARY_AT:
+        ages = ["never" if r["handshake_age_s"] is None else "< 3 min" if r["handshake_age_s"] < paths.STALE_S
+                else "older" for r in shown]
+        lines += [f"{len(shown)} peers: {_counts([r.get('path', '-') for r in shown])}; "
+                  f"handshake {_counts(ages)}",
+                  f"the {WORST} worst (meshrun status --all lists every peer):"]
+        shown = sorted(shown, key=_peer_badness)[:WORST]
     rows = [[r["name"], r["overlay_ip"], r.get("path", "-"), r["endpoint"] or "-", _age(r["handshake_age_s"]),
              "-" if r.get("latency_ms") is None else f"{r['latency_ms']:.2f} ms",
-             _bytes(r["rx_bytes"]), _bytes(r["tx_bytes"])] for r in st["peers"]]
-    lines = head + [""] + _table(cols, rows)
+             _bytes(r["rx_bytes"]), _bytes(r["tx_bytes"])] for r in shown]
+    lines += _table(cols, rows)
     if not rows:
         lines.append("(no peers yet)")
-    elif any(r.get("latency_ms") is not None for r in st["peers"]):
+    elif any(r.get("latency_ms") is not None for r in shown):
         lines.append(f"RTT: {st.get('latency', RTT_LABEL)}")
-    if st.get("pairs"):
-        lines += ["", "node pairs:"] + _table(["A", "B", "PATH", "VERIFIED"], [
+    pairs_shown = st.get("pairs") or []
+    if pairs_shown:
+        lines += ["", "node pairs:"]
+        if not full and len(pairs_shown) > SUMMARY_AT:
+            lines += [f"{len(pairs_shown)} pairs: {_counts([p['path'] for p in pairs_shown])}; verified "
+                      f"{_counts(['yes' if p['verified'] else 'no' for p in pairs_shown])}",
+                      f"the {WORST} worst (meshrun status --all lists every pair):"]
+            pairs_shown = sorted(pairs_shown, key=_pair_badness)[:WORST]
+        lines += _table(["A", "B", "PATH", "VERIFIED"], [
             [p["a"], p["b"], p["path"], "yes" if p["verified"] else "-" if p["path"] == "probing" else "no"]
-            for p in st["pairs"]])
+            for p in pairs_shown])
     return "\n".join(line.rstrip() for line in lines)
 
 

@@ -40,13 +40,27 @@ def _files(directory: Path):
                 yield path
 
 
-def tree_hash(directory: Path) -> str | None:
-    """SHA-256 over the names and contents of the files a job would ship from `directory` (None if absent)."""
+HASH_MAX_FILES = 5000
+HASH_MAX_BYTES = 200 * 1024 * 1024
+
+
+def tree_hash(directory: Path, max_files: int = HASH_MAX_FILES, max_bytes: int = HASH_MAX_BYTES) -> str | None:
+    """SHA-256 over the names and contents of the files a job would ship from `directory`.
+
+    None when the directory is absent or holds more than `max_files` files or `max_bytes` bytes
+    (a --no-sync directory may hold a dataset: pre-flight then does not compare code, rather than
+    read it all). Every node and the coordinator use the same limits, so they agree on what to hash.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return None
     h = hashlib.sha256()
+    files = total = 0
     for path in _files(directory):
+        files += 1
+        total += path.stat().st_size
+        if files > max_files or total > max_bytes:
+            return None
         h.update(str(path.relative_to(directory)).encode() + b"\0")
         h.update(hashlib.sha256(path.read_bytes()).digest())
     return h.hexdigest()

@@ -17,13 +17,14 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
 from meshrun.core import versions
 from meshrun.core.peers import PeerDiff, PeerState, wg_set_args
 from meshrun.core.wgconf import parse_dump
-from meshrun.errors import NetworkError
+from meshrun.errors import MeshrunError, NetworkError
 from meshrun.system import net, procs
 from meshrun.system.cmd import run
 
@@ -60,6 +61,9 @@ class Device(Protocol):
 
     def set_mtu(self, mtu: int) -> None:
         """Change the interface MTU."""
+
+    def set_route_mtus(self, mtus: Mapping[str, int]) -> None:
+        """Give exactly these overlay IPs a /32 route with that MTU ({IP: mtu}; see peers.route_mtus)."""
 
     def peers(self) -> list[PeerState]:
         """The peers as the interface reports them now."""
@@ -148,6 +152,11 @@ class WireGuardDevice:
     def set_mtu(self, mtu: int, up: bool = False) -> None:
         run(["ip", "link", "set", "dev", self.name, "mtu", str(mtu), *(["up"] if up else [])])
 
+    def set_route_mtus(self, mtus: Mapping[str, int]) -> None:
+        if net.set_route_mtus(self.name, mtus):
+            log.info("route MTUs on %s: %s", self.name,
+                     ", ".join(f"{ip} {m}" for ip, m in sorted(mtus.items())) or "none")
+
     def peers(self) -> list[PeerState]:
         out = run(["wg", "show", self.name, "dump"], quiet=True).stdout.splitlines()
         return parse_dump("\n".join(out[1:]))[1] if out else []
@@ -168,14 +177,21 @@ class WireGuardDevice:
         net.enable_forwarding(self.name)
 
     def warning(self) -> str | None:
+        return versions.wireguard_go_warning(self.userspace_version())
+
+    def userspace_version(self) -> tuple[int, int, int] | None:
+        """The version of the wireguard-go serving this interface; None for kernel WireGuard or if unknown."""
         if self.backend() != USERSPACE:
             return None
         binary = WIREGUARD_GO
         if self.pid and procs.alive(self.pid):
             with contextlib.suppress(OSError):
                 binary = os.readlink(f"/proc/{self.pid}/exe")    # the build that serves this interface
-        res = run([binary, "--version"], check=False, quiet=True, timeout=10)
-        return versions.wireguard_go_warning(versions.parse(res.stdout))
+        try:
+            res = run([binary, "--version"], check=False, quiet=True, timeout=10)
+        except MeshrunError:        # not installed under that name any more
+            return None
+        return versions.parse(res.stdout)
 
     def delete(self) -> None:
         if self.exists():

@@ -25,6 +25,7 @@ class FakeDevice:
         self.present = present
         self.config: dict = {}
         self.mtu: int | None = None
+        self.route_mtus: dict[str, int] = {}
         self.forwarding = False
         self._peers: dict[str, PeerState] = {}
         self.applied: list[PeerDiff] = []
@@ -50,6 +51,10 @@ class FakeDevice:
 
     def set_mtu(self, mtu: int) -> None:
         self.mtu = mtu
+
+    def set_route_mtus(self, mtus) -> None:
+        self._require()
+        self.route_mtus = dict(mtus)
 
     def peers(self) -> list[PeerState]:
         self._require()

@@ -1,4 +1,4 @@
-"""What this machine offers a training job: its GPUs, its Python and torch, its free disk."""
+"""What this machine offers: its GPUs, its Python and torch, its free disk, its kernel's WireGuard."""
 
 from __future__ import annotations
 
@@ -93,3 +93,20 @@ def free_bytes(path: Path) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def kernel_wireguard() -> bool | None:
+    """Whether this kernel has WireGuard (loaded, built in, or a module on disk); None if it cannot tell."""
+    if Path("/sys/module/wireguard").exists():
+        return True
+    release = os.uname().release
+    if not (Path("/lib/modules") / release).is_dir():
+        return False        # no modules for this kernel, and a built-in WireGuard would show in /sys/module
+    found = None
+    for name in ("modules.builtin", "modules.dep"):
+        try:
+            text = (Path("/lib/modules") / release / name).read_text(errors="replace")
+        except OSError:
+            continue
+        found = bool(found) or "/wireguard.ko" in text
+    return found

@@ -5,8 +5,12 @@ Commands go through meshrun.system.cmd; their output is parsed by meshrun.core.n
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import shutil
+import socket
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from meshrun.core import netparse
@@ -81,3 +85,46 @@ def enable_forwarding(iface: str) -> None:
     rule = ["FORWARD", "-i", iface, "-o", iface, "-j", "ACCEPT"]
     if "-P FORWARD DROP" in policy and run(["iptables", "-C", *rule], check=False, quiet=True).returncode != 0:
         run(["iptables", "-I", *rule])
+
+
+def resolve(host: str) -> str:
+    """The IPv4 address of `host` (a name or an address); OSError if it has none."""
+    return socket.gethostbyname(host)
+
+
+def link(name: str) -> dict:
+    """{"exists", "up", "mtu"} of the network interface `name`."""
+    return netparse.link(run(["ip", "-j", "link", "show", "dev", name], check=False, quiet=True).stdout)
+
+
+def set_route_mtus(dev: str, want: Mapping[str, int]) -> bool:
+    """Make the /32 routes with an MTU on `dev` exactly `want` {IP: mtu}; True if anything changed.
+
+    Routes for other addresses, and `dev`'s own prefix route, are left alone.
+    """
+    have = netparse.route_mtus(run(["ip", "-j", "-4", "route", "show", "dev", dev], quiet=True).stdout)
+    for ip, mtu in sorted(want.items()):
+        if have.get(ip) != mtu:
+            run(["ip", "-4", "route", "replace", f"{ip}/32", "dev", dev, "mtu", str(mtu)])
+    for ip in sorted(set(have) - set(want)):
+        run(["ip", "-4", "route", "del", f"{ip}/32", "dev", dev], check=False)
+    return any(have.get(ip) != mtu for ip, mtu in want.items()) or bool(set(have) - set(want))
+
+
+@contextlib.contextmanager
+def udp_arrivals(source: str, port: int) -> Iterator[Callable[[], int]]:
+    """Count UDP datagrams from `source` to local `port` that do not come from `port` itself.
+
+    A counting rule (no verdict: packets go on as before) in the raw table's PREROUTING, removed on
+    exit; yields a function returning the count so far. SystemError_ without iptables.
+    """
+    require_tools("iptables")
+    tag = f"meshrun-doctor-{secrets.token_hex(4)}"
+    rule = ["PREROUTING", "-p", "udp", "-s", source, "--dport", str(port), "!", "--sport", str(port),
+            "-m", "comment", "--comment", tag]
+    run(["iptables", "-w", "5", "-t", "raw", "-I", *rule])
+    try:
+        yield lambda: netparse.rule_packets(
+            run(["iptables", "-w", "5", "-t", "raw", "-L", "PREROUTING", "-v", "-x", "-n"], quiet=True).stdout, tag)
+    finally:
+        run(["iptables", "-w", "5", "-t", "raw", "-D", *rule], check=False)

@@ -1,4 +1,4 @@
-"""Network probes over plain sockets: path MTU towards an endpoint, and TCP round-trip time.
+"""Network probes over plain sockets: path MTU towards an endpoint, ICMP echo of a given size, TCP round-trip time.
 
 Path MTU: UDP datagrams with DF set (IP_PMTUDISC_DO) to the peer's WireGuard port. A router
 on a smaller hop answers "fragmentation needed"; the kernel then caches the path MTU and
@@ -9,12 +9,15 @@ Where ICMP is filtered nothing comes back and the caller keeps its default (docu
 from __future__ import annotations
 
 import errno
+import os
 import socket
+import struct
 import time
 
 IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
 IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
 IP_MTU = getattr(socket, "IP_MTU", 14)
+IP_PMTUDISC_PROBE = getattr(socket, "IP_PMTUDISC_PROBE", 3)
 
 
 def path_mtu(host: str, port: int, start: int = 1500, rounds: int = 4, wait: float = 0.15) -> int | None:
@@ -45,6 +48,59 @@ def path_mtu(host: str, port: int, start: int = 1500, rounds: int = 4, wait: flo
         s.close()
 
 
+def _checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(int.from_bytes(data[i:i + 2], "big") for i in range(0, len(data), 2))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def echo(host: str, size: int, timeout: float = 1.0, tries: int = 2) -> bool | None:
+    """True if an ICMP echo of `size` bytes (IP header included) with DF set gets its reply.
+
+    DF is set and the kernel's cached path MTU ignored (IP_PMTUDISC_PROBE), so a packet that a
+    hop drops without saying so (an ICMP black hole) is found lost rather than assumed to fit.
+    None when this process may not send ICMP (a raw socket needs CAP_NET_RAW) or `size` exceeds the
+    outgoing interface's MTU.
+    """
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    except OSError:
+        return None
+    ident = os.getpid() & 0xFFFF
+    try:
+        s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_PROBE)
+        s.connect((host, 0))
+        payload = os.urandom(max(0, size - 28))      # 20 IP + 8 ICMP
+        for seq in range(1, tries + 1):
+            head = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
+            packet = struct.pack("!BBHHH", 8, 0, _checksum(head + payload), ident, seq) + payload
+            try:
+                s.send(packet)
+            except OSError as exc:
+                if exc.errno == errno.EMSGSIZE:
+                    return None
+                raise
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                s.settimeout(left)
+                try:
+                    data = s.recv(65535)
+                except socket.timeout:
+                    break
+                ihl = (data[0] & 0x0F) * 4
+                kind, _, _, rid, rseq = struct.unpack("!BBHHH", data[ihl:ihl + 8])
+                if kind == 0 and rid == ident and rseq == seq and len(data) - ihl == len(packet):
+                    return True
+        return False
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
 def tcp_rtt(host: str, port: int, timeout: float = 1.0) -> float | None:
     """Seconds for one TCP handshake to host:port (a SYN/SYN-ACK round trip), None if no answer.
 
@@ -68,3 +124,18 @@ def listening(host: str, port: int, timeout: float = 3.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def send_udp(host: str, port: int, payload: bytes, count: int = 3, gap: float = 0.05) -> int:
+    """Send `count` datagrams to host:port from a fresh socket (an ephemeral port); returns how many left."""
+    sent = 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for i in range(count):
+            try:
+                s.sendto(payload, (host, port))
+                sent += 1
+            except OSError:
+                pass
+            if i + 1 < count:
+                time.sleep(gap)
+    return sent

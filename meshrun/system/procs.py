@@ -51,6 +51,25 @@ def comm(pid: int) -> str | None:
         return None
 
 
+def _nul_list(pid: int, what: str) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            return [p.decode(errors="replace") for p in f.read().split(b"\0") if p]
+    except OSError:
+        return None
+
+
+def argv(pid: int) -> list[str] | None:
+    """The process's command line (argv[0] as it was started: a venv's python keeps its path)."""
+    return _nul_list(pid, "cmdline")
+
+
+def environ(pid: int) -> dict[str, str] | None:
+    """The environment the process started with, or None if it is gone or not ours to read."""
+    items = _nul_list(pid, "environ")
+    return None if items is None else dict(i.split("=", 1) for i in items if "=" in i)
+
+
 def alive(pid: int | None) -> bool:
     """True while `pid` exists and is not a zombie (an orphan's zombie may linger under pid 1)."""
     if not pid or pid < 1:

@@ -6,7 +6,8 @@ A state directory (0700) holds, per member:
   <iface>.conf   wg-quick file for operators (0600: it embeds the private key)
   peers.json     the last member list from the coordinator (nodes; for status and restarts)
   daemon.lock / daemon.log (rotated) / daemon.out
-and on the coordinator also tls.key (0600), tls.crt and coordinator.db (SQLite, 0600).
+and on the coordinator also tls.key (0600), tls.crt and coordinator.db (SQLite, 0600: members,
+tokens, the member-list version and every node pair's path).
 
 Every file is replaced atomically (temp file, fsync, rename), so a crash or a full disk
 leaves the previous good version. A file that cannot be parsed raises StateError naming it;
@@ -23,11 +24,13 @@ import sqlite3
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from functools import wraps
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshrun.core import ipam
+from meshrun.core.paths import PairState
 from meshrun.errors import StateError, TokenError, UsageError
 from meshrun.core.model import Member
 from meshrun.core.token import hash_secret, secret_matches
@@ -84,6 +87,11 @@ def make_dir(path: Path | str, mode: int = 0o755) -> None:
 def remove_tree(path: Path | str) -> None:
     """rm -rf: no error if it is gone already."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def temp_root() -> Path:
+    """The system's temporary directory (TMPDIR, else /tmp)."""
+    return Path(tempfile.gettempdir())
 
 
 def make_temp_dir(prefix: str) -> Path:
@@ -191,7 +199,8 @@ CREATE TABLE IF NOT EXISTS members(
   token_id TEXT,
   joined_at REAL NOT NULL,
   last_seen REAL,
-  removed_at REAL);
+  removed_at REAL,
+  mtu INTEGER NOT NULL DEFAULT 0);           -- the member's overlay MTU as its agent reports it
 CREATE UNIQUE INDEX IF NOT EXISTS members_active_name ON members(name) WHERE removed_at IS NULL;
 CREATE TABLE IF NOT EXISTS tokens(
   id TEXT PRIMARY KEY,
@@ -201,6 +210,14 @@ CREATE TABLE IF NOT EXISTS tokens(
   max_uses INTEGER,                         -- NULL: unlimited until expiry
   uses INTEGER NOT NULL DEFAULT 0,
   revoked_at REAL);
+CREATE TABLE IF NOT EXISTS pairs(           -- the coordinator's path for each node pair (core/paths)
+  a TEXT NOT NULL,                          -- node names, a < b
+  b TEXT NOT NULL,
+  mode TEXT NOT NULL,
+  since REAL NOT NULL,
+  verified INTEGER NOT NULL,
+  PRIMARY KEY(a, b)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS pairs_b ON pairs(b);
 """
 
 
@@ -286,10 +303,17 @@ class CoordinatorDB:
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=FULL")
             self.conn.executescript(SCHEMA)
+            self._migrate()
             self.conn.execute("PRAGMA quick_check").fetchone()
         except sqlite3.DatabaseError as exc:
             raise StateError(f"{self.path} is not a readable meshrun database ({exc})",
                              "restore it from a backup; meshrun will not reset it") from None
+
+    def _migrate(self) -> None:
+        """Columns added since a database was made (CREATE TABLE IF NOT EXISTS keeps the old table)."""
+        cols = {r[1] for r in self.conn.execute("PRAGMA table_info(members)")}
+        if "mtu" not in cols:
+            self.conn.execute("ALTER TABLE members ADD COLUMN mtu INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         self.conn.close()
@@ -423,11 +447,11 @@ class CoordinatorDB:
         r = c.execute("SELECT last_seen, is_coordinator FROM members WHERE public_key=?", (key,)).fetchone()
         return r is not None and r[0] is None and not r[1]
 
-    _COLS = "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake"
+    _COLS = "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake, mtu"
 
     @staticmethod
     def _row_member(r) -> Member:
-        return Member(r[0], r[1], r[2], r[3], tuple(json.loads(r[4])), bool(r[5]), r[6])
+        return Member(r[0], r[1], r[2], r[3], tuple(json.loads(r[4])), bool(r[5]), r[6], mtu=int(r[7] or 0))
 
     def _member_where(self, c, where: str, args: tuple) -> Member | None:
         r = c.execute(f"SELECT {self._COLS} FROM members WHERE {where}", args).fetchone()
@@ -469,39 +493,73 @@ class CoordinatorDB:
                 self._bump(c)
             return m
 
-    def heartbeat(self, ip: str, candidates: list[str], now: float | None = None, touch: bool = False) -> None:
-        """Record a member's self-reported candidates; bump the version if they changed.
+    def heartbeat(self, ip: str, candidates: list[str], now: float | None = None, touch: bool = False,
+                  mtu: int | None = None) -> None:
+        """Record a member's self-reported candidates (and overlay MTU); bump the version if they changed.
 
-        Writes only when the candidates changed, on the member's first sync ever, or with
+        Writes only when the candidates or MTU changed, on the member's first sync ever, or with
         `touch` (the coordinator passes it on a member's first sync since the daemon started,
         so last_seen says when it last reconnected): an idle network's heartbeats cost no
-        disk write (and no fsync).
+        disk write (and no fsync). `mtu` None (an agent that does not report it) keeps the stored one.
         """
         new = json.dumps(candidates)
         with self._lock:
-            old = self.conn.execute("SELECT candidates, last_seen FROM members WHERE overlay_ip=? "
+            old = self.conn.execute("SELECT candidates, last_seen, mtu FROM members WHERE overlay_ip=? "
                                     "AND removed_at IS NULL", (ip,)).fetchone()
-        if old is None or (old[0] == new and old[1] is not None and not touch):
+        if old is None:
+            return
+        mtu = old[2] if mtu is None else mtu
+        if old[0] == new and old[2] == mtu and old[1] is not None and not touch:
             return
         with self.tx() as c:
-            c.execute("UPDATE members SET candidates=?, last_seen=? WHERE overlay_ip=? AND removed_at IS NULL",
-                      (new, time.time() if now is None else now, ip))
-            if old[0] != new:
+            c.execute("UPDATE members SET candidates=?, mtu=?, last_seen=? WHERE overlay_ip=? AND removed_at IS NULL",
+                      (new, mtu, time.time() if now is None else now, ip))
+            if old[0] != new or old[2] != mtu:
                 self._bump(c)
 
     def observe(self, observations: dict[str, tuple[str | None, int]]) -> bool:
-        """Store WireGuard's view {public_key: (endpoint, last_handshake)}; True if an endpoint changed."""
+        """Store WireGuard's view {public_key: (endpoint, last_handshake)}; True if an endpoint changed.
+
+        Runs every second over every member: one read, and a write transaction only for the rows
+        that changed (only the coordinator daemon writes these columns, so reading first is safe).
+        """
+        with self._lock:
+            rows = {r[0]: (r[1], r[2]) for r in self.conn.execute(
+                "SELECT public_key, endpoint, last_handshake FROM members WHERE removed_at IS NULL")}
         changed = False
+        updates = []
+        for key, (endpoint, hs) in observations.items():
+            row = rows.get(key)
+            if row is None or (endpoint is None or row[0] == endpoint) and row[1] == hs:
+                continue
+            if endpoint is not None and row[0] != endpoint:
+                changed = True
+            updates.append((endpoint, hs, key))
+        if not updates:
+            return False
         with self.tx() as c:
-            for key, (endpoint, hs) in observations.items():
-                row = c.execute("SELECT endpoint, last_handshake FROM members WHERE public_key=? "
-                                "AND removed_at IS NULL", (key,)).fetchone()
-                if row is None or (endpoint is None or row[0] == endpoint) and row[1] == hs:
-                    continue
-                if endpoint is not None and row[0] != endpoint:
-                    changed = True
-                c.execute("UPDATE members SET endpoint=COALESCE(?, endpoint), last_handshake=? WHERE public_key=?",
-                          (endpoint, hs, key))
+            c.executemany("UPDATE members SET endpoint=COALESCE(?, endpoint), last_handshake=? WHERE public_key=?",
+                          updates)
             if changed:
                 self._bump(c)
         return changed
+
+    # node pairs --------------------------------------------------------------
+    @_locked
+    def pairs(self) -> dict[tuple[str, str], PairState]:
+        """Every stored pair path {(a, b): state}, a < b (none in a database from before the table)."""
+        try:
+            rows = self.conn.execute("SELECT a, b, mode, since, verified FROM pairs").fetchall()
+        except sqlite3.OperationalError:       # read-only open of a database made by an older meshrun
+            return {}
+        return {(r[0], r[1]): PairState(r[2], float(r[3]), bool(r[4])) for r in rows}
+
+    def save_pairs(self, states: Mapping[tuple[str, str], PairState], drop: Iterable[str] = ()) -> None:
+        """Write the pairs whose state changed and delete every pair of the nodes in `drop` (removed
+        members), in one transaction: one row per pair, so a change costs its own rows only."""
+        with self.tx() as c:
+            for name in drop:
+                c.execute("DELETE FROM pairs WHERE a=? OR b=?", (name, name))
+            c.executemany("INSERT INTO pairs(a, b, mode, since, verified) VALUES(?,?,?,?,?) ON CONFLICT(a, b) "
+                          "DO UPDATE SET mode=excluded.mode, since=excluded.since, verified=excluded.verified",
+                          [(a, b, st.mode, st.since, int(st.verified)) for (a, b), st in states.items()])

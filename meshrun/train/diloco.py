@@ -621,6 +621,9 @@ class DiLoCo:
             for ef, s in zip(self._error_feedback, own["error_feedback"]):
                 ef.copy_(s)
         self.step_count, self.sync_count = int(step_count), int(sync_count)
+        # The model is the global copy now: a worker restarted after its last step must not sync
+        # again in finish() (it would end one sync ahead of the others, on another model).
+        self._clean = set(range(self.fragments))
 
     # ----------------------------------------------------------------- helpers
     def _make_momentum(self) -> None:

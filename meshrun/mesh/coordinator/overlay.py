@@ -3,24 +3,33 @@
 It listens on the coordinator's overlay IP with the socket bound to the WireGuard device, so
 every caller's source address was authenticated by WireGuard (AllowedIPs = that member's /32):
 the caller is identified by it, as in innernet. POST /v1/sync is the agents' long-poll
-(heartbeat in, member list out); GET /v1/members lists the members.
+(heartbeat in, member list out); GET /v1/members lists the members. For `meshrun doctor`:
+GET /v1/time answers the coordinator's clock, POST /v1/probe-udp sends a few datagrams from an
+ephemeral port to the caller's observed endpoint (the caller counts what arrives: is its WireGuard
+port reachable from outside?). The probe only ever targets the caller's own endpoint, at most
+once per PROBE_INTERVAL_S per member, so it cannot be turned on anyone else.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
-from meshrun.core.model import Member, Network, parse_endpoint
+from meshrun.core.model import Member, Network, parse_endpoint, split_endpoint
 from meshrun.errors import StateError, UsageError
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
+from meshrun.system import probe
 from meshrun.system.store import CoordinatorDB
 from meshrun.system.transport import Request, Response
 
 log = logging.getLogger("meshrun.mesh.coordinator.overlay")
 
 SYNC_WAIT_MAX = 25.0
+PROBE_COUNT = 3
+PROBE_INTERVAL_S = 2.0
+PROBE_PAYLOAD = b"meshrun doctor: is this port reachable from outside?"
 
 
 def _gone() -> Response:
@@ -39,6 +48,7 @@ class OverlayAPI:
         self.pairs = pairs
         self.stop = stop
         self.max_wait = SYNC_WAIT_MAX
+        self.probed: dict[str, float] = {}     # member name -> monotonic time of its last UDP probe
 
     def handle(self, req: Request) -> Response:
         caller = self.db.member_by_ip(req.client_ip)
@@ -51,6 +61,10 @@ class OverlayAPI:
             return self.sync(caller, req.body if isinstance(req.body, dict) else {})
         if req.method == "GET" and req.path == "/v1/members":
             return Response(200, {"network": self.network.to_dict(), "members": self.roster.payload(caller)})
+        if req.method == "GET" and req.path == "/v1/time":
+            return Response(200, {"time": time.time()})
+        if req.method == "POST" and req.path == "/v1/probe-udp":
+            return self.probe_udp(caller)
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
 
     def sync(self, caller: Member, body: dict) -> Response:
@@ -60,6 +74,11 @@ class OverlayAPI:
         handshake changed since the agent's last report (the first report after either side
         restarted is complete: the answer asks for it with "report": "full"). An answer to a
         long-poll that timed out without a change is just {"version", "unchanged": true}.
+
+        An agent that sends "delta": true with the version it holds gets {"version", "since",
+        "changed": [members], "removed": [public keys]}: only what changed for it since then
+        (meshrun.core.memberlist); the full {"version", "network", "members"} when it is too far
+        behind, after a coordinator restart, or when it did not ask for deltas.
         """
         try:
             known = int(body.get("version", 0))
@@ -69,16 +88,51 @@ class OverlayAPI:
             if not isinstance(report, dict) or len(report) > 100_000:
                 raise ValueError("peers must be an object")
             delta = {str(k): int(v["handshake"] if isinstance(v, dict) else v) for k, v in report.items()}
+            mtu = body.get("mtu")
+            if mtu is not None and (isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 9000):
+                raise ValueError("mtu must be an integer in 576..9000")
         except (ValueError, TypeError, KeyError, OverflowError):
             return Response.error(400, UsageError("malformed sync request", "use the meshrun agent"))
         owed = self.pairs.report(caller.name, delta, full=bool(body.get("full")))
-        self.db.heartbeat(caller.overlay_ip, candidates, touch=owed)
+        self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu)
+        deltas = bool(body.get("delta")) and known > 0       # the agent applies deltas (meshrun >= this one)
         # A node that owes a full report is answered at once, so its pairs are judged again soon.
-        version = self.roster.wait(known, 0 if owed else wait, self.stop)
+        deadline = time.monotonic() + (0 if owed else wait)
+        seen, news = known, None
+        while True:
+            version = self.roster.wait(seen, max(deadline - time.monotonic(), 0.0), self.stop)
+            if version == seen or not deltas:
+                break
+            news = self.roster.delta(caller, known)
+            if news is None or news["changed"] or news["removed"] or time.monotonic() >= deadline:
+                break
+            # The new version changes nothing this caller sees (another pair's path): a thousand agents
+            # need not all come back for it; keep waiting.
+            seen, news = version, None
         if self.db.member_by_ip(caller.overlay_ip) is None:   # removed while it waited
             return _gone()
         extra = {"report": "full"} if owed else {}
         if version == known:
             return Response(200, {"version": version, "unchanged": True, **extra})
+        if deltas:
+            news = news or self.roster.delta(caller, known)
+            if news is not None and not (news["changed"] or news["removed"]):
+                return Response(200, {"version": version, "unchanged": True, **extra})
+            if news is not None:
+                return Response(200, {"version": version, **news, **extra})
         return Response(200, {"version": version, "network": self.network.to_dict(),
                               "members": self.roster.payload(caller), **extra})
+
+    def probe_udp(self, caller: Member) -> Response:
+        """Send PROBE_COUNT datagrams from an ephemeral port to the caller's observed endpoint."""
+        if not caller.endpoint:
+            return Response.error(409, UsageError("the coordinator has not seen this node's endpoint yet",
+                                                  "wait for a handshake (meshrun status) and try again"))
+        now = time.monotonic()
+        if now - self.probed.get(caller.name, -PROBE_INTERVAL_S) < PROBE_INTERVAL_S:
+            return Response.error(429, UsageError("a UDP probe was sent to this node a moment ago",
+                                                  f"wait {PROBE_INTERVAL_S:g} s"))
+        self.probed[caller.name] = now
+        host, port = split_endpoint(caller.endpoint)
+        sent = probe.send_udp(host, port, PROBE_PAYLOAD, PROBE_COUNT)
+        return Response(200, {"endpoint": caller.endpoint, "sent": sent})

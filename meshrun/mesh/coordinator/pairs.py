@@ -1,88 +1,227 @@
 """The pair driver: every node pair's path (private, public, relayed), advanced from what nodes report.
 
-Each agent reports, with its heartbeat, the latest handshake it has with each peer; once a
-second the coordinator advances every pair's state with `meshrun.core.paths.step` and persists
-the result (paths.json). Reports are not persisted: after a coordinator restart a pair is left as
-it was until both its nodes have reported again (each agent's first sync with a restarted
-coordinator carries a full report), so a working pair is never judged stale for want of news.
+Each agent reports, with its heartbeat, the latest handshake it has with each peer. A pair's state
+(`meshrun.core.paths`) changes only when its inputs do or when time makes it: so the driver looks
+at a pair only when a node's report changed that pair's handshake, when a node became judgeable
+(new member, first report since start, an endpoint and candidates known), or when the pair's next
+due time (`paths.next_due`) came, kept in a heap. A tick with nothing new steps no pair at all, and
+the work grows with the change, not with the n(n-1)/2 pairs of the mesh.
+
+States live in the coordinator's SQLite database, one row per pair, written when it changes (an old
+paths.json is imported once and removed). Reports are not persisted: after a coordinator restart a
+pair is left as it was until both its nodes have reported again (each agent's first sync with a
+restarted coordinator carries a full report), so a working pair is never judged stale for want of news.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
+import sys
+import threading
 
 from meshrun.core import paths
 from meshrun.core.model import Member
 from meshrun.errors import StateError
-from meshrun.system.store import StateDir
+from meshrun.system.store import CoordinatorDB, StateDir
 
 log = logging.getLogger("meshrun.mesh.coordinator.pairs")
 
+Key = tuple[str, str]
+
+
+def _judgeable(m: Member) -> bool:
+    # Only once a node has an observed endpoint and has reported its candidates (first sync) can
+    # "same site" be told apart from "elsewhere".
+    return not m.is_coordinator and bool(m.endpoint) and bool(m.candidates)
+
 
 class PairDriver:
-    """Pair states and the handshake reports they are decided from."""
+    """Pair states, the handshake reports they are decided from, and when each pair is next due.
 
-    def __init__(self, state: StateDir) -> None:
-        self.state = state
-        self.reports: dict[str, dict[str, int]] = {}   # node name -> {peer key: latest handshake}, since start
-        self.pairs: dict[tuple[str, str], paths.PairState] = self._load()
+    Threads: `report` runs in the overlay API's threads, `update` in the coordinator's loop, and
+    `mode` anywhere (a read of one dict entry).
+    """
 
-    def _load(self) -> dict[tuple[str, str], paths.PairState]:
-        """Pair states survive a coordinator restart (paths.json), so working pairs are not re-probed."""
-        if not (self.state / "paths.json").exists():
-            return {}
-        try:
-            data = self.state.read_json("paths.json")
-            return {tuple(k.split("|", 1)): paths.PairState(v["mode"], float(v["since"]), bool(v["verified"]))
-                    for k, v in data.get("pairs", {}).items()}
-        except (StateError, KeyError, ValueError, TypeError) as exc:
-            log.warning("ignoring unreadable paths.json (%s); pairs are probed again", exc)
-            return {}
+    def __init__(self, db: CoordinatorDB, state: StateDir | None = None) -> None:
+        self.db = db
+        self.lock = threading.Lock()                       # reports, dirty and pending
+        self.reports: dict[str, dict[str, int]] = {}       # node name -> {peer key: latest handshake}, since start
+        self.pairs: dict[Key, paths.PairState] = db.pairs()
+        if state is not None:
+            self._import_paths_json(state)
+        self.members: dict[str, Member] = {}   # live members by name, as of the last update with members
+        self.names: dict[str, str] = {}        # public key -> name of the live members
+        self.judged: set[str] = set()          # nodes whose pairs are advanced (see _judgeable, report)
+        self.dirty: set[Key] = set()           # pairs whose handshake changed since the last update
+        self.pending: set[str] = set()         # nodes whose judgeability may have changed
+        self.heap: list[tuple[float, Key]] = []
+        self.booked: dict[Key, float] = {}     # pair -> due time of its live heap entry (one per pair)
+        self.changed: set[Key] = set()         # pairs whose mode changed, until take_changes()
+        self.steps = 0                         # paths.initial/step calls so far (the work; tests count it)
+        self._pruned = False
 
+    def _import_paths_json(self, state: StateDir) -> None:
+        """Pair states were kept in paths.json before they moved into the database: import it once."""
+        if not (state / "paths.json").exists():
+            return
+        if not self.pairs:
+            try:
+                data = state.read_json("paths.json")
+                old = {tuple(k.split("|", 1)): paths.PairState(v["mode"], float(v["since"]), bool(v["verified"]))
+                       for k, v in data.get("pairs", {}).items()}
+                self.db.save_pairs(old)
+                self.pairs = old
+                log.info("imported %d pair paths from paths.json into the database", len(old))
+            except (StateError, KeyError, ValueError, TypeError, AttributeError) as exc:
+                log.warning("ignoring unreadable paths.json (%s); pairs are probed again", exc)
+        state.remove("paths.json")
+
+    # inputs ----------------------------------------------------------------
     def report(self, node: str, delta: dict[str, int], full: bool) -> bool:
         """Record `node`'s handshakes {peer key: unix s}; True while a full report is still owed
-        (the node's pairs are judged only once one arrived since this coordinator started)."""
-        if full:
-            self.reports[node] = dict(delta)
-        elif node in self.reports:
-            self.reports[node].update(delta)
-        return node not in self.reports
+        (the node's pairs are judged only once one arrived since this coordinator started).
+        Each pair whose handshake changed is looked at in the next update; no other is."""
+        names = self.names
+        with self.lock:
+            old = self.reports.get(node)
+            if full:
+                new = {sys.intern(k): v for k, v in delta.items()}
+                self.reports[node] = new
+                if old is None:
+                    self.pending.add(node)
+                    touched = []                   # all its pairs are looked at once it is judged
+                else:
+                    touched = [k for k in old.keys() | new.keys() if old.get(k) != new.get(k)]
+            elif old is not None:
+                touched = [k for k, v in delta.items() if old.get(k) != v]
+                for k in touched:
+                    old[sys.intern(k)] = delta[k]
+            else:
+                touched = []
+            for k in touched:
+                other = names.get(k)
+                if other is not None and other != node:
+                    self.dirty.add(paths.pair_key(node, other))
+            return node not in self.reports
 
     def handshake(self, a: Member, b: Member) -> int:
         """The newest handshake between a and b that either of them reported."""
         return max(self.reports.get(a.name, {}).get(b.public_key, 0),
                    self.reports.get(b.name, {}).get(a.public_key, 0))
 
-    def update(self, members: list[Member], now: float) -> bool:
-        """Advance every pair's path state; True if any mode changed (nodes must be told)."""
-        # A pair is judged once both nodes have an observed endpoint and have reported their
-        # candidates (first sync): only then can "same site" be told apart from "elsewhere".
-        nodes = [m for m in members if not m.is_coordinator and m.endpoint and m.candidates and m.name in self.reports]
-        changed = False
-        # Pairs of nodes that have not reported since this coordinator started are kept as they were.
-        live = {m.name for m in members}
-        new: dict[tuple[str, str], paths.PairState] = {k: st for k, st in self.pairs.items()
-                                                      if k[0] in live and k[1] in live}
-        for i, a in enumerate(nodes):
-            for b in nodes[i + 1:]:
-                key = paths.pair_key(a.name, b.name)
-                old = self.pairs.get(key)
-                hs = self.handshake(a, b)
-                if old is None:
-                    st = paths.initial(a, b, hs, now)
+    # the loop ----------------------------------------------------------------
+    def update(self, members: list[Member] | None, now: float) -> bool:
+        """Advance the pairs whose inputs changed or whose time came; True if a mode changed or a pair
+        was created (nodes must be told: see take_changes).
+
+        `members` is the live member list when it may have changed since the last call (a new
+        member-list version), else None: the driver keeps the last one.
+        """
+        drop: list[str] = []
+        if members is not None:
+            drop = self._refresh(members)
+        with self.lock:
+            pending, self.pending = self.pending, set()
+            work, self.dirty = self.dirty, set()
+        for name in pending:
+            self._judge(name, work)
+        while self.heap and self.heap[0][0] <= now:
+            due, key = heapq.heappop(self.heap)
+            if self.booked.get(key) == due:       # else a stale entry: the pair was booked again
+                del self.booked[key]
+                work.add(key)
+        created = changed = False
+        writes: dict[Key, paths.PairState] = {}
+        for key in work:
+            if key[0] not in self.judged or key[1] not in self.judged:
+                continue                          # kept as it is until both nodes are judged again
+            a, b = self.members[key[0]], self.members[key[1]]
+            hs = self.handshake(a, b)
+            old = self.pairs.get(key)
+            self.steps += 1
+            if old is None:
+                st = paths.initial(a, b, hs, now)
+                created = True
+                self.changed.add(key)
+            else:
+                st = paths.step(old, a, b, hs, now)
+                if st.mode != old.mode:
+                    log.info("path %s <-> %s: %s -> %s", a.name, b.name, old.mode, st.mode)
                     changed = True
-                else:
-                    st = paths.step(old, a, b, hs, now)
-                    if st.mode != old.mode:
-                        log.info("path %s <-> %s: %s -> %s", a.name, b.name, old.mode, st.mode)
-                        changed = True
-                new[key] = st
-        if new != self.pairs:
-            self.pairs = new
-            self.state.write_json("paths.json", {"pairs": {
-                f"{a}|{b}": {"mode": st.mode, "since": st.since, "verified": st.verified}
-                for (a, b), st in sorted(new.items())}})
-        return changed
+                    self.changed.add(key)
+            if st != old:
+                self.pairs[key] = st
+                writes[key] = st
+                # A new state may move on at the next step with the same inputs (a handshake in the
+                # second a pair went public verifies it): look again next tick, as stepping every
+                # pair every tick did. An unchanged state stays so until next_due or new inputs.
+                self._book(key, now)
+            else:
+                self._book(key, paths.next_due(st, hs))
+        if writes or drop:
+            self.db.save_pairs(writes, drop)
+        return created or changed
+
+    def _refresh(self, members: list[Member]) -> list[str]:
+        """Take a new member list: nodes that are new or changed are judged again, removed ones lose
+        their pairs and reports. Returns the names whose stored pairs are to be deleted."""
+        live = {m.name: m for m in members}
+        drop = [n for n, m in self.members.items() if n not in live or live[n].public_key != m.public_key]
+        if not self._pruned:
+            # Once, at start: pairs stored for members removed while the coordinator was down.
+            self._pruned = True
+            stale = {n for key in self.pairs for n in key if n not in live}
+            if stale:
+                self.pairs = {k: st for k, st in self.pairs.items() if k[0] in live and k[1] in live}
+                drop += sorted(stale)
+        partners = set(self.members) | set(live)
+        for name in drop:
+            self.judged.discard(name)
+            for other in partners:
+                key = paths.pair_key(name, other)
+                if self.pairs.pop(key, None) is not None:
+                    self.booked.pop(key, None)    # its heap entry is now stale
+                    self.changed.discard(key)
+        with self.lock:
+            for name in drop:
+                self.reports.pop(name, None)
+                self.pending.discard(name)
+            for name, m in live.items():
+                old = self.members.get(name)
+                if old is None or old.public_key != m.public_key or _judgeable(old) != _judgeable(m):
+                    self.pending.add(name)
+        self.members = live
+        self.names = {m.public_key: m.name for m in members}
+        return drop
+
+    def _judge(self, name: str, work: set[Key]) -> None:
+        """A node's judgeability may have changed: on becoming judged, all its pairs with judged nodes
+        are looked at (created or stepped); on losing it, its pairs are kept as they are."""
+        m = self.members.get(name)
+        ok = m is not None and _judgeable(m) and name in self.reports
+        if ok and name not in self.judged:
+            self.judged.add(name)
+            work.update(paths.pair_key(name, other) for other in self.judged if other != name)
+        elif not ok:
+            self.judged.discard(name)
+
+    def _book(self, key: Key, due: float | None) -> None:
+        """Keep at most one live heap entry per pair, the earliest: a later due time is booked when the
+        earlier entry comes up (the step then finds nothing to do and books the next one)."""
+        if due is None:
+            self.booked.pop(key, None)            # its heap entry, if any, is now stale
+            return
+        cur = self.booked.get(key)
+        if cur is not None and cur <= due:
+            return
+        self.booked[key] = due
+        heapq.heappush(self.heap, (due, key))
+
+    def take_changes(self) -> set[Key]:
+        """The pairs whose mode changed (or that were created) since the last call."""
+        out, self.changed = self.changed, set()
+        return out
 
     def mode(self, a: str, b: str) -> paths.PairState | None:
         return self.pairs.get(paths.pair_key(a, b))

@@ -1,31 +1,68 @@
-"""The member list agents long-poll: its version, the wait for a newer one, and its per-caller payload."""
+"""The member list agents long-poll: its version, the wait for a newer one, and its per-caller payload,
+in full or as the delta since the version the caller holds (meshrun.core.memberlist)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 
-from meshrun.core import paths
+from meshrun.core import memberlist, paths
 from meshrun.core.model import Member, Network
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.system.store import CoordinatorDB
 
 
 class Roster:
-    """Publishes member-list versions and answers `payload(caller)` with per-pair paths applied."""
+    """Publishes member-list versions and answers `payload(caller)` (the full list with per-pair paths
+    applied) or `delta(caller, known)` (only what changed for the caller since version `known`)."""
 
-    def __init__(self, db: CoordinatorDB, network: Network, pairs: PairDriver) -> None:
+    def __init__(self, db: CoordinatorDB, network: Network, pairs: PairDriver,
+                 history: int = memberlist.HISTORY_SIZE) -> None:
         self.db = db
         self.network = network
         self.pairs = pairs
-        self.version = db.version()
         self.cond = threading.Condition()
-        self._cache: tuple[int, list[tuple[Member, dict]]] | None = None
+        self._cache: tuple[int, list[tuple[Member, dict]], dict[str, int]] | None = None
+        v, base, _ = self._base()
+        self.version = v
+        self._published = {m.public_key: memberlist.signature(m) for m, _ in base}
+        # In memory: after a restart, every agent behind the current version gets the full list once.
+        self.history = memberlist.History(v, history)
 
-    def publish(self, version: int) -> None:
-        """Announce `version`: every pending long-poll returns."""
+    def _base(self) -> tuple[int, list[tuple[Member, dict]], dict[str, int]]:
+        """(database version, [(member, its dict)], {public key: index}): built once per database
+        version (with 1000 members, building it per request was most of the coordinator's CPU)."""
+        v = self.db.version()
+        cache = self._cache
+        if cache is None or cache[0] != v:
+            base = []
+            for m in self.db.members():
+                d = m.to_dict()
+                if m.is_coordinator:
+                    d["endpoint"] = self.network.endpoints[0]
+                base.append((m, d))
+            cache = self._cache = (v, base, {m.public_key: i for i, (m, _) in enumerate(base)})
+        return cache
+
+    def publish(self, version: int, pair_changes: Iterable[tuple[str, str]] = ()) -> None:
+        """Announce `version` (or the database's, if newer): record what changed since the last one
+        (members compared with what was published then; `pair_changes`: node pairs whose path
+        changed) and return every pending long-poll."""
         with self.cond:
-            self.version = version
+            v, base, _ = self._base()
+            version = max(version, v)
+            now = {m.public_key: memberlist.signature(m) for m, _ in base}
+            changed, removed = memberlist.member_changes(self._published, now)
+            key_of = {m.name: m.public_key for m, _ in base}
+            touched: dict[str, set[str]] = {}
+            for a, b in pair_changes:
+                if a in key_of and b in key_of:
+                    touched.setdefault(a, set()).add(key_of[b])
+                    touched.setdefault(b, set()).add(key_of[a])
+            self.history.record(version, changed, removed, touched)
+            self._published = now
+            self.version = max(self.version, version)
             self.cond.notify_all()
 
     def wake_all(self) -> None:
@@ -43,25 +80,30 @@ class Roster:
                 self.cond.wait(left)
             return self.version
 
+    def _entry(self, caller: Member | None, m: Member, d: dict) -> dict:
+        st = None
+        if caller is not None and not m.is_coordinator and m.name != caller.name and not caller.is_coordinator:
+            st = self.pairs.mode(caller.name, m.name)
+        return dict(d, path=st.mode, endpoint=paths.endpoint_for(st.mode, m)) if st is not None else d
+
     def payload(self, caller: Member | None = None) -> list[dict]:
         """The member list as `caller` should see it: per peer the endpoint to dial and the path.
+        Per caller only the pair overrides are copied."""
+        return [self._entry(caller, m, d) for m, d in self._base()[1]]
 
-        The base list is built once per database version (with 1000 members, building it per
-        request was most of the coordinator's CPU); per caller only pair overrides are copied.
-        """
-        v = self.db.version()
-        if self._cache is None or self._cache[0] != v:
-            base = []
-            for m in self.db.members():
-                d = m.to_dict()
-                if m.is_coordinator:
-                    d["endpoint"] = self.network.endpoints[0]
-                base.append((m, d))
-            self._cache = (v, base)
-        out = []
-        for m, d in self._cache[1]:
-            st = None
-            if caller is not None and not m.is_coordinator and m.name != caller.name and not caller.is_coordinator:
-                st = self.pairs.mode(caller.name, m.name)
-            out.append(dict(d, path=st.mode, endpoint=paths.endpoint_for(st.mode, m)) if st is not None else d)
-        return out
+    def delta(self, caller: Member, known: int) -> dict | None:
+        """{"since": known, "changed": [members], "removed": [keys]}: what changed for `caller` since it
+        got version `known`, as `payload` would show it now; None when only the full list will do (the
+        history does not reach back to `known`, or the change is as large as the list)."""
+        with self.cond:
+            keys = self.history.since(known, caller.name)
+        if keys is None:
+            return None
+        changed, removed = keys
+        _, base, index = self._base()
+        if len(changed) + len(removed) > max(len(base) // 2, 8):
+            return None
+        # A member changed since the last publish may be gone already: then it is removed.
+        gone = removed | {k for k in changed if k not in index}
+        at = sorted(index[k] for k in changed if k in index)     # the coordinator's order: new ones last
+        return {"since": known, "changed": [self._entry(caller, *base[i]) for i in at], "removed": sorted(gone)}

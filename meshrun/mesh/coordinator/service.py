@@ -7,8 +7,9 @@ Two listeners:
   WireGuard device.
 
 The loop (`tick`) reads the device's peers every second: the endpoint WireGuard observes for a
-node is its public (server-reflexive) address, which other nodes need; it advances the pair
-paths, publishes a new member-list version when anything changed and applies the peers.
+node is its public (server-reflexive) address, which other nodes need; it advances the pair paths
+whose inputs changed or whose time came (mesh/coordinator/pairs), publishes a new member-list
+version when anything changed (agents receive the delta: mesh/coordinator/roster) and applies the peers.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class CoordinatorService:
         self.device = device or iface.device_for(state, self.network, self.member)
         self.stop_event = threading.Event()
         self.apply_lock = threading.Lock()
-        self.pairs = PairDriver(state)
+        self.pairs = PairDriver(self.db, state)
         self.roster = Roster(self.db, self.network, self.pairs)
         self.wake = threading.Event()            # a join asks the loop for a tick now
         self.ticks = threading.Condition()
@@ -59,6 +60,7 @@ class CoordinatorService:
         self.looping = False
         self.interval = OBSERVE_INTERVAL
         self.known = {m.name for m in self.db.members()}
+        self.members_version = -1                # the member-list version the pair driver last saw
         job_key = auth.decode_key(state.read("job.key").decode())
         self.enrolment = EnrolmentAPI(self.db, self.network, self.roster, job_key, self._enrolled)
         self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event)
@@ -144,27 +146,40 @@ class CoordinatorService:
             log.warning("cannot read %s: %s", self.network.interface, exc)
             return
         changed = self.db.observe({p.public_key: (p.endpoint, p.latest_handshake) for p in current})
-        members = self.db.members()
-        names = {m.name for m in members}
-        for gone in sorted(self.known - names):
-            log.info("%s was removed from the network; every member drops it", gone)
-        self.known = names
-        if self.pairs.update(members, time.time() if now is None else now):
-            self.db.bump_version()      # paths are part of what agents receive
+        # Members are read again only when the version moved (a join, a removal, a new endpoint or
+        # candidates): a quiet tick costs the device read and one comparison per peer, nothing per pair.
+        members = None
         v = self.db.version()
+        if v != self.members_version:
+            members = self.db.members()
+            self.members_version = v
+            names = {m.name for m in members}
+            for gone in sorted(self.known - names):
+                log.info("%s was removed from the network; every member drops it", gone)
+            self.known = names
+        if self.pairs.update(members, time.time() if now is None else now):
+            v = self.db.bump_version()      # paths are part of what agents receive
         if changed or v != self.roster.version or self.db.recently_removed(REMOVED_GRACE_S + 5):
             self.apply_peers(current)
-            self.roster.publish(v)
+            self.roster.publish(v, self.pairs.take_changes())
 
     def apply_peers(self, current=None) -> None:
         with self.apply_lock:
-            iface.sync_peers(self.device, self.state, self.network, self.desired_peers(),
+            members = self.db.members()
+            # Relayed packets leave here too: they must fit the small-MTU nodes' hops as well.
+            iface.sync_peers(self.device, self.state, self.network, self.desired_peers(members),
                              address=self.network.coordinator_ip, mtu=self.network.mtu,
+                             route_mtus=peers.route_mtus(self._own_key(members), self.network.mtu, members),
                              comment=f"meshrun network {self.network.name} (coordinator); managed by meshrun",
                              current=current)
 
-    def desired_peers(self) -> list[peers.PeerSpec]:
+    @staticmethod
+    def _own_key(members: list[Member]) -> str:
+        return next((m.public_key for m in members if m.is_coordinator), "")
+
+    def desired_peers(self, members: list[Member] | None = None) -> list[peers.PeerSpec]:
         """Every member, plus members removed in the last REMOVED_GRACE_S: the coordinator stays
         reachable for a moment so the removed node's pending long-poll gets its 410 and its agent
         takes the interface down. Other nodes drop a removed member at once."""
-        return peers.desired_for_coordinator(self.db.members() + self.db.recently_removed(REMOVED_GRACE_S))
+        members = self.db.members() if members is None else members
+        return peers.desired_for_coordinator(members + self.db.recently_removed(REMOVED_GRACE_S))

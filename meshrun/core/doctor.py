@@ -1,0 +1,260 @@
+"""`meshrun doctor`: what a member's facts mean for training, as lines of ok/warn/FAIL with the fix.
+
+Pure: `judge` turns the facts that meshrun.mesh.doctor gathered (a plain dict, the same as
+`doctor --json` shows under "facts") into checks. FAIL is for what stops or hangs a job (the daemon
+down, the interface down, packets of full size lost, the coordinator unreachable, torch missing, an
+override of meshrun's interface pinning); warn is for what costs speed or may bite later (an old
+wireguard-go, a stale peer, UDP not reachable from outside, a drifting clock, little disk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshrun.core import preflight
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
+HANDSHAKE_STALE_S = 180          # WireGuard re-handshakes every 2 min while traffic flows; keepalives keep it flowing
+PEER_LINES_MAX = 12              # above this many healthy peers, one summary line
+# meshrun sets these for every job; one set elsewhere to another value sends traffic off the overlay.
+PINNED = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+# Not set by meshrun, passed to jobs as they are, and each able to take a job off the overlay.
+STEERING = ("MASTER_ADDR", "MASTER_PORT", "NCCL_COMM_ID", "NCCL_SOCKET_FAMILY", "NCCL_NET_PLUGIN",
+            "GLOO_DEVICE_TRANSPORT", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the doctor's report."""
+
+    name: str
+    level: str          # OK | WARN | FAIL | SKIP
+    detail: str
+    fix: str = ""
+
+
+def blocking(checks: list[Check]) -> bool:
+    """True when something stops training on this member (doctor's exit code is then 1)."""
+    return any(c.level == FAIL for c in checks)
+
+
+def render(checks: list[Check], head: str) -> str:
+    """One screen: a head line, then each check (`fix:` under the ones that need one)."""
+    width = max([len(c.name) for c in checks] + [6])
+    lines = [head]
+    for c in checks:
+        lines.append(f"{c.level:<4}  {c.name:<{width}}  {c.detail}")
+        if c.fix and c.level in (WARN, FAIL):
+            lines.append(f"{'':4}  {'':<{width}}  fix: {c.fix}")
+    failed = sum(c.level == FAIL for c in checks)
+    warned = sum(c.level == WARN for c in checks)
+    lines.append(f"{failed} problem(s) that block training, {warned} warning(s)" if failed or warned
+                 else "everything meshrun checks is fine")
+    return "\n".join(lines)
+
+
+def to_json(checks: list[Check]) -> list[dict]:
+    return [asdict(c) for c in checks]
+
+
+def _age(s: float) -> str:
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
+
+
+def judge(f: dict) -> list[Check]:
+    """Every check for the facts `f` (see meshrun.mesh.doctor.gather for the keys)."""
+    out = [_daemon(f), _interface(f), _backend(f)]
+    if f.get("interface", {}).get("up"):
+        out.append(_mtu(f))
+        if f["role"] == "node":
+            out.append(_coordinator(f))
+        out += _peers(f)
+        out.append(_udp(f))
+    out.append(_clock(f))
+    out += _environment(f)
+    out += _variables(f)
+    return [c for c in out if c is not None]
+
+
+def _daemon(f: dict) -> Check:
+    what = "coordinator daemon" if f["role"] == "coordinator" else "agent"
+    if f.get("daemon_pid"):
+        return Check("daemon", OK, f"the {what} runs (pid {f['daemon_pid']})")
+    return Check("daemon", FAIL, f"the {what} is not running: peers are not kept in sync and no job can start here",
+                 "meshrun up (or: systemctl start meshrun, if you installed the service)")
+
+
+def _interface(f: dict) -> Check:
+    i, name = f.get("interface", {}), f["interface_name"]
+    if not i.get("exists"):
+        return Check("interface", FAIL, f"{name} does not exist: this member is off the overlay",
+                     "meshrun up (it creates the interface from the saved state)")
+    if not i.get("up"):
+        return Check("interface", FAIL, f"{name} exists but is down: nothing crosses the overlay",
+                     f"ip link set {name} up (or: meshrun leave && meshrun up)")
+    return Check("interface", OK, f"{name} is up, {f['overlay_ip']}/{f.get('prefixlen', 32)}, mtu {i.get('mtu')}")
+
+
+def _backend(f: dict) -> Check:
+    b = f.get("backend") or {}
+    kind, version, module = b.get("kind"), b.get("version"), b.get("kernel_module")
+    if kind == "kernel":
+        return Check("wireguard", OK, "kernel WireGuard")
+    if kind is None:
+        return Check("wireguard", SKIP, "no interface to read the backend from")
+    why = ("this kernel has no WireGuard module" if module is False else
+           "the kernel module is present but the interface was not created with it" if module else
+           "the kernel module could not be looked for")
+    label = f"wireguard-go {version}" if version else "wireguard-go (version unknown)"
+    if b.get("warning"):
+        return Check("wireguard", WARN, f"{label}, userspace ({why}): {b['warning']}",
+                     "install a wireguard-go with batched I/O (Debian 12: apt-get install -t bookworm-backports "
+                     "wireguard-go) and run `meshrun leave && meshrun up`")
+    fix = "" if module is False else "meshrun leave && modprobe wireguard && meshrun up, for the kernel's faster path"
+    return Check("wireguard", OK if module is not True else WARN, f"{label}, userspace ({why})", fix)
+
+
+def _mtu(f: dict) -> Check:
+    m = f.get("mtu_probe") or {}
+    mtu = f.get("interface", {}).get("mtu")
+    target = m.get("target")
+    if not target:
+        return Check("mtu", SKIP, f"{mtu}: no peer with a handshake to probe the path to")
+    if m.get("full") is None:
+        return Check("mtu", SKIP, f"{mtu}: could not probe ({m.get('error') or 'no permission for ICMP'})")
+    if m["full"]:
+        return Check("mtu", OK, f"{mtu}: a full-size packet with DF set reaches {target} over the overlay")
+    if not m.get("small"):
+        return Check("mtu", FAIL, f"not even a small packet reaches {target} over the overlay",
+                     "see the peer and coordinator lines; the tunnel itself is down")
+    largest = m.get("largest")
+    return Check("mtu", FAIL, f"packets of {mtu} bytes to {target} are lost (a path MTU black hole: ICMP "
+                              f"'fragmentation needed' does not come back); {largest} bytes get through",
+                 f"meshrun leave && meshrun join --mtu {largest} ... (or ask for ICMP type 3 code 4 to be let through)")
+
+
+def _coordinator(f: dict) -> Check:
+    c = f.get("coordinator") or {}
+    if c.get("reachable"):
+        return Check("coordinator", OK, f"{c['ip']} answers over the overlay (an API call took {c['rtt_ms']:.0f} ms)")
+    return Check("coordinator", FAIL, f"{c.get('ip')} does not answer over the overlay: {c.get('error') or 'timeout'}",
+                 "check the coordinator runs (`meshrun status` there) and that UDP "
+                 f"{f.get('listen_port', 51820)} reaches it from here")
+
+
+def _peers(f: dict) -> list[Check]:
+    rows = f.get("peers") or []
+    if not rows:
+        return [Check("peers", WARN if f["role"] == "coordinator" else FAIL, "no peers yet",
+                      "join a node with `meshrun join TOKEN`" if f["role"] == "coordinator" else "meshrun leave && meshrun up")]
+    bad, good = [], []
+    for r in rows:
+        age = r.get("handshake_age_s")
+        via = r.get("path") or "?"
+        if r.get("endpoint") and via != "relayed":
+            via += f" via {r['endpoint']}"
+        name = f"peer {r['name']}"
+        if age is None:
+            bad.append(Check(name, WARN, f"no handshake yet ({via})",
+                             f"is {r['name']} up? run `meshrun doctor` there"))
+        elif age > HANDSHAKE_STALE_S:
+            bad.append(Check(name, WARN, f"last handshake {_age(age)} ago ({via})",
+                             f"is {r['name']} up? run `meshrun doctor` there"))
+        else:
+            good.append(Check(name, OK, f"handshake {_age(age)} ago, {via}"))
+    if f["role"] == "node":       # without the coordinator nothing is kept in sync and relayed pairs are cut
+        for c in list(bad):
+            if c.name == f"peer {f.get('coordinator_name')}":
+                bad[bad.index(c)] = Check(c.name, FAIL, c.detail, c.fix)
+    if len(good) > PEER_LINES_MAX:
+        good = [Check("peers", OK, f"{len(good)} peers with a handshake in the last {_age(HANDSHAKE_STALE_S)}")]
+    return good + bad
+
+
+def _udp(f: dict) -> Check:
+    u = f.get("udp_probe") or {}
+    port = f.get("listen_port", 51820)
+    if f["role"] == "coordinator":
+        n = sum(1 for r in f.get("peers") or [] if r.get("handshake_age_s") is not None)
+        return Check(f"udp/{port}", OK if n else SKIP, f"members reach this coordinator ({n} with a handshake)")
+    if "arrived" not in u:
+        return Check(f"udp/{port}", SKIP, f"reachability from outside not tested: {u.get('error') or 'no probe'}")
+    if u["arrived"]:
+        return Check(f"udp/{port}", OK, f"reachable from outside: {u['arrived']} of {u['sent']} probes the coordinator "
+                                        f"sent to {u['endpoint']} arrived")
+    return Check(f"udp/{port}", WARN, f"not reachable from outside: none of {u['sent']} probes the coordinator sent to "
+                                      f"{u['endpoint']} arrived: direct paths to this node rely on hole punching (pairs where it "
+                                      "fails go through the relay)",
+                 f"forward UDP {port} to this machine (NAT/security group) for direct paths")
+
+
+def _clock(f: dict) -> Check | None:
+    off = f.get("clock_offset_s")
+    if f["role"] == "coordinator":
+        return None
+    if off is None:
+        return Check("clock", SKIP, "offset unknown (the coordinator did not answer)")
+    if abs(off) >= preflight.CLOCK_WARN_S:
+        level = FAIL if abs(off) >= preflight.CLOCK_BLOCK_S else WARN
+        return Check("clock", level, f"{off:+.1f} s off the coordinator's (job control refuses 300 s)",
+                     "synchronise the clocks (NTP/chrony)")
+    return Check("clock", OK, f"{off:+.2f} s off the coordinator's")
+
+
+def _environment(f: dict) -> list[Check]:
+    """Disk and torch, judged by the same rules as a job's pre-flight."""
+    env = f.get("environment") or {}
+    report = preflight.EnvReport.from_dict(f["name"], env)
+    trains = f["role"] == "node" or f.get("trains")
+    out = []
+    disk = f"{(report.free_bytes or 0) >> 20} MiB free in {f.get('jobs_dir')}"
+    findings = {fi.what: fi for fi in preflight.compare([report])}
+    for fi in findings.values():
+        name = "disk" if "free" in fi.what else "clock" if "clock" in fi.what else "torch"
+        level = FAIL if fi.level == preflight.BLOCK else WARN
+        if name == "torch" and not trains:
+            level = SKIP
+        out.append(Check(name, level, fi.what, fi.fix))
+    if not any(c.name == "disk" for c in out):
+        out.append(Check("disk", OK, disk))
+    if not any(c.name == "torch" for c in out) and not report.error:
+        build = report.build + (f", NCCL {report.nccl}" if report.nccl else "") + (", gloo" if report.gloo else "")
+        gpus = f", {report.gpus} GPU(s)" + (f" {report.gpu_names[0]}" if report.gpu_names else "") if report.gpus else ""
+        out.append(Check("torch", OK, f"{report.torch} ({build}{gpus}) in {report.python}"))
+    return out
+
+
+def _variables(f: dict) -> list[Check]:
+    """Variables that would take traffic off the overlay, in this shell or in the daemon."""
+    iface = f["interface_name"]
+    mine = {"NCCL_SOCKET_IFNAME": ("=" + iface, iface), "GLOO_SOCKET_IFNAME": (iface,)}
+    out = []
+    for where, env in (("this shell", f.get("shell_env") or {}), ("the daemon", f.get("daemon_env") or {})):
+        for k in PINNED:
+            if k in env and env[k] not in mine[k]:
+                if where == "this shell":
+                    out.append(Check("environment", FAIL,
+                                     f"{k}={env[k]} in {where} overrides meshrun's pinning ({mine[k][0]}): "
+                                     "`meshrun train` passes it to every node and the job leaves the overlay",
+                                     f"unset {k}"))
+                else:
+                    out.append(Check("environment", WARN,
+                                     f"{k}={env[k]} in {where}'s environment (pid {f.get('daemon_pid')}) overrides "
+                                     f"meshrun's pinning ({mine[k][0]}) for anything started from it but "
+                                     "`meshrun train`, which sets its own",
+                                     f"unset {k} where it is set (the service's Environment=, /etc/environment)"))
+        for k in STEERING:
+            if k not in env:
+                continue
+            if k.startswith("MASTER_"):   # torchrun sets its own for the workers of a meshrun job
+                if where == "this shell":
+                    out.append(Check("environment", WARN, f"{k}={env[k]} is set in {where}: `meshrun train` ignores "
+                                                          "it, a torchrun started by hand would use it", f"unset {k}"))
+                continue
+            out.append(Check("environment", FAIL, f"{k}={env[k]} is set in {where}: every job "
+                                                  f"{'submitted from here' if where == 'this shell' else 'on this node'} "
+                                                  "gets it and may leave the overlay", f"unset {k}"))
+    if not out:
+        out.append(Check("environment", OK, "nothing overrides meshrun's pinning (" + ", ".join(PINNED + STEERING[:1])
+                                            + " and the like are unset)"))
+    return out

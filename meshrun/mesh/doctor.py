@@ -1,0 +1,118 @@
+"""`meshrun doctor`: gather the facts of this member (daemon, interface, paths, clock, disk, torch,
+environment) by probing the live system; meshrun.core.doctor judges them.
+
+Probes that cross the overlay: a TCP/HTTP round trip and the clock from the coordinator's overlay
+API, ICMP echoes with DF set at the interface MTU (and below it, to find what gets through), and on a
+node a UDP probe the coordinator sends to the node's observed endpoint from an ephemeral port,
+counted on arrival by a temporary iptables rule (removed before doctor returns).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from meshrun.core import doctor, mtu, preflight
+from meshrun.core.model import split_endpoint
+from meshrun.errors import MeshrunError
+from meshrun.mesh import daemon, iface, member
+from meshrun.mesh import status as mstatus
+from meshrun.system import host, net, probe, procs, transport
+from meshrun.system.device import USERSPACE
+from meshrun.system.store import StateDir
+
+UDP_WAIT_S = 1.0
+
+
+def run(state: StateDir, shell_env: dict[str, str] | None = None) -> tuple[dict, list[doctor.Check]]:
+    """The facts and the checks for this member (MeshrunError if this machine is not one)."""
+    facts = gather(state, os.environ if shell_env is None else shell_env)
+    return facts, doctor.judge(facts)
+
+
+def _watched(env: dict[str, str] | None) -> dict[str, str]:
+    """Only the variables doctor judges: the rest of an environment may hold secrets."""
+    return {k: v for k, v in (env or {}).items() if k in doctor.PINNED + doctor.STEERING}
+
+
+def gather(state: StateDir, shell_env) -> dict:
+    rec, network = member.load(state)
+    st = mstatus.gather(state, measure=False)
+    pid = daemon.pid(state)
+    device = iface.device_for(state, network, rec)
+    link = net.link(network.interface)
+    backend = device.backend() if link["exists"] else None
+    coordinator = next((p for p in st["peers"] if p["overlay_ip"] == network.coordinator_ip), None)
+    f = {"role": rec["role"], "name": rec["name"], "network": network.name, "overlay_ip": rec["overlay_ip"],
+         "prefixlen": network.prefixlen, "interface_name": network.interface, "listen_port": network.listen_port,
+         "daemon_pid": pid, "interface": link, "trains": bool(rec.get("train")),
+         "coordinator_name": coordinator["name"] if coordinator else None,
+         "backend": {"kind": backend, "kernel_module": host.kernel_wireguard()},
+         "peers": [{k: p[k] for k in ("name", "overlay_ip", "endpoint", "path", "handshake_age_s")} for p in st["peers"]],
+         "shell_env": _watched(dict(shell_env)), "daemon_env": _watched(procs.environ(pid) if pid else None)}
+    if backend == USERSPACE:
+        v = device.userspace_version()
+        f["backend"].update(version=".".join(map(str, v)) if v else None, warning=device.warning())
+    if link["up"]:
+        f["mtu_probe"] = _probe_mtu(st, link["mtu"], network.coordinator_ip if rec["role"] == "node" else None)
+        if rec["role"] == "node":
+            f["coordinator"], f["clock_offset_s"] = _ask_coordinator(network)
+            f["udp_probe"] = _probe_udp(network) if f["coordinator"]["reachable"] else {
+                "error": "the coordinator does not answer over the overlay"}
+    python = _job_python(pid)
+    jobs = state / "jobs"
+    f["jobs_dir"] = str(jobs)
+    f["environment"] = dict(host.environment(python), free_bytes=host.free_bytes(jobs))
+    return f
+
+
+def _probe_mtu(st: dict, size: int, target: str | None) -> dict:
+    """Does a packet of the interface's full MTU, DF set, reach the coordinator (or, on the coordinator,
+    the peer with the freshest handshake)? If not, the largest size that does."""
+    if target is None:
+        fresh = [p for p in st["peers"] if p["handshake_age_s"] is not None and p["overlay_ip"]]
+        if not fresh:
+            return {}
+        target = min(fresh, key=lambda p: p["handshake_age_s"])["overlay_ip"]
+    full = probe.echo(target, size)
+    out = {"target": target, "size": size, "full": full}
+    if full is False:
+        out["small"] = bool(probe.echo(target, 576))
+        if out["small"]:
+            out["largest"] = mtu.largest(lambda n: probe.echo(target, n), 576, size)
+    return out
+
+
+def _ask_coordinator(network) -> tuple[dict, float | None]:
+    """Reachability over the overlay, the round trip, and the clock offset (ours minus the coordinator's)."""
+    out = {"ip": network.coordinator_ip}
+    t0 = time.time()
+    try:
+        answer = transport.call(network.coordinator_ip, network.api_port, "GET", "/v1/time", timeout=5)
+    except MeshrunError as exc:
+        return dict(out, reachable=False, error=exc.message), None
+    t1 = time.time()
+    out.update(reachable=True, rtt_ms=(t1 - t0) * 1000)
+    return out, -preflight.clock_offset(t0, t1, float(answer["time"]))
+
+
+def _probe_udp(network) -> dict:
+    """Ask the coordinator to send datagrams to our observed endpoint; count those that arrive."""
+    host_, _ = split_endpoint(network.endpoints[0])
+    try:
+        source = net.resolve(host_)
+        with net.udp_arrivals(source, network.listen_port) as arrived:
+            answer = transport.call(network.coordinator_ip, network.api_port, "POST", "/v1/probe-udp", {}, timeout=5)
+            deadline = time.monotonic() + UDP_WAIT_S
+            while arrived() < int(answer["sent"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return {"endpoint": answer["endpoint"], "sent": int(answer["sent"]), "arrived": arrived()}
+    except (MeshrunError, OSError) as exc:
+        return {"error": getattr(exc, "message", str(exc))}
+
+
+def _job_python(pid: int | None) -> str:
+    """The interpreter the daemon runs under: jobs run under it unless --python says otherwise."""
+    argv = procs.argv(pid) if pid else None
+    return argv[0] if argv else sys.executable

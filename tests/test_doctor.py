@@ -1,0 +1,217 @@
+"""The doctor's judgement (meshrun.core.doctor) on crafted facts, the MTU search, and the parsers it uses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from meshrun.core import doctor, mtu, netparse
+from meshrun.core.doctor import FAIL, OK, SKIP, WARN
+
+HEALTHY = {
+    "role": "node", "name": "gpu-b", "network": "lab", "overlay_ip": "10.9.0.3", "prefixlen": 16,
+    "interface_name": "meshrun0", "listen_port": 51820, "daemon_pid": 4242, "trains": False,
+    "interface": {"exists": True, "up": True, "mtu": 1420},
+    "backend": {"kind": "kernel", "kernel_module": True},
+    "coordinator_name": "coordinator",
+    "peers": [{"name": "coordinator", "overlay_ip": "10.9.0.1", "endpoint": "198.51.100.1:51820",
+               "path": "direct (public)", "handshake_age_s": 20},
+              {"name": "gpu-c", "overlay_ip": "10.9.0.4", "endpoint": "198.51.100.7:51820",
+               "path": "direct (public)", "handshake_age_s": 40}],
+    "mtu_probe": {"target": "10.9.0.1", "size": 1420, "full": True},
+    "coordinator": {"ip": "10.9.0.1", "reachable": True, "rtt_ms": 21.0},
+    "clock_offset_s": 0.03,
+    "udp_probe": {"endpoint": "203.0.113.5:51820", "sent": 3, "arrived": 3},
+    "jobs_dir": "/var/lib/meshrun/jobs",
+    "environment": {"python": "/opt/venv/bin/python", "python_version": "3.11.7", "torch": "2.13.0+cu128",
+                    "cuda": "12.8", "nccl": "2.27.3", "gloo": True, "gpus": 8, "gpu_names": ["NVIDIA H100"],
+                    "free_bytes": 500 << 30},
+    "shell_env": {}, "daemon_env": {},
+}
+
+
+def facts(**changes) -> dict:
+    f = copy.deepcopy(HEALTHY)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(f.get(key), dict):
+            f[key].update(value)
+        else:
+            f[key] = value
+    return f
+
+
+def levels(f: dict) -> dict[str, str]:
+    """{check name: worst level} (several lines may share a name)."""
+    order = [SKIP, OK, WARN, FAIL]
+    out: dict[str, str] = {}
+    for c in doctor.judge(f):
+        out[c.name] = max(out.get(c.name, SKIP), c.level, key=order.index)
+    return out
+
+
+def only(f: dict, name: str) -> doctor.Check:
+    (c,) = [c for c in doctor.judge(f) if c.name == name]
+    return c
+
+
+def test_healthy_facts_are_all_ok_and_do_not_block():
+    checks = doctor.judge(HEALTHY)
+    assert {c.level for c in checks} == {OK}, [c for c in checks if c.level != OK]
+    assert {"daemon", "interface", "wireguard", "mtu", "coordinator", "peer coordinator", "peer gpu-c", "udp/51820",
+            "clock", "disk", "torch", "environment"} == {c.name for c in checks}
+    assert not doctor.blocking(checks)
+    assert "NCCL 2.27.3" in only(HEALTHY, "torch").detail and "8 GPU(s) NVIDIA H100" in only(HEALTHY, "torch").detail
+
+
+def test_no_daemon_blocks():
+    c = only(facts(daemon_pid=None), "daemon")
+    assert c.level == FAIL and "meshrun up" in c.fix
+
+
+def test_interface_missing_or_down_blocks_and_skips_the_overlay_probes():
+    gone = facts(interface={"exists": False, "up": False, "mtu": None})
+    assert levels(gone)["interface"] == FAIL
+    assert "mtu" not in levels(gone) and "coordinator" not in levels(gone)
+    down = facts(interface={"up": False})
+    c = only(down, "interface")
+    assert c.level == FAIL and "meshrun0 exists but is down" in c.detail and "ip link set meshrun0 up" in c.fix
+    assert doctor.blocking(doctor.judge(down))
+
+
+@pytest.mark.parametrize("backend,level,phrase", [
+    ({"kind": "wireguard-go", "version": "0.0.20230223", "kernel_module": False}, OK, "this kernel has no WireGuard"),
+    ({"kind": "wireguard-go", "version": "0.0.20220316", "kernel_module": False, "warning": "no batched I/O"},
+     WARN, "no batched I/O"),
+    ({"kind": "wireguard-go", "version": "0.0.20230223", "kernel_module": True}, WARN, "module is present"),
+    ({"kind": "wireguard-go", "version": None, "kernel_module": None}, OK, "could not be looked for"),
+])
+def test_the_backend_line_says_why_userspace(backend, level, phrase):
+    c = only(facts(backend=backend), "wireguard")
+    assert c.level == level and phrase in c.detail
+
+
+def test_a_black_holed_full_size_packet_blocks_with_the_size_that_passes():
+    c = only(facts(mtu_probe={"full": False, "small": True, "largest": 1336}), "mtu")
+    assert c.level == FAIL and "1336 bytes get through" in c.detail and "--mtu 1336" in c.fix
+    assert only(facts(mtu_probe={"full": False, "small": False}), "mtu").level == FAIL
+    assert only(facts(mtu_probe={"full": None, "error": "no CAP_NET_RAW"}), "mtu").level == SKIP
+    no_target = facts()
+    no_target["mtu_probe"] = {}
+    assert only(no_target, "mtu").level == SKIP
+
+
+def test_an_unreachable_coordinator_blocks_on_a_node():
+    c = only(facts(coordinator={"reachable": False, "error": "timed out"}), "coordinator")
+    assert c.level == FAIL and "timed out" in c.detail
+
+
+def test_stale_peers_warn_but_a_stale_coordinator_blocks():
+    f = facts()
+    f["peers"][1]["handshake_age_s"] = 3600
+    assert levels(f)["peer gpu-c"] == WARN and not doctor.blocking(doctor.judge(f))
+    f["peers"][1]["handshake_age_s"] = None
+    assert "no handshake yet" in only(f, "peer gpu-c").detail
+    f["peers"][0]["handshake_age_s"] = 900
+    assert levels(f)["peer coordinator"] == FAIL
+
+
+def test_many_healthy_peers_fold_into_one_line():
+    f = facts(peers=[{"name": f"n{i}", "overlay_ip": f"10.9.1.{i}", "endpoint": None, "path": "relayed",
+                      "handshake_age_s": 5} for i in range(50)])
+    f["peers"][7]["handshake_age_s"] = None
+    names = [c.name for c in doctor.judge(f)]
+    assert names.count("peers") == 1 and "peer n7" in names and "peer n8" not in names
+
+
+def test_udp_not_reachable_from_outside_is_a_warning_with_the_fix():
+    c = only(facts(udp_probe={"endpoint": "203.0.113.5:40001", "sent": 3, "arrived": 0}), "udp/51820")
+    assert c.level == WARN and "forward UDP 51820" in c.fix
+    untested = facts()
+    untested["udp_probe"] = {"error": "iptables missing"}
+    assert only(untested, "udp/51820").level == SKIP
+
+
+@pytest.mark.parametrize("offset,level", [(0.4, OK), (-9.0, WARN), (600.0, FAIL)])
+def test_clock_offsets(offset, level):
+    assert only(facts(clock_offset_s=offset), "clock").level == level
+
+
+def test_disk_and_torch_follow_the_preflight_rules():
+    assert levels(facts(environment={"free_bytes": 10 << 20}))["disk"] == FAIL
+    assert levels(facts(environment={"free_bytes": 500 << 20}))["disk"] == WARN
+    c = only(facts(environment={"torch": None, "cuda": None, "nccl": None}), "torch")
+    assert c.level == FAIL and "/opt/venv/bin/python" in c.detail
+    assert levels(facts(environment={"gpus": 0, "gpu_names": []}))["torch"] == WARN   # CUDA build, no GPU
+
+
+def test_torch_missing_on_a_coordinator_that_does_not_train_is_not_a_problem():
+    f = facts(role="coordinator", environment={"torch": None, "cuda": None, "nccl": None})
+    assert levels(f)["torch"] == SKIP
+    assert levels(dict(f, trains=True))["torch"] == FAIL
+
+
+def test_a_coordinator_is_not_asked_about_itself():
+    f = facts(role="coordinator", coordinator_name=None)
+    names = levels(f)
+    assert "coordinator" not in names and "clock" not in names and names["udp/51820"] == OK
+
+
+def test_pinning_overridden_in_the_shell_blocks_and_in_the_daemon_warns():
+    shell = doctor.judge(facts(shell_env={"NCCL_SOCKET_IFNAME": "eth0"}))
+    (c,) = [c for c in shell if c.name == "environment"]
+    assert c.level == FAIL and "NCCL_SOCKET_IFNAME=eth0 in this shell overrides meshrun's pinning (=meshrun0)" in c.detail
+    (c,) = [c for c in doctor.judge(facts(daemon_env={"NCCL_SOCKET_IFNAME": "eth0"})) if c.name == "environment"]
+    assert c.level == WARN and "in the daemon's environment (pid 4242)" in c.detail
+
+
+def test_meshrun_s_own_values_are_not_overrides():
+    f = facts(shell_env={"NCCL_SOCKET_IFNAME": "=meshrun0", "GLOO_SOCKET_IFNAME": "meshrun0"})
+    assert levels(f)["environment"] == OK
+
+
+@pytest.mark.parametrize("where,key,level", [
+    ("shell_env", "MASTER_ADDR", WARN), ("daemon_env", "MASTER_ADDR", OK), ("shell_env", "NCCL_COMM_ID", FAIL),
+    ("daemon_env", "NCCL_COMM_ID", FAIL), ("daemon_env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", FAIL),
+])
+def test_steering_variables(where, key, level):
+    assert levels(facts(**{where: {key: "1"}}))["environment"] == level
+
+
+def test_render_puts_the_fix_under_problems_and_ends_with_a_verdict():
+    text = doctor.render(doctor.judge(facts(daemon_pid=None)), "head")
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("FAIL  daemon"))
+    assert lines[i + 1].strip().startswith("fix: meshrun up")
+    assert lines[-1] == "1 problem(s) that block training, 0 warning(s)"
+    assert doctor.render(doctor.judge(HEALTHY), "head").splitlines()[-1] == "everything meshrun checks is fine"
+
+
+def test_mtu_search_finds_the_largest_passing_size_in_few_probes():
+    asked = []
+
+    def passes(limit):
+        def probe(n):
+            asked.append(n)
+            return n <= limit
+        return probe
+
+    assert mtu.largest(passes(1420), 576, 1420) == 1420 and asked == [1420]
+    asked.clear()
+    found = mtu.largest(passes(1341), 576, 1420)
+    assert 1341 - mtu.STEP < found <= 1341 and len(asked) <= 12
+    assert mtu.largest(passes(500), 576, 1420) is None
+    assert mtu.largest(lambda n: None, 576, 1420) is None
+
+
+def test_link_and_rule_counter_parsers():
+    text = '[{"ifindex":5,"ifname":"meshrun0","flags":["POINTOPOINT","NOARP","UP","LOWER_UP"],"mtu":1420}]'
+    assert netparse.link(text) == {"exists": True, "up": True, "mtu": 1420}
+    assert netparse.link('[{"ifname":"meshrun0","flags":["POINTOPOINT","NOARP"],"mtu":1420}]')["up"] is False
+    assert netparse.link("")["exists"] is False
+    listing = ("Chain PREROUTING (policy ACCEPT 12 packets, 900 bytes)\n"
+               "    pkts      bytes target     prot opt in     out     source               destination\n"
+               "       3      159            udp  --  *      *       198.51.100.1         0.0.0.0/0            "
+               "udp spt:!51820 dpt:51820 /* meshrun-doctor-ab12 */\n")
+    assert netparse.rule_packets(listing, "meshrun-doctor-ab12") == 3
+    assert netparse.rule_packets(listing, "meshrun-doctor-ffff") == 0

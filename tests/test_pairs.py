@@ -1,0 +1,240 @@
+"""The coordinator's pair driver: work proportional to change, same decisions as stepping every pair.
+
+PairDriver runs on a real CoordinatorDB (SQLite in tmp_path); `steps` counts its calls of
+paths.initial/step, the per-pair work. The last tests run the real coordinator service and agents on
+FakeDevices (tests/fakemesh.py).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from fakemesh import FakeMesh
+from meshrun.core import paths
+from meshrun.core.model import Member
+from meshrun.mesh.coordinator.pairs import PairDriver
+from meshrun.system.store import CoordinatorDB, StateDir
+
+T0 = 1_700_000_000.0
+
+
+def key(i: int) -> str:
+    return f"{i:042d}A="
+
+
+def node(i: int, site: int | None = None) -> Member:
+    """Node i; nodes given the same `site` sit behind one public IP (same VPC)."""
+    host = f"198.51.100.{site if site is not None else 100 + i}"
+    return Member(f"n{i}", key(i), f"10.213.0.{i + 2}", f"{host}:{40000 + i}", (f"172.31.40.{i + 10}:51820",))
+
+
+@pytest.fixture
+def db(tmp_path):
+    d = CoordinatorDB.create(tmp_path / "coordinator.db")
+    yield d
+    d.close()
+
+
+def report_all(drv: PairDriver, members: list[Member], hs: int, full: bool = True) -> None:
+    for m in members:
+        drv.report(m.name, {o.public_key: hs for o in members if o is not m}, full=full)
+
+
+def meshed(db, n: int = 6, hs: int = int(T0)) -> tuple[PairDriver, list[Member]]:
+    drv = PairDriver(db)
+    members = [node(i) for i in range(n)]
+    report_all(drv, members, hs)
+    assert drv.update(members, T0)             # every pair created
+    assert len(drv.pairs) == n * (n - 1) // 2 and all(st.verified for st in drv.pairs.values())
+    drv.update(None, T0 + 1)                   # a new state is looked at once more, the tick after
+    return drv, members
+
+
+def test_a_tick_with_no_input_change_steps_no_pair(db):
+    drv, members = meshed(db)
+    before = drv.steps
+    for t in (T0 + 1, T0 + 5, T0 + 60, T0 + paths.STALE_S - 1):
+        assert not drv.update(None, t)
+        assert not drv.update(members, t)     # the same member list again: nothing changed either
+    assert drv.steps == before
+
+
+def test_a_handshake_report_advances_only_its_own_pair(db, monkeypatch):
+    drv, members = meshed(db)
+    stepped = []
+    real = paths.step
+    monkeypatch.setattr(paths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(
+        st, a, b, hs, now))
+    drv.report("n1", {key(4): int(T0) + 30}, full=False)
+    drv.report("n2", {key(3): int(T0)}, full=False)          # the same handshake as before: no news
+    drv.update(None, T0 + 31)
+    assert stepped == [("n1", "n4")]
+    # The newer handshake moved only that pair's stale time on.
+    drv.update(None, T0 + paths.STALE_S)
+    relayed = {k for k, st in drv.pairs.items() if st.mode == paths.RELAYED}
+    assert relayed == set(drv.pairs) - {("n1", "n4")}
+    assert drv.pairs[("n1", "n4")] == paths.PairState(paths.PUBLIC, T0, True)
+
+
+def test_due_timers_step_each_pair_once_when_its_time_comes(db):
+    drv = PairDriver(db)
+    members = [node(i) for i in range(5)]
+    report_all(drv, members, 0)                  # no handshakes at all: every pair is tried, unproven
+    drv.update(members, T0)
+    drv.update(None, T0 + 1)
+    assert drv.steps == 20                       # created, then looked at once more
+    drv.update(None, T0 + paths.ATTEMPT_S - 0.5)
+    assert drv.steps == 20                       # nothing due yet
+    assert drv.update(None, T0 + paths.ATTEMPT_S)
+    assert drv.steps == 30 and {st.mode for st in drv.pairs.values()} == {paths.RELAYED}
+    drv.update(None, T0 + paths.ATTEMPT_S + 1)
+    drv.update(None, T0 + 10_000)                # relayed pairs wait for a handshake, not for time
+    assert drv.steps == 40
+
+
+def test_same_site_pairs_start_private_and_fall_back_one_step_at_a_time(db):
+    drv = PairDriver(db)
+    members = [node(0, site=9), node(1, site=9), node(2)]
+    report_all(drv, members, 0)
+    drv.update(members, T0)
+    assert drv.mode("n0", "n1").mode == paths.PRIVATE and drv.mode("n0", "n2").mode == paths.PUBLIC
+    drv.update(None, T0 + paths.ATTEMPT_S)
+    assert drv.mode("n0", "n1") == paths.PairState(paths.PUBLIC, T0 + paths.ATTEMPT_S)
+    assert drv.take_changes() == {("n0", "n1"), ("n0", "n2"), ("n1", "n2")}
+    assert drv.take_changes() == set()
+
+
+def reference(pairs, reports, members, now):
+    """The old driver: every pair of judgeable, reported nodes stepped on every tick."""
+    def hs(a, b):
+        return max(reports.get(a.name, {}).get(b.public_key, 0), reports.get(b.name, {}).get(a.public_key, 0))
+    nodes = [m for m in members if not m.is_coordinator and m.endpoint and m.candidates and m.name in reports]
+    live = {m.name for m in members}
+    new = {k: st for k, st in pairs.items() if k[0] in live and k[1] in live}
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            k = paths.pair_key(a.name, b.name)
+            old = pairs.get(k)
+            new[k] = paths.initial(a, b, hs(a, b), now) if old is None else paths.step(old, a, b, hs(a, b), now)
+    return new
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_same_decisions_as_stepping_every_pair_every_tick(db, seed):
+    """Random joins, removals, endpoint arrivals, full and partial reports and clock jumps: after every
+    tick the pair states equal those of the old stepping-everything driver."""
+    rng = random.Random(seed)
+    drv = PairDriver(db)
+    ref: dict = {}
+    reports: dict[str, dict[str, int]] = {}
+    members = [node(i, site=rng.choice([1, 2, None])) for i in range(5)]
+    members[4] = Member(members[4].name, members[4].public_key, members[4].overlay_ip, None, ())  # not seen yet
+    next_id, now = 5, T0
+    for step in range(120):
+        now += rng.choice([0.5, 1, 1, 3, 9.5, 10, 40, 170, 200])
+        op = rng.random()
+        if op < 0.1:
+            members = members + [node(next_id, site=rng.choice([1, 2, None]))]
+            next_id += 1
+        elif op < 0.15 and len(members) > 2:
+            gone = rng.choice(members)
+            members = [m for m in members if m is not gone]
+            reports.pop(gone.name, None)
+        elif op < 0.2:
+            members = [node(int(m.name[1:])) if not m.endpoint else m for m in members]   # observed now
+        for m in rng.sample(members, k=min(len(members), rng.randrange(0, 4))):
+            full = m.name not in reports or rng.random() < 0.1
+            delta = {o.public_key: int(now) - rng.choice([0, 1, 5, 200]) for o in members
+                     if o is not m and (full or rng.random() < 0.4)}
+            if full:
+                reports[m.name] = dict(delta)
+            else:
+                reports[m.name].update(delta)
+            drv.report(m.name, delta, full)
+        ref = reference(ref, reports, members, now)
+        # As the service does: the member list on the first tick and whenever it changed; sometimes
+        # the same list again (another change the driver does not care about).
+        drv.update(list(members) if step == 0 or rng.random() < 0.5 or op < 0.2 else None, now)
+        assert drv.pairs == ref
+    assert drv.pairs == db.pairs()               # every change was written
+
+
+def test_pairs_survive_a_restart_and_a_removed_member_takes_only_its_own_rows(db):
+    drv, members = meshed(db, n=4)
+    again = PairDriver(db)
+    assert again.pairs == drv.pairs and len(db.pairs()) == 6
+    # Before the nodes report again, their pairs are kept as they were, whatever the clock says.
+    again.update(members, T0 + 10_000)
+    assert again.pairs == drv.pairs and again.steps == 0
+    again.update([m for m in members if m.name != "n2"], T0 + 10_001)
+    assert set(db.pairs()) == {("n0", "n1"), ("n0", "n3"), ("n1", "n3")} == set(again.pairs)
+
+
+def test_rows_of_members_removed_while_the_coordinator_was_down_are_dropped(db):
+    drv, members = meshed(db, n=4)
+    again = PairDriver(db)
+    again.update(members[:3], T0)
+    assert set(db.pairs()) == {("n0", "n1"), ("n0", "n2"), ("n1", "n2")}
+
+
+def test_an_old_paths_json_is_imported_once_and_removed(db, tmp_path):
+    state = StateDir(tmp_path)
+    state.write_json("paths.json", {"pairs": {"n0|n1": {"mode": "relayed", "since": T0, "verified": False}}})
+    drv = PairDriver(db, state)
+    assert drv.pairs == {("n0", "n1"): paths.PairState(paths.RELAYED, T0)} == db.pairs()
+    assert not (tmp_path / "paths.json").exists()
+    state.write("paths.json", "{not json")
+    assert PairDriver(db, state).pairs == db.pairs()         # the database wins; the stale file goes
+    assert not (tmp_path / "paths.json").exists()
+
+
+def test_an_unreadable_paths_json_is_ignored(tmp_path):
+    db = CoordinatorDB.create(tmp_path / "c.db")
+    state = StateDir(tmp_path)
+    state.write("paths.json", "[1, 2")
+    assert PairDriver(db, state).pairs == {} and not (tmp_path / "paths.json").exists()
+    db.close()
+
+
+def test_observe_writes_only_what_changed(db):
+    db.add_coordinator("c", key(99), "10.213.0.1")
+    db.set_meta(network="{}")
+    db.conn.execute("INSERT INTO members(name, public_key, overlay_ip, joined_at) VALUES('n0', ?, '10.213.0.2', 0)",
+                    (key(0),))
+    v = db.version()
+    assert db.observe({key(0): ("198.51.100.1:1", 5), key(99): (None, 0)}) is True and db.version() == v + 1
+    assert db.observe({key(0): ("198.51.100.1:1", 5)}) is False and db.version() == v + 1
+    assert db.observe({key(0): (None, 7)}) is False and db.member_by_name("n0").last_handshake == 7
+
+
+# --------------------------------------------------------------------------- the real service on fakes
+
+def test_the_coordinator_loop_steps_no_pair_without_news_and_one_for_one_handshake(tmp_path, monkeypatch):
+    mesh = FakeMesh(tmp_path)
+    nodes = [mesh.join(f"n{i}", f"198.51.100.{i + 2}:40000") for i in range(4)]
+    for n in nodes:
+        mesh.see(n)
+    for _ in range(3):
+        mesh.sync()
+    t = int(time.time())
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            mesh.handshake(a, b, when=t)
+    for _ in range(3):
+        mesh.sync()           # reported, judged (verified), looked at once more the tick after
+    assert len(mesh.coord.pairs.pairs) == 6 and all(st.verified for st in mesh.coord.pairs.pairs.values())
+    before = mesh.coord.pairs.steps
+    for _ in range(3):
+        mesh.sync()                   # agents report nothing new, the coordinator ticks
+    assert mesh.coord.pairs.steps == before
+    stepped = []
+    real = paths.step
+    monkeypatch.setattr(paths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(
+        st, a, b, hs, now))
+    mesh.handshake(nodes[1], nodes[3], when=t + 1)
+    mesh.sync()
+    mesh.coord.tick()
+    assert stepped == [("n1", "n3")]
