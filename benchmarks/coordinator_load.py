@@ -1,22 +1,30 @@
-"""Coordinator load: 1000 agents long-polling the overlay API (on loopback, no namespaces).
+"""Coordinator load: the real coordinator service, loop included, with N agents long-polling on loopback.
 
-    python benchmarks/coordinator_load.py                    # 1000 agents, 40 s steady window
-    python benchmarks/coordinator_load.py --agents 200 --window 20    # quick
+    python benchmarks/coordinator_load.py                          # 100, 300 and 1000 members
+    python benchmarks/coordinator_load.py --sizes 200 --window 20  # quick
 
-The coordinator side is meshrun's own `CoordinatorService.handle_overlay` (the real sync
-handler, long-poll and CoordinatorDB with --agents enrolled members) served by meshrun's
-JSONServer on 127.0.0.1 in a separate process, so its CPU is measured alone
-(/proc/PID/stat utime+stime). The overlay API identifies callers by source address: each
-simulated agent binds its own 127.1.x.y, which the handler maps to that member's overlay IP.
-Agents are asyncio tasks in this process sending what agent.py sends: heartbeat with
-candidates and a report on every peer, `version`, `wait` = agent.SYNC_WAIT; after an answer
-they sync again at once (the agent loop).
+The coordinator is meshrun's `CoordinatorService` in a separate process (so its CPU is measured
+alone, /proc/PID/stat): its overlay API (the real sync handler, long-poll, member-list deltas and
+CoordinatorDB) served by meshrun's JSONServer on 127.0.0.1, and its real once-a-second loop
+(`_loop` -> `tick`: observe the device, advance the pair driver, publish, apply peers) on a
+FakeDevice, the device seam's in-memory implementation (WireGuard itself is not what is measured
+here). The fake device's handshakes move as WireGuard's do: each peer's every ~120 s (rekey).
 
-Measured: (1) idle long-poll load: coordinator CPU share over --window seconds in steady
-state; (2) p99 latency of a non-waiting sync (wait=0) issued by --probes agents once a
-second during that window; (3) change notification: one member joins; seconds until all
-long-polls returned with the new version (p50/p99/max).
-Targets: coordinator < 20% of one core, p99 sync latency < 100 ms.
+Agents are asyncio tasks in the driver process. Each binds its own 127.1.x.y, which the server maps to
+that member's overlay IP (the overlay API identifies callers by source address). Each sends what
+agent.py sends: candidates, its MTU, `version`, `delta`, and its handshake report with every other
+member, with real public keys: complete on the first sync, then the peers whose handshake changed
+since its last sync (each pair's WireGuard session rekeys every 120 s, so a sync after `wait` s
+reports about n * wait / 120 of them, each with a new handshake time): the pair driver advances
+exactly those pairs.
+
+Per size: (1) steady state: coordinator CPU share over --window seconds, CPU per loop tick (mean,
+p99, measured inside the loop thread), p99 latency of a non-waiting sync (wait=0) sent by --probes
+agents once a second; (2) join storm: 100 members join in 10 s (enrolled in the database, then the
+enrolment handler's own callback, which asks the loop for a tick), each starts its agent; seconds
+until all original agents hold a version that includes the joined member (p50/p99/max over the
+joins); (3) one removal: seconds until every agent holds the version without it.
+Targets: steady state < 10% of one core, p99 sync < 100 ms, a new member visible to all agents < 2 s.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,87 +48,130 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CANDIDATES = ["172.31.40.46:51820", "10.0.0.5:51820"]
 VERSION_RE = re.compile(rb'"version":\s*(\d+)')
+REKEY_S = 120.0
+STORM_JOINS, STORM_S = 100, 10.0
 
 
 def loop_ip(i: int) -> str:
     return f"127.1.{i // 250}.{i % 250 + 1}"
 
 
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
+
+
 # --------------------------------------------------------------------------- server process
 
 def server(args) -> int:
-    from meshrun.mesh import coordinator
-    from meshrun.core import keys
+    from dataclasses import replace
+
+    from meshrun.core import auth, keys
     from meshrun.core.model import Network
-    from meshrun.system.store import CoordinatorDB, StateDir
     from meshrun.core.token import new_token
-    from meshrun.system.transport import JSONServer, Request
+    from meshrun.mesh.coordinator.service import CoordinatorService
+    from meshrun.system.fakedevice import FakeDevice
+    from meshrun.system.store import CoordinatorDB, StateDir, remove_tree
+    from meshrun.system.transport import JSONServer
 
     tmp = Path(tempfile.mkdtemp(prefix="meshrun-load-"))
     state = StateDir(tmp / "state")
     state.create()
+    private = keys.generate_private_key()
+    state.write("private.key", (private + "\n").encode(), secret=True)   # the wg-quick file embeds it
     net = Network(name="load", cidr="10.213.0.0/16", interface="meshrun0", listen_port=51820, mtu=1420,
-                  coordinator_ip="10.213.0.1", coordinator_public_key=keys.public_key(keys.generate_private_key()),
+                  coordinator_ip="10.213.0.1", coordinator_public_key=keys.public_key(private),
                   endpoints=("203.0.113.1:51820",), fingerprint="0" * 64, api_port=51821)
     db = CoordinatorDB.create(state / "coordinator.db")
     db.set_meta(network=json.dumps(net.to_dict()))
     db.add_coordinator("coordinator", net.coordinator_public_key, net.coordinator_ip)
     tok = new_token(net.name, net.endpoints, net.fingerprint)
     db.add_token(tok.token_id, tok.secret, 3600, None)
-    mapping = {}
-    for i in range(args.agents):
-        m, _ = db.enrol(tok.token_id, tok.secret, f"n{i}", keys.public_key(keys.generate_private_key()),
-                        CANDIDATES, net.cidr)     # what its agent reports: no version bump per sync
-        mapping[loop_ip(i)] = m.overlay_ip
-    # Every member has synced once and has an observed endpoint, as in a running network.
+    mapping: dict[str, str] = {}
+    members = []
+    for i in range(args.agents + STORM_JOINS):
+        members.append((f"n{i}", keys.public_key(keys.generate_private_key()), loop_ip(i)))
+    for name, key, ip in members[:args.agents]:
+        m, _ = db.enrol(tok.token_id, tok.secret, name, key, CANDIDATES, net.cidr)
+        mapping[ip] = m.overlay_ip
+    # Every member has an observed endpoint (each its own public address), as in a running network.
     db.observe({m.public_key: (f"198.18.{j // 250}.{j % 250 + 1}:51820", int(time.time()))
                 for j, m in enumerate(db.members()) if not m.is_coordinator})
     db.close()
+    state.write("job.key", auth.encode_key(auth.new_key()).encode(), secret=True)
     state.write_json("member.json", {"role": "coordinator", "name": "coordinator", "network": net.to_dict(),
-                                     "overlay_ip": net.coordinator_ip})
-    svc = coordinator.CoordinatorService(state)
+                                     "overlay_ip": net.coordinator_ip, "public_key": net.coordinator_public_key})
+    device = FakeDevice(net.interface, present=True)
+    svc = CoordinatorService(state, device=device)
 
-    def handle(req: Request):
+    # CPU per tick, measured inside the loop thread.
+    tick_cpu: list[tuple[float, float]] = []
+    real_tick = svc.tick
+
+    def timed_tick(now=None):
+        t0 = time.thread_time()
+        real_tick(now)
+        tick_cpu.append((time.monotonic(), time.thread_time() - t0))
+    svc.tick = timed_tick
+
+    def rekeys() -> None:
+        """WireGuard's view on the coordinator: each node's session rekeys about every 120 s."""
+        while not svc.stop_event.is_set():
+            time.sleep(1.0)
+            peers = list(device._peers.values())
+            now = int(time.time())
+            for p in random.sample(peers, min(len(peers), max(1, round(len(peers) / REKEY_S)))):
+                device._peers[p.public_key] = replace(p, latest_handshake=now)
+
+    def handle(req):
         req.client_ip = mapping.get(req.client_ip, req.client_ip)
-        return svc.handle_overlay(req)
+        return svc.overlay.handle(req)
 
     srv = JSONServer(("127.0.0.1", 0), handle)
     srv.start("overlay")
-    print(json.dumps({"port": srv.server_address[1], "version": svc.version}), flush=True)
-    extra = 0
-    for line in sys.stdin:                      # "join": enrol one more member and notify
-        if line.strip() == "join":
-            extra += 1
-            db2 = CoordinatorDB(state / "coordinator.db")
-            db2.enrol(tok.token_id, tok.secret, f"late{extra}", keys.public_key(keys.generate_private_key()), [],
-                      net.cidr)
-            with svc.cond:                          # what CoordinatorService.tick does on a change
-                svc.version = svc.db.version()
-                svc.cond.notify_all()
-            print(json.dumps({"notified": time.monotonic(), "version": svc.version}), flush=True)
+    svc.apply_peers()
+    threading.Thread(target=svc._loop, name="loop", daemon=True).start()
+    threading.Thread(target=rekeys, name="rekeys", daemon=True).start()
+    print(json.dumps({"port": srv.server_address[1], "version": svc.roster.version,
+                      "keys": [k for _, k, _ in members]}), flush=True)
+
+    def say(**kw) -> None:
+        print(json.dumps(kw), flush=True)
+
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "ticks":                    # CPU per tick since a monotonic time
+            since = float(cmd[1])
+            say(ticks=[c for t, c in tick_cpu if t >= since])
+        elif cmd[0] == "storm":                  # STORM_JOINS joins spread over STORM_S
+            gap = STORM_S / STORM_JOINS
+            for j, (name, key, ip) in enumerate(members[args.agents:]):
+                t0 = time.monotonic()
+                m, _ = svc.db.enrol(tok.token_id, tok.secret, name, key, CANDIDATES, net.cidr)
+                mapping[ip] = m.overlay_ip
+                svc._enrolled(m)                 # what the enrolment API calls after recording a join
+                say(joined=j, at=t0, version=svc.db.version())
+                time.sleep(max(0.0, gap - (time.monotonic() - t0)))
+            say(storm="done")
+        elif cmd[0] == "remove":
+            t0 = time.monotonic()
+            svc.db.remove_member(cmd[1])
+            svc.wake.set()                       # what `meshrun remove` does through the admin API
+            say(removed=cmd[1], at=t0, version=svc.db.version())
+    svc.stop_event.set()
     srv.shutdown()
-    import shutil
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)
     return 0
 
 
 # --------------------------------------------------------------------------- agents
 
-def sync_body(n_peers: int, version: int, wait: float, full: bool = False) -> bytes:
-    """What agent.py sends: candidates, and {peer key: latest handshake} for the peers whose
-    handshake changed since its last acknowledged report. WireGuard rekeys an active tunnel every
-    120 s, so a steady-state long-poll of `wait` s reports about n_peers * wait / 120 of them
-    (all of them on the first sync, which the coordinator asks for with "report": "full")."""
-    count = n_peers if full else max(1, round(n_peers * max(wait, 1.0) / 120))
-    report = {f"{'k' * 40}{j:03d}==": int(time.time()) for j in range(count)}
-    return json.dumps({"candidates": CANDIDATES, "peers": report, "full": full,
-                       "version": version, "wait": wait}).encode()
-
-
 async def post_sync(port: int, src: str, body: bytes) -> tuple[int, int, float]:
     """One POST /v1/sync from `src`; returns (status, version, seconds)."""
     t0 = time.monotonic()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(src, 0), limit=1 << 22)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(src, 0), limit=1 << 24)
     writer.write(b"POST /v1/sync HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
     await writer.drain()
@@ -131,56 +183,79 @@ async def post_sync(port: int, src: str, body: bytes) -> tuple[int, int, float]:
 
 
 class Agents:
-    def __init__(self, port: int, n: int, wait: float, bodies: dict) -> None:
-        self.port, self.n, self.wait, self.bodies = port, n, wait, bodies
-        self.version = [0] * n
-        self.got_version_at: dict[int, dict[int, float]] = {}
-        self.overshoot: list[tuple[float, float]] = []   # (time, seconds past the wait) of idle answers
+    """Simulated agents; agent i has key keys[i] and source address loop_ip(i)."""
+
+    def __init__(self, port: int, keys: list[str], wait: float) -> None:
+        self.port, self.keys, self.wait = port, keys, wait
+        self.live = 0                              # agents 0..live-1 are members (others: not joined yet)
+        self.version: dict[int, int] = {}
+        self.last_sync: dict[int, float] = {}
+        self.got: dict[int, list[tuple[int, float]]] = {}   # agent -> [(version, when received)]
         self.errors = 0
+        self.gone: set[int] = set()
         self.stop = False
 
-    def body(self, version: int, wait: float, full: bool = False) -> bytes:
-        key = (version, wait, full)
-        if key not in self.bodies:
-            self.bodies[key] = sync_body(self.n - 1, version, wait, full)
-        return self.bodies[key]
+    def body(self, i: int, version: int, wait: float, full: bool) -> bytes:
+        others = [k for j, k in enumerate(self.keys[:self.live]) if j != i]
+        now = int(time.time())
+        if full:
+            report = {k: now for k in others}
+        else:
+            since = time.monotonic() - self.last_sync.get(i, time.monotonic())
+            count = min(len(others), max(0, round(len(others) * since / REKEY_S)))
+            report = {k: now for k in random.sample(others, count)}
+        self.last_sync[i] = time.monotonic()
+        return json.dumps({"candidates": CANDIDATES, "peers": report, "full": full, "mtu": 1420,
+                           "version": version, "wait": wait, "delta": True}).encode()
 
     async def agent(self, i: int, start_delay: float) -> None:
         await asyncio.sleep(start_delay)
         src = loop_ip(i)
+        full = True
         while not self.stop:
-            v = self.version[i]
+            v = self.version.get(i, 0)
             try:
-                # The first sync of an agent carries its complete report, as agent.py's does.
-                status, nv, secs = await post_sync(self.port, src, self.body(v, self.wait, full=(v == 0)))
+                status, nv, _ = await post_sync(self.port, src, self.body(i, v, 0 if full else self.wait, full))
             except OSError:
                 self.errors += 1
                 await asyncio.sleep(0.5)
                 continue
+            if status == 410:
+                self.gone.add(i)
+                return
             if status != 200:
                 self.errors += 1
                 await asyncio.sleep(0.5)
                 continue
-            now = time.monotonic()
+            full = False
             if nv != v:
-                self.got_version_at.setdefault(nv, {})[i] = now
-            else:
-                self.overshoot.append((now, secs - self.wait))
+                self.got.setdefault(i, []).append((nv, time.monotonic()))
             self.version[i] = nv
 
+    def reached(self, version: int, agents: range) -> list[float]:
+        """When each agent in `agents` first held a version >= `version` (missing: not yet)."""
+        out = []
+        for i in agents:
+            t = next((when for v, when in self.got.get(i, []) if v >= version), None)
+            if t is not None:
+                out.append(t)
+        return out
 
-async def probe(port: int, srcs: list[str], agents: Agents, seconds: float, out: list[float]) -> None:
+
+async def probe(port: int, agents: Agents, srcs: list[int], seconds: float, out: list[float]) -> None:
     """Non-waiting syncs (wait=0) from `srcs`, once a second each, for `seconds`."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        async def one(i, src):
+        async def one(i):
             try:
-                status, _, secs = await post_sync(port, src, agents.body(agents.version[i], 0.0))
+                body = json.dumps({"candidates": CANDIDATES, "peers": {}, "version": agents.version.get(i, 0),
+                                   "wait": 0, "delta": True, "mtu": 1420}).encode()
+                status, _, secs = await post_sync(port, loop_ip(i), body)
                 if status == 200:
                     out.append(secs)
             except OSError:
                 agents.errors += 1
-        await asyncio.gather(*(one(i, s) for i, s in srcs))
+        await asyncio.gather(*(one(i) for i in srcs))
         await asyncio.sleep(1.0)
 
 
@@ -189,95 +264,131 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def drive(args, port: int, proc: subprocess.Popen, version0: int) -> dict:
-    from meshrun.mesh.agent import SYNC_WAIT
-    agents = Agents(port, args.agents, SYNC_WAIT, {})
-    for i in range(args.agents):
-        agents.version[i] = 0
-    agents.body(0, SYNC_WAIT)
-    # Start spread over one long-poll period (real agents joined at different times).
-    tasks = [asyncio.create_task(agents.agent(i, random.uniform(0, SYNC_WAIT))) for i in range(args.agents)]
-    await asyncio.sleep(SYNC_WAIT + 5)          # every agent has done its first (immediate) sync
-    agents.overshoot.clear()
-    probes: list[float] = []
-    srcs = [(i, loop_ip(i)) for i in random.sample(range(args.agents), args.probes)]
-    c0, t0 = cpu_seconds(proc.pid), time.monotonic()
-    await probe(port, srcs, agents, args.window, probes)
-    c1, t1 = cpu_seconds(proc.pid), time.monotonic()
-    idle_cpu = (c1 - c0) / (t1 - t0)
-    overshoot = [s for t, s in agents.overshoot if t0 <= t <= t1]
-    idle_answers = len(overshoot)
+class Server:
+    def __init__(self, agents: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--server", "--agents", str(agents)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.hello = json.loads(self.proc.stdout.readline())
 
-    # Change notification: one member joins; every long-poll should return with the new version.
-    waiting_before = sum(1 for v in agents.version if v >= version0)
-    proc.stdin.write("join\n")
-    proc.stdin.flush()
-    loop = asyncio.get_running_loop()
-    line = await loop.run_in_executor(None, proc.stdout.readline)
-    note = json.loads(line)
-    deadline = time.monotonic() + 30
-    c2 = cpu_seconds(proc.pid)
-    while time.monotonic() < deadline and len(agents.got_version_at.get(note["version"], {})) < args.agents:
-        await asyncio.sleep(0.05)
-    got = agents.got_version_at.get(note["version"], {})
-    lat = sorted(t - note["notified"] for t in got.values())
-    c3 = cpu_seconds(proc.pid)
+    async def ask(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return json.loads(await asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline))
+
+    async def read(self) -> dict:
+        return json.loads(await asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def one_size(n: int, args) -> dict:
+    from meshrun.mesh.agent import SYNC_WAIT
+    srv = Server(n)
+    port, pid = srv.hello["port"], srv.proc.pid
+    agents = Agents(port, srv.hello["keys"], SYNC_WAIT)
+    agents.live = n
+    t_setup = time.monotonic()
+    tasks = [asyncio.create_task(agents.agent(i, random.uniform(0, 5))) for i in range(n)]
+    # Every agent has made its first (complete) report and the pairs are judged; then a long-poll
+    # period so the reports are the steady trickle.
+    await asyncio.sleep(SYNC_WAIT + 10)
+    probes: list[float] = []
+    c0, t0 = cpu_seconds(pid), time.monotonic()
+    await probe(port, agents, random.sample(range(n), min(args.probes, n)), args.window, probes)
+    c1, t1 = cpu_seconds(pid), time.monotonic()
+    ticks = (await srv.ask(f"ticks {t0}"))["ticks"]
+
+    # Join storm: STORM_JOINS members in STORM_S; each starts its agent once enrolled.
+    c2 = cpu_seconds(pid)
+    srv.proc.stdin.write("storm\n")
+    srv.proc.stdin.flush()
+    joins = []
+    while True:
+        msg = await srv.read()
+        if "storm" in msg:
+            break
+        joins.append(msg)
+        agents.live = n + msg["joined"] + 1
+        tasks.append(asyncio.create_task(agents.agent(n + msg["joined"], 0)))
+    await asyncio.sleep(5)
+    visible = []
+    for j in joins:
+        seen = agents.reached(j["version"], range(n))
+        visible.append(max(seen) - j["at"] if len(seen) == n else float("inf"))
+    storm_cpu = cpu_seconds(pid) - c2
+
+    # One removal: every remaining agent learns of it.
+    victim = n // 2
+    rem = await srv.ask(f"remove n{victim}")
+    await asyncio.sleep(5)
+    others = [i for i in range(n) if i != victim]
+    seen = [t for i in others for t in agents.reached(rem["version"], range(i, i + 1))]
+    removal_s = max(seen) - rem["at"] if len(seen) == len(others) else float("inf")
+
     agents.stop = True
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-    def pct(xs, q):
-        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
-    probes.sort()
-    return {"agents": args.agents, "sync_wait_s": SYNC_WAIT, "window_s": round(t1 - t0, 2),
-            "idle_cpu_share": idle_cpu, "idle_syncs_per_s": idle_answers / (t1 - t0),
-            "idle_overshoot_p99_s": pct(sorted(overshoot), 0.99),
-            "probe_syncs": len(probes), "sync_latency_p50_s": pct(probes, 0.5), "sync_latency_p99_s": pct(probes, 0.99),
-            "sync_latency_max_s": probes[-1] if probes else None,
-            "notify_received": len(got), "notify_waiting_before": waiting_before,
-            "notify_p50_s": pct(lat, 0.5), "notify_p99_s": pct(lat, 0.99), "notify_max_s": lat[-1] if lat else None,
-            "notify_cpu_s": c3 - c2, "errors": agents.errors}
+    srv.close()
+    def finite(x):                     # JSON has no infinity: null means "not every agent got it in time"
+        return None if x is None or x == float("inf") else x
+    return {"members": n, "window_s": round(t1 - t0, 2), "cpu_share": (c1 - c0) / (t1 - t0),
+            "ticks": len(ticks), "tick_cpu_ms_mean": 1e3 * statistics.fmean(ticks) if ticks else None,
+            "tick_cpu_ms_p99": 1e3 * pct(ticks, 0.99) if ticks else None,
+            "probe_syncs": len(probes), "sync_p50_ms": 1e3 * (pct(probes, 0.5) or 0),
+            "sync_p99_ms": 1e3 * (pct(probes, 0.99) or 0),
+            "storm_joins": len(joins), "join_visible_p50_s": pct(visible, 0.5),
+            "join_visible_p99_s": finite(pct(visible, 0.99)),
+            "join_visible_max_s": finite(max(visible)) if visible else None,
+            "storm_cpu_s": storm_cpu, "removal_visible_s": finite(removal_s), "removed_agent_told": victim in agents.gone,
+            "errors": agents.errors, "setup_s": round(t0 - t_setup, 1)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--agents", type=int, default=1000)
-    ap.add_argument("--window", type=float, default=40, help="steady-state measuring window, seconds")
+    ap.add_argument("--agents", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", default="100,300,1000", help="member counts, comma-separated")
+    ap.add_argument("--window", type=float, default=30, help="steady-state measuring window, seconds")
     ap.add_argument("--probes", type=int, default=20, help="agents also sending a wait=0 sync every second")
     ap.add_argument("--name", default="coordinator_load")
     args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")] if not args.server else [args.agents]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8 * args.agents + 1024)), hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8 * (max(sizes) + STORM_JOINS) + 1024)), hard))
     if args.server:
         return server(args)
-    if not 1 <= args.agents <= 62500:
-        sys.exit("--agents must be 1 to 62500")
+    if not all(2 <= s <= 62000 for s in sizes):
+        sys.exit("--sizes: each member count must be 2 to 62000")
     from common import verdict, write_result
     t_start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, __file__, "--server", "--agents", str(args.agents)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        hello = json.loads(proc.stdout.readline())
-        res = asyncio.run(drive(args, hello["port"], proc, hello["version"]))
-    finally:
-        if proc.poll() is None:
-            proc.stdin.close()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    ok_cpu = res["idle_cpu_share"] < 0.20
-    ok_lat = res["sync_latency_p99_s"] is not None and res["sync_latency_p99_s"] < 0.100
-    summary = (f"coordinator_load: {args.agents} agents long-polling: coordinator CPU {res['idle_cpu_share']:.1%} "
-               f"of one core ({verdict(ok_cpu)} < 20%), p99 sync latency {res['sync_latency_p99_s'] * 1e3:.0f} ms "
-               f"({verdict(ok_lat)} < 100 ms); change reached {res['notify_received']}/{args.agents} long-polls in "
-               f"p50 {res['notify_p50_s'] or 0:.2f} s / p99 {res['notify_p99_s'] or 0:.2f} s; errors {res['errors']} "
-               f"[{time.monotonic() - t_start:.0f} s]")
-    write_result(args.name, {**res, "targets": {"idle_cpu_share": 0.20, "sync_latency_p99_s": 0.100},
-                             "met": {"idle_cpu_share": ok_cpu, "sync_latency_p99_s": ok_lat}}, summary)
+    rows = []
+    for n in sizes:
+        rows.append(asyncio.run(one_size(n, args)))
+        print(json.dumps(rows[-1]), flush=True)
+    big = rows[-1]
+
+    def secs(x):
+        return "not reached by every agent within 5 s" if x is None else f"{x:.2f} s"
+    ok_cpu = big["cpu_share"] < 0.10
+    ok_lat = big["sync_p99_ms"] < 100
+    ok_join = big["join_visible_max_s"] is not None and big["join_visible_max_s"] < 2.0
+    growth = ", ".join(f"{r['members']}: {r['tick_cpu_ms_mean']:.2f} ms/tick, {r['cpu_share']:.1%}" for r in rows)
+    summary = (f"coordinator_load (real loop): {big['members']} members: coordinator CPU {big['cpu_share']:.1%} of "
+               f"one core ({verdict(ok_cpu)} < 10%), p99 sync {big['sync_p99_ms']:.0f} ms ({verdict(ok_lat)} < 100 ms); "
+               f"join storm {big['storm_joins']} in {STORM_S:g} s: each visible to all in p50 "
+               f"{big['join_visible_p50_s']:.2f} s / max {secs(big['join_visible_max_s'])} ({verdict(ok_join)} < 2 s); "
+               f"removal {secs(big['removal_visible_s'])}; per tick: {growth}; errors "
+               f"{sum(r['errors'] for r in rows)} [{time.monotonic() - t_start:.0f} s]")
+    write_result(args.name, {"sizes": rows, "targets": {"cpu_share": 0.10, "sync_p99_ms": 100, "join_visible_s": 2.0},
+                             "met": {"cpu_share": ok_cpu, "sync_p99_ms": ok_lat, "join_visible_s": ok_join}}, summary)
     return 0
 
 

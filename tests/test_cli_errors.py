@@ -105,6 +105,14 @@ class TestJoin:
                                        "e.g. --endpoint 198.51.100.7")
         assert not state.exists()
 
+    @pytest.mark.parametrize("endpoint", ["2001:db8::7", "[2001:db8::7]:51820"])
+    def test_ipv6_endpoint_is_refused(self, run, state, endpoint):
+        res = run("join", valid_token(), "--name", "gpu-a", "--endpoint", endpoint)
+        assert res.exit_code == 2
+        assert one_error_line(res) == (f"--endpoint {endpoint!r} is an IPv6 address; meshrun's underlay is IPv4 "
+                                       "only; give this machine's public IPv4 address, or a DNS name with an A record")
+        assert not state.exists()
+
 
 class TestToken:
     def test_list_without_state(self, run, state):
@@ -160,6 +168,9 @@ class TestInit:
         (["--ttl", "5y"], "--ttl '5y' is not a duration between 1s and 30d; write it as a number and a unit, "
                           "e.g. --ttl 12h, 30m or 2d"),
         (["--port", "0"], "--port 0 is not a usable port; pick 1-65534, e.g. --port 51820"),
+        (["--endpoint", "[2001:db8::1]:51820"], "--endpoint '[2001:db8::1]:51820' is an IPv6 address; meshrun's "
+                                                 "underlay is IPv4 only; give this machine's public IPv4 address, "
+                                                 "or a DNS name with an A record"),
         (["--network", "Bad"], "--network 'Bad' is not a valid name; use 1-32 lower-case letters, digits and '-', "
                                "starting with a letter or digit, e.g. --network gpu-a"),
         (["--uses", "0"], "--uses 0 must be at least 1; leave it out for unlimited uses until expiry"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 from meshrun.mesh.status import _age, _bytes, render
 
@@ -58,3 +59,18 @@ def test_age():
 def test_bytes():
     assert [_bytes(n) for n in (0, 1023, 1024, 1536, 1024 ** 3, 5 * 1024 ** 4)] == [
         "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 GiB", "5120.0 GiB"]
+
+
+def test_a_large_mesh_shows_counts_and_the_worst_few_and_all_rows_on_request():
+    st = copy.deepcopy(STATUS)
+    st["peers"] = [{"name": f"n{i}", "overlay_ip": f"10.213.1.{i}", "endpoint": f"198.18.0.{i}:51820",
+                    "handshake_age_s": 10, "rx_bytes": 0, "tx_bytes": 0, "path": "direct (public)", "latency_ms": None}
+                   for i in range(30)]
+    st["peers"][17].update(handshake_age_s=None, endpoint=None, path="relayed")   # never handshaken
+    st["peers"][4].update(handshake_age_s=900)                                    # stale
+    text = render(st)
+    assert "30 peers: direct (public) 29, relayed 1; handshake < 3 min 28, older 1, never 1" in text, text
+    names = [line.split()[0] for line in text.splitlines() if re.match(r"n\d+ ", line)]
+    assert names[:2] == ["n17", "n4"] and len(names) == 5          # the worst first, five of them
+    full = render(st, full=True)
+    assert sum(bool(re.match(r"n\d+ ", line)) for line in full.splitlines()) == 30 and "worst" not in full

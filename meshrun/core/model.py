@@ -107,6 +107,22 @@ def parse_endpoint(value: str, default_port: int | None = None) -> str:
     return f"{host}:{int(port)}"
 
 
+def refuse_ipv6(value: str) -> None:
+    """UsageError when `value` (HOST, HOST:PORT or [V6]:PORT, as given to --endpoint) is an IPv6
+    address: enrolment, NAT traversal and the MTU probes are IPv4 only, and a half-working IPv6
+    underlay would fail later, on another machine, with a worse message."""
+    from meshrun.errors import UsageError
+    host = value.strip()
+    if host.startswith("["):
+        host = host[1:].split("]", 1)[0]
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return
+    raise UsageError(f"--endpoint {value!r} is an IPv6 address; meshrun's underlay is IPv4 only",
+                     "give this machine's public IPv4 address, or a DNS name with an A record")
+
+
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     """'host:port' or '[v6]:port' (as parse_endpoint returns it) -> (host without brackets, port)."""
     host, _, port = endpoint.rpartition(":")

@@ -17,20 +17,20 @@ def render_quick(private_key: str, address: str, listen_port: int, mtu: int,
 
     It holds the private key: whoever writes it must make the file 0600.
     """
-    cfg = wgconfig.WGConfig()
-    if comment:
-        cfg.lines.extend(f"# {line}" for line in comment.splitlines())
-    cfg.add_attr(None, "PrivateKey", private_key)
-    cfg.add_attr(None, "Address", address)
-    cfg.add_attr(None, "ListenPort", listen_port)
-    cfg.add_attr(None, "MTU", mtu)
+    # The lines are laid out here, in wgconfig's format, and parsed once: wgconfig's add_peer and
+    # add_attr re-parse the whole file on every call, which took 50 s for a node with 1000 peers.
+    lines = ["[Interface]", *(f"# {line}" for line in comment.splitlines()),
+             f"PrivateKey = {private_key}", f"Address = {address}", f"ListenPort = {listen_port}", f"MTU = {mtu}"]
     for p in sorted(peers, key=lambda p: p.public_key):
-        cfg.add_peer(p.public_key, f"# {p.name}" if p.name else None)
-        cfg.add_attr(p.public_key, "AllowedIPs", ", ".join(p.allowed_ips))
+        lines += ["", *([f"# {p.name}"] if p.name else []), "[Peer]", f"PublicKey = {p.public_key}",
+                  f"AllowedIPs = {', '.join(p.allowed_ips)}"]
         if p.endpoint:
-            cfg.add_attr(p.public_key, "Endpoint", p.endpoint)
+            lines.append(f"Endpoint = {p.endpoint}")
         if p.keepalive:
-            cfg.add_attr(p.public_key, "PersistentKeepalive", p.keepalive)
+            lines.append(f"PersistentKeepalive = {p.keepalive}")
+    cfg = wgconfig.WGConfig()
+    cfg.lines = lines
+    cfg.parse_lines()        # raises on a malformed section, as add_peer/add_attr would
     out = io.StringIO()
     cfg.write_to_fileobj(out)
     return out.getvalue()

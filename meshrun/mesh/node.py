@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from meshrun.core import auth, keys
 from meshrun.core.model import (Member, Network, check_mtu, check_name, default_node_name, overlay_mtu,
-                                parse_endpoint, split_endpoint)
+                                parse_endpoint, refuse_ipv6, split_endpoint)
 from meshrun.core.token import JoinToken, parse_token
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, UsageError
 from meshrun.mesh import daemon, iface, member
@@ -86,6 +86,7 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
         check_mtu(mtu)
     advertised = []
     if endpoint:
+        refuse_ipv6(endpoint)
         try:
             advertised = [parse_endpoint(endpoint, default_port=split_endpoint(tok.endpoints[0])[1])]
         except ValueError as exc:

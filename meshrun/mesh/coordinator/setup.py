@@ -13,7 +13,7 @@ from pathlib import Path
 
 from meshrun.core import auth, ipam, keys
 from meshrun.core.model import (DEFAULT_IFACE, DEFAULT_MTU, DEFAULT_PORT, Network, check_interface, check_mtu,
-                                check_name, check_port, parse_endpoint)
+                                check_name, check_port, parse_endpoint, refuse_ipv6)
 from meshrun.core.token import new_token, parse_duration
 from meshrun.errors import MeshrunError, StateError, UsageError
 from meshrun.mesh import daemon, iface
@@ -66,6 +66,7 @@ def check_init_options(opts: InitOptions) -> None:
 
 
 def _endpoint(host: str, port: int) -> str:
+    refuse_ipv6(host)
     try:
         return parse_endpoint(host, default_port=port)
     except ValueError as exc:
