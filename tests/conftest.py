@@ -6,12 +6,14 @@ that silently skips the end-to-end tests proves nothing.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import secrets
 import shutil
 import subprocess
 from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Callable
 
 import pytest
@@ -40,6 +42,34 @@ def unique_prefix() -> str:
     return "t" + secrets.token_hex(2)
 
 
+def _world(dcs, prefix: str, **kw):
+    """World.standard(dcs) for a count, else World(dcs): a list of DatacenterSpecs."""
+    from meshrun.lab.testbed import World
+    return World.standard(dcs, prefix=prefix, **kw) if isinstance(dcs, int) else World(dcs, prefix=prefix, **kw)
+
+
+@contextlib.contextmanager
+def joined_mesh(tmp_path_factory, dcs, coordinator: str, nodes: Sequence[str]) -> Iterator:
+    """A world (`dcs` as for world_factory) with meshrun init on `coordinator` and `nodes` joined, for a
+    module-scoped fixture; torn down on exit. Skips where namespaces cannot be built (in CI,
+    pytest_runtest_setup fails the netns tests instead)."""
+    from meshrun.lab.testbed import Mesh
+    reason = netns_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    prefix = unique_prefix()
+    world = _world(dcs, prefix, workdir=tmp_path_factory.mktemp(prefix))
+    try:
+        world.up()
+        mesh = Mesh(world, coordinator)
+        mesh.init()
+        for n in nodes:
+            mesh.join(n)
+        yield mesh
+    finally:
+        world.down()
+
+
 @pytest.fixture
 def world_factory(tmp_path: Path) -> Callable:
     """Build testbed Worlds with a fresh prefix each; every one is torn down after the test.
@@ -54,7 +84,7 @@ def world_factory(tmp_path: Path) -> Callable:
     def make(dcs, *, up: bool = True, **kw) -> World:
         prefix = kw.pop("prefix", None) or unique_prefix()
         kw.setdefault("workdir", tmp_path / prefix)
-        world = World.standard(dcs, prefix=prefix, **kw) if isinstance(dcs, int) else World(dcs, prefix=prefix, **kw)
+        world = _world(dcs, prefix, **kw)
         worlds.append(world)
         return world.up() if up else world
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import joined_mesh
 from meshrun.lab.testbed import Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -61,21 +62,8 @@ ELASTIC = ("--nnodes", "2:3", "--nodes", "dc2-a,dc3-a,dc4-a", "--max-restarts", 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    from conftest import netns_unavailable_reason, unique_prefix
-    from meshrun.lab.testbed import World
-    if netns_unavailable_reason():
-        pytest.skip(netns_unavailable_reason())
-    prefix = unique_prefix()
-    world = World.standard(4, prefix=prefix, workdir=tmp_path_factory.mktemp(prefix))
-    try:
-        world.up()
-        mesh = Mesh(world, "dc1-a")
-        mesh.init()
-        for n in ("dc2-a", "dc3-a", "dc4-a"):
-            mesh.join(n)
-        yield mesh
-    finally:
-        world.down()
+    with joined_mesh(tmp_path_factory, 4, "dc1-a", ("dc2-a", "dc3-a", "dc4-a")) as m:
+        yield m
 
 
 class Job:

@@ -8,35 +8,23 @@ import re
 
 import pytest
 
-from conftest import unique_prefix
+from conftest import joined_mesh
 from meshrun.core.model import DEFAULT_IFACE
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World
+from meshrun.lab.testbed import DatacenterSpec
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    from conftest import netns_unavailable_reason
-    if netns_unavailable_reason():
-        pytest.skip(netns_unavailable_reason())
-    prefix = unique_prefix()
-    world = World([DatacenterSpec("dc1"), DatacenterSpec("dc2"), DatacenterSpec("dc3", nat="cone")],
-                  prefix=prefix, workdir=tmp_path_factory.mktemp(prefix))
-    try:
-        world.up()
-        m = Mesh(world, "dc1-a")
-        m.init()
-        for n in ("dc2-a", "dc3-a"):
-            m.join(n)
+    dcs = [DatacenterSpec("dc1"), DatacenterSpec("dc2"), DatacenterSpec("dc3", nat="cone")]
+    with joined_mesh(tmp_path_factory, dcs, "dc1-a", ("dc2-a", "dc3-a")) as m:
         ips = {n: m.overlay_ip(n) for n in ("dc1-a", "dc2-a", "dc3-a")}
         for a in ips:
             for b in ips:
                 if a != b:
                     m.wait_ping(a, ips[b], timeout=60)
         yield m
-    finally:
-        world.down()
 
 
 def _lines(out: str) -> dict[str, list[str]]:

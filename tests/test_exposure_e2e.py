@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import unique_prefix
+from conftest import joined_mesh
 from meshrun.core import auth
-from meshrun.lab.testbed import Mesh, World, sh
+from meshrun.lab.testbed import Mesh, sh
 from meshrun.system.procs import alive
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -76,20 +76,8 @@ time.sleep(3600)
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    from conftest import netns_unavailable_reason
-    if netns_unavailable_reason():
-        pytest.skip(netns_unavailable_reason())
-    prefix = unique_prefix()
-    world = World.standard(4, prefix=prefix, workdir=tmp_path_factory.mktemp(prefix))
-    try:
-        world.up()
-        m = Mesh(world, "dc1-a")
-        m.init()
-        for n in ("dc2-a", "dc3-a"):
-            m.join(n)
+    with joined_mesh(tmp_path_factory, 4, "dc1-a", ("dc2-a", "dc3-a")) as m:
         yield m
-    finally:
-        world.down()
 
 
 def listeners(mesh: Mesh, name: str, proto: str = "t") -> list[tuple[str, int]]:

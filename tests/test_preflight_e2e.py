@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import unique_prefix
-from meshrun.lab.testbed import Mesh, World
+from conftest import joined_mesh
+from meshrun.lab.testbed import Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -27,20 +27,8 @@ TRAIN = "import torch\nprint('training', torch.__version__)\n"
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    from conftest import netns_unavailable_reason
-    if netns_unavailable_reason():
-        pytest.skip(netns_unavailable_reason())
-    prefix = unique_prefix()
-    world = World.standard(4, prefix=prefix, workdir=tmp_path_factory.mktemp(prefix))
-    try:
-        world.up()
-        m = Mesh(world, "dc1-a")
-        m.init()
-        for n in ("dc2-a", "dc3-a", "dc4-a"):
-            m.join(n)
+    with joined_mesh(tmp_path_factory, 4, "dc1-a", ("dc2-a", "dc3-a", "dc4-a")) as m:
         yield m
-    finally:
-        world.down()
 
 
 def _procs_in(mesh: Mesh, name: str, needle: str) -> list[str]:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import unique_prefix
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World
+from conftest import joined_mesh
+from meshrun.lab.testbed import DatacenterSpec, Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -19,21 +19,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    from conftest import netns_unavailable_reason
-    if netns_unavailable_reason():
-        pytest.skip(netns_unavailable_reason())
-    prefix = unique_prefix()
-    world = World([DatacenterSpec("hq"), DatacenterSpec("dc1"), DatacenterSpec("dc2"), DatacenterSpec("dc3")],
-                  prefix=prefix, workdir=tmp_path_factory.mktemp(prefix))
-    try:
-        world.up()
-        m = Mesh(world, "hq-a")
-        m.init()
-        for n in ("dc1-a", "dc2-a", "dc3-a"):
-            m.join(n)
+    with joined_mesh(tmp_path_factory, [DatacenterSpec(n) for n in ("hq", "dc1", "dc2", "dc3")], "hq-a",
+                     ("dc1-a", "dc2-a", "dc3-a")) as m:
         yield m
-    finally:
-        world.down()
 
 
 def train(mesh: Mesh, *args: str, check: bool = False, timeout: float = 240) -> subprocess.CompletedProcess:
