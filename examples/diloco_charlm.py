@@ -98,12 +98,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU threads per worker [0: the node's cores / its local workers]; set it when "
                         "several nodes share one machine (e.g. the namespace testbed)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--step-time", type=float, default=0.0,
+                   help="pad every inner step to at least this many seconds, to stand in for a GPU step on a "
+                        "CPU-only testbed [0: no padding]")
     args = p.parse_args(argv)
     for name in ("steps", "sync_every", "batch_size", "seq_len", "hidden", "val_batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     if args.threads < 0:
         p.error(f"--threads={args.threads} must be 0 (automatic) or more")
+    if args.step_time < 0:
+        p.error(f"--step-time={args.step_time} must be 0 (no padding) or more")
     return args
 
 
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     window_loss, window_n = 0.0, 0
     for step in range(first, args.steps + 1):
+        started = time.perf_counter()
         x, y = next(data)
         loss = nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -211,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{label} train_loss={window_loss / window_n:.4f} bytes_sent={bytes_sent(step)}", flush=True)
         if report:
             window_loss, window_n = 0.0, 0
+        time.sleep(max(0.0, args.step_time - (time.perf_counter() - started)))
     if isinstance(opt, DiLoCo):
         opt.finish()  # end on the global model, the same on every worker
         digest = state_digest(list(opt.global_parameters().values())) & (2**64 - 1)
