@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 APT_PKGS=(iproute2 iptables wireguard-tools wireguard-go iputils-ping iperf3 procps util-linux)
+# The tests' VM (tests/vm.py): Debian's kernel (WireGuard and netem as modules) under QEMU, booted by
+# virtme-ng (a test dependency in pyproject.toml); mke2fs -d (e2fsprogs) builds its Python image.
+VM_APT_PKGS=(qemu-system-x86 linux-image-amd64 e2fsprogs)
 PY=${PYTHON:-python3}
 TORCH=${MESHRUN_TORCH:-torch==2.13.0}
 # wireguard-go before this release has no batched I/O: 4-6x slower (README, Performance).
@@ -55,6 +58,18 @@ install_system() {
   fast_wireguard_go
 }
 
+# Best effort: elsewhere than Debian the kernel package has another name; the VM test then says
+# what is missing (skipped outside CI, failed in CI).
+install_vm() {
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 0
+  local missing=()
+  for p in "${VM_APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -gt 0 ] || return 0
+  echo "dev.sh: apt-get install ${missing[*]} (the kernel WireGuard + netem VM test)" >&2
+  apt-get update -qq || true
+  apt_install "${missing[@]}" || echo "dev.sh: could not install ${missing[*]}: the VM test will not run" >&2
+}
+
 install_python() {
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH"
@@ -64,6 +79,6 @@ install_python() {
 case "${1:-}" in
   install) install_system; install_python ;;
   demo) install_system; install_python; shift; exec .venv/bin/meshrun demo "$@" ;;
-  test) install_system; install_python; shift; exec .venv/bin/python -m pytest -q -ra tests "$@" ;;
+  test) install_system; install_vm; install_python; shift; exec .venv/bin/python -m pytest -q -ra tests "$@" ;;
   *) echo "usage: ./dev.sh demo|test|install" >&2; exit 2 ;;
 esac

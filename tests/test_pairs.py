@@ -238,3 +238,27 @@ def test_the_coordinator_loop_steps_no_pair_without_news_and_one_for_one_handsha
     mesh.sync()
     mesh.coord.tick()
     assert stepped == [("n1", "n3")]
+
+
+def test_a_mass_start_is_judged_in_slices_and_urgent_pairs_do_not_wait(db):
+    """60 nodes judged at once (1769 new pairs) with a slice of 500: four updates create every pair, each
+    creating at most 500 besides the urgent steps (a changed handshake is stepped in the first)."""
+    drv = PairDriver(db)
+    drv.bulk_per_update = 500
+    members = [node(i) for i in range(60)]
+    report_all(drv, members[:2], int(T0))
+    drv.update(members[:2], T0)                       # one pair, created and verified
+    drv.update(None, T0 + 1)
+    assert len(drv.pairs) == 1
+    report_all(drv, members, int(T0) + 2)             # everyone's first report at once; n0-n1 has news
+    sizes = []
+    for t in range(2, 10):
+        before = drv.steps
+        drv.update(members if t == 2 else None, T0 + t)
+        sizes.append(drv.steps - before)
+        if not drv.backlog:
+            break
+    assert len(drv.pairs) == 60 * 59 // 2 and all(st.verified for st in drv.pairs.values())
+    # The urgent n0-n1 + a slice; then last update's new pairs (looked at once more) + a slice each.
+    assert sizes == [1 + 500, 500 + 500, 500 + 500, 500 + 269], sizes
+    assert drv.pairs == db.pairs()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,35 @@ def test_kill_tree_stops_grandchildren_in_other_sessions(tmp_path):
         for p in procs.descendants(root.pid):
             os.kill(p, signal.SIGKILL)
         root.kill()
+
+
+def test_the_lock_names_its_holder_on_an_overlay_file_system(script, tmp_path):
+    """State on overlayfs (a container's root, the test VM's /tmp): /proc/locks names the upper layer's
+    device, stat() the overlay's. Liveness (status, stop) must still find the daemon: it did not in the VM."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting an overlay needs root")
+    lower = tmp_path / "lower"       # lower on another file system than upper: the devices then differ
+    for d in ("upper", "work", "merged"):
+        (tmp_path / d).mkdir()
+    lower.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(lower)], check=True)
+    try:
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                        f"lowerdir={lower},upperdir={tmp_path / 'upper'},workdir={tmp_path / 'work'}",
+                        str(tmp_path / "merged")], check=True)
+        try:
+            merged = tmp_path / "merged"
+            pid = spawn(script, merged, "ok")
+            try:
+                st = (merged / "d.lock").stat()
+                locks = Path("/proc/locks").read_text()
+                assert f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}" not in locks  # the trap
+                lock = procs.DaemonLock(merged / "d.lock")
+                assert lock.holder() == pid
+                assert lock.stop(timeout=5) is True and not procs.alive(pid)
+            finally:
+                procs.signal_pid(pid, signal.SIGKILL)
+        finally:
+            subprocess.run(["umount", str(tmp_path / "merged")], check=True)
+    finally:
+        subprocess.run(["umount", str(lower)], check=True)

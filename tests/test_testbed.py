@@ -259,3 +259,24 @@ def test_failed_up_tears_down_and_names_the_command(world_factory, monkeypatch):
         w.up()
     assert "tc qdisc add" in str(info.value) and "nosuchqdisc" in str(info.value)
     assert not set(w.namespaces) & set(testbed._list_netns())
+
+
+@pytest.mark.parametrize("spec, qdisc", [
+    (DatacenterSpec("dc1"), []),
+    (DatacenterSpec("dc1", rate_mbit=200), ["tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms"]),
+    (DatacenterSpec("dc1", delay_ms=25, loss_pct=1), ["netem", "delay", "25ms", "loss", "1%", "limit", "10000"]),
+    (DatacenterSpec("dc1", delay_ms=2.5, rate_mbit=100),
+     ["netem", "delay", "2.5ms", "loss", "0%", "limit", "10000", "rate", "100mbit"]),
+])
+def test_wan_link_qdisc(spec, qdisc):
+    """Delay or loss make the WAN link a netem (which then also limits the rate); rate alone a tbf."""
+    assert testbed._wan_qdisc(spec) == qdisc
+
+
+@pytest.mark.parametrize("kw, word", [({"delay_ms": -1}, "delay -1"), ({"delay_ms": 20_000}, "delay 20000"),
+                                      ({"loss_pct": 100}, "loss 100%"), ({"loss_pct": -0.5}, "loss -0.5%")])
+def test_bad_delay_or_loss_is_refused_with_the_range(kw, word):
+    from meshrun.errors import UsageError
+    with pytest.raises(UsageError) as info:
+        DatacenterSpec("dc1", **kw).validate()
+    assert word in str(info.value) and "use 0 to" in str(info.value)

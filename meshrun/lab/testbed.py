@@ -77,7 +77,14 @@ class DatacenterSpec:
     nat: str = "one-to-one"        # "one-to-one" | "cone" | "symmetric"
     nodes: int = 1
     mtu: int = 1500                # MTU of the gateway's internet link (a small-MTU underlay hop)
-    rate_mbit: int | None = None   # tbf shaping of the gateway's internet link, both directions
+    rate_mbit: int | None = None   # shaping of the gateway's internet link, both directions
+    delay_ms: float = 0.0          # netem delay on the internet link, each direction (a WAN's latency)
+    loss_pct: float = 0.0          # netem loss on the internet link, each direction
+
+    @property
+    def netem(self) -> bool:
+        """Delay or loss asked for: the link needs netem (a kernel with sch_netem, e.g. the test VM)."""
+        return self.delay_ms > 0 or self.loss_pct > 0
 
     def validate(self) -> None:
         """Raise UsageError for a name, NAT kind, node count, MTU or rate the testbed cannot build."""
@@ -95,6 +102,26 @@ class DatacenterSpec:
         if self.rate_mbit is not None and self.rate_mbit <= 0:
             raise UsageError(f"datacenter {self.name}: rate {self.rate_mbit} Mbit/s must be positive",
                              "give a positive rate or None for no shaping")
+        if not 0 <= self.delay_ms <= 10_000:
+            raise UsageError(f"datacenter {self.name}: delay {self.delay_ms} ms is out of range", "use 0 to 10000 ms")
+        if not 0 <= self.loss_pct < 100:
+            raise UsageError(f"datacenter {self.name}: loss {self.loss_pct}% is out of range",
+                             "use 0 to below 100 percent")
+
+
+def _wan_qdisc(dc: DatacenterSpec) -> list[str]:
+    """The tc qdisc (kind and parameters) of a datacenter's internet link, each direction; [] for none.
+
+    Delay or loss need netem, which then also does the rate limiting; rate alone is a tbf, which every
+    kernel has (this project's hosts have no netem: only the test VM's Debian kernel does).
+    """
+    if dc.netem:
+        qdisc = ["netem", "delay", f"{dc.delay_ms:g}ms", "loss", f"{dc.loss_pct:g}%",
+                 "limit", "10000"]   # a WAN queue: netem's default of 1000 packets drops bursts at 100 ms
+        return qdisc + (["rate", f"{dc.rate_mbit}mbit"] if dc.rate_mbit else [])
+    if dc.rate_mbit:
+        return ["tbf", "rate", f"{dc.rate_mbit}mbit", "burst", "256kb", "latency", "50ms"]
+    return []
 
 
 @dataclass
@@ -343,10 +370,10 @@ class World:
         sh(["ip", "-n", g, "link", "set", "wan0", "up"])
         sh(["ip", "-n", inet, "link", "set", gw.inet_ifname, "up"])
         sh(["ip", "-n", g, "route", "add", "default", "via", gw.inet_ip])
-        if dc.rate_mbit:
-            for ns, dev in ((g, "wan0"), (inet, gw.inet_ifname)):
-                sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                    "rate", f"{dc.rate_mbit}mbit", "burst", "256kb", "latency", "50ms"])
+        for ns, dev in ((g, "wan0"), (inet, gw.inet_ifname)):
+            qdisc = _wan_qdisc(dc)
+            if qdisc:
+                sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc])
         # Private side: lan0 172.31.32.1/20, straight to the node or to a bridge in the lan namespace.
         if gw.lan_netns:
             lan = gw.lan_netns

@@ -339,12 +339,46 @@ class DaemonLock:
 
 
 def lock_holder(dev: int, ino: int) -> int | None:
-    """The PID holding a FLOCK write lock on the file (dev, ino), from /proc/locks."""
+    """The PID holding a FLOCK write lock on the file (dev, ino) as stat() reports it, from /proc/locks.
+
+    On overlayfs (container root file systems, the test VM's /tmp) /proc/locks names the upper
+    layer's device while stat() gives the overlay's: an entry with the right inode but another
+    device is confirmed by the holder having that very file open (its /proc/PID/fd entries stat
+    to (dev, ino)).
+    """
     want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
     try:
         lines = Path("/proc/locks").read_text().splitlines()
     except OSError:
         return None
+    maybe: list[int] = []
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (blocked waiters carry a "->" field)
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK" or parts[3] != "WRITE":
+            continue
+        if not (parts[4].lstrip("-").isdigit() and int(parts[4]) > 0):
+            continue
+        if parts[5] == want:
+            return int(parts[4])
+        if parts[5].rsplit(":", 1)[-1] == str(ino):
+            maybe.append(int(parts[4]))
+    return next((pid for pid in maybe if _has_open(pid, dev, ino)), None)
+
+
+def _has_open(pid: int, dev: int, ino: int) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            return True
+    return False
     for line in lines:
         parts = line.split()
         # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (blocked waiters carry a "->" field)

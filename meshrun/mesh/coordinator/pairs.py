@@ -28,6 +28,10 @@ from meshrun.system.store import CoordinatorDB, StateDir
 log = logging.getLogger("meshrun.mesh.coordinator.pairs")
 
 Key = tuple[str, str]
+# Pairs first looked at per update beyond the urgent ones. A mass start (1000 members judged at once
+# after a coordinator restart: 499,500 pairs) otherwise holds the loop for one ~10 s tick; in
+# slices the loop ticks again at once (`backlog`) and syncs are served between the slices.
+BULK_PER_UPDATE = 20_000
 
 
 def _judgeable(m: Member) -> bool:
@@ -58,6 +62,8 @@ class PairDriver:
         self.heap: list[tuple[float, Key]] = []
         self.booked: dict[Key, float] = {}     # pair -> due time of its live heap entry (one per pair)
         self.changed: set[Key] = set()         # pairs whose mode changed, until take_changes()
+        self.backlog: set[Key] = set()         # pairs of newly judged nodes not looked at yet (see BULK_PER_UPDATE)
+        self.bulk_per_update = BULK_PER_UPDATE
         self.steps = 0                         # paths.initial/step calls so far (the work; tests count it)
         self._pruned = False
 
@@ -124,13 +130,22 @@ class PairDriver:
         with self.lock:
             pending, self.pending = self.pending, set()
             work, self.dirty = self.dirty, set()
-        for name in pending:
-            self._judge(name, work)
         while self.heap and self.heap[0][0] <= now:
             due, key = heapq.heappop(self.heap)
             if self.booked.get(key) == due:       # else a stale entry: the pair was booked again
                 del self.booked[key]
                 work.add(key)
+        # Urgent (a handshake changed, a timer came) are all stepped; a newly judged node's pairs join
+        # the backlog, of which at most bulk_per_update go each update.
+        for name in pending:
+            self._judge(name, self.backlog)
+        self.backlog -= work
+        if len(self.backlog) <= self.bulk_per_update:
+            work |= self.backlog
+            self.backlog = set()
+        else:
+            for _ in range(self.bulk_per_update):
+                work.add(self.backlog.pop())
         created = changed = False
         writes: dict[Key, paths.PairState] = {}
         for key in work:
@@ -176,6 +191,9 @@ class PairDriver:
                 self.pairs = {k: st for k, st in self.pairs.items() if k[0] in live and k[1] in live}
                 drop += sorted(stale)
         partners = set(self.members) | set(live)
+        if drop and self.backlog:
+            gone = set(drop)
+            self.backlog = {k for k in self.backlog if k[0] not in gone and k[1] not in gone}
         for name in drop:
             self.judged.discard(name)
             for other in partners:

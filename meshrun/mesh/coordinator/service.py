@@ -39,6 +39,7 @@ log = logging.getLogger("meshrun.mesh.coordinator.service")
 
 REMOVED_GRACE_S = 5.0   # a removed node's pending long-poll is answered 410 within this
 OBSERVE_INTERVAL = 1.0
+BACKLOG_PAUSE = 0.05      # between two slices of a pair backlog: the API threads get the GIL
 
 
 class CoordinatorService:
@@ -112,7 +113,8 @@ class CoordinatorService:
         one tick is logged and the loop goes on (the daemon also serves enrolment and rendezvous)."""
         self.looping = True
         while not self.stop_event.is_set():
-            self.wake.wait(self.interval)
+            # Pairs still waiting for their first look (a mass start): the next slice at once.
+            self.wake.wait(BACKLOG_PAUSE if self.pairs.backlog else self.interval)
             self.wake.clear()
             if self.stop_event.is_set():
                 return
