@@ -121,6 +121,7 @@ def coord(tmp_path) -> Coord:
     r, _ = svc.db.enrol(open_tok.token_id, open_tok.secret, "gone", keys.public_key(keys.generate_private_key()),
                         [], CIDR)
     svc.db.remove_member("gone")
+    svc.tick()                                   # what the loop does after joins and removals: publish
     yield Coord(svc, state, open_tok.token_id, _b64(open_tok.secret), toks["limited"].token_id,
                 _b64(toks["limited"].secret), m.overlay_ip, r.overlay_ip)
     svc.db.close()

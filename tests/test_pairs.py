@@ -15,6 +15,7 @@ import pytest
 from fakemesh import FakeMesh
 from meshrun.core import paths
 from meshrun.core.model import Member
+from meshrun.errors import StateError
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.system.store import CoordinatorDB, StateDir
 
@@ -262,3 +263,55 @@ def test_a_mass_start_is_judged_in_slices_and_urgent_pairs_do_not_wait(db):
     # The urgent n0-n1 + a slice; then last update's new pairs (looked at once more) + a slice each.
     assert sizes == [1 + 500, 500 + 500, 500 + 500, 500 + 269], sizes
     assert drv.pairs == db.pairs()
+
+
+def test_a_sliced_backlog_is_announced_once_per_interval_and_no_path_is_lost(tmp_path):
+    """While a backlog is sliced (the loop ticking every BACKLOG_PAUSE), a new version (which wakes
+    every agent's long-poll) goes out at most once per interval; the pair paths held back meanwhile
+    all reach the agents with the version that finally announces them."""
+    mesh = FakeMesh(tmp_path)
+    coord = mesh.coord
+    coord.pairs.bulk_per_update = 5
+    nodes = [mesh.join(f"n{i}", f"198.51.100.{i + 2}:40000") for i in range(8)]
+    for n in nodes:
+        mesh.see(n)
+    mesh.sync()                                  # the coordinator sees endpoints; agents' first reports
+    coord.interval = 3600                        # from here on "within one interval"
+    coord.published_at = time.monotonic()
+    versions = []
+    while coord.pairs.backlog or not versions:
+        coord.tick()
+        versions.append(coord.roster.version)
+    assert len(versions) >= 4 and len(set(versions[:-1])) == 1, versions   # held back while slicing
+    assert versions[-1] > versions[0]                                      # announced once it emptied
+    assert len(coord.pairs.pairs) == 28
+    for n in nodes:
+        n.agent.sync_once(wait=0)
+    for a in nodes:
+        for b in nodes:
+            if a is not b:
+                assert mesh.member_seen_by(a, b).path == coord.pairs.mode(a.name, b.name).mode, (a.name, b.name)
+
+
+def test_a_steady_sync_reads_nothing_from_the_database_and_a_removal_still_bites_at_once(tmp_path, monkeypatch):
+    """With 1000 long-polls the database lock was the bottleneck (every sync took it four times and the
+    loop starved): an agent's sync with nothing new is answered from memory; a removal is still
+    refused at the next request, before the loop has published it."""
+    mesh = FakeMesh(tmp_path)
+    nodes = [mesh.join(f"n{i}", f"198.51.100.{i + 2}:40000") for i in range(3)]
+    for n in nodes:
+        mesh.see(n)
+    for _ in range(3):
+        mesh.sync()
+    db, calls = mesh.coord.db, []
+    for name in ("member_by_ip", "heartbeat", "version", "members", "is_removed_ip"):
+        real = getattr(db, name)
+        monkeypatch.setattr(db, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    for _ in range(3):
+        for n in nodes:
+            n.agent.sync_once(wait=0)
+    assert calls == []
+    db.remove_member("n0")                                   # no tick, no publish yet
+    with pytest.raises(StateError) as exc:
+        nodes[0].agent.sync_once(wait=0)
+    assert getattr(exc.value, "status", None) == 410

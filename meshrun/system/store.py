@@ -269,6 +269,7 @@ class CoordinatorDB:
         # One connection shared by the daemon's threads: the lock keeps their
         # transactions from interleaving on it.
         self._lock = threading.RLock()
+        self.removals = 0        # members removed through this object (in-memory views check it)
         if not self.path.exists():
             raise StateError(f"{self.path} is missing", "run `meshrun init` on the coordinator first")
         self._open()
@@ -491,6 +492,7 @@ class CoordinatorDB:
                 c.execute("UPDATE members SET removed_at=? WHERE public_key=?",
                           (time.time() if now is None else now, m.public_key))
                 self._bump(c)
+                self.removals += 1
             return m
 
     def heartbeat(self, ip: str, candidates: list[str], now: float | None = None, touch: bool = False,

@@ -49,9 +49,12 @@ class OverlayAPI:
         self.stop = stop
         self.max_wait = SYNC_WAIT_MAX
         self.probed: dict[str, float] = {}     # member name -> monotonic time of its last UDP probe
+        # (overlay IP, public key) -> (candidates, mtu) as last handed to db.heartbeat: an unchanged
+        # heartbeat needs no database access (and no wait for its lock) at all.
+        self.heard: dict[tuple[str, str], tuple[list[str], int | None]] = {}
 
     def handle(self, req: Request) -> Response:
-        caller = self.db.member_by_ip(req.client_ip)
+        caller = self.roster.member_by_ip(req.client_ip)
         if caller is None:
             if self.db.is_removed_ip(req.client_ip):
                 return _gone()
@@ -94,7 +97,10 @@ class OverlayAPI:
         except (ValueError, TypeError, KeyError, OverflowError):
             return Response.error(400, UsageError("malformed sync request", "use the meshrun agent"))
         owed = self.pairs.report(caller.name, delta, full=bool(body.get("full")))
-        self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu)
+        heard = (caller.overlay_ip, caller.public_key)
+        if owed or self.heard.get(heard) != (candidates, mtu):
+            self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu)
+            self.heard[heard] = (candidates, mtu)
         deltas = bool(body.get("delta")) and known > 0       # the agent applies deltas (meshrun >= this one)
         # A node that owes a full report is answered at once, so its pairs are judged again soon.
         deadline = time.monotonic() + (0 if owed else wait)
@@ -109,7 +115,7 @@ class OverlayAPI:
             # The new version changes nothing this caller sees (another pair's path): a thousand agents
             # need not all come back for it; keep waiting.
             seen, news = version, None
-        if self.db.member_by_ip(caller.overlay_ip) is None:   # removed while it waited
+        if self.roster.member_by_ip(caller.overlay_ip) is None:   # removed while it waited
             return _gone()
         extra = {"report": "full"} if owed else {}
         if version == known:
@@ -120,8 +126,10 @@ class OverlayAPI:
                 return Response(200, {"version": version, "unchanged": True, **extra})
             if news is not None:
                 return Response(200, {"version": version, **news, **extra})
+        # The list as published with `version` (not re-read from the database: a thousand agents
+        # fetching it at once queued on the database lock ahead of the loop).
         return Response(200, {"version": version, "network": self.network.to_dict(),
-                              "members": self.roster.payload(caller), **extra})
+                              "members": self.roster.payload(caller, fresh=False), **extra})
 
     def probe_udp(self, caller: Member) -> Response:
         """Send PROBE_COUNT datagrams from an ephemeral port to the caller's observed endpoint."""

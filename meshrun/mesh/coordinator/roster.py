@@ -23,34 +23,50 @@ class Roster:
         self.network = network
         self.pairs = pairs
         self.cond = threading.Condition()
-        self._cache: tuple[int, list[tuple[Member, dict]], dict[str, int]] | None = None
-        v, base, _ = self._base()
+        # (database version, [(member, its dict)], {public key: index}, {overlay IP: member})
+        self._cache: tuple[int, list[tuple[Member, dict]], dict[str, int], dict[str, Member]] | None = None
+        self._removals = 0                      # db.removals when the cache was built
+        v, base, _, _ = self._base()
         self.version = v
         self._published = {m.public_key: memberlist.signature(m) for m, _ in base}
         # In memory: after a restart, every agent behind the current version gets the full list once.
         self.history = memberlist.History(v, history)
 
-    def _base(self) -> tuple[int, list[tuple[Member, dict]], dict[str, int]]:
-        """(database version, [(member, its dict)], {public key: index}): built once per database
-        version (with 1000 members, building it per request was most of the coordinator's CPU)."""
-        v = self.db.version()
+    def _base(self, fresh: bool = True) -> tuple[int, list[tuple[Member, dict]], dict[str, int], dict[str, Member]]:
+        """(database version, [(member, its dict)], {public key: index}, {overlay IP: member}): built once
+        per database version (with 1000 members, building it per request was most of the coordinator's
+        CPU). `fresh=False`: the list as last published, without asking the database (the agents' hot
+        path: a thousand long-polls contending for the database lock starved the loop)."""
         cache = self._cache
+        if not fresh and cache is not None:
+            return cache
+        v, removals = self.db.version(), self.db.removals
         if cache is None or cache[0] != v:
+            self._removals = removals
             base = []
             for m in self.db.members():
                 d = m.to_dict()
                 if m.is_coordinator:
                     d["endpoint"] = self.network.endpoints[0]
                 base.append((m, d))
-            cache = self._cache = (v, base, {m.public_key: i for i, (m, _) in enumerate(base)})
+            cache = self._cache = (v, base, {m.public_key: i for i, (m, _) in enumerate(base)},
+                                   {m.overlay_ip: m for m, _ in base})
         return cache
+
+    def member_by_ip(self, ip: str) -> Member | None:
+        """The live member with overlay address `ip` as last published, else as the database has it now
+        (a join the loop has not announced yet, or any removal since: a removed node is refused at once);
+        None for no live member."""
+        cache = self._cache
+        m = cache[3].get(ip) if cache is not None and self._removals == self.db.removals else None
+        return m if m is not None else self.db.member_by_ip(ip)
 
     def publish(self, version: int, pair_changes: Iterable[tuple[str, str]] = ()) -> None:
         """Announce `version` (or the database's, if newer): record what changed since the last one
         (members compared with what was published then; `pair_changes`: node pairs whose path
         changed) and return every pending long-poll."""
         with self.cond:
-            v, base, _ = self._base()
+            v, base, _, _ = self._base()
             version = max(version, v)
             now = {m.public_key: memberlist.signature(m) for m, _ in base}
             changed, removed = memberlist.member_changes(self._published, now)
@@ -86,10 +102,10 @@ class Roster:
             st = self.pairs.mode(caller.name, m.name)
         return dict(d, path=st.mode, endpoint=paths.endpoint_for(st.mode, m)) if st is not None else d
 
-    def payload(self, caller: Member | None = None) -> list[dict]:
+    def payload(self, caller: Member | None = None, fresh: bool = True) -> list[dict]:
         """The member list as `caller` should see it: per peer the endpoint to dial and the path.
-        Per caller only the pair overrides are copied."""
-        return [self._entry(caller, m, d) for m, d in self._base()[1]]
+        Per caller only the pair overrides are copied. `fresh=False`: as last published."""
+        return [self._entry(caller, m, d) for m, d in self._base(fresh)[1]]
 
     def delta(self, caller: Member, known: int) -> dict | None:
         """{"since": known, "changed": [members], "removed": [keys]}: what changed for `caller` since it
@@ -100,7 +116,7 @@ class Roster:
         if keys is None:
             return None
         changed, removed = keys
-        _, base, index = self._base()
+        _, base, index, _ = self._base(fresh=False)
         if len(changed) + len(removed) > max(len(base) // 2, 8):
             return None
         # A member changed since the last publish may be gone already: then it is removed.

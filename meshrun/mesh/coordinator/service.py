@@ -62,6 +62,8 @@ class CoordinatorService:
         self.interval = OBSERVE_INTERVAL
         self.known = {m.name for m in self.db.members()}
         self.members_version = -1                # the member-list version the pair driver last saw
+        self.paths_moved = False                 # pair paths changed, not yet published (see tick)
+        self.published_at = 0.0                  # monotonic time of the last roster.publish
         job_key = auth.decode_key(state.read("job.key").decode())
         self.enrolment = EnrolmentAPI(self.db, self.network, self.roster, job_key, self._enrolled)
         self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event)
@@ -160,10 +162,17 @@ class CoordinatorService:
                 log.info("%s was removed from the network; every member drops it", gone)
             self.known = names
         if self.pairs.update(members, time.time() if now is None else now):
-            v = self.db.bump_version()      # paths are part of what agents receive
+            self.paths_moved = True
+        # Paths are part of what agents receive: a new version wakes every long-poll. While a backlog is
+        # sliced (ticks every BACKLOG_PAUSE) that is at most once per interval, not after every slice.
+        if self.paths_moved and (not self.pairs.backlog or time.monotonic() - self.published_at >= self.interval):
+            v = self.db.bump_version()
+            self.paths_moved = False
         if changed or v != self.roster.version or self.db.recently_removed(REMOVED_GRACE_S + 5):
             self.apply_peers(current)
-            self.roster.publish(v, self.pairs.take_changes())
+            # Pair changes go out with the version that announces them (held back ones stay queued).
+            self.roster.publish(v, () if self.paths_moved else self.pairs.take_changes())
+            self.published_at = time.monotonic()
 
     def apply_peers(self, current=None) -> None:
         with self.apply_lock:
