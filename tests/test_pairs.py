@@ -213,11 +213,17 @@ def test_observe_writes_only_what_changed(db):
 
 # --------------------------------------------------------------------------- the real service on fakes
 
-def test_the_coordinator_loop_steps_no_pair_without_news_and_one_for_one_handshake(tmp_path, monkeypatch):
-    mesh = FakeMesh(tmp_path)
-    nodes = [mesh.join(f"n{i}", f"198.51.100.{i + 2}:40000") for i in range(4)]
+def seen_nodes(mesh: FakeMesh, count: int) -> list:
+    """`count` nodes joined, each heard from by the coordinator's WireGuard at its own public address."""
+    nodes = [mesh.join(f"n{i}", f"198.51.100.{i + 2}:40000") for i in range(count)]
     for n in nodes:
         mesh.see(n)
+    return nodes
+
+
+def test_the_coordinator_loop_steps_no_pair_without_news_and_one_for_one_handshake(tmp_path, monkeypatch):
+    mesh = FakeMesh(tmp_path)
+    nodes = seen_nodes(mesh, 4)
     for _ in range(3):
         mesh.sync()
     t = int(time.time())
@@ -272,9 +278,7 @@ def test_a_sliced_backlog_is_announced_once_per_interval_and_no_path_is_lost(tmp
     mesh = FakeMesh(tmp_path)
     coord = mesh.coord
     coord.pairs.bulk_per_update = 5
-    nodes = [mesh.join(f"n{i}", f"198.51.100.{i + 2}:40000") for i in range(8)]
-    for n in nodes:
-        mesh.see(n)
+    nodes = seen_nodes(mesh, 8)
     mesh.sync()                                  # the coordinator sees endpoints; agents' first reports
     coord.interval = 3600                        # from here on "within one interval"
     coord.published_at = time.monotonic()
@@ -298,9 +302,7 @@ def test_a_steady_sync_reads_nothing_from_the_database_and_a_removal_still_bites
     loop starved): an agent's sync with nothing new is answered from memory; a removal is still
     refused at the next request, before the loop has published it."""
     mesh = FakeMesh(tmp_path)
-    nodes = [mesh.join(f"n{i}", f"198.51.100.{i + 2}:40000") for i in range(3)]
-    for n in nodes:
-        mesh.see(n)
+    nodes = seen_nodes(mesh, 3)
     for _ in range(3):
         mesh.sync()
     db, calls = mesh.coord.db, []
