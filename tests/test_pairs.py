@@ -317,3 +317,25 @@ def test_a_steady_sync_reads_nothing_from_the_database_and_a_removal_still_bites
     with pytest.raises(StateError) as exc:
         nodes[0].agent.sync_once(wait=0)
     assert getattr(exc.value, "status", None) == 410
+
+
+def test_a_join_recorded_while_a_tick_applies_peers_is_applied_by_the_next_tick(tmp_path):
+    """A race seen in CI (a join's daemon never ready: the coordinator never added its peer): a join
+    landing between a tick's peer apply and its publish was announced by that publish (which took the
+    database's newer version), so the next tick saw nothing new and never applied the peer."""
+    mesh = FakeMesh(tmp_path)
+    seen_nodes(mesh, 1)
+    mesh.sync()
+    coord, real_apply, late = mesh.coord, mesh.coord.apply_peers, []
+
+    def apply_then_a_join_lands(current=None):
+        real_apply(current)
+        if not late:        # the enrolment thread records it; the daemon's loop is only woken (not here)
+            late.append(mesh.join("late", "198.51.100.50:40000"))
+    coord.apply_peers = apply_then_a_join_lands
+    coord.enrolment.on_enrolled = lambda member: None
+    mesh.see(mesh.nodes["n0"], when=int(time.time()) + 5)                   # something for this tick to do
+    coord.tick()
+    coord.apply_peers = real_apply
+    coord.tick()
+    assert any(p.public_key == late[0].key for p in mesh.coord_device.peers())
