@@ -35,8 +35,9 @@ class Roster:
     def _base(self, fresh: bool = True) -> tuple[int, list[tuple[Member, dict]], dict[str, int], dict[str, Member]]:
         """(database version, [(member, its dict)], {public key: index}, {overlay IP: member}): built once
         per database version (with 1000 members, building it per request was most of the coordinator's
-        CPU). `fresh=False`: the list as last published, without asking the database (the agents' hot
-        path: a thousand long-polls contending for the database lock starved the loop)."""
+        CPU). `fresh=False`: the list as last built (by a publish, or an enrolment's fresh payload), without
+        asking the database (the agents' hot path: a thousand long-polls contending for the database
+        lock starved the loop)."""
         cache = self._cache
         if not fresh and cache is not None:
             return cache
@@ -54,7 +55,7 @@ class Roster:
         return cache
 
     def member_by_ip(self, ip: str) -> Member | None:
-        """The live member with overlay address `ip` as last published, else as the database has it now
+        """The live member with overlay address `ip` in the last built list, else as the database has it now
         (a join the loop has not announced yet, or any removal since: a removed node is refused at once);
         None for no live member."""
         cache = self._cache
@@ -106,7 +107,7 @@ class Roster:
 
     def payload(self, caller: Member | None = None, fresh: bool = True) -> list[dict]:
         """The member list as `caller` should see it: per peer the endpoint to dial and the path.
-        Per caller only the pair overrides are copied. `fresh=False`: as last published."""
+        Per caller only the pair overrides are copied. `fresh=False`: the last built list (see _base)."""
         return [self._entry(caller, m, d) for m, d in self._base(fresh)[1]]
 
     def delta(self, caller: Member, known: int) -> dict | None:
