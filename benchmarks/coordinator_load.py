@@ -85,7 +85,7 @@ def server(args) -> int:
     db = CoordinatorDB.create(state / "coordinator.db")
     db.set_meta(network=json.dumps(net.to_dict()))
     db.add_coordinator("coordinator", net.coordinator_public_key, net.coordinator_ip)
-    tok = new_token(net.name, net.endpoints, net.fingerprint)
+    tok = new_token(net.name, net.endpoints, net.fingerprint, net.coordinator_public_key)
     db.add_token(tok.token_id, tok.secret, 3600, None)
     mapping: dict[str, str] = {}
     members = []

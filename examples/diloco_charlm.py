@@ -11,7 +11,7 @@ Run with several workers (each trains on its own shard of the corpus):
     torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode local
 Over meshrun (`meshrun train diloco_charlm.py ...`, elastic with `--nnodes MIN:MAX`) the same script
 resumes by itself after torchrun restarts the workers: DiLoCo recovers the newest synced state
-(node-local snapshots under $MESHRUN_JOB_DIR, a joiner gets it from a peer), and the loop goes on
+(node-local snapshots under $MESHRUN_OUTPUT_DIR/diloco-snapshots, a joiner gets it from a peer), and the loop goes on
 from that step with the data re-sharded for the new rank and world size.
 
 Choosing the options from the bandwidth `meshrun bench` measured (B bytes/s, the slowest pair's

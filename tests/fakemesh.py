@@ -61,8 +61,8 @@ class FakeMesh:
         self.coord = svc
         return svc
 
-    def _enrol(self, tok, name, public_key, candidates) -> dict:
-        body = node.join_request(tok, name, public_key, candidates)
+    def _enrol(self, tok, name, private_key, candidates) -> dict:
+        body = node.join_request(tok, name, private_key, tok.coordinator_key, candidates)
         resp = self.coord.enrolment.handle(Request("POST", "/v1/join", "198.51.100.200", body))
         assert resp.status == 200, resp.body
         return resp.body

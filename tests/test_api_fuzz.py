@@ -24,7 +24,6 @@ import json
 import re
 import socket
 import tarfile
-import threading
 import time
 import types
 from pathlib import Path
@@ -89,13 +88,12 @@ def _make_state(path: Path) -> tuple[StateDir, dict]:
     state.write("private.key", priv + "\n", secret=True)
     state.write("tls.key", tls_key, secret=True)
     state.write("tls.crt", cert)
-    state.write("job.key", auth.encode_key(bytes(32)) + "\n", secret=True)
     db = CoordinatorDB.create(state / "coordinator.db")
     db.set_meta(network=json.dumps(net.to_dict()))
     db.add_coordinator("coordinator", net.coordinator_public_key, net.coordinator_ip)
     toks = {}
     for label, uses in (("open", None), ("limited", 2)):
-        tok = new_token(net.name, net.endpoints, net.fingerprint)
+        tok = new_token(net.name, net.endpoints, net.fingerprint, net.coordinator_public_key)
         db.add_token(tok.token_id, tok.secret, 3600, uses)
         toks[label] = tok
     db.close()
@@ -114,6 +112,7 @@ def coord(tmp_path) -> Coord:
     svc = CoordinatorService(state, device=FakeDevice(present=True))   # no interface, no root
     svc.overlay.max_wait = 0.01                 # long-polls must not stall the fuzzer
     svc.enrolment.limiter = RateLimiter(burst=10**9)
+    svc.overlay.limiter = RateLimiter(burst=10**9)
     open_tok = toks["open"]
     # One live member and one removed member to call the overlay API as.
     m, _ = svc.db.enrol(open_tok.token_id, open_tok.secret, "member", keys.public_key(keys.generate_private_key()),
@@ -156,6 +155,13 @@ pubkeys = st.one_of(st.builds(lambda: keys.public_key(keys.generate_private_key(
 endpoints = st.one_of(st.just("198.51.100.7:51820"), st.just("[2001:db8::1]:51820"), st.text(max_size=30), json_values)
 
 
+def proof(priv: str, c: Coord, name: str, token_id: str, pub: str | None = None) -> dict:
+    """What a joining node sends to show it holds `priv` (with `pub`: a forgery for another key)."""
+    coord_pub = c.svc.network.coordinator_public_key
+    return auth.enrol_proof(keys.shared_secret(priv, coord_pub), "fuzz", name, pub or keys.public_key(priv), token_id,
+                            time.time())
+
+
 @st.composite
 def join_bodies(draw, c: Coord):
     which = draw(st.sampled_from(["open", "limited", "unknown", "fuzz"]))
@@ -163,9 +169,15 @@ def join_bodies(draw, c: Coord):
                 "unknown": ("zzzzzzzzzz", c.secret_b64), "fuzz": (draw(json_values), draw(json_values))}[which]
     if draw(st.booleans()) and which != "fuzz":
         sec = draw(st.sampled_from([sec[:-1], sec + "A", "", "!!!", "é" * 3, sec.upper()]))
-    body = {"token_id": tid, "secret": sec, "name": draw(names), "public_key": draw(pubkeys),
+    name = draw(names)
+    priv = keys.generate_private_key() if draw(st.integers(0, 3)) else None
+    pub = keys.public_key(priv) if priv else draw(pubkeys)
+    body = {"token_id": tid, "secret": sec, "name": name, "public_key": pub,
             "network": draw(st.sampled_from(["fuzz", "other", "", "FUZZ"]) | json_values),
             "candidates": draw(st.lists(endpoints, max_size=4) | json_values)}
+    if priv and isinstance(name, str) and isinstance(tid, str):
+        body["possession"] = draw(st.sampled_from([
+            proof(priv, c, name, tid), proof(keys.generate_private_key(), c, name, tid, pub), None]) | json_values)
     for k in draw(st.lists(st.sampled_from(sorted(body)), max_size=2)):
         body.pop(k, None)
     return draw(st.one_of(st.just(body), json_values)) if draw(st.integers(0, 9)) == 0 else body
@@ -233,9 +245,10 @@ def test_enrolment_port_does_not_serve_overlay_routes(coord):
 
 def test_used_up_token_refused_and_counted_once(coord):
     def join(name):
+        priv = keys.generate_private_key()
         return dispatch(coord.svc.enrolment.handle, Request("POST", "/v1/join", "203.0.113.9", {
             "token_id": coord.limited_id, "secret": coord.limited_b64, "name": name, "network": "fuzz",
-            "public_key": keys.public_key(keys.generate_private_key())}))
+            "public_key": keys.public_key(priv), "possession": proof(priv, coord, name, coord.limited_id)}))
     assert [join(n).status for n in ("l1", "l2", "l3")] == [200, 200, 400]
     assert "used up" in join("l4").body["error"]
     check_db(coord)
@@ -350,7 +363,7 @@ class FakeStart:
     def __init__(self):
         self.started: list = []
 
-    def __call__(self, job_dir, node, argv, env, cwd):
+    def __call__(self, job_dir, node, argv, env, cwd, state=None, project=None):
         self.started.append((Path(job_dir.path), list(argv), dict(env), cwd))
         return 4242
 
@@ -360,7 +373,7 @@ def job_server(tmp_path):
     state = tmp_path / "node-state"
     state.mkdir()
     network = types.SimpleNamespace(coordinator_ip=COORD_IP, api_port=51821, interface="meshrun0")
-    api = jobs.JobAPI(state / "jobs", network, "dc2-a", JOB_KEY, start=FakeStart())
+    api = jobs.JobAPI(StateDir(state), network, "dc2-a", JOB_KEY, start=FakeStart())
     api.state_path = state
     return api
 
@@ -431,11 +444,12 @@ def test_job_api_handler(job_server, data):
         assert resp.status == 403
     elif key != "right":
         assert resp.status == 401
-    # Nothing is ever written outside the jobs directory, and nothing without a valid MAC.
+    # Nothing is ever written outside the jobs and projects directories, and nothing without a valid MAC.
     root = job_server.state_path
     after = set(root.rglob("*"))
     for p in after - before:
-        assert key == "right" and _inside(p, root / "jobs"), f"{p} written outside {root / 'jobs'}"
+        assert key == "right" and (_inside(p, root / "jobs") or _inside(p, root / "projects")), \
+            f"{p} written outside {root / 'jobs'} and {root / 'projects'}"
     for job_dir, argv, env, cwd in job_server.start.started:
         assert _inside(job_dir, root / "jobs") and job_dir != (root / "jobs").resolve(), job_dir
     if key != "right":

@@ -6,8 +6,6 @@ command checks for root before validating its options, the root message is asser
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import os
 import subprocess
 import sys
@@ -19,7 +17,7 @@ from typer.testing import CliRunner
 from meshrun import __version__
 from meshrun.system import net
 from meshrun.cli import app
-from meshrun.errors import SystemError_
+from meshrun.errors import HostError
 from meshrun.core.token import JoinToken
 
 FIX_COPY = "copy the whole token again from the output of `meshrun token create` on the coordinator"
@@ -29,7 +27,7 @@ def _has_admin() -> bool:
     try:
         net.require_admin()
         net.require_tools("ip", "wg")
-    except SystemError_:
+    except HostError:
         return False
     return True
 

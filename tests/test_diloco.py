@@ -795,13 +795,15 @@ def test_snapshot_dir_must_exist(tmp_path: Path) -> None:
         _make(_mlp(0), snapshot_dir=tmp_path / "missing")
 
 
-def test_snapshot_dir_defaults_to_the_meshrun_job_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MESHRUN_JOB_DIR", str(tmp_path))
+def test_snapshot_dir_defaults_to_the_projects_output_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `meshrun train` snapshots go to the project's persistent directory: the next job resumes too."""
+    monkeypatch.setenv("MESHRUN_OUTPUT_DIR", str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "3")
     model = _mlp(0)
-    assert _make(model).snapshot_path == tmp_path / "diloco-worker3.pt"
+    assert _make(model).snapshot_path == tmp_path / "diloco-snapshots" / "diloco-worker3.pt"
+    assert (tmp_path / "diloco-snapshots").is_dir()
     assert _make(model, snapshot_dir=None).snapshot_path is None
-    monkeypatch.delenv("MESHRUN_JOB_DIR")
+    monkeypatch.delenv("MESHRUN_OUTPUT_DIR")
     assert _make(model).snapshot_path is None
 
 

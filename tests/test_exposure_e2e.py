@@ -13,7 +13,6 @@ import re
 import secrets
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -21,8 +20,10 @@ import pytest
 
 from conftest import joined_mesh
 from meshrun.core import auth
+from meshrun.mesh import member
 from meshrun.lab.testbed import Mesh, sh
 from meshrun.system.procs import alive
+from meshrun.system.store import StateDir
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -193,9 +194,10 @@ def test_a_local_user_on_the_coordinator_cannot_control_jobs_and_replays_are_ref
     marker = Path(f"/tmp/meshrun-forged-{secrets.token_hex(4)}")
     body = json.dumps({"argv": ["touch", str(marker)], "env": {}}).encode()
     path = "/v1/jobs/forged/start"
-    # The unprivileged user can connect from the coordinator's overlay address, but cannot read the key ...
+    # The unprivileged user can connect from the coordinator's overlay address, but cannot read the private
+    # key the job keys are derived from ...
     denied = mesh.world.node("dc1-a").run("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                                          "cat", str(coord_state / "job.key"), check=False)
+                                          "cat", str(coord_state / "private.key"), check=False)
     assert denied.returncode != 0 and "denied" in denied.stderr.lower()
     # ... so an unsigned request, or one signed with a guessed key, is refused and starts nothing.
     for header in (None, auth.sign(bytes(32), "POST", path, body, time.time())):
@@ -205,10 +207,9 @@ def test_a_local_user_on_the_coordinator_cannot_control_jobs_and_replays_are_ref
     assert not marker.exists()
     assert not (mesh.state_dir(mesh.world.node("dc2-a")) / "jobs" / "forged").exists()
     # Root signs a request as `meshrun train` would: accepted once, refused when replayed byte for byte.
-    network_key = auth.decode_key((coord_state / "job.key").read_text())
     node_pub = json.loads((mesh.state_dir(mesh.world.node("dc2-a")) / "member.json").read_text())["public_key"]
-    health = _job_api_request("GET", "/v1/health", b"", auth.sign(auth.node_key(network_key, node_pub), "GET",
-                                                                   "/v1/health", b"", time.time()))
+    key = member.job_key(StateDir(coord_state), node_pub)
+    health = _job_api_request("GET", "/v1/health", b"", auth.sign(key, "GET", "/v1/health", b"", time.time()))
     assert _send_raw(mesh, node_ip, health).startswith("HTTP/1.0 200")
     replay = _send_raw(mesh, node_ip, health)
     assert replay.startswith("HTTP/1.0 401") and "already used once" in replay, replay

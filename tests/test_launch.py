@@ -171,7 +171,7 @@ def test_shell_round_trips():
 
 def test_plan_runs_under_real_torchrun(tmp_path):
     """One node, 2 workers, rendezvous at a TCPStore this test hosts (as the coordinator does)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:

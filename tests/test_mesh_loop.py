@@ -119,7 +119,7 @@ def test_a_removed_node_hears_410_and_takes_its_interface_down(mesh):
     mesh.coord.db.remove_member("a")
     with pytest.raises(StateError) as exc:
         a.agent.sync_once(wait=0)
-    assert getattr(exc.value, "status", None) == 410
+    assert exc.value.status == 410
     a.agent._cleanup_removed()
     assert not a.device.exists() and a.agent.state.read_json("member.json")["removed"] is True
 

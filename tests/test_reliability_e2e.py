@@ -7,7 +7,6 @@ only render and write unit files.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re

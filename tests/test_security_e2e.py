@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import stat
 import time
@@ -18,6 +17,8 @@ import pytest
 
 from meshrun.lab.testbed import Mesh, World
 from meshrun.core.token import JoinToken, parse_token
+from meshrun.mesh import member
+from meshrun.system.store import StateDir
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -210,8 +211,11 @@ def test_no_secret_in_logs_status_or_errors_and_modes(refusal_world):
     outputs["token list text"] = mesh.meshrun("dc1-a", "token", "list").stdout
 
     private_keys = {n: (mesh.state_dir(world.node(n)) / "private.key").read_text().strip() for n in members}
-    private_keys.update({f"{n} job key": (mesh.state_dir(world.node(n)) / "job.key").read_text().strip()
-                         for n in members})
+    coord_pub = parse_token(tok).coordinator_key
+    for n in joined:        # the job keys, derived on both sides, never stored and never printed
+        key = member.job_key(StateDir(mesh.state_dir(world.node(n))), coord_pub)
+        private_keys[f"{n} job key"] = base64.b64encode(key).decode()
+        assert not (mesh.state_dir(world.node(n)) / "job.key").exists()
     tls_key = (mesh.state_dir(world.node("dc1-a")) / "tls.key").read_text()
     tls_body = "".join(tls_key.strip().splitlines()[1:-1])[:60]
     token_secrets = [s for t in mesh.tokens if t.startswith("mr1.") for s in _secret_forms(t)]
@@ -266,7 +270,7 @@ try:
     print(json.dumps({"status": 200, "body": transport.call(host, port, method, path, {}, fingerprint=fp,
                                                             timeout=5)}))
 except MeshrunError as exc:
-    print(json.dumps({"status": getattr(exc, "status", None), "error": str(exc)}))
+    print(json.dumps({"status": exc.status, "error": str(exc)}))
 """
 
 

@@ -7,12 +7,11 @@ import json
 import multiprocessing
 import os
 import stat
-import subprocess
-import sys
 import threading
 
 import pytest
 
+from meshrun.core import admission
 from meshrun.errors import StateError, TokenError
 from meshrun.core.model import Member
 from meshrun.system.store import CoordinatorDB, StateDir, TokenInfo, default_state_dir
@@ -277,12 +276,18 @@ class TestEnrol:
         assert [m.name for m in db.members()] == ["coord", "gpu-a", "gpu-b"]
 
     def test_re_enrol_same_name_and_key_returns_existing(self, db):
-        db.add_token("tok0000002", SECRET, 3600, 1, now=NOW)
-        m, created = enrol(db, "gpu-a", 1, token_id="tok0000002")
-        again, created2 = db.enrol("tok0000002", SECRET, "gpu-a", key(1), ["10.0.0.9:1"], CIDR, now=NOW + 2)
+        m, created = enrol(db, "gpu-a", 1)
+        again, created2 = db.enrol("tok0000001", SECRET, "gpu-a", key(1), ["10.0.0.9:1"], CIDR, now=NOW + 2)
         assert created and not created2
-        assert again == m                                   # even though the token is now used up
-        assert db.tokens()[1].uses == 1
+        assert again == m                                   # a retry after a lost answer
+        assert db.tokens()[0].uses == 1
+
+    def test_a_used_up_token_is_refused_even_for_an_existing_member(self, db):
+        """A used-up token plus a member's name and public key gets nothing back (security finding 1)."""
+        db.add_token("tok0000002", SECRET, 3600, 1, now=NOW)
+        enrol(db, "gpu-a", 1, token_id="tok0000002")
+        with pytest.raises(TokenError, match="used up"):
+            db.enrol("tok0000002", SECRET, "gpu-a", key(1), [], CIDR, now=NOW + 2)
 
     def test_name_taken(self, db):
         enrol(db, "gpu-a", 1)
@@ -296,13 +301,15 @@ class TestEnrol:
         with pytest.raises(StateError, match="^the name 'coord' is already taken by another member"):
             enrol(db, "coord", 1)
 
-    def test_pending_name_is_reused_but_address_is_burnt(self, db):
-        first, _ = enrol(db, "gpu-a", 1)                    # never synced: its join failed on the node
-        second, created = enrol(db, "gpu-a", 2)
+    def test_a_joining_nodes_name_cannot_be_squatted_and_a_failed_join_frees_it_later(self, db):
+        first, _ = enrol(db, "gpu-a", 1)                    # never synced yet: it is joining, or its join failed
+        with pytest.raises(StateError, match="being taken by a node that is joining right now"):
+            enrol(db, "gpu-a", 2, now=NOW + 60)
+        second, created = enrol(db, "gpu-a", 2, now=NOW + 1 + admission.PENDING_GRACE_S)
         assert created and second.overlay_ip == "10.213.0.3" and first.overlay_ip == "10.213.0.2"
         assert [m.public_key for m in db.members()] == [key(0), key(2)]
-        assert db.is_removed_ip("10.213.0.2")
-        third, _ = enrol(db, "gpu-b", 3)
+        assert db.is_removed_ip("10.213.0.2")               # its address waits out the quarantine
+        third, _ = enrol(db, "gpu-b", 3, now=NOW + 200)
         assert third.overlay_ip == "10.213.0.4"
 
     def test_removed_key_cannot_rejoin(self, db):
@@ -322,26 +329,65 @@ class TestEnrol:
         assert str(info.value) == ("this node's key is already enrolled as member 'gpu-a'; join again with "
                                    "--name gpu-a, or `meshrun leave --purge` for a new identity")
 
-    def test_remove_then_address_never_reused(self, db):
+    def test_removal_is_final_for_tokens_made_before_it(self, db):
         enrol(db, "gpu-a", 1)
         enrol(db, "gpu-b", 2)
         removed = db.remove_member("gpu-a", now=NOW + 10)
         assert removed.overlay_ip == "10.213.0.2"
         assert db.member_by_ip("10.213.0.2") is None and db.is_removed_ip("10.213.0.2")
-        m, _ = enrol(db, "gpu-a", 3)                        # same name, new key: allowed, new address
+        with pytest.raises(TokenError, match="'gpu-a' was removed from the network after this token was made"):
+            enrol(db, "gpu-a", 3, now=NOW + 20)             # same name, new key, the old (unlimited) token
+        db.add_token("tok0000009", SECRET, 3600, None, now=NOW + 30)
+        m, _ = enrol(db, "gpu-a", 3, token_id="tok0000009", now=NOW + 31)   # the operator's new token
         assert m.overlay_ip == "10.213.0.4"
         assert db.remove_member("gpu-a") is not None
         assert db.remove_member("gpu-a") is None
         assert db.remove_member("coord") is None            # the coordinator cannot be removed
-        assert enrol(db, "gpu-c", 4)[0].overlay_ip == "10.213.0.5"
+
+    def test_a_removed_address_returns_after_the_quarantine(self, db):
+        from meshrun.system.store import ADDRESS_QUARANTINE_S
+        enrol(db, "gpu-a", 1)
+        db.remove_member("gpu-a", now=NOW + 10)
+        assert enrol(db, "gpu-b", 2, now=NOW + 20)[0].overlay_ip == "10.213.0.3"
+        later = NOW + 11 + ADDRESS_QUARANTINE_S
+        db.add_token("tok000000l", SECRET, 3600, None, now=later - 1)
+        assert enrol(db, "gpu-c", 3, token_id="tok000000l", now=later)[0].overlay_ip == "10.213.0.2"
+        with pytest.raises(StateError, match="belonged to a removed member"):
+            enrol(db, "gpu-x", 1, token_id="tok000000l", now=later)     # the key stays refused for ever
+
+    def test_one_token_cannot_pile_up_pending_enrolments(self, db, monkeypatch):
+        monkeypatch.setattr(admission, "PENDING_PER_TOKEN", 4)
+        for i in range(1, 5):
+            enrol(db, f"n{i}", i)
+        with pytest.raises(TokenError, match="4 enrolments that never completed"):
+            enrol(db, "n99", 99)
+        db.heartbeat("10.213.0.2", [], now=NOW + 5)          # one synced: not pending any more
+        enrol(db, "n99", 99, now=NOW + 6)
+        # the rest never sync: past the grace they are over, and their names are free
+        enrol(db, "n2", 200, now=NOW + 2 + admission.PENDING_GRACE_S)
+        assert {m.name for m in db.members()} == {"coord", "n1", "n99", "n2"}
+
+    def test_one_token_holds_at_most_half_the_range(self, tmp_path):
+        small = CoordinatorDB.create(tmp_path / "small.db")
+        small.add_coordinator("coord", key(0), "10.9.0.1")
+        small.add_token("tok000000s", SECRET, 3600, None, now=NOW)
+        small.add_token("tok000000t", SECRET, 3600, None, now=NOW)
+        for i in range(1, 3):
+            enrol(small, f"s{i}", i, token_id="tok000000s", cidr="10.9.0.0/29")
+        with pytest.raises(TokenError, match="already holds 2 of the overlay's 5 addresses"):
+            enrol(small, "s3", 3, token_id="tok000000s", cidr="10.9.0.0/29")
+        enrol(small, "t1", 4, token_id="tok000000t", cidr="10.9.0.0/29")      # another token still can
+        small.close()
 
     def test_exhausted_range(self, db):
+        for t in range(5):
+            db.add_token(f"tok00000e{t}", SECRET, 3600, None, now=NOW)
         for i in range(1, 6):
-            enrol(db, f"n{i}", i, cidr="10.9.0.0/29")
+            enrol(db, f"n{i}", i, token_id=f"tok00000e{i % 5}", cidr="10.9.0.0/29")
         from meshrun.errors import NetworkError
         with pytest.raises(NetworkError, match=r"^overlay range 10\.9\.0\.0/29 has no free address left"):
-            enrol(db, "n6", 6, cidr="10.9.0.0/29")
-        assert db.tokens()[0].uses == 5                     # the failed one was rolled back
+            enrol(db, "n6", 6, token_id="tok00000e1", cidr="10.9.0.0/29")
+        assert sum(t.uses for t in db.tokens()) == 5        # the failed one was rolled back
 
     def test_heartbeat_and_observe(self, db):
         enrol(db, "gpu-a", 1)

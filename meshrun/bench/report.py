@@ -9,12 +9,10 @@ result line; this module picks it up, flags slow pairs and renders it. Everythin
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
 from pathlib import Path
 
-from meshrun.errors import LaunchError, UsageError
+from meshrun.errors import UsageError
 
 SLOW_FRACTION = 0.5           # a pair below this fraction of the median bandwidth is flagged
 DEFAULT_SIZES = "1M,4M,16M,64M"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -27,7 +28,11 @@ def leave(purge: Annotated[bool, typer.Option(help="Also delete this node's key 
 
 @root.command()
 @handled
-def join(token: Annotated[str, typer.Argument(help="The token printed by `meshrun init` or `token create`.")],
+def join(token: Annotated[Optional[str], typer.Argument(
+             help="The token printed by `meshrun init` or `token create`; `-` reads it from stdin. "
+                  "[$MESHRUN_TOKEN]")] = None,
+         token_file: Annotated[Optional[Path], typer.Option(
+             "--token-file", help="Read the token from this file (keep it 0600).")] = None,
          name: Annotated[Optional[str], typer.Option(help="This node's name [default: hostname].")] = None,
          endpoint: Annotated[Optional[str], typer.Option(help="This node's own public HOST[:PORT], if it has one.")] = None,
          mtu: Annotated[Optional[int], typer.Option(help="Overlay MTU [probed: the network's, lowered to fit the path].")] = None,
@@ -36,15 +41,18 @@ def join(token: Annotated[str, typer.Argument(help="The token printed by `meshru
     """Join this machine to a network: make keys, enrol, bring up the interface, start the agent.
 
     \b
-    Examples:
-      meshrun join mr1.eyJ... --name gpu-a
-      meshrun join "$(cat token)" --state-dir /srv/meshrun
+    The token is a secret: pass it on stdin, in a file or in $MESHRUN_TOKEN rather than on the
+    command line (where /proc/*/cmdline and the shell's history show it). Examples:
+      meshrun join - --name gpu-a < token            # or: ssh coord meshrun token create | meshrun join -
+      meshrun join --token-file /root/token --name gpu-a
+      MESHRUN_TOKEN=mr1.eyJ... meshrun join --name gpu-a
     Returns once the interface is up and the node is registered. Running it again on an
     enrolled node resumes with the same key and address.
     """
     from meshrun.mesh import node
     app = Application.for_command(state_dir)
-    res = node.join(token, app.state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu)
+    text = read_token(token, token_file)
+    res = node.join(text, app.state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu)
     verb = "resumed" if res.resumed else "joined"
     app.echo(f"{verb} {res.network.name} as {res.name} at {res.overlay_ip} on {res.network.interface} "
              f"({res.backend}, mtu {res.mtu})")
@@ -52,3 +60,29 @@ def join(token: Annotated[str, typer.Argument(help="The token printed by `meshru
         app.echo(f"meshrun: warning: {res.warning}", err=True)
     if foreground:
         app.serve(foreground=True)
+
+
+def read_token(arg: str | None, token_file: Path | None) -> str:
+    """The join token from the argument (`-`: stdin), --token-file or $MESHRUN_TOKEN (UsageError when none,
+    or more than one, is given)."""
+    import os
+    import sys
+
+    from meshrun.errors import UsageError
+    from meshrun.system.store import read_user_file
+    given = [w for w, v in (("the argument", arg), ("--token-file", token_file)) if v is not None]
+    if len(given) > 1:
+        raise UsageError("the token was given both as an argument and with --token-file", "give it once")
+    if token_file is not None:
+        return read_user_file(token_file, "token file", "--token-file").strip()
+    if arg == "-":
+        text = sys.stdin.readline().strip()
+        if not text:
+            raise UsageError("no token on stdin", "pipe it in: meshrun join - < token")
+        return text
+    if arg is not None:
+        return arg
+    env = os.environ.get("MESHRUN_TOKEN", "").strip()
+    if env:
+        return env
+    raise UsageError("no join token given", "meshrun join - < token, --token-file FILE, or MESHRUN_TOKEN=...")

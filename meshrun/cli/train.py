@@ -43,6 +43,12 @@ def train(
     local: Annotated[bool, typer.Option("--local", help="Run only this node's share (you start every node yourself).")] = False,
     job_id: Annotated[Optional[str], typer.Option(help="The job's id [SCRIPT-DATE-TIME-RANDOM]; needed with --local.")] = None,
     python: Annotated[Optional[str], typer.Option(help="Python interpreter on the nodes [the agent's].")] = None,
+    project: Annotated[Optional[str], typer.Option(
+        help="The job's persistent directory on every node, kept for the next job of the project "
+             "[the code directory's name].")] = None,
+    resume: Annotated[Optional[str], typer.Option(
+        metavar="JOB", help="Run JOB again in its project (its checkpoints are there), with its options "
+                            "unless given here.")] = None,
     state_dir: StateOpt = None,
 ) -> None:
     """Train across every node: torchrun on each, rendezvous at the coordinator, NCCL/Gloo pinned to the overlay.
@@ -54,8 +60,12 @@ def train(
       meshrun train --nnodes 2 --nproc-per-node 4 train.py --epochs 3
       meshrun train --config job.toml                 # options from a job file
       meshrun train --detach train.py                 # then: meshrun logs -f JOB
-      meshrun train --dry-run train.py
+      meshrun train --dry-run train.py                # also shows what is shipped and what is not
+      meshrun train --resume JOB                      # again, where JOB left its checkpoints
       meshrun train --local --nnodes 2 --job-id exp7 train.py     # on each node, e.g. from a batch job
+    The script's directory is shipped (what git would track, minus .meshrunignore) into the
+    project's directory on every node, which is kept between jobs: a checkpoint written there is
+    found by the next job of the same project ($MESHRUN_OUTPUT_DIR; `meshrun pull` fetches files).
     Before anything starts, every node's environment is compared (Python, torch and its build, NCCL,
     GPUs, free disk, the code, the clock): a mismatch that breaks collectives stops the job with a
     table of what differs and the fix (--dry-run shows it too; --skip-preflight to start anyway).
@@ -72,12 +82,20 @@ def train(
            "wait_timeout": timeout, "rdzv_timeout": rdzv_timeout, "module": module, "no_sync": no_sync,
            "sync_limit_mb": sync_limit, "dry_run": dry_run, "env": runner.parse_env_pairs(env or []),
            "job_id": job_id, "python": python, "with_coordinator": with_coordinator, "detach": detach,
-           "skip_preflight": skip_preflight}
+           "skip_preflight": skip_preflight, "project": project}
     from_file = jobfile.parse(read_user_file(config, "job file", "--config"), f"job file {str(config)!r}") if config else {}
+    cwd = Path.cwd()
+    if resume:
+        earlier, earlier_cwd = runner.resumed(app.state, resume)
+        if script is None and not from_file.get("script"):
+            cwd = earlier_cwd            # the same code, from where it was submitted
+        else:
+            earlier.pop("script_args", None)
+        from_file = {**earlier, **from_file, "env": {**earlier.get("env", {}), **from_file.get("env", {})}}
     req = runner.TrainRequest(**jobfile.merge(from_file, cli))
     if local:
         app.exit(runner.train_local(app.state, req))
-    spec = req.spec(Path.cwd())
+    spec = req.spec(cwd)
     if req.dry_run:
         for line in runner.dry_run(app.state, spec):
             app.echo(line)
@@ -118,16 +136,32 @@ def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | N
 
 @root.command()
 @handled
-def jobs(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+def jobs(json_out: JsonOpt = False,
+         prune: Annotated[bool, typer.Option(
+             "--prune", help="Delete every finished job's logs here and its job directory on its nodes "
+                             "(projects and their checkpoints stay).")] = False,
+         prune_project: Annotated[Optional[str], typer.Option(
+             metavar="PROJECT", help="Delete PROJECT's directory (checkpoints included) on every node that ran it.")] = None,
+         state_dir: StateOpt = None) -> None:
     """List the jobs on this coordinator: id, state, nodes, ranks, started, duration, exit.
 
     \b
     Examples:
       meshrun jobs
       meshrun jobs --json | jq '.[] | select(.state == "running")'
+      meshrun jobs --prune                  # finished jobs' logs and job directories
+      meshrun jobs --prune-project charlm   # a project's working directory on every node
     """
-    from meshrun.jobs import control
+    from meshrun.jobs import control, outputs
     app = Application.for_command(state_dir)
+    if prune or prune_project:
+        if prune:
+            done = outputs.prune(app.state, lambda line: app.echo(f"meshrun: {line}", err=True))
+            app.echo(f"pruned {len(done)} finished job(s)" + (f": {', '.join(done)}" if done else ""))
+        if prune_project:
+            where = outputs.remove_project(app.state, prune_project)
+            app.echo(f"removed project {prune_project} on {', '.join(where) if where else 'no member'}")
+        return
     recs = control.list_jobs(app.state)
     if json_out:
         app.echo(json.dumps([r.to_dict() for r in recs], indent=2))
@@ -191,3 +225,73 @@ def cancel(job: JobArg, state_dir: StateOpt = None) -> None:
     else:
         rec = control.record(app.state, job)
         app.echo(f"job {job} is not running ({rec.state})")
+
+
+@root.command()
+@handled
+def pull(job: JobArg,
+         path: Annotated[str, typer.Argument(help="A file or directory, relative to the job's working directory.")],
+         node: Annotated[Optional[str], typer.Option(help="Only from this node [every node of the job].")] = None,
+         dest: Annotated[Path, typer.Option(help="Where to put the files: DEST/NODE/PATH.")] = Path("."),
+         max_mb: Annotated[int, typer.Option(help="Most MiB to fetch from each node.")] = 1024,
+         state_dir: StateOpt = None) -> None:
+    """Fetch files a job wrote on its nodes (checkpoints, logs) to this machine, over the overlay.
+
+    \b
+    The job's working directory on each node is its project's, kept after the job. Examples:
+      meshrun pull JOB checkpoints/last.pt               # ./NODE/checkpoints/last.pt per node
+      meshrun pull JOB runs --node gpu-a --dest ./results
+    """
+    from meshrun.jobs import outputs
+    app = Application.for_command(state_dir)
+    if max_mb < 1:
+        from meshrun.errors import UsageError
+        raise UsageError(f"--max-mb {max_mb} is less than 1", "e.g. --max-mb 1024")
+    results = outputs.pull(app.state, job, path, dest, node=node, max_mb=max_mb)
+    for r in results:
+        if r.error:
+            app.echo(f"{r.node}: {r.error}", err=True)
+        else:
+            app.echo(f"{r.node}: {r.files} file(s) in {r.dest}")
+    if any(r.error for r in results):
+        app.exit(1)
+
+
+local_store_app = typer.Typer(no_args_is_help=True, help="The rendezvous store for `meshrun train --local` (opt-in).")
+root.add_typer(local_store_app, name="local-store")
+
+
+@local_store_app.command("start")
+@handled
+def local_store_start(
+        max_mb: Annotated[int, typer.Option(help="Most MiB of data the store may hold.")] = 256,
+        state_dir: StateOpt = None) -> None:
+    """Start, on the coordinator, the store `--local` shares meet at (every member can reach it).
+
+    \b
+    Jobs run by `meshrun train` do not need it: each has its own store that only its nodes reach.
+    Start this only for shares you launch on every node yourself (batch schedulers). Example:
+      meshrun local-store start --max-mb 128
+    """
+    from meshrun.errors import UsageError
+    from meshrun.jobs import localstore
+    app = Application.for_command(state_dir)
+    if max_mb < 1:
+        raise UsageError(f"--max-mb {max_mb} is less than 1", "e.g. --max-mb 256")
+    pid = localstore.start(app.state, max_mb)
+    app.echo(f"local rendezvous store running (pid {pid}), data capped at {max_mb} MiB; "
+             "`meshrun local-store stop` ends it")
+
+
+@local_store_app.command("stop")
+@handled
+def local_store_stop(state_dir: StateOpt = None) -> None:
+    """Stop the store for `--local` shares.
+
+    \b
+    Example:
+      meshrun local-store stop
+    """
+    from meshrun.jobs import localstore
+    app = Application.for_command(state_dir)
+    app.echo("stopped" if localstore.stop(app.state) else "it was not running")

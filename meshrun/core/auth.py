@@ -1,14 +1,18 @@
-"""Job-control request MACs: only root on the coordinator can start, cancel or read jobs on nodes.
+"""Job-control MACs and enrolment proofs, from keys that only a key's holder can compute. Pure.
 
-The coordinator holds a 32-byte network job key (job.key, 0600, root only). Each node receives at
-enrolment, inside the pinned TLS, only *its own* key, derived from the network key and its public
-key, so a node's key opens no other node. A request carries
+A node's job key is derived from X25519 between the coordinator's and the node's static WireGuard
+keys (`job_key`): the coordinator computes it with its private key and the node's public key, the
+node with its private key and the coordinator's public key. No job key crosses the wire and none
+is stored; nobody without one of the two private keys can compute it (not a token holder who knows
+every public key, not a member for another member). A job request carries
 
-    Authorization: MeshrunMAC v1 <unix time> <nonce> <mac>
+    Authorization: MeshrunMAC v2 <unix time> <nonce> <sha256 of the body> <mac>
 
-where mac = HMAC-SHA256(key, method, path, time, nonce, SHA-256 of the body). The receiver accepts
-a time within WINDOW_S of its own clock and each nonce once within that window, so a captured
-request cannot be replayed. Pure: the caller passes the clock, and a `Verifier` keeps the nonces.
+where mac = HMAC-SHA256(key, method, path, time, nonce, body hash). The receiver checks the MAC,
+the time (within WINDOW_S of its clock) and the nonce (once per window) *before it reads the body*,
+then reads the body and compares its hash (`Verifier.head`, `Verifier.body`): a sender without the
+key cannot make it read a byte. `enrol_proof` lets a joining node show the coordinator it holds the
+private key of the public key it presents, over the pinned TLS.
 """
 
 from __future__ import annotations
@@ -16,55 +20,38 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 import secrets
 import threading
 from collections import OrderedDict
 
-from meshrun.errors import MeshrunError
+from meshrun.errors import AuthError
+
+__all__ = ["AuthError", "SCHEME", "VERSION", "WINDOW_S", "job_key", "sign", "Verifier", "enrol_proof",
+           "check_enrol_proof", "body_hash"]
 
 SCHEME = "MeshrunMAC"
-VERSION = "v1"
+VERSION = "v2"
 WINDOW_S = 300                  # clocks of coordinator and node may differ this much
 MAX_NONCES = 100_000            # bounds the replay memory; past it the oldest are dropped early
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
-class AuthError(MeshrunError):
-    """A request without a valid MAC: unsigned, malformed, wrong key, stale, or replayed."""
-
-    exit_code = 1
+def _kdf(shared: bytes, purpose: str) -> bytes:
+    return hmac.new(shared, f"meshrun/{VERSION}/{purpose}".encode(), hashlib.sha256).digest()
 
 
-def new_key() -> bytes:
-    return secrets.token_bytes(32)
+def job_key(shared: bytes, coordinator_public_key: str, node_public_key: str) -> bytes:
+    """The job key of a node, from the X25519 secret it shares with the coordinator (meshrun.core.keys.shared_secret)."""
+    return _kdf(shared, f"job/{coordinator_public_key}/{node_public_key}")
 
 
-def derive(network_key: bytes, purpose: str) -> bytes:
-    """A key for one purpose (e.g. one node) from the network job key; one-way."""
-    return hmac.new(network_key, f"meshrun/{VERSION}/{purpose}".encode(), hashlib.sha256).digest()
+def body_hash(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
 
 
-def node_key(network_key: bytes, node_public_key: str) -> bytes:
-    """The job key of the node with WireGuard public key `node_public_key`."""
-    return derive(network_key, f"job/{node_public_key}")
-
-
-def encode_key(key: bytes) -> str:
-    return base64.b64encode(key).decode()
-
-
-def decode_key(text: str) -> bytes:
-    """A job key from its base64 text; AuthError (never echoing it) when it is not 32 bytes."""
-    try:
-        key = base64.b64decode(text.strip(), validate=True)
-    except ValueError:
-        key = b""
-    if len(key) != 32:
-        raise AuthError("the job key is not 32 bytes of base64", "restore job.key, or join again")
-    return key
-
-
-def _mac(key: bytes, method: str, path: str, ts: int, nonce: str, body: bytes) -> str:
-    msg = "\n".join((VERSION, method, path, str(ts), nonce, hashlib.sha256(body).hexdigest())).encode()
+def _mac(key: bytes, method: str, path: str, ts: int, nonce: str, digest: str) -> str:
+    msg = "\n".join((VERSION, method, path, str(ts), nonce, digest)).encode()
     return base64.urlsafe_b64encode(hmac.new(key, msg, hashlib.sha256).digest()).decode().rstrip("=")
 
 
@@ -72,7 +59,8 @@ def sign(key: bytes, method: str, path: str, body: bytes, now: float, nonce: str
     """The Authorization header value for one request."""
     nonce = nonce or secrets.token_hex(12)
     ts = int(now)
-    return f"{SCHEME} {VERSION} {ts} {nonce} {_mac(key, method, path, ts, nonce, body)}"
+    digest = body_hash(body)
+    return f"{SCHEME} {VERSION} {ts} {nonce} {digest} {_mac(key, method, path, ts, nonce, digest)}"
 
 
 class Verifier:
@@ -85,19 +73,21 @@ class Verifier:
         self._seen: OrderedDict[str, float] = OrderedDict()     # nonce -> time accepted, oldest first
         self._lock = threading.Lock()
 
-    def verify(self, header: str | None, method: str, path: str, body: bytes, now: float) -> None:
-        """Return if the request is authentic and fresh; raise AuthError saying why not."""
+    def head(self, header: str | None, method: str, path: str, now: float) -> str:
+        """Check a request before its body is read; returns the body hash the MAC covers (compare it with
+        `body` once the body is in). AuthError saying why not: unsigned, malformed, wrong key, stale, replayed."""
         parts = (header or "").split()
-        if len(parts) != 5 or parts[0] != SCHEME:
+        if len(parts) != 6 or parts[0] != SCHEME:
             raise AuthError("the request is not signed", "job control comes only from `meshrun` run as root "
                                                           "on the coordinator")
-        _, version, ts_text, nonce, mac = parts
-        if version != VERSION or not ts_text.isdigit() or not 8 <= len(nonce) <= 64 or not nonce.isalnum():
+        _, version, ts_text, nonce, digest, mac = parts
+        if (version != VERSION or not ts_text.isdigit() or len(ts_text) > 12 or not 8 <= len(nonce) <= 64
+                or not nonce.isalnum() or not _HEX64.match(digest)):
             raise AuthError("the request's signature is malformed", "use the same meshrun version everywhere")
         ts = int(ts_text)
-        if not hmac.compare_digest(mac, _mac(self.key, method, path, ts, nonce, body)):
+        if not hmac.compare_digest(mac, _mac(self.key, method, path, ts, nonce, digest)):
             raise AuthError("the request's signature does not match this node's job key",
-                            "only root on the coordinator can control jobs; re-join the node if its key was lost")
+                            "only root on the coordinator can control jobs; if this node was re-created, join it again")
         if abs(now - ts) > self.window:
             raise AuthError(f"the request was signed {now - ts:+.0f} s from this node's clock (more than "
                             f"{self.window:.0f} s)", "synchronise the clocks (NTP) of the coordinator and nodes")
@@ -108,3 +98,42 @@ class Verifier:
             if nonce in self._seen:
                 raise AuthError("the request was already used once (a replay)", "send a freshly signed request")
             self._seen[nonce] = now
+        return digest
+
+    @staticmethod
+    def body(expected: str, actual: str) -> None:
+        """AuthError when the body that arrived is not the one the MAC covers."""
+        if not hmac.compare_digest(expected, actual):
+            raise AuthError("the request's body is not the one it was signed with", "send it again")
+
+    def verify(self, header: str | None, method: str, path: str, body: bytes, now: float) -> None:
+        """`head` and `body` together, for a body already in memory."""
+        self.body(self.head(header, method, path, now), body_hash(body))
+
+
+def _enrol_message(network: str, name: str, public_key: str, token_id: str, ts: int) -> bytes:
+    return "\n".join(("enrol", network, name, public_key, token_id, str(ts))).encode()
+
+
+def enrol_proof(shared: bytes, network: str, name: str, public_key: str, token_id: str, now: float) -> dict:
+    """What a joining node sends to prove it holds `public_key`'s private key: {"time", "proof"}."""
+    ts = int(now)
+    mac = hmac.new(_kdf(shared, "enrol"), _enrol_message(network, name, public_key, token_id, ts), hashlib.sha256)
+    return {"time": ts, "proof": mac.hexdigest()}
+
+
+def check_enrol_proof(shared: bytes, network: str, name: str, public_key: str, token_id: str, proof: object,
+                      now: float) -> None:
+    """AuthError unless `proof` (from `enrol_proof`) is fresh and made with `public_key`'s private key."""
+    if not isinstance(proof, dict) or not isinstance(proof.get("time"), int) or not isinstance(proof.get("proof"), str):
+        raise AuthError("the join request carries no proof that the node holds its private key",
+                        "use a meshrun of the same version as the coordinator to join")
+    ts = int(proof["time"])
+    want = hmac.new(_kdf(shared, "enrol"), _enrol_message(network, name, public_key, token_id, ts),
+                    hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(want, str(proof["proof"])):
+        raise AuthError("the node did not prove that it holds the private key of the public key it presents",
+                        "join from the machine that made the key (a public key alone enrols nothing)")
+    if abs(now - ts) > WINDOW_S:
+        raise AuthError(f"the join request was made {now - ts:+.0f} s from the coordinator's clock",
+                        "synchronise the clocks (NTP) of the coordinator and this node")

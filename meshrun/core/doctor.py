@@ -57,6 +57,10 @@ def to_json(checks: list[Check]) -> list[dict]:
     return [asdict(c) for c in checks]
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
 def _age(s: float) -> str:
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
 
@@ -217,6 +221,15 @@ def _environment(f: dict) -> list[Check]:
         out.append(Check(name, level, fi.what, fi.fix))
     if not any(c.name == "disk" for c in out):
         out.append(Check("disk", OK, disk))
+    use = f.get("disk_use")
+    if use is not None:
+        projects = use.get("projects") or {}
+        biggest = sorted(projects.items(), key=lambda kv: -kv[1])[:3]
+        out.append(Check("job files", OK, f"jobs {_mib(use.get('jobs', 0))}, {len(projects)} project(s) "
+                         f"{_mib(sum(projects.values()))}" + (" (" + ", ".join(f"{n} {_mib(b)}" for n, b in biggest)
+                                                              + ")" if biggest else ""),
+                         "`meshrun jobs --prune` (finished jobs) and `meshrun jobs --prune-project NAME` on the "
+                         "coordinator free them" if projects or use.get("jobs") else ""))
     if not any(c.name == "torch" for c in out) and not report.error:
         build = report.build + (f", NCCL {report.nccl}" if report.nccl else "") + (", gloo" if report.gloo else "")
         gpus = f", {report.gpus} GPU(s)" + (f" {report.gpu_names[0]}" if report.gpu_names else "") if report.gpus else ""

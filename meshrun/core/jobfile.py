@@ -46,6 +46,7 @@ KEYS: dict[str, tuple[str, Any, str, str]] = {
                          "with_coordinator = true"),
     "sync_limit": ("sync_limit_mb", _is_int, "an integer (MiB)", "sync_limit = 50"),
     "job_id": ("job_id", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'job_id = "exp7"'),
+    "project": ("project", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'project = "charlm"'),
     "env": ("env", lambda v: isinstance(v, dict) and all(isinstance(x, (str, int, float)) and not isinstance(x, bool)
                                                        for x in v.values()),
             "a table of NAME = \"value\"", 'NCCL_DEBUG = "WARN" under [env]'),

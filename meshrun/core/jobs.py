@@ -13,6 +13,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 
+from meshrun.core.codeset import PROJECT_RE
 from meshrun.core.launch import parse_nnodes
 from meshrun.errors import UsageError
 
@@ -49,6 +50,9 @@ class JobSpec:
     rdzv_timeout: int = 900
     with_coordinator: bool = False             # the coordinator takes a share too
     skip_preflight: bool = False               # start even if the nodes' environments disagree
+    # Where the job runs on each member: <state>/projects/<project>/work, kept between jobs, so the
+    # next job of the same project finds what this one wrote (checkpoints). [the code directory's name]
+    project: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +68,8 @@ class JobSpec:
             raise ValueError("script is missing")
         if spec.nnodes is not None:
             parse_nnodes(spec.nnodes)
+        if spec.project and not PROJECT_RE.match(spec.project):
+            raise ValueError(f"project {spec.project!r} is not a valid project name")
         return spec
 
     def bounds(self, available: int) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import hashlib
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.x509.oid import NameOID
 
 from meshrun.errors import UsageError
@@ -34,6 +34,20 @@ def public_key(private_key_b64: str) -> str:
     raw = decode_key(private_key_b64, "private key")
     pub = X25519PrivateKey.from_private_bytes(raw).public_key()
     return base64.b64encode(pub.public_bytes(_RAW, serialization.PublicFormat.Raw)).decode()
+
+
+def shared_secret(private_key_b64: str, peer_public_b64: str) -> bytes:
+    """X25519 between our private key and a peer's public key: the same 32 bytes on both sides, and
+    nothing of it ever on the wire (both halves are WireGuard keys the two members already hold).
+
+    UsageError for a public key that gives no secret (a low-order point: the all-zero result).
+    """
+    priv = X25519PrivateKey.from_private_bytes(decode_key(private_key_b64, "private key"))
+    try:
+        return priv.exchange(X25519PublicKey.from_public_bytes(decode_key(peer_public_b64, "public key")))
+    except ValueError:
+        raise UsageError("the public key gives no shared secret (a low-order point)",
+                         "use a key made by meshrun or `wg genkey`/`wg pubkey`") from None
 
 
 def decode_key(value: str, what: str = "key") -> bytes:

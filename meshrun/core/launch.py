@@ -32,6 +32,11 @@ MONITOR_INTERVAL = "0.5"
 NCCL_SOCKET_NTHREADS = 4
 NCCL_NSOCKS_PERTHREAD = 4
 NCCL_MAX_SOCKETS = 64
+# Variables a job may not set, and why: they would take a store off the overlay.
+PROTECTED_ENV = {
+    # torchrun then has rank 0's worker host a second TCPStore, bound to the wildcard (every interface).
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "it makes rank 0 host a store on every interface, not the overlay only",
+}
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,10 @@ def worker_env(interface: str, node_name: str, user_env: Mapping[str, str], over
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is not set: torchrun's agent already defaults it to 1
     for its workers in torch 2.13, so a hung collective on a dead peer tears the worker down.
     """
+    for k in PROTECTED_ENV:
+        if k in user_env:
+            raise UsageError(f"{k} cannot be set for a meshrun job: {PROTECTED_ENV[k]}",
+                             f"drop it from --env, the job file's [env] and this shell (unset {k})")
     env: dict[str, str] = {
         "GLOO_SOCKET_IFNAME": interface,
         "PYTHONUNBUFFERED": "1",

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from meshrun.core import codeset
+
 BLOCK, WARN = "block", "warn"
 DISK_BLOCK = 100 << 20           # less free space than this in the job directory: the job cannot even unpack
 DISK_WARN = 1 << 30
@@ -35,7 +37,8 @@ class EnvReport:
     gpus: int = 0
     gpu_names: list[str] = field(default_factory=list)
     free_bytes: int | None = None            # in the job directory
-    code_hash: str | None = None             # sha256 of the code as unpacked (or of --no-sync's directory)
+    code_hash: str | None = None             # digest of the code as shipped there (or of --no-sync's directory)
+    code_files: dict[str, str] | None = None # {file: sha256} behind code_hash, to name the files that differ
     clock_offset_s: float | None = None      # node clock minus coordinator clock
     error: str = ""                          # the probe itself failed
 
@@ -74,8 +77,14 @@ def _odd_ones(reports: list[EnvReport], key) -> tuple[object, list[EnvReport]]:
     return usual, [r for r in reports if key(r) != usual]
 
 
-def compare(reports: list[EnvReport], code_hash: str | None = None, nproc_auto: bool = True) -> list[Finding]:
-    """Findings for a job's nodes: BLOCK ones stop the job, WARN ones are shown."""
+def compare(reports: list[EnvReport], code_hash: str | None = None, nproc_auto: bool = True,
+            reference_files: dict[str, str] | None = None) -> list[Finding]:
+    """Findings for a job's nodes: BLOCK ones stop the job, WARN ones are shown.
+
+    `code_hash` is the digest of the coordinator's code (what was shipped, or its own copy of a
+    --no-sync directory) and `reference_files` the manifest behind it; None: the nodes are compared
+    among themselves (the copy most of them hold is the reference).
+    """
     out: list[Finding] = []
     for r in reports:
         if r.error:
@@ -126,8 +135,11 @@ def compare(reports: list[EnvReport], code_hash: str | None = None, nproc_auto: 
                                + "): nodes run different numbers of workers",
                                "pass --nproc-per-node to run the same number everywhere"))
     hashed = [r for r in reports if r.code_hash is not None]
+    whose = "the coordinator's"
     if code_hash is None and hashed:    # no reference copy on the coordinator: the nodes must agree
         code_hash, _ = _odd_ones(hashed, lambda r: r.code_hash)
+        reference_files = next((r.code_files for r in hashed if r.code_hash == code_hash), None)
+        whose = "most nodes'"
     for r in reports:
         if r.free_bytes is not None and r.free_bytes < DISK_BLOCK:
             out.append(Finding(BLOCK, (r.node,), f"{r.free_bytes >> 20} MiB free in the job directory",
@@ -136,7 +148,10 @@ def compare(reports: list[EnvReport], code_hash: str | None = None, nproc_auto: 
             out.append(Finding(WARN, (r.node,), f"only {r.free_bytes >> 20} MiB free in the job directory",
                                "checkpoints and logs may not fit"))
         if code_hash is not None and r.code_hash is not None and r.code_hash != code_hash:
-            out.append(Finding(BLOCK, (r.node,), "its copy of the code differs from the coordinator's",
+            diffs = (codeset.differences(reference_files, r.code_files)
+                     if reference_files is not None and r.code_files is not None else [])
+            out.append(Finding(BLOCK, (r.node,), f"its copy of the code differs from {whose}"
+                               + (f": {codeset.describe_differences(diffs)}" if diffs else ""),
                                "drop --no-sync so meshrun ships the code, or copy the same code there"))
         if r.clock_offset_s is not None and abs(r.clock_offset_s) >= CLOCK_WARN_S:
             level = BLOCK if abs(r.clock_offset_s) >= CLOCK_BLOCK_S else WARN

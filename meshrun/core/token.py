@@ -2,7 +2,8 @@
 
 Format: ``mr1.`` + base64url(JSON payload + 4-byte SHA-256 checksum). The payload holds the
 network name, the coordinator's endpoint(s), the SHA-256 fingerprint of its TLS
-certificate, a token id and a 32-byte secret. The coordinator stores only
+certificate, the coordinator's WireGuard public key (a joining node proves with it that it holds
+its own private key), a token id and a 32-byte secret. The coordinator stores only
 ``hash_secret(secret)``; nodes prove possession of the secret over TLS pinned by the
 fingerprint. The checksum lets a garbled or truncated token fail with a precise message
 instead of a confusing network error.
@@ -26,6 +27,7 @@ PREFIX = "mr1."
 _VERSION_RE = re.compile(r"^mr(\d+)\.")
 _ID_RE = re.compile(r"^[a-z0-9]{10}\Z")
 _FP_RE = re.compile(r"^[0-9a-f]{64}\Z")
+_KEY_RE = re.compile(r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=\Z")     # a WireGuard key: base64 of 32 bytes
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}\Z")
 _FIX_COPY = "copy the whole token again from the output of `meshrun token create` on the coordinator"
 
@@ -39,13 +41,15 @@ class JoinToken:
     fingerprint: str
     token_id: str
     secret: bytes
+    coordinator_key: str = ""        # the coordinator's WireGuard public key ("" in tokens of older meshruns)
 
     def encode(self) -> str:
         """Return the token string (``mr1.…``)."""
-        payload = json.dumps(
-            {"n": self.network, "e": list(self.endpoints), "f": self.fingerprint, "i": self.token_id,
-             "s": base64.urlsafe_b64encode(self.secret).decode().rstrip("=")},
-            separators=(",", ":"), sort_keys=True).encode()
+        fields = {"n": self.network, "e": list(self.endpoints), "f": self.fingerprint, "i": self.token_id,
+                  "s": base64.urlsafe_b64encode(self.secret).decode().rstrip("=")}
+        if self.coordinator_key:
+            fields["k"] = self.coordinator_key
+        payload = json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
         blob = payload + hashlib.sha256(payload).digest()[:4]
         return PREFIX + base64.urlsafe_b64encode(blob).decode().rstrip("=")
 
@@ -53,10 +57,11 @@ class JoinToken:
         return f"JoinToken(network={self.network!r}, endpoints={self.endpoints!r}, token_id={self.token_id!r})"
 
 
-def new_token(network: str, endpoints: list[str] | tuple[str, ...], fingerprint: str) -> JoinToken:
+def new_token(network: str, endpoints: list[str] | tuple[str, ...], fingerprint: str,
+              coordinator_key: str = "") -> JoinToken:
     """Make a token with a fresh random id and 32-byte secret."""
     token_id = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(10))
-    return JoinToken(network, tuple(endpoints), fingerprint, token_id, secrets.token_bytes(32))
+    return JoinToken(network, tuple(endpoints), fingerprint, token_id, secrets.token_bytes(32), coordinator_key)
 
 
 def hash_secret(secret: bytes) -> str:
@@ -103,11 +108,15 @@ def parse_token(value: str) -> JoinToken:
             raise ValueError("wrong field types")
         secret_b64 = data["s"]
         secret = base64.urlsafe_b64decode(secret_b64 + "=" * (-len(secret_b64) % 4))
-        tok = JoinToken(data["n"], tuple(parse_endpoint(e) for e in data["e"]), data["f"], data["i"], secret)
+        ckey = data.get("k", "")
+        if not isinstance(ckey, str):
+            raise ValueError("wrong field types")
+        tok = JoinToken(data["n"], tuple(parse_endpoint(e) for e in data["e"]), data["f"], data["i"], secret, ckey)
     except (ValueError, KeyError, TypeError, binascii.Error):
         raise TokenError("the join token's contents are malformed", _FIX_COPY) from None
     if (not _NAME_RE.match(tok.network) or not tok.endpoints or not _FP_RE.match(tok.fingerprint)
-            or not _ID_RE.match(tok.token_id) or len(tok.secret) != 32):
+            or not _ID_RE.match(tok.token_id) or len(tok.secret) != 32
+            or tok.coordinator_key and not _KEY_RE.match(tok.coordinator_key)):
         raise TokenError("the join token's contents are malformed", _FIX_COPY)
     return tok
 

@@ -24,7 +24,7 @@ from meshrun.core.jobs import JobRecord, JobSpec, check_job_id, line_matches
 from meshrun.core.model import Network
 from meshrun.errors import StateError, UsageError
 from meshrun.jobs.supervisor import EVENTS
-from meshrun.system import jobfiles, procs, rdzv, transport
+from meshrun.system import jobfiles, procs, transport
 from meshrun.system.store import StateDir
 
 log = logging.getLogger("meshrun.jobs.control")
@@ -68,8 +68,6 @@ class JobControl:
     def __init__(self, state: StateDir, network: Network) -> None:
         self.state = state
         self.network = network
-        self.local_store = None
-        threading.Thread(target=self._host_local_store, name="rdzv", daemon=True).start()
         self.server = transport.AdminServer(str(state / ADMIN_SOCKET), self.handle)
         self.server.start("admin")
         self.stop = threading.Event()
@@ -83,18 +81,6 @@ class JobControl:
         self.stop.set()
         self.server.close()
         # Running jobs are left alone: they belong to their supervisors.
-
-    def _host_local_store(self) -> None:
-        """The rendezvous store for `meshrun train --local` shares (every node started by hand or by a
-        batch scheduler), on rdzv_port; jobs that `meshrun train` runs have their own. Lives with
-        the daemon. Imported lazily: torch is slow to import."""
-        where = f"{self.network.coordinator_ip}:{self.network.rdzv_port}"
-        try:
-            self.local_store = rdzv.serve_store(self.network.coordinator_ip, self.network.rdzv_port,
-                                                self.network.interface, multi_tenant=True)
-            log.info("rendezvous store for --local shares on %s", where)
-        except Exception as exc:  # training is unavailable that way, the mesh and managed jobs still work
-            log.warning("cannot host the rendezvous store for --local shares on %s: %s", where, exc)
 
     def handle(self, req: transport.Request) -> transport.Response:
         if req.client_ip != "uid:0":

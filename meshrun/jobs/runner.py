@@ -15,14 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrun.core import auth, launch, preflight
-from meshrun.core.jobs import JobSpec
+from meshrun.core import codeset, launch, preflight
+from meshrun.core.jobs import JobSpec, check_job_id
 from meshrun.core.model import Network
 from meshrun.errors import LaunchError, UsageError
-from meshrun.jobs.supervisor import ask_health, candidates, check_environments, code_dir, expected_code_hash, plan
+from meshrun.jobs.supervisor import ask_health, candidates, check_environments, code_dir, plan
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
-from meshrun.system import host, procs
+from meshrun.system import archive, host, procs
+from meshrun.system.projects import check_project
 from meshrun.system.store import StateDir
 
 DEFAULT_SYNC_LIMIT_MB = 50
@@ -51,17 +52,23 @@ class TrainRequest:
     with_coordinator: bool = False         # the coordinator takes a share too
     detach: bool = False                   # return once the job started
     skip_preflight: bool = False           # start even if the nodes' environments disagree
+    project: str | None = None             # the job's persistent directory on each member [code directory's name]
 
     def spec(self, cwd: Path) -> JobSpec:
         """The job spec to submit: options as given, the caller's NCCL_/GLOO_/TORCH_ variables under
-        --env, a fresh job id unless one was given."""
-        return JobSpec(job_id=self.job_id or new_job_id(self.script), script=self.script,
+        --env, a fresh job id unless one was given, the project named after the code's directory
+        unless one was given."""
+        spec = JobSpec(job_id=self.job_id or new_job_id(self.script), script=self.script,
                        script_args=list(self.script_args), nnodes=self.nnodes, nproc_per_node=self.nproc_per_node,
                        max_restarts=self.max_restarts, nodes=self.nodes, wait_timeout=self.wait_timeout,
                        no_sync=self.no_sync, cwd=str(cwd), sync_limit_mb=self.sync_limit_mb,
                        env=user_env(self.env), python=self.python, module=self.module,
                        rdzv_timeout=self.rdzv_timeout, with_coordinator=self.with_coordinator,
-                       skip_preflight=self.skip_preflight)
+                       skip_preflight=self.skip_preflight, project=check_project(self.project) if self.project else "")
+        if not spec.project:
+            where = Path(cwd) if spec.no_sync or spec.module else (Path(cwd) / spec.script).parent
+            spec.project = codeset.project_name(where.absolute().name)
+        return spec
 
     def options(self, script: str, job_id: str, network, python: str) -> launch.TrainOptions:
         """The launch options for this request on `network` (validated later by `launch.plan`)."""
@@ -94,16 +101,34 @@ def new_job_id(script: str) -> str:
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
+def resumed(state: StateDir, job_id: str) -> tuple[dict, Path]:
+    """`meshrun train --resume JOB`: JOB's options as TrainRequest fields (its project included, so the
+    new job runs where JOB left its checkpoints) and the directory JOB was submitted from."""
+    d = state / "jobs" / check_job_id(job_id)
+    if not (d / "spec.json").exists():
+        raise UsageError(f"there is no job {job_id!r} on this coordinator to resume", "see the jobs with `meshrun jobs`")
+    old = JobSpec.from_dict(StateDir(d).read_json("spec.json"))
+    fields = {k: getattr(old, k) for k in ("script", "script_args", "nnodes", "nproc_per_node", "max_restarts",
+                                           "nodes", "wait_timeout", "no_sync", "sync_limit_mb", "python", "module",
+                                           "rdzv_timeout", "with_coordinator", "skip_preflight")}
+    fields["env"] = dict(old.env)
+    fields["project"] = old.project or old.job_id
+    return fields, Path(old.cwd)
+
+
 def check(state: StateDir, spec: JobSpec) -> tuple[Network, list]:
     """Validate a job against this network before it is submitted: the nodes it names exist, there
-    is one at least, the script is there to ship. Returns the network and the candidate shares."""
+    is one at least, the code is there to ship and within --sync-limit. Returns the network and the
+    candidate shares."""
     network, members = admin.members(state)
     rec, _ = member.load(state)
-    shares = candidates(state, spec, network, members, rec, auth.decode_key(state.read("job.key").decode()))
+    shares = candidates(state, spec, network, members, rec)
     if not shares:
         raise LaunchError("no node has joined this network yet", "run `meshrun join TOKEN` on the GPU machines")
     if not spec.no_sync:
-        code_dir(spec)
+        sel = archive.select_files(code_dir(spec), exclude=[state.path])
+        if sel.bytes > spec.sync_limit_mb * 1024 * 1024:
+            archive.pack(sel, spec.sync_limit_mb)         # raises the error naming the largest entries
     return network, shares
 
 
@@ -120,15 +145,22 @@ def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
         healths = dict(zip((s.name for s in shares), pool.map(ask_health, shares)))
     answering = [s for s in shares if healths[s.name] is not None]
     lines = []
+    if not spec.no_sync:
+        sel = archive.select_files(code_dir(spec), exclude=[state.path])
+        lines += ["# code", *(f"#   {line}" for line in sel.summary(spec.sync_limit_mb))]
+        if sel.bytes > spec.sync_limit_mb * 1024 * 1024:
+            lines.append(f"#   over --sync-limit {spec.sync_limit_mb} MiB: the job would be refused")
+    lines.append(f"# runs in project {spec.project!r}: <state>/projects/{spec.project}/work on every node "
+                 "($MESHRUN_OUTPUT_DIR, kept for the next job of the project)")
     if not spec.skip_preflight and answering:
-        reports = check_environments(spec, answering, healths, spec.job_id)
-        # Shipped code is not shipped by a dry run: only --no-sync's copies can be compared.
-        findings = preflight.compare(reports, expected_code_hash(spec) if spec.no_sync else None,
-                                     spec.nproc_per_node is None)
+        # Nothing is shipped by a dry run: only --no-sync's copies can be compared.
+        reports, here = check_environments(spec, answering, healths, spec.job_id, spec.project)
+        findings = preflight.compare(reports, codeset.digest(here) if here is not None else None,
+                                     spec.nproc_per_node is None, reference_files=here)
         lines += ["# pre-flight", *(f"#   {line}" for line in preflight.table(reports, findings))]
     lines.append(f"# the job's rendezvous store listens on {network.coordinator_ip}, on the first free port from "
                  f"{network.rdzv_port + 1}")
-    workdir = spec.cwd if spec.no_sync else "<job dir>/code"
+    workdir = spec.cwd if spec.no_sync else f"<state>/projects/{spec.project}/work"
     ready = [(s.name, s.overlay_ip, healths[s.name] or {}) for s in shares]
     for p in plan(spec, network, ready, network.rdzv_port + 1):
         lines += [f"# {p.node}", f"cd {workdir} && {p.shell()}"]

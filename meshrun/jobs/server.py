@@ -2,16 +2,20 @@
 
 It listens on the node's overlay IP with the socket bound to the WireGuard device, answers only
 the coordinator's overlay address, and only requests that carry a valid MAC under this node's
-job key (meshrun.core.auth): a process on the coordinator that cannot read the coordinator's
-job key (anyone but root) cannot start, read or cancel anything, and a captured request cannot
-be replayed.
+job key (meshrun.core.auth: derived from the coordinator's and this node's WireGuard keys, so only
+root on the coordinator, holding its private key, can sign), checked before the body is read; a
+captured request cannot be replayed. Uploads are streamed to disk with a cap; connections are
+bounded.
 
   GET  /v1/health                 name, GPUs, Python, running shares
-  POST /v1/jobs/ID/code           the job's code (tar.gz), unpacked into <state>/jobs/ID/code
-  POST /v1/jobs/ID/preflight      {python, cwd}: what that interpreter has, free disk, the code's hash, the clock
-  POST /v1/jobs/ID/start          {argv, env, cwd}: start the share (meshrun.jobs.share)
+  POST /v1/jobs/ID/code?project=P the job's code (tar.gz), laid over project P's directory (meshrun.jobs.workdir)
+  POST /v1/jobs/ID/preflight      {python, cwd, project}: that interpreter, free disk, the code's hashes, the clock
+  POST /v1/jobs/ID/start          {argv, env, cwd, project}: start the share (meshrun.jobs.share)
   POST /v1/jobs/ID/output         {offset, wait}: output lines from `offset`, then the share's end
   POST /v1/jobs/ID/cancel         stop the share
+  POST /v1/jobs/ID/pull           {path, max_bytes}: files from the job's working directory (tar.gz)
+  POST /v1/jobs/ID/prune          delete the job's directory here (not while its share runs)
+  POST /v1/projects/P/remove      delete project P's directory here (not while a job runs in it)
 
 Shares run in their own processes, so they outlive an agent restart; the API finds them again
 through their job directories.
@@ -19,6 +23,7 @@ through their job directories.
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import sys
@@ -29,76 +34,102 @@ from pathlib import Path
 from meshrun.core import auth
 from meshrun.core.jobs import JOB_ID_RE
 from meshrun.core.model import Network
-from meshrun.errors import LaunchError, MeshrunError, UsageError
+from meshrun.errors import AuthError, LaunchError, MeshrunError, NetworkError, UsageError
+from meshrun.jobs import workdir
+from meshrun.mesh import member
 from meshrun.jobs.share import cancel_share, share_output, share_running, start_share
-from meshrun.system import archive, host, jobfiles
-from meshrun.system.store import StateDir
+from meshrun.system import host, jobfiles
+from meshrun.system.projects import ProjectDir, check_project
+from meshrun.system.store import StateDir, remove_tree
 from meshrun.system.transport import JSONServer, Request, Response
 
 log = logging.getLogger("meshrun.jobs.server")
 
 MAX_CODE = 200 * 1024 * 1024
+MAX_CONNS = 64
 OUTPUT_WAIT_MAX = 10.0
-ROUTE = re.compile(r"^/v1/jobs/([^/]+)/(code|preflight|start|output|cancel)$")
-
-
-def preflight(job_dir: StateDir, python: str, cwd: object = None) -> dict:
-    """This node's environment for a job (meshrun.core.preflight.EnvReport fields), with its clock."""
-    t0 = time.monotonic()
-    report = host.environment(python)
-    code = Path(str(cwd)) if cwd else job_dir / "code"
-    report.update(free_bytes=host.free_bytes(job_dir.path), code_hash=archive.tree_hash(code))
-    # "took" lets the caller tell our work from the network in the round trip (preflight.clock_offset)
-    report.update(took=time.monotonic() - t0, time=time.time())
-    return report
+ROUTE = re.compile(r"^/v1/jobs/([^/?]+)/(code|preflight|start|output|cancel|pull|prune)(?:\?project=([^&/]+))?$")
+PROJECT_ROUTE = re.compile(r"^/v1/projects/([^/?]+)/remove$")
 
 
 class JobAPI:
     """The job API's handler for node `name`: shares under `jobs_dir`, requests checked with `key`."""
 
-    def __init__(self, jobs_dir: Path, network: Network, name: str, key: bytes, gpus: int = 0,
+    def __init__(self, state: StateDir, network: Network, name: str, key: bytes, gpus: int = 0,
                  start=start_share) -> None:
         self.network = network
         self.name = name
-        self.jobs_dir = StateDir(jobs_dir)
+        self.state = state
+        self.jobs_dir = StateDir(state / "jobs")
         self.verifier = auth.Verifier(key)
         self.gpus = gpus
         self.start = start           # tests pass a stand-in that runs nothing
 
-    def handle(self, req: Request) -> Response:
+    def gate(self, req: Request) -> Response | None:
+        """Before the body is read: only the coordinator's overlay address, only with a fresh MAC under
+        this node's job key (the body's hash it covers is checked once the body is in)."""
         if req.client_ip != self.network.coordinator_ip:
             log.warning("refused job request %s %s from %s: not the coordinator", req.method, req.path, req.client_ip)
             return Response.error(403, f"{req.client_ip} is not the coordinator")
         try:
-            self.verifier.verify(req.headers.get("Authorization"), req.method, req.path, req.raw, time.time())
-        except auth.AuthError as exc:
+            req.expect_sha256 = self.verifier.head(req.headers.get("Authorization"), req.method, req.path,
+                                                   time.time())
+        except AuthError as exc:
             log.warning("refused job request %s %s from %s: %s", req.method, req.path, req.client_ip, exc.message)
+            return Response.error(401, exc)
+        return None
+
+    def handle(self, req: Request) -> Response:
+        if not req.gated:                   # called directly (tests), not through JobServer's gate
+            refused = self.gate(req)
+            if refused is not None:
+                return refused
+        try:
+            auth.Verifier.body(req.expect_sha256, req.sha256())
+        except AuthError as exc:
             return Response.error(401, exc)
         if req.method == "GET" and req.path == "/v1/health":
             return Response(200, {"name": self.name, "gpus": self.gpus, "python": sys.executable,
                                   "jobs": [j for j in jobfiles.job_ids(self.jobs_dir)
                                            if share_running(StateDir(self.jobs_dir / j))]})
+        m = PROJECT_ROUTE.match(req.path)
+        if m and req.method == "POST":
+            removed = ProjectDir(self.state, check_project(m.group(1))).remove()
+            log.info("project %s %s on request", m.group(1), "removed" if removed else "was not here")
+            return Response(200, {"removed": removed})
         m = ROUTE.match(req.path)
         if not m or req.method != "POST":
             return Response.error(404, f"no such endpoint {req.method} {req.path}")
-        job_id, action = m.groups()
+        job_id, action, project = m.groups()
         if not JOB_ID_RE.match(job_id):
             return Response.error(400, UsageError(f"bad job id {job_id!r}", "use [A-Za-z0-9_.-]{1,64}"))
         job_dir = StateDir(self.jobs_dir / job_id)
+        body = req.body if isinstance(req.body, dict) else {}
+        project = check_project(str(project or body.get("project") or job_id))
         if action == "code":
             job_dir.create()
-            return Response(200, {"files": archive.unpack_code(req.raw, job_dir / "code")})
-        body = req.body if isinstance(req.body, dict) else {}
+            blob = req.upload if req.upload is not None else io.BytesIO(req.raw)
+            return Response(200, {"files": workdir.receive_code(self.state, job_id, project, blob, self.name)})
         if action == "preflight":
-            return Response(200, preflight(job_dir, str(body.get("python") or sys.executable), body.get("cwd")))
+            job_dir.create()
+            cwd = body.get("cwd")
+            return Response(200, workdir.preflight(self.state, job_dir, str(body.get("python") or sys.executable),
+                                                   project, str(cwd) if cwd else None))
         if action == "start":
-            return self._start(job_id, job_dir, body)
+            return self._start(job_id, job_dir, body, project)
         if not (job_dir / "share.json").exists():
             return Response.error(404, LaunchError(f"job {job_id} has no share on {self.name}", "check the job id"))
         if action == "cancel":
             cancelled = cancel_share(job_dir)
             log.info("job %s cancelled on request (%s)", job_id, "it was running" if cancelled else "not running")
             return Response(200, {"cancelled": cancelled})
+        if action == "pull":
+            return self._pull(job_id, job_dir, body)
+        if action == "prune":
+            if share_running(job_dir):
+                return Response.error(409, LaunchError(f"job {job_id} still runs on {self.name}", "cancel it first"))
+            remove_tree(job_dir.path)
+            return Response(200, {"pruned": True})
         try:
             offset = max(0, int(body.get("offset", 0)))
             wait = min(max(float(body.get("wait", 0)), 0.0), OUTPUT_WAIT_MAX)
@@ -106,7 +137,19 @@ class JobAPI:
             return Response.error(400, UsageError("malformed output request", "use `meshrun train`"))
         return Response(200, share_output(job_dir, offset, wait))
 
-    def _start(self, job_id: str, job_dir: StateDir, body: dict) -> Response:
+    def _pull(self, job_id: str, job_dir: StateDir, body: dict) -> Response:
+        try:
+            path = str(body["path"])
+            max_bytes = min(int(body.get("max_bytes", workdir.MAX_PULL_BYTES)), workdir.MAX_PULL_BYTES)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return Response.error(400, UsageError("malformed pull request", "use `meshrun pull`"))
+        spec = job_dir.read_json("share.json")
+        root = Path(str(spec.get("cwd") or ""))
+        blob, files = workdir.pull(root, path, max_bytes)
+        log.info("job %s: %d file(s) of %s pulled", job_id, files, path)
+        return Response(200, raw=blob)
+
+    def _start(self, job_id: str, job_dir: StateDir, body: dict, project: str) -> Response:
         try:
             argv = [str(a) for a in body["argv"]]
             env = {str(k): str(v) for k, v in body.get("env", {}).items()}
@@ -116,19 +159,19 @@ class JobAPI:
             return Response.error(400, UsageError("malformed start request", "use `meshrun train`"))
         if not argv:
             return Response.error(400, UsageError("empty command", "use `meshrun train`"))
-        if not Path(cwd or job_dir / "code").is_dir():
-            return Response.error(400, LaunchError(f"working directory {cwd or job_dir / 'code'} does not exist on "
-                                                   f"{self.name}",
+        where = workdir.workdir(self.state, project, cwd)
+        if not where.is_dir():
+            return Response.error(400, LaunchError(f"working directory {where} does not exist on {self.name}",
                                                    "drop --no-sync so meshrun ships the code, or copy it there"))
         job_dir.create()
         if share_running(job_dir):
             return Response.error(409, LaunchError(f"job {job_id} already runs on {self.name}", "use a new job id"))
         try:
-            pid = self.start(job_dir, self.name, argv, env, cwd)
+            pid = self.start(job_dir, self.name, argv, env, str(where), self.state, project)
         except MeshrunError as exc:
             log.warning("job %s could not start: %s", job_id, exc)
             return Response.error(400, exc)
-        log.info("job %s started (pid %s): %s", job_id, pid, " ".join(argv))
+        log.info("job %s started (pid %s) in %s: %s", job_id, pid, where, " ".join(argv))
         return Response(200, {"pid": pid})
 
 
@@ -137,8 +180,12 @@ class JobServer:
 
     def __init__(self, api: JobAPI, overlay_ip: str) -> None:
         self.api = api
+        uploads = StateDir(api.state / "uploads")
+        uploads.create()
+        # Only the coordinator may talk here: a few connections per job it follows, a bounded total.
         self.server = JSONServer((overlay_ip, api.network.api_port), api.handle, device=api.network.interface,
-                                 max_body=MAX_CODE)
+                                 max_body=MAX_CODE, gate=api.gate, max_conns=MAX_CONNS, max_per_source=MAX_CONNS,
+                                 upload_dir=str(uploads.path))
         self.server.start("jobs")
 
     def close(self) -> None:
@@ -149,12 +196,12 @@ class JobServer:
 
 def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
     """The node's job API (an agent extension): shares under <state>/jobs, served on its overlay IP."""
-    key = auth.decode_key(state.read("job.key").decode())
+    key = member.job_key(state, network.coordinator_public_key)
     # Pre-flight reports import torch once (a second or two): do it now, not while a job waits.
     threading.Thread(target=host.environment, args=(sys.executable,), name="preflight-warm", daemon=True).start()
     try:
-        return JobServer(JobAPI(state / "jobs", network, rec["name"], key, gpus=host.visible_gpus()),
+        return JobServer(JobAPI(state, network, rec["name"], key, gpus=host.visible_gpus()),
                          rec["overlay_ip"])
     except OSError as exc:
-        raise MeshrunError(f"job API unavailable: cannot listen on {rec['overlay_ip']}:{network.api_port}: "
+        raise NetworkError(f"job API unavailable: cannot listen on {rec['overlay_ip']}:{network.api_port}: "
                            f"{exc.strerror}", "free that port on the node") from None

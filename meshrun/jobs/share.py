@@ -25,6 +25,7 @@ from meshrun.system import procs, store
 from meshrun.system.store import StateDir
 from meshrun.system import jobfiles
 from meshrun.system.jobfiles import BoundedLog
+from meshrun.system.projects import ProjectDir
 
 # torchrun's own lines that name what went wrong (the last one is the most specific)
 ERROR_RE = re.compile(r"^\S*(Error|Exception)\b.*?: \S|^RuntimeError|^ERROR:")
@@ -40,6 +41,9 @@ class Share:
         self.argv = [str(a) for a in spec["argv"]]
         self.env = {str(k): str(v) for k, v in spec.get("env", {}).items()}
         self.cwd = str(spec.get("cwd") or self.dir / "code")
+        # The project's persistent directory: the working directory of a shipped job, $MESHRUN_OUTPUT_DIR always.
+        self.project = ProjectDir(StateDir(spec["state"]), str(spec["project"])) if spec.get("project") else None
+        self.job_id = self.dir.path.name if self.dir.path.name != "share" else self.dir.path.parent.name
         self.log = BoundedLog(self.dir / "output.log")
         self.error = ""
         self.cancelled = threading.Event()
@@ -47,6 +51,9 @@ class Share:
 
     def start(self) -> None:
         env = {**os.environ, **self.env, "MESHRUN_JOB_DIR": str(self.dir.path)}
+        if self.project is not None:
+            env["MESHRUN_OUTPUT_DIR"] = str(self.project.work)
+            env["MESHRUN_PROJECT"] = self.project.name
         try:
             self.proc = procs.popen(self.argv, cwd=self.cwd, env=env, stdin=procs.DEVNULL, stdout=procs.PIPE,
                                     stderr=procs.PIPE, start_new_session=True)
@@ -88,9 +95,14 @@ class Share:
 
 
 def start_share(job_dir: StateDir, node: str, argv: list[str], env: dict[str, str], cwd: str | None,
-                timeout: float = 30) -> int:
-    """Write the share's command and start `python -m meshrun.jobs.share` for it; its PID once torchrun runs."""
-    job_dir.write_json("share.json", {"node": node, "argv": argv, "env": env, "cwd": cwd})
+                state: StateDir | None = None, project: str | None = None, timeout: float = 30) -> int:
+    """Write the share's command and start `python -m meshrun.jobs.share` for it; its PID once torchrun runs.
+
+    With `project` (and the member's `state`) the share holds that project's directory while it runs
+    (LaunchError from the share when another job has it) and its workers get $MESHRUN_OUTPUT_DIR.
+    """
+    job_dir.write_json("share.json", {"node": node, "argv": argv, "env": env, "cwd": cwd,
+                                      "state": str(state.path) if state is not None else None, "project": project})
     job_dir.remove("status.json", "output.log")
     return procs.spawn_daemon([sys.executable, "-m", "meshrun.jobs.share", str(job_dir.path)],
                               job_dir / "share.out", timeout=timeout, what=f"the share of job {job_dir.path.name}")
@@ -129,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lock = procs.DaemonLock(job_dir / "share.lock").acquire("this job's share")
         share = Share(job_dir)
+        project_lock = share.project.take(share.job_id, share.node) if share.project is not None else None
         share.start()
     except MeshrunError as exc:
         procs.notify_error(exc)
@@ -140,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     end = share.wait()
     share.log.close()
     share.dir.write_json("status.json", end.__dict__)
+    if project_lock is not None:
+        project_lock.release()
     lock.release()
     return 0
 

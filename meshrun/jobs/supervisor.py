@@ -28,16 +28,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from meshrun.core import auth, launch, preflight
+from meshrun.core import codeset, launch, preflight
 from meshrun.core.jobs import EXIT_CANCELLED, JobRecord, JobSpec, Outcome, ShareEnd
 from meshrun.core.model import Member, Network
 from meshrun.errors import LaunchError, MeshrunError, UsageError
-from meshrun.jobs import server as jobserver
 from meshrun.jobs import share as shares
+from meshrun.jobs import workdir
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
 from meshrun.system import archive, host, jobfiles, procs, rdzv, transport
-from meshrun.system.store import StateDir
+from meshrun.system.archive import Packed
+from meshrun.system.projects import ProjectDir
+from meshrun.system.store import StateDir, remove_tree
 
 log = logging.getLogger("meshrun.jobs.supervisor")
 
@@ -70,14 +72,16 @@ class RemoteShare:
     def health(self) -> dict:
         return self._call("GET", "/v1/health", timeout=3)
 
-    def ship(self, job_id: str, blob: bytes) -> None:
-        self._call("POST", f"/v1/jobs/{job_id}/code", raw=blob, timeout=120)
+    def ship(self, job_id: str, project: str, blob: bytes) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/code?project={project}", raw=blob, timeout=120)
 
-    def preflight(self, job_id: str, python: str | None, cwd: str | None) -> dict:
-        return self._call("POST", f"/v1/jobs/{job_id}/preflight", {"python": python, "cwd": cwd}, timeout=90)
+    def preflight(self, job_id: str, python: str | None, cwd: str | None, project: str) -> dict:
+        return self._call("POST", f"/v1/jobs/{job_id}/preflight", {"python": python, "cwd": cwd, "project": project},
+                          timeout=90)
 
-    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None) -> None:
-        self._call("POST", f"/v1/jobs/{job_id}/start", {"argv": argv, "env": env, "cwd": cwd}, timeout=60)
+    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/start", {"argv": argv, "env": env, "cwd": cwd, "project": project},
+                   timeout=60)
 
     def output(self, job_id: str, offset: int) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/output", {"offset": offset, "wait": OUTPUT_WAIT_S},
@@ -86,33 +90,59 @@ class RemoteShare:
     def cancel(self, job_id: str) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/cancel", {}, timeout=40)
 
+    def pull(self, job_id: str, path: str, max_bytes: int) -> bytes:
+        return transport.call_binary(self.overlay_ip, self.network.api_port, "POST", f"/v1/jobs/{job_id}/pull",
+                                     {"path": path, "max_bytes": max_bytes}, key=self.key, timeout=300,
+                                     max_bytes=max_bytes + (1 << 20))
+
+    def prune(self, job_id: str) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/prune", {}, timeout=60)
+
+    def remove_project(self, project: str) -> bool:
+        return bool(self._call("POST", f"/v1/projects/{project}/remove", {}, timeout=60).get("removed"))
+
 
 class LocalShare:
     """The coordinator's own share (`--with-coordinator`, `init --train`): the same share process, run here."""
 
     def __init__(self, state: StateDir, job_id: str, name: str, overlay_ip: str) -> None:
         self.name, self.overlay_ip = name, overlay_ip
+        self.state = state
         self.dir = StateDir(state / "jobs" / job_id / "share")
 
     def health(self) -> dict:
         return {"name": self.name, "gpus": host.visible_gpus(), "python": sys.executable}
 
-    def ship(self, job_id: str, blob: bytes) -> None:
+    def ship(self, job_id: str, project: str, blob: bytes) -> None:
         self.dir.create()
-        archive.unpack_code(blob, self.dir / "code")
+        workdir.receive_code(self.state, job_id, project, blob, self.name)
 
-    def preflight(self, job_id: str, python: str | None, cwd: str | None) -> dict:
-        return jobserver.preflight(self.dir, python or sys.executable, cwd)
-
-    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None) -> None:
+    def preflight(self, job_id: str, python: str | None, cwd: str | None, project: str) -> dict:
         self.dir.create()
-        shares.start_share(self.dir, self.name, argv, env, cwd)
+        return workdir.preflight(self.state, self.dir, python or sys.executable, project, cwd)
+
+    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str) -> None:
+        self.dir.create()
+        shares.start_share(self.dir, self.name, argv, env, str(workdir.workdir(self.state, project, cwd)), self.state,
+                           project)
 
     def output(self, job_id: str, offset: int) -> dict:
         return shares.share_output(self.dir, offset, OUTPUT_WAIT_S)
 
     def cancel(self, job_id: str) -> None:
         shares.cancel_share(self.dir)
+
+    def pull(self, job_id: str, path: str, max_bytes: int) -> bytes:
+        spec = self.dir.read_json("share.json")
+        return workdir.pull(Path(str(spec.get("cwd") or "")), path, max_bytes)[0]
+
+    def prune(self, job_id: str) -> None:
+        if shares.share_running(self.dir):
+            raise LaunchError(f"job {job_id} still runs on {self.name}", "cancel it first")
+        remove_tree(self.dir.path)
+
+    def remove_project(self, project: str) -> bool:
+        return ProjectDir(self.state, project).remove()
 
 
 class Supervisor:
@@ -127,7 +157,6 @@ class Supervisor:
         self.members = db.members()
         db.close()
         self.rec, _ = member.load(state)
-        self.network_key = auth.decode_key(state.read("job.key").decode())
         self.record = JobRecord(job_id, created=self.dir.read_json("job.json").get("created", time.time())
                                 if (self.dir / "job.json").exists() else time.time())
         self.logs = StateDir(self.dir / "logs")
@@ -141,6 +170,8 @@ class Supervisor:
         self.cancel_event = threading.Event()
         self.store = None
         self.store_port = 0
+        self.project = self.spec.project or self.spec.job_id
+        self.packed: Packed | None = None        # the code as shipped (elastic additions get the same)
 
     # ------------------------------------------------------------------ bookkeeping
     def say(self, text: str) -> None:
@@ -152,7 +183,7 @@ class Supervisor:
         self.dir.write_json("job.json", self.record.to_dict())
 
     def candidates(self) -> list[RemoteShare | LocalShare]:
-        return candidates(self.state, self.spec, self.network, self.members, self.rec, self.network_key)
+        return candidates(self.state, self.spec, self.network, self.members, self.rec)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> None:
@@ -200,8 +231,10 @@ class Supervisor:
         ready = self._wait_for(cands, want, lo if lo < want else None)
         by_name = {s.name: s for s, _ in ready}
         if not self.spec.no_sync:
-            blob = archive.pack_code(code_dir(self.spec), self.spec.sync_limit_mb)
-            self._each([s for s, _ in ready], lambda s: s.ship(self.job_id, blob))
+            self.packed = pack(self.spec, self.state)
+            self.say(f"shipping {len(self.packed.manifest)} file(s), {codeset.human_bytes(self.packed.bytes)} "
+                     f"to project {self.project!r} on every node")
+            self._each([s for s, _ in ready], lambda s: s.ship(self.job_id, self.project, self.packed.blob))
         if not self.spec.skip_preflight:
             self._preflight(ready)
         # The store comes after the pre-flight: hosting it imports torch, a refusal should not wait for that.
@@ -219,8 +252,13 @@ class Supervisor:
         """Compare the nodes' environments (meshrun.core.preflight); LaunchError with the table if they
         cannot run this job together, the table as a warning if they can but differ."""
         t0 = time.monotonic()
-        reports = check_environments(self.spec, [s for s, _ in ready], {s.name: h for s, h in ready}, self.job_id)
-        findings = preflight.compare(reports, expected_code_hash(self.spec), self.spec.nproc_per_node is None)
+        reports, here = check_environments(self.spec, [s for s, _ in ready], {s.name: h for s, h in ready},
+                                           self.job_id, self.project)
+        # The reference is exactly what was shipped, or the coordinator's own --no-sync copy read at the
+        # same moment as the nodes' (never a second read of a directory that may be changing).
+        reference = self.packed.manifest if self.packed is not None else here
+        findings = preflight.compare(reports, codeset.digest(reference) if reference is not None else None,
+                                     self.spec.nproc_per_node is None, reference_files=reference)
         took = f"{time.monotonic() - t0:.2f} s"
         if not findings:
             self.say(f"pre-flight: {len(reports)} node(s) agree (torch {reports[0].torch}, {reports[0].build}) in {took}")
@@ -261,7 +299,7 @@ class Supervisor:
             time.sleep(1)
 
     def _start(self, s, p: launch.NodeLaunch) -> None:
-        s.start(self.job_id, list(p.argv), p.env, self.spec.cwd if self.spec.no_sync else None)
+        s.start(self.job_id, list(p.argv), p.env, self.spec.cwd if self.spec.no_sync else None, self.project)
         with self.lock:
             self.shares[s.name] = s
             self.outcome.shares[s.name] = None
@@ -356,8 +394,8 @@ class Supervisor:
                 continue
             (p,) = plan(self.spec, self.network, [(s.name, s.overlay_ip, h)], self.store_port, local=True)
             try:
-                if not self.spec.no_sync:
-                    s.ship(self.job_id, archive.pack_code(code_dir(self.spec), self.spec.sync_limit_mb))
+                if self.packed is not None:     # the code the job started with, not what the directory holds now
+                    s.ship(self.job_id, self.project, self.packed.blob)
                 self._start(s, p)
             except MeshrunError as exc:
                 self.say(f"could not add {s.name}: {exc}")
@@ -369,8 +407,8 @@ class Supervisor:
             self.say(f"{s.name} joined the job (elastic)")
 
 
-def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[Member], rec: dict,
-               network_key: bytes) -> list[RemoteShare | LocalShare]:
+def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[Member],
+               rec: dict) -> list[RemoteShare | LocalShare]:
     """Every member that may take a share of `spec`, in the order the plan gives them ranks (the
     coordinator first when it trains). UsageError when --nodes names a member that does not exist."""
     nodes = [m for m in members if not m.is_coordinator]
@@ -380,28 +418,32 @@ def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[M
             raise UsageError(f"--nodes names unknown node(s): {', '.join(unknown)}",
                              f"members are: {', '.join(m.name for m in nodes) or 'none'}")
         nodes = [m for m in nodes if m.name in spec.nodes]
-    out: list[RemoteShare | LocalShare] = [RemoteShare(network, m, auth.node_key(network_key, m.public_key))
+    out: list[RemoteShare | LocalShare] = [RemoteShare(network, m, member.job_key(state, m.public_key))
                                            for m in nodes]
     if spec.with_coordinator or rec.get("train"):
         out.insert(0, LocalShare(state, spec.job_id, rec["name"], network.coordinator_ip))
     return out
 
 
-def check_environments(spec: JobSpec, shares, healths: dict[str, dict], job_id: str) -> list[preflight.EnvReport]:
-    """Every share's environment report, asked in parallel, with its clock offset from ours."""
+def check_environments(spec: JobSpec, shares, healths: dict[str, dict], job_id: str,
+                       project: str) -> tuple[list[preflight.EnvReport], dict[str, str] | None]:
+    """Every share's environment report, asked in parallel, with its clock offset from ours; and, for a
+    --no-sync job, the coordinator's own copy of the code hashed at the same moment (None otherwise)."""
     def one(s) -> preflight.EnvReport:
         python = spec.python or str(healths.get(s.name, {}).get("python") or "python3")
         t0 = time.time()
         try:
-            d = s.preflight(job_id, python, _unsynced_code(spec))
+            d = s.preflight(job_id, python, _unsynced_code(spec), project)
         except MeshrunError as exc:
             return preflight.EnvReport(s.name, python=python, error=exc.message)
         t1 = time.time()
         d["clock_offset_s"] = (preflight.clock_offset(t0, t1, float(d["time"]), float(d.get("took", 0.0)))
                                if "time" in d else None)
         return preflight.EnvReport.from_dict(s.name, d)
-    with ThreadPoolExecutor(max_workers=max(1, len(shares))) as pool:
-        return list(pool.map(one, shares))
+    with ThreadPoolExecutor(max_workers=max(1, len(shares)) + 1) as pool:
+        here = pool.submit(coordinator_copy, spec)
+        reports = list(pool.map(one, shares))
+        return reports, here.result()
 
 
 def _unsynced_code(spec: JobSpec) -> str | None:
@@ -413,14 +455,19 @@ def _unsynced_code(spec: JobSpec) -> str | None:
     return spec.cwd if spec.no_sync and not spec.module else None
 
 
-def expected_code_hash(spec: JobSpec) -> str | None:
-    """What every node's copy of the code must hash to: what the coordinator ships, or its own copy of
-    --no-sync's directory (None when the coordinator has none, or it is too large to hash: the nodes
-    are then compared among themselves)."""
-    if not spec.no_sync:
-        return archive.tree_hash(code_dir(spec))
+def coordinator_copy(spec: JobSpec) -> dict[str, str] | None:
+    """The coordinator's own copy of a --no-sync job's code, hashed now ({file: sha256}); None when the
+    job ships its code (the shipped manifest is the reference), has none here, or it is too large to
+    hash (the nodes are then compared among themselves)."""
     unsynced = _unsynced_code(spec)
-    return archive.tree_hash(Path(unsynced)) if unsynced else None
+    if not unsynced or not Path(unsynced).is_dir():
+        return None
+    return archive.hash_files(unsynced, archive.select_files(unsynced).names)
+
+
+def pack(spec: JobSpec, state: StateDir) -> Packed:
+    """The job's code as it ships: the project's files (ignore rules applied, never meshrun's state), read once."""
+    return archive.pack(archive.select_files(code_dir(spec), exclude=[state.path]), spec.sync_limit_mb)
 
 
 def ask_health(s) -> dict | None:

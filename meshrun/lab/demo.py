@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshrun.errors import MeshrunError, SystemError_, UsageError
+from meshrun.errors import HostError, LaunchError, UsageError
 from meshrun.system import procs
 from meshrun.lab.testbed import DatacenterSpec, Mesh, World
 
@@ -56,7 +56,7 @@ def negative_control(world: World, out) -> str:
             outputs.append((p.communicate()[0] or "") + "\n(killed after the time limit: hung)")
     codes = [p.returncode for p in runs]
     if all(c == 0 for c in codes):
-        raise MeshrunError("plain torchrun unexpectedly worked across the NAT",
+        raise LaunchError("plain torchrun unexpectedly worked across the NAT",
                            "the testbed is not simulating NAT; report this as a bug")
     text = "\n".join(outputs)
     took = time.monotonic() - t0
@@ -74,7 +74,7 @@ def negative_control(world: World, out) -> str:
 def run(nodes: int = 3, out=print) -> int:
     """Run the demo; returns the exit code (0 when the job trained across every datacenter)."""
     if os.geteuid() != 0:
-        raise SystemError_("meshrun demo builds network namespaces and needs root", "run it with sudo")
+        raise HostError("meshrun demo builds network namespaces and needs root", "run it with sudo")
     if not 2 <= nodes <= 8:
         raise UsageError(f"--nodes {nodes} is outside 2..8", "e.g. meshrun demo --nodes 3")
     if not (EXAMPLES / "ddp_train.py").is_file():

@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
+if TYPE_CHECKING:       # annotations only: the lab runs its processes through meshrun.system
+    import subprocess
+
 from meshrun.errors import NetworkError, UsageError
 from meshrun.system import procs, store
 from meshrun.system.store import StateDir

@@ -134,7 +134,7 @@ class AgentService:
                 self.sync_once(wait=self.wait_time() if self.ready else 0)
                 backoff = 0.5
             except MeshrunError as exc:
-                if getattr(exc, "status", None) == 410:
+                if exc.status == 410:
                     log.warning("this node was removed from the network; taking the interface down")
                     self.removed = True
                     self._cleanup_removed()
@@ -208,8 +208,8 @@ class AgentService:
         except (KeyError, ValueError, TypeError) as exc:
             raise CoordinatorError(f"malformed sync answer ({exc})", "run the same meshrun version everywhere") from None
         if not any(m.public_key == self.rec["public_key"] for m in members):
-            err = StateError("this node is no longer a member of the network", "ask the operator for a new token")
-            err.status = 410  # type: ignore[attr-defined]
+            err = StateError("this node is no longer a member of the network", "ask the operator for a new token",
+                             status=410)
             raise err
         before = {m.public_key: m.path for m in self.members}
         # Re-create a peer only when its path really changed; a first assignment ("" -> mode)

@@ -20,6 +20,7 @@ from meshrun.mesh import daemon, iface, member
 from meshrun.mesh import status as mstatus
 from meshrun.system import host, net, probe, procs, transport
 from meshrun.system.device import USERSPACE
+from meshrun.system.projects import disk_use
 from meshrun.system.store import StateDir
 
 UDP_WAIT_S = 1.0
@@ -64,6 +65,9 @@ def gather(state: StateDir, shell_env) -> dict:
     jobs = state / "jobs"
     f["jobs_dir"] = str(jobs)
     f["environment"] = dict(host.environment(python), free_bytes=host.free_bytes(jobs))
+    projects = state / "projects"
+    f["disk_use"] = {"jobs": disk_use(jobs), "projects": {p.name: disk_use(p) for p in sorted(projects.iterdir())
+                                                          if p.is_dir()} if projects.is_dir() else {}}
     return f
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
 from meshrun.errors import StateError
 from meshrun.mesh import daemon, iface
@@ -54,3 +55,16 @@ def load_members(state: StateDir) -> tuple[int, list[Member]]:
         return int(data.get("version", 0)), [Member.from_dict(m) for m in data.get("members", [])]
     except (ValueError, TypeError) as exc:
         raise StateError(f"{state / 'peers.json'} is corrupt ({exc})", "remove it; the agent fetches it again") from None
+
+
+def job_key(state: StateDir, peer_public_key: str) -> bytes:
+    """The job key this member shares with `peer_public_key` (meshrun.core.auth.job_key): on the
+    coordinator a node's key, on a node the coordinator's. Computed from this member's private key;
+    never stored, never sent."""
+    rec, network = load(state)
+    private = state.read("private.key").decode().strip()
+    own = keys.public_key(private)
+    shared = keys.shared_secret(private, peer_public_key)
+    if rec.get("role") == "coordinator":
+        return auth.job_key(shared, own, peer_public_key)
+    return auth.job_key(shared, peer_public_key, own)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from meshrun.core import auth, keys
 from meshrun.core.model import (Member, Network, check_mtu, check_name, default_node_name, overlay_mtu,
                                 parse_endpoint, refuse_ipv6, split_endpoint)
 from meshrun.core.token import JoinToken, parse_token
-from meshrun.errors import CoordinatorError, MeshrunError, StateError, UsageError
+from meshrun.errors import CoordinatorError, NetworkError, StateError, TokenError, UsageError
 from meshrun.mesh import daemon, iface, member
 from meshrun.mesh.agent import apply_members
 from meshrun.system import net, probe, transport
@@ -25,7 +26,7 @@ from meshrun.system.device import Device
 from meshrun.system.store import StateDir
 
 READY_TIMEOUT = 45.0
-NODE_FILES = ("private.key", "job.key", "member.json", "peers.json", "wireguard-go.log", *daemon.FILES)
+NODE_FILES = ("private.key", "member.json", "peers.json", "wireguard-go.log", *daemon.FILES)
 
 
 @dataclass(frozen=True)
@@ -40,15 +41,24 @@ class JoinResult:
     warning: str | None = None       # what the interface costs (an old wireguard-go), with the fix
 
 
-def join_request(tok: JoinToken, name: str, public_key: str, candidates: list[str]) -> dict:
-    """The body of POST /v1/join (it carries the token secret: send it only over pinned TLS)."""
+def join_request(tok: JoinToken, name: str, private_key: str, coordinator_public_key: str,
+                 candidates: list[str]) -> dict:
+    """The body of POST /v1/join (it carries the token secret: send it only over pinned TLS), with the
+    proof that this node holds its private key (made with the X25519 secret it shares with the coordinator)."""
+    public_key = keys.public_key(private_key)
+    proof = auth.enrol_proof(keys.shared_secret(private_key, coordinator_public_key), tok.network, name, public_key,
+                             tok.token_id, time.time())
     return {"token_id": tok.token_id, "secret": base64.urlsafe_b64encode(tok.secret).decode().rstrip("="),
-            "name": name, "public_key": public_key, "candidates": candidates, "network": tok.network}
+            "name": name, "public_key": public_key, "candidates": candidates, "network": tok.network,
+            "possession": proof}
 
 
-def enrol(tok: JoinToken, name: str, public_key: str, candidates: list[str], timeout: float = 15) -> dict:
+def enrol(tok: JoinToken, name: str, private_key: str, candidates: list[str], timeout: float = 15) -> dict:
     """POST /v1/join to each endpoint in the token until one answers; TLS pinned by fingerprint."""
-    body = join_request(tok, name, public_key, candidates)
+    if not tok.coordinator_key:
+        raise TokenError("this join token was made by an older meshrun and lacks the coordinator's key",
+                         "create a new token on the coordinator (`meshrun token create`)")
+    body = join_request(tok, name, private_key, tok.coordinator_key, candidates)
     tried = []
     for ep in tok.endpoints:
         host, port = split_endpoint(ep)
@@ -56,7 +66,7 @@ def enrol(tok: JoinToken, name: str, public_key: str, candidates: list[str], tim
             return transport.call(host, port, "POST", "/v1/join", body, fingerprint=tok.fingerprint,
                                   timeout=timeout)
         except CoordinatorError as exc:
-            if getattr(exc, "status", None):  # the coordinator answered: its verdict is final
+            if exc.status:  # the coordinator answered: its verdict is final
                 raise
             tried.append(exc)
     if len(tried) == 1:
@@ -96,18 +106,17 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
         net.require_admin()
         net.require_tools("ip", "wg")
     private_key = keys.generate_private_key()
-    answer = enrol_with(tok, name, keys.public_key(private_key), advertised)
+    answer = enrol_with(tok, name, private_key, advertised)
     try:
         network = Network.from_dict(answer["network"])
         me = Member.from_dict(answer["member"])
         members = [Member.from_dict(m) for m in answer["members"]]
-        job_key = auth.decode_key(str(answer["job_key"]))
-    except (KeyError, ValueError, TypeError, auth.AuthError) as exc:
+    except (KeyError, ValueError, TypeError) as exc:
         raise CoordinatorError(f"the coordinator's join answer is malformed ({exc})",
                                "use the same meshrun version on the node and the coordinator") from None
     device = device or iface.device_for(state, network)
     if device.exists():
-        raise MeshrunError(f"network interface {network.interface} already exists on this machine",
+        raise NetworkError(f"network interface {network.interface} already exists on this machine",
                            "run `meshrun leave` if it is a leftover of meshrun, or remove it with `ip link del`")
 
     underlay = None
@@ -118,7 +127,6 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
     created_dir = state.create()
     try:
         state.write("private.key", private_key + "\n", secret=True)
-        state.write("job.key", auth.encode_key(job_key) + "\n", secret=True)
         record = {"role": "node", "name": me.name, "network": network.to_dict(), "overlay_ip": me.overlay_ip,
                   "public_key": me.public_key, "advertised": advertised, "mtu": mtu, "underlay_mtu": underlay}
         backend = iface.bring_up(device, state, network, me.overlay_ip, mtu)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrun.errors import StateError, SystemError_, UsageError
+from meshrun.errors import StateError, HostError, UsageError
 from meshrun.mesh import daemon
 from meshrun.system import procs, store
 from meshrun.system.store import StateDir
@@ -137,7 +137,7 @@ def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry
         echo(f"{verb}: " + " && ".join(" ".join(c) for c in plan.commands))
         return
     if plan.run_commands and os.geteuid() != 0:
-        raise SystemError_("installing a systemd unit needs root", "run it with sudo")
+        raise HostError("installing a systemd unit needs root", "run it with sudo")
     try:
         store.make_dir(plan.unit_path.parent)
         store.atomic_write(plan.unit_path, plan.text, 0o644)
@@ -148,7 +148,7 @@ def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry
         echo(f"{plan.reason}; to enable it: " + " && ".join(" ".join(c) for c in plan.commands))
         return
     if shutil.which("systemctl") is None:
-        raise SystemError_("`systemctl` is not installed", "install systemd, or start `meshrun up` another way")
+        raise HostError("`systemctl` is not installed", "install systemd, or start `meshrun up` another way")
     # A daemon started by init/join/up holds the state directory's lock: hand over to systemd.
     # Stopping it leaves the interface (and every tunnel) up.
     if daemon.stop(state):
@@ -156,7 +156,7 @@ def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry
     for argv in plan.commands:
         res = runner(argv, capture_output=True, text=True, timeout=60)
         if res.returncode != 0:
-            raise SystemError_(f"`{' '.join(argv)}` failed: {(res.stderr or res.stdout).strip()}",
+            raise HostError(f"`{' '.join(argv)}` failed: {(res.stderr or res.stdout).strip()}",
                                f"see `systemctl status {unit_name(plan.role)}` and `journalctl -u "
                                f"{unit_name(plan.role)}`")
     echo(f"enabled and started {unit_name(plan.role)}; logs: journalctl -u {unit_name(plan.role)}")

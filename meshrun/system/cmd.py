@@ -12,7 +12,7 @@ import logging
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from meshrun.errors import NetworkError, SystemError_
+from meshrun.errors import CommandError, HostError
 
 log = logging.getLogger("meshrun.system.cmd")
 
@@ -25,14 +25,6 @@ FIXES = (("operation not permitted", "run meshrun as root (or with CAP_NET_ADMIN
          ("permission denied", "run meshrun as root (or with CAP_NET_ADMIN)"),
          ("file exists", "remove the conflicting interface, address or namespace first"))
 DEFAULT_FIX = "see the command's error above"
-
-
-class CommandError(NetworkError):
-    """A command failed; `result` holds the CompletedProcess (None on a timeout)."""
-
-    def __init__(self, message: str, fix: str = "", result: subprocess.CompletedProcess | None = None):
-        super().__init__(message, fix)
-        self.result = result
 
 
 def tail(text: str | None, limit: int = 2000) -> str:
@@ -51,7 +43,7 @@ def run(argv: Sequence[str], *, input: str | None = None, timeout: float = 30, c
         fixes: Sequence[tuple[str, str]] = FIXES) -> subprocess.CompletedProcess:
     """Run `argv` (text mode, output captured) and return the finished process.
 
-    Raises SystemError_ when the tool is missing (naming its package), CommandError (a
+    Raises HostError when the tool is missing (naming its package), CommandError (a
     NetworkError) when it runs past `timeout` or, with `check`, exits non-zero; the message
     names the command, `where` it ran, the exit code and stderr. `fixes` maps stderr phrases to
     the fix the caller's reader needs (the lab and meshrun say different things).
@@ -66,7 +58,7 @@ def run(argv: Sequence[str], *, input: str | None = None, timeout: float = 30, c
                              env=None if env is None else dict(env))
     except FileNotFoundError:
         tool = argv[0]
-        raise SystemError_(f"`{tool}` is not installed (needed for `{line if not quiet else tool}`)",
+        raise HostError(f"`{tool}` is not installed (needed for `{line if not quiet else tool}`)",
                            f"install it: apt-get install {PACKAGES.get(tool, tool)}") from None
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 from pathlib import Path
 
@@ -110,3 +111,19 @@ def kernel_wireguard() -> bool | None:
             continue
         found = bool(found) or "/wireguard.ko" in text
     return found
+
+
+def data_bytes() -> int:
+    """This process's data segment as the kernel counts it for RLIMIT_DATA (VmData), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cap_data(extra: int) -> None:
+    """Let this process's data grow by at most `extra` bytes from now on (RLIMIT_DATA): past it,
+    allocations fail (a C++ server answers std::bad_alloc for that request) instead of the machine
+    running out of memory."""
+    limit = data_bytes() + extra
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))

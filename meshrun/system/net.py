@@ -14,14 +14,14 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from meshrun.core import netparse
-from meshrun.errors import SystemError_
+from meshrun.errors import HostError
 from meshrun.system.cmd import PACKAGES, run
 
 CAP_NET_ADMIN = 12
 
 
 def require_admin() -> None:
-    """Raise SystemError_ unless this process holds CAP_NET_ADMIN.
+    """Raise HostError unless this process holds CAP_NET_ADMIN.
 
     Root normally does, but root in a container started without NET_ADMIN does not: checking the
     capability, not the uid, turns that case into a clear error instead of a failed `ip link add`.
@@ -34,19 +34,19 @@ def require_admin() -> None:
     if caps is None and os.geteuid() == 0 or caps is not None and caps >> CAP_NET_ADMIN & 1:
         return
     if os.geteuid() == 0:
-        raise SystemError_("this process runs as root but without CAP_NET_ADMIN, which WireGuard interfaces "
+        raise HostError("this process runs as root but without CAP_NET_ADMIN, which WireGuard interfaces "
                            "need (a container?)",
                            "start the container with --cap-add NET_ADMIN --device /dev/net/tun, or run meshrun "
                            "on the host")
-    raise SystemError_("meshrun needs root (or CAP_NET_ADMIN) to manage WireGuard interfaces",
+    raise HostError("meshrun needs root (or CAP_NET_ADMIN) to manage WireGuard interfaces",
                        "run it as root (e.g. with sudo)")
 
 
 def require_tools(*tools: str) -> None:
-    """Raise SystemError_ naming the apt package of the first missing tool."""
+    """Raise HostError naming the apt package of the first missing tool."""
     for t in tools:
         if shutil.which(t) is None:
-            raise SystemError_(f"`{t}` is not installed", f"install it: apt-get install {PACKAGES.get(t, t)}")
+            raise HostError(f"`{t}` is not installed", f"install it: apt-get install {PACKAGES.get(t, t)}")
 
 
 def local_routes() -> list[tuple[str, str]]:
@@ -116,7 +116,7 @@ def udp_arrivals(source: str, port: int) -> Iterator[Callable[[], int]]:
     """Count UDP datagrams from `source` to local `port` that do not come from `port` itself.
 
     A counting rule (no verdict: packets go on as before) in the raw table's PREROUTING, removed on
-    exit; yields a function returning the count so far. SystemError_ without iptables.
+    exit; yields a function returning the count so far. HostError without iptables.
     """
     require_tools("iptables")
     tag = f"meshrun-doctor-{secrets.token_hex(4)}"

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from meshrun.errors import MeshrunError, StateError
+from meshrun.errors import MeshrunError, StateError, from_wire, to_wire
 
 READY_ENV = "MESHRUN_READY_FD"
 KILL_GRACE_S = 5.0
@@ -209,11 +209,11 @@ def spawn_daemon(argv: Sequence[str], log_path: Path, timeout: float = 60,
     if message is None and proc.poll() is None:     # silent past the deadline
         kill_tree(proc.pid, grace=5)
         _reap(proc)
-        raise MeshrunError(f"{what} was not ready within {timeout:.0f} s", f"see {log_path}")
+        raise StateError(f"{what} was not ready within {timeout:.0f} s", f"see {log_path}")
     _reap(proc)
     if message and message.get("error"):
-        raise MeshrunError(str(message["error"]), str(message.get("fix", "")))
-    raise MeshrunError(f"{what} exited with code {proc.returncode} before it was ready", f"see {log_path}")
+        raise from_wire(message, default=MeshrunError)         # the child's own error, its class kept
+    raise StateError(f"{what} exited with code {proc.returncode} before it was ready", f"see {log_path}")
 
 
 def _reap(proc: subprocess.Popen) -> None:
@@ -256,8 +256,8 @@ def notify_ready() -> None:
 
 
 def notify_error(err: MeshrunError) -> None:
-    """Tell the process that spawned us why we cannot start (the message the user will see)."""
-    _notify({"error": err.message, "fix": err.fix})
+    """Tell the process that spawned us why we cannot start (the error the user will see, its class kept)."""
+    _notify(to_wire(err))
 
 
 # --------------------------------------------------------------------------- daemon lock
@@ -379,11 +379,3 @@ def _has_open(pid: int, dev: int, ino: int) -> bool:
         if (st.st_dev, st.st_ino) == (dev, ino):
             return True
     return False
-    for line in lines:
-        parts = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (blocked waiters carry a "->" field)
-        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK" or parts[3] != "WRITE":
-            continue
-        if parts[5] == want and parts[4].lstrip("-").isdigit() and int(parts[4]) > 0:
-            return int(parts[4])
-    return None

@@ -29,9 +29,9 @@ from functools import wraps
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun.core import ipam
+from meshrun.core import admission, ipam
 from meshrun.core.paths import PairState
-from meshrun.errors import StateError, TokenError, UsageError
+from meshrun.errors import StateError, UsageError
 from meshrun.core.model import Member
 from meshrun.core.token import hash_secret, secret_matches
 
@@ -218,7 +218,15 @@ CREATE TABLE IF NOT EXISTS pairs(           -- the coordinator's path for each n
   verified INTEGER NOT NULL,
   PRIMARY KEY(a, b)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS pairs_b ON pairs(b);
+CREATE TABLE IF NOT EXISTS removals(        -- every key ever removed, and when: removal is final
+  public_key TEXT PRIMARY KEY,
+  name TEXT NOT NULL,
+  removed_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS removals_name ON removals(name);
 """
+# A removed member's row (and so its address) is kept this long, then its address may be handed out
+# again: every peer dropped it within seconds of the removal (REMOVED_GRACE_S in the service).
+ADDRESS_QUARANTINE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -315,6 +323,8 @@ class CoordinatorDB:
         cols = {r[1] for r in self.conn.execute("PRAGMA table_info(members)")}
         if "mtu" not in cols:
             self.conn.execute("ALTER TABLE members ADD COLUMN mtu INTEGER NOT NULL DEFAULT 0")
+        self.conn.execute("INSERT OR IGNORE INTO removals(public_key, name, removed_at) "
+                          "SELECT public_key, name, removed_at FROM members WHERE removed_at IS NOT NULL")
 
     def close(self) -> None:
         self.conn.close()
@@ -396,57 +406,49 @@ class CoordinatorDB:
               cidr: str, now: float | None = None) -> tuple[Member, bool]:
         """Check the token and add (or find) the member; returns (member, created).
 
-        Re-enrolling the same name with the same key returns the existing member (a node
-        that lost its agent, or retried after a timeout). Raises TokenError or StateError
-        with the reason; nothing is written then.
+        Gathers the facts in one transaction and applies meshrun.core.admission.admit's decision
+        (the rules live there); TokenError or StateError with the reason, and nothing written then.
+        The caller has checked that the node holds the key's private half.
         """
         now = time.time() if now is None else now
+        net = ipam.parse_cidr(cidr)
         with self.tx() as c:
-            row = c.execute("SELECT secret_hash, expires_at, max_uses, uses, revoked_at FROM tokens WHERE id=?",
-                            (token_id,)).fetchone()
-            fix_new = "ask the coordinator's operator for a new token (`meshrun token create`)"
-            # An unknown id and a wrong secret get the same answer: no oracle for valid ids.
-            if row is None or not secret_matches(secret, row[0]):
-                raise TokenError("the coordinator does not know this join token (wrong network, or deleted)", fix_new)
-            if row[4] is not None:
-                raise TokenError("this join token has been revoked", fix_new)
-            if now >= row[1]:
-                raise TokenError("this join token has expired", fix_new)
-            existing = c.execute("SELECT name, public_key, removed_at FROM members WHERE (name=? AND removed_at IS NULL) "
-                                 "OR public_key=?", (name, public_key)).fetchall()
-            for ex_name, ex_key, ex_removed in existing:
-                if ex_name == name and ex_key == public_key:
-                    m = self._member_where(c, "public_key=? AND removed_at IS NULL", (public_key,))
-                    if m is not None:
-                        return m, False
-                if ex_key != public_key and ex_name == name and self._never_connected(c, ex_key):
-                    # An enrolment whose node never synced over the overlay (its join failed
-                    # and was rolled back there): the name is free again; the address stays burnt.
-                    c.execute("UPDATE members SET removed_at=? WHERE public_key=?", (now, ex_key))
-                    continue
-                if ex_key == public_key and ex_removed is None:
-                    raise StateError(f"this node's key is already enrolled as member {ex_name!r}",
-                                     f"join again with --name {ex_name}, or `meshrun leave --purge` for a new identity")
-                if ex_key == public_key:
-                    raise StateError("this node's key belonged to a removed member and cannot join again",
-                                     "run `meshrun leave --purge` on the node to make a new identity, then join")
-                raise StateError(f"the name {name!r} is already taken by another member",
-                                 "pick another --name, or `meshrun remove` the old member first")
-            if row[2] is not None and row[3] >= row[2]:
-                raise TokenError(f"this join token is used up ({row[2]} of {row[2]} uses)", fix_new)
+            # Enrolments whose node never synced within the grace are over (their join failed there): their
+            # names are free, their addresses return after the quarantine.
+            c.execute("UPDATE members SET removed_at=? WHERE removed_at IS NULL AND last_seen IS NULL "
+                      "AND is_coordinator=0 AND joined_at < ?", (now, now - admission.PENDING_GRACE_S))
+            row = c.execute("SELECT secret_hash, created_at, expires_at, max_uses, uses, revoked_at FROM tokens "
+                            "WHERE id=?", (token_id,)).fetchone()
+            token = None if row is None else admission.TokenFacts(
+                secret_matches(secret, row[0]), row[1], row[2], row[3], row[4], row[5] is not None)
+            related = [admission.MemberFacts(r[0], r[1], r[2], r[3], r[4] is not None, bool(r[5])) for r in c.execute(
+                "SELECT name, public_key, joined_at, removed_at, last_seen, is_coordinator FROM members "
+                "WHERE (name=? AND removed_at IS NULL) OR public_key=?", (name, public_key))]
+            related += [admission.MemberFacts(r[0], r[1], r[2], r[2]) for r in c.execute(
+                "SELECT name, public_key, removed_at FROM removals WHERE public_key=?", (public_key,))]
+            removed_at = c.execute("SELECT MAX(removed_at) FROM removals WHERE name=?", (name,)).fetchone()[0]
+            pending, held = c.execute(
+                "SELECT COALESCE(SUM(last_seen IS NULL), 0), COUNT(*) FROM members WHERE token_id=? "
+                "AND removed_at IS NULL", (token_id,)).fetchone()
+            decision = admission.admit(now, token, name, public_key, related, removed_at, int(pending), int(held),
+                                       max(net.num_addresses - 3, 1))
+            if decision.existing is not None:
+                m = self._member_where(c, "public_key=? AND removed_at IS NULL", (public_key,))
+                assert m is not None
+                return m, False
+            for key in decision.release:
+                # An enrolment whose node never synced (its join failed there): the name is free again,
+                # its address returns after the quarantine.
+                c.execute("UPDATE members SET removed_at=? WHERE public_key=?", (now, key))
+            c.execute("DELETE FROM members WHERE removed_at IS NOT NULL AND removed_at < ? AND is_coordinator=0",
+                      (now - ADDRESS_QUARANTINE_S,))
             taken = [r[0] for r in c.execute("SELECT overlay_ip FROM members")]
-            ip = str(ipam.allocate(ipam.parse_cidr(cidr), taken))
+            ip = str(ipam.allocate(net, taken))
             c.execute("INSERT INTO members(name, public_key, overlay_ip, candidates, token_id, joined_at) "
                       "VALUES(?,?,?,?,?,?)", (name, public_key, ip, json.dumps(candidates), token_id, now))
             c.execute("UPDATE tokens SET uses = uses + 1 WHERE id=?", (token_id,))
             self._bump(c)
             return Member(name, public_key, ip, None, tuple(candidates)), True
-
-    @staticmethod
-    def _never_connected(c, key: str) -> bool:
-        # last_seen is set by the first sync over the overlay, i.e. once the join completed.
-        r = c.execute("SELECT last_seen, is_coordinator FROM members WHERE public_key=?", (key,)).fetchone()
-        return r is not None and r[0] is None and not r[1]
 
     _COLS = "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake, mtu"
 
@@ -489,8 +491,10 @@ class CoordinatorDB:
         with self.tx() as c:
             m = self._member_where(c, "name=? AND removed_at IS NULL AND is_coordinator=0", (name,))
             if m is not None:
-                c.execute("UPDATE members SET removed_at=? WHERE public_key=?",
-                          (time.time() if now is None else now, m.public_key))
+                when = time.time() if now is None else now
+                c.execute("UPDATE members SET removed_at=? WHERE public_key=?", (when, m.public_key))
+                c.execute("INSERT OR REPLACE INTO removals(public_key, name, removed_at) VALUES(?,?,?)",
+                          (m.public_key, m.name, when))
                 self._bump(c)
                 self.removals += 1
             return m

@@ -12,6 +12,7 @@ is only sent after the certificate's SHA-256 matched.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -23,11 +24,13 @@ import socket
 import socketserver
 import ssl
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import IO
 
 from meshrun import errors
 from meshrun.core import auth
@@ -45,8 +48,16 @@ class Request:
     path: str
     client_ip: str
     body: object = None          # parsed JSON (or None)
-    raw: bytes = b""             # the body as it arrived (uploads; what a request MAC covers)
+    raw: bytes = b""             # a JSON body as it arrived (what a request MAC covers)
     headers: dict = field(default_factory=dict)
+    upload: IO[bytes] | None = None      # a binary body, streamed to a spooled file (server-side uploads)
+    body_sha256: str = ""                # SHA-256 of the body as read (raw or upload)
+    expect_sha256: str = ""              # set by a server's gate: the hash the request's MAC covers
+    gated: bool = False                  # the server's gate already admitted the request
+
+    def sha256(self) -> str:
+        """The body's SHA-256 (computed from `raw` when the server did not stream it)."""
+        return self.body_sha256 or hashlib.sha256(self.raw).hexdigest()
 
 
 @dataclass
@@ -54,12 +65,12 @@ class Response:
     status: int = 200
     body: object = None
     stream: Iterator[dict] | None = None   # NDJSON lines, sent as they come
+    raw: bytes | None = None               # a binary answer (files pulled from a node), sent as is
 
     @classmethod
-    def error(cls, status: int, err: MeshrunError | str, kind: str = "") -> "Response":
-        if isinstance(err, MeshrunError):
-            return cls(status, {"error": err.message, "fix": err.fix, "kind": type(err).__name__})
-        return cls(status, {"error": err, "fix": "", "kind": kind or "CoordinatorError"})
+    def error(cls, status: int, err: MeshrunError | str) -> "Response":
+        """An error answer: the error as meshrun.errors.to_wire writes it (a bare text: a CoordinatorError)."""
+        return cls(status, errors.to_wire(err if isinstance(err, MeshrunError) else CoordinatorError(err)))
 
 
 Handler = Callable[[Request], Response]
@@ -75,13 +86,69 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         srv: JSONServer = self.server  # type: ignore[assignment]
-        length = body_length(self.headers.get("Content-Length", "0"), srv.max_body)
+        client = srv.client_id(self.request, self.client_address)
+        headers = dict(self.headers)
+        if srv.gate is not None:
+            # Who sent it, and its MAC, before a byte of the body is read.
+            head = Request(self.command, self.path, client, headers=headers)
+            refused = srv.gate(head)
+            if refused is not None:
+                self._send(refused)
+                self._drain()
+                return
+            expect = head.expect_sha256
+        else:
+            expect = ""
+        binary = headers.get("Content-Type", "") == "application/octet-stream"
+        length = body_length(self.headers.get("Content-Length", "0"), srv.max_body if binary else MAX_JSON)
         if isinstance(length, Response):
-            return self._send(length)
-        raw = self.rfile.read(length) if length else b""
-        req = make_request(self.command, self.path, srv.client_id(self.request, self.client_address),
-                           dict(self.headers), raw)
-        self._send(req if isinstance(req, Response) else answer(srv.handler, req))
+            self._send(length)
+            self._drain()
+            return
+        if binary and srv.upload_dir is not None:
+            req: Request | Response = self._upload(client, headers, length)
+        else:
+            req = make_request(self.command, self.path, client, headers, self.rfile.read(length) if length else b"")
+        if isinstance(req, Request):
+            req.gated, req.expect_sha256 = srv.gate is not None, expect
+            if expect and not hmac.compare_digest(expect, req.sha256()):
+                req = Response.error(401, errors.AuthError("the request's body is not the one it was signed with",
+                                                           "send it again"))
+        try:
+            self._send(req if isinstance(req, Response) else answer(srv.handler, req))
+        finally:
+            if isinstance(req, Request) and req.upload is not None:
+                req.upload.close()
+
+    def _upload(self, client: str, headers: dict, length: int) -> Request:
+        """A binary body streamed to a spooled file (memory up to 1 MiB, then disk), hashed as it comes."""
+        srv: JSONServer = self.server  # type: ignore[assignment]
+        f = tempfile.SpooledTemporaryFile(max_size=1 << 20, dir=srv.upload_dir)
+        h = hashlib.sha256()
+        left = length
+        while left > 0:
+            chunk = self.rfile.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            h.update(chunk)
+            f.write(chunk)
+            left -= len(chunk)
+        f.seek(0)
+        return Request(self.command, self.path, client, None, b"", headers, upload=f, body_sha256=h.hexdigest())
+
+    def _drain(self, limit: int = 1 << 20, seconds: float = 2.0) -> None:
+        """Read and drop what the client still sends (bounded), so our refusal is not lost to a reset."""
+        try:
+            self.request.settimeout(seconds)
+            deadline = time.monotonic() + seconds
+            left = limit
+            while left > 0 and time.monotonic() < deadline:
+                chunk = self.request.recv(min(left, 65536))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except OSError:
+            pass
 
     do_GET = do_POST = do_DELETE = _handle
 
@@ -99,9 +166,10 @@ class _RequestHandler(BaseHTTPRequestHandler):
                 if close:
                     close()  # GeneratorExit lets the handler cancel what it streamed
             return
-        data = json.dumps(resp.body if resp.body is not None else {}).encode()
+        binary = resp.raw is not None
+        data = resp.raw if binary else json.dumps(resp.body if resp.body is not None else {}).encode()
         self.send_response(resp.status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "application/octet-stream" if binary else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -139,9 +207,20 @@ def answer(handler: Handler, req: Request) -> Response:
         return Response.error(500, "internal error (see the daemon log)")
 
 
+Gate = Callable[[Request], "Response | None"]
+
+
 class JSONServer(ThreadingHTTPServer):
     """Threaded plain-HTTP server, bound to `device` if given (the overlay APIs: WireGuard already
-    encrypted and authenticated the traffic). The public TLS port is meshrun.system.frontdoor."""
+    encrypted and authenticated the traffic). The public TLS port is meshrun.system.frontdoor.
+
+    Bounded: at most `max_conns` connections (a thread each) and `max_per_source` from one address;
+    past either a new connection is closed at once. `gate(request head)` runs before the body is
+    read: it returns a refusal, or admits the request (and may set `expect_sha256`, the hash its MAC
+    covers, checked once the body is in). Binary bodies (application/octet-stream) may be up to
+    `max_body`, streamed to a spooled file in `upload_dir` when it is given; JSON bodies are capped
+    at MAX_JSON.
+    """
 
     daemon_threads = True
     allow_reuse_address = True
@@ -150,11 +229,51 @@ class JSONServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, addr: tuple[str, int], handler: Handler, device: str | None = None,
-                 max_body: int = MAX_JSON) -> None:
+                 max_body: int = MAX_JSON, gate: Gate | None = None, max_conns: int = 1024,
+                 max_per_source: int = 16, upload_dir: str | None = None) -> None:
         self.handler = handler
         self.device = device
         self.max_body = max_body
+        self.gate = gate
+        self.max_conns, self.max_per_source = max_conns, max_per_source
+        self.upload_dir = upload_dir
+        self.active = 0
+        self.per_source: collections.Counter[str] = collections.Counter()
+        self.refused = 0                 # connections closed at a cap (for tests and the log)
+        self._count = threading.Lock()
         super().__init__(addr, _RequestHandler)
+
+    def process_request(self, request, client_address) -> None:
+        ip = str(client_address[0]) if isinstance(client_address, tuple) else "local"
+        with self._count:
+            if self.active >= self.max_conns or self.per_source[ip] >= self.max_per_source:
+                self.refused += 1
+                over = True
+            else:
+                over = False
+                self.active += 1
+                self.per_source[ip] += 1
+        if over:
+            self.shutdown_request(request)      # no thread, no read: the cheapest answer
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release(ip)
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(str(client_address[0]) if isinstance(client_address, tuple) else "local")
+
+    def _release(self, ip: str) -> None:
+        with self._count:
+            self.active -= 1
+            self.per_source[ip] -= 1
+            if self.per_source[ip] <= 0:
+                del self.per_source[ip]
 
     def server_bind(self) -> None:
         if self.device:
@@ -184,6 +303,8 @@ class AdminServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
     daemon_threads = True
     max_body = MAX_JSON
+    gate = None
+    upload_dir = None
 
     def __init__(self, path: str, handler: Handler) -> None:
         self.handler = handler
@@ -297,16 +418,13 @@ def _send(conn: http.client.HTTPConnection, method: str, path: str, body: object
 
 
 def raise_for(resp_status: int, data: object, where: str) -> None:
+    """Raise the error an answer carries, as its own class with `status` set; nothing for a success."""
     if resp_status < 400:
         return
     if isinstance(data, dict) and "error" in data:
-        cls = getattr(errors, str(data.get("kind")), None)
-        if not (isinstance(cls, type) and issubclass(cls, MeshrunError)):
-            cls = CoordinatorError
-        err = cls(str(data["error"]), str(data.get("fix", "")))
-        err.status = resp_status  # type: ignore[attr-defined]
-        raise err
-    raise CoordinatorError(f"{where} answered HTTP {resp_status}", "see the daemon log on that machine")
+        raise errors.from_wire(data, status=resp_status)
+    raise CoordinatorError(f"{where} answered HTTP {resp_status}", "see the daemon log on that machine",
+                           status=resp_status)
 
 
 def call(host: str, port: int, method: str, path: str, body: object = None, *, raw: bytes | None = None,
@@ -317,21 +435,50 @@ def call(host: str, port: int, method: str, path: str, body: object = None, *, r
     (meshrun.core.auth) that the node's job API checks.
     """
     where = f"{host}:{port}"
+    status, ctype, payload = _exchange(host, port, method, path, body, raw, fingerprint, timeout, key,
+                                       16 * 1024 * 1024)
+    return _json_answer(status, payload, where)
+
+
+def call_binary(host: str, port: int, method: str, path: str, body: object = None, *, timeout: float = TIMEOUT,
+                key: bytes | None = None, max_bytes: int = 1 << 30) -> bytes:
+    """One request whose answer is binary (files pulled from a node); at most `max_bytes` are read.
+
+    An error answer (JSON) raises the error class the server named; a longer answer raises CoordinatorError.
+    """
+    where = f"{host}:{port}"
+    status, ctype, payload = _exchange(host, port, method, path, body, None, None, timeout, key, max_bytes + 1)
+    if status >= 400 or not ctype.startswith("application/octet-stream"):
+        _json_answer(status, payload, where)
+        raise CoordinatorError(f"{where} sent JSON where files were expected", "use the same meshrun everywhere")
+    if len(payload) > max_bytes:
+        raise CoordinatorError(f"{where} sent more than {max_bytes} bytes", "pull a smaller path")
+    return payload
+
+
+def _exchange(host: str, port: int, method: str, path: str, body: object, raw: bytes | None,
+              fingerprint: str | None, timeout: float, key: bytes | None, max_read: int) -> tuple[int, str, bytes]:
+    """Send one request; (status, content type, at most `max_read` bytes of the answer)."""
+    where = f"{host}:{port}"
     conn = _connect(host, port, timeout, fingerprint)
     try:
         _send(conn, method, path, body, raw, key)
         resp = conn.getresponse()
-        payload = resp.read(16 * 1024 * 1024)
+        payload = resp.read(max_read)
+        return resp.status, resp.getheader("Content-Type") or "", payload
     except (OSError, http.client.HTTPException) as exc:
         raise CoordinatorError(f"connection to {where} failed during {method} {path} ({exc})",
                                "retry; if it persists check the daemon log on that machine") from None
     finally:
         conn.close()
+
+
+def _json_answer(status: int, payload: bytes, where: str) -> dict:
     try:
         data = json.loads(payload) if payload else {}
     except ValueError:
         raise CoordinatorError(f"{where} sent an answer that is not JSON", "is that really a meshrun daemon?") from None
-    raise_for(resp.status, data, where)
+    raise_for(status, data, where)
     if not isinstance(data, dict):
         raise CoordinatorError(f"{where} sent an unexpected answer", "check that both sides run the same meshrun")
     return data

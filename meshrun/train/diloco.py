@@ -66,8 +66,8 @@ CPU core here) and the digests are ``all_gather``ed in the background; the next 
 ``StateError`` naming the ranks. (Waiting for the digests at the sync itself would make every sync
 a barrier.) ``verify_state()`` checks everything, blocking, now.
 
-Membership changes (``snapshot_dir``, default ``$MESHRUN_JOB_DIR`` when meshrun runs the
-script, else off): torchrun restarts *every* worker of an elastic job when a node dies or joins,
+Membership changes (``snapshot_dir``, default ``$MESHRUN_OUTPUT_DIR/diloco-snapshots`` when meshrun
+runs the script: the project's persistent directory, so the next job of the project resumes too; else off): torchrun restarts *every* worker of an elastic job when a node dies or joins,
 so in-memory state is gone. After every sync each worker writes a node-local snapshot
 (``diloco-worker{LOCAL_RANK}.pt``: global copy, outer momentum, buffers, counters, and its own inner
 optimizer state and error feedback). At construction the workers ``all_gather`` (sync count,
@@ -98,7 +98,6 @@ How this differs from torchft's ``torchft.local_sgd.DiLoCo`` and from OpenDiLoCo
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import os
 from dataclasses import dataclass
@@ -110,7 +109,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.errors import StateError, UsageError
-from meshrun.system.store import atomic_write
+from meshrun.system import tensorfiles
+from meshrun.system.store import make_dir
 from meshrun.train.compress import CODECS
 
 AUTO = "auto"
@@ -188,8 +188,9 @@ class DiLoCo:
         mixing: alpha in [0, 1), the weight of the local parameters in the merge (default 0).
         check_state: after each sync, compare a digest of the synced global state over the group.
         snapshot_dir: an existing directory on this node where it keeps its snapshot for resuming
-            after a restart; "auto": ``$MESHRUN_JOB_DIR`` (the node's job directory, which
-            ``meshrun train`` sets) when that is set, else none; None: no snapshots.
+            after a restart; "auto": ``$MESHRUN_OUTPUT_DIR/diloco-snapshots`` (created; the project's
+            directory on the node, which ``meshrun train`` sets and keeps for the project's next job)
+            when that is set, else none; None: no snapshots.
 
     Construction is collective (every worker of the group must construct it). ``step()`` is
     collective at sync steps, ``sync_now()``, ``finish()`` and ``verify_state()`` always.
@@ -248,7 +249,11 @@ class DiLoCo:
         self.rank = dist.get_rank(process_group) if self._distributed else 0
         self.check_state = bool(check_state)
         if snapshot_dir == AUTO:
-            snapshot_dir = os.environ.get("MESHRUN_JOB_DIR")
+            out = os.environ.get("MESHRUN_OUTPUT_DIR")
+            snapshot_dir = None
+            if out and Path(out).is_dir():
+                snapshot_dir = Path(out) / "diloco-snapshots"
+                make_dir(snapshot_dir)
         if snapshot_dir is not None and not Path(snapshot_dir).is_dir():
             raise UsageError(f"snapshot_dir={str(snapshot_dir)!r} is not a directory",
                              "create it first (one per node, on local disk), or pass snapshot_dir=None")
@@ -525,8 +530,7 @@ class DiLoCo:
 
     def _write_snapshot(self) -> None:
         assert self.snapshot_path is not None
-        buf = io.BytesIO()
-        torch.save({
+        tensorfiles.save(self.snapshot_path, {
             "format": _SNAPSHOT_FORMAT,
             "names": self._names,
             "step_count": self.step_count,
@@ -535,8 +539,7 @@ class DiLoCo:
             "shared": self._snapshot_tensors(),
             "inner_optimizer": self.inner_optimizer.state_dict(),
             "error_feedback": self._error_feedback,
-        }, buf)
-        atomic_write(self.snapshot_path, buf.getvalue())
+        })
 
     def _read_snapshot(self) -> dict[str, Any] | None:
         """This worker's snapshot, checked against this model; None when there is none."""
@@ -544,9 +547,9 @@ class DiLoCo:
         if path is None or not path.exists():
             return None
         try:
-            snap = torch.load(path, weights_only=True, map_location=self._params[0].device)
-        except Exception as exc:  # torch.load raises many types (pickle, zip, EOF) for a bad file
-            raise StateError(f"cannot read the DiLoCo snapshot {path}: {exc}",
+            snap = tensorfiles.load(path, map_location=self._params[0].device)
+        except StateError as exc:
+            raise StateError(f"cannot read the DiLoCo snapshot: {exc.message}",
                              f"delete {path} to make this worker start as a joiner") from None
         layout = self._snapshot_tensors()
         shared = snap.get("shared") if isinstance(snap, dict) else None
@@ -554,7 +557,8 @@ class DiLoCo:
                 or not isinstance(shared, list) or len(shared) != len(layout)
                 or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(shared, layout))):
             raise StateError(f"the DiLoCo snapshot {path} is not for this model and outer optimizer",
-                             f"delete {path}, or use another snapshot_dir for a different model")
+                             f"delete {path}, or run a different model in its own project (`meshrun train "
+                             "--project NAME`) or with another snapshot_dir")
         return snap
 
     @torch.no_grad()

@@ -37,7 +37,7 @@ def create_token(state: StateDir, ttl: str = DEFAULT_TTL, uses: int | None = Non
     seconds = parse_duration(ttl)
     check_token_uses(uses)
     db, network = open_db(state)
-    tok = new_token(network.name, network.endpoints, network.fingerprint)
+    tok = new_token(network.name, network.endpoints, network.fingerprint, network.coordinator_public_key)
     db.add_token(tok.token_id, tok.secret, seconds, uses)
     return tok.encode()
 

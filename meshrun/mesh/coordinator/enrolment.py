@@ -1,8 +1,11 @@
 """The enrolment API: the coordinator's only public TCP surface (TLS, pinned by the join token).
 
-POST /v1/join takes a token id and secret, the node's name, public key and candidates, and
-answers with the member record, the network, the member list and the node's job key. GET /v1/hello names the
-network. Everything else is 404. Join attempts are rate-limited per source address.
+POST /v1/join takes a token id and secret, the node's name, public key and candidates, and a proof
+that the node holds that key's private half (meshrun.core.auth.enrol_proof, made with the X25519
+secret of the node's and the coordinator's keys); it answers with the member record, the network and
+the member list. No key travels: the node's job key is the one it derives itself. The admission
+rules are meshrun.core.admission's. Everything else is 404 (nothing tells a scanner the network's
+name). Join attempts are rate-limited per source address.
 """
 
 from __future__ import annotations
@@ -10,13 +13,13 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import threading
 import time
 from collections.abc import Callable
 
 from meshrun.core import auth, keys
+from meshrun.core.ratelimit import RateLimiter
 from meshrun.core.model import Member, Network, check_name, parse_endpoint
-from meshrun.errors import CoordinatorError, MeshrunError, TokenError, UsageError
+from meshrun.errors import AuthError, CoordinatorError, MeshrunError, TokenError, UsageError
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.system.store import CoordinatorDB
 from meshrun.system.transport import Request, Response
@@ -24,34 +27,14 @@ from meshrun.system.transport import Request, Response
 log = logging.getLogger("meshrun.mesh.coordinator.enrolment")
 
 
-class RateLimiter:
-    """Token bucket per source address: `burst` attempts, refilled at `per_s` per second."""
-
-    def __init__(self, burst: int = 10, per_s: float = 0.5) -> None:
-        self.burst, self.per_s = burst, per_s
-        self._b: dict[str, tuple[float, float]] = {}
-        self._lock = threading.Lock()
-
-    def allow(self, key: str, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            level, last = self._b.get(key, (float(self.burst), now))
-            level = min(self.burst, level + (now - last) * self.per_s)
-            ok = level >= 1
-            self._b[key] = (level - 1 if ok else level, now)
-            if len(self._b) > 10000:  # bound memory under a spray of source addresses
-                self._b = {k: v for k, v in self._b.items() if now - v[1] < 60}
-            return ok
-
-
 class EnrolmentAPI:
     """Handler of the public TLS port. `on_enrolled(member)` runs after a join is recorded (the
     service puts the new peer on the interface at once, so the node's first handshake is answered)."""
 
-    def __init__(self, db: CoordinatorDB, network: Network, roster: Roster, job_key: bytes,
+    def __init__(self, db: CoordinatorDB, network: Network, roster: Roster, shared_with: Callable[[str], bytes],
                  on_enrolled: Callable[[Member], None]) -> None:
         self.db = db
-        self.job_key = job_key
+        self.shared_with = shared_with       # public key -> the X25519 secret the coordinator shares with it
         self.network = network
         self.roster = roster
         self.on_enrolled = on_enrolled
@@ -64,8 +47,6 @@ class EnrolmentAPI:
                 return Response.error(429, CoordinatorError(
                     f"too many join attempts from {req.client_ip}", "wait a minute and try again"))
             return self.join(req)
-        if req.method == "GET" and req.path == "/v1/hello":
-            return Response(200, {"network": self.network.name})
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
 
     def join(self, req: Request) -> Response:
@@ -90,6 +71,12 @@ class EnrolmentAPI:
         if public_key == self.network.coordinator_public_key:
             return Response.error(400, UsageError("the node presented the coordinator's own key", "join from a node"))
         try:
+            auth.check_enrol_proof(self.shared_with(public_key), self.network.name, name, public_key, token_id,
+                                   b.get("possession"), time.time())
+        except (AuthError, UsageError) as exc:
+            log.warning("refused join of %s from %s: %s", name, req.client_ip, exc.message)
+            return Response.error(401, exc)
+        try:
             member, created = self.db.enrol(token_id, secret, name, public_key, candidates, self.network.cidr)
         except MeshrunError as exc:
             log.warning("refused join of %s from %s: %s", name, req.client_ip, exc.message)
@@ -97,7 +84,5 @@ class EnrolmentAPI:
         log.info("%s %s at %s (from %s)", "enrolled" if created else "re-enrolled", name, member.overlay_ip,
                  req.client_ip)
         self.on_enrolled(member)
-        # Inside the pinned TLS, and only this node's own job key (derived; it opens no other node).
         return Response(200, {"member": member.to_dict(), "network": self.network.to_dict(),
-                              "members": self.roster.payload(member),
-                              "job_key": auth.encode_key(auth.node_key(self.job_key, public_key))})
+                              "members": self.roster.payload(member)})

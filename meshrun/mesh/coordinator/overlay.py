@@ -17,6 +17,7 @@ import threading
 import time
 
 from meshrun.core.model import Member, Network, parse_endpoint, split_endpoint
+from meshrun.core.ratelimit import RateLimiter
 from meshrun.errors import StateError, UsageError
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
@@ -27,6 +28,8 @@ from meshrun.system.transport import Request, Response
 log = logging.getLogger("meshrun.mesh.coordinator.overlay")
 
 SYNC_WAIT_MAX = 25.0
+SYNC_BURST = 20
+SYNC_PER_S = 5.0
 PROBE_COUNT = 3
 PROBE_INTERVAL_S = 2.0
 PROBE_PAYLOAD = b"meshrun doctor: is this port reachable from outside?"
@@ -52,14 +55,30 @@ class OverlayAPI:
         # (overlay IP, public key) -> (candidates, mtu) as last handed to db.heartbeat: an unchanged
         # heartbeat needs no database access (and no wait for its lock) at all.
         self.heard: dict[tuple[str, str], tuple[list[str], int | None]] = {}
+        self.limiter = RateLimiter(SYNC_BURST, SYNC_PER_S)
 
-    def handle(self, req: Request) -> Response:
+    def gate(self, req: Request) -> Response | None:
+        """Before the body is read: members only (by WireGuard source address), at most SYNC_BURST
+        requests at once and SYNC_PER_S a second each (an agent long-polls: one every few seconds)."""
         caller = self.roster.member_by_ip(req.client_ip)
         if caller is None:
             if self.db.is_removed_ip(req.client_ip):
                 return _gone()
             log.warning("refused %s %s from %s: not a member", req.method, req.path, req.client_ip)
             return Response.error(403, f"{req.client_ip} is not a member of this network")
+        if not self.limiter.allow(req.client_ip):
+            return Response.error(429, UsageError(f"too many requests from {caller.name}",
+                                                  f"at most {SYNC_PER_S:g} a second; the agent backs off by itself"))
+        return None
+
+    def handle(self, req: Request) -> Response:
+        if not req.gated:               # called directly (tests, in-process agents), not through the server's gate
+            refused = self.gate(req)
+            if refused is not None:
+                return refused
+        caller = self.roster.member_by_ip(req.client_ip)
+        if caller is None:              # removed between the gate and now
+            return _gone()
         if req.method == "POST" and req.path == "/v1/sync":
             return self.sync(caller, req.body if isinstance(req.body, dict) else {})
         if req.method == "GET" and req.path == "/v1/members":

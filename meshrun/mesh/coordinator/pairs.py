@@ -40,6 +40,9 @@ def _judgeable(m: Member) -> bool:
     return not m.is_coordinator and bool(m.endpoint) and bool(m.candidates)
 
 
+UNKNOWN_SLACK = 64      # handshake reports about keys not (yet) members, kept per node at most
+
+
 class PairDriver:
     """Pair states, the handshake reports they are decided from, and when each pair is next due.
 
@@ -55,7 +58,8 @@ class PairDriver:
         if state is not None:
             self._import_paths_json(state)
         self.members: dict[str, Member] = {}   # live members by name, as of the last update with members
-        self.names: dict[str, str] = {}        # public key -> name of the live members
+        # public key -> name of the live members (from the start: a report may arrive before the first update)
+        self.names: dict[str, str] = {m.public_key: m.name for m in db.members()}
         self.judged: set[str] = set()          # nodes whose pairs are advanced (see _judgeable, report)
         self.dirty: set[Key] = set()           # pairs whose handshake changed since the last update
         self.pending: set[str] = set()         # nodes whose judgeability may have changed
@@ -89,8 +93,16 @@ class PairDriver:
         (the node's pairs are judged only once one arrived since this coordinator started).
         Each pair whose handshake changed is looked at in the next update; no other is."""
         names = self.names
+        # Keys of members this driver does not know yet are kept only up to UNKNOWN_SLACK per node (a
+        # join the loop has not seen), so a member that reports invented keys cannot grow our memory.
+        unknown = [k for k in delta if k not in names]
+        if len(unknown) > UNKNOWN_SLACK:
+            dropped = set(unknown[UNKNOWN_SLACK:])
+            delta = {k: v for k, v in delta.items() if k not in dropped}
         with self.lock:
             old = self.reports.get(node)
+            if old is not None and not full and len(old) + len(delta) > len(names) + UNKNOWN_SLACK:
+                delta = {k: v for k, v in delta.items() if k in names or k in old}
             if full:
                 new = {sys.intern(k): v for k, v in delta.items()}
                 self.reports[node] = new
@@ -211,6 +223,10 @@ class PairDriver:
                     self.pending.add(name)
         self.members = live
         self.names = {m.public_key: m.name for m in members}
+        with self.lock:             # keys of members that are gone (or never were) leave the reports too
+            for node, rep in self.reports.items():
+                if len(rep) > len(self.names):
+                    self.reports[node] = {k: v for k, v in rep.items() if k in self.names}
         return drop
 
     def _judge(self, name: str, work: set[Key]) -> None:

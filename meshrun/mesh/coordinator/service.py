@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from meshrun.core import auth, peers
+from meshrun.core import keys, peers
 from meshrun.core.model import Member
-from meshrun.errors import MeshrunError
+from meshrun.errors import MeshrunError, NetworkError
 from meshrun.mesh import daemon, iface
 from meshrun.mesh.agent import ExtensionFactory
 from meshrun.mesh.coordinator.admin import open_db
@@ -40,6 +40,8 @@ log = logging.getLogger("meshrun.mesh.coordinator.service")
 REMOVED_GRACE_S = 5.0   # a removed node's pending long-poll is answered 410 within this
 OBSERVE_INTERVAL = 1.0
 BACKLOG_PAUSE = 0.05      # between two slices of a pair backlog: the API threads get the GIL
+OVERLAY_MAX_CONNS = 4096  # threads of the overlay API at most (1000 members long-polling fit)
+OVERLAY_PER_SOURCE = 8
 
 
 class CoordinatorService:
@@ -64,8 +66,9 @@ class CoordinatorService:
         self.members_version = -1                # the member-list version the pair driver last saw
         self.paths_moved = False                 # pair paths changed, not yet published (see tick)
         self.published_at = 0.0                  # monotonic time of the last roster.publish
-        job_key = auth.decode_key(state.read("job.key").decode())
-        self.enrolment = EnrolmentAPI(self.db, self.network, self.roster, job_key, self._enrolled)
+        private = state.read("private.key").decode().strip()
+        self.enrolment = EnrolmentAPI(self.db, self.network, self.roster,
+                                      lambda pub: keys.shared_secret(private, pub), self._enrolled)
         self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event)
         self.extensions = list(extensions)
 
@@ -78,10 +81,13 @@ class CoordinatorService:
                 self.apply_peers()
                 tls = server_tls_context(str(self.state / "tls.crt"), str(self.state / "tls.key"))
                 self.front = FrontDoor(("0.0.0.0", self.network.listen_port), self.enrolment.handle, tls)
+                # Bounded: a long-poll per member and a few more (doctor, status); beyond, closed at once.
                 self.overlay_server = JSONServer((self.network.coordinator_ip, self.network.api_port),
-                                                 self.overlay.handle, device=self.network.interface)
+                                                 self.overlay.handle, device=self.network.interface,
+                                                 gate=self.overlay.gate, max_conns=OVERLAY_MAX_CONNS,
+                                                 max_per_source=OVERLAY_PER_SOURCE)
             except OSError as exc:
-                raise MeshrunError(f"cannot listen on TCP port {self.network.listen_port} or "
+                raise NetworkError(f"cannot listen on TCP port {self.network.listen_port} or "
                                    f"{self.network.api_port}: {exc.strerror}",
                                    "stop whatever uses that port, or init with another --port") from None
             self.front.start("enrolment")

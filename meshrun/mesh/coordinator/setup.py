@@ -11,11 +11,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun.core import auth, ipam, keys
+from meshrun.core import ipam, keys
 from meshrun.core.model import (DEFAULT_IFACE, DEFAULT_MTU, DEFAULT_PORT, Network, check_interface, check_mtu,
                                 check_name, check_port, parse_endpoint, refuse_ipv6)
 from meshrun.core.token import new_token, parse_duration
-from meshrun.errors import MeshrunError, StateError, UsageError
+from meshrun.errors import NetworkError, StateError, UsageError
 from meshrun.mesh import daemon, iface
 from meshrun.system import net
 from meshrun.system.device import Device
@@ -106,13 +106,14 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
         net.require_admin()
         net.require_tools("ip", "wg")
     private_key = keys.generate_private_key()
-    cert_pem, tls_key_pem = keys.generate_tls_identity(f"meshrun-{opts.name}")
+    # A common name that tells an internet scanner nothing about the network.
+    cert_pem, tls_key_pem = keys.generate_tls_identity("meshrun")
     fallback = None if opts.endpoint else net.default_route_address()
     network = plan_network(opts, net.local_routes(), fallback, keys.public_key(private_key),
                            keys.cert_fingerprint(cert_pem))
     device = device or iface.device_for(state, network)
     if device.exists():
-        raise MeshrunError(f"network interface {network.interface} already exists",
+        raise NetworkError(f"network interface {network.interface} already exists",
                            "run `meshrun down` if it is a leftover of meshrun, or pick another --interface")
     ttl = parse_duration(opts.token_ttl)
 
@@ -123,13 +124,12 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
         undo.append(lambda: state.remove("private.key"))
         state.write("tls.key", tls_key_pem, secret=True)
         state.write("tls.crt", cert_pem)
-        state.write("job.key", auth.encode_key(auth.new_key()) + "\n", secret=True)
-        undo.append(lambda: state.remove("tls.key", "tls.crt", "job.key"))
+        undo.append(lambda: state.remove("tls.key", "tls.crt"))
         db = CoordinatorDB.create(state / "coordinator.db")
         undo.append(lambda: state.remove("coordinator.db", "coordinator.db-wal", "coordinator.db-shm"))
         db.set_meta(network=json.dumps(network.to_dict()))
         db.add_coordinator("coordinator", network.coordinator_public_key, network.coordinator_ip)
-        tok = new_token(network.name, network.endpoints, network.fingerprint)
+        tok = new_token(network.name, network.endpoints, network.fingerprint, network.coordinator_public_key)
         db.add_token(tok.token_id, tok.secret, ttl, opts.token_uses)
         db.close()
         backend = iface.bring_up(device, state, network, network.coordinator_ip)
