@@ -7,7 +7,7 @@
 # Python deps go to ./.venv; torch is pinned first (an unpinned torch pulls GBs of CUDA wheels).
 set -euo pipefail
 cd "$(dirname "$0")"
-APT_PKGS=(iproute2 iptables wireguard-tools wireguard-go iputils-ping iperf3 procps util-linux)
+APT_PKGS=(iproute2 iptables nftables wireguard-tools wireguard-go iputils-ping iperf3 procps util-linux)
 # The tests' VM (tests/vm.py): Debian's kernel (WireGuard and netem as modules) under QEMU, booted by
 # virtme-ng (a test dependency in pyproject.toml); mke2fs -d (e2fsprogs) builds its Python image.
 VM_APT_PKGS=(qemu-system-x86 linux-image-amd64 e2fsprogs)

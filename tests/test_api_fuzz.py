@@ -38,6 +38,7 @@ from meshrun.jobs import server as jobs
 from meshrun.mesh.coordinator.enrolment import RateLimiter
 from meshrun.mesh.coordinator.service import CoordinatorService
 from meshrun.system.fakedevice import FakeDevice
+from meshrun.system.fakefirewall import FakeFirewall
 from meshrun.errors import MeshrunError
 from meshrun.core.model import Network
 from meshrun.system.store import CoordinatorDB, StateDir
@@ -363,7 +364,7 @@ class FakeStart:
     def __init__(self):
         self.started: list = []
 
-    def __call__(self, job_dir, node, argv, env, cwd, state=None, project=None):
+    def __call__(self, job_dir, node, argv, env, cwd, state=None, project=None, guard=None):
         self.started.append((Path(job_dir.path), list(argv), dict(env), cwd))
         return 4242
 
@@ -373,7 +374,7 @@ def job_server(tmp_path):
     state = tmp_path / "node-state"
     state.mkdir()
     network = types.SimpleNamespace(coordinator_ip=COORD_IP, api_port=51821, interface="meshrun0")
-    api = jobs.JobAPI(StateDir(state), network, "dc2-a", JOB_KEY, start=FakeStart())
+    api = jobs.JobAPI(StateDir(state), network, "dc2-a", JOB_KEY, start=FakeStart(), guards=FakeFirewall())
     api.state_path = state
     return api
 
@@ -416,7 +417,7 @@ tar_names = st.sampled_from(["train.py", "pkg/mod.py", "../escape.py", "/etc/evi
 def test_job_api_handler(job_server, data):
     caller = data.draw(st.sampled_from([COORD_IP, COORD_IP, COORD_IP, "10.213.0.3", "203.0.113.5"]))
     job_id = data.draw(job_ids)
-    action = data.draw(st.sampled_from(["code", "start", "output", "cancel", "other"]))
+    action = data.draw(st.sampled_from(["code", "start", "output", "cancel", "allow", "other"]))
     path = data.draw(st.sampled_from([f"/v1/jobs/{job_id}/{action}", "/v1/health"]) | paths)
     method = data.draw(st.sampled_from(["POST", "POST", "GET"]) | methods)
     raw, body = b"", None
@@ -427,7 +428,10 @@ def test_job_api_handler(job_server, data):
     else:
         body = data.draw(st.one_of(json_values, st.fixed_dictionaries(
             {"argv": st.lists(st.text(max_size=10), max_size=3) | json_values},
-            optional={"env": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3) | json_values,
+            optional={"allow": st.lists(st.sampled_from(["10.213.0.2", "10.213.0.3", "fd00::1", "x"]), max_size=3)
+                      | json_values,
+                      "ips": st.lists(st.sampled_from(["10.213.0.4", "not an ip"]), max_size=2) | json_values,
+                      "env": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3) | json_values,
                       "cwd": st.sampled_from([None, "", "/nonexistent-dir", "/tmp", "a\x00b"]) | json_values,
                       "offset": st.integers(-5, 10**30) | json_values, "wait": st.floats() | json_values})))
     key = data.draw(st.sampled_from(["right", "right", "right", "wrong", "none"]))

@@ -227,3 +227,123 @@ def test_the_token_is_read_from_stdin_and_never_appears_in_a_command_line(mesh, 
     assert "joined" in out and tok.encode() not in cmdline
     mesh.meshrun("hq-b", "leave", "--purge", "--state-dir", str(state))
     mesh.meshrun(mesh.coordinator, "remove", "from-stdin")
+
+
+LONG = ["ddp_train.py", "--epochs", "200", "--steps-per-epoch", "10", "--sleep-per-step", "0.2", "--checkpoint", ""]
+PROBE_ALL = """
+import json, socket, sys
+out = {}
+for target in json.loads(sys.argv[1]):
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        out[target] = "connected"
+    except OSError as exc:
+        out[target] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def listening(mesh: Mesh, node: str, ip: str, skip: set[int]) -> list[str]:
+    """host:port of every TCP socket listening in `node` on `ip` or the wildcard, but `skip`'s ports."""
+    out = []
+    for line in mesh.world.node(node).run("ss", "-tlnH").stdout.splitlines():
+        local = line.split()[3]
+        host, _, port = local.rpartition(":")
+        host = host.strip("[]").split("%")[0]            # "10.213.0.2%meshrun0": bound to the device too
+        if host in (ip, "*", "0.0.0.0", "::") and int(port) not in skip:
+            out.append(f"{ip}:{port}")
+    return sorted(set(out))
+
+
+def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
+    """Finding 2: during a job on the coordinator, dc1-a and dc2-a, dc3-a tries every port the job listens on."""
+    net = network(mesh)
+    skip = {net["api_port"], net["listen_port"]}
+    job = mesh.meshrun(mesh.coordinator, "train", "--detach", "--with-coordinator", "--nodes", "dc1-a,dc2-a",
+                       "--project", "scanned", "--job-id", "scanned-job", *LONG, cwd=EXAMPLES).stdout.strip()
+    node_ips = {n: mesh.overlay_ip(n) for n in ("dc1-a", "dc2-a", "dc3-a")}
+    decoy = mesh.world.node("dc1-a").popen(mesh.python, "-c", "import socket, time\ns = socket.socket()\n"
+                                           f"s.bind(('{node_ips['dc1-a']}', 28888)); s.listen()\ntime.sleep(600)")
+    try:
+        deadline = time.monotonic() + 120
+        while "training on 3 rank(s)" not in mesh.meshrun(mesh.coordinator, "logs", job).stdout:
+            assert time.monotonic() < deadline, mesh.meshrun(mesh.coordinator, "logs", job).stdout
+            time.sleep(1)
+        targets = listening(mesh, "hq-a", net["coordinator_ip"], skip)
+        for n in ("dc1-a", "dc2-a"):
+            targets += listening(mesh, n, node_ips[n], skip | {28888})
+        # the job's store on the coordinator, torchrun's store on the rank-0 node, every worker's Gloo listener
+        assert len(targets) >= 5, targets
+        seen = json.loads(py(mesh, "dc3-a", PROBE_ALL, json.dumps(targets + [f"{node_ips['dc1-a']}:28888"])).stdout)
+        assert seen.pop(f"{node_ips['dc1-a']}:28888") == "connected"     # the probe reaches what is not the job's
+        assert "connected" not in seen.values(), seen
+        for n in ("dc1-a", "dc2-a"):
+            tables = mesh.world.node(n).run("nft", "list", "ruleset").stdout
+            assert "meshrun job scanned-job" in tables and node_ips["dc3-a"] not in tables
+        # The negative control: without dc1-a's guard, the same probe reaches its job ports (the job is
+        # cancelled right after: a stray connection may upset Gloo).
+        dc1 = mesh.world.node("dc1-a")
+        table = next(line.split()[2] for line in dc1.run("nft", "list", "tables").stdout.splitlines()
+                     if "meshrun_job_" in line)
+        dc1.run("nft", "delete", "table", "inet", table)
+        mine = [t for t in targets if t.startswith(node_ips["dc1-a"] + ":")]
+        assert "connected" in json.loads(py(mesh, "dc3-a", PROBE_ALL, json.dumps(mine)).stdout).values()
+    finally:
+        decoy.kill()
+        decoy.wait()
+        mesh.meshrun(mesh.coordinator, "cancel", job, check=False)
+    deadline = time.monotonic() + 30
+    while any("meshrun_job_" in mesh.world.node(n).run("nft", "list", "tables").stdout
+              for n in ("hq-a", "dc1-a", "dc2-a")) and time.monotonic() < deadline:
+        time.sleep(1)
+    for n in ("hq-a", "dc1-a", "dc2-a"):                                  # the guards went with the job
+        assert "meshrun_job_" not in mesh.world.node(n).run("nft", "list", "tables").stdout, n
+
+
+UDP_COUNT = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 9999)); s.settimeout(float(sys.argv[1]))
+n = 0
+try:
+    while True:
+        s.recv(100); n += 1
+except OSError:
+    pass
+print(n)
+"""
+UDP_SEND = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(20):
+    s.sendto(b"x", (sys.argv[1], 9999)); time.sleep(0.05)
+"""
+
+
+def test_a_member_cannot_send_into_the_coordinators_lan(mesh):
+    """Finding 5: dc3-a routes hq-b's LAN address at the coordinator; the coordinator never forwards it."""
+    lan_ip = mesh.world.node("hq-b").private_ip
+    coord_key = network(mesh)["coordinator_public_key"]
+    dc3 = mesh.world.node("dc3-a")
+
+    def arrivals() -> int:
+        dc3.run("wg", "set", "meshrun0", "peer", coord_key, "allowed-ips", f"{network(mesh)['cidr']},{lan_ip}/32")
+        dc3.run("ip", "route", "replace", f"{lan_ip}/32", "dev", "meshrun0")
+        counter = mesh.world.node("hq-b").popen(mesh.python, "-c", UDP_COUNT, "4", stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        dc3.run(mesh.python, "-c", UDP_SEND, lan_ip)
+        return int(counter.communicate(timeout=30)[0].strip())
+
+    try:
+        assert arrivals() == 0
+        coord = mesh.coordinator
+        coord.run("nft", "delete", "table", "inet", "meshrun_forward")     # the negative control: no guard
+        try:
+            assert arrivals() > 0
+        finally:
+            coord.run(mesh.python, "-c", "from meshrun.system.firewall import install_forward_guard as g; "
+                                         "g('meshrun0')")
+        assert arrivals() == 0
+    finally:
+        dc3.run("ip", "route", "del", f"{lan_ip}/32", check=False)

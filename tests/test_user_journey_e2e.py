@@ -175,7 +175,8 @@ def test_the_next_job_resumes_from_the_checkpoints_and_they_can_be_pulled(mesh, 
     assert first.returncode == 0, first.stdout
     assert (proj / "train.log").read_text() == first.stdout
     lasts = last_lines(first.stdout)
-    assert sorted(lasts) == [0, 1, 2] and {g[0] for g in lasts.values()} == {"hq-a", "dc1-a", "dc2-a"}, first.stdout
+    assert sorted(lasts) == [0, 1, 2] and {g[0] for g in lasts.values()} == {"coordinator", "dc1-a", "dc2-a"}, \
+        first.stdout
     assert re.search(r"meshrun: shipping 4 file\(s\)", first.stdout)   # .meshrunignore, model.py, train.log, train.py
 
     second = shell(mesh, proj, "meshrun train --resume journey-a --job-id journey-b train.py --epochs 4 --tag b "
@@ -189,7 +190,7 @@ def test_the_next_job_resumes_from_the_checkpoints_and_they_can_be_pulled(mesh, 
     dest = tmp_path / "pulled"
     pulled = shell(mesh, proj, f"meshrun pull journey-b checkpoints/last.pt --dest {dest}")
     assert pulled.returncode == 0, pulled.stdout + pulled.stderr
-    for node in ("hq-a", "dc1-a", "dc2-a"):
+    for node in ("coordinator", "dc1-a", "dc2-a"):
         state = torch.load(dest / node / "checkpoints" / "last.pt", weights_only=True)
         assert state["epoch"] == 4
     bad = shell(mesh, proj, "meshrun pull journey-b ../../../member.json")

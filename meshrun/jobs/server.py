@@ -10,9 +10,11 @@ bounded.
   GET  /v1/health                 name, GPUs, Python, running shares
   POST /v1/jobs/ID/code?project=P the job's code (tar.gz), laid over project P's directory (meshrun.jobs.workdir)
   POST /v1/jobs/ID/preflight      {python, cwd, project}: that interpreter, free disk, the code's hashes, the clock
-  POST /v1/jobs/ID/start          {argv, env, cwd, project}: start the share (meshrun.jobs.share)
+  POST /v1/jobs/ID/start          {argv, env, cwd, project, allow}: start the share (meshrun.jobs.share); every
+                                  port the job opens answers only the overlay addresses in `allow`
   POST /v1/jobs/ID/output         {offset, wait}: output lines from `offset`, then the share's end
   POST /v1/jobs/ID/cancel         stop the share
+  POST /v1/jobs/ID/allow          {ips}: more nodes may reach the job's ports (an elastic job grew)
   POST /v1/jobs/ID/pull           {path, max_bytes}: files from the job's working directory (tar.gz)
   POST /v1/jobs/ID/prune          delete the job's directory here (not while its share runs)
   POST /v1/projects/P/remove      delete project P's directory here (not while a job runs in it)
@@ -32,13 +34,14 @@ import time
 from pathlib import Path
 
 from meshrun.core import auth
+from meshrun.core import firewall as guard_rules
 from meshrun.core.jobs import JOB_ID_RE
 from meshrun.core.model import Network
 from meshrun.errors import AuthError, LaunchError, MeshrunError, NetworkError, UsageError
 from meshrun.jobs import workdir
 from meshrun.mesh import member
 from meshrun.jobs.share import cancel_share, share_output, share_running, start_share
-from meshrun.system import host, jobfiles
+from meshrun.system import firewall, host, jobfiles
 from meshrun.system.projects import ProjectDir, check_project
 from meshrun.system.store import StateDir, remove_tree
 from meshrun.system.transport import JSONServer, Request, Response
@@ -48,7 +51,8 @@ log = logging.getLogger("meshrun.jobs.server")
 MAX_CODE = 200 * 1024 * 1024
 MAX_CONNS = 64
 OUTPUT_WAIT_MAX = 10.0
-ROUTE = re.compile(r"^/v1/jobs/([^/?]+)/(code|preflight|start|output|cancel|pull|prune)(?:\?project=([^&/]+))?$")
+ROUTE = re.compile(r"^/v1/jobs/([^/?]+)/(code|preflight|start|output|cancel|allow|pull|prune)"
+                   r"(?:\?project=([^&/]+))?$")
 PROJECT_ROUTE = re.compile(r"^/v1/projects/([^/?]+)/remove$")
 
 
@@ -56,8 +60,9 @@ class JobAPI:
     """The job API's handler for node `name`: shares under `jobs_dir`, requests checked with `key`."""
 
     def __init__(self, state: StateDir, network: Network, name: str, key: bytes, gpus: int = 0,
-                 start=start_share) -> None:
+                 start=start_share, guards=firewall) -> None:
         self.network = network
+        self.firewall = guards       # meshrun.system.firewall; tests pass a FakeFirewall
         self.name = name
         self.state = state
         self.jobs_dir = StateDir(state / "jobs")
@@ -123,6 +128,13 @@ class JobAPI:
             cancelled = cancel_share(job_dir)
             log.info("job %s cancelled on request (%s)", job_id, "it was running" if cancelled else "not running")
             return Response(200, {"cancelled": cancelled})
+        if action == "allow":
+            ips = body.get("ips")
+            if not isinstance(ips, list) or not ips:
+                return Response.error(400, UsageError("malformed allow request", "use `meshrun train`"))
+            self.firewall.allow(job_id, self.name, [str(ip) for ip in ips])
+            log.info("job %s: %s may reach its ports too", job_id, ", ".join(map(str, ips)))
+            return Response(200, {"allowed": len(ips)})
         if action == "pull":
             return self._pull(job_id, job_dir, body)
         if action == "prune":
@@ -155,6 +167,8 @@ class JobAPI:
             env = {str(k): str(v) for k, v in body.get("env", {}).items()}
             cwd = body.get("cwd")
             cwd = str(cwd) if cwd else None
+            allow = [str(ip) for ip in body["allow"]]
+            guard_rules.add_allowed(guard_rules.job_table(job_id, self.name), allow)      # addresses only
         except (KeyError, TypeError, AttributeError):
             return Response.error(400, UsageError("malformed start request", "use `meshrun train`"))
         if not argv:
@@ -166,8 +180,10 @@ class JobAPI:
         job_dir.create()
         if share_running(job_dir):
             return Response.error(409, LaunchError(f"job {job_id} already runs on {self.name}", "use a new job id"))
+        self.firewall.sweep()          # guards that jobs killed before their cleanup left behind
         try:
-            pid = self.start(job_dir, self.name, argv, env, str(where), self.state, project)
+            pid = self.start(job_dir, self.name, argv, env, str(where), self.state, project,
+                             {"interface": self.network.interface, "allow": allow})
         except MeshrunError as exc:
             log.warning("job %s could not start: %s", job_id, exc)
             return Response.error(400, exc)
@@ -197,6 +213,7 @@ class JobServer:
 def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
     """The node's job API (an agent extension): shares under <state>/jobs, served on its overlay IP."""
     key = member.job_key(state, network.coordinator_public_key)
+    firewall.sweep()
     # Pre-flight reports import torch once (a second or two): do it now, not while a job waits.
     threading.Thread(target=host.environment, args=(sys.executable,), name="preflight-warm", daemon=True).start()
     try:

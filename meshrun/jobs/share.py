@@ -24,6 +24,7 @@ from meshrun.errors import LaunchError, MeshrunError
 from meshrun.system import procs, store
 from meshrun.system.store import StateDir
 from meshrun.system import jobfiles
+from meshrun.system.firewall import JobGuard
 from meshrun.system.jobfiles import BoundedLog
 from meshrun.system.projects import ProjectDir
 
@@ -48,6 +49,20 @@ class Share:
         self.error = ""
         self.cancelled = threading.Event()
         self.proc = None
+
+    def guard(self) -> JobGuard | None:
+        """The job's guard, made now and joined by this process (torchrun and the workers inherit it)."""
+        spec = self.dir.read_json("share.json").get("guard")
+        if not spec:
+            return None
+        g = JobGuard(self.job_id, self.node, str(spec["interface"])).create([str(ip) for ip in spec["allow"]])
+        try:
+            g.join()
+        except OSError as exc:
+            g.remove()
+            raise LaunchError(f"cannot move the share of job {self.job_id} into its cgroup: {exc}",
+                              "run the agent as root") from None
+        return g
 
     def start(self) -> None:
         env = {**os.environ, **self.env, "MESHRUN_JOB_DIR": str(self.dir.path)}
@@ -95,14 +110,18 @@ class Share:
 
 
 def start_share(job_dir: StateDir, node: str, argv: list[str], env: dict[str, str], cwd: str | None,
-                state: StateDir | None = None, project: str | None = None, timeout: float = 30) -> int:
+                state: StateDir | None = None, project: str | None = None, guard: dict | None = None,
+                timeout: float = 30) -> int:
     """Write the share's command and start `python -m meshrun.jobs.share` for it; its PID once torchrun runs.
 
     With `project` (and the member's `state`) the share holds that project's directory while it runs
-    (LaunchError from the share when another job has it) and its workers get $MESHRUN_OUTPUT_DIR.
+    (LaunchError from the share when another job has it) and its workers get $MESHRUN_OUTPUT_DIR. With
+    `guard` ({"interface", "allow": [overlay IPs]}) every port the job opens answers only those addresses
+    on the overlay (meshrun.system.firewall.JobGuard, made before torchrun starts, removed after it).
     """
     job_dir.write_json("share.json", {"node": node, "argv": argv, "env": env, "cwd": cwd,
-                                      "state": str(state.path) if state is not None else None, "project": project})
+                                      "state": str(state.path) if state is not None else None, "project": project,
+                                      "guard": guard})
     job_dir.remove("status.json", "output.log")
     return procs.spawn_daemon([sys.executable, "-m", "meshrun.jobs.share", str(job_dir.path)],
                               job_dir / "share.out", timeout=timeout, what=f"the share of job {job_dir.path.name}")
@@ -138,12 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("usage: python -m meshrun.jobs.share JOB_DIR\n")
         return 2
     job_dir = Path(args[0])
+    guard = None
     try:
         lock = procs.DaemonLock(job_dir / "share.lock").acquire("this job's share")
         share = Share(job_dir)
         project_lock = share.project.take(share.job_id, share.node) if share.project is not None else None
+        guard = share.guard()
         share.start()
     except MeshrunError as exc:
+        if guard is not None:
+            guard.remove()
         procs.notify_error(exc)
         return 1
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -153,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     end = share.wait()
     share.log.close()
     share.dir.write_json("status.json", end.__dict__)
+    if guard is not None:
+        guard.remove()
     if project_lock is not None:
         project_lock.release()
     lock.release()

@@ -36,7 +36,8 @@ from meshrun.jobs import share as shares
 from meshrun.jobs import workdir
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
-from meshrun.system import archive, host, jobfiles, procs, rdzv, transport
+from meshrun.system import archive, firewall, host, jobfiles, procs, rdzv, transport
+from meshrun.system.firewall import JobGuard
 from meshrun.system.archive import Packed
 from meshrun.system.projects import ProjectDir
 from meshrun.system.store import StateDir, remove_tree
@@ -79,9 +80,13 @@ class RemoteShare:
         return self._call("POST", f"/v1/jobs/{job_id}/preflight", {"python": python, "cwd": cwd, "project": project},
                           timeout=90)
 
-    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str) -> None:
-        self._call("POST", f"/v1/jobs/{job_id}/start", {"argv": argv, "env": env, "cwd": cwd, "project": project},
-                   timeout=60)
+    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str,
+              allow: list[str]) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/start", {"argv": argv, "env": env, "cwd": cwd, "project": project,
+                                                        "allow": allow}, timeout=60)
+
+    def allow(self, job_id: str, ips: list[str]) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/allow", {"ips": ips}, timeout=15)
 
     def output(self, job_id: str, offset: int) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/output", {"offset": offset, "wait": OUTPUT_WAIT_S},
@@ -105,9 +110,10 @@ class RemoteShare:
 class LocalShare:
     """The coordinator's own share (`--with-coordinator`, `init --train`): the same share process, run here."""
 
-    def __init__(self, state: StateDir, job_id: str, name: str, overlay_ip: str) -> None:
+    def __init__(self, state: StateDir, job_id: str, name: str, overlay_ip: str, interface: str = "meshrun0") -> None:
         self.name, self.overlay_ip = name, overlay_ip
         self.state = state
+        self.interface = interface
         self.dir = StateDir(state / "jobs" / job_id / "share")
 
     def health(self) -> dict:
@@ -121,10 +127,14 @@ class LocalShare:
         self.dir.create()
         return workdir.preflight(self.state, self.dir, python or sys.executable, project, cwd)
 
-    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str) -> None:
+    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str,
+              allow: list[str]) -> None:
         self.dir.create()
         shares.start_share(self.dir, self.name, argv, env, str(workdir.workdir(self.state, project, cwd)), self.state,
-                           project)
+                           project, {"interface": self.interface, "allow": allow})
+
+    def allow(self, job_id: str, ips: list[str]) -> None:
+        firewall.allow(job_id, self.name, ips)
 
     def output(self, job_id: str, offset: int) -> dict:
         return shares.share_output(self.dir, offset, OUTPUT_WAIT_S)
@@ -171,6 +181,8 @@ class Supervisor:
         self.store = None
         self.store_port = 0
         self.project = self.spec.project or self.spec.job_id
+        self.guard: JobGuard | None = None     # the job's store answers only the job's nodes
+        self.allowed: list[str] = []           # the overlay addresses of the job's nodes
         self.packed: Packed | None = None        # the code as shipped (elastic additions get the same)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -187,6 +199,13 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self.guard is not None:
+                self.guard.remove()
+
+    def _run(self) -> None:
         self.save()
         procs.notify_ready()
         try:
@@ -237,7 +256,12 @@ class Supervisor:
             self._each([s for s, _ in ready], lambda s: s.ship(self.job_id, self.project, self.packed.blob))
         if not self.spec.skip_preflight:
             self._preflight(ready)
-        # The store comes after the pre-flight: hosting it imports torch, a refusal should not wait for that.
+        # Every port of the job, its store here included, answers only the job's nodes: the guard is there
+        # before anything listens. The store comes after the pre-flight: hosting it imports torch, a refusal
+        # should not wait for that.
+        self.allowed = sorted({s.overlay_ip for s, _ in ready})
+        self.guard = JobGuard(self.job_id, f"{self.rec['name']}/store", self.network.interface).create(self.allowed)
+        self.guard.join()
         self.store, self.store_port = self._host_store()
         plans = plan(self.spec, self.network, [(s.name, s.overlay_ip, h) for s, h in ready], self.store_port)
         self.outcome = Outcome(self.spec.elastic, lo if self.spec.nnodes else len(plans))
@@ -299,7 +323,8 @@ class Supervisor:
             time.sleep(1)
 
     def _start(self, s, p: launch.NodeLaunch) -> None:
-        s.start(self.job_id, list(p.argv), p.env, self.spec.cwd if self.spec.no_sync else None, self.project)
+        s.start(self.job_id, list(p.argv), p.env, self.spec.cwd if self.spec.no_sync else None, self.project,
+                list(self.allowed))
         with self.lock:
             self.shares[s.name] = s
             self.outcome.shares[s.name] = None
@@ -396,6 +421,7 @@ class Supervisor:
             try:
                 if self.packed is not None:     # the code the job started with, not what the directory holds now
                     s.ship(self.job_id, self.project, self.packed.blob)
+                self._admit(s.overlay_ip)
                 self._start(s, p)
             except MeshrunError as exc:
                 self.say(f"could not add {s.name}: {exc}")
@@ -405,6 +431,19 @@ class Supervisor:
             self.record.ranks += nproc(p)
             self.save()
             self.say(f"{s.name} joined the job (elastic)")
+
+
+    def _admit(self, ip: str) -> None:
+        """A node joins the running job: the store's guard and every running share's admit it first."""
+        if ip in self.allowed:
+            return
+        self.allowed.append(ip)
+        if self.guard is not None:
+            self.guard.allow([ip])
+        with self.lock:
+            running = [self.shares[n] for n in self.outcome.running()]
+        for s in running:
+            _quietly(s.allow, self.job_id, [ip])
 
 
 def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[Member],
@@ -421,7 +460,7 @@ def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[M
     out: list[RemoteShare | LocalShare] = [RemoteShare(network, m, member.job_key(state, m.public_key))
                                            for m in nodes]
     if spec.with_coordinator or rec.get("train"):
-        out.insert(0, LocalShare(state, spec.job_id, rec["name"], network.coordinator_ip))
+        out.insert(0, LocalShare(state, spec.job_id, rec["name"], network.coordinator_ip, network.interface))
     return out
 
 

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 if TYPE_CHECKING:       # annotations only: the lab runs its processes through meshrun.system
     import subprocess
 
-from meshrun.errors import NetworkError, UsageError
-from meshrun.system import procs, store
+from meshrun.errors import MeshrunError, NetworkError, UsageError
+from meshrun.system import firewall, procs, store
 from meshrun.system.store import StateDir
 from meshrun.system.cmd import run as run_command, tail
 
@@ -424,8 +424,11 @@ class World:
 
     def _start_anchor(self, n: Node) -> subprocess.Popen:
         # `ip netns exec`, `unshare` (no --fork) and `sh -c 'exec ...'` all exec: the pid is the anchor's.
+        # `ip netns exec` mounts a fresh /sys without the cgroup hierarchy: the node gets the (one, shared)
+        # cgroup v2 hierarchy at /sys/fs/cgroup again, as a real machine has it (meshrun's job guards use it).
         argv = ["ip", "netns", "exec", n.netns, "unshare", "-m", "--propagation", "private",
-                "sh", "-c", f"mount -t tmpfs tmpfs {RUN_WIREGUARD} && exec sleep infinity"]
+                "sh", "-c", f"mount -t tmpfs tmpfs {RUN_WIREGUARD} && "
+                            "{ mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null || true; } && exec sleep infinity"]
         logger.debug("start anchor [%s]: %s", n.name, " ".join(argv))
         try:
             # Own session: a Ctrl-C in the terminal must not kill the anchors before down() runs.
@@ -580,6 +583,7 @@ def _teardown(names: Iterable[str], extra_pids: Iterable[int] = (), grace: float
             while time.monotonic() < deadline and any(procs.alive(p) for p in left):
                 time.sleep(0.02)
         extra = []
+    _remove_job_cgroups(names)
     errors = []
     for n in names:
         res = sh(["ip", "netns", "del", n], check=False)
@@ -588,6 +592,19 @@ def _teardown(names: Iterable[str], extra_pids: Iterable[int] = (), grace: float
     if errors:
         raise NetworkError(f"could not delete namespace(s) {'; '.join(errors)}",
                            "delete them by hand with `ip netns del NAME`")
+
+
+def _remove_job_cgroups(names: Iterable[str]) -> None:
+    """The cgroups of the job guards in these namespaces (host-wide, unlike the namespaces' nftables):
+    their processes are gone now, so they go too."""
+    tables = []
+    for n in names:
+        try:
+            out = sh(["ip", "netns", "exec", n, "nft", "list", "tables"], check=False).stdout
+        except MeshrunError:             # no nft here: no guards either
+            return
+        tables += [p[2] for p in (line.split() for line in out.splitlines()) if len(p) == 3]
+    firewall.remove_job_cgroups(tables)
 
 
 def remove_stale(prefix: str) -> list[str]:

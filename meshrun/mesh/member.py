@@ -7,7 +7,7 @@ from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
 from meshrun.errors import StateError
 from meshrun.mesh import daemon, iface
-from meshrun.system import net
+from meshrun.system import firewall, net
 from meshrun.system.store import StateDir
 
 
@@ -37,6 +37,8 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
     net.require_admin()
     daemon.stop(state)
     iface.device_for(state, network, rec).delete()
+    if role == "coordinator":
+        firewall.remove_forward_guard()
     if purge:
         state.delete()
     return network.interface

@@ -19,7 +19,7 @@ log = logging.getLogger("meshrun.system.cmd")
 # Debian/Ubuntu package of every tool meshrun (and its lab) runs.
 PACKAGES = {"ip": "iproute2", "tc": "iproute2", "ss": "iproute2", "wg": "wireguard-tools",
             "wireguard-go": "wireguard-go", "iptables": "iptables", "sysctl": "procps",
-            "nsenter": "util-linux", "unshare": "util-linux", "ping": "iputils-ping", "iperf3": "iperf3"}
+            "nsenter": "util-linux", "unshare": "util-linux", "nft": "nftables", "ping": "iputils-ping", "iperf3": "iperf3"}
 # What to do about a failure, by a phrase of its stderr (first match wins).
 FIXES = (("operation not permitted", "run meshrun as root (or with CAP_NET_ADMIN)"),
          ("permission denied", "run meshrun as root (or with CAP_NET_ADMIN)"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from meshrun.core import netparse
 from meshrun.errors import HostError
+from meshrun.system import firewall
 from meshrun.system.cmd import PACKAGES, run
 
 CAP_NET_ADMIN = 12
@@ -71,12 +72,15 @@ def default_route_address() -> str | None:
 
 
 def enable_forwarding(iface: str) -> None:
-    """Let the coordinator forward overlay packets between peers (relayed pairs).
+    """Let the coordinator forward overlay packets between peers (relayed pairs), and only those.
 
     Only packets that arrive on `iface` are forwarded (per-interface switch, not the global
-    ip_forward); redirects are off because in and out interface are the same. If the FORWARD
+    ip_forward); redirects are off because in and out interface are the same. The forward guard
+    (meshrun.system.firewall) drops what arrives on `iface` for any other interface: a member cannot
+    reach the coordinator's LAN or VPC through it, whatever the host's FORWARD policy. If the FORWARD
     chain drops by default (Docker hosts), one rule accepts wg-to-wg traffic.
     """
+    firewall.install_forward_guard(iface)         # before forwarding is on: nothing slips through
     for key, value in (("forwarding", "1"), ("send_redirects", "0")):
         run(["sysctl", "-q", "-w", f"net.ipv4.conf.{iface}.{key}={value}"])
     if shutil.which("iptables") is None:
