@@ -138,3 +138,36 @@ def test_usage_without_script():
 def test_does_not_import_torch(mod):
     code = f"import sys, {mod}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True, timeout=30)
+
+
+def test_a_progress_bar_becomes_a_few_marked_redraws_and_its_final_state(tmp_path):
+    """400 KiB of tqdm-style redraws without a newline, then one line: bounded output, nothing held back."""
+    t0 = time.monotonic()
+    r = run_worker(tmp_path, r"""
+        import sys, time
+        for i in range(13_000):
+            sys.stderr.write(f"\r eval {i * 100 // 12_999:3d}%|{'#' * (i * 20 // 12_999):<20}| {i + 1}/13000")
+            sys.stderr.flush()
+            if i % 2000 == 0:
+                time.sleep(0.3)
+        sys.stderr.write("\n")
+        print("done")
+    """)
+    assert r.returncode == 0 and time.monotonic() - t0 < 20
+    err = r.stderr.decode().split("\n")[:-1]          # not splitlines(): a redraw keeps its "\r" marker
+    assert 1 <= len(err) <= 30, len(err)                             # not thousands of redraws
+    assert all(line.startswith("[dc1-gpu0 r3] ") for line in err)
+    assert err[-1] == "[dc1-gpu0 r3]  eval 100%|####################| 13000/13000"   # the bar's final state
+    assert all(line.startswith("[dc1-gpu0 r3] \r") for line in err[:-1])          # earlier ones: redraws
+    assert r.stdout.decode() == "[dc1-gpu0 r3] done\n"
+
+
+def test_a_long_line_is_split_and_control_sequences_are_removed(tmp_path):
+    r = run_worker(tmp_path, r"""
+        import sys
+        sys.stdout.write("x" * 40_000 + "\n")
+        print("\x1b[2J\x1b]0;owned\x07\x1b[32mgreen\x1b[0m")
+    """)
+    lines = r.stdout.decode().splitlines()
+    assert [len(x) for x in lines[:3]] == [len("[dc1-gpu0 r3] ") + n for n in (16384, 16384, 40_000 - 32768)]
+    assert lines[3] == "[dc1-gpu0 r3] \x1b[32mgreen\x1b[0m"

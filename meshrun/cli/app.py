@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -44,6 +45,13 @@ class Application:
 
     def echo(self, text: str = "", err: bool = False) -> None:
         typer.echo(text, err=err)
+
+    def write(self, text: str) -> None:
+        """Raw text on stdout, flushed (a redraw: no newline of its own)."""
+        typer.echo(text, nl=False)
+
+    def is_tty(self) -> bool:
+        return sys.stdout.isatty()
 
     def exit(self, code: int) -> NoReturn:
         raise typer.Exit(code)

@@ -124,14 +124,43 @@ def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | N
         threading.Thread(target=control.cancel, args=(app.state, job), daemon=True).start()
 
     old = signal.signal(signal.SIGINT, interrupted)
+    printer = JobPrinter(app)
     try:
-        rec = control.follow(app.state, job, lambda line, ours: app.echo(line, err=ours), node, rank, stop=stop)
+        rec = control.follow(app.state, job, printer, node, rank, stop=stop)
     finally:
+        printer.finish()
         signal.signal(signal.SIGINT, old)
     if stop.is_set():
         app.echo(f"meshrun: stopped following job {job} (it goes on: `meshrun logs -f {job}`)", err=True)
         app.exit(0)
     return rec
+
+
+class JobPrinter:
+    """Shows a job's stored lines on this terminal: nodes' lines on stdout, meshrun's own on stderr, control
+    sequences but colours removed, progress-bar redraws as a terminal shows them (meshrun.core.termtext)."""
+
+    def __init__(self, app: Application) -> None:
+        from meshrun.core import termtext
+        self.app = app
+        self.redraws = termtext.Redraws(tty=app.is_tty())
+
+    def __call__(self, line: str, ours: bool) -> None:
+        from meshrun.core import termtext
+        from meshrun.core.jobs import LINE_RE
+        if ours:
+            for text in self.redraws.finish() if self.redraws.tty else []:
+                self.app.write(text)            # a bar left open on the screen ends before meshrun speaks
+            self.app.echo(termtext.clean(line), err=True)
+            return
+        m = LINE_RE.match(line)
+        prefix, rest = (m.group(0), line[m.end():]) if m else ("", line)
+        for text in self.redraws.line(prefix, prefix, rest, time.monotonic()):
+            self.app.write(text)
+
+    def finish(self) -> None:
+        for text in self.redraws.finish():
+            self.app.write(text)
 
 
 @root.command()
@@ -203,7 +232,9 @@ def logs(job: JobArg,
     if follow:
         rec = _follow(app, job, cancel_on_interrupt=False, node=node, rank=rank)
     else:
-        rec = control.follow(app.state, job, lambda line, ours: app.echo(line, err=ours), node, rank, keep_going=False)
+        printer = JobPrinter(app)
+        rec = control.follow(app.state, job, printer, node, rank, keep_going=False)
+        printer.finish()
     if rec.final:
         app.echo(f"meshrun: job {job} {rec.state}" + (f" (exit {rec.exit_code})" if rec.exit_code is not None else ""),
                  err=True)

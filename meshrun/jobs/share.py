@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from meshrun.core import termtext
 from meshrun.core.jobs import ShareEnd, is_noise
 from meshrun.errors import LaunchError, MeshrunError
 from meshrun.system import procs, store
@@ -28,6 +29,7 @@ from meshrun.system.firewall import JobGuard
 from meshrun.system.jobfiles import BoundedLog
 from meshrun.system.projects import ProjectDir
 
+LINE_CAP = 4 * termtext.MAX_LINE          # bytes: a worker's capped line (UTF-8) and its prefix fit
 # torchrun's own lines that name what went wrong (the last one is the most specific)
 ERROR_RE = re.compile(r"^\S*(Error|Exception)\b.*?: \S|^RuntimeError|^ERROR:")
 
@@ -82,8 +84,11 @@ class Share:
 
     def _pump(self, pipe, is_stderr: bool) -> None:
         prefix = f"[{self.node}] "
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        # Bounded reads: the workers cap their lines (meshrun.jobs.worker); anything longer from torchrun
+        # itself is passed on in pieces rather than held.
+        for raw in iter(lambda: pipe.readline(LINE_CAP), b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            line = line[:-1] if line.endswith("\r") else line
             if is_noise(line):
                 continue
             if not line.startswith(f"[{self.node} r"):

@@ -1,7 +1,9 @@
 """Runs inside each torchrun worker: ``python -m meshrun.jobs.worker [--module] SCRIPT ARGS...``.
 
 Starts the script as a child (``sys.executable -u SCRIPT ARGS`` or ``-u -m MODULE ARGS``),
-copies every line of its stdout/stderr to ours prefixed ``[NODE rRANK] ``, forwards
+copies its stdout/stderr to ours as lines prefixed ``[NODE rRANK] `` (meshrun.core.termtext: read in
+bounded chunks, lines capped, carriage-return redraws such as a tqdm bar passed on at most twice a
+second and marked, control sequences but colours removed), forwards
 SIGTERM/SIGINT/SIGHUP to it, and exits as it did: same exit code, or the same signal
 re-raised on ourselves so torchrun sees the same death. When ``MESHRUN_JOB_DIR`` is set the
 child's exit is recorded in ``$MESHRUN_JOB_DIR/exit-r{RANK}-a{RESTART}.json`` for the agent.
@@ -17,6 +19,7 @@ import sys
 import threading
 import time
 
+from meshrun.core import termtext
 from meshrun.errors import StateError
 from meshrun.system import procs
 from meshrun.system.store import atomic_write
@@ -31,12 +34,30 @@ def prefix() -> bytes:
     return f"[{node} r{rank}] ".encode()
 
 
-def pump(src, dst, pre: bytes) -> None:
-    """Copy lines from `src` (binary) to `dst` (binary), each prefixed; a last partial line gets a newline."""
-    for raw in iter(src.readline, b""):
-        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-        dst.write(pre + line.encode("utf-8") + b"\n")
-        dst.flush()
+def pump(src, dst, pre: bytes, clock=time.monotonic) -> None:
+    """Copy `src` (a binary pipe) to `dst` (binary) as prefixed lines; a last partial line gets a newline.
+
+    Never holds more than a chunk and a capped line: output without newlines (a progress bar) moves on
+    as redraws, at most every termtext.REDRAW_EVERY seconds, the latest one always last.
+    """
+    lines = termtext.LineAssembler()
+    fd = src.fileno()
+
+    def put(events) -> None:
+        for kind, text in events:
+            mark = termtext.REDRAW if kind == "redraw" else ""
+            dst.write(pre + (mark + text).encode("utf-8", errors="replace") + b"\n")
+        if events:
+            dst.flush()
+    while True:
+        data = procs.read_some(fd, termtext.REDRAW_EVERY)
+        if data is None:
+            put(lines.tick(clock()))
+            continue
+        if not data:
+            break
+        put(lines.feed(data, clock()))
+    put(lines.close())
     src.close()
 
 

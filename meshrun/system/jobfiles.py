@@ -71,7 +71,12 @@ class BoundedLog:
 
 
 def read_from(path: Path, offset: int, limit: int = READ_CHUNK) -> tuple[list[str], int]:
-    """Whole lines of `path` from byte `offset` (at most about `limit` bytes); (lines, next offset)."""
+    """Whole lines of `path` from byte `offset` (at most about `limit` bytes); (lines, next offset).
+
+    Always moves on when a full chunk holds no newline (a line longer than `limit`): that chunk is
+    returned as a line, cut at a UTF-8 character boundary. A shorter chunk without one is a line
+    still being written: nothing is returned until it ends.
+    """
     try:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -80,8 +85,26 @@ def read_from(path: Path, offset: int, limit: int = READ_CHUNK) -> tuple[list[st
         return [], offset
     end = data.rfind(b"\n") + 1
     if end == 0:
-        return [], offset
-    return data[:end].decode("utf-8", errors="replace").splitlines(), offset + end
+        if len(data) < limit:
+            return [], offset
+        end = utf8_boundary(data)
+        return [data[:end].decode("utf-8", errors="replace")], offset + end
+    # "\n" only: a redraw's "\r" marker (meshrun.core.termtext) and other separators splitlines() knows stay
+    return data[:end - 1].decode("utf-8", errors="replace").split("\n"), offset + end
+
+
+def utf8_boundary(data: bytes) -> int:
+    """The length of the longest prefix of `data` that does not end inside a UTF-8 character (at least 1)."""
+    end = len(data)
+    back = 0
+    while back < 3 and end - back - 1 >= 0 and data[end - back - 1] & 0xC0 == 0x80:
+        back += 1
+    lead = end - back - 1
+    if lead >= 0 and data[lead] >= 0xC0:           # a lead byte: is its character complete?
+        need = 2 if data[lead] < 0xE0 else 3 if data[lead] < 0xF0 else 4
+        if back + 1 < need:
+            return max(lead, 1)
+    return end
 
 
 def size(path: Path) -> int:

@@ -216,6 +216,17 @@ def spawn_daemon(argv: Sequence[str], log_path: Path, timeout: float = 60,
     raise StateError(f"{what} exited with code {proc.returncode} before it was ready", f"see {log_path}")
 
 
+def read_some(fd: int, timeout: float, size: int = 65536) -> bytes | None:
+    """Up to `size` bytes from `fd` as soon as some arrive; b"" at end of file, None after `timeout` seconds
+    without any (the caller does its periodic work and reads again)."""
+    if not select.select([fd], [], [], timeout)[0]:
+        return None
+    try:
+        return os.read(fd, size)
+    except InterruptedError:      # pragma: no cover - PEP 475 retries os.read itself
+        return None
+
+
 def _reap(proc: subprocess.Popen) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
