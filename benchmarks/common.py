@@ -75,12 +75,46 @@ def wg_version() -> str:
         return "?"
 
 
+def wireguard_binary() -> dict:
+    """The exact userspace WireGuard meshrun starts here: path, what it prints, its Debian package version
+    and its SHA-256 (0.0.20231211 and 0.0.20230223 both print v0.0.20230223: only these tell them apart)."""
+    import hashlib
+    import shutil
+    from meshrun.system.device import WIREGUARD_GO
+    path = shutil.which(WIREGUARD_GO)
+    out: dict = {"backend": "wireguard-go", "path": path, "prints": wg_version(), "package": None, "sha256": None}
+    if path:
+        out["sha256"] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            res = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "wireguard-go"], capture_output=True,
+                                 text=True, timeout=5)
+            out["package"] = res.stdout.strip() or None
+    return out
+
+
 def environment() -> dict:
-    """What the numbers were measured on."""
+    """What the numbers were measured on: machine, date, load, torch, and the WireGuard binary."""
     import torch
     return {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__, "wireguard_go": wg_version(),
-            "loadavg_at_start": os.getloadavg()[0], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "wireguard": wireguard_binary(), "loadavg_at_start": os.getloadavg()[0],
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def spread(values: list[float]) -> dict:
+    """{"min", "median", "max", "n"} of a benchmark's rounds."""
+    import statistics
+    v = sorted(float(x) for x in values)
+    return {"min": v[0], "median": statistics.median(v), "max": v[-1], "n": len(v)} if v else {"n": 0}
+
+
+def alternating(variants: list[str], rounds: int) -> list[str]:
+    """The order to run `variants` in, `rounds` times over, alternating (A B, B A, A B, ...) so drift in the
+    machine's load hits every variant alike."""
+    order = []
+    for r in range(rounds):
+        order += variants if r % 2 == 0 else list(reversed(variants))
+    return order
 
 
 def write_result(name: str, data: dict, summary: str) -> Path:

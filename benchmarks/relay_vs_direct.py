@@ -1,18 +1,18 @@
 """Relayed vs direct all-reduce bandwidth on one NAT world (issue: NAT traversal).
 
 World: a coordinator datacenter, two 1:1-NAT datacenters (direct pair) and two behind symmetric
-NAT (relayed through the coordinator). The same gloo all-reduce runs over each pair, alternating,
-launched with `meshrun train --nodes A,B`; the ratio relayed/direct is what a relayed pair costs.
+NAT (relayed through the coordinator). The same gloo all-reduce runs over each pair, in alternating
+order (direct first, then relayed first, ...), launched with `meshrun train --nodes A,B`; the ratio
+relayed/direct of the medians is what a relayed pair costs, with each side's min/median/max.
+`--rate-mbit` shapes every datacenter's internet link (the figure users feel: a WAN rate, not CPU-bound).
 
-    sudo .venv/bin/python benchmarks/relay_vs_direct.py [--mib 32] [--rounds 3] [--json FILE]
+    sudo .venv/bin/python benchmarks/relay_vs_direct.py [--mib 32] [--rounds 3] [--rate-mbit 200]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,11 +37,18 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=32)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "relay_vs_direct.json"))
+    ap.add_argument("--rate-mbit", type=int, default=None)
+    ap.add_argument("--name", default="relay_vs_direct")
     a = ap.parse_args()
-    dcs = [DatacenterSpec("hq"), DatacenterSpec("dca"), DatacenterSpec("dcb"),
-           DatacenterSpec("dcc", nat="symmetric"), DatacenterSpec("dcd", nat="symmetric")]
-    with World(dcs, prefix="brel") as world:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import alternating, need_root, prefix, spread, write_result
+    need_root()
+    t_start = time.monotonic()
+    rate = a.rate_mbit
+    dcs = [DatacenterSpec("hq", rate_mbit=rate), DatacenterSpec("dca", rate_mbit=rate),
+           DatacenterSpec("dcb", rate_mbit=rate), DatacenterSpec("dcc", nat="symmetric", rate_mbit=rate),
+           DatacenterSpec("dcd", nat="symmetric", rate_mbit=rate)]
+    with World(dcs, prefix=prefix("rel")) as world:
         world.up()
         mesh = Mesh(world, "hq-a")
         mesh.init()
@@ -58,20 +65,20 @@ def main() -> int:
             time.sleep(1)
         direct_path = pairs[("dca-a", "dcb-a")]["path"]
         relayed_path = pairs[("dcc-a", "dcd-a")]["path"]
-        direct, relayed = [], []
-        for _ in range(a.rounds):  # alternate so machine noise hits both alike
-            direct.append(allreduce(mesh, "dca-a,dcb-a", a.mib, a.iters))
-            relayed.append(allreduce(mesh, "dcc-a,dcd-a", a.mib, a.iters))
-    d, r = statistics.median(direct), statistics.median(relayed)
-    result = {"mib": a.mib, "iters": a.iters, "rounds": a.rounds, "direct_path": direct_path,
-              "relayed_path": relayed_path, "direct_algbw_MiBps": direct, "relayed_algbw_MiBps": relayed,
-              "median_direct": d, "median_relayed": r, "ratio_relayed_over_direct": r / d}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"direct ({direct_path}) all-reduce {a.mib} MiB: {', '.join(f'{x:.1f}' for x in direct)} MiB/s")
-    print(f"relayed ({relayed_path}) all-reduce {a.mib} MiB: {', '.join(f'{x:.1f}' for x in relayed)} MiB/s")
-    print(f"relay_vs_direct: relayed/direct algbw = {r / d:.2f} (median {r:.1f} vs {d:.1f} MiB/s, "
-          f"{a.mib} MiB x{a.iters}, {a.rounds} rounds)")
+        runs: dict[str, list[float]] = {"direct": [], "relayed": []}
+        pair = {"direct": "dca-a,dcb-a", "relayed": "dcc-a,dcd-a"}
+        for kind in alternating(["direct", "relayed"], a.rounds):
+            runs[kind].append(allreduce(mesh, pair[kind], a.mib, a.iters))
+            print(f"{kind:8s} {runs[kind][-1]:.1f} MiB/s", flush=True)
+    d, r = spread(runs["direct"]), spread(runs["relayed"])
+    ratio = r["median"] / d["median"]
+    summary = (f"relay_vs_direct: relayed/direct all-reduce algbw {ratio:.2f} (medians {r['median']:.1f} vs "
+               f"{d['median']:.1f} MiB/s; relayed {r['min']:.1f}-{r['max']:.1f}, direct {d['min']:.1f}-{d['max']:.1f}; "
+               f"{a.mib} MiB x{a.iters}, {a.rounds} rounds, links {rate or 'unshaped'}"
+               f"{' Mbit/s' if rate else ''}) [{time.monotonic() - t_start:.0f} s]")
+    write_result(a.name, {"mib": a.mib, "iters": a.iters, "rounds": a.rounds, "rate_mbit": rate,
+                          "direct_path": direct_path, "relayed_path": relayed_path, "runs_MiBps": runs,
+                          "direct": d, "relayed": r, "ratio_relayed_over_direct": ratio}, summary)
     return 0
 
 

@@ -71,7 +71,8 @@ class FakeMesh:
         """Enrol `name` (start=False: no daemon) on its own FakeDevice; returns it, not yet synced."""
         state = StateDir(self.root / name)
         device = FakeDevice(name=self.network.interface)
-        node.join(self.token, state, name=name, start=False, mtu=1420, device=device, enrol_with=self._enrol)
+        node.join(self.token, state, name=name, start=False, mtu=1420, device=device, enrol_with=self._enrol,
+                  abandon_with=lambda *a: None)
         n = Node(name, state, device, None, public, private or "172.31.40.46:51820")  # type: ignore[arg-type]
         n.agent = AgentService(state, device=device, call=self._caller(n), addresses=lambda iface, n=n: [
             n.private.rsplit(":", 1)[0]])

@@ -468,3 +468,23 @@ def test_job_ids_cannot_name_the_jobs_dir_or_its_parent(job_server, job_id):
     assert resp.status == 400
     root = job_server.state_path
     assert not (root / "code").exists() and not (root / "jobs" / "code").exists()
+
+
+def test_a_failed_join_gives_its_name_back_only_with_its_key(coord):
+    """A node whose join failed after enrolment releases the name at once; nobody else can release it."""
+    priv = keys.generate_private_key()
+    pub = keys.public_key(priv)
+    body = {"token_id": coord.token_id, "secret": coord.secret_b64, "name": "flaky", "network": "fuzz",
+            "public_key": pub, "possession": proof(priv, coord, "flaky", coord.token_id)}
+    assert dispatch(coord.svc.enrolment.handle, Request("POST", "/v1/join", "203.0.113.9", body)).status == 200
+
+    def abandon(signer: str) -> Response:
+        return dispatch(coord.svc.enrolment.handle, Request("POST", "/v1/join/abandon", "203.0.113.9", {
+            "name": "flaky", "public_key": pub, "token_id": coord.token_id,
+            "possession": proof(signer, coord, "flaky", f"abandon:{coord.token_id}", pub)}))
+    assert abandon(keys.generate_private_key()).status == 401          # a squatter cannot free it
+    assert coord.svc.db.member_by_name("flaky") is not None
+    resp = abandon(priv)
+    assert resp.status == 200 and resp.body == {"released": True}
+    assert coord.svc.db.member_by_name("flaky") is None
+    check_db(coord)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -71,7 +72,10 @@ class Job:
 
     def __init__(self, mesh: Mesh, *args: str) -> None:
         import threading
-        self.proc = mesh.meshrun_popen(mesh.coordinator, "train", *args, cwd=EXAMPLES, stdout=subprocess.PIPE,
+        # A project of its own: DiLoCo resumes from the snapshots an earlier job of the project left.
+        project = f"diloco-{secrets.token_hex(3)}"
+        self.proc = mesh.meshrun_popen(mesh.coordinator, "train", "--project", project, *args, cwd=EXAMPLES,
+                                       stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")),

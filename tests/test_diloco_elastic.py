@@ -1,6 +1,6 @@
 """DiLoCo under real torchrun elastic restarts on loopback: a node dies mid-run, later one joins.
 
-Three torchrun agents ("nodes", one worker each, each with its own MESHRUN_JOB_DIR as meshrun
+Three torchrun agents ("nodes", one worker each, each with its own MESHRUN_OUTPUT_DIR as meshrun
 gives every node) run examples/diloco_charlm.py as one elastic job (c10d rendezvous, --nnodes 2:3).
 After outer step 4 node 2 is killed (agent and worker, SIGKILL): torchrun restarts the two others,
 which must resume from their snapshots, losing at most the outer step in flight. After outer step
@@ -80,7 +80,8 @@ def test_node_lost_then_node_joined(tmp_path: Path) -> None:
                 str(SCRIPT), "--mode", "diloco", "--steps", str(STEPS), "--sync-every", str(SYNC_EVERY),
                 "--hidden", "32", "--batch-size", "8", "--seq-len", "32", "--threads", "1", "--compression", "fp4"]
         outputs.append(logs[n].open("w"))
-        procs[n] = subprocess.Popen(argv, env={**env, "MESHRUN_JOB_DIR": str(job_dir)}, stdout=outputs[-1],
+        procs[n] = subprocess.Popen(argv, env={**env, "MESHRUN_JOB_DIR": str(job_dir), "MESHRUN_OUTPUT_DIR": str(job_dir)},
+                                    stdout=outputs[-1],
                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     try:

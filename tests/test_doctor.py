@@ -215,3 +215,13 @@ def test_link_and_rule_counter_parsers():
                "udp spt:!51820 dpt:51820 /* meshrun-doctor-ab12 */\n")
     assert netparse.rule_packets(listing, "meshrun-doctor-ab12") == 3
     assert netparse.rule_packets(listing, "meshrun-doctor-ffff") == 0
+
+
+def test_disk_use_of_jobs_and_projects_is_shown_with_how_to_free_it():
+    f = facts(disk_use={"jobs": 3 << 20, "projects": {"charlm": 900 << 20, "ddp": 1 << 20}})
+    check = next(c for c in doctor.judge(f) if c.name == "job files")
+    assert check.level == OK
+    assert check.detail == "jobs 3.0 MiB, 2 project(s) 901.0 MiB (charlm 900.0 MiB, ddp 1.0 MiB)"
+    assert "meshrun jobs --prune" in check.fix and "--prune-project" in check.fix
+    empty = next(c for c in doctor.judge(facts(disk_use={"jobs": 0, "projects": {}})) if c.name == "job files")
+    assert empty.detail == "jobs 0.0 MiB, 0 project(s) 0.0 MiB" and empty.fix == ""

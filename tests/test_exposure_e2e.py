@@ -265,8 +265,11 @@ def test_daemon_logs_have_timestamped_joins_and_jobs_and_no_secret(mesh):
     assert re.search(stamp + rf"meshrun\.jobs\.control: job {re.escape(job)} succeeded", coord_log, re.M)
     node_log = (mesh.state_dir(mesh.world.node("dc2-a")) / "daemon.log").read_text()
     assert re.search(stamp + rf"meshrun\.jobs\.server: job {re.escape(job)} started", node_log, re.M), node_log[-2000:]
-    secrets_ = [(mesh.state_dir(mesh.world.node(n)) / f).read_text().strip()
-                for n in MEMBERS for f in ("private.key", "job.key")] + [mesh.token]
+    secrets_ = [(mesh.state_dir(mesh.world.node(n)) / "private.key").read_text().strip() for n in MEMBERS]
+    coord_state = StateDir(mesh.state_dir(mesh.coordinator))
+    secrets_ += [base64.b64encode(member.job_key(coord_state, json.loads(
+        (mesh.state_dir(mesh.world.node(n)) / "member.json").read_text())["public_key"])).decode()
+        for n in MEMBERS if n != "dc1-a"] + [mesh.token]
     for n in MEMBERS:
         for log in mesh.state_dir(mesh.world.node(n)).glob("daemon.*"):
             text = log.read_text(errors="replace")

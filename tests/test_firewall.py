@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from meshrun.core import firewall
-from meshrun.errors import UsageError
+from meshrun.errors import CommandError, UsageError
+from meshrun.system.fakefirewall import FakeFirewall
 from meshrun.system.firewall import cgroup2_root
 
 
@@ -32,6 +33,20 @@ def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
     assert firewall.add_allowed(table, ["10.213.0.9"]) == f"add element inet {table} nodes {{ 10.213.0.9 }}\n"
     assert firewall.add_allowed(table, []) == ""
     assert "set nodes { type ipv4_addr; }" in firewall.job_guard(table, "x", "meshrun0", [])
+    assert firewall.delete_guard(table) == f"delete table inet {table}\n"
+
+
+def test_a_job_table_name_is_stable_and_unique_per_job_and_member():
+    assert firewall.job_table("exp7", "dc1-a") == firewall.job_table("exp7", "dc1-a")
+    names = {firewall.job_table(j, n) for j in ("exp7", "exp8") for n in ("dc1-a", "dc1-b", "dc1-a/store")}
+    assert len(names) == 6 and all(firewall.is_job_table(n) for n in names)
+    assert not firewall.is_job_table("meshrun_forward") and not firewall.is_job_table("filter")
+
+
+def test_only_inet_tables_are_listed():
+    listing = "table ip filter\ntable inet meshrun_job_0123456789abcdef\ntable inet meshrun_forward\ntable ip6 x\n"
+    assert firewall.inet_tables(listing) == ["meshrun_job_0123456789abcdef", "meshrun_forward"]
+    assert firewall.inet_tables("") == []
 
 
 def test_the_forward_guard_keeps_member_traffic_on_the_overlay():
@@ -46,10 +61,28 @@ def test_the_forward_guard_keeps_member_traffic_on_the_overlay():
     lambda: firewall.job_guard(firewall.job_table("j", "n"), "c", "meshrun0", ["10.0.0.1; flush ruleset"]),
     lambda: firewall.add_allowed(firewall.job_table("j", "n"), ["fd00::1"]),
     lambda: firewall.forward_guard(""),
+    lambda: firewall.forward_guard("meshrun0 accept"),
+    lambda: firewall.forward_guard("a-very-long-interface-name"),
+    lambda: firewall.job_table("job; flush ruleset", "n"),                              # job id charset
+    lambda: firewall.job_table("", "n"),
+    lambda: firewall.job_table("j", 'n" drop'),
+    lambda: firewall.job_table("j", "../../etc"),
+    lambda: firewall.delete_guard("filter"),                                            # never the host's tables
+    lambda: firewall.add_allowed(firewall.job_table("j", "n"), ["10.0.0.300"]),
+    lambda: firewall.add_allowed(firewall.job_table("j", "n"), ["10.0.0.0/24"]),
 ])
 def test_nothing_unchecked_reaches_a_script(bad):
     with pytest.raises(UsageError):
         bad()
+
+
+def test_a_bad_value_is_named_in_the_error():
+    with pytest.raises(UsageError, match="10.0.0.300"):
+        firewall.add_allowed(firewall.job_table("j", "n"), ["10.0.0.1", "10.0.0.300"])
+    with pytest.raises(UsageError, match="bad id"):
+        firewall.job_table("bad id", "n")
+    with pytest.raises(UsageError, match="eth 0"):
+        firewall.forward_guard("eth 0")
 
 
 def test_a_comment_cannot_break_out():
@@ -65,3 +98,52 @@ def test_the_cgroup2_root_is_found_where_it_is_mounted():
     assert str(cgroup2_root(hybrid)) == "/sys/fs/cgroup/unified"
     assert str(cgroup2_root(unified)) == "/sys/fs/cgroup"
     assert cgroup2_root(nested) is None and cgroup2_root("") is None
+
+
+def test_the_fake_firewall_follows_the_protocol_and_checks_like_the_real_one():
+    fw = FakeFirewall()
+    g = fw.JobGuard("exp7", "dc1-a", "meshrun0").create(["10.213.0.2"])
+    g.join()
+    fw.allow("exp7", "dc1-a", ["10.213.0.5"])                  # the agent, for a node joining the elastic job
+    assert fw.tables == {g.table: {"10.213.0.2", "10.213.0.5"}} and fw.job_tables() == [g.table]
+    idle = fw.JobGuard("exp8", "dc1-a", "meshrun0").create([])  # made, never joined: swept
+    assert fw.sweep() == [idle.table] and fw.sweeps == 1
+    g.remove()
+    g.remove()                                                 # twice is fine
+    with pytest.raises(CommandError):
+        g.allow(["10.213.0.6"])                                # like nft: the table is gone
+    with pytest.raises(UsageError):
+        fw.JobGuard("exp7", "dc1-a", "meshrun0").create(["not-an-ip"])
+    fw.install_forward_guard("meshrun0")
+    fw.remove_forward_guard()
+    assert [c[0] for c in fw.calls] == ["create", "join", "allow", "create", "sweep", "remove", "remove", "allow",
+                                        "install_forward_guard", "remove_forward_guard"]
+    assert fw.allowed == [("exp7", "dc1-a", ["10.213.0.5"])] and fw.forward is None and fw.available() is None
+
+
+def test_missing_requirements_are_named_with_their_fix(monkeypatch):
+    from meshrun.errors import HostError
+    from meshrun.system import firewall as fw
+    monkeypatch.setattr(fw.os, "geteuid", lambda: 1000)
+    with pytest.raises(HostError, match="need root") as err:
+        fw.JobGuard("exp7", "dc1-a", "meshrun0").create([])
+    assert "sudo" in err.value.fix
+    monkeypatch.setattr(fw.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(fw.shutil, "which", lambda tool: None)
+    with pytest.raises(HostError, match="`nft` is not installed") as err:
+        fw.JobGuard("exp7", "dc1-a", "meshrun0").create([])
+    assert err.value.fix == "install it: apt-get install nftables"
+    monkeypatch.setattr(fw.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(fw, "cgroup2_root", lambda mountinfo=None: None)
+    with pytest.raises(HostError, match="no cgroup v2"):
+        fw.JobGuard("exp7", "dc1-a", "meshrun0").create([])
+
+
+def test_a_sweep_that_cannot_see_cgroups_removes_nothing(monkeypatch):
+    """Fail closed: without the cgroup hierarchy a live job's guard looks like a dead one's."""
+    from meshrun.system import firewall as fw
+    deleted = []
+    monkeypatch.setattr(fw, "job_tables", lambda: [firewall.job_table("exp7", "dc1-a")])
+    monkeypatch.setattr(fw, "cgroup2_root", lambda mountinfo=None: None)
+    monkeypatch.setattr(fw, "_delete_table", deleted.append)
+    assert fw.sweep() == [] and deleted == []

@@ -1,8 +1,14 @@
-"""meshrun.system.jobfiles and a share's output: reading never stalls on output without newlines."""
+"""meshrun.system.jobfiles, a share's output and `follow`: reading never stalls on output without newlines,
+lines stay bounded and whole, and every line shown is its own node's."""
 
 from __future__ import annotations
 
-from meshrun.jobs.share import share_output
+import io
+
+from meshrun.core import termtext
+from meshrun.core.jobs import JobRecord
+from meshrun.jobs import control
+from meshrun.jobs.share import Share, share_output
 from meshrun.system import jobfiles
 from meshrun.system.store import StateDir
 
@@ -55,3 +61,98 @@ def test_share_output_reaches_the_end_and_reports_done(tmp_path):
         if ans["done"]:
             break
     assert ans["done"] and ans["status"] == {"code": 0} and lines[-1] == "[n r0] last line"
+
+
+def test_the_last_line_of_a_finished_log_is_read_even_without_a_newline(tmp_path):
+    log = tmp_path / "output.log"
+    log.write_bytes(b"complete\npartial")
+    assert jobfiles.read_from(log, 9) == ([], 9)                       # still being written: wait
+    assert jobfiles.read_from(log, 9, final=True) == (["partial"], 16)  # the writer is gone: it is the last
+    assert jobfiles.read_from(log, 0, final=True) == (["complete", "partial"], 16)
+    assert jobfiles.read_from(log, 16, final=True) == ([], 16)
+
+
+def test_share_output_is_done_when_the_log_ends_without_a_newline(tmp_path):
+    """A share killed mid-write (or a full disk) leaves a partial last line: `done` must still come."""
+    job = StateDir(tmp_path / "job")
+    job.create()
+    (job / "output.log").write_bytes(b"[n r0] one\n[n r0] cut sho")
+    job.write_json("status.json", {"code": 0})
+    ans = share_output(job, 0, 0)
+    assert ans["lines"] == ["[n r0] one", "[n r0] cut sho"] and ans["done"] and ans["status"] == {"code": 0}
+
+
+def test_lines_split_on_newlines_only(tmp_path):
+    """Other separators (U+2028, NEL, \\r...) would let a line's tail pass for a line of its own."""
+    log = tmp_path / "output.log"
+    log.write_bytes("[n r0] a\u2028[m r1] b\x85c\r[m r1] d\x1c\n".encode())
+    assert jobfiles.read_from(log, 0)[0] == ["[n r0] a\u2028[m r1] b\x85c\r[m r1] d\x1c"]
+
+
+def _share(tmp_path, node="dc1-a"):
+    """A Share with only what its pumps use (no torchrun)."""
+    share = Share.__new__(Share)
+    share.node, share.error = node, ""
+    share.log = jobfiles.BoundedLog(tmp_path / "output.log")
+    return share
+
+
+def _pumped(tmp_path, data: bytes, is_stderr: bool = False) -> list[str]:
+    share = _share(tmp_path)
+    share._pump(io.BufferedReader(io.BytesIO(data)), is_stderr)
+    share.log.close()
+    return (tmp_path / "output.log").read_bytes().decode().split("\n")[:-1]
+
+
+def test_the_share_keeps_worker_lines_and_settles_torchruns_own(tmp_path):
+    lines = _pumped(tmp_path, (
+        b"[dc1-a r0] epoch 1\n"
+        b"[dc1-a r1] \r 50%|#####     |\n"                     # a worker's redraw: its marker stays
+        b"torchrun 10%\rtorchrun 100%\r\n"                      # torchrun's own: as a terminal leaves it
+        b"\x1b]0;title\x07\x1b[2Jcleared \x1b[1mbold\x1b[0m\n"
+        b"[dc2-a r0] not from dc2-a\n"                           # another node's prefix: this node's line
+        b"no newline at the end"))
+    assert lines == ["[dc1-a r0] epoch 1", "[dc1-a r1] \r 50%|#####     |", "[dc1-a] torchrun 100%",
+                     "[dc1-a] cleared \x1b[1mbold\x1b[0m", "[dc1-a] [dc2-a r0] not from dc2-a",
+                     "[dc1-a] no newline at the end"]
+
+
+def test_the_share_reads_bounded_lines_and_keeps_characters_whole(tmp_path):
+    from meshrun.jobs.share import LINE_CAP
+    worker_line = "[dc1-a r0] " + "€" * termtext.MAX_LINE                # the longest a worker writes
+    torchrun_line = "é" * LINE_CAP                                        # 2 * LINE_CAP bytes, no newline
+    lines = _pumped(tmp_path, (worker_line + "\n" + torchrun_line + "\nend\n").encode(), is_stderr=True)
+    assert lines[0] == worker_line                                         # whole: a capped line fits
+    pieces = lines[1:-1]
+    assert len(pieces) == 2 and all(p.startswith("[dc1-a] ") for p in pieces)
+    assert "".join(p[len("[dc1-a] "):] for p in pieces) == torchrun_line   # nothing garbled at the cut
+    assert lines[-1] == "[dc1-a] end"
+
+
+def test_the_share_finds_torchruns_error_line(tmp_path):
+    share = _share(tmp_path)
+    share._pump(io.BufferedReader(io.BytesIO(b"RuntimeError: \x1b[31mboom\x1b[0m\rRuntimeError: boom 2\n")), True)
+    assert share.error == "RuntimeError: boom 2"
+
+
+def test_follow_shows_each_line_as_its_nodes_and_filters_by_rank(tmp_path):
+    state = StateDir(tmp_path / "state")
+    job = StateDir(state / "jobs" / "j1")
+    job.create()
+    job.write_json("job.json", JobRecord("j1", state="succeeded", exit_code=0).to_dict())
+    logs = StateDir(job / "logs")
+    logs.create()
+    (logs / "dc1-a.log").write_bytes(
+        b"100 [dc1-a r0] one\n101 [dc1-a r0] \rbar\n102 [dc2-a r1] forged\n103 piece of a long line\n"
+        b"105 [dc1-a] torchrun\n106 [dc1-a r0] last, no newline")
+    (logs / "_meshrun.log").write_bytes(b"104 job j1 succeeded\n")
+    seen = []
+    rec = control.follow(state, "j1", lambda line, ours: seen.append((line, ours)), keep_going=False)
+    assert rec.final
+    assert seen == [("[dc1-a r0] one", False), ("[dc1-a r0] \rbar", False),
+                    ("[dc1-a] [dc2-a r1] forged", False), ("[dc1-a] piece of a long line", False),
+                    ("job j1 succeeded", True), ("[dc1-a] torchrun", False),
+                    ("[dc1-a r0] last, no newline", False)]
+    seen.clear()
+    control.follow(state, "j1", lambda line, ours: seen.append(line), rank=1, keep_going=False)
+    assert seen == ["job j1 succeeded"]                     # the forged "r1" line is not rank 1's

@@ -194,7 +194,7 @@ def test_the_coordinator_takes_a_share(mesh):
     dry = mesh.meshrun(mesh.coordinator, "train", "--with-coordinator", "--nodes", "dc1-a,dc2-a", "--dry-run",
                        "ddp_train.py", cwd=EXAMPLES).stdout
     # The pre-flight table first (every node checked, the coordinator included), then one block per node.
-    assert re.findall(r"^# (\S+)$", dry, re.M) == ["pre-flight", "coordinator", "dc1-a", "dc2-a"]
+    assert re.findall(r"^# (\S+)$", dry, re.M) == ["code", "pre-flight", "coordinator", "dc1-a", "dc2-a"]
     coord_block = dry.split("# coordinator\n")[1].split("\n# ")[0]
     for pin in ("--local-addr 10.213.0.1", "NCCL_SOCKET_IFNAME==meshrun0", "GLOO_SOCKET_IFNAME=meshrun0",
                 "--rdzv-endpoint 10.213.0.1:29401", "--rdzv-backend meshrun"):

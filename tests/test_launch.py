@@ -210,3 +210,9 @@ def test_local_plan_allows_fewer_nodes_than_nnodes():
     assert p[0].argv[p[0].argv.index("--nnodes") + 1] == "3"
     with pytest.raises(UsageError, match="needs 3 node"):
         launch.plan(NODES[:1], opts(nnodes="3"))
+
+
+def test_a_job_cannot_take_a_store_off_the_overlay():
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE would make rank 0 host a store on every interface: refused."""
+    with pytest.raises(UsageError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE cannot be set for a meshrun job"):
+        launch.plan(NODES, opts(), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})

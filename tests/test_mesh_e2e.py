@@ -180,7 +180,8 @@ def test_setup_errors_are_one_line_and_leave_nothing(world_factory, tmp_path):
 
     # A token whose endpoint has no coordinator (dc3's public IP: nothing listens there).
     tok = parse_token(token)
-    wrong = type(tok)(tok.network, ("203.0.113.31:51820",), tok.fingerprint, tok.token_id, tok.secret).encode()
+    wrong = type(tok)(tok.network, ("203.0.113.31:51820",), tok.fingerprint, tok.token_id, tok.secret,
+                      tok.coordinator_key).encode()
     line = _one_error(mesh.meshrun(n2, "join", wrong, "--name", "dc2-a", check=False))
     assert line.startswith("meshrun: error: cannot reach 203.0.113.31:51820 over TCP (")
     assert "TCP port 51820 is open" in line

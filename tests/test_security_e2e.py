@@ -113,17 +113,17 @@ def _bad_used_up(mesh):
 def _bad_fingerprint(mesh):
     t = parse_token(_create_token(mesh))
     other = "0" * 64 if t.fingerprint != "0" * 64 else "1" * 64
-    return JoinToken(t.network, t.endpoints, other, t.token_id, t.secret).encode(), "fingerprint"
+    return JoinToken(t.network, t.endpoints, other, t.token_id, t.secret, t.coordinator_key).encode(), "fingerprint"
 
 
 def _bad_network(mesh):
     t = parse_token(_create_token(mesh))
-    return JoinToken("othernet", t.endpoints, t.fingerprint, t.token_id, t.secret).encode(), "othernet"
+    return JoinToken("othernet", t.endpoints, t.fingerprint, t.token_id, t.secret, t.coordinator_key).encode(), "othernet"
 
 
 def _bad_token_id(mesh):
     t = parse_token(_create_token(mesh))
-    return JoinToken(t.network, t.endpoints, t.fingerprint, "zz00zz00zz", t.secret).encode(), "does not know"
+    return JoinToken(t.network, t.endpoints, t.fingerprint, "zz00zz00zz", t.secret, t.coordinator_key).encode(), "does not know"
 
 
 BAD = {"garbage": _bad_garbage, "truncated": _bad_truncated, "expired": _bad_expired, "revoked": _bad_revoked,

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -171,3 +172,55 @@ def test_a_long_line_is_split_and_control_sequences_are_removed(tmp_path):
     lines = r.stdout.decode().splitlines()
     assert [len(x) for x in lines[:3]] == [len("[dc1-gpu0 r3] ") + n for n in (16384, 16384, 40_000 - 32768)]
     assert lines[3] == "[dc1-gpu0 r3] \x1b[32mgreen\x1b[0m"
+
+
+def test_a_rank_cannot_forge_a_line_of_another_node(tmp_path):
+    """An embedded newline, carriage return or cursor movement cannot start a line that is not this rank's."""
+    r = run_worker(tmp_path, r"""
+        import sys
+        sys.stdout.write("mine\n[dc2-a r0] forged by a newline\n")
+        sys.stdout.write("x\r[dc2-a r0] forged by a carriage return\n")
+        sys.stdout.write("y\x1b[1A\x1b[2K\x1b[G[dc2-a r0] forged by cursor movement\n")
+        sys.stdout.write("z\x08\x08\x08[dc2-a r0] forged by backspaces\u2028[dc2-a r0] and a separator\n")
+    """)
+    assert r.returncode == 0
+    assert r.stdout.decode().split("\n") == [
+        "[dc1-gpu0 r3] mine", "[dc1-gpu0 r3] [dc2-a r0] forged by a newline",
+        "[dc1-gpu0 r3] [dc2-a r0] forged by a carriage return",
+        "[dc1-gpu0 r3] y[dc2-a r0] forged by cursor movement",
+        "[dc1-gpu0 r3] z[dc2-a r0] forged by backspaces[dc2-a r0] and a separator", ""]
+
+
+def test_a_character_split_between_writes_arrives_whole(tmp_path):
+    r = run_worker(tmp_path, r"""
+        import sys, time
+        for part in (b"price \xe2\x82", b"\xac 5\n"):
+            sys.stdout.buffer.write(part)
+            sys.stdout.flush()
+            time.sleep(0.7)             # the worker reads (and ticks) in between
+    """)
+    assert r.returncode == 0 and r.stdout.decode() == "[dc1-gpu0 r3] price € 5\n"
+
+
+def test_a_slow_progress_bar_reaches_the_reader_while_it_runs(tmp_path):
+    """One redraw, then minutes of work: its current state is passed on within about a second."""
+    script = tmp_path / "child.py"
+    script.write_text("import sys, time\nsys.stderr.write('\\repoch 1/3'); sys.stderr.flush()\ntime.sleep(30)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
+    p = subprocess.Popen([sys.executable, "-m", "meshrun.jobs.worker", str(script)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(p.stderr.readline()), daemon=True)
+    try:
+        t0 = time.monotonic()
+        reader.start()
+        reader.join(10)
+        assert got == [b"[n1 r0] \repoch 1/3\n"] and time.monotonic() - t0 < 10
+    finally:
+        p.send_signal(signal.SIGTERM)       # forwarded: the child goes too
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        p.stderr.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import threading
 import time
@@ -115,16 +116,16 @@ def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | N
     """Print the job as it runs until it ends; Ctrl-C cancels it (train) or stops following (logs)."""
     from meshrun.jobs import control
     stop = threading.Event()
+    printer = JobPrinter(app)
 
     def interrupted(*_) -> None:
         if not cancel_on_interrupt:
             stop.set()
             return
-        app.echo(f"meshrun: cancelling job {job} on every node ...", err=True)
+        printer.say(f"meshrun: cancelling job {job} on every node ...")    # below the bars, not among them
         threading.Thread(target=control.cancel, args=(app.state, job), daemon=True).start()
 
     old = signal.signal(signal.SIGINT, interrupted)
-    printer = JobPrinter(app)
     try:
         rec = control.follow(app.state, job, printer, node, rank, stop=stop)
     finally:
@@ -138,7 +139,9 @@ def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | N
 
 class JobPrinter:
     """Shows a job's stored lines on this terminal: nodes' lines on stdout, meshrun's own on stderr, control
-    sequences but colours removed, progress-bar redraws as a terminal shows them (meshrun.core.termtext)."""
+    sequences but colours removed, progress-bar redraws as a terminal shows them (meshrun.core.termtext:
+    on a terminal each bar redrawn in place on a row of its own, in a file or a pipe only its states that
+    were not superseded)."""
 
     def __init__(self, app: Application) -> None:
         from meshrun.core import termtext
@@ -146,16 +149,24 @@ class JobPrinter:
         self.redraws = termtext.Redraws(tty=app.is_tty())
 
     def __call__(self, line: str, ours: bool) -> None:
-        from meshrun.core import termtext
         from meshrun.core.jobs import LINE_RE
         if ours:
-            for text in self.redraws.finish() if self.redraws.tty else []:
-                self.app.write(text)            # a bar left open on the screen ends before meshrun speaks
-            self.app.echo(termtext.clean(line), err=True)
+            self.say(line)
             return
         m = LINE_RE.match(line)
         prefix, rest = (m.group(0), line[m.end():]) if m else ("", line)
+        if self.redraws.tty:            # asked each time: the window may have been resized
+            self.redraws.width = shutil.get_terminal_size().columns
         for text in self.redraws.line(prefix, prefix, rest, time.monotonic()):
+            self.app.write(text)
+
+    def say(self, line: str) -> None:
+        """A line of meshrun's own on stderr; the bars on the screen step aside for it."""
+        from meshrun.core import termtext
+        for text in self.redraws.interrupt():
+            self.app.write(text)
+        self.app.echo(termtext.clean(line), err=True)
+        for text in self.redraws.resume():
             self.app.write(text)
 
     def finish(self) -> None:

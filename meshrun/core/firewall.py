@@ -23,23 +23,49 @@ from collections.abc import Iterable
 
 from meshrun.errors import UsageError
 
-__all__ = ["JOB_TABLE_PREFIX", "FORWARD_TABLE", "CGROUP_PARENT", "job_table", "job_guard", "add_allowed",
-           "forward_guard", "check_interface"]
+__all__ = ["CGROUP_PARENT", "FORWARD_TABLE", "JOB_TABLE_PREFIX", "add_allowed", "check_interface",
+           "delete_guard", "forward_guard", "inet_tables", "is_job_table", "job_guard", "job_table"]
 
 JOB_TABLE_PREFIX = "meshrun_job_"
 FORWARD_TABLE = "meshrun_forward"
 CGROUP_PARENT = "meshrun"          # jobs' cgroups live in <cgroup2 root>/meshrun/<table name>
 _IFACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}\Z")
 _TABLE_RE = re.compile(rf"^{JOB_TABLE_PREFIX}[0-9a-f]{{16}}\Z")
+# Job ids as meshrun.core.jobs accepts them; a node is a member name, or "<member>/store" for the supervisor's
+# rendezvous store. Both only reach a script hashed or in a comment, checked all the same.
+_JOB_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
+_NODE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(/[A-Za-z0-9_.-]{1,32})?\Z")
 
 
 def job_table(job_id: str, node: str) -> str:
-    """The table (and cgroup) name of `job_id`'s guard on member `node` (unique per job and member: simulated
-    members share one host's cgroups)."""
+    """The table (and cgroup) name of `job_id`'s guard on member `node`.
+
+    Unique per job and member (simulated members share one host's cgroups), and the same in every process
+    that asks, so the share that made a guard and the agent that extends or sweeps it agree. UsageError for
+    a job id or node name meshrun would not make.
+    """
+    if not _JOB_RE.match(job_id or ""):
+        raise UsageError(f"job id {job_id!r} is not 1-64 characters of A-Z a-z 0-9 _ . -",
+                         "use the job id meshrun gave the job")
+    if not _NODE_RE.match(node or ""):
+        raise UsageError(f"node name {node!r} is not a member name (optionally /<role>)",
+                         "use the member's name, e.g. dc1-a")
     return JOB_TABLE_PREFIX + hashlib.sha256(f"{job_id}/{node}".encode()).hexdigest()[:16]
 
 
+def is_job_table(name: str) -> bool:
+    """Whether `name` is a table `job_table` makes (what a sweep may delete; nothing else is ours)."""
+    return bool(_TABLE_RE.match(name))
+
+
+def inet_tables(listing: str) -> list[str]:
+    """The names of the `inet` tables in what `nft list tables` prints (other families are left out)."""
+    return [parts[2] for parts in (line.split() for line in listing.splitlines())
+            if len(parts) == 3 and parts[0] == "table" and parts[1] == "inet"]
+
+
 def check_interface(name: str) -> str:
+    """`name` if it is a possible interface name, else UsageError (it is quoted into scripts)."""
     if not _IFACE_RE.match(name or ""):
         raise UsageError(f"interface name {name!r} is not 1-15 characters of A-Z a-z 0-9 _ . -",
                          "use the overlay interface's name, e.g. meshrun0")
@@ -69,7 +95,15 @@ def _comment(text: str) -> str:
 
 def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) -> str:
     """The script that (re)creates a job guard: table `table` whose cgroup is CGROUP_PARENT/`table`
-    (level 2 below the cgroup2 root), admitting new connections on `interface` only from `allowed`."""
+    (level 2 below the cgroup2 root), admitting new connections on `interface` only from `allowed`.
+
+    `allowed` are the overlay addresses of the job's nodes (the coordinator's too when it hosts the job's
+    store). Only new connections are judged (TCP SYN without ACK, any UDP datagram): connections the job
+    opened itself get their answers, and loopback or the host's other interfaces are not the overlay's
+    business. IPv6 on the overlay to the job's sockets is dropped (the overlay is IPv4). The script first
+    creates and deletes the table, so applying it replaces an older guard of the same name in one transaction.
+    UsageError naming a bad table name, interface or address.
+    """
     table, iface = _check_table(table), check_interface(interface)
     ips = _addresses(allowed)
     cg = f'socket cgroupv2 level 2 "{CGROUP_PARENT}/{table}"'
@@ -92,14 +126,24 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) 
 
 
 def add_allowed(table: str, ips: Iterable[str]) -> str:
-    """The script that admits more nodes into a job guard (a node that joins an elastic job)."""
+    """The script that admits more nodes into a job guard (a node that joins an elastic job); "" for none.
+
+    Adding an address already in the set is no error. UsageError naming a bad table name or address.
+    """
     table = _check_table(table)
     addrs = _addresses(ips)
     return f"add element inet {table} nodes {{ {', '.join(addrs)} }}\n" if addrs else ""
 
 
+def delete_guard(table: str) -> str:
+    """The script that deletes a job guard (the whole table: its set and chain go with it)."""
+    return f"delete table inet {_check_table(table)}\n"
+
+
 def forward_guard(interface: str) -> str:
-    """The script that (re)creates the forward guard for `interface`."""
+    """The script that (re)creates the forward guard for `interface`: packets that arrive on it and would
+    leave on any other interface are dropped; overlay-to-overlay forwarding (relayed pairs) and everything
+    else the host forwards are left alone. UsageError for a bad interface name."""
     iface = check_interface(interface)
     return "\n".join([
         f"table inet {FORWARD_TABLE} {{}}",

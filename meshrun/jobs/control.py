@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from meshrun.core.jobs import JobRecord, JobSpec, check_job_id, line_matches
+from meshrun.core.jobs import LINE_RE, JobRecord, JobSpec, check_job_id, line_matches
 from meshrun.core.model import Network
 from meshrun.errors import StateError, UsageError
 from meshrun.jobs.supervisor import EVENTS
@@ -143,6 +143,14 @@ def cancel(state: StateDir, job_id: str, wait: bool = True) -> bool:
     return procs.signal_pid(pid, 15)
 
 
+def attributed(node: str, text: str) -> str:
+    """A line of logs/<node>.log as it may be shown: one that does not start with `node`'s own prefix
+    (a piece of an over-long line, or a node that lies) gets `[node] ` in front, so that no node's output
+    can pass for another's."""
+    m = LINE_RE.match(text)
+    return text if m is not None and m.group("node") == node else f"[{node}] {text}"
+
+
 def follow(state: StateDir, job_id: str, out: Callable[[str, bool], None], node: str | None = None,
            rank: int | None = None, keep_going: bool = True, stop: threading.Event | None = None) -> JobRecord:
     """Print the job's lines from the start, in arrival order (`out(line, is_meshrun_line)`).
@@ -150,6 +158,9 @@ def follow(state: StateDir, job_id: str, out: Callable[[str, bool], None], node:
     With `keep_going`, follow until the job has ended and everything was printed (or `stop` is
     set); otherwise print what is there and return. `node`/`rank` keep only those lines (the
     supervisor's own lines are always shown). Returns the job's record as it was last read.
+    A node's line always starts with that node's prefix (`[node rN] ` or `[node] `), whatever the node
+    sent; its text is as stored: a redraw keeps its marker and escapes are left for the printer to
+    remove (meshrun.core.termtext, as `meshrun train` and `meshrun logs` do).
     """
     logs = _dir(state, job_id) / "logs"
     offsets: dict[str, int] = {}
@@ -157,7 +168,8 @@ def follow(state: StateDir, job_id: str, out: Callable[[str, bool], None], node:
         rec = record(state, job_id)
         batch: list[tuple[int, int, str, str]] = []
         for path in sorted(logs.glob("*.log")) if logs.is_dir() else []:
-            lines, offsets[path.name] = jobfiles.read_from(path, offsets.get(path.name, 0))
+            # A final job's mirrors are closed: a last line without a newline is read too.
+            lines, offsets[path.name] = jobfiles.read_from(path, offsets.get(path.name, 0), final=rec.final)
             for i, text in enumerate(lines):
                 m = MIRROR_RE.match(text)
                 if m:
@@ -166,7 +178,9 @@ def follow(state: StateDir, job_id: str, out: Callable[[str, bool], None], node:
                                                 for s in {b[2] for b in batch}]):
             if source == EVENTS:
                 out(text, True)
-            elif line_matches(text, node, rank):
+                continue
+            text = attributed(source, text)
+            if line_matches(text, node, rank):
                 out(text, False)
         if not keep_going or (rec.final and not batch) or (stop is not None and stop.is_set()):
             return rec

@@ -11,6 +11,7 @@ stopped. SIGHUP is ignored: a closed terminal anywhere is not a reason to stop t
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 from meshrun.core import termtext
-from meshrun.core.jobs import ShareEnd, is_noise
+from meshrun.core.jobs import LINE_RE, ShareEnd, is_noise
 from meshrun.errors import LaunchError, MeshrunError
 from meshrun.system import procs, store
 from meshrun.system.store import StateDir
@@ -29,7 +30,9 @@ from meshrun.system.firewall import JobGuard
 from meshrun.system.jobfiles import BoundedLog
 from meshrun.system.projects import ProjectDir
 
-LINE_CAP = 4 * termtext.MAX_LINE          # bytes: a worker's capped line (UTF-8) and its prefix fit
+# Bytes read at most for one line: a worker's capped line (MAX_LINE characters, up to 4 bytes each in UTF-8)
+# with its prefix and redraw marker comes whole; anything longer (torchrun's own) is passed on in pieces.
+LINE_CAP = 4 * termtext.MAX_LINE + 256
 # torchrun's own lines that name what went wrong (the last one is the most specific)
 ERROR_RE = re.compile(r"^\S*(Error|Exception)\b.*?: \S|^RuntimeError|^ERROR:")
 
@@ -83,20 +86,36 @@ class Share:
             t.start()
 
     def _pump(self, pipe, is_stderr: bool) -> None:
+        """Copy torchrun's output (`pipe`, binary) into output.log line by line, never holding more than
+        LINE_CAP bytes. The workers' lines come formed (prefixed, cleaned, redraws marked: meshrun.jobs.worker)
+        and are kept as they are; torchrun's own are settled as a terminal shows them and prefixed [node]."""
         prefix = f"[{self.node}] "
-        # Bounded reads: the workers cap their lines (meshrun.jobs.worker); anything longer from torchrun
-        # itself is passed on in pieces rather than held.
+        # Incremental: a UTF-8 character cut by the bounded read is finished by the next one, not garbled.
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        cut = False                     # the last read ended inside a line (it was passed on as a piece)
         for raw in iter(lambda: pipe.readline(LINE_CAP), b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            line = line[:-1] if line.endswith("\r") else line
-            if is_noise(line):
-                continue
-            if not line.startswith(f"[{self.node} r"):
-                if is_stderr and ERROR_RE.search(line):
-                    self.error = line.strip()[:300]
-                line = prefix + line
-            self.log.write(line)
+            ended = raw.endswith(b"\n")
+            text = decode(raw).removesuffix("\n")
+            if not (cut and ended and not text):       # not just the end of a line already passed on
+                self._line(text, prefix, is_stderr)
+            cut = not ended
+        rest = decode(b"", final=True)
+        if rest:
+            self._line(rest, prefix, is_stderr)
         pipe.close()
+
+    def _line(self, line: str, prefix: str, is_stderr: bool) -> None:
+        m = LINE_RE.match(line)
+        ours = m is not None and m.group("node") == self.node and m.group("rank") is not None
+        if not ours:
+            line = termtext.settle(line)
+        if is_noise(line):
+            return
+        if not ours:
+            if is_stderr and ERROR_RE.search(line):
+                self.error = line.strip()[:300]
+            line = prefix + line
+        self.log.write(line)
 
     def cancel(self) -> None:
         if self.proc is not None and not self.cancelled.is_set():
@@ -146,9 +165,11 @@ def share_output(job_dir: StateDir, offset: int, wait: float) -> dict:
     everything was read, its status too."""
     deadline = time.monotonic() + wait
     while True:
-        lines, new = jobfiles.read_from(job_dir / "output.log", offset)
         running = share_running(job_dir)
         status = None if running or not (job_dir / "status.json").exists() else job_dir.read_json("status.json")
+        # Once the share has ended its log is complete: a last line without a newline is read too, so that
+        # `done` always comes.
+        lines, new = jobfiles.read_from(job_dir / "output.log", offset, final=status is not None)
         if lines or status is not None or time.monotonic() >= deadline:
             done = status is not None and new >= jobfiles.size(job_dir / "output.log")
             return {"lines": lines, "offset": new, "done": done, "status": status if done else None,

@@ -75,12 +75,28 @@ def enrol(tok: JoinToken, name: str, private_key: str, candidates: list[str], ti
                            "check the addresses and that TCP port is open on the coordinator")
 
 
+def abandon(tok: JoinToken, name: str, private_key: str, timeout: float = 5) -> None:
+    """Tell the coordinator that this enrolment's join failed here, so the name is free again (best effort)."""
+    public_key = keys.public_key(private_key)
+    body = {"name": name, "public_key": public_key, "token_id": tok.token_id,
+            "possession": auth.enrol_proof(keys.shared_secret(private_key, tok.coordinator_key), tok.network, name,
+                                           public_key, f"abandon:{tok.token_id}", time.time())}
+    for ep in tok.endpoints:
+        host, port = split_endpoint(ep)
+        try:
+            transport.call(host, port, "POST", "/v1/join/abandon", body, fingerprint=tok.fingerprint, timeout=timeout)
+            return
+        except CoordinatorError:
+            continue
+
+
 Enrol = Callable[[JoinToken, str, str, list[str]], dict]
+Abandon = Callable[[JoinToken, str, str], None]
 
 
 def join(token: str, state: StateDir, name: str | None = None, endpoint: str | None = None,
          start: bool = True, mtu: int | None = None, device: Device | None = None,
-         enrol_with: Enrol = enrol) -> JoinResult:
+         enrol_with: Enrol = enrol, abandon_with: Abandon = abandon) -> JoinResult:
     """Enrol this machine and bring up its interface; start the agent unless start=False.
 
     Run again on an enrolled node, it resumes with the same key and address. On failure
@@ -107,6 +123,18 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
         net.require_tools("ip", "wg")
     private_key = keys.generate_private_key()
     answer = enrol_with(tok, name, private_key, advertised)
+    try:
+        return _install(answer, state, private_key, advertised, mtu, device, start)
+    except BaseException:
+        with contextlib.suppress(Exception):      # the name is free again at once, not after the grace
+            abandon_with(tok, name, private_key)
+        raise
+
+
+def _install(answer: dict, state: StateDir, private_key: str, advertised: list[str], mtu: int | None,
+             device: Device | None, start: bool) -> JoinResult:
+    """After enrolment: write the state, bring up the interface, apply the peers, start the agent; on
+    failure nothing is left here (the caller gives the enrolment back)."""
     try:
         network = Network.from_dict(answer["network"])
         me = Member.from_dict(answer["member"])

@@ -13,11 +13,16 @@ mount namespace where that hierarchy is bound over /sys/fs/cgroup; nothing outsi
 
 Needs root, nftables (`nft`, kernel >= 5.13 for `socket cgroupv2`) and a cgroup v2 hierarchy; HostError
 naming what is missing otherwise. `FakeFirewall` (meshrun.system.fakefirewall) records calls instead.
+
+nftables tables belong to a network namespace, cgroups to the whole host: every call acts on the calling
+process's network namespace, and cgroup names are unique per job and member so that simulated members
+(namespaces on one host) do not share one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -29,12 +34,23 @@ from meshrun.core import firewall as rules
 from meshrun.errors import CommandError, HostError
 from meshrun.system.cmd import run
 
-__all__ = ["cgroup2_root", "JobGuard", "sweep", "install_forward_guard", "remove_forward_guard", "available"]
+__all__ = ["JobGuard", "allow", "available", "cgroup2_root", "install_forward_guard", "job_tables",
+           "remove_forward_guard", "remove_job_cgroups", "sweep"]
 
 log = logging.getLogger("meshrun.system.firewall")
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 FRESH_S = 60.0          # sweep leaves a guard this young alone: its share may not have joined it yet
+RMDIR_WAIT_S = 2.0      # a killed process leaves its cgroup a moment after the kill: rmdir waits this long
+# What to do about an nft failure, by a phrase of its stderr (first match wins).
+NFT_FIXES = (
+    ("cgroupv2 path fails", ("nft could not find the job's cgroup under /sys/fs/cgroup: it was removed meanwhile, "
+                             "or this mount namespace shows the cgroup v2 hierarchy elsewhere; run meshrun on the "
+                             "host, not in a container with a private cgroup namespace")),
+    ("not supported", ("this kernel lacks nftables' `socket cgroupv2` match: use Linux >= 5.13 with "
+                       "CONFIG_NFT_SOCKET (modprobe nft_socket)")),
+    ("operation not permitted", "run meshrun as root (CAP_NET_ADMIN is needed for nftables)"),
+)
 
 
 def cgroup2_root(mountinfo: str | None = None) -> Path | None:
@@ -53,6 +69,10 @@ def cgroup2_root(mountinfo: str | None = None) -> Path | None:
 
 
 def _require() -> Path:
+    """The cgroup v2 root, once root, nft and cgroup v2 are known to be there (HostError naming the missing one)."""
+    if os.geteuid() != 0:
+        raise HostError("job guards need root: meshrun makes a cgroup and nftables rules for every job",
+                        "run the meshrun agent as root (e.g. with sudo)")
     if shutil.which("nft") is None:
         raise HostError("`nft` is not installed: meshrun limits every port a job opens to the job's own nodes with "
                         "nftables", "install it: apt-get install nftables")
@@ -74,19 +94,27 @@ def available() -> str | None:
 
 
 def _nft(script: str, root: Path | None = None) -> None:
-    """Run an nft script; with a cgroup v2 root other than /sys/fs/cgroup, where nft looks for it."""
+    """Run an nft script (CommandError with a fix from NFT_FIXES when nft refuses it).
+
+    nft resolves `socket cgroupv2` paths under /sys/fs/cgroup only; with the cgroup v2 root mounted elsewhere
+    (`root`, a hybrid host) nft runs in a private mount namespace with `root` bound there: unshare makes its
+    mounts private, so the host's mounts never change.
+    """
     if not script:
         return
     if root is None or root == CGROUP_FS:
-        run(["nft", "-f", "-"], input=script)
+        run(["nft", "-f", "-"], input=script, fixes=NFT_FIXES)
         return
-    run(["unshare", "-m", "sh", "-c", 'mount --bind "$0" /sys/fs/cgroup && exec nft -f -', str(root)], input=script)
+    run(["unshare", "-m", "sh", "-c", 'mount --bind "$0" /sys/fs/cgroup && exec nft -f -', str(root)],
+        input=script, fixes=NFT_FIXES)
 
 
-def _tables() -> list[str]:
+def job_tables() -> list[str]:
+    """The job guards' tables in this network namespace ([] without nft)."""
+    if shutil.which("nft") is None:
+        return []
     out = run(["nft", "list", "tables"], check=False, quiet=True).stdout
-    return [parts[2] for parts in (line.split() for line in out.splitlines())
-            if len(parts) == 3 and parts[0] == "table" and parts[1] == "inet"]
+    return [t for t in rules.inet_tables(out) if rules.is_job_table(t)]
 
 
 def _delete_table(name: str) -> None:
@@ -100,17 +128,43 @@ def _cgroup_procs(path: Path) -> list[int]:
         return []
 
 
+def _mtime(path: Path) -> float:
+    """When `create` stamped the cgroup `path` (0: it is gone)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def _remove_cgroup(path: Path) -> None:
-    """rmdir a job cgroup, first moving anything still in it (a straggler) to the parent."""
+    """rmdir a job cgroup, first moving anything still in it (a straggler) to the parent; quiet if it is gone.
+
+    A process killed a moment ago may still hold the cgroup (rmdir: EBUSY) until it has exited: retried for
+    RMDIR_WAIT_S, then left behind with a warning (an empty cgroup guards nothing and costs little).
+    """
     for pid in _cgroup_procs(path):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):       # it exited meanwhile
             (path.parent / "cgroup.procs").write_text(str(pid))
-    with contextlib.suppress(OSError):
-        path.rmdir()
+    deadline = time.monotonic() + RMDIR_WAIT_S
+    while True:
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                log.warning("could not remove the job cgroup %s: %s", path, exc.strerror)
+                return
+        time.sleep(0.05)
 
 
 class JobGuard:
-    """One job's guard on one member (see the module docstring)."""
+    """One job's guard on one member (see the module docstring).
+
+    Constructing it touches nothing (UsageError for a bad job id, node name or interface); the life is
+    `create` -> `join` -> (`allow`)* -> `remove`, `remove` also after a failure anywhere on the way.
+    """
 
     def __init__(self, job_id: str, node: str, interface: str) -> None:
         self.table = rules.job_table(job_id, node)
@@ -120,18 +174,28 @@ class JobGuard:
 
     @property
     def cgroup(self) -> Path:
+        """The job's cgroup directory (known once `create` or `remove` found the cgroup v2 root)."""
         assert self.root is not None
         return self.root / rules.CGROUP_PARENT / self.table
 
-    def create(self, allowed: Iterable[str]) -> "JobGuard":
-        """Make the cgroup and the table (HostError without nft or cgroup v2; nothing left on failure)."""
+    def create(self, allowed: Iterable[str]) -> JobGuard:
+        """Make the cgroup and the table admitting `allowed` (the job's nodes' overlay addresses); returns self.
+
+        Call it before anything of the job listens, then `join`. Calling it again replaces the table (the
+        set starts over from `allowed`). HostError when not root, without nft or without cgroup v2;
+        UsageError for a bad address; CommandError when nft refuses the script. Nothing is left on failure.
+        """
         self.root = _require()
         script = rules.job_guard(self.table, self.comment, self.interface, allowed)
         parent = self.root / rules.CGROUP_PARENT
         try:
             parent.mkdir(mode=0o755, exist_ok=True)
             self.cgroup.mkdir(mode=0o755, exist_ok=True)
+            # cgroupfs gives a directory the time its inode was first looked at, not made (and again after
+            # the inode is evicted): stamped explicitly, the time lives with the cgroup and `sweep` can trust it.
+            os.utime(self.cgroup)
         except OSError as exc:
+            _remove_cgroup(self.cgroup)             # made before the failure, or gone already: quiet
             raise HostError(f"cannot create the job's cgroup {self.cgroup}: {exc.strerror}",
                             "run meshrun as root on a host with a writable cgroup v2 hierarchy") from None
         try:
@@ -142,15 +206,23 @@ class JobGuard:
         return self
 
     def join(self, pid: int = 0) -> None:
-        """Move process `pid` (0: this process) into the job's cgroup; its future children stay there."""
+        """Move process `pid` (0: this process) into the job's cgroup; its future children stay there.
+
+        Call it after `create` and before the process (or its children) opens a listener: a socket is judged
+        by the cgroup of the process that created it. OSError (kept for callers that catch it) when the
+        process is gone, the cgroup was removed or this process may not move it.
+        """
         (self.cgroup / "cgroup.procs").write_text(str(pid or os.getpid()))
 
     def allow(self, ips: Iterable[str]) -> None:
-        """Admit more nodes (an elastic job grew)."""
+        """Admit more nodes (an elastic job grew); CommandError if the table is gone, UsageError for a bad address."""
         _nft(rules.add_allowed(self.table, ips))
 
     def remove(self) -> None:
-        """Delete the table and the cgroup; no error if they are gone."""
+        """Delete the table, then the cgroup (stragglers moved to its parent); no error if they are gone.
+
+        Call it once the job's processes have ended, also after a failed start; safe to call twice.
+        """
         _delete_table(self.table)
         if self.root is None:
             self.root = cgroup2_root()
@@ -159,27 +231,37 @@ class JobGuard:
 
 
 def allow(job_id: str, node: str, ips: Iterable[str]) -> None:
-    """Admit more nodes into the guard of `job_id` on `node`, held by another process (the share)."""
+    """Admit more nodes into the guard of `job_id` on `node`, held by another process (the share).
+
+    The agent calls it when an elastic job admits a node. CommandError when that guard does not exist.
+    """
     _nft(rules.add_allowed(rules.job_table(job_id, node), ips))
 
 
 def sweep() -> list[str]:
     """Remove the job guards of this network namespace whose cgroup has no process left (their job was
-    killed before it could clean up); the tables removed."""
-    if shutil.which("nft") is None:
-        return []
+    killed before it could clean up); the tables removed.
+
+    The agent calls it when it starts and now and then. Guards made in the last FRESH_S seconds are kept
+    (their share may not have joined yet). No error without nft (there is nothing to sweep then). Where this
+    process sees no cgroup v2 hierarchy it cannot tell live jobs from dead ones and removes nothing: deleting
+    a live job's guard would open its ports to every member.
+    """
+    tables = job_tables()
     root = cgroup2_root()
+    if root is None:
+        if tables:
+            log.warning("not sweeping %d job guard(s): no cgroup v2 hierarchy is mounted here", len(tables))
+        return []
     gone = []
-    for table in _tables():
-        if not table.startswith(rules.JOB_TABLE_PREFIX):
-            continue
-        cg = root / rules.CGROUP_PARENT / table if root is not None else None
-        # Kept: a guard whose job still has a process, or one made a moment ago (its share is about to join).
-        if cg is not None and cg.is_dir() and (_cgroup_procs(cg) or time.time() - cg.stat().st_mtime < FRESH_S):
+    for table in tables:
+        cg = root / rules.CGROUP_PARENT / table
+        # Kept: a guard whose job still has a process, or one made a moment ago (its share is about to join;
+        # `create` stamps the cgroup's mtime).
+        if _cgroup_procs(cg) or time.time() - _mtime(cg) < FRESH_S:
             continue
         _delete_table(table)
-        if cg is not None:
-            _remove_cgroup(cg)
+        _remove_cgroup(cg)
         gone.append(table)
     if gone:
         log.info("removed %d job guard(s) left by jobs that ended without cleaning up", len(gone))
@@ -193,12 +275,16 @@ def remove_job_cgroups(tables: Iterable[str]) -> None:
     if root is None:
         return
     for table in tables:
-        if table.startswith(rules.JOB_TABLE_PREFIX):
+        if rules.is_job_table(table):
             _remove_cgroup(root / rules.CGROUP_PARENT / table)
 
 
 def install_forward_guard(interface: str) -> None:
-    """Drop whatever a member sends through this host to a non-overlay interface (HostError without nft)."""
+    """Drop whatever a member sends through this host to a non-overlay interface; overlay-to-overlay stays.
+
+    Call it before turning forwarding on for `interface` (meshrun.system.net.enable_forwarding does);
+    calling it again replaces the guard. HostError without nft, CommandError when nft refuses.
+    """
     if shutil.which("nft") is None:
         raise HostError("`nft` is not installed: meshrun keeps relayed member traffic off this host's other "
                         "networks with nftables", "install it: apt-get install nftables")
@@ -206,5 +292,6 @@ def install_forward_guard(interface: str) -> None:
 
 
 def remove_forward_guard() -> None:
+    """Delete the forward guard (when the member stops forwarding or leaves); no error if it is gone."""
     if shutil.which("nft") is not None:
         _delete_table(rules.FORWARD_TABLE)

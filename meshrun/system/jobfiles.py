@@ -70,12 +70,13 @@ class BoundedLog:
         self.f.close()
 
 
-def read_from(path: Path, offset: int, limit: int = READ_CHUNK) -> tuple[list[str], int]:
+def read_from(path: Path, offset: int, limit: int = READ_CHUNK, final: bool = False) -> tuple[list[str], int]:
     """Whole lines of `path` from byte `offset` (at most about `limit` bytes); (lines, next offset).
 
-    Always moves on when a full chunk holds no newline (a line longer than `limit`): that chunk is
-    returned as a line, cut at a UTF-8 character boundary. A shorter chunk without one is a line
-    still being written: nothing is returned until it ends.
+    Lines end at "\\n" only. Always moves on when a full chunk holds no newline (a line longer than
+    `limit`): that chunk is returned as a line, cut at a UTF-8 character boundary. A shorter chunk
+    without one is a line still being written: nothing is returned until it ends, unless `final` (the
+    writer has finished: it is the file's last line).
     """
     try:
         with open(path, "rb") as f:
@@ -83,14 +84,17 @@ def read_from(path: Path, offset: int, limit: int = READ_CHUNK) -> tuple[list[st
             data = f.read(limit)
     except FileNotFoundError:
         return [], offset
-    end = data.rfind(b"\n") + 1
+    # The writer is gone and this is the end of the file: its last line counts, ended or not.
+    unended = final and 0 < len(data) < limit and not data.endswith(b"\n")
+    end = len(data) if unended else data.rfind(b"\n") + 1
     if end == 0:
         if len(data) < limit:
             return [], offset
         end = utf8_boundary(data)
         return [data[:end].decode("utf-8", errors="replace")], offset + end
     # "\n" only: a redraw's "\r" marker (meshrun.core.termtext) and other separators splitlines() knows stay
-    return data[:end - 1].decode("utf-8", errors="replace").split("\n"), offset + end
+    text = data[:end].decode("utf-8", errors="replace")
+    return text.removesuffix("\n").split("\n"), offset + end
 
 
 def utf8_boundary(data: bytes) -> int:

@@ -486,6 +486,17 @@ class CoordinatorDB:
         return self.conn.execute("SELECT 1 FROM members WHERE overlay_ip=? AND removed_at IS NOT NULL",
                                  (ip,)).fetchone() is not None
 
+    def abandon(self, name: str, public_key: str, now: float | None = None) -> bool:
+        """Release the enrolment of `name` with `public_key` if it never completed (its node never synced);
+        True if one was released. Its address waits out the quarantine like any other."""
+        with self.tx() as c:
+            cur = c.execute("UPDATE members SET removed_at=? WHERE name=? AND public_key=? AND removed_at IS NULL "
+                            "AND last_seen IS NULL AND is_coordinator=0",
+                            (time.time() if now is None else now, name, public_key))
+            if cur.rowcount:
+                self._bump(c)
+            return cur.rowcount > 0
+
     def remove_member(self, name: str, now: float | None = None) -> Member | None:
         """Mark a member removed (its address stays reserved forever)."""
         with self.tx() as c:

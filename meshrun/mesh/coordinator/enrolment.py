@@ -47,7 +47,35 @@ class EnrolmentAPI:
                 return Response.error(429, CoordinatorError(
                     f"too many join attempts from {req.client_ip}", "wait a minute and try again"))
             return self.join(req)
+        if req.method == "POST" and req.path == "/v1/join/abandon":
+            if not self.limiter.allow(req.client_ip):
+                return Response.error(429, CoordinatorError(
+                    f"too many join attempts from {req.client_ip}", "wait a minute and try again"))
+            return self.abandon(req)
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
+
+    def abandon(self, req: Request) -> Response:
+        """A node whose join failed after it was enrolled (and rolled back there) gives its name back at once.
+
+        Only the holder of the enrolment's private key can (the same proof as a join), and only for an
+        enrolment that never completed; otherwise its name would be held for PENDING_GRACE_S."""
+        b = req.body if isinstance(req.body, dict) else {}
+        try:
+            name = check_name(str(b["name"]))
+            public_key = b["public_key"]
+            token_id = str(b["token_id"])
+            if not keys.is_public_key(public_key):
+                raise ValueError("public_key is not a canonical WireGuard key")
+            auth.check_enrol_proof(self.shared_with(public_key), self.network.name, name, public_key,
+                                   f"abandon:{token_id}", b.get("possession"), time.time())
+        except (KeyError, ValueError, TypeError):
+            return Response.error(400, UsageError("malformed request", "use the meshrun client"))
+        except (AuthError, UsageError) as exc:
+            return Response.error(401, exc)
+        released = self.db.abandon(name, public_key)
+        if released:
+            log.info("%s gave back its enrolment (its join failed on the node)", name)
+        return Response(200, {"released": released})
 
     def join(self, req: Request) -> Response:
         b = req.body if isinstance(req.body, dict) else {}
