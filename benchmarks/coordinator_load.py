@@ -69,9 +69,10 @@ def server(args) -> int:
     from meshrun.core import auth, keys
     from meshrun.core.model import Network
     from meshrun.core.token import new_token
-    from meshrun.mesh.coordinator.service import CoordinatorService
+    from meshrun.mesh.coordinator.daemon import CoordinatorService
     from meshrun.system.fakedevice import FakeDevice
-    from meshrun.system.store import CoordinatorDB, StateDir, remove_tree
+    from meshrun.system.statedir import StateDir, remove_tree
+    from meshrun.system.coordinatordb import CoordinatorDB
     from meshrun.system.transport import JSONServer
 
     tmp = Path(tempfile.mkdtemp(prefix="meshrun-load-"))
@@ -289,7 +290,7 @@ class Server:
 
 
 async def one_size(n: int, args) -> dict:
-    from meshrun.mesh.agent import SYNC_WAIT
+    from meshrun.mesh.node.daemon import SYNC_WAIT
     srv = Server(n)
     port, pid = srv.hello["port"], srv.proc.pid
     agents = Agents(port, srv.hello["keys"], SYNC_WAIT)

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun.mesh import node
-from meshrun.mesh.agent import AgentService
-from meshrun.mesh.coordinator.service import CoordinatorService
+from meshrun.mesh.node import setup as node
+from meshrun.mesh.node.daemon import AgentService
+from meshrun.mesh.coordinator.daemon import CoordinatorService
 from meshrun.mesh.coordinator.setup import InitOptions, init
 from meshrun.system.fakedevice import FakeDevice
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 from meshrun.system.transport import Request, raise_for
 
 COORD_ENDPOINT = "203.0.113.1"

@@ -34,14 +34,15 @@ from hypothesis import strategies as st
 
 from conftest import json_strategy
 from meshrun.core import auth, keys
-from meshrun.jobs import server as jobs
+from meshrun.jobs import nodeapi as jobs
 from meshrun.mesh.coordinator.enrolment import RateLimiter
-from meshrun.mesh.coordinator.service import CoordinatorService
+from meshrun.mesh.coordinator.daemon import CoordinatorService
 from meshrun.system.fakedevice import FakeDevice
 from meshrun.system.fakefirewall import FakeFirewall
 from meshrun.errors import MeshrunError
 from meshrun.core.model import Network
-from meshrun.system.store import CoordinatorDB, StateDir
+from meshrun.system.statedir import StateDir
+from meshrun.system.coordinatordb import CoordinatorDB
 from meshrun.core.token import new_token
 from meshrun.system.transport import JSONServer, Request, Response
 

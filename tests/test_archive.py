@@ -256,10 +256,10 @@ def test_the_fallback_checks_accept_plain_files_and_directories():
 
 
 def test_a_bench_job_hashes_no_code_a_no_sync_script_job_its_directory(tmp_path):
-    from meshrun.jobs import runner, supervisor
+    from meshrun.jobs import planning, submission
     (tmp_path / "train.py").write_text("print(1)\n")
-    script = runner.TrainRequest(script="train.py", no_sync=True, job_id="j-1").spec(tmp_path)
-    assert supervisor.coordinator_copy(script) == archive.hash_files(tmp_path, ["train.py"])
-    bench = runner.TrainRequest(script="meshrun.bench.worker", no_sync=True, module=True,
-                                job_id="bench-1").spec(Path("/"))
-    assert supervisor.coordinator_copy(bench) is None      # not a walk of "/"
+    script = submission.job_spec({"script": "train.py", "no_sync": True, "job_id": "j-1"}, tmp_path)
+    assert planning.coordinator_copy(script) == archive.hash_files(tmp_path, ["train.py"])
+    bench = submission.job_spec({"script": "meshrun.bench.worker", "no_sync": True, "module": True,
+                                 "job_id": "bench-1"}, Path("/"))
+    assert planning.coordinator_copy(bench) is None      # not a walk of "/"

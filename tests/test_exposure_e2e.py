@@ -23,7 +23,7 @@ from meshrun.core import auth
 from meshrun.mesh import member
 from meshrun.lab.testbed import Mesh, sh
 from meshrun.system.procs import alive
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -214,7 +214,7 @@ def test_a_local_user_on_the_coordinator_cannot_control_jobs_and_replays_are_ref
     replay = _send_raw(mesh, node_ip, health)
     assert replay.startswith("HTTP/1.0 401") and "already used once" in replay, replay
     log = (mesh.state_dir(mesh.world.node("dc2-a")) / "daemon.log").read_text()
-    assert re.search(r"WARNING meshrun.jobs.server: refused job request POST /v1/jobs/forged/start from "
+    assert re.search(r"WARNING meshrun.jobs.nodeapi: refused job request POST /v1/jobs/forged/start from "
                      r"10\.213\.0\.1: the request is not signed", log), log[-2000:]
 
 
@@ -264,7 +264,7 @@ def test_daemon_logs_have_timestamped_joins_and_jobs_and_no_secret(mesh):
         coord_log = (mesh.state_dir(mesh.coordinator) / "daemon.log").read_text()
     assert re.search(stamp + rf"meshrun\.jobs\.control: job {re.escape(job)} succeeded", coord_log, re.M)
     node_log = (mesh.state_dir(mesh.world.node("dc2-a")) / "daemon.log").read_text()
-    assert re.search(stamp + rf"meshrun\.jobs\.server: job {re.escape(job)} started", node_log, re.M), node_log[-2000:]
+    assert re.search(stamp + rf"meshrun\.jobs\.nodeapi: job {re.escape(job)} started", node_log, re.M), node_log[-2000:]
     secrets_ = [(mesh.state_dir(mesh.world.node(n)) / "private.key").read_text().strip() for n in MEMBERS]
     coord_state = StateDir(mesh.state_dir(mesh.coordinator))
     secrets_ += [base64.b64encode(member.job_key(coord_state, json.loads(

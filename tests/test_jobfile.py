@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.core import jobfile
+from meshrun.core import jobconfig
 from meshrun.errors import UsageError
-from meshrun.jobs.runner import TrainRequest
-from meshrun.system.store import read_user_file
+from meshrun.core.jobspec import JobSpec
+from meshrun.jobs.submission import job_spec
+from meshrun.system.statedir import read_user_file
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "configs" / "job.example.toml"
 NOTHING = {"script": None, "script_args": None, "nnodes": None, "nproc_per_node": None, "max_restarts": None,
@@ -17,8 +18,9 @@ NOTHING = {"script": None, "script_args": None, "nnodes": None, "nproc_per_node"
            "sync_limit_mb": None, "dry_run": False, "env": {}, "job_id": None, "python": None}
 
 
-def test_the_shipped_example_loads_into_a_request():
-    req = TrainRequest(**jobfile.merge(jobfile.parse(EXAMPLE.read_text()), NOTHING))
+def test_the_shipped_example_loads_into_a_job_spec(tmp_path):
+    (tmp_path / "examples").mkdir()
+    req = job_spec(jobconfig.merge(jobconfig.parse(EXAMPLE.read_text()), NOTHING), tmp_path)
     assert req.script == "examples/ddp_train.py"
     assert req.script_args == ["--epochs", "5", "--steps-per-epoch", "50", "--checkpoint", "checkpoint.pt"]
     assert (req.nnodes, req.nproc_per_node, req.max_restarts, req.rdzv_timeout) == ("2", 1, 1, 900)
@@ -26,13 +28,13 @@ def test_the_shipped_example_loads_into_a_request():
     assert req.module is False and req.python == "python3"
 
 
-def test_every_key_maps_to_a_request_field():
-    fields = set(TrainRequest.__dataclass_fields__)
-    assert {field for field, *_ in jobfile.KEYS.values()} <= fields
+def test_every_key_maps_to_a_job_spec_field():
+    fields = set(JobSpec.__dataclass_fields__)
+    assert {field for field, *_ in jobconfig.KEYS.values()} <= fields
 
 
 def test_command_line_wins_and_env_merges():
-    got = jobfile.merge(jobfile.parse('script = "a.py"\nargs = ["--x"]\nnnodes = 3\nmax_restarts = 2\n'
+    got = jobconfig.merge(jobconfig.parse('script = "a.py"\nargs = ["--x"]\nnnodes = 3\nmax_restarts = 2\n'
                                       '[env]\nA = "1"\nB = 2\n'),
                         dict(NOTHING, nnodes="2:4", env={"B": "9"}, no_sync=True))
     assert got["nnodes"] == "2:4" and got["max_restarts"] == 2
@@ -41,7 +43,7 @@ def test_command_line_wins_and_env_merges():
 
 
 def test_a_script_on_the_command_line_brings_its_own_args():
-    got = jobfile.merge(jobfile.parse('script = "a.py"\nargs = ["--x"]\n'),
+    got = jobconfig.merge(jobconfig.parse('script = "a.py"\nargs = ["--x"]\n'),
                         dict(NOTHING, script="b.py", script_args=[]))
     assert got["script"] == "b.py" and got["script_args"] == []
 
@@ -57,7 +59,7 @@ def test_a_script_on_the_command_line_brings_its_own_args():
 ])
 def test_bad_job_files_name_the_key_and_the_fix(text, words):
     with pytest.raises(UsageError) as exc:
-        jobfile.parse(text)
+        jobconfig.parse(text)
     msg = f"{exc.value.message}; {exc.value.fix}"
     assert "\n" not in msg
     for w in words:
@@ -68,6 +70,6 @@ def test_missing_file_and_missing_script(tmp_path):
     with pytest.raises(UsageError, match="job file '.*nope.toml' not found; check the path given to --config"):
         read_user_file(tmp_path / "nope.toml", "job file", "--config")
     with pytest.raises(UsageError, match="no training script given"):
-        jobfile.merge({}, NOTHING)
+        jobconfig.merge({}, NOTHING)
     with pytest.raises(UsageError, match="unknown option '--bogus'"):
-        jobfile.merge({}, dict(NOTHING, script="--bogus"))
+        jobconfig.merge({}, dict(NOTHING, script="--bogus"))

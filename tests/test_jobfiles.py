@@ -1,4 +1,4 @@
-"""meshrun.system.jobfiles, a share's output and `follow`: reading never stalls on output without newlines,
+"""meshrun.system.joblogs, a share's output and `follow`: reading never stalls on output without newlines,
 lines stay bounded and whole, and every line shown is its own node's."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import io
 
 from meshrun.core import termtext
-from meshrun.core.jobs import JobRecord
+from meshrun.core.jobspec import JobRecord
 from meshrun.jobs import control
 from meshrun.jobs.share import Share, share_output
-from meshrun.system import jobfiles
-from meshrun.system.store import StateDir
+from meshrun.system import joblogs
+from meshrun.system.statedir import StateDir
 
 
 def test_a_chunk_without_a_newline_is_passed_on_and_the_offset_always_advances(tmp_path):
@@ -20,7 +20,7 @@ def test_a_chunk_without_a_newline_is_passed_on_and_the_offset_always_advances(t
     log.write_bytes(b"[dc1-a r0] " + bar + b"\n[dc1-a r0] done\n")
     offset, lines = 0, []
     for _ in range(50):
-        got, new = jobfiles.read_from(log, offset)
+        got, new = joblogs.read_from(log, offset)
         assert new > offset or new == log.stat().st_size
         lines += got
         offset = new
@@ -36,7 +36,7 @@ def test_a_line_cut_between_reads_keeps_its_characters(tmp_path):
     log.write_bytes(text.encode())
     offset, parts = 0, []
     while offset < log.stat().st_size:
-        got, offset = jobfiles.read_from(log, offset, limit=4097)     # odd: a cut would fall mid-character
+        got, offset = joblogs.read_from(log, offset, limit=4097)     # odd: a cut would fall mid-character
         parts += got
     assert "".join(parts) == "é" * 100_000 and "\ufffd" not in "".join(parts)
 
@@ -44,8 +44,8 @@ def test_a_line_cut_between_reads_keeps_its_characters(tmp_path):
 def test_a_line_still_being_written_waits(tmp_path):
     log = tmp_path / "output.log"
     log.write_bytes(b"complete\npartial")
-    assert jobfiles.read_from(log, 0) == (["complete"], 9)
-    assert jobfiles.read_from(log, 9) == ([], 9)
+    assert joblogs.read_from(log, 0) == (["complete"], 9)
+    assert joblogs.read_from(log, 9) == ([], 9)
 
 
 def test_share_output_reaches_the_end_and_reports_done(tmp_path):
@@ -66,10 +66,10 @@ def test_share_output_reaches_the_end_and_reports_done(tmp_path):
 def test_the_last_line_of_a_finished_log_is_read_even_without_a_newline(tmp_path):
     log = tmp_path / "output.log"
     log.write_bytes(b"complete\npartial")
-    assert jobfiles.read_from(log, 9) == ([], 9)                       # still being written: wait
-    assert jobfiles.read_from(log, 9, final=True) == (["partial"], 16)  # the writer is gone: it is the last
-    assert jobfiles.read_from(log, 0, final=True) == (["complete", "partial"], 16)
-    assert jobfiles.read_from(log, 16, final=True) == ([], 16)
+    assert joblogs.read_from(log, 9) == ([], 9)                       # still being written: wait
+    assert joblogs.read_from(log, 9, final=True) == (["partial"], 16)  # the writer is gone: it is the last
+    assert joblogs.read_from(log, 0, final=True) == (["complete", "partial"], 16)
+    assert joblogs.read_from(log, 16, final=True) == ([], 16)
 
 
 def test_share_output_is_done_when_the_log_ends_without_a_newline(tmp_path):
@@ -86,14 +86,14 @@ def test_lines_split_on_newlines_only(tmp_path):
     """Other separators (U+2028, NEL, \\r...) would let a line's tail pass for a line of its own."""
     log = tmp_path / "output.log"
     log.write_bytes("[n r0] a\u2028[m r1] b\x85c\r[m r1] d\x1c\n".encode())
-    assert jobfiles.read_from(log, 0)[0] == ["[n r0] a\u2028[m r1] b\x85c\r[m r1] d\x1c"]
+    assert joblogs.read_from(log, 0)[0] == ["[n r0] a\u2028[m r1] b\x85c\r[m r1] d\x1c"]
 
 
 def _share(tmp_path, node="dc1-a"):
     """A Share with only what its pumps use (no torchrun)."""
     share = Share.__new__(Share)
     share.node, share.error = node, ""
-    share.log = jobfiles.BoundedLog(tmp_path / "output.log")
+    share.log = joblogs.BoundedLog(tmp_path / "output.log")
     return share
 
 

@@ -1,10 +1,12 @@
-"""meshrun.core.jobs: when a job stops, how it ended, which lines belong to whom (pure)."""
+"""meshrun.core.jobspec: when a job stops, how it ended, which lines belong to whom (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from meshrun.core.jobs import JobRecord, JobSpec, Outcome, ShareEnd, is_noise, line_matches
+from meshrun.core.jobspec import JobRecord, JobSpec, ShareEnd
+from meshrun.core.outcome import Outcome
+from meshrun.core.termtext import is_noise, line_matches
 from meshrun.errors import UsageError
 
 OK = ShareEnd(code=0)

@@ -141,7 +141,7 @@ def test_module_keeps_the_contract(module, path):
 
 @pytest.mark.parametrize("module, source, needle", [
     ("meshrun.core.x", "from meshrun.system import procs\n", "meshrun.core may not use meshrun.system"),
-    ("meshrun.core.x", "from meshrun.mesh.agent import AgentService\n", "may not use meshrun.mesh"),
+    ("meshrun.core.x", "from meshrun.mesh.node.daemon import AgentService\n", "may not use meshrun.mesh"),
     ("meshrun.mesh.x", "import subprocess\n", "imports subprocess (only meshrun.system may)"),
     ("meshrun.jobs.x", "from http.server import HTTPServer\n", "imports http.server"),
     ("meshrun.mesh.x", "open('/etc/passwd')\n", "calls open()"),

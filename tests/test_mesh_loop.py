@@ -14,9 +14,9 @@ import time
 import pytest
 
 from fakemesh import FakeMesh
-from meshrun.core import keys, memberlist, paths, peers
+from meshrun.core import keys, memberlist, pairpaths, peers
 from meshrun.core.model import Member
-from meshrun.mesh.agent import apply_members
+from meshrun.mesh.node.daemon import apply_members
 from meshrun.errors import StateError
 from meshrun.system.fakedevice import FakeDevice
 
@@ -43,7 +43,7 @@ def test_nodes_learn_each_other_once_the_coordinator_has_seen_them(mesh):
     mesh.see(b)
     mesh.sync()
     mesh.sync()            # the first sync reported candidates; pairs are judged once both did
-    assert mesh.member_seen_by(a, b).path == paths.PUBLIC
+    assert mesh.member_seen_by(a, b).path == pairpaths.PUBLIC
     assert mesh.peer(a, b).endpoint == "198.51.100.3:40001"
     assert mesh.peer(b, a).endpoint == "198.51.100.2:40000"
     assert mesh.peer(a, b).allowed_ips == (f"{b.ip}/32",)
@@ -56,7 +56,7 @@ def test_nodes_behind_one_public_ip_talk_over_their_private_addresses(mesh):
     mesh.see(b)
     for _ in range(3):
         mesh.sync()
-    assert mesh.member_seen_by(a, b).path == paths.PRIVATE
+    assert mesh.member_seen_by(a, b).path == pairpaths.PRIVATE
     assert mesh.peer(a, b).endpoint == "172.31.40.47:51820"
     assert mesh.peer(b, a).endpoint == "172.31.40.46:51820"
 
@@ -68,10 +68,10 @@ def test_a_pair_without_a_handshake_falls_back_to_relayed_through_the_coordinato
     for _ in range(3):
         mesh.sync()
     t0 = time.time()
-    mesh.coord.tick(now=t0 + paths.ATTEMPT_S + 1)          # the direct attempt timed out
+    mesh.coord.tick(now=t0 + pairpaths.ATTEMPT_S + 1)          # the direct attempt timed out
     for n in (a, b):
         n.agent.sync_once(wait=0)
-    assert mesh.member_seen_by(a, b).path == paths.RELAYED
+    assert mesh.member_seen_by(a, b).path == pairpaths.RELAYED
     assert mesh.peer(a, b).allowed_ips == ()                 # b's entry keeps trying direct, carries nothing
     coord = next(p for p in a.device.peers() if p.public_key == mesh.network.coordinator_public_key)
     assert f"{b.ip}/32" in coord.allowed_ips                 # b is reached through the coordinator
@@ -85,8 +85,8 @@ def test_a_reported_handshake_verifies_the_pair_and_it_stays_direct(mesh):
         mesh.sync()
     mesh.handshake(a, b)
     mesh.sync()            # the agents report it, the next tick judges it
-    mesh.coord.tick(now=time.time() + paths.ATTEMPT_S * 3)
-    assert mesh.coord.pairs.mode("a", "b") == paths.PairState(paths.PUBLIC, mesh.coord.pairs.mode("a", "b").since,
+    mesh.coord.tick(now=time.time() + pairpaths.ATTEMPT_S * 3)
+    assert mesh.coord.pairs.mode("a", "b") == pairpaths.PairState(pairpaths.PUBLIC, mesh.coord.pairs.mode("a", "b").since,
                                                              True)
 
 
@@ -145,12 +145,12 @@ def test_versions_never_repeat_across_a_restart_and_path_changes_bump_them(mesh)
     before = mesh.coord.roster.version
     restarted = mesh.new_coordinator()
     assert restarted.roster.version == before            # persisted, not rebuilt from a counter at 0
-    mesh.coord.tick(now=time.time() + paths.STALE_S + 60)  # nothing reported since: nothing judged
+    mesh.coord.tick(now=time.time() + pairpaths.STALE_S + 60)  # nothing reported since: nothing judged
     assert mesh.coord.roster.version == before
     mesh.sync()                                           # first sync: delta, the coordinator asks for a full one
     mesh.sync()
-    mesh.coord.tick(now=time.time() + paths.STALE_S + 60)  # the reported handshake is now too old: relayed
-    assert mesh.coord.pairs.mode("a", "b").mode == paths.RELAYED
+    mesh.coord.tick(now=time.time() + pairpaths.STALE_S + 60)  # the reported handshake is now too old: relayed
+    assert mesh.coord.pairs.mode("a", "b").mode == pairpaths.RELAYED
     assert mesh.coord.roster.version > before
 
 
@@ -161,7 +161,7 @@ def test_a_working_pair_keeps_its_path_and_its_peers_across_a_restart(mesh):
     mesh.new_coordinator()
     for _ in range(4):
         mesh.sync()
-    assert mesh.coord.pairs.mode("a", "b").mode == paths.PUBLIC and mesh.coord.pairs.mode("a", "b").verified
+    assert mesh.coord.pairs.mode("a", "b").mode == pairpaths.PUBLIC and mesh.coord.pairs.mode("a", "b").verified
     # No peer was re-created: the handshake WireGuard has is the one it had (a re-created peer has 0).
     assert {n.name: mesh.peer(n, other).latest_handshake for n, other in ((a, b), (b, a))} == hs
     assert {n.name: len(n.device.applied) for n in (a, b)} == applied
@@ -291,9 +291,9 @@ def test_a_path_change_of_another_pair_does_not_wake_an_uninvolved_agent(mesh):
     mesh.handshake(b, c, when=t)
     mesh.sync()
     mesh.sync()
-    mesh.coord.tick(now=time.time() + paths.ATTEMPT_S + 1)     # only a <-> b had no handshake: relayed
-    assert mesh.coord.pairs.mode("a", "b").mode == paths.RELAYED
-    assert mesh.coord.pairs.mode("a", "c").mode == paths.PUBLIC
+    mesh.coord.tick(now=time.time() + pairpaths.ATTEMPT_S + 1)     # only a <-> b had no handshake: relayed
+    assert mesh.coord.pairs.mode("a", "b").mode == pairpaths.RELAYED
+    assert mesh.coord.pairs.mode("a", "c").mode == pairpaths.PUBLIC
     mesh.coord.overlay.max_wait = 5
     answers = {n.name: _recording(n) for n in (a, c)}
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """The coordinator's pair driver: work proportional to change, same decisions as stepping every pair.
 
 PairDriver runs on a real CoordinatorDB (SQLite in tmp_path); `steps` counts its calls of
-paths.initial/step, the per-pair work. The last tests run the real coordinator service and agents on
+pairpaths.initial/step, the per-pair work. The last tests run the real coordinator service and agents on
 FakeDevices (tests/fakemesh.py).
 """
 
@@ -13,11 +13,12 @@ import time
 import pytest
 
 from fakemesh import FakeMesh
-from meshrun.core import paths
+from meshrun.core import pairpaths
 from meshrun.core.model import Member
 from meshrun.errors import StateError
 from meshrun.mesh.coordinator.pairs import PairDriver
-from meshrun.system.store import CoordinatorDB, StateDir
+from meshrun.system.statedir import StateDir
+from meshrun.system.coordinatordb import CoordinatorDB
 
 T0 = 1_700_000_000.0
 
@@ -57,7 +58,7 @@ def meshed(db, n: int = 6, hs: int = int(T0)) -> tuple[PairDriver, list[Member]]
 def test_a_tick_with_no_input_change_steps_no_pair(db):
     drv, members = meshed(db)
     before = drv.steps
-    for t in (T0 + 1, T0 + 5, T0 + 60, T0 + paths.STALE_S - 1):
+    for t in (T0 + 1, T0 + 5, T0 + 60, T0 + pairpaths.STALE_S - 1):
         assert not drv.update(None, t)
         assert not drv.update(members, t)     # the same member list again: nothing changed either
     assert drv.steps == before
@@ -66,18 +67,18 @@ def test_a_tick_with_no_input_change_steps_no_pair(db):
 def test_a_handshake_report_advances_only_its_own_pair(db, monkeypatch):
     drv, members = meshed(db)
     stepped = []
-    real = paths.step
-    monkeypatch.setattr(paths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(
+    real = pairpaths.step
+    monkeypatch.setattr(pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(
         st, a, b, hs, now))
     drv.report("n1", {key(4): int(T0) + 30}, full=False)
     drv.report("n2", {key(3): int(T0)}, full=False)          # the same handshake as before: no news
     drv.update(None, T0 + 31)
     assert stepped == [("n1", "n4")]
     # The newer handshake moved only that pair's stale time on.
-    drv.update(None, T0 + paths.STALE_S)
-    relayed = {k for k, st in drv.pairs.items() if st.mode == paths.RELAYED}
+    drv.update(None, T0 + pairpaths.STALE_S)
+    relayed = {k for k, st in drv.pairs.items() if st.mode == pairpaths.RELAYED}
     assert relayed == set(drv.pairs) - {("n1", "n4")}
-    assert drv.pairs[("n1", "n4")] == paths.PairState(paths.PUBLIC, T0, True)
+    assert drv.pairs[("n1", "n4")] == pairpaths.PairState(pairpaths.PUBLIC, T0, True)
 
 
 def test_due_timers_step_each_pair_once_when_its_time_comes(db):
@@ -87,11 +88,11 @@ def test_due_timers_step_each_pair_once_when_its_time_comes(db):
     drv.update(members, T0)
     drv.update(None, T0 + 1)
     assert drv.steps == 20                       # created, then looked at once more
-    drv.update(None, T0 + paths.ATTEMPT_S - 0.5)
+    drv.update(None, T0 + pairpaths.ATTEMPT_S - 0.5)
     assert drv.steps == 20                       # nothing due yet
-    assert drv.update(None, T0 + paths.ATTEMPT_S)
-    assert drv.steps == 30 and {st.mode for st in drv.pairs.values()} == {paths.RELAYED}
-    drv.update(None, T0 + paths.ATTEMPT_S + 1)
+    assert drv.update(None, T0 + pairpaths.ATTEMPT_S)
+    assert drv.steps == 30 and {st.mode for st in drv.pairs.values()} == {pairpaths.RELAYED}
+    drv.update(None, T0 + pairpaths.ATTEMPT_S + 1)
     drv.update(None, T0 + 10_000)                # relayed pairs wait for a handshake, not for time
     assert drv.steps == 40
 
@@ -101,9 +102,9 @@ def test_same_site_pairs_start_private_and_fall_back_one_step_at_a_time(db):
     members = [node(0, site=9), node(1, site=9), node(2)]
     report_all(drv, members, 0)
     drv.update(members, T0)
-    assert drv.mode("n0", "n1").mode == paths.PRIVATE and drv.mode("n0", "n2").mode == paths.PUBLIC
-    drv.update(None, T0 + paths.ATTEMPT_S)
-    assert drv.mode("n0", "n1") == paths.PairState(paths.PUBLIC, T0 + paths.ATTEMPT_S)
+    assert drv.mode("n0", "n1").mode == pairpaths.PRIVATE and drv.mode("n0", "n2").mode == pairpaths.PUBLIC
+    drv.update(None, T0 + pairpaths.ATTEMPT_S)
+    assert drv.mode("n0", "n1") == pairpaths.PairState(pairpaths.PUBLIC, T0 + pairpaths.ATTEMPT_S)
     assert drv.take_changes() == {("n0", "n1"), ("n0", "n2"), ("n1", "n2")}
     assert drv.take_changes() == set()
 
@@ -117,9 +118,9 @@ def reference(pairs, reports, members, now):
     new = {k: st for k, st in pairs.items() if k[0] in live and k[1] in live}
     for i, a in enumerate(nodes):
         for b in nodes[i + 1:]:
-            k = paths.pair_key(a.name, b.name)
+            k = pairpaths.pair_key(a.name, b.name)
             old = pairs.get(k)
-            new[k] = paths.initial(a, b, hs(a, b), now) if old is None else paths.step(old, a, b, hs(a, b), now)
+            new[k] = pairpaths.initial(a, b, hs(a, b), now) if old is None else pairpaths.step(old, a, b, hs(a, b), now)
     return new
 
 
@@ -183,20 +184,20 @@ def test_rows_of_members_removed_while_the_coordinator_was_down_are_dropped(db):
 
 def test_an_old_paths_json_is_imported_once_and_removed(db, tmp_path):
     state = StateDir(tmp_path)
-    state.write_json("paths.json", {"pairs": {"n0|n1": {"mode": "relayed", "since": T0, "verified": False}}})
+    state.write_json("pairpaths.json", {"pairs": {"n0|n1": {"mode": "relayed", "since": T0, "verified": False}}})
     drv = PairDriver(db, state)
-    assert drv.pairs == {("n0", "n1"): paths.PairState(paths.RELAYED, T0)} == db.pairs()
-    assert not (tmp_path / "paths.json").exists()
-    state.write("paths.json", "{not json")
+    assert drv.pairs == {("n0", "n1"): pairpaths.PairState(pairpaths.RELAYED, T0)} == db.pairs()
+    assert not (tmp_path / "pairpaths.json").exists()
+    state.write("pairpaths.json", "{not json")
     assert PairDriver(db, state).pairs == db.pairs()         # the database wins; the stale file goes
-    assert not (tmp_path / "paths.json").exists()
+    assert not (tmp_path / "pairpaths.json").exists()
 
 
 def test_an_unreadable_paths_json_is_ignored(tmp_path):
     db = CoordinatorDB.create(tmp_path / "c.db")
     state = StateDir(tmp_path)
-    state.write("paths.json", "[1, 2")
-    assert PairDriver(db, state).pairs == {} and not (tmp_path / "paths.json").exists()
+    state.write("pairpaths.json", "[1, 2")
+    assert PairDriver(db, state).pairs == {} and not (tmp_path / "pairpaths.json").exists()
     db.close()
 
 
@@ -238,8 +239,8 @@ def test_the_coordinator_loop_steps_no_pair_without_news_and_one_for_one_handsha
         mesh.sync()                   # agents report nothing new, the coordinator ticks
     assert mesh.coord.pairs.steps == before
     stepped = []
-    real = paths.step
-    monkeypatch.setattr(paths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(
+    real = pairpaths.step
+    monkeypatch.setattr(pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(
         st, a, b, hs, now))
     mesh.handshake(nodes[1], nodes[3], when=t + 1)
     mesh.sync()

@@ -1,8 +1,8 @@
-"""meshrun.core.paths: the per-pair path state machine (pure)."""
+"""meshrun.core.pairpaths: the per-pair path state machine (pure)."""
 
 from __future__ import annotations
 
-from meshrun.core import paths
+from meshrun.core import pairpaths
 from meshrun.core.model import Member
 
 K_A = "omjXDyOxNCkYbimc/y3YipnkEnnasAyCC8uW60+7wVU="
@@ -22,53 +22,53 @@ B_LAN = member("b", K_B, "198.51.100.9:40002", ["172.31.40.47:51820"])
 
 
 def test_same_site_needs_one_public_ip_and_both_lan_candidates():
-    assert paths.same_site(A_LAN, B_LAN)
-    assert not paths.same_site(A, B)
-    assert not paths.same_site(A_LAN, member("b", K_B, "198.51.100.9:40002"))          # no LAN candidate
-    assert not paths.same_site(A_LAN, member("b", K_B, None, ["172.31.40.47:51820"]))  # not observed yet
+    assert pairpaths.same_site(A_LAN, B_LAN)
+    assert not pairpaths.same_site(A, B)
+    assert not pairpaths.same_site(A_LAN, member("b", K_B, "198.51.100.9:40002"))          # no LAN candidate
+    assert not pairpaths.same_site(A_LAN, member("b", K_B, None, ["172.31.40.47:51820"]))  # not observed yet
 
 
 def test_initial_mode_private_for_one_site_else_public_and_a_fresh_handshake_is_proof():
-    assert paths.initial(A_LAN, B_LAN, 0, T0) == paths.PairState(paths.PRIVATE, T0)
-    assert paths.initial(A, B, 0, T0) == paths.PairState(paths.PUBLIC, T0)
+    assert pairpaths.initial(A_LAN, B_LAN, 0, T0) == pairpaths.PairState(pairpaths.PRIVATE, T0)
+    assert pairpaths.initial(A, B, 0, T0) == pairpaths.PairState(pairpaths.PUBLIC, T0)
     # After a coordinator restart without saved state a working tunnel is kept, not probed again.
-    assert paths.initial(A, B, int(T0) - 30, T0) == paths.PairState(paths.PUBLIC, T0, verified=True)
-    assert paths.initial(A, B, int(T0) - paths.STALE_S - 1, T0).verified is False
+    assert pairpaths.initial(A, B, int(T0) - 30, T0) == pairpaths.PairState(pairpaths.PUBLIC, T0, verified=True)
+    assert pairpaths.initial(A, B, int(T0) - pairpaths.STALE_S - 1, T0).verified is False
 
 
 def test_attempt_window_then_fall_back_one_step_at_a_time():
-    st = paths.initial(A_LAN, B_LAN, 0, T0)
-    assert paths.step(st, A_LAN, B_LAN, 0, T0 + paths.ATTEMPT_S - 0.1) == st     # still trying
-    st = paths.step(st, A_LAN, B_LAN, 0, T0 + paths.ATTEMPT_S)
-    assert st == paths.PairState(paths.PUBLIC, T0 + paths.ATTEMPT_S)
-    st = paths.step(st, A_LAN, B_LAN, 0, T0 + 2 * paths.ATTEMPT_S)
-    assert st.mode == paths.RELAYED
+    st = pairpaths.initial(A_LAN, B_LAN, 0, T0)
+    assert pairpaths.step(st, A_LAN, B_LAN, 0, T0 + pairpaths.ATTEMPT_S - 0.1) == st     # still trying
+    st = pairpaths.step(st, A_LAN, B_LAN, 0, T0 + pairpaths.ATTEMPT_S)
+    assert st == pairpaths.PairState(pairpaths.PUBLIC, T0 + pairpaths.ATTEMPT_S)
+    st = pairpaths.step(st, A_LAN, B_LAN, 0, T0 + 2 * pairpaths.ATTEMPT_S)
+    assert st.mode == pairpaths.RELAYED
 
 
 def test_a_handshake_after_the_mode_change_verifies_it_and_an_older_one_does_not():
-    st = paths.PairState(paths.PUBLIC, T0)
-    assert paths.step(st, A, B, int(T0) - 5, T0 + 1) == st                      # from before the change
-    assert paths.step(st, A, B, int(T0), T0 + 1) == paths.PairState(paths.PUBLIC, T0, True)  # same second counts
-    verified = paths.PairState(paths.PUBLIC, T0, True)
-    assert paths.step(verified, A, B, int(T0) + 100, T0 + 100 + paths.ATTEMPT_S * 5) == verified
+    st = pairpaths.PairState(pairpaths.PUBLIC, T0)
+    assert pairpaths.step(st, A, B, int(T0) - 5, T0 + 1) == st                      # from before the change
+    assert pairpaths.step(st, A, B, int(T0), T0 + 1) == pairpaths.PairState(pairpaths.PUBLIC, T0, True)  # same second counts
+    verified = pairpaths.PairState(pairpaths.PUBLIC, T0, True)
+    assert pairpaths.step(verified, A, B, int(T0) + 100, T0 + 100 + pairpaths.ATTEMPT_S * 5) == verified
 
 
 def test_a_verified_pair_whose_tunnel_goes_stale_falls_back():
-    verified = paths.PairState(paths.PUBLIC, T0, True)
-    later = T0 + paths.STALE_S + 1
-    assert paths.step(verified, A, B, int(T0), later) == paths.PairState(paths.RELAYED, later)
+    verified = pairpaths.PairState(pairpaths.PUBLIC, T0, True)
+    later = T0 + pairpaths.STALE_S + 1
+    assert pairpaths.step(verified, A, B, int(T0), later) == pairpaths.PairState(pairpaths.RELAYED, later)
 
 
 def test_relayed_pair_returns_to_public_on_a_new_direct_handshake():
-    relayed = paths.PairState(paths.RELAYED, T0)
-    assert paths.step(relayed, A, B, int(T0) - 1, T0 + 50) == relayed       # nothing new
-    assert paths.step(relayed, A, B, int(T0), T0 + 50) == relayed           # not after the relay began
-    assert paths.step(relayed, A, B, int(T0) + 30, T0 + 50) == paths.PairState(paths.PUBLIC, T0 + 50)
+    relayed = pairpaths.PairState(pairpaths.RELAYED, T0)
+    assert pairpaths.step(relayed, A, B, int(T0) - 1, T0 + 50) == relayed       # nothing new
+    assert pairpaths.step(relayed, A, B, int(T0), T0 + 50) == relayed           # not after the relay began
+    assert pairpaths.step(relayed, A, B, int(T0) + 30, T0 + 50) == pairpaths.PairState(pairpaths.PUBLIC, T0 + 50)
 
 
 def test_endpoint_for_each_mode_and_pair_key_order():
-    assert paths.endpoint_for(paths.PRIVATE, B_LAN) == "172.31.40.47:51820"
-    assert paths.endpoint_for(paths.PUBLIC, B_LAN) == "198.51.100.9:40002"
-    assert paths.endpoint_for(paths.RELAYED, B) == "198.51.100.3:40001"
-    assert paths.pair_key("b", "a") == paths.pair_key("a", "b") == ("a", "b")
-    assert paths.host_of("[2001:db8::1]:51820") == "2001:db8::1" and paths.host_of(None) is None
+    assert pairpaths.endpoint_for(pairpaths.PRIVATE, B_LAN) == "172.31.40.47:51820"
+    assert pairpaths.endpoint_for(pairpaths.PUBLIC, B_LAN) == "198.51.100.9:40002"
+    assert pairpaths.endpoint_for(pairpaths.RELAYED, B) == "198.51.100.3:40001"
+    assert pairpaths.pair_key("b", "a") == pairpaths.pair_key("a", "b") == ("a", "b")
+    assert pairpaths.host_of("[2001:db8::1]:51820") == "2001:db8::1" and pairpaths.host_of(None) is None

@@ -24,9 +24,9 @@ import pytest
 from meshrun.system.procs import alive as _running
 from typer.testing import CliRunner
 
-from meshrun.mesh import service
+from meshrun.mesh import systemd
 from meshrun.cli import app
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 
 REPO = Path(__file__).resolve().parents[1]
@@ -282,7 +282,7 @@ def test_corrupt_state_files_fail_loudly_and_stay_untouched(world_factory):
 
 DISK_FULL = r"""
 import json, os, sys
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 from meshrun.errors import StateError
 s = StateDir(sys.argv[1])
 s.create()
@@ -445,12 +445,12 @@ def test_service_install_writes_unit_and_prints_commands_without_systemd(tmp_pat
 
 def test_service_install_runs_systemctl_when_systemd_runs(tmp_path, monkeypatch):
     sd = _coordinator_state(tmp_path / "state")
-    monkeypatch.setattr(service, "SYSTEMD_UNIT_DIRS", (tmp_path / "units",))
-    monkeypatch.setattr(service.shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(service.os, "geteuid", lambda: 0)
-    plan = service.plan_install(sd, unit_dir=tmp_path / "units", command=["/usr/bin/meshrun"], systemd=True)
+    monkeypatch.setattr(systemd, "SYSTEMD_UNIT_DIRS", (tmp_path / "units",))
+    monkeypatch.setattr(systemd.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(systemd.os, "geteuid", lambda: 0)
+    plan = systemd.plan_install(sd, unit_dir=tmp_path / "units", command=["/usr/bin/meshrun"], systemd=True)
     ran, said = [], []
-    service.install(plan, sd, said.append,
+    systemd.install(plan, sd, said.append,
                     runner=lambda argv, **kw: ran.append(argv) or subprocess.CompletedProcess(argv, 0, "", ""))
     assert ran == [["systemctl", "daemon-reload"], ["systemctl", "enable", "--now", "meshrun-coordinator.service"]]
     assert (tmp_path / "units" / "meshrun-coordinator.service").read_text() == plan.text
@@ -470,7 +470,7 @@ def test_service_role_checks(tmp_path):
     assert res.exit_code != 0 and "bogus" in res.output
 
 
-@pytest.mark.parametrize("role", service.ROLES)
+@pytest.mark.parametrize("role", systemd.ROLES)
 def test_shipped_unit_templates_match_the_renderer(role):
     shipped = (REPO / "configs" / "systemd" / f"meshrun-{role}.service").read_text()
-    assert shipped == service.render_unit(role, "/var/lib/meshrun", ["/usr/local/bin/meshrun"])
+    assert shipped == systemd.render_unit(role, "/var/lib/meshrun", ["/usr/local/bin/meshrun"])

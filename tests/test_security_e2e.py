@@ -18,7 +18,7 @@ import pytest
 from meshrun.lab.testbed import Mesh, World
 from meshrun.core.token import JoinToken, parse_token
 from meshrun.mesh import member
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

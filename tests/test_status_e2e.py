@@ -25,7 +25,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 COMPARE = r"""
 import json, socket, statistics, sys, time
 from meshrun.mesh.status import gather
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 state, port, rounds = StateDir(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 peers = dict(a.split("=") for a in sys.argv[4:])
 def reference(ip):

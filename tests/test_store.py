@@ -1,4 +1,4 @@
-"""meshrun.system.store: state directory files (atomic, private) and the coordinator's SQLite DB."""
+"""meshrun.system.statedir: state directory files (atomic, private) and the coordinator's SQLite DB."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 from meshrun.core import admission
 from meshrun.errors import StateError, TokenError
 from meshrun.core.model import Member
-from meshrun.system.store import CoordinatorDB, StateDir, TokenInfo, default_state_dir
+from meshrun.system.statedir import StateDir, default_state_dir
+from meshrun.system.coordinatordb import CoordinatorDB, TokenInfo
 
 CIDR = "10.213.0.0/16"
 SECRET = b"s" * 32
@@ -345,7 +346,7 @@ class TestEnrol:
         assert db.remove_member("coord") is None            # the coordinator cannot be removed
 
     def test_a_removed_address_returns_after_the_quarantine(self, db):
-        from meshrun.system.store import ADDRESS_QUARANTINE_S
+        from meshrun.system.coordinatordb import ADDRESS_QUARANTINE_S
         enrol(db, "gpu-a", 1)
         db.remove_member("gpu-a", now=NOW + 10)
         assert enrol(db, "gpu-b", 2, now=NOW + 20)[0].overlay_ip == "10.213.0.3"
@@ -470,7 +471,7 @@ class TestConcurrency:
 
 def test_a_reported_mtu_is_stored_and_moves_the_version_once(tmp_path):
     import sqlite3
-    from meshrun.system.store import CoordinatorDB
+    from meshrun.system.coordinatordb import CoordinatorDB
     # A database made before the column existed gains it on open.
     old = sqlite3.connect(tmp_path / "coordinator.db")
     old.executescript("CREATE TABLE members(id INTEGER PRIMARY KEY, name TEXT NOT NULL, public_key TEXT NOT NULL "

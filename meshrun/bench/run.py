@@ -15,7 +15,7 @@ from pathlib import Path
 from meshrun.bench.report import (DEFAULT_SIZES, DEFAULT_STREAMS, PROGRESS_MARKS, RESULT_MARK, auto_duration,
                                   summarize, worker_args)
 from meshrun.errors import LaunchError, UsageError
-from meshrun.jobs import control, runner
+from meshrun.jobs import control, submission
 from meshrun.mesh import status
 from meshrun.mesh.coordinator import admin
 
@@ -61,10 +61,11 @@ def run(state, *, sizes: str = DEFAULT_SIZES, duration: float | None = None, str
     if duration is None:
         duration = auto_duration(n_nodes)
     args = worker_args(sizes, duration, streams, iters, budget)
-    spec = runner.TrainRequest(script="meshrun.bench.worker", script_args=args, nodes=nodes,
-                               nproc_per_node=nproc_per_node, wait_timeout=wait_timeout, no_sync=True,
-                               env=dict(env or {}), job_id=runner.new_job_id("bench"), module=True).spec(Path("/"))
-    runner.check(state, spec)
+    spec = submission.job_spec({"script": "meshrun.bench.worker", "script_args": args, "nodes": nodes,
+                                "nproc_per_node": nproc_per_node, "wait_timeout": wait_timeout, "no_sync": True,
+                                "env": dict(env or {}), "job_id": submission.new_job_id("bench"), "module": True},
+                               Path("/"))
+    submission.check(state, spec)
     cap = _Capture(echo)
     rec = control.follow(state, control.submit(state, spec), lambda line, ours: cap.line(line))
     if rec.exit_code != 0 or cap.result is None:

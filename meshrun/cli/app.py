@@ -19,7 +19,7 @@ import typer
 
 from meshrun import __version__
 from meshrun.errors import MeshrunError
-from meshrun.system.store import StateDir, default_state_dir
+from meshrun.system.statedir import StateDir, default_state_dir
 
 root = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                    rich_markup_mode=None,
@@ -60,8 +60,8 @@ class Application:
         """Run this member's daemon in this process: the job API beside a node's agent, job control
         beside the coordinator."""
         from meshrun.jobs.control import start_job_control
-        from meshrun.jobs.server import start_job_server
-        from meshrun.mesh.serve import serve
+        from meshrun.jobs.nodeapi import start_job_server
+        from meshrun.mesh.run import serve
         serve(self.state, foreground, node_extensions=[start_job_server], coordinator_extensions=[start_job_control])
 
 

@@ -64,12 +64,12 @@ def up(foreground: Annotated[bool, typer.Option(help="Run the daemon in this pro
     Example:
       meshrun up
     """
-    from meshrun.mesh import daemon, member
+    from meshrun.mesh import process, member
     app = Application.for_command(state_dir)
     rec, network = member.load(app.state)
     if foreground:
         return app.serve(foreground=True)
-    pid = daemon.pid(app.state) or daemon.spawn(app.state)
+    pid = process.pid(app.state) or process.spawn(app.state)
     app.echo(f"{rec['role']} {rec['name']} up at {rec['overlay_ip']} on {network.interface} (daemon pid {pid})")
 
 

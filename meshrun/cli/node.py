@@ -20,7 +20,7 @@ def leave(purge: Annotated[bool, typer.Option(help="Also delete this node's key 
     Example:
       meshrun leave --purge
     """
-    from meshrun.mesh import node
+    from meshrun.mesh.node import setup as node
     app = Application.for_command(state_dir)
     iface = node.leave(app.state, purge=purge)
     app.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
@@ -49,7 +49,7 @@ def join(token: Annotated[Optional[str], typer.Argument(
     Returns once the interface is up and the node is registered. Running it again on an
     enrolled node resumes with the same key and address.
     """
-    from meshrun.mesh import node
+    from meshrun.mesh.node import setup as node
     app = Application.for_command(state_dir)
     text = read_token(token, token_file)
     res = node.join(text, app.state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu)
@@ -69,7 +69,7 @@ def read_token(arg: str | None, token_file: Path | None) -> str:
     import sys
 
     from meshrun.errors import UsageError
-    from meshrun.system.store import read_user_file
+    from meshrun.system.statedir import read_user_file
     given = [w for w, v in (("the argument", arg), ("--token-file", token_file)) if v is not None]
     if len(given) > 1:
         raise UsageError("the token was given both as an argument and with --token-file", "give it once")

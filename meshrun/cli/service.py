@@ -29,10 +29,10 @@ def service_install(
       meshrun service install --role agent --state-dir /srv/meshrun
     Without a running systemd (containers) it writes the unit and prints the commands to run.
     """
-    from meshrun.mesh import service
+    from meshrun.mesh import systemd
     app = Application.for_command(state_dir)
-    plan = service.plan_install(app.state, role=role, unit_dir=unit_dir)
-    service.install(plan, app.state, app.echo, dry_run=dry_run)
+    plan = systemd.plan_install(app.state, role=role, unit_dir=unit_dir)
+    systemd.install(plan, app.state, app.echo, dry_run=dry_run)
 
 
 @root.command(hidden=True)

@@ -73,37 +73,42 @@ def train(
     The job belongs to the coordinator, not to this terminal: closing it leaves the job running.
     Ctrl-C cancels the job on every node (as torchrun does). Exits with the job's exit code.
     """
-    from meshrun.core import jobfile
-    from meshrun.jobs import control, runner
-    from meshrun.system.store import read_user_file
+    from meshrun.core import jobconfig
+    from meshrun.jobs import control, submission
+    from meshrun.system.statedir import read_user_file
     app = Application.for_command(state_dir)
     cli = {"script": script, "script_args": list(ctx.args) if script is not None else None, "nnodes": nnodes,
            "nproc_per_node": nproc_per_node, "max_restarts": max_restarts,
            "nodes": [n.strip() for n in nodes.split(",") if n.strip()] if nodes else None,
            "wait_timeout": timeout, "rdzv_timeout": rdzv_timeout, "module": module, "no_sync": no_sync,
-           "sync_limit_mb": sync_limit, "dry_run": dry_run, "env": runner.parse_env_pairs(env or []),
+           "sync_limit_mb": sync_limit, "dry_run": dry_run, "env": submission.parse_env_pairs(env or []),
            "job_id": job_id, "python": python, "with_coordinator": with_coordinator, "detach": detach,
            "skip_preflight": skip_preflight, "project": project}
-    from_file = jobfile.parse(read_user_file(config, "job file", "--config"), f"job file {str(config)!r}") if config else {}
+    from_file = jobconfig.parse(read_user_file(config, "job file", "--config"), f"job file {str(config)!r}") if config else {}
     cwd = Path.cwd()
     if resume:
-        earlier, earlier_cwd = runner.resumed(app.state, resume)
+        earlier, earlier_cwd = submission.resumed(app.state, resume)
         if script is None and not from_file.get("script"):
             cwd = earlier_cwd            # the same code, from where it was submitted
         else:
             earlier.pop("script_args", None)
         from_file = {**earlier, **from_file, "env": {**earlier.get("env", {}), **from_file.get("env", {})}}
-    req = runner.TrainRequest(**jobfile.merge(from_file, cli))
+    options = jobconfig.merge(from_file, cli)
     if local:
-        app.exit(runner.train_local(app.state, req))
-    spec = req.spec(cwd)
-    if req.dry_run:
-        for line in runner.dry_run(app.state, spec):
+        options["job_id"] = submission.local_job_id(options.get("job_id"))
+        p = submission.local_launch(app.state, submission.job_spec(options, cwd))
+        if options.get("dry_run"):
+            app.echo(p.shell())
+            return
+        submission.exec_local(p)
+    spec = submission.job_spec(options, cwd)
+    if options.get("dry_run"):
+        for line in submission.dry_run(app.state, spec):
             app.echo(line)
         return
-    runner.check(app.state, spec)
+    submission.check(app.state, spec)
     job = control.submit(app.state, spec)
-    if req.detach:
+    if options.get("detach"):
         app.echo(job)
         return
     app.echo(f"meshrun: job {job} submitted. Ctrl-C cancels it on every node (as with torchrun); if this "
@@ -149,7 +154,7 @@ class JobPrinter:
         self.redraws = termtext.Redraws(tty=app.is_tty())
 
     def __call__(self, line: str, ours: bool) -> None:
-        from meshrun.core.jobs import LINE_RE
+        from meshrun.core.termtext import LINE_RE
         if ours:
             self.say(line)
             return

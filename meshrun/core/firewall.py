@@ -31,7 +31,7 @@ FORWARD_TABLE = "meshrun_forward"
 CGROUP_PARENT = "meshrun"          # jobs' cgroups live in <cgroup2 root>/meshrun/<table name>
 _IFACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}\Z")
 _TABLE_RE = re.compile(rf"^{JOB_TABLE_PREFIX}[0-9a-f]{{16}}\Z")
-# Job ids as meshrun.core.jobs accepts them; a node is a member name, or "<member>/store" for the supervisor's
+# Job ids as meshrun.core.jobspec accepts them; a node is a member name, or "<member>/store" for the supervisor's
 # rendezvous store. Both only reach a script hashed or in a comment, checked all the same.
 _JOB_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 _NODE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(/[A-Za-z0-9_.-]{1,32})?\Z")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from meshrun.errors import UsageError
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-# meshrun.jobs.rendezvous: torch's c10d rendezvous, with the agent's store bound to the overlay.
+# meshrun.jobs.rdzv_backend: torch's c10d rendezvous, with the agent's store bound to the overlay.
 RDZV_BACKEND = "meshrun"
 # torchrun polls its workers this often (seconds); a failure is noticed within it.
 MONITOR_INTERVAL = "0.5"

@@ -21,7 +21,7 @@ import re
 import unicodedata
 from dataclasses import dataclass, field
 
-__all__ = ["REDRAW", "MAX_LINE", "REDRAW_EVERY", "MAX_BARS", "clean", "settle", "fit", "LineAssembler",
+__all__ = ["LINE_RE", "is_noise", "line_matches", "REDRAW", "MAX_LINE", "REDRAW_EVERY", "MAX_BARS", "clean", "settle", "fit", "LineAssembler",
            "split_redraw", "Redraws"]
 
 REDRAW = "\r"                    # first character of a stored redraw's text
@@ -249,3 +249,29 @@ class Redraws:
         self._pending.clear()
         self._bars.clear()
         return out
+
+
+# --------------------------------------------------------------------------- meshrun's prefix on every line
+
+LINE_RE = re.compile(r"^\[(?P<node>[a-z0-9][a-z0-9-]{0,31})(?: r(?P<rank>\d+))?\] ")
+# torch's TCPStore logs this for every client whose address has no reverse DNS (overlay addresses
+# never do): one line per node and rank, nothing anyone can act on. Only this exact line is dropped.
+REVERSE_DNS_NOISE = re.compile(r"^\[W\d{4} \d\d:\d\d:\d\d\.\d+ socket\.cpp:\d+\] \[c10d\] The hostname of the "
+                               r"client socket cannot be retrieved\. err=-?\d+$")
+
+
+def is_noise(line: str) -> bool:
+    """True for an output line (with or without its `[node rR] ` prefix) that is c10d's reverse-DNS warning."""
+    return bool(REVERSE_DNS_NOISE.match(LINE_RE.sub("", line, count=1)))
+
+
+def line_matches(line: str, node: str | None, rank: int | None) -> bool:
+    """Does a job output line (prefixed `[node rR]` or `[node]`) belong to `node` / `rank`?"""
+    if node is None and rank is None:
+        return True
+    m = LINE_RE.match(line)
+    if not m:
+        return False
+    if node is not None and m.group("node") != node:
+        return False
+    return rank is None or (m.group("rank") is not None and int(m.group("rank")) == rank)

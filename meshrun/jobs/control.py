@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from meshrun.core.jobs import LINE_RE, JobRecord, JobSpec, check_job_id, line_matches
+from meshrun.core.jobspec import EXIT_LOST, JobRecord, JobSpec, JobState, check_job_id
+from meshrun.core.termtext import LINE_RE, line_matches
 from meshrun.core.model import Network
 from meshrun.errors import StateError, UsageError
 from meshrun.jobs.supervisor import EVENTS
-from meshrun.system import jobfiles, procs, transport
-from meshrun.system.store import StateDir
+from meshrun.system import joblogs, procs, transport
+from meshrun.system.statedir import StateDir
 
 log = logging.getLogger("meshrun.jobs.control")
 
@@ -36,7 +37,7 @@ MIRROR_RE = re.compile(r"^(\d+) (.*)$", re.S)
 
 
 def _dir(state: StateDir, job_id: str) -> StateDir:
-    return StateDir(state / "jobs" / check_job_id(job_id))
+    return joblogs.job_dir(state, check_job_id(job_id))
 
 
 def _lock(state: StateDir, job_id: str) -> procs.DaemonLock:
@@ -51,13 +52,13 @@ def record(state: StateDir, job_id: str) -> JobRecord:
     rec = JobRecord.from_dict(d.read_json("job.json"))
     if not rec.final and not _lock(state, job_id).held():
         # Its supervisor is gone (the coordinator machine rebooted, or it crashed): nobody will finish it.
-        rec = replace(rec, state="lost", exit_code=255,
+        rec = replace(rec, state=JobState.LOST, exit_code=EXIT_LOST,
                       message=f"job {job_id}'s supervisor on the coordinator stopped before the job ended")
     return rec
 
 
 def list_jobs(state: StateDir) -> list[JobRecord]:
-    return [record(state, j) for j in jobfiles.job_ids(state) if (state / "jobs" / j / "job.json").exists()]
+    return [record(state, j) for j in joblogs.job_ids(state) if (joblogs.job_dir(state, j) / "job.json").exists()]
 
 
 # --------------------------------------------------------------------------- the daemon's side
@@ -106,7 +107,7 @@ class JobControl:
 
 
 def start_job_control(state: StateDir, network: Network, rec: dict) -> JobControl:
-    """The coordinator daemon extension (see meshrun.mesh.coordinator.service)."""
+    """The coordinator daemon extension (see meshrun.mesh.coordinator.daemon)."""
     return JobControl(state, network)
 
 
@@ -169,7 +170,7 @@ def follow(state: StateDir, job_id: str, out: Callable[[str, bool], None], node:
         batch: list[tuple[int, int, str, str]] = []
         for path in sorted(logs.glob("*.log")) if logs.is_dir() else []:
             # A final job's mirrors are closed: a last line without a newline is read too.
-            lines, offsets[path.name] = jobfiles.read_from(path, offsets.get(path.name, 0), final=rec.final)
+            lines, offsets[path.name] = joblogs.read_from(path, offsets.get(path.name, 0), final=rec.final)
             for i, text in enumerate(lines):
                 m = MIRROR_RE.match(text)
                 if m:

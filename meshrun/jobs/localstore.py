@@ -20,8 +20,8 @@ import threading
 
 from meshrun.errors import MeshrunError, StateError
 from meshrun.mesh import member
-from meshrun.system import host, procs, rdzv
-from meshrun.system.store import StateDir
+from meshrun.system import host, procs, tcpstore
+from meshrun.system.statedir import StateDir
 
 __all__ = ["start", "stop", "status", "DEFAULT_MAX_MB"]
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lock = procs.DaemonLock(state / LOCK).acquire("the local rendezvous store")
         network = _coordinator(state)
-        store = rdzv.serve_store(network.coordinator_ip, network.rdzv_port, network.interface, multi_tenant=True)
+        store = tcpstore.serve_store(network.coordinator_ip, network.rdzv_port, network.interface, multi_tenant=True)
         # After torch and the store are up: what the store holds from now on is what the cap bounds.
         host.cap_data(max_mb << 20)
     except (MeshrunError, OSError, RuntimeError) as exc:

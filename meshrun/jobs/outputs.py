@@ -14,15 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun.core.jobs import JobSpec
+from meshrun.core.jobspec import JobSpec
 from meshrun.errors import MeshrunError, UsageError
 from meshrun.jobs import control
-from meshrun.jobs.supervisor import LocalShare, RemoteShare
+from meshrun.jobs.handles import LocalShare, RemoteShare
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
-from meshrun.system import archive, jobfiles
+from meshrun.system import archive, joblogs
 from meshrun.system.projects import check_project
-from meshrun.system.store import StateDir, remove_tree
+from meshrun.system.statedir import StateDir, remove_tree
 
 __all__ = ["Pulled", "pull", "prune", "remove_project"]
 
@@ -98,7 +98,7 @@ def prune(state: StateDir, say: Callable[[str], None]) -> list[str]:
         if failed:
             say(f"kept {rec.job_id}: could not prune it on {', '.join(failed)}")
             continue
-        remove_tree(state / "jobs" / rec.job_id)
+        remove_tree(joblogs.job_dir(state, rec.job_id).path)
         done.append(rec.job_id)
     return done
 
@@ -109,9 +109,9 @@ def remove_project(state: StateDir, project: str) -> list[str]:
     UsageError while a job of the project runs; a member that does not answer is named in the error
     after the others are done (run it again once it is back)."""
     check_project(project)
-    for job_id in jobfiles.job_ids(state):
+    for job_id in joblogs.job_ids(state):
         try:
-            spec = JobSpec.from_dict(StateDir(state / "jobs" / job_id).read_json("spec.json"))
+            spec = JobSpec.from_dict(joblogs.job_dir(state, job_id).read_json("spec.json"))
         except (MeshrunError, ValueError, TypeError):
             continue
         if (spec.project or spec.job_id) == project and not control.record(state, job_id).final:

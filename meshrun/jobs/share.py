@@ -21,13 +21,14 @@ import time
 from pathlib import Path
 
 from meshrun.core import termtext
-from meshrun.core.jobs import LINE_RE, ShareEnd, is_noise
+from meshrun.core.jobspec import ShareEnd
+from meshrun.core.termtext import LINE_RE, is_noise
 from meshrun.errors import LaunchError, MeshrunError
-from meshrun.system import procs, store
-from meshrun.system.store import StateDir
-from meshrun.system import jobfiles
+from meshrun.system import procs, statedir
+from meshrun.system.statedir import StateDir
+from meshrun.system import joblogs
 from meshrun.system.firewall import JobGuard
-from meshrun.system.jobfiles import BoundedLog
+from meshrun.system.joblogs import BoundedLog
 from meshrun.system.projects import ProjectDir
 
 # Bytes read at most for one line: a worker's capped line (MAX_LINE characters, up to 4 bytes each in UTF-8)
@@ -41,7 +42,7 @@ class Share:
     """The running share: torchrun, the pumps copying its output, and how it ended."""
 
     def __init__(self, job_dir: Path) -> None:
-        self.dir = store.StateDir(job_dir)
+        self.dir = statedir.StateDir(job_dir)
         spec = self.dir.read_json("share.json")
         self.node = str(spec.get("node", ""))
         self.argv = [str(a) for a in spec["argv"]]
@@ -127,7 +128,7 @@ class Share:
         procs.kill_tree(self.proc.pid, grace=2)      # workers torchrun left behind, if any
         for t in self.pumps:
             t.join(10)
-        failures = [r for r in store.read_json_files(self.dir.path, "exit-r*.json") if r.get("exit_code") not in (0, None)]
+        failures = [r for r in statedir.read_json_files(self.dir.path, "exit-r*.json") if r.get("exit_code") not in (0, None)]
         sig = signal.Signals(-rc).name if rc < 0 else None
         return ShareEnd(code=None if sig else rc, signal=sig, failures=failures, error=self.error,
                         cancelled=self.cancelled.is_set(), ended=time.time())
@@ -169,9 +170,9 @@ def share_output(job_dir: StateDir, offset: int, wait: float) -> dict:
         status = None if running or not (job_dir / "status.json").exists() else job_dir.read_json("status.json")
         # Once the share has ended its log is complete: a last line without a newline is read too, so that
         # `done` always comes.
-        lines, new = jobfiles.read_from(job_dir / "output.log", offset, final=status is not None)
+        lines, new = joblogs.read_from(job_dir / "output.log", offset, final=status is not None)
         if lines or status is not None or time.monotonic() >= deadline:
-            done = status is not None and new >= jobfiles.size(job_dir / "output.log")
+            done = status is not None and new >= joblogs.size(job_dir / "output.log")
             return {"lines": lines, "offset": new, "done": done, "status": status if done else None,
                     "running": running}
         time.sleep(0.2)

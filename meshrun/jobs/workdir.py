@@ -1,7 +1,7 @@
 """A job's files on the member that runs its share: the code it receives, its pre-flight report, files pulled back.
 
-The same functions serve a node's job API (meshrun.jobs.server) and the coordinator's own share
-(meshrun.jobs.supervisor.LocalShare), so both behave alike. A shipped job runs in its project's
+The same functions serve a node's job API (meshrun.jobs.nodeapi) and the coordinator's own share
+(meshrun.jobs.handles.LocalShare), so both behave alike. A shipped job runs in its project's
 persistent directory (meshrun.system.projects); a --no-sync job runs where its code already is,
 and still gets the project's directory as $MESHRUN_OUTPUT_DIR.
 """
@@ -15,7 +15,7 @@ from typing import BinaryIO
 from meshrun.core import codeset
 from meshrun.system import archive, host
 from meshrun.system.projects import ProjectDir
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
 __all__ = ["receive_code", "preflight", "workdir", "pull", "MAX_PULL_BYTES"]
 

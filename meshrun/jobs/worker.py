@@ -22,7 +22,7 @@ import time
 from meshrun.core import termtext
 from meshrun.errors import StateError
 from meshrun.system import procs
-from meshrun.system.store import atomic_write
+from meshrun.system.statedir import atomic_write
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 USAGE = "usage: python -m meshrun.jobs.worker [--module] SCRIPT [ARGS...]"

@@ -38,8 +38,8 @@ if TYPE_CHECKING:       # annotations only: the lab runs its processes through m
     import subprocess
 
 from meshrun.errors import MeshrunError, NetworkError, UsageError
-from meshrun.system import firewall, procs, store
-from meshrun.system.store import StateDir
+from meshrun.system import firewall, procs, statedir
+from meshrun.system.statedir import StateDir
 from meshrun.system.cmd import run as run_command, tail
 
 logger = logging.getLogger("meshrun.lab.testbed")
@@ -321,11 +321,11 @@ class World:
         try:
             remove_stale(self.prefix)
             if self._own_workdir:
-                self.workdir = store.make_temp_dir(f"meshrun-testbed-{self.prefix}-")
+                self.workdir = statedir.make_temp_dir(f"meshrun-testbed-{self.prefix}-")
             assert self.workdir is not None
             for n in self.nodes:
                 n.workdir = self.workdir / n.name
-                store.make_dir(n.workdir)
+                statedir.make_dir(n.workdir)
             self._build()
         except BaseException as exc:
             self.down()
@@ -345,7 +345,7 @@ class World:
         sh(["ip", "-n", name, "link", "set", "lo", "up"])
 
     def _build(self) -> None:
-        store.make_dir(RUN_WIREGUARD)
+        statedir.make_dir(RUN_WIREGUARD)
         inet = self.inet
         self._netns_add(inet)
         sh(["ip", "netns", "exec", inet, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
@@ -513,7 +513,7 @@ class World:
             self._anchors.clear()
             self._created.clear()
             if self._own_workdir and self.workdir is not None:
-                store.remove_tree(self.workdir)
+                statedir.remove_tree(self.workdir)
                 self.workdir = None
             self._up = False
             _live_worlds.discard(self)
@@ -639,7 +639,7 @@ class Mesh:
         (An environment variable, not --state-dir: after `train SCRIPT` every argument is the script's.)
         """
         n = self.world.node(node) if isinstance(node, str) else node
-        store.make_dir(n.workdir)
+        statedir.make_dir(n.workdir)
         return n.run(self.python, "-m", "meshrun", *args, check=check, timeout=timeout,
                      env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, cwd=cwd)
 
@@ -683,7 +683,7 @@ class Mesh:
 
 
 def _cli_workdir(prefix: str) -> Path:
-    return store.temp_root() / f"meshrun-testbed-{prefix}"
+    return statedir.temp_root() / f"meshrun-testbed-{prefix}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
             if not _PREFIX.match(args.prefix):
                 raise UsageError(f"testbed prefix {args.prefix!r} is not usable", "give the prefix used for `up`")
             names = remove_stale(args.prefix)
-            store.remove_tree(_cli_workdir(args.prefix))
+            statedir.remove_tree(_cli_workdir(args.prefix))
             print(f"removed {len(names)} namespace(s)" + (f": {', '.join(names)}" if names else ""))
     except (NetworkError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -16,12 +16,12 @@ import time
 from meshrun.core import doctor, mtu, preflight
 from meshrun.core.model import split_endpoint
 from meshrun.errors import MeshrunError
-from meshrun.mesh import daemon, iface, member
+from meshrun.mesh import process, iface, member
 from meshrun.mesh import status as mstatus
-from meshrun.system import host, net, probe, procs, transport
+from meshrun.system import host, joblogs, net, probe, procs, transport
 from meshrun.system.device import USERSPACE
 from meshrun.system.projects import disk_use
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
 UDP_WAIT_S = 1.0
 
@@ -40,7 +40,7 @@ def _watched(env: dict[str, str] | None) -> dict[str, str]:
 def gather(state: StateDir, shell_env) -> dict:
     rec, network = member.load(state)
     st = mstatus.gather(state, measure=False)
-    pid = daemon.pid(state)
+    pid = process.pid(state)
     device = iface.device_for(state, network, rec)
     link = net.link(network.interface)
     backend = device.backend() if link["exists"] else None
@@ -62,7 +62,7 @@ def gather(state: StateDir, shell_env) -> dict:
             f["udp_probe"] = _probe_udp(network) if f["coordinator"]["reachable"] else {
                 "error": "the coordinator does not answer over the overlay"}
     python = _job_python(pid)
-    jobs = state / "jobs"
+    jobs = joblogs.jobs_root(state).path
     f["jobs_dir"] = str(jobs)
     f["environment"] = dict(host.environment(python), free_bytes=host.free_bytes(jobs))
     projects = state / "projects"

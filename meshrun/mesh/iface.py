@@ -13,7 +13,7 @@ from meshrun.core import peers
 from meshrun.core.model import Network
 from meshrun.core.wgconf import render_quick
 from meshrun.system.device import Device, WireGuardDevice
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
 log = logging.getLogger("meshrun.mesh.iface")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
 from meshrun.errors import StateError
-from meshrun.mesh import daemon, iface
+from meshrun.mesh import process, iface
 from meshrun.system import firewall, net
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
 
 def load(state: StateDir) -> tuple[dict, Network]:
@@ -35,7 +35,7 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
         other = {"coordinator": "`meshrun down`", "node": "`meshrun leave`"}.get(rec.get("role"), "another command")
         raise StateError(f"{state.path} holds a meshrun {rec.get('role')}, not a {role}", f"use {other} there")
     net.require_admin()
-    daemon.stop(state)
+    process.stop(state)
     iface.device_for(state, network, rec).delete()
     if role == "coordinator":
         firewall.remove_forward_guard()

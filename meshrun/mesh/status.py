@@ -9,12 +9,13 @@ import statistics
 import time
 from collections import Counter
 
-from meshrun.core import paths
+from meshrun.core import pairpaths
 from meshrun.core.model import Member
 from meshrun.errors import UsageError
-from meshrun.mesh import daemon, iface, member
+from meshrun.mesh import process, iface, member
 from meshrun.system import probe
-from meshrun.system.store import CoordinatorDB, StateDir
+from meshrun.system.statedir import StateDir
+from meshrun.system.coordinatordb import CoordinatorDB
 
 
 def path_label(m: Member | None, endpoint: str | None, allowed_ips: tuple[str, ...]) -> str:
@@ -22,12 +23,12 @@ def path_label(m: Member | None, endpoint: str | None, allowed_ips: tuple[str, .
     private (same-site) or public endpoint, judged from the endpoint WireGuard is using now."""
     if m is None:
         return "unknown"
-    if m.path == paths.RELAYED or (not m.is_coordinator and not allowed_ips):
-        return paths.LABELS[paths.RELAYED]
-    private = paths.private_candidate(m)
-    if endpoint and private and paths.host_of(endpoint) == paths.host_of(private) and not m.is_coordinator:
-        return paths.LABELS[paths.PRIVATE]
-    return paths.LABELS[paths.PUBLIC]
+    if m.path == pairpaths.RELAYED or (not m.is_coordinator and not allowed_ips):
+        return pairpaths.LABELS[pairpaths.RELAYED]
+    private = pairpaths.private_candidate(m)
+    if endpoint and private and pairpaths.host_of(endpoint) == pairpaths.host_of(private) and not m.is_coordinator:
+        return pairpaths.LABELS[pairpaths.PRIVATE]
+    return pairpaths.LABELS[pairpaths.PUBLIC]
 
 
 def _members(state: StateDir, rec: dict) -> list[Member]:
@@ -81,7 +82,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
            "backend": device.backend() if up else rec.get("backend"),
            "listen_port": network.listen_port, "api_port": network.api_port,
            "mtu": int(rec.get("mtu") or network.mtu), "latency": RTT_LABEL,
-           "daemon_pid": daemon.pid(state), "removed": bool(rec.get("removed")), "peers": rows,
+           "daemon_pid": process.pid(state), "removed": bool(rec.get("removed")), "peers": rows,
            "warnings": [w for w in [device.warning() if up else None] if w]}
     if rec.get("role") == "coordinator":
         out["pairs"] = _pairs(state, members)
@@ -101,7 +102,7 @@ def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
     for i, a in enumerate(nodes):
         for b in nodes[i + 1:]:
             v = decided.get((a, b))
-            out.append({"a": a, "b": b, "path": paths.LABELS.get(v.mode, "?") if v else "probing",
+            out.append({"a": a, "b": b, "path": pairpaths.LABELS.get(v.mode, "?") if v else "probing",
                         "verified": bool(v and v.verified)})
     return out
 
@@ -146,12 +147,12 @@ def _counts(values: list[str]) -> str:
 def _peer_badness(r: dict) -> tuple:
     # Never handshaken, then a stale handshake, then relayed, then the oldest handshake.
     age = r["handshake_age_s"]
-    rank = 0 if age is None else 1 if age >= paths.STALE_S else 2 if r.get("path") == "relayed" else 3
+    rank = 0 if age is None else 1 if age >= pairpaths.STALE_S else 2 if r.get("path") == "relayed" else 3
     return rank, -(age or 0), r["overlay_ip"]
 
 
 def _pair_badness(p: dict) -> tuple:
-    return {"probing": 0, paths.LABELS[paths.RELAYED]: 1}.get(p["path"], 2 if not p["verified"] else 3), p["a"], p["b"]
+    return {"probing": 0, pairpaths.LABELS[pairpaths.RELAYED]: 1}.get(p["path"], 2 if not p["verified"] else 3), p["a"], p["b"]
 
 
 def render(st: dict, full: bool = False) -> str:
@@ -170,7 +171,7 @@ def render(st: dict, full: bool = False) -> str:
     shown = st["peers"]
     lines = head + [""]
     if not full and len(shown) > SUMMARY_AT:
-        ages = ["never" if r["handshake_age_s"] is None else "< 3 min" if r["handshake_age_s"] < paths.STALE_S
+        ages = ["never" if r["handshake_age_s"] is None else "< 3 min" if r["handshake_age_s"] < pairpaths.STALE_S
                 else "older" for r in shown]
         lines += [f"{len(shown)} peers: {_counts([r.get('path', '-') for r in shown])}; "
                   f"handshake {_counts(ages)}",

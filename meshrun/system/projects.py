@@ -20,7 +20,7 @@ from pathlib import Path
 from meshrun.core.codeset import PROJECT_RE
 from meshrun.errors import LaunchError, UsageError
 from meshrun.system import procs
-from meshrun.system.store import StateDir, atomic_write
+from meshrun.system.statedir import StateDir, atomic_write
 
 __all__ = ["ProjectDir", "check_project", "disk_use"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.errors import StateError
-from meshrun.system.store import atomic_write
+from meshrun.system.statedir import atomic_write
 
 __all__ = ["save", "load"]
 

@@ -110,7 +110,7 @@ from torch import nn
 
 from meshrun.errors import StateError, UsageError
 from meshrun.system import tensorfiles
-from meshrun.system.store import make_dir
+from meshrun.system.statedir import make_dir
 from meshrun.train.compress import CODECS
 
 AUTO = "auto"

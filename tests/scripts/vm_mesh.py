@@ -21,8 +21,8 @@ import traceback
 from pathlib import Path
 
 from meshrun.lab.testbed import DatacenterSpec, Mesh, World
-from meshrun.mesh import daemon
-from meshrun.system.store import StateDir
+from meshrun.mesh import process
+from meshrun.system.statedir import StateDir
 
 DELAY_MS, LOSS_PCT = 25, 1
 PING_TIMEOUT = 120           # TCG runs Python ~15x slower than the host: generous, the check is that it works
@@ -97,7 +97,7 @@ def parallel(fn, names: list[str]) -> dict:
 
 def daemon_pids(mesh: Mesh, names: list[str]) -> dict[str, int | None]:
     """Each node's daemon PID, the holder of its lock (what `status` reports, without a CLI start)."""
-    return {n: daemon.pid(StateDir(mesh.state_dir(mesh.world.node(n)))) for n in names}
+    return {n: process.pid(StateDir(mesh.state_dir(mesh.world.node(n)))) for n in names}
 
 
 def wait_status(mesh: Mesh, node: str, pred, timeout: float, st: dict | None = None) -> dict:

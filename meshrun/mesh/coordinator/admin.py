@@ -13,7 +13,8 @@ from meshrun.core.model import Member, Network
 from meshrun.core.token import looks_like_token, new_token, parse_duration, parse_token
 from meshrun.errors import StateError, UsageError
 from meshrun.mesh.coordinator.setup import DEFAULT_TTL, check_token_uses
-from meshrun.system.store import CoordinatorDB, StateDir
+from meshrun.system.statedir import StateDir
+from meshrun.system.coordinatordb import CoordinatorDB
 
 
 def open_db(state: StateDir, readonly: bool = False) -> tuple[CoordinatorDB, Network]:

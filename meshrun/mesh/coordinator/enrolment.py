@@ -21,7 +21,7 @@ from meshrun.core.ratelimit import RateLimiter
 from meshrun.core.model import Member, Network, check_name, parse_endpoint
 from meshrun.errors import AuthError, CoordinatorError, MeshrunError, TokenError, UsageError
 from meshrun.mesh.coordinator.roster import Roster
-from meshrun.system.store import CoordinatorDB
+from meshrun.system.coordinatordb import CoordinatorDB
 from meshrun.system.transport import Request, Response
 
 log = logging.getLogger("meshrun.mesh.coordinator.enrolment")

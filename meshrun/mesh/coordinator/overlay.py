@@ -22,7 +22,7 @@ from meshrun.errors import StateError, UsageError
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.system import probe
-from meshrun.system.store import CoordinatorDB
+from meshrun.system.coordinatordb import CoordinatorDB
 from meshrun.system.transport import Request, Response
 
 log = logging.getLogger("meshrun.mesh.coordinator.overlay")

@@ -1,14 +1,14 @@
 """The pair driver: every node pair's path (private, public, relayed), advanced from what nodes report.
 
 Each agent reports, with its heartbeat, the latest handshake it has with each peer. A pair's state
-(`meshrun.core.paths`) changes only when its inputs do or when time makes it: so the driver looks
+(`meshrun.core.pairpaths`) changes only when its inputs do or when time makes it: so the driver looks
 at a pair only when a node's report changed that pair's handshake, when a node became judgeable
 (new member, first report since start, an endpoint and candidates known), or when the pair's next
-due time (`paths.next_due`) came, kept in a heap. A tick with nothing new steps no pair at all, and
+due time (`pairpaths.next_due`) came, kept in a heap. A tick with nothing new steps no pair at all, and
 the work grows with the change, not with the n(n-1)/2 pairs of the mesh.
 
 States live in the coordinator's SQLite database, one row per pair, written when it changes (an old
-paths.json is imported once and removed). Reports are not persisted: after a coordinator restart a
+pairpaths.json is imported once and removed). Reports are not persisted: after a coordinator restart a
 pair is left as it was until both its nodes have reported again (each agent's first sync with a
 restarted coordinator carries a full report), so a working pair is never judged stale for want of news.
 """
@@ -20,10 +20,11 @@ import logging
 import sys
 import threading
 
-from meshrun.core import paths
+from meshrun.core import pairpaths
 from meshrun.core.model import Member
 from meshrun.errors import StateError
-from meshrun.system.store import CoordinatorDB, StateDir
+from meshrun.system.statedir import StateDir
+from meshrun.system.coordinatordb import CoordinatorDB
 
 log = logging.getLogger("meshrun.mesh.coordinator.pairs")
 
@@ -54,7 +55,7 @@ class PairDriver:
         self.db = db
         self.lock = threading.Lock()                       # reports, dirty and pending
         self.reports: dict[str, dict[str, int]] = {}       # node name -> {peer key: latest handshake}, since start
-        self.pairs: dict[Key, paths.PairState] = db.pairs()
+        self.pairs: dict[Key, pairpaths.PairState] = db.pairs()
         if state is not None:
             self._import_paths_json(state)
         self.members: dict[str, Member] = {}   # live members by name, as of the last update with members
@@ -68,24 +69,24 @@ class PairDriver:
         self.changed: set[Key] = set()         # pairs whose mode changed, until take_changes()
         self.backlog: set[Key] = set()         # pairs of newly judged nodes not looked at yet (see BULK_PER_UPDATE)
         self.bulk_per_update = BULK_PER_UPDATE
-        self.steps = 0                         # paths.initial/step calls so far (the work; tests count it)
+        self.steps = 0                         # pairpaths.initial/step calls so far (the work; tests count it)
         self._pruned = False
 
     def _import_paths_json(self, state: StateDir) -> None:
-        """Pair states were kept in paths.json before they moved into the database: import it once."""
-        if not (state / "paths.json").exists():
+        """Pair states were kept in pairpaths.json before they moved into the database: import it once."""
+        if not (state / "pairpaths.json").exists():
             return
         if not self.pairs:
             try:
-                data = state.read_json("paths.json")
-                old = {tuple(k.split("|", 1)): paths.PairState(v["mode"], float(v["since"]), bool(v["verified"]))
+                data = state.read_json("pairpaths.json")
+                old = {tuple(k.split("|", 1)): pairpaths.PairState(v["mode"], float(v["since"]), bool(v["verified"]))
                        for k, v in data.get("pairs", {}).items()}
                 self.db.save_pairs(old)
                 self.pairs = old
-                log.info("imported %d pair paths from paths.json into the database", len(old))
+                log.info("imported %d pair paths from pairpaths.json into the database", len(old))
             except (StateError, KeyError, ValueError, TypeError, AttributeError) as exc:
-                log.warning("ignoring unreadable paths.json (%s); pairs are probed again", exc)
-        state.remove("paths.json")
+                log.warning("ignoring unreadable pairpaths.json (%s); pairs are probed again", exc)
+        state.remove("pairpaths.json")
 
     # inputs ----------------------------------------------------------------
     def report(self, node: str, delta: dict[str, int], full: bool) -> bool:
@@ -120,7 +121,7 @@ class PairDriver:
             for k in touched:
                 other = names.get(k)
                 if other is not None and other != node:
-                    self.dirty.add(paths.pair_key(node, other))
+                    self.dirty.add(pairpaths.pair_key(node, other))
             return node not in self.reports
 
     def handshake(self, a: Member, b: Member) -> int:
@@ -159,7 +160,7 @@ class PairDriver:
             for _ in range(self.bulk_per_update):
                 work.add(self.backlog.pop())
         created = changed = False
-        writes: dict[Key, paths.PairState] = {}
+        writes: dict[Key, pairpaths.PairState] = {}
         for key in work:
             if key[0] not in self.judged or key[1] not in self.judged:
                 continue                          # kept as it is until both nodes are judged again
@@ -168,11 +169,11 @@ class PairDriver:
             old = self.pairs.get(key)
             self.steps += 1
             if old is None:
-                st = paths.initial(a, b, hs, now)
+                st = pairpaths.initial(a, b, hs, now)
                 created = True
                 self.changed.add(key)
             else:
-                st = paths.step(old, a, b, hs, now)
+                st = pairpaths.step(old, a, b, hs, now)
                 if st.mode != old.mode:
                     log.info("path %s <-> %s: %s -> %s", a.name, b.name, old.mode, st.mode)
                     changed = True
@@ -185,7 +186,7 @@ class PairDriver:
                 # pair every tick did. An unchanged state stays so until next_due or new inputs.
                 self._book(key, now)
             else:
-                self._book(key, paths.next_due(st, hs))
+                self._book(key, pairpaths.next_due(st, hs))
         if writes or drop:
             self.db.save_pairs(writes, drop)
         return created or changed
@@ -209,7 +210,7 @@ class PairDriver:
         for name in drop:
             self.judged.discard(name)
             for other in partners:
-                key = paths.pair_key(name, other)
+                key = pairpaths.pair_key(name, other)
                 if self.pairs.pop(key, None) is not None:
                     self.booked.pop(key, None)    # its heap entry is now stale
                     self.changed.discard(key)
@@ -236,7 +237,7 @@ class PairDriver:
         ok = m is not None and _judgeable(m) and name in self.reports
         if ok and name not in self.judged:
             self.judged.add(name)
-            work.update(paths.pair_key(name, other) for other in self.judged if other != name)
+            work.update(pairpaths.pair_key(name, other) for other in self.judged if other != name)
         elif not ok:
             self.judged.discard(name)
 
@@ -257,5 +258,5 @@ class PairDriver:
         out, self.changed = self.changed, set()
         return out
 
-    def mode(self, a: str, b: str) -> paths.PairState | None:
-        return self.pairs.get(paths.pair_key(a, b))
+    def mode(self, a: str, b: str) -> pairpaths.PairState | None:
+        return self.pairs.get(pairpaths.pair_key(a, b))

@@ -7,10 +7,10 @@ import threading
 import time
 from collections.abc import Iterable
 
-from meshrun.core import memberlist, paths
+from meshrun.core import memberlist, pairpaths
 from meshrun.core.model import Member, Network
 from meshrun.mesh.coordinator.pairs import PairDriver
-from meshrun.system.store import CoordinatorDB
+from meshrun.system.coordinatordb import CoordinatorDB
 
 
 class Roster:
@@ -103,7 +103,7 @@ class Roster:
         st = None
         if caller is not None and not m.is_coordinator and m.name != caller.name and not caller.is_coordinator:
             st = self.pairs.mode(caller.name, m.name)
-        return dict(d, path=st.mode, endpoint=paths.endpoint_for(st.mode, m)) if st is not None else d
+        return dict(d, path=st.mode, endpoint=pairpaths.endpoint_for(st.mode, m)) if st is not None else d
 
     def payload(self, caller: Member | None = None, fresh: bool = True) -> list[dict]:
         """The member list as `caller` should see it: per peer the endpoint to dial and the path.

@@ -16,10 +16,11 @@ from meshrun.core.model import (DEFAULT_IFACE, DEFAULT_MTU, DEFAULT_PORT, Networ
                                 check_name, check_port, parse_endpoint, refuse_ipv6)
 from meshrun.core.token import new_token, parse_duration
 from meshrun.errors import NetworkError, StateError, UsageError
-from meshrun.mesh import daemon, iface
+from meshrun.mesh import process, iface
 from meshrun.system import net
 from meshrun.system.device import Device
-from meshrun.system.store import CoordinatorDB, StateDir
+from meshrun.system.statedir import StateDir
+from meshrun.system.coordinatordb import CoordinatorDB
 
 DEFAULT_TTL = "12h"
 
@@ -138,12 +139,12 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
                                          "overlay_ip": network.coordinator_ip, "backend": backend,
                                          "wg_pid": device.pid, "train": opts.train})
         undo.append(lambda: state.remove("member.json"))
-        daemon_pid = daemon.spawn(state) if start else None
+        daemon_pid = process.spawn(state) if start else None
     except BaseException:
         for step in reversed(undo):
             with contextlib.suppress(Exception):
                 step()
-        state.remove(f"{network.interface}.conf", *daemon.FILES)
+        state.remove(f"{network.interface}.conf", *process.FILES)
         if created_dir:
             state.delete()
         raise

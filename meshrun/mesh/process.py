@@ -15,13 +15,15 @@ import logging
 import logging.handlers
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
+from meshrun.core.model import Network
 from meshrun.errors import MeshrunError
 from meshrun.system import procs
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
-log = logging.getLogger("meshrun.mesh.daemon")
+log = logging.getLogger("meshrun.mesh.process")
 
 LOG_BYTES = 5 << 20
 LOG_BACKUPS = 3
@@ -92,3 +94,14 @@ def setup_logging(state: StateDir, foreground: bool = False) -> None:
     # force: the CLI configured WARNING-level logging before the daemon took over this process.
     logging.basicConfig(level=logging.DEBUG if os.environ.get("MESHRUN_DEBUG") else logging.INFO,
                         format=LOG_FORMAT, handlers=handlers, force=True)
+
+
+class Extension(Protocol):
+    """Something a member's daemon runs beside the mesh (a node's job API, the coordinator's job control):
+    started with the daemon, closed with it. `cli` composes them in, so `mesh` never imports `jobs`."""
+
+    def close(self) -> None: ...
+
+
+# (state, network, member record) -> a started Extension; MeshrunError if it cannot start
+ExtensionFactory = Callable[[StateDir, Network, dict], Extension]

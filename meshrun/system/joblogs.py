@@ -17,23 +17,30 @@ import collections
 import os
 from pathlib import Path
 
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
 LOG_CAP = 256 << 20             # per log file (a node's output, or its mirror on the coordinator)
 TAIL_LINES = 2000
 READ_CHUNK = 256 << 10
 
 
-def job_dir(state: StateDir, job_id: str) -> StateDir:
-    """The directory of job `job_id` in a member's state (created 0700 if missing)."""
-    d = StateDir(state / "jobs" / job_id)
-    d.create()
+def jobs_root(state: StateDir) -> StateDir:
+    """<state>/jobs: every job's directory on this member."""
+    return StateDir(state / "jobs")
+
+
+def job_dir(state: StateDir, job_id: str, create: bool = False) -> StateDir:
+    """The directory of job `job_id` in a member's state (the caller checked the id: JOB_ID_RE); made 0700
+    with `create`."""
+    d = StateDir(jobs_root(state) / job_id)
+    if create:
+        d.create()
     return d
 
 
 def job_ids(state: StateDir) -> list[str]:
     """Every job directory's name, oldest first."""
-    root = state / "jobs"
+    root = jobs_root(state).path
     if not root.is_dir():
         return []
     return [p.name for p in sorted(root.iterdir(), key=lambda p: p.stat().st_mtime) if p.is_dir()]

@@ -27,7 +27,7 @@ def create_handler(params):
     """torch.distributed.elastic's c10d rendezvous handler, with an overlay-bound agent store."""
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous as dr
 
-    from meshrun.system.rdzv import serve_store
+    from meshrun.system.tcpstore import serve_store
 
     class OverlayRendezvousHandler(dr.DynamicRendezvousHandler):
         def get_backend(self) -> str:

@@ -35,18 +35,18 @@ from pathlib import Path
 
 from meshrun.core import auth
 from meshrun.core import firewall as guard_rules
-from meshrun.core.jobs import JOB_ID_RE
+from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.core.model import Network
 from meshrun.errors import AuthError, LaunchError, MeshrunError, NetworkError, UsageError
 from meshrun.jobs import workdir
 from meshrun.mesh import member
 from meshrun.jobs.share import cancel_share, share_output, share_running, start_share
-from meshrun.system import firewall, host, jobfiles
+from meshrun.system import firewall, host, joblogs
 from meshrun.system.projects import ProjectDir, check_project
-from meshrun.system.store import StateDir, remove_tree
+from meshrun.system.statedir import StateDir, remove_tree
 from meshrun.system.transport import JSONServer, Request, Response
 
-log = logging.getLogger("meshrun.jobs.server")
+log = logging.getLogger("meshrun.jobs.nodeapi")
 
 MAX_CODE = 200 * 1024 * 1024
 MAX_CONNS = 64
@@ -65,7 +65,7 @@ class JobAPI:
         self.firewall = guards       # meshrun.system.firewall; tests pass a FakeFirewall
         self.name = name
         self.state = state
-        self.jobs_dir = StateDir(state / "jobs")
+        self.jobs_dir = joblogs.jobs_root(state)
         self.verifier = auth.Verifier(key)
         self.gpus = gpus
         self.start = start           # tests pass a stand-in that runs nothing
@@ -95,7 +95,7 @@ class JobAPI:
             return Response.error(401, exc)
         if req.method == "GET" and req.path == "/v1/health":
             return Response(200, {"name": self.name, "gpus": self.gpus, "python": sys.executable,
-                                  "jobs": [j for j in jobfiles.job_ids(self.jobs_dir)
+                                  "jobs": [j for j in joblogs.job_ids(self.jobs_dir)
                                            if share_running(StateDir(self.jobs_dir / j))]})
         m = PROJECT_ROUTE.match(req.path)
         if m and req.method == "POST":

@@ -19,14 +19,14 @@ from meshrun.core.model import (Member, Network, check_mtu, check_name, default_
                                 parse_endpoint, refuse_ipv6, split_endpoint)
 from meshrun.core.token import JoinToken, parse_token
 from meshrun.errors import CoordinatorError, NetworkError, StateError, TokenError, UsageError
-from meshrun.mesh import daemon, iface, member
-from meshrun.mesh.agent import apply_members
+from meshrun.mesh import process, iface, member
+from meshrun.mesh.node.daemon import apply_members
 from meshrun.system import net, probe, transport
 from meshrun.system.device import Device
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
 READY_TIMEOUT = 45.0
-NODE_FILES = ("private.key", "member.json", "peers.json", "wireguard-go.log", *daemon.FILES)
+NODE_FILES = ("private.key", "member.json", "peers.json", "wireguard-go.log", *process.FILES)
 
 
 @dataclass(frozen=True)
@@ -162,10 +162,10 @@ def _install(answer: dict, state: StateDir, private_key: str, advertised: list[s
         state.write_json("member.json", record)
         member.save_members(state, 0, members)
         apply_members(device, state, record, network, members)
-        daemon_pid = daemon.spawn(state, timeout=READY_TIMEOUT) if start else None
+        daemon_pid = process.spawn(state, timeout=READY_TIMEOUT) if start else None
     except BaseException:
         with contextlib.suppress(Exception):
-            daemon.stop(state)
+            process.stop(state)
         with contextlib.suppress(Exception):
             device.delete()
         if created_dir:
@@ -186,9 +186,9 @@ def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinRe
         raise StateError(f"this node is already a member of network {network.name!r} (another network's token given)",
                          "run `meshrun leave --purge` first to switch networks")
     net.require_admin()
-    pid = daemon.pid(state)
+    pid = process.pid(state)
     if pid is None and start:
-        pid = daemon.spawn(state, timeout=READY_TIMEOUT)
+        pid = process.spawn(state, timeout=READY_TIMEOUT)
     device = iface.device_for(state, network, rec)
     return JoinResult(rec["name"], rec["overlay_ip"], network, device.backend(), True, pid,
                       int(rec.get("mtu") or network.mtu), device.warning())

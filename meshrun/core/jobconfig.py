@@ -4,7 +4,7 @@ A job file holds the same settings as `meshrun train`'s options, under their lon
 underscores (`nproc_per_node`, `max_restarts`, ...) plus `script`, `args` and an `[env]` table.
 Options given on the command line win over the file; `--env` pairs are merged over the file's
 `[env]`; a script given on the command line replaces the file's script and its `args`.
-Pure: the caller reads the file (meshrun.system.store.read_user_file).
+Pure: the caller reads the file (meshrun.system.statedir.read_user_file).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _str_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
-# key -> (TrainRequest field, check, what the value must be, an example)
+# key -> (JobSpec field, check, what the value must be, an example)
 KEYS: dict[str, tuple[str, Any, str, str]] = {
     "script": ("script", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'script = "train.py"'),
     "args": ("script_args", _str_list, "a list of strings", 'args = ["--epochs", "3"]'),
@@ -62,7 +62,7 @@ def _shown(value: Any) -> str:
 
 
 def parse(text: str, source: str = "job file") -> dict[str, Any]:
-    """TrainRequest keyword arguments from a job file's text; UsageError naming the bad key or value."""
+    """JobSpec fields (meshrun.core.jobspec) from a job file's text; UsageError naming the bad key or value."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -1,8 +1,8 @@
 """What `meshrun train` turns its options into: a job spec to submit, a dry-run plan, or a local share.
 
 The job itself is run by its supervisor on the coordinator (meshrun.jobs.supervisor); this module
-only builds what the command line hands it, and runs `--local` shares (for batch schedulers that
-start every node themselves) in the foreground.
+only builds and checks what the command line hands it, and plans `--local` shares (for batch
+schedulers that start every node themselves).
 """
 
 from __future__ import annotations
@@ -12,71 +12,42 @@ import secrets
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 from meshrun.core import codeset, launch, preflight
-from meshrun.core.jobs import JobSpec, check_job_id
+from meshrun.core.jobspec import JobSpec, check_job_id
 from meshrun.core.model import Network
 from meshrun.errors import LaunchError, UsageError
-from meshrun.jobs.supervisor import ask_health, candidates, check_environments, code_dir, plan
+from meshrun.jobs.planning import ask_health, candidates, check_environments, code_dir, plan
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
-from meshrun.system import archive, host, procs
+from meshrun.system import archive, host, joblogs, procs
 from meshrun.system.projects import check_project
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
-DEFAULT_SYNC_LIMIT_MB = 50
 FORWARD_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
 
 
-@dataclass
-class TrainRequest:
-    """What the user asked `meshrun train` for (validated by `launch.plan`)."""
-
-    script: str
-    script_args: list[str] = field(default_factory=list)
-    nnodes: str | None = None
-    nproc_per_node: int | None = None
-    max_restarts: int = 0
-    nodes: list[str] | None = None          # only these node names
-    wait_timeout: float = 120.0
-    no_sync: bool = False
-    sync_limit_mb: int = DEFAULT_SYNC_LIMIT_MB
-    dry_run: bool = False
-    env: dict[str, str] = field(default_factory=dict)
-    job_id: str | None = None
-    python: str | None = None              # interpreter on the nodes [the one running their agent]
-    module: bool = False                   # script is a module name: python -m script
-    rdzv_timeout: int = 900                # seconds the rendezvous waits for every node
-    with_coordinator: bool = False         # the coordinator takes a share too
-    detach: bool = False                   # return once the job started
-    skip_preflight: bool = False           # start even if the nodes' environments disagree
-    project: str | None = None             # the job's persistent directory on each member [code directory's name]
-
-    def spec(self, cwd: Path) -> JobSpec:
-        """The job spec to submit: options as given, the caller's NCCL_/GLOO_/TORCH_ variables under
-        --env, a fresh job id unless one was given, the project named after the code's directory
-        unless one was given."""
-        spec = JobSpec(job_id=self.job_id or new_job_id(self.script), script=self.script,
-                       script_args=list(self.script_args), nnodes=self.nnodes, nproc_per_node=self.nproc_per_node,
-                       max_restarts=self.max_restarts, nodes=self.nodes, wait_timeout=self.wait_timeout,
-                       no_sync=self.no_sync, cwd=str(cwd), sync_limit_mb=self.sync_limit_mb,
-                       env=user_env(self.env), python=self.python, module=self.module,
-                       rdzv_timeout=self.rdzv_timeout, with_coordinator=self.with_coordinator,
-                       skip_preflight=self.skip_preflight, project=check_project(self.project) if self.project else "")
-        if not spec.project:
-            where = Path(cwd) if spec.no_sync or spec.module else (Path(cwd) / spec.script).parent
-            spec.project = codeset.project_name(where.absolute().name)
-        return spec
-
-    def options(self, script: str, job_id: str, network, python: str) -> launch.TrainOptions:
-        """The launch options for this request on `network` (validated later by `launch.plan`)."""
-        return launch.TrainOptions(
-            script=script, script_args=tuple(self.script_args), nnodes=self.nnodes,
-            nproc_per_node=self.nproc_per_node, max_restarts=self.max_restarts, job_id=job_id,
-            rdzv_host=network.coordinator_ip, rdzv_port=network.rdzv_port, interface=network.interface,
-            python=python, rdzv_timeout=self.rdzv_timeout, module=self.module)
+def job_spec(options: dict, cwd: Path) -> JobSpec:
+    """The job spec to submit from `meshrun train`'s merged options (JobSpec's field names; a key that is
+    absent or None takes JobSpec's default, keys that are not JobSpec fields, such as dry_run, are
+    ignored): the caller's NCCL_/GLOO_/TORCH_ variables under --env, a fresh job id unless one was given,
+    the project named after the code's directory unless one was given. UsageError for a bad value."""
+    fields = {k: v for k, v in options.items() if k in JobSpec.__dataclass_fields__ and v is not None}
+    if not fields.get("script"):
+        raise UsageError("no training script given", "e.g. meshrun train train.py")
+    fields["job_id"] = fields.get("job_id") or new_job_id(fields["script"])
+    fields["env"] = user_env(fields.get("env") or {})
+    fields["script_args"] = list(fields.get("script_args") or [])
+    fields["cwd"] = str(cwd)
+    if fields.get("project"):
+        check_project(fields["project"])
+    spec = JobSpec(**fields)
+    if not spec.project:
+        where = Path(cwd) if spec.no_sync or spec.module else (Path(cwd) / spec.script).parent
+        spec.project = codeset.project_name(where.absolute().name)
+    return spec
 
 
 def user_env(extra: dict[str, str]) -> dict[str, str]:
@@ -102,9 +73,9 @@ def new_job_id(script: str) -> str:
 
 
 def resumed(state: StateDir, job_id: str) -> tuple[dict, Path]:
-    """`meshrun train --resume JOB`: JOB's options as TrainRequest fields (its project included, so the
+    """`meshrun train --resume JOB`: JOB's options as JobSpec fields (its project included, so the
     new job runs where JOB left its checkpoints) and the directory JOB was submitted from."""
-    d = state / "jobs" / check_job_id(job_id)
+    d = joblogs.job_dir(state, check_job_id(job_id)).path
     if not (d / "spec.json").exists():
         raise UsageError(f"there is no job {job_id!r} on this coordinator to resume", "see the jobs with `meshrun jobs`")
     old = JobSpec.from_dict(StateDir(d).read_json("spec.json"))
@@ -167,24 +138,29 @@ def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
     return lines
 
 
-def train_local(state: StateDir, req: TrainRequest) -> int:
-    """`meshrun train --local`: run this node's share in the foreground (exec torchrun).
-
-    Every other node runs the same command; they meet at the coordinator's rendezvous store.
-    """
+def local_launch(state: StateDir, spec: JobSpec) -> launch.NodeLaunch:
+    """`meshrun train --local`: this node's torchrun command (every other node runs the same; they meet at
+    the coordinator's store for --local shares, `meshrun local-store start`)."""
     rec, network = member.load(state)
-    if not req.nnodes:
+    if not spec.nnodes:
         raise UsageError("--local needs --nnodes: how many nodes take part in total",
                          "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py")
-    job_id = req.job_id or os.environ.get("MESHRUN_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    opts = spec.launch_options(network, network.rdzv_port, shipped=False)
+    opts = replace(opts, python=spec.python or sys.executable)
+    me = launch.NodeInfo(rec["name"], rec["overlay_ip"], host.visible_gpus())
+    (p,) = launch.plan([me], opts, spec.env, local=True)
+    return p
+
+
+def local_job_id(given: str | None) -> str:
+    """The job id of a --local share: --job-id, else $MESHRUN_JOB_ID or $SLURM_JOB_ID (the same on every node)."""
+    job_id = given or os.environ.get("MESHRUN_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     if not job_id:
         raise UsageError("--local needs --job-id, the same on every node (or MESHRUN_JOB_ID / SLURM_JOB_ID set)",
                          "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py")
-    opts = req.options(req.script, job_id, network, req.python or sys.executable)
-    me = launch.NodeInfo(rec["name"], rec["overlay_ip"], host.visible_gpus())
-    (p,) = launch.plan([me], opts, user_env(req.env), local=True)
-    if req.dry_run:
-        print(p.shell())
-        return 0
-    sys.stdout.flush()
-    procs.exec_replace(p.argv, p.env)  # torchrun owns signals and exit codes from here
+    return job_id
+
+
+def exec_local(p: launch.NodeLaunch) -> None:
+    """Become this node's torchrun (it owns signals and exit codes from here)."""
+    procs.exec_replace(p.argv, p.env)

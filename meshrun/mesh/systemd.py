@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.errors import StateError, HostError, UsageError
-from meshrun.mesh import daemon
-from meshrun.system import procs, store
-from meshrun.system.store import StateDir
+from meshrun.mesh import process
+from meshrun.system import procs, statedir
+from meshrun.system.statedir import StateDir
 
 ROLES = ("coordinator", "agent")
 SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
@@ -139,8 +139,8 @@ def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry
     if plan.run_commands and os.geteuid() != 0:
         raise HostError("installing a systemd unit needs root", "run it with sudo")
     try:
-        store.make_dir(plan.unit_path.parent)
-        store.atomic_write(plan.unit_path, plan.text, 0o644)
+        statedir.make_dir(plan.unit_path.parent)
+        statedir.atomic_write(plan.unit_path, plan.text, 0o644)
     except StateError as exc:
         raise StateError(exc.message, "run as root, or pick a writable --unit-dir") from None
     echo(f"wrote {plan.unit_path}")
@@ -151,7 +151,7 @@ def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry
         raise HostError("`systemctl` is not installed", "install systemd, or start `meshrun up` another way")
     # A daemon started by init/join/up holds the state directory's lock: hand over to systemd.
     # Stopping it leaves the interface (and every tunnel) up.
-    if daemon.stop(state):
+    if process.stop(state):
         echo("stopped the background daemon; systemd takes over")
     for argv in plan.commands:
         res = runner(argv, capture_output=True, text=True, timeout=60)

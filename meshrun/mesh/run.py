@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshrun.errors import MeshrunError
-from meshrun.mesh import daemon, member
-from meshrun.mesh.agent import AgentService, ExtensionFactory
-from meshrun.system.store import StateDir
+from meshrun.mesh import process, member
+from meshrun.mesh.node.daemon import AgentService
+from meshrun.mesh.process import ExtensionFactory
+from meshrun.system.statedir import StateDir
 
 
 def serve(state: StateDir, foreground: bool = False, node_extensions: Sequence[ExtensionFactory] = (),
@@ -20,15 +21,15 @@ def serve(state: StateDir, foreground: bool = False, node_extensions: Sequence[E
     before the service runs is reported to whoever spawned us (`meshrun init`/`join`/`up` show it)
     and re-raised.
     """
-    daemon.setup_logging(state, foreground)
+    process.setup_logging(state, foreground)
     try:
         rec, _ = member.load(state)
         if rec["role"] == "coordinator":
-            from meshrun.mesh.coordinator.service import CoordinatorService
+            from meshrun.mesh.coordinator.daemon import CoordinatorService
             svc = CoordinatorService(state, extensions=coordinator_extensions)
         else:
             svc = AgentService(state, extensions=node_extensions)
     except MeshrunError as err:
-        daemon.failed(err)
+        process.failed(err)
         raise
     svc.run()

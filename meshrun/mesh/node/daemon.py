@@ -14,17 +14,18 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+
 
 from meshrun.core import memberlist, peers
 from meshrun.core.model import Member, Network
 from meshrun.errors import CoordinatorError, MeshrunError, StateError
-from meshrun.mesh import daemon, iface, member
+from meshrun.mesh import process, iface, member
+from meshrun.mesh.process import Extension, ExtensionFactory
 from meshrun.system import net, transport
 from meshrun.system.device import Device
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 
-log = logging.getLogger("meshrun.mesh.agent")
+log = logging.getLogger("meshrun.mesh.node.daemon")
 
 SYNC_WAIT = 20.0
 FAST_WAIT = 2.0          # long-poll while a path is unproven
@@ -32,16 +33,6 @@ PROBE_WINDOW_S = 10.0    # = paths.ATTEMPT_S: how long a new path gets to handsh
 
 # (method, path, body, timeout) -> the coordinator's JSON answer
 CoordinatorCall = Callable[[str, str, dict, float], dict]
-
-
-class Extension(Protocol):
-    """Something the daemon runs beside the mesh (the job API): started with the member, closed with it."""
-
-    def close(self) -> None: ...
-
-
-# (state, network, member record) -> a started Extension; MeshrunError if it cannot start
-ExtensionFactory = Callable[[StateDir, Network, dict], Extension]
 
 
 def apply_members(device: Device, state: StateDir, rec: dict, network: Network, members: list[Member],
@@ -111,7 +102,7 @@ class AgentService:
         return transport.call(self.network.coordinator_ip, self.network.api_port, method, path, body, timeout=timeout)
 
     def run(self) -> None:
-        with daemon.running(self.state):
+        with process.running(self.state):
             self._ensure_interface()
             signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
             signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
@@ -230,7 +221,7 @@ class AgentService:
         self._apply(members, recreate)
         if not self.ready:
             self.ready = True
-            daemon.ready()
+            process.ready()
             log.info("agent of %s up: %s on %s, %d members", self.rec["name"], self.rec["overlay_ip"],
                      self.network.interface, len(members))
 

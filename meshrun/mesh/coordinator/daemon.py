@@ -23,19 +23,19 @@ from collections.abc import Sequence
 from meshrun.core import keys, peers
 from meshrun.core.model import Member
 from meshrun.errors import MeshrunError, NetworkError
-from meshrun.mesh import daemon, iface
-from meshrun.mesh.agent import ExtensionFactory
+from meshrun.mesh import process, iface
+from meshrun.mesh.process import ExtensionFactory
 from meshrun.mesh.coordinator.admin import open_db
 from meshrun.mesh.coordinator.enrolment import EnrolmentAPI
 from meshrun.mesh.coordinator.overlay import OverlayAPI
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.system.device import Device
-from meshrun.system.store import StateDir
+from meshrun.system.statedir import StateDir
 from meshrun.system.frontdoor import FrontDoor
 from meshrun.system.transport import JSONServer, server_tls_context
 
-log = logging.getLogger("meshrun.mesh.coordinator.service")
+log = logging.getLogger("meshrun.mesh.coordinator.daemon")
 
 REMOVED_GRACE_S = 5.0   # a removed node's pending long-poll is answered 410 within this
 OBSERVE_INTERVAL = 1.0
@@ -74,7 +74,7 @@ class CoordinatorService:
 
     # lifecycle -------------------------------------------------------------
     def run(self) -> None:
-        with daemon.running(self.state):
+        with process.running(self.state):
             try:
                 self._ensure_interface()
                 self.device.enable_forwarding()   # relayed pairs are forwarded wg -> wg here
@@ -95,7 +95,7 @@ class CoordinatorService:
             signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
             signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
             running = [start(self.state, self.network, self.member) for start in self.extensions]
-            daemon.ready()
+            process.ready()
             log.info("coordinator of %s up: enrolment on :%d/tcp, overlay API on %s:%d", self.network.name,
                      self.network.listen_port, self.network.coordinator_ip, self.network.api_port)
             try:
