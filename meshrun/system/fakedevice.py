@@ -8,6 +8,7 @@ would, and read `applied` (every diff applied) and `nudged` (every nudge).
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import replace
 from pathlib import Path
 
@@ -64,18 +65,25 @@ class FakeDevice:
         return [self._peers[k] for k in sorted(self._peers)]
 
     def apply(self, diff: PeerDiff) -> None:
+        """As `wg set` does (tests/device_contract.py holds both to it): removing an unknown key is no error,
+        updating one creates it, an allowed IP given to a peer is taken from whichever peer had it, an
+        endpoint reads back as `wg` prints it."""
         self._require()
         self.applied.append(diff)
         for key in diff.remove:
             self._peers.pop(key, None)
-        for spec in diff.add:
-            self._peers[spec.public_key] = PeerState(spec.public_key, spec.endpoint, tuple(sorted(spec.allowed_ips)),
-                                                     0, 0, 0, spec.keepalive)
-        for spec in diff.update:
-            old = self._peers[spec.public_key]
-            self._peers[spec.public_key] = replace(old, endpoint=spec.endpoint or old.endpoint,
-                                                   allowed_ips=tuple(sorted(spec.allowed_ips)),
-                                                   keepalive=spec.keepalive)
+        for spec in (*diff.add, *diff.update):
+            ips = tuple(sorted(spec.allowed_ips))
+            for other, st in list(self._peers.items()):
+                if other != spec.public_key and set(st.allowed_ips) & set(ips):
+                    self._peers[other] = replace(st, allowed_ips=tuple(ip for ip in st.allowed_ips if ip not in ips))
+            old = self._peers.get(spec.public_key)
+            endpoint = _as_wg_prints(spec.endpoint) if spec.endpoint else None
+            if old is None:
+                self._peers[spec.public_key] = PeerState(spec.public_key, endpoint, ips, 0, 0, 0, spec.keepalive)
+            else:
+                self._peers[spec.public_key] = replace(old, endpoint=endpoint or old.endpoint, allowed_ips=ips,
+                                                       keepalive=spec.keepalive)
 
     def nudge(self, overlay_ips: list[str]) -> None:
         self.nudged.extend(overlay_ips)
@@ -103,3 +111,14 @@ class FakeDevice:
     def _require(self) -> None:
         if not self.present:
             raise NetworkError(f"`wg show {self.name}` failed: no such device", "bring the interface up")
+
+
+def _as_wg_prints(endpoint: str) -> str:
+    """An endpoint as `wg show` prints it: IPv6 compressed in brackets, IPv4 as given."""
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return endpoint
+    return f"[{addr.compressed}]:{int(port)}" if addr.version == 6 else f"{addr}:{int(port)}"
