@@ -79,6 +79,10 @@ install_python() {
 case "${1:-}" in
   install) install_system; install_python ;;
   demo) install_system; install_python; shift; exec .venv/bin/meshrun demo "$@" ;;
-  test) install_system; install_vm; install_python; shift; exec .venv/bin/python -m pytest -q -ra tests "$@" ;;
+  test) install_system; install_vm; install_python; shift
+        # Lint and format first (ruff, configured in pyproject.toml): seconds, and a red CI says why at once.
+        .venv/bin/ruff check meshrun tests benchmarks
+        .venv/bin/ruff format --check meshrun tests benchmarks
+        exec .venv/bin/python -m pytest -q -ra tests "$@" ;;
   *) echo "usage: ./dev.sh demo|test|install" >&2; exit 2 ;;
 esac

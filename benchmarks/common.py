@@ -52,18 +52,20 @@ def mesh_world(n_nodes: int, tag: str, rate_mbit: int | None = None, join: bool 
         try:
             yield world, mesh, names
         finally:
-            for n in [*names, "dc1-a"]:     # stop daemons cleanly; down() kills whatever is left
+            for n in [*names, "dc1-a"]:  # stop daemons cleanly; down() kills whatever is left
                 with contextlib.suppress(Exception):
                     mesh.meshrun(n, "leave" if n != "dc1-a" else "down", "--purge", check=False, timeout=30)
 
 
 def join_all(mesh: Mesh, names: list[str]) -> list[float]:
     """`meshrun join` on every node at once; returns each join's wall time (raises the first error)."""
+
     def timed(n: str) -> float:
         t0 = time.monotonic()
         mesh.join(n)
         return time.monotonic() - t0
-    with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:   # one thread each: all start together
+
+    with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:  # one thread each: all start together
         return list(pool.map(timed, names))
 
 
@@ -80,14 +82,17 @@ def wireguard_binary() -> dict:
     and its SHA-256 (0.0.20231211 and 0.0.20230223 both print v0.0.20230223: only these tell them apart)."""
     import hashlib
     import shutil
+
     from meshrun.system.device import WIREGUARD_GO
+
     path = shutil.which(WIREGUARD_GO)
     out: dict = {"backend": "wireguard-go", "path": path, "prints": wg_version(), "package": None, "sha256": None}
     if path:
         out["sha256"] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            res = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "wireguard-go"], capture_output=True,
-                                 text=True, timeout=5)
+            res = subprocess.run(
+                ["dpkg-query", "-W", "-f=${Version}", "wireguard-go"], capture_output=True, text=True, timeout=5
+            )
             out["package"] = res.stdout.strip() or None
     return out
 
@@ -95,15 +100,25 @@ def wireguard_binary() -> dict:
 def environment() -> dict:
     """What the numbers were measured on: machine, date, load, torch, and the WireGuard binary."""
     import torch
-    return {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release(),
-            "python": platform.python_version(), "torch": torch.__version__, "wireguard_go": wg_version(),
-            "wireguard": wireguard_binary(), "loadavg_at_start": os.getloadavg()[0],
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    return {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "wireguard_go": wg_version(),
+        "wireguard": wireguard_binary(),
+        "loadavg_at_start": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def spread(values: list[float]) -> dict:
     """{"min", "median", "max", "n"} of a benchmark's rounds."""
     import statistics
+
     v = sorted(float(x) for x in values)
     return {"min": v[0], "median": statistics.median(v), "max": v[-1], "n": len(v)} if v else {"n": 0}
 
@@ -120,8 +135,13 @@ def alternating(variants: list[str], rounds: int) -> list[str]:
 def write_result(name: str, data: dict, summary: str) -> Path:
     """benchmarks/results/NAME.json (with the summary line and the environment); prints the summary."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    data = {"benchmark": name, "summary": summary, "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-            "environment": environment(), **data}
+    data = {
+        "benchmark": name,
+        "summary": summary,
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "environment": environment(),
+        **data,
+    }
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(summary, flush=True)

@@ -63,6 +63,7 @@ def pct(xs: list[float], q: float) -> float | None:
 
 # --------------------------------------------------------------------------- server process
 
+
 def server(args) -> int:
     from dataclasses import replace
 
@@ -70,19 +71,28 @@ def server(args) -> int:
     from meshrun.core.model import Network
     from meshrun.core.token import new_token
     from meshrun.mesh.coordinator.daemon import CoordinatorService
+    from meshrun.system.coordinatordb import CoordinatorDB
     from meshrun.system.fakedevice import FakeDevice
     from meshrun.system.statedir import StateDir, remove_tree
-    from meshrun.system.coordinatordb import CoordinatorDB
     from meshrun.system.transport import JSONServer
 
     tmp = Path(tempfile.mkdtemp(prefix="meshrun-load-"))
     state = StateDir(tmp / "state")
     state.create()
     private = keys.generate_private_key()
-    state.write("private.key", (private + "\n").encode(), secret=True)   # the wg-quick file embeds it
-    net = Network(name="load", cidr="10.213.0.0/16", interface="meshrun0", listen_port=51820, mtu=1420,
-                  coordinator_ip="10.213.0.1", coordinator_public_key=keys.public_key(private),
-                  endpoints=("203.0.113.1:51820",), fingerprint="0" * 64, api_port=51821)
+    state.write("private.key", (private + "\n").encode(), secret=True)  # the wg-quick file embeds it
+    net = Network(
+        name="load",
+        cidr="10.213.0.0/16",
+        interface="meshrun0",
+        listen_port=51820,
+        mtu=1420,
+        coordinator_ip="10.213.0.1",
+        coordinator_public_key=keys.public_key(private),
+        endpoints=("203.0.113.1:51820",),
+        fingerprint="0" * 64,
+        api_port=51821,
+    )
     db = CoordinatorDB.create(state / "coordinator.db")
     db.set_meta(network=json.dumps(net.to_dict()))
     db.add_coordinator("coordinator", net.coordinator_public_key, net.coordinator_ip)
@@ -92,16 +102,29 @@ def server(args) -> int:
     members = []
     for i in range(args.agents + STORM_JOINS):
         members.append((f"n{i}", keys.public_key(keys.generate_private_key()), loop_ip(i)))
-    for name, key, ip in members[:args.agents]:
+    for name, key, ip in members[: args.agents]:
         m, _ = db.enrol(tok.token_id, tok.secret, name, key, CANDIDATES, net.cidr)
         mapping[ip] = m.overlay_ip
     # Every member has an observed endpoint (each its own public address), as in a running network.
-    db.observe({m.public_key: (f"198.18.{j // 250}.{j % 250 + 1}:51820", int(time.time()))
-                for j, m in enumerate(db.members()) if not m.is_coordinator})
+    db.observe(
+        {
+            m.public_key: (f"198.18.{j // 250}.{j % 250 + 1}:51820", int(time.time()))
+            for j, m in enumerate(db.members())
+            if not m.is_coordinator
+        }
+    )
     db.close()
     state.write("job.key", auth.encode_key(auth.new_key()).encode(), secret=True)
-    state.write_json("member.json", {"role": "coordinator", "name": "coordinator", "network": net.to_dict(),
-                                     "overlay_ip": net.coordinator_ip, "public_key": net.coordinator_public_key})
+    state.write_json(
+        "member.json",
+        {
+            "role": "coordinator",
+            "name": "coordinator",
+            "network": net.to_dict(),
+            "overlay_ip": net.coordinator_ip,
+            "public_key": net.coordinator_public_key,
+        },
+    )
     device = FakeDevice(net.interface, present=True)
     svc = CoordinatorService(state, device=device)
 
@@ -113,6 +136,7 @@ def server(args) -> int:
         t0 = time.thread_time()
         real_tick(now)
         tick_cpu.append((time.monotonic(), time.thread_time() - t0))
+
     svc.tick = timed_tick
 
     def rekeys() -> None:
@@ -133,8 +157,10 @@ def server(args) -> int:
     svc.apply_peers()
     threading.Thread(target=svc._loop, name="loop", daemon=True).start()
     threading.Thread(target=rekeys, name="rekeys", daemon=True).start()
-    print(json.dumps({"port": srv.server_address[1], "version": svc.roster.version,
-                      "keys": [k for _, k, _ in members]}), flush=True)
+    print(
+        json.dumps({"port": srv.server_address[1], "version": svc.roster.version, "keys": [k for _, k, _ in members]}),
+        flush=True,
+    )
 
     def say(**kw) -> None:
         print(json.dumps(kw), flush=True)
@@ -143,23 +169,23 @@ def server(args) -> int:
         cmd = line.split()
         if not cmd:
             continue
-        if cmd[0] == "ticks":                    # CPU per tick since a monotonic time
+        if cmd[0] == "ticks":  # CPU per tick since a monotonic time
             since = float(cmd[1])
             say(ticks=[c for t, c in tick_cpu if t >= since])
-        elif cmd[0] == "storm":                  # STORM_JOINS joins spread over STORM_S
+        elif cmd[0] == "storm":  # STORM_JOINS joins spread over STORM_S
             gap = STORM_S / STORM_JOINS
-            for j, (name, key, ip) in enumerate(members[args.agents:]):
+            for j, (name, key, ip) in enumerate(members[args.agents :]):
                 t0 = time.monotonic()
                 m, _ = svc.db.enrol(tok.token_id, tok.secret, name, key, CANDIDATES, net.cidr)
                 mapping[ip] = m.overlay_ip
-                svc._enrolled(m)                 # what the enrolment API calls after recording a join
+                svc._enrolled(m)  # what the enrolment API calls after recording a join
                 say(joined=j, at=t0, version=svc.db.version())
                 time.sleep(max(0.0, gap - (time.monotonic() - t0)))
             say(storm="done")
         elif cmd[0] == "remove":
             t0 = time.monotonic()
             svc.db.remove_member(cmd[1])
-            svc.wake.set()                       # what `meshrun remove` does through the admin API
+            svc.wake.set()  # what `meshrun remove` does through the admin API
             say(removed=cmd[1], at=t0, version=svc.db.version())
     svc.stop_event.set()
     srv.shutdown()
@@ -169,14 +195,17 @@ def server(args) -> int:
 
 # --------------------------------------------------------------------------- agents
 
+
 async def post_sync(port: int, src: str, body: bytes) -> tuple[int, int, float]:
     """One POST /v1/sync from `src`; returns (status, version, seconds)."""
     t0 = time.monotonic()
     reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(src, 0), limit=1 << 24)
-    writer.write(b"POST /v1/sync HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    writer.write(
+        b"POST /v1/sync HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+    )
     await writer.drain()
-    data = await reader.read()                    # HTTP/1.0 answer: read to EOF
+    data = await reader.read()  # HTTP/1.0 answer: read to EOF
     writer.close()
     status = int(data[9:12]) if data[:5] == b"HTTP/" else 0
     m = VERSION_RE.search(data, data.find(b"\r\n\r\n"))
@@ -188,16 +217,16 @@ class Agents:
 
     def __init__(self, port: int, keys: list[str], wait: float) -> None:
         self.port, self.keys, self.wait = port, keys, wait
-        self.live = 0                              # agents 0..live-1 are members (others: not joined yet)
+        self.live = 0  # agents 0..live-1 are members (others: not joined yet)
         self.version: dict[int, int] = {}
         self.last_sync: dict[int, float] = {}
-        self.got: dict[int, list[tuple[int, float]]] = {}   # agent -> [(version, when received)]
+        self.got: dict[int, list[tuple[int, float]]] = {}  # agent -> [(version, when received)]
         self.errors = 0
         self.gone: set[int] = set()
         self.stop = False
 
     def body(self, i: int, version: int, wait: float, full: bool) -> bytes:
-        others = [k for j, k in enumerate(self.keys[:self.live]) if j != i]
+        others = [k for j, k in enumerate(self.keys[: self.live]) if j != i]
         now = int(time.time())
         if full:
             report = {k: now for k in others}
@@ -206,8 +235,17 @@ class Agents:
             count = min(len(others), max(0, round(len(others) * since / REKEY_S)))
             report = {k: now for k in random.sample(others, count)}
         self.last_sync[i] = time.monotonic()
-        return json.dumps({"candidates": CANDIDATES, "peers": report, "full": full, "mtu": 1420,
-                           "version": version, "wait": wait, "delta": True}).encode()
+        return json.dumps(
+            {
+                "candidates": CANDIDATES,
+                "peers": report,
+                "full": full,
+                "mtu": 1420,
+                "version": version,
+                "wait": wait,
+                "delta": True,
+            }
+        ).encode()
 
     async def agent(self, i: int, start_delay: float) -> None:
         await asyncio.sleep(start_delay)
@@ -247,15 +285,25 @@ async def probe(port: int, agents: Agents, srcs: list[int], seconds: float, out:
     """Non-waiting syncs (wait=0) from `srcs`, once a second each, for `seconds`."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+
         async def one(i):
             try:
-                body = json.dumps({"candidates": CANDIDATES, "peers": {}, "version": agents.version.get(i, 0),
-                                   "wait": 0, "delta": True, "mtu": 1420}).encode()
+                body = json.dumps(
+                    {
+                        "candidates": CANDIDATES,
+                        "peers": {},
+                        "version": agents.version.get(i, 0),
+                        "wait": 0,
+                        "delta": True,
+                        "mtu": 1420,
+                    }
+                ).encode()
                 status, _, secs = await post_sync(port, loop_ip(i), body)
                 if status == 200:
                     out.append(secs)
             except OSError:
                 agents.errors += 1
+
         await asyncio.gather(*(one(i) for i in srcs))
         await asyncio.sleep(1.0)
 
@@ -267,8 +315,12 @@ def cpu_seconds(pid: int) -> float:
 
 class Server:
     def __init__(self, agents: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--server", "--agents", str(agents)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--server", "--agents", str(agents)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.hello = json.loads(self.proc.stdout.readline())
 
     async def ask(self, line: str) -> dict:
@@ -291,6 +343,7 @@ class Server:
 
 async def one_size(n: int, args) -> dict:
     from meshrun.mesh.node.daemon import SYNC_WAIT
+
     srv = Server(n)
     port, pid = srv.hello["port"], srv.proc.pid
     agents = Agents(port, srv.hello["keys"], SYNC_WAIT)
@@ -338,18 +391,30 @@ async def one_size(n: int, args) -> dict:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     srv.close()
-    def finite(x):                     # JSON has no infinity: null means "not every agent got it in time"
+
+    def finite(x):  # JSON has no infinity: null means "not every agent got it in time"
         return None if x is None or x == float("inf") else x
-    return {"members": n, "window_s": round(t1 - t0, 2), "cpu_share": (c1 - c0) / (t1 - t0),
-            "ticks": len(ticks), "tick_cpu_ms_mean": 1e3 * statistics.fmean(ticks) if ticks else None,
-            "tick_cpu_ms_p99": 1e3 * pct(ticks, 0.99) if ticks else None,
-            "probe_syncs": len(probes), "sync_p50_ms": 1e3 * (pct(probes, 0.5) or 0),
-            "sync_p99_ms": 1e3 * (pct(probes, 0.99) or 0),
-            "storm_joins": len(joins), "join_visible_p50_s": pct(visible, 0.5),
-            "join_visible_p99_s": finite(pct(visible, 0.99)),
-            "join_visible_max_s": finite(max(visible)) if visible else None,
-            "storm_cpu_s": storm_cpu, "removal_visible_s": finite(removal_s), "removed_agent_told": victim in agents.gone,
-            "errors": agents.errors, "setup_s": round(t0 - t_setup, 1)}
+
+    return {
+        "members": n,
+        "window_s": round(t1 - t0, 2),
+        "cpu_share": (c1 - c0) / (t1 - t0),
+        "ticks": len(ticks),
+        "tick_cpu_ms_mean": 1e3 * statistics.fmean(ticks) if ticks else None,
+        "tick_cpu_ms_p99": 1e3 * pct(ticks, 0.99) if ticks else None,
+        "probe_syncs": len(probes),
+        "sync_p50_ms": 1e3 * (pct(probes, 0.5) or 0),
+        "sync_p99_ms": 1e3 * (pct(probes, 0.99) or 0),
+        "storm_joins": len(joins),
+        "join_visible_p50_s": pct(visible, 0.5),
+        "join_visible_p99_s": finite(pct(visible, 0.99)),
+        "join_visible_max_s": finite(max(visible)) if visible else None,
+        "storm_cpu_s": storm_cpu,
+        "removal_visible_s": finite(removal_s),
+        "removed_agent_told": victim in agents.gone,
+        "errors": agents.errors,
+        "setup_s": round(t0 - t_setup, 1),
+    }
 
 
 def main() -> int:
@@ -369,6 +434,7 @@ def main() -> int:
     if not all(2 <= s <= 62000 for s in sizes):
         sys.exit("--sizes: each member count must be 2 to 62000")
     from common import verdict, write_result
+
     t_start = time.monotonic()
     rows = []
     for n in sizes:
@@ -378,20 +444,32 @@ def main() -> int:
 
     def secs(x):
         return "not reached by every agent within 5 s" if x is None else f"{x:.2f} s"
+
     ok_cpu = big["cpu_share"] < 0.10
     ok_lat = big["sync_p99_ms"] < 100
     ok_join = big["join_visible_max_s"] is not None and big["join_visible_max_s"] < 2.0
-    def per_tick(r):                   # no tick in the window: the loop was starved
+
+    def per_tick(r):  # no tick in the window: the loop was starved
         return "no tick completed" if r["tick_cpu_ms_mean"] is None else f"{r['tick_cpu_ms_mean']:.2f} ms/tick"
+
     growth = ", ".join(f"{r['members']}: {per_tick(r)}, {r['cpu_share']:.1%}" for r in rows)
-    summary = (f"coordinator_load (real loop): {big['members']} members: coordinator CPU {big['cpu_share']:.1%} of "
-               f"one core ({verdict(ok_cpu)} < 10%), p99 sync {big['sync_p99_ms']:.0f} ms ({verdict(ok_lat)} < 100 ms); "
-               f"join storm {big['storm_joins']} in {STORM_S:g} s: each visible to all in p50 "
-               f"{big['join_visible_p50_s']:.2f} s / max {secs(big['join_visible_max_s'])} ({verdict(ok_join)} < 2 s); "
-               f"removal {secs(big['removal_visible_s'])}; per tick: {growth}; errors "
-               f"{sum(r['errors'] for r in rows)} [{time.monotonic() - t_start:.0f} s]")
-    write_result(args.name, {"sizes": rows, "targets": {"cpu_share": 0.10, "sync_p99_ms": 100, "join_visible_s": 2.0},
-                             "met": {"cpu_share": ok_cpu, "sync_p99_ms": ok_lat, "join_visible_s": ok_join}}, summary)
+    summary = (
+        f"coordinator_load (real loop): {big['members']} members: coordinator CPU {big['cpu_share']:.1%} of "
+        f"one core ({verdict(ok_cpu)} < 10%), p99 sync {big['sync_p99_ms']:.0f} ms ({verdict(ok_lat)} < 100 ms); "
+        f"join storm {big['storm_joins']} in {STORM_S:g} s: each visible to all in p50 "
+        f"{big['join_visible_p50_s']:.2f} s / max {secs(big['join_visible_max_s'])} ({verdict(ok_join)} < 2 s); "
+        f"removal {secs(big['removal_visible_s'])}; per tick: {growth}; errors "
+        f"{sum(r['errors'] for r in rows)} [{time.monotonic() - t_start:.0f} s]"
+    )
+    write_result(
+        args.name,
+        {
+            "sizes": rows,
+            "targets": {"cpu_share": 0.10, "sync_p99_ms": 100, "join_visible_s": 2.0},
+            "met": {"cpu_share": ok_cpu, "sync_p99_ms": ok_lat, "join_visible_s": ok_join},
+        },
+        summary,
+    )
     return 0
 
 

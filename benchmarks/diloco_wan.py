@@ -39,8 +39,8 @@ import os
 import platform
 import re
 import secrets
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -57,8 +57,8 @@ SCRIPT = "diloco_charlm.py"
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "diloco_wan.json"
 COORD_DC = "coord"
 TARGET_BYTES_RATIO = 400.0  # fewer bytes than DDP, at least
-TARGET_WALL_RATIO = 1.10    # end-to-end wall time vs the no-communication run, at most
-TARGET_LOSS_RATIO = 1.03    # val loss vs DDP's, at most
+TARGET_WALL_RATIO = 1.10  # end-to-end wall time vs the no-communication run, at most
+TARGET_LOSS_RATIO = 1.03  # val loss vs DDP's, at most
 FINAL_RE = re.compile(r"\bfinal (val_loss=.*)$")
 # Script arguments per variant (on top of the shared ones); DiLoCo variants also get the outer optimizer.
 VARIANTS = {
@@ -80,21 +80,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="GRU width (256: 0.66 M parameters, 2.6 MB fp32)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=5e-3,
-                   help="AdamW lr, DDP and DiLoCo inner alike (5e-3: DDP's best of 2e-3/3e-3/5e-3/7e-3)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per worker: the 3 simulated nodes share this machine's cores")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=5e-3,
+        help="AdamW lr, DDP and DiLoCo inner alike (5e-3: DDP's best of 2e-3/3e-3/5e-3/7e-3)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per worker: the 3 simulated nodes share this machine's cores",
+    )
     p.add_argument("--outer-lr", type=float, default=0.8, help="see benchmarks/README.md for what was tried")
     p.add_argument("--outer-momentum", type=float, default=0.5, help="Nesterov")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated, run in this order [{','.join(VARIANTS)}]")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, run in this order [{','.join(VARIANTS)}]"
+    )
     p.add_argument("--prefix", default=None, help="testbed namespace prefix [dlw + 4 random hex digits]")
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run before it is cancelled")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"result file [{DEFAULT_JSON.relative_to(REPO)}]")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run every variant this many times, alternating the order; medians are compared")
-    p.add_argument("--local", action="store_true",
-                   help="no meshrun: torchrun in one namespace per worker on a shaped bridge (see LinkTarget)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every variant this many times, alternating the order; medians are compared",
+    )
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="no meshrun: torchrun in one namespace per worker on a shaped bridge (see LinkTarget)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="stream every rank's output")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -115,9 +131,23 @@ def say(msg: str) -> None:
 
 
 def script_args(args: argparse.Namespace, variant: str) -> list[str]:
-    out = [*VARIANTS[variant], "--steps", str(args.steps), "--sync-every", str(args.sync_every),
-           "--hidden", str(args.hidden), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-           "--lr", str(args.lr), "--threads", str(args.threads)]
+    out = [
+        *VARIANTS[variant],
+        "--steps",
+        str(args.steps),
+        "--sync-every",
+        str(args.sync_every),
+        "--hidden",
+        str(args.hidden),
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--lr",
+        str(args.lr),
+        "--threads",
+        str(args.threads),
+    ]
     if "diloco" in VARIANTS[variant]:
         out += ["--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
     return out
@@ -157,9 +187,22 @@ class MeshrunTarget:
         say(f"meshrun {' '.join(argv)}  (cwd {EXAMPLES})")
         # Not Mesh.meshrun_popen: it appends --state-dir after ARGS, where `meshrun train` hands it to the script.
         coord = self.mesh.coordinator
-        return [coord.popen(self.mesh.python, "-m", "meshrun", argv[0], "--state-dir", str(self.mesh.state_dir(coord)),
-                            *argv[1:], cwd=str(EXAMPLES), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)]
+        return [
+            coord.popen(
+                self.mesh.python,
+                "-m",
+                "meshrun",
+                argv[0],
+                "--state-dir",
+                str(self.mesh.state_dir(coord)),
+                *argv[1:],
+                cwd=str(EXAMPLES),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        ]
 
 
 class LinkTarget:
@@ -182,22 +225,52 @@ class LinkTarget:
     def sh(*argv: str) -> str:
         return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
-    def __enter__(self) -> "LinkTarget":
+    def __enter__(self) -> LinkTarget:
         try:
             self.sh("ip", "netns", "add", self.hub)
             self.sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
             self.sh("ip", "-n", self.hub, "link", "set", "br0", "up")
             for i, ns in enumerate(self.ns):
                 self.sh("ip", "netns", "add", ns)
-                self.sh("ip", "link", "add", "veth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}",
-                        "netns", self.hub)
+                self.sh(
+                    "ip",
+                    "link",
+                    "add",
+                    "veth0",
+                    "netns",
+                    ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    f"p{i}",
+                    "netns",
+                    self.hub,
+                )
                 self.sh("ip", "-n", self.hub, "link", "set", f"p{i}", "master", "br0", "up")
                 self.sh("ip", "-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", "veth0")
                 self.sh("ip", "-n", ns, "link", "set", "veth0", "up")
                 self.sh("ip", "-n", ns, "link", "set", "lo", "up")
                 for where, dev in ((ns, "veth0"), (self.hub, f"p{i}")):  # upload, download
-                    self.sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                            "rate", f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "50ms")
+                    self.sh(
+                        "ip",
+                        "netns",
+                        "exec",
+                        where,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{self.rate_mbit}mbit",
+                        "burst",
+                        "256kb",
+                        "latency",
+                        "50ms",
+                    )
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -221,15 +294,46 @@ class LinkTarget:
         for i, ns in enumerate(self.ns):
             job_dir = self.run_dir / f"run{self.runs}" / ns
             job_dir.mkdir(parents=True)
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": "veth0", "MESHRUN_JOB_DIR": str(job_dir),
-                   "PYTHONPATH": str(REPO)}
-            argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
-                    "--nnodes", str(len(self.ns)), "--nproc-per-node", "1", "--node-rank", str(i),
-                    "--master-addr", "10.77.0.1", "--master-port", str(29500 + self.runs), SCRIPT, *script_argv]
+            env = {
+                **os.environ,
+                "GLOO_SOCKET_IFNAME": "veth0",
+                "MESHRUN_JOB_DIR": str(job_dir),
+                "PYTHONPATH": str(REPO),
+            }
+            argv = [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(len(self.ns)),
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(i),
+                "--master-addr",
+                "10.77.0.1",
+                "--master-port",
+                str(29500 + self.runs),
+                SCRIPT,
+                *script_argv,
+            ]
             if i == 0:
                 say(" ".join(argv[4:]) + f"  (one per namespace, cwd {EXAMPLES})")
-            procs.append(subprocess.Popen(argv, cwd=str(EXAMPLES), env=env, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    cwd=str(EXAMPLES),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         return procs
 
 
@@ -277,8 +381,9 @@ def run_variant(target: MeshrunTarget | LinkTarget, args: argparse.Namespace, va
         "wire_bytes_per_worker": {k: after[k] - before[k] for k in after},
         "script_args": script_args(args, variant),
         "outer_steps_logged": sum(1 for line in lines if " outer_step " in line),
-        "param_checksums": sorted({m.group(1) for m in re.finditer(r"param_checksum rank=\d+ sync=\d+ digest=(\w+)",
-                                                                    "\n".join(lines))}),
+        "param_checksums": sorted(
+            {m.group(1) for m in re.finditer(r"param_checksum rank=\d+ sync=\d+ digest=(\w+)", "\n".join(lines))}
+        ),
     }
     wire = list(result["wire_bytes_per_worker"].values())
     result["wire_bytes_mean"] = int(sum(wire) / len(wire))
@@ -288,14 +393,16 @@ def run_variant(target: MeshrunTarget | LinkTarget, args: argparse.Namespace, va
         say(f"{variant}: FAILED ({result['error']}); last lines:\n" + "\n".join(lines[-40:]))
         return result
     f = finals[-1]
-    result.update({
-        "train_loop_s": f.get("wall_s"),
-        "val_loss": f.get("val_loss"),
-        "payload_bytes_per_worker": f.get("bytes_sent"),
-        "world_size": f.get("world_size"),
-        "syncs": f.get("syncs"),
-        "final_line": next(line for line in reversed(lines) if FINAL_RE.search(line)),
-    })
+    result.update(
+        {
+            "train_loop_s": f.get("wall_s"),
+            "val_loss": f.get("val_loss"),
+            "payload_bytes_per_worker": f.get("bytes_sent"),
+            "world_size": f.get("world_size"),
+            "syncs": f.get("syncs"),
+            "final_line": next(line for line in reversed(lines) if FINAL_RE.search(line)),
+        }
+    )
     m = re.search(r"\bparams=(\d+)", "\n".join(lines))
     if m:
         result["params"] = int(m.group(1))
@@ -325,7 +432,7 @@ def run_rounds(target: MeshrunTarget | LinkTarget, args: argparse.Namespace) -> 
     """Every variant once per round, the order reversed every other round (the machine's load drifts)."""
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     for i in range(args.rounds):
-        for variant in (args.variants if i % 2 == 0 else args.variants[::-1]):
+        for variant in args.variants if i % 2 == 0 else args.variants[::-1]:
             runs[variant].append(run_variant(target, args, variant))
     return {v: aggregate(r) for v, r in runs.items()}
 
@@ -346,49 +453,69 @@ def compare(ddp: dict, local: dict, r: dict) -> dict:
     # framing, rendezvous, agent traffic) that no compression removes.
     bytes_ratio = min(out["payload_bytes_ratio"], out["wire_bytes_ratio"])
     out["targets"] = {
-        "bytes": {"target": f">= {TARGET_BYTES_RATIO:g}x fewer bytes than DDP", "value": bytes_ratio,
-                  "met": bytes_ratio >= TARGET_BYTES_RATIO, "off_by": TARGET_BYTES_RATIO / bytes_ratio},
-        "wall": {"target": f"<= {TARGET_WALL_RATIO:g}x the no-communication wall time (end to end)",
-                 "value": out["wall_ratio_vs_local"], "met": out["wall_ratio_vs_local"] <= TARGET_WALL_RATIO,
-                 "off_by": out["wall_ratio_vs_local"] / TARGET_WALL_RATIO},
+        "bytes": {
+            "target": f">= {TARGET_BYTES_RATIO:g}x fewer bytes than DDP",
+            "value": bytes_ratio,
+            "met": bytes_ratio >= TARGET_BYTES_RATIO,
+            "off_by": TARGET_BYTES_RATIO / bytes_ratio,
+        },
+        "wall": {
+            "target": f"<= {TARGET_WALL_RATIO:g}x the no-communication wall time (end to end)",
+            "value": out["wall_ratio_vs_local"],
+            "met": out["wall_ratio_vs_local"] <= TARGET_WALL_RATIO,
+            "off_by": out["wall_ratio_vs_local"] / TARGET_WALL_RATIO,
+        },
         # The end-to-end time includes start-up that both runs share; the training loop alone is stricter.
-        "wall_loop": {"target": f"<= {TARGET_WALL_RATIO:g}x the no-communication training loop",
-                      "value": out["train_loop_ratio_vs_local"],
-                      "met": out["train_loop_ratio_vs_local"] <= TARGET_WALL_RATIO,
-                      "off_by": out["train_loop_ratio_vs_local"] / TARGET_WALL_RATIO},
-        "loss": {"target": f"<= {TARGET_LOSS_RATIO:g}x DDP's val loss", "value": out["loss_ratio"],
-                 "met": out["loss_ratio"] <= TARGET_LOSS_RATIO, "off_by": out["loss_ratio"] / TARGET_LOSS_RATIO},
+        "wall_loop": {
+            "target": f"<= {TARGET_WALL_RATIO:g}x the no-communication training loop",
+            "value": out["train_loop_ratio_vs_local"],
+            "met": out["train_loop_ratio_vs_local"] <= TARGET_WALL_RATIO,
+            "off_by": out["train_loop_ratio_vs_local"] / TARGET_WALL_RATIO,
+        },
+        "loss": {
+            "target": f"<= {TARGET_LOSS_RATIO:g}x DDP's val loss",
+            "value": out["loss_ratio"],
+            "met": out["loss_ratio"] <= TARGET_LOSS_RATIO,
+            "off_by": out["loss_ratio"] / TARGET_LOSS_RATIO,
+        },
     }
     out["all_met"] = all(t["met"] for t in out["targets"].values())
     return out
 
 
 def verdict_text(t: dict) -> str:
-    """"met" or "MISSED (off by 1.23x)": how far the value is from the target, as a factor."""
+    """ "met" or "MISSED (off by 1.23x)": how far the value is from the target, as a factor."""
     return "met" if t["met"] else f"MISSED (off by {t['off_by']:.2f}x)"
 
 
 def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict]) -> tuple[str, str]:
     """(readable multi-line summary, one-line summary)."""
     params = next((r["params"] for r in res.values() if "params" in r), "?")
-    where = (f"--local: torchrun in {cfg['workers']} namespaces on a bridge, every link {cfg['rate_mbit']} Mbit/s "
-             "(no meshrun, no WireGuard)" if cfg["local"] else
-             f"over meshrun: {cfg['workers']} workers in {cfg['workers']} datacenters + coordinator, every internet "
-             f"link {cfg['rate_mbit']} Mbit/s, wireguard-go overlay")
-    lines = [f"DiLoCo variants vs DDP {where}",
-             f"model: char GRU hidden {cfg['hidden']} ({params} params), {cfg['steps']} steps x "
-             f"{cfg['batch_size']}x{cfg['seq_len']} tokens per worker ({cfg['tokens_total']:,} tokens in all), inner "
-             f"AdamW lr {cfg['lr']}; DiLoCo H={cfg['sync_every']}, outer lr {cfg['outer_lr']} momentum "
-             f"{cfg['outer_momentum']}",
-             f"{'variant':<15}{'wall (e2e)':>11}{'train loop':>11}{'payload/worker':>16}{'wire/worker':>14}"
-             f"{'val_loss':>10}{'syncs':>6}"]
+    where = (
+        f"--local: torchrun in {cfg['workers']} namespaces on a bridge, every link {cfg['rate_mbit']} Mbit/s "
+        "(no meshrun, no WireGuard)"
+        if cfg["local"]
+        else f"over meshrun: {cfg['workers']} workers in {cfg['workers']} datacenters + coordinator, every internet "
+        f"link {cfg['rate_mbit']} Mbit/s, wireguard-go overlay"
+    )
+    lines = [
+        f"DiLoCo variants vs DDP {where}",
+        f"model: char GRU hidden {cfg['hidden']} ({params} params), {cfg['steps']} steps x "
+        f"{cfg['batch_size']}x{cfg['seq_len']} tokens per worker ({cfg['tokens_total']:,} tokens in all), inner "
+        f"AdamW lr {cfg['lr']}; DiLoCo H={cfg['sync_every']}, outer lr {cfg['outer_lr']} momentum "
+        f"{cfg['outer_momentum']}",
+        f"{'variant':<15}{'wall (e2e)':>11}{'train loop':>11}{'payload/worker':>16}{'wire/worker':>14}"
+        f"{'val_loss':>10}{'syncs':>6}",
+    ]
     for name, r in res.items():
         if "error" in r:
             lines.append(f"{name:<15} FAILED: {r['error']}")
             continue
-        lines.append(f"{name:<15}{r['wall_s']:>10.1f}s{r['train_loop_s']:>10.1f}s"
-                     f"{mb(r['payload_bytes_per_worker']):>16}"
-                     f"{mb(r['wire_bytes_mean']):>14}{r['val_loss']:>10.4f}{r.get('syncs') or '':>6}")
+        lines.append(
+            f"{name:<15}{r['wall_s']:>10.1f}s{r['train_loop_s']:>10.1f}s"
+            f"{mb(r['payload_bytes_per_worker']):>16}"
+            f"{mb(r['wire_bytes_mean']):>14}{r['val_loss']:>10.4f}{r.get('syncs') or '':>6}"
+        )
     ones = []
     for name, c in comps.items():
         if "error" in c:
@@ -403,12 +530,16 @@ def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict]) -> tuple[st
             f"{c['train_loop_ratio_vs_local']:.3f}x train loop: {verdict_text(t['wall_loop'])}; "
             f"{c['wall_ratio_vs_ddp']:.2f}x DDP | loss {c['loss_ratio']:.4f}x DDP "
             f"({res[name]['val_loss']:.4f} vs {res['ddp']['val_loss']:.4f}; target <= {TARGET_LOSS_RATIO:g}x): "
-            f"{verdict_text(t['loss'])}")
+            f"{verdict_text(t['loss'])}"
+        )
         mark = "ALL MET" if c["all_met"] else "missed " + ",".join(k for k, v in t.items() if not v["met"])
-        ones.append(f"{name} {c['wire_bytes_ratio']:.0f}x/{c['wall_ratio_vs_local']:.2f}x/"
-                    f"{c['train_loop_ratio_vs_local']:.2f}x/{c['loss_ratio']:.3f}x {mark}")
-    one = ("diloco_wan (wire bytes vs DDP / wall e2e, train loop vs no-comm / loss vs DDP): "
-           + (" | ".join(ones) if ones else "no comparison (ddp or local missing)"))
+        ones.append(
+            f"{name} {c['wire_bytes_ratio']:.0f}x/{c['wall_ratio_vs_local']:.2f}x/"
+            f"{c['train_loop_ratio_vs_local']:.2f}x/{c['loss_ratio']:.3f}x {mark}"
+        )
+    one = "diloco_wan (wire bytes vs DDP / wall e2e, train loop vs no-comm / loss vs DDP): " + (
+        " | ".join(ones) if ones else "no comparison (ddp or local missing)"
+    )
     return "\n".join(lines), one
 
 
@@ -418,17 +549,36 @@ def main(argv: list[str] | None = None) -> int:
         print("diloco_wan: needs root to build network namespaces (run it with sudo)", file=sys.stderr)
         return 2
     worker_dcs = [f"dc{i}" for i in range(1, args.workers + 1)]
-    specs = [DatacenterSpec(COORD_DC, rate_mbit=args.rate_mbit)] + \
-            [DatacenterSpec(dc, rate_mbit=args.rate_mbit) for dc in worker_dcs]
-    cfg = {k: getattr(args, k) for k in ("workers", "rate_mbit", "steps", "sync_every", "hidden", "batch_size",
-                                         "seq_len", "lr", "threads", "outer_lr", "outer_momentum", "variants", "local",
-                                         "rounds")}
+    specs = [DatacenterSpec(COORD_DC, rate_mbit=args.rate_mbit)] + [
+        DatacenterSpec(dc, rate_mbit=args.rate_mbit) for dc in worker_dcs
+    ]
+    cfg = {
+        k: getattr(args, k)
+        for k in (
+            "workers",
+            "rate_mbit",
+            "steps",
+            "sync_every",
+            "hidden",
+            "batch_size",
+            "seq_len",
+            "lr",
+            "threads",
+            "outer_lr",
+            "outer_momentum",
+            "variants",
+            "local",
+            "rounds",
+        )
+    }
     cfg["tokens_total"] = args.steps * args.batch_size * args.seq_len * args.workers
     load_at_start = os.getloadavg()[0]
     t_start = time.monotonic()
     if args.local:
-        with tempfile.TemporaryDirectory(prefix="diloco_wan.") as tmp, \
-                LinkTarget(args.prefix, args.workers, args.rate_mbit, Path(tmp)) as target:
+        with (
+            tempfile.TemporaryDirectory(prefix="diloco_wan.") as tmp,
+            LinkTarget(args.prefix, args.workers, args.rate_mbit, Path(tmp)) as target,
+        ):
             results = run_rounds(target, args)
     else:
         with World(specs, prefix=args.prefix, log=say) as world:
@@ -445,18 +595,24 @@ def main(argv: list[str] | None = None) -> int:
             results = run_rounds(target, args)
     comps = {}
     if {"ddp", "local"} <= set(results):
-        comps = {v: compare(results["ddp"], results["local"], results[v])
-                 for v in results if v not in ("ddp", "local")}
+        comps = {v: compare(results["ddp"], results["local"], results[v]) for v in results if v not in ("ddp", "local")}
     text, one = summary(cfg, results, comps)
     report = {
         "benchmark": "diloco_wan",
         "command": " ".join(["sudo python benchmarks/diloco_wan.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "loadavg_at_start": load_at_start},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "loadavg_at_start": load_at_start,
+        },
         "config": cfg,
-        "targets": {"bytes_ratio_min": TARGET_BYTES_RATIO, "wall_ratio_vs_local_max": TARGET_WALL_RATIO,
-                    "loss_ratio_max": TARGET_LOSS_RATIO},
+        "targets": {
+            "bytes_ratio_min": TARGET_BYTES_RATIO,
+            "wall_ratio_vs_local_max": TARGET_WALL_RATIO,
+            "loss_ratio_max": TARGET_LOSS_RATIO,
+        },
         "results": results,
         "comparison": comps,
         "summary": one,
@@ -464,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         import torch
+
         report["machine"]["torch"] = torch.__version__
     except ImportError:
         pass

@@ -35,6 +35,7 @@ def main() -> int:
     ap.add_argument("--name", default="preflight_time")
     args = ap.parse_args()
     from common import mesh_world, need_root, verdict, write_result
+
     need_root()
     t_start = time.monotonic()
     code_dir = Path(tempfile.mkdtemp(prefix="meshrun-preflight-"))
@@ -45,8 +46,9 @@ def main() -> int:
             for n in names:
                 mesh.wait_ping("dc1-a", mesh.overlay_ip(n))
             for r in range(args.rounds):
-                res = mesh.meshrun("dc1-a", "train", "--job-id", f"pf-{r}", "exit_now.py", cwd=code_dir,
-                                   check=False, timeout=300)
+                res = mesh.meshrun(
+                    "dc1-a", "train", "--job-id", f"pf-{r}", "exit_now.py", cwd=code_dir, check=False, timeout=300
+                )
                 m = SAID.search(res.stdout + res.stderr)
                 if res.returncode != 0 or not m or int(m.group(1)) != args.nodes:
                     raise RuntimeError(f"job {r} exited {res.returncode}: {(res.stdout + res.stderr)[-2000:]}")
@@ -57,11 +59,24 @@ def main() -> int:
     warm = runs[1:] or runs
     med, worst = statistics.median(warm), max(warm)
     ok = worst < 2.0
-    summary = (f"preflight_time: {args.nodes} nodes: first job {runs[0]:.2f} s, then median {med:.2f} s, "
-               f"max {worst:.2f} s over {len(warm)} jobs ({verdict(ok)} < 2 s) [{time.monotonic() - t_start:.0f} s]")
-    write_result(args.name, {"nodes": args.nodes, "rounds": args.rounds, "runs_s": runs, "first_s": runs[0],
-                             "median_after_first_s": med, "max_after_first_s": worst, "target_s": 2.0, "met": ok},
-                 summary)
+    summary = (
+        f"preflight_time: {args.nodes} nodes: first job {runs[0]:.2f} s, then median {med:.2f} s, "
+        f"max {worst:.2f} s over {len(warm)} jobs ({verdict(ok)} < 2 s) [{time.monotonic() - t_start:.0f} s]"
+    )
+    write_result(
+        args.name,
+        {
+            "nodes": args.nodes,
+            "rounds": args.rounds,
+            "runs_s": runs,
+            "first_s": runs[0],
+            "median_after_first_s": med,
+            "max_after_first_s": worst,
+            "target_s": 2.0,
+            "met": ok,
+        },
+        summary,
+    )
     return 0
 
 

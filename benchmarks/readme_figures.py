@@ -49,11 +49,16 @@ def wan_efficiency(d: dict) -> tuple[str, str]:
     pairs = [(m, h) for m, h in zip(runs["meshrun"], runs["hand"])]
     largest = max(r["size"] for r in runs["meshrun"][0])
     vs_link = [next(r for r in m if r["size"] == largest)["busbw_Bps"] * 8 / 1e6 / link for m, _ in pairs]
-    vs_hand = [next(r for r in m if r["size"] == largest)["busbw_Bps"] / next(r for r in h if r["size"] == largest)
-               ["busbw_Bps"] for m, h in pairs]
-    return (f"2-node all-reduce over a {link} Mbit/s link, meshrun vs a hand-built wireguard-go tunnel",
-            f"**{_spread(vs_link, '{:.3f}')} of the link rate** at {largest >> 20} MiB; "
-            f"{_spread(vs_hand, '{:.3f}')} of the hand-built tunnel")
+    vs_hand = [
+        next(r for r in m if r["size"] == largest)["busbw_Bps"]
+        / next(r for r in h if r["size"] == largest)["busbw_Bps"]
+        for m, h in pairs
+    ]
+    return (
+        f"2-node all-reduce over a {link} Mbit/s link, meshrun vs a hand-built wireguard-go tunnel",
+        f"**{_spread(vs_link, '{:.3f}')} of the link rate** at {largest >> 20} MiB; "
+        f"{_spread(vs_hand, '{:.3f}')} of the hand-built tunnel",
+    )
 
 
 def time_to_mesh(d: dict) -> tuple[str, str]:
@@ -75,8 +80,10 @@ def launch_overhead(d: dict) -> tuple[str, str]:
             text += ": the spread is larger than the effect"
     else:
         runs = d["runs_s"]
-        text = (f"{e:+.2f} s, a difference of medians; rounds spread {min(min(v) for v in runs.values()):.1f}-"
-                f"{max(max(v) for v in runs.values()):.1f} s, more than the effect")
+        text = (
+            f"{e:+.2f} s, a difference of medians; rounds spread {min(min(v) for v in runs.values()):.1f}-"
+            f"{max(max(v) for v in runs.values()):.1f} s, more than the effect"
+        )
     return "`meshrun train` launch overhead vs torchrun by hand", text
 
 
@@ -87,9 +94,10 @@ def relay_vs_direct(d: dict) -> tuple[str, str]:
     else:
         r, dd, rate = d["relayed_algbw_MiBps"], d["direct_algbw_MiBps"], "unshaped links, CPU-bound"
     ratio = statistics.median(r) / statistics.median(dd)
-    return ("relayed pair (both behind symmetric NAT) vs direct pair, all-reduce bandwidth",
-            f"{ratio:.2f} of direct (relayed {_spread(r, '{:.1f}')} MiB/s, direct {_spread(dd, '{:.1f}')} MiB/s; "
-            f"{rate})")
+    return (
+        "relayed pair (both behind symmetric NAT) vs direct pair, all-reduce bandwidth",
+        f"{ratio:.2f} of direct (relayed {_spread(r, '{:.1f}')} MiB/s, direct {_spread(dd, '{:.1f}')} MiB/s; {rate})",
+    )
 
 
 def coordinator_load(d: dict) -> tuple[str, str]:
@@ -98,8 +106,10 @@ def coordinator_load(d: dict) -> tuple[str, str]:
         cpu = s.get("cpu_share")
         p99 = s.get("sync_p99_ms")
         if isinstance(cpu, dict):
-            parts.append(f"{s['members']}: {100 * cpu['median']:.1f}% of a core, p99 sync {p99['median']:.0f} ms "
-                         f"({s.get('rounds', '?')} rounds)")
+            parts.append(
+                f"{s['members']}: {100 * cpu['median']:.1f}% of a core, p99 sync {p99['median']:.0f} ms "
+                f"({s.get('rounds', '?')} rounds)"
+            )
         else:
             parts.append(f"{s['members']}: {100 * cpu:.1f}% of a core, p99 sync {p99:.0f} ms (1 run)")
     return "coordinator, real loop, simulated agents (per member count)", "; ".join(parts)
@@ -107,16 +117,20 @@ def coordinator_load(d: dict) -> tuple[str, str]:
 
 def preflight_time(d: dict) -> tuple[str, str]:
     after = d["runs_s"][1:]
-    return (f"pre-flight of a job on {d['nodes']} nodes",
-            f"first job {d['first_s']:.1f} s (cold torch imports), then {_spread(after)} s")
+    return (
+        f"pre-flight of a job on {d['nodes']} nodes",
+        f"first job {d['first_s']:.1f} s (cold torch imports), then {_spread(after)} s",
+    )
 
 
 def diloco_wan(d: dict) -> tuple[str, str]:
     best = d["comparison"].get("diloco_int2") or next(iter(d["comparison"].values()))
-    return (f"DiLoCo vs DDP, {d['config']['workers']} workers on {d['config']['rate_mbit']} Mbit/s links, "
-            "same token budget",
-            f"int2: {best['wire_bytes_ratio']:.0f}x fewer bytes on the wire, val loss {best['loss_ratio']:.3f}x DDP's "
-            f"(medians of {d['config'].get('rounds', '?')} rounds; see Low-bandwidth training)")
+    return (
+        f"DiLoCo vs DDP, {d['config']['workers']} workers on {d['config']['rate_mbit']} Mbit/s links, "
+        "same token budget",
+        f"int2: {best['wire_bytes_ratio']:.0f}x fewer bytes on the wire, val loss {best['loss_ratio']:.3f}x DDP's "
+        f"(medians of {d['config'].get('rounds', '?')} rounds; see Low-bandwidth training)",
+    )
 
 
 ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
@@ -160,8 +174,11 @@ def main() -> int:
     new = render(text)
     if a.check:
         if new != text:
-            print("README.md's Performance table disagrees with benchmarks/results: run "
-                  "`python benchmarks/readme_figures.py`", file=sys.stderr)
+            print(
+                "README.md's Performance table disagrees with benchmarks/results: run "
+                "`python benchmarks/readme_figures.py`",
+                file=sys.stderr,
+            )
             return 1
         return 0
     README.write_text(new)

@@ -24,8 +24,22 @@ SCRIPTS = ROOT / "tests" / "scripts"
 
 
 def allreduce(mesh: Mesh, nodes: str, mib: int, iters: int) -> float:
-    res = mesh.meshrun("hq-a", "train", "--nodes", nodes, "--timeout", "60", "allreduce.py", "--mib", str(mib),
-                       "--iters", str(iters), cwd=SCRIPTS, timeout=600, check=False)
+    res = mesh.meshrun(
+        "hq-a",
+        "train",
+        "--nodes",
+        nodes,
+        "--timeout",
+        "60",
+        "allreduce.py",
+        "--mib",
+        str(mib),
+        "--iters",
+        str(iters),
+        cwd=SCRIPTS,
+        timeout=600,
+        check=False,
+    )
     m = re.search(r"algbw_MiBps=([\d.]+)", res.stdout)
     if res.returncode != 0 or not m:
         raise SystemExit(f"all-reduce over {nodes} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
@@ -42,12 +56,17 @@ def main() -> int:
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import alternating, need_root, prefix, spread, write_result
+
     need_root()
     t_start = time.monotonic()
     rate = a.rate_mbit
-    dcs = [DatacenterSpec("hq", rate_mbit=rate), DatacenterSpec("dca", rate_mbit=rate),
-           DatacenterSpec("dcb", rate_mbit=rate), DatacenterSpec("dcc", nat="symmetric", rate_mbit=rate),
-           DatacenterSpec("dcd", nat="symmetric", rate_mbit=rate)]
+    dcs = [
+        DatacenterSpec("hq", rate_mbit=rate),
+        DatacenterSpec("dca", rate_mbit=rate),
+        DatacenterSpec("dcb", rate_mbit=rate),
+        DatacenterSpec("dcc", nat="symmetric", rate_mbit=rate),
+        DatacenterSpec("dcd", nat="symmetric", rate_mbit=rate),
+    ]
     with World(dcs, prefix=prefix("rel")) as world:
         world.up()
         mesh = Mesh(world, "hq-a")
@@ -72,13 +91,28 @@ def main() -> int:
             print(f"{kind:8s} {runs[kind][-1]:.1f} MiB/s", flush=True)
     d, r = spread(runs["direct"]), spread(runs["relayed"])
     ratio = r["median"] / d["median"]
-    summary = (f"relay_vs_direct: relayed/direct all-reduce algbw {ratio:.2f} (medians {r['median']:.1f} vs "
-               f"{d['median']:.1f} MiB/s; relayed {r['min']:.1f}-{r['max']:.1f}, direct {d['min']:.1f}-{d['max']:.1f}; "
-               f"{a.mib} MiB x{a.iters}, {a.rounds} rounds, links {rate or 'unshaped'}"
-               f"{' Mbit/s' if rate else ''}) [{time.monotonic() - t_start:.0f} s]")
-    write_result(a.name, {"mib": a.mib, "iters": a.iters, "rounds": a.rounds, "rate_mbit": rate,
-                          "direct_path": direct_path, "relayed_path": relayed_path, "runs_MiBps": runs,
-                          "direct": d, "relayed": r, "ratio_relayed_over_direct": ratio}, summary)
+    summary = (
+        f"relay_vs_direct: relayed/direct all-reduce algbw {ratio:.2f} (medians {r['median']:.1f} vs "
+        f"{d['median']:.1f} MiB/s; relayed {r['min']:.1f}-{r['max']:.1f}, direct {d['min']:.1f}-{d['max']:.1f}; "
+        f"{a.mib} MiB x{a.iters}, {a.rounds} rounds, links {rate or 'unshaped'}"
+        f"{' Mbit/s' if rate else ''}) [{time.monotonic() - t_start:.0f} s]"
+    )
+    write_result(
+        a.name,
+        {
+            "mib": a.mib,
+            "iters": a.iters,
+            "rounds": a.rounds,
+            "rate_mbit": rate,
+            "direct_path": direct_path,
+            "relayed_path": relayed_path,
+            "runs_MiBps": runs,
+            "direct": d,
+            "relayed": r,
+            "ratio_relayed_over_direct": ratio,
+        },
+        summary,
+    )
     return 0
 
 

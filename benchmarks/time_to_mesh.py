@@ -38,6 +38,7 @@ def public_key(node) -> str:
 
 def one(n: int, timeout: float) -> dict:
     from common import join_all, mesh_world
+
     with mesh_world(n, "ttm", join=False) as (world, mesh, names):
         members = ["dc1-a", *names]
         nodes = [world.node(x) for x in members]
@@ -48,8 +49,9 @@ def one(n: int, timeout: float) -> dict:
         def joiner():
             try:
                 join_times.extend(join_all(mesh, names))
-            except BaseException as exc:   # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001
                 join_err.append(exc)
+
         t0 = time.monotonic()
         th = threading.Thread(target=joiner)
         th.start()
@@ -67,22 +69,31 @@ def one(n: int, timeout: float) -> dict:
             if len(keys) == len(members):
                 # Poll every node in parallel: one round should cost about one nsenter, not N.
                 seen: dict[str, dict] = {}
-                ts = [threading.Thread(target=lambda x=x, node=node: seen.__setitem__(x, handshakes(node)))
-                      for x, node in zip(members, nodes)]
+                ts = [
+                    threading.Thread(target=lambda x=x, node=node: seen.__setitem__(x, handshakes(node)))
+                    for x, node in zip(members, nodes)
+                ]
                 for t in ts:
                     t.start()
                 for t in ts:
                     t.join()
-                missing = sum(1 for x in members for y in members
-                              if x != y and not seen.get(x, {}).get(keys[y]))
+                missing = sum(1 for x in members for y in members if x != y and not seen.get(x, {}).get(keys[y]))
                 if missing == 0:
                     done_at = time.monotonic() - t0
                     break
             time.sleep(0.05)
         th.join()
-        return {"nodes": n, "seconds": done_at, "pairs_missing_at_timeout": 0 if done_at else missing,
-                "join_wall_s_max": max(join_times) if join_times else None,
-                "join_wall_s_median": sorted(join_times)[len(join_times) // 2] if join_times else None}
+        return {
+            "nodes": n,
+            "seconds": done_at,
+            "pairs_missing_at_timeout": 0 if done_at else missing,
+            "join_wall_s_max": max(join_times) if join_times else None,
+            "join_wall_s_median": sorted(join_times)[len(join_times) // 2] if join_times else None,
+        }
+
+
+def _secs(s: float | None) -> str:
+    return "TIMEOUT" if s is None else f"{s:.2f} s"
 
 
 def main() -> int:
@@ -93,6 +104,7 @@ def main() -> int:
     ap.add_argument("--name", default="time_to_mesh")
     args = ap.parse_args()
     from common import alternating, need_root, spread, verdict, write_result
+
     need_root()
     t_start = time.monotonic()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -100,23 +112,39 @@ def main() -> int:
     for n in map(int, alternating([str(x) for x in sizes], args.rounds)):
         r = one(n, args.timeout)
         runs[n].append(r)
-        print(f"{n:>3} nodes: every pair handshaken after "
-              f"{'%.2f s' % r['seconds'] if r['seconds'] is not None else 'TIMEOUT'} "
-              f"(slowest `meshrun join` {r['join_wall_s_max']:.2f} s)", flush=True)
+        print(
+            f"{n:>3} nodes: every pair handshaken after "
+            f"{_secs(r['seconds'])} "
+            f"(slowest `meshrun join` {r['join_wall_s_max']:.2f} s)",
+            flush=True,
+        )
     rows = []
     for n in sizes:
         done = [r["seconds"] for r in runs[n] if r["seconds"] is not None]
-        rows.append({"nodes": n, "runs": runs[n], "timeouts": len(runs[n]) - len(done),
-                     "seconds": spread(done) if done else None})
+        rows.append(
+            {
+                "nodes": n,
+                "runs": runs[n],
+                "timeouts": len(runs[n]) - len(done),
+                "seconds": spread(done) if done else None,
+            }
+        )
     eight = next((r for r in rows if r["nodes"] == 8), None)
     ok = eight is not None and eight["seconds"] is not None and not eight["timeouts"] and eight["seconds"]["median"] < 5
-    parts = ", ".join(f"{r['nodes']} nodes {r['seconds']['median']:.1f} s ({r['seconds']['min']:.1f}-"
-                      f"{r['seconds']['max']:.1f})" if r["seconds"] else f"{r['nodes']} nodes TIMEOUT" for r in rows)
-    summary = (f"time_to_mesh: all pairs handshaken after, median (min-max) of {args.rounds}: {parts} "
-               + (f"({verdict(ok)} < 5 s for 8 nodes)" if eight else "(8 nodes not measured)")
-               + f" [{time.monotonic() - t_start:.0f} s]")
-    write_result(args.name, {"rounds": args.rounds, "rows": rows, "target_s_8_nodes": 5.0,
-                             "met": ok if eight else None}, summary)
+    parts = ", ".join(
+        f"{r['nodes']} nodes {r['seconds']['median']:.1f} s ({r['seconds']['min']:.1f}-{r['seconds']['max']:.1f})"
+        if r["seconds"]
+        else f"{r['nodes']} nodes TIMEOUT"
+        for r in rows
+    )
+    summary = (
+        f"time_to_mesh: all pairs handshaken after, median (min-max) of {args.rounds}: {parts} "
+        + (f"({verdict(ok)} < 5 s for 8 nodes)" if eight else "(8 nodes not measured)")
+        + f" [{time.monotonic() - t_start:.0f} s]"
+    )
+    write_result(
+        args.name, {"rounds": args.rounds, "rows": rows, "target_s_8_nodes": 5.0, "met": ok if eight else None}, summary
+    )
     return 0
 
 

@@ -35,17 +35,25 @@ ITERS = {8 << 20: 5, 64 << 20: 2, 256 << 20: 1}
 
 # --------------------------------------------------------------------------- worker (runs in a node)
 
+
 def worker(args) -> int:
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
-    from datetime import timedelta
+
     os.environ["GLOO_SOCKET_IFNAME"] = args.iface
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
-                            world_size=2, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.master}:{args.port}",
+        rank=args.rank,
+        world_size=2,
+        timeout=timedelta(seconds=300),
+    )
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         buf = torch.ones(size // 4, dtype=torch.float32)
-        dist.all_reduce(buf)                       # warm-up (connections, buffers)
+        dist.all_reduce(buf)  # warm-up (connections, buffers)
         ok = bool(torch.all(buf == 2).item())
         iters = ITERS.get(size, 2)
         dist.barrier()
@@ -64,11 +72,23 @@ def worker(args) -> int:
 
 # --------------------------------------------------------------------------- driver
 
+
 def allreduce(a, b, a_ip: str, iface: str, sizes: list[int], port: int) -> list[dict]:
     """2-rank gloo all-reduce between nodes a (rank 0, listening on a_ip) and b over `iface`."""
     me = str(Path(__file__).resolve())
-    base = [sys.executable, me, "--worker", "--master", a_ip, "--port", str(port), "--iface", iface,
-            "--sizes", ",".join(map(str, sizes))]
+    base = [
+        sys.executable,
+        me,
+        "--worker",
+        "--master",
+        a_ip,
+        "--port",
+        str(port),
+        "--iface",
+        iface,
+        "--sizes",
+        ",".join(map(str, sizes)),
+    ]
     p0 = a.popen(*base, "--rank", "0", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     p1 = b.popen(*base, "--rank", "1", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -89,7 +109,7 @@ def iperf(a, b, dst_ip: str, seconds: float, port: int = 5299) -> float:
     """iperf3 TCP a -> b (b's address dst_ip) for `seconds`; receiver's Mbit/s."""
     srv = b.popen("iperf3", "-s", "-1", "-p", str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(50):                       # wait for the server to listen
+        for _ in range(50):  # wait for the server to listen
             r = b.run("ss", "-ltn", f"sport = :{port}", check=False)
             if str(port) in r.stdout:
                 break
@@ -115,16 +135,31 @@ def hand_tunnel(world, a, b, mtu: int, gomaxprocs: str | None) -> list:
         keys[n.name] = n.run("wg", "pubkey", input=priv + "\n").stdout.strip()
     for i, n in enumerate((a, b), start=1):
         env = {"GOMAXPROCS": gomaxprocs} if gomaxprocs else None
-        procs.append(n.popen("wireguard-go", "-f", HAND_IFACE, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL))
+        procs.append(
+            n.popen("wireguard-go", "-f", HAND_IFACE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
     for i, (n, peer) in enumerate(((a, b), (b, a)), start=1):
         for _ in range(100):
             if n.run("wg", "show", HAND_IFACE, check=False).returncode == 0:
                 break
             time.sleep(0.05)
-        n.run("wg", "set", HAND_IFACE, "listen-port", str(HAND_PORT), "private-key", str(n.workdir / "hand.key"),
-              "peer", keys[peer.name], "endpoint", f"{peer.public_ip}:{HAND_PORT}",
-              "allowed-ips", f"{HAND_NET}.{2 if i == 1 else 1}/32", "persistent-keepalive", "25")
+        n.run(
+            "wg",
+            "set",
+            HAND_IFACE,
+            "listen-port",
+            str(HAND_PORT),
+            "private-key",
+            str(n.workdir / "hand.key"),
+            "peer",
+            keys[peer.name],
+            "endpoint",
+            f"{peer.public_ip}:{HAND_PORT}",
+            "allowed-ips",
+            f"{HAND_NET}.{2 if i == 1 else 1}/32",
+            "persistent-keepalive",
+            "25",
+        )
         n.run("ip", "addr", "add", f"{HAND_NET}.{i}/24", "dev", HAND_IFACE)
         n.run("ip", "link", "set", HAND_IFACE, "mtu", str(mtu), "up")
     return procs
@@ -150,11 +185,17 @@ def main() -> int:
         return worker(args)
 
     from common import mesh_world, need_root, set_congctl, verdict, write_result
+
     from meshrun.bench.worker import parse_sizes
+
     need_root()
-    sizes = parse_sizes(args.sizes) if not args.sizes.replace(",", "").isdigit() else [int(s) for s in args.sizes.split(",")]
+    sizes = (
+        parse_sizes(args.sizes)
+        if not args.sizes.replace(",", "").isdigit()
+        else [int(s) for s in args.sizes.split(",")]
+    )
     if args.gomaxprocs:
-        os.environ["GOMAXPROCS"] = args.gomaxprocs   # inherited by meshrun's wireguard-go via `meshrun join`
+        os.environ["GOMAXPROCS"] = args.gomaxprocs  # inherited by meshrun's wireguard-go via `meshrun join`
     t_start = time.monotonic()
     with mesh_world(2, "wan", rate_mbit=args.rate) as (world, mesh, names):
         a, b = world.node(names[0]), world.node(names[1])
@@ -177,8 +218,13 @@ def main() -> int:
                     port += 1
                     ip, iface = (ov_a, "meshrun0") if kind == "meshrun" else (f"{HAND_NET}.1", HAND_IFACE)
                     runs[kind].append(allreduce(a, b, ip, iface, sizes, port))
-                    print(f"round {r + 1} {kind:8s} " + "  ".join(
-                        f"{x['size'] >> 20}M {x['busbw_Bps'] * 8 / 1e6:.1f} Mbit/s" for x in runs[kind][-1]), flush=True)
+                    print(
+                        f"round {r + 1} {kind:8s} "
+                        + "  ".join(
+                            f"{x['size'] >> 20}M {x['busbw_Bps'] * 8 / 1e6:.1f} Mbit/s" for x in runs[kind][-1]
+                        ),
+                        flush=True,
+                    )
                 for kind, dst in ((order[0], None), (order[1], None), ("underlay", None)):
                     dst = {"meshrun": ov_b, "hand": f"{HAND_NET}.2", "underlay": b.public_ip}[kind]
                     tcp[kind].append(iperf(a, b, dst, args.iperf_seconds))
@@ -201,29 +247,54 @@ def main() -> int:
     for i, size in enumerate(sizes):
         m = statistics.median(run[i]["busbw_Bps"] for run in runs["meshrun"])
         h = statistics.median(run[i]["busbw_Bps"] for run in runs["hand"])
-        per_size.append({"size": size, "meshrun_busbw_Mbit": m * 8 / 1e6, "hand_busbw_Mbit": h * 8 / 1e6,
-                         "meshrun_vs_hand": m / h, "meshrun_vs_link": m / link_Bps, "hand_vs_link": h / link_Bps,
-                         "correct": all(run[i]["correct"] for k in runs for run in runs[k])})
+        per_size.append(
+            {
+                "size": size,
+                "meshrun_busbw_Mbit": m * 8 / 1e6,
+                "hand_busbw_Mbit": h * 8 / 1e6,
+                "meshrun_vs_hand": m / h,
+                "meshrun_vs_link": m / link_Bps,
+                "hand_vs_link": h / link_Bps,
+                "correct": all(run[i]["correct"] for k in runs for run in runs[k]),
+            }
+        )
     tcp_med = {k: statistics.median(v) for k, v in tcp.items()}
     big = per_size[-1]
     vs_hand = min(p["meshrun_vs_hand"] for p in per_size)
     vs_link = big["meshrun_vs_link"]
     ok_hand, ok_link = vs_hand >= 0.98, vs_link >= 0.87
     cc = f" (congctl {args.congctl})" if args.congctl else ""
-    summary = (f"wan_efficiency: {args.rate} Mbit/s link{cc}, gloo all-reduce {big['size'] >> 20} MiB: meshrun "
-               f"{big['meshrun_busbw_Mbit']:.1f} Mbit/s busbw = {vs_link:.3f} x link ({verdict(ok_link)} >= 0.87); "
-               f"meshrun/hand-built worst over sizes {vs_hand:.3f} ({verdict(ok_hand)} >= 0.98); iperf3 overlay "
-               f"{tcp_med['meshrun']:.0f} / hand {tcp_med['hand']:.0f} / underlay {tcp_med['underlay']:.0f} Mbit/s "
-               f"[{time.monotonic() - t_start:.0f} s]")
+    summary = (
+        f"wan_efficiency: {args.rate} Mbit/s link{cc}, gloo all-reduce {big['size'] >> 20} MiB: meshrun "
+        f"{big['meshrun_busbw_Mbit']:.1f} Mbit/s busbw = {vs_link:.3f} x link ({verdict(ok_link)} >= 0.87); "
+        f"meshrun/hand-built worst over sizes {vs_hand:.3f} ({verdict(ok_hand)} >= 0.98); iperf3 overlay "
+        f"{tcp_med['meshrun']:.0f} / hand {tcp_med['hand']:.0f} / underlay {tcp_med['underlay']:.0f} Mbit/s "
+        f"[{time.monotonic() - t_start:.0f} s]"
+    )
     for p in per_size:
-        print(f"  {p['size'] >> 20:>4} MiB: meshrun {p['meshrun_busbw_Mbit']:.1f}  hand {p['hand_busbw_Mbit']:.1f} "
-              f"Mbit/s  meshrun/hand {p['meshrun_vs_hand']:.3f}  meshrun/link {p['meshrun_vs_link']:.3f}  "
-              f"hand/link {p['hand_vs_link']:.3f}")
-    write_result(args.name, {"rate_mbit": args.rate, "overlay_mtu": mtu, "hand_mtu": args.hand_mtu,
-                             "gomaxprocs": args.gomaxprocs, "congctl": args.congctl, "rounds": args.rounds, "per_size": per_size,
-                             "iperf3_mbit": tcp_med, "iperf3_runs": tcp, "allreduce_runs": runs,
-                             "targets": {"meshrun_vs_hand": 0.98, "meshrun_vs_link": 0.87},
-                             "met": {"meshrun_vs_hand": ok_hand, "meshrun_vs_link": ok_link}}, summary)
+        print(
+            f"  {p['size'] >> 20:>4} MiB: meshrun {p['meshrun_busbw_Mbit']:.1f}  hand {p['hand_busbw_Mbit']:.1f} "
+            f"Mbit/s  meshrun/hand {p['meshrun_vs_hand']:.3f}  meshrun/link {p['meshrun_vs_link']:.3f}  "
+            f"hand/link {p['hand_vs_link']:.3f}"
+        )
+    write_result(
+        args.name,
+        {
+            "rate_mbit": args.rate,
+            "overlay_mtu": mtu,
+            "hand_mtu": args.hand_mtu,
+            "gomaxprocs": args.gomaxprocs,
+            "congctl": args.congctl,
+            "rounds": args.rounds,
+            "per_size": per_size,
+            "iperf3_mbit": tcp_med,
+            "iperf3_runs": tcp,
+            "allreduce_runs": runs,
+            "targets": {"meshrun_vs_hand": 0.98, "meshrun_vs_link": 0.87},
+            "met": {"meshrun_vs_hand": ok_hand, "meshrun_vs_link": ok_link},
+        },
+        summary,
+    )
     return 0
 
 

@@ -46,7 +46,7 @@ from meshrun.bench.worker import parse_sizes  # noqa: E402
 VARIANTS = ("default", "smallbuf", "mtu1440", "cubic", "reno", "nots", "frag2840")
 CONGCTL = ("cubic", "reno")
 ACK_RULE = "tuning-small"
-KERNEL_DEFAULT_BUF = 212992   # net.core.{r,w}mem_default: what the packaged wireguard-go keeps
+KERNEL_DEFAULT_BUF = 212992  # net.core.{r,w}mem_default: what the packaged wireguard-go keeps
 MTUS = {"mtu1440": 1440, "frag2840": 2840}
 
 
@@ -88,11 +88,18 @@ class Variants:
 def counters(world, nodes) -> dict[str, int]:
     """Link bytes/packets the dc2 gateway's shaper sent, its small forwarded packets, node drop counters."""
     gw = world._gw("dc2").netns
-    q = json.loads(subprocess.run(["ip", "netns", "exec", gw, "tc", "-s", "-j", "qdisc", "show", "dev", "wan0"],
-                                  capture_output=True, text=True, check=True).stdout)[0]
+    q = json.loads(
+        subprocess.run(
+            ["ip", "netns", "exec", gw, "tc", "-s", "-j", "qdisc", "show", "dev", "wan0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )[0]
     out = {"wire_bytes": q["bytes"], "wire_packets": q["packets"], "shaper_drops": q["drops"]}
-    ipt = subprocess.run(["ip", "netns", "exec", gw, "iptables", "-w", "-nvxL", "FORWARD"],
-                         capture_output=True, text=True, check=True).stdout
+    ipt = subprocess.run(
+        ["ip", "netns", "exec", gw, "iptables", "-w", "-nvxL", "FORWARD"], capture_output=True, text=True, check=True
+    ).stdout
     for line in ipt.splitlines():
         if f"/* {ACK_RULE} */" in line:
             out["small_packets"], out["small_bytes"] = int(line.split()[0]), int(line.split()[1])
@@ -116,55 +123,95 @@ def main() -> int:
     if variants[0] != "default":
         raise SystemExit("the first variant must be `default`: every other one is compared with it")
     size = parse_sizes(args.size)[0]
-    payload = size * (1 + ITERS.get(size, 2))     # the worker's warm-up all-reduce plus the timed ones
+    payload = size * (1 + ITERS.get(size, 2))  # the worker's warm-up all-reduce plus the timed ones
     link_Bps = args.rate * 1e6 / 8
     t_start = time.monotonic()
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     with mesh_world(2, "tun", rate_mbit=args.rate) as (world, mesh, names):
         a, b = world.node(names[0]), world.node(names[1])
         mesh.wait_ping(a, mesh.overlay_ip(b))
-        subprocess.run(["ip", "netns", "exec", world._gw("dc2").netns, "iptables", "-w", "-A", "FORWARD", "-i", "lan0",
-                        "-m", "length", "--length", "0:200", "-m", "comment", "--comment", ACK_RULE], check=True)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                world._gw("dc2").netns,
+                "iptables",
+                "-w",
+                "-A",
+                "FORWARD",
+                "-i",
+                "lan0",
+                "-m",
+                "length",
+                "--length",
+                "0:200",
+                "-m",
+                "comment",
+                "--comment",
+                ACK_RULE,
+            ],
+            check=True,
+        )
         vs = Variants(mesh, (a, b))
         port = 29700
         for r in range(args.rounds):
-            for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
                 port += 1
                 with vs.applied(v):
                     c0 = counters(world, (a, b))
                     row = allreduce(a, b, mesh.overlay_ip(a), "meshrun0", [size], port)[0]
                     c1 = counters(world, (a, b))
                 d = {k: c1[k] - c0[k] for k in c0}
-                run = {"busbw_Mbit": row["busbw_Bps"] * 8 / 1e6, "vs_link": row["busbw_Bps"] / link_Bps,
-                       "correct": row["correct"], "wire_ceiling": payload / d["wire_bytes"],
-                       "acks_per_data_packet": d["small_packets"] / max(1, d["wire_packets"] - d["small_packets"]),
-                       **d}
+                run = {
+                    "busbw_Mbit": row["busbw_Bps"] * 8 / 1e6,
+                    "vs_link": row["busbw_Bps"] / link_Bps,
+                    "correct": row["correct"],
+                    "wire_ceiling": payload / d["wire_bytes"],
+                    "acks_per_data_packet": d["small_packets"] / max(1, d["wire_packets"] - d["small_packets"]),
+                    **d,
+                }
                 runs[v].append(run)
-                print(f"round {r + 1} {v:9s} {run['busbw_Mbit']:.1f} Mbit/s = {run['vs_link']:.3f} x link, "
-                      f"wire ceiling {run['wire_ceiling']:.3f}, {run['acks_per_data_packet']:.2f} ACKs per data "
-                      f"packet, udp rcvbuf errors {d['UdpRcvbufErrors']}, retransmits {d['TcpRetransSegs']}",
-                      flush=True)
+                print(
+                    f"round {r + 1} {v:9s} {run['busbw_Mbit']:.1f} Mbit/s = {run['vs_link']:.3f} x link, "
+                    f"wire ceiling {run['wire_ceiling']:.3f}, {run['acks_per_data_packet']:.2f} ACKs per data "
+                    f"packet, udp rcvbuf errors {d['UdpRcvbufErrors']}, retransmits {d['TcpRetransSegs']}",
+                    flush=True,
+                )
 
     base = statistics.median(x["busbw_Mbit"] for x in runs["default"])
     table = []
     for v in variants:
         med = statistics.median(x["busbw_Mbit"] for x in runs[v])
-        table.append({"variant": v, "busbw_Mbit": med, "vs_default": med / base,
-                      "vs_link": med * 1e6 / 8 / link_Bps,
-                      "wire_ceiling": statistics.median(x["wire_ceiling"] for x in runs[v]),
-                      "acks_per_data_packet": statistics.median(x["acks_per_data_packet"] for x in runs[v]),
-                      "busbw_range_Mbit": [min(x["busbw_Mbit"] for x in runs[v]), max(x["busbw_Mbit"] for x in runs[v])],
-                      "correct": all(x["correct"] for x in runs[v])})
+        table.append(
+            {
+                "variant": v,
+                "busbw_Mbit": med,
+                "vs_default": med / base,
+                "vs_link": med * 1e6 / 8 / link_Bps,
+                "wire_ceiling": statistics.median(x["wire_ceiling"] for x in runs[v]),
+                "acks_per_data_packet": statistics.median(x["acks_per_data_packet"] for x in runs[v]),
+                "busbw_range_Mbit": [min(x["busbw_Mbit"] for x in runs[v]), max(x["busbw_Mbit"] for x in runs[v])],
+                "correct": all(x["correct"] for x in runs[v]),
+            }
+        )
     for t in table:
-        print(f"  {t['variant']:9s} {t['busbw_Mbit']:6.1f} Mbit/s ({t['busbw_range_Mbit'][0]:.1f}-"
-              f"{t['busbw_range_Mbit'][1]:.1f})  x default {t['vs_default']:.3f}  x link {t['vs_link']:.3f}  "
-              f"wire ceiling {t['wire_ceiling']:.3f}  ACKs/data {t['acks_per_data_packet']:.2f}")
-    summary = (f"wan_tuning: {args.rate} Mbit/s link, gloo all-reduce {size >> 20} MiB, median of {args.rounds}: "
-               + ", ".join(f"{t['variant']} {t['vs_default']:.3f}" for t in table)
-               + f" x default ({base:.1f} Mbit/s = {base / args.rate:.3f} x link) "
-               f"[{time.monotonic() - t_start:.0f} s]")
-    write_result("wan_tuning", {"rate_mbit": args.rate, "size": size, "rounds": args.rounds, "table": table,
-                                "runs": runs}, summary)
+        print(
+            f"  {t['variant']:9s} {t['busbw_Mbit']:6.1f} Mbit/s ({t['busbw_range_Mbit'][0]:.1f}-"
+            f"{t['busbw_range_Mbit'][1]:.1f})  x default {t['vs_default']:.3f}  x link {t['vs_link']:.3f}  "
+            f"wire ceiling {t['wire_ceiling']:.3f}  ACKs/data {t['acks_per_data_packet']:.2f}"
+        )
+    summary = (
+        f"wan_tuning: {args.rate} Mbit/s link, gloo all-reduce {size >> 20} MiB, median of {args.rounds}: "
+        + ", ".join(f"{t['variant']} {t['vs_default']:.3f}" for t in table)
+        + f" x default ({base:.1f} Mbit/s = {base / args.rate:.3f} x link) "
+        f"[{time.monotonic() - t_start:.0f} s]"
+    )
+    write_result(
+        "wan_tuning",
+        {"rate_mbit": args.rate, "size": size, "rounds": args.rounds, "table": table, "runs": runs},
+        summary,
+    )
     return 0
 
 

@@ -10,8 +10,20 @@ pipe (meshrun.system.procs).
 
 from __future__ import annotations
 
-__all__ = ["MeshrunError", "UsageError", "TokenError", "StateError", "HostError", "NetworkError",
-           "CommandError", "CoordinatorError", "LaunchError", "AuthError", "to_wire", "from_wire"]
+__all__ = [
+    "MeshrunError",
+    "UsageError",
+    "TokenError",
+    "StateError",
+    "HostError",
+    "NetworkError",
+    "CommandError",
+    "CoordinatorError",
+    "LaunchError",
+    "AuthError",
+    "to_wire",
+    "from_wire",
+]
 
 
 class MeshrunError(Exception):
@@ -76,8 +88,21 @@ class AuthError(MeshrunError):
     without proof that the node holds its private key."""
 
 
-_BY_NAME = {c.__name__: c for c in (MeshrunError, UsageError, TokenError, StateError, HostError, NetworkError,
-                                     CommandError, CoordinatorError, LaunchError, AuthError)}
+_BY_NAME = {
+    c.__name__: c
+    for c in (
+        MeshrunError,
+        UsageError,
+        TokenError,
+        StateError,
+        HostError,
+        NetworkError,
+        CommandError,
+        CoordinatorError,
+        LaunchError,
+        AuthError,
+    )
+}
 
 
 def to_wire(err: MeshrunError) -> dict:

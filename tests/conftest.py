@@ -12,9 +12,8 @@ import os
 import secrets
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from collections.abc import Iterator, Sequence
-from typing import Callable
 
 import pytest
 
@@ -45,6 +44,7 @@ def unique_prefix() -> str:
 def _world(dcs, prefix: str, **kw):
     """World.standard(dcs) for a count, else World(dcs): a list of DatacenterSpecs."""
     from meshrun.lab.testbed import World
+
     return World.standard(dcs, prefix=prefix, **kw) if isinstance(dcs, int) else World(dcs, prefix=prefix, **kw)
 
 
@@ -54,6 +54,7 @@ def joined_mesh(tmp_path_factory, dcs, coordinator: str, nodes: Sequence[str]) -
     module-scoped fixture; torn down on exit. Skips where namespaces cannot be built (in CI,
     pytest_runtest_setup fails the netns tests instead)."""
     from meshrun.lab.testbed import Mesh
+
     reason = netns_unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -102,12 +103,17 @@ def world_factory(tmp_path: Path) -> Callable:
 def json_strategy(max_text: int = 40, max_list: int = 5, max_key: int = 12, max_dict: int = 6, max_leaves: int = 20):
     """Hypothesis strategy: any JSON value (NaN, huge integers and odd text included), for fuzzing parsers."""
     from hypothesis import strategies as st
+
     return st.recursive(
-        st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats(allow_nan=True)
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats(allow_nan=True)
         | st.text(max_size=max_text),
         lambda children: st.lists(children, max_size=max_list)
         | st.dictionaries(st.text(max_size=max_key), children, max_size=max_dict),
-        max_leaves=max_leaves)
+        max_leaves=max_leaves,
+    )
 
 
 # --------------------------------------------------------------------------- a second Python environment
@@ -119,13 +125,22 @@ PY310_DEPS = ["typer>=0.9", "cryptography>=41", "wgconfig>=1.0", "numpy", "tomli
 
 def python310() -> str | None:
     """A working Python 3.10 (a pyenv shim on PATH may name one that is not installed)."""
-    candidates = [p for pattern in ("/root/.pyenv/versions/3.10*/bin/python3.10",
-                                    os.path.expanduser("~/.pyenv/versions/3.10*/bin/python3.10"))
-                  for p in sorted(glob.glob(pattern), reverse=True)]
+    candidates = [
+        p
+        for pattern in (
+            "/root/.pyenv/versions/3.10*/bin/python3.10",
+            os.path.expanduser("~/.pyenv/versions/3.10*/bin/python3.10"),
+        )
+        for p in sorted(glob.glob(pattern), reverse=True)
+    ]
     candidates += [p for p in (shutil.which("python3.10"), "/usr/bin/python3.10", "/usr/local/bin/python3.10") if p]
     for py in candidates:
-        ok = subprocess.run([py, "-c", "import sys, venv; assert sys.version_info[:2] == (3, 10)"],
-                            capture_output=True).returncode == 0
+        ok = (
+            subprocess.run(
+                [py, "-c", "import sys, venv; assert sys.version_info[:2] == (3, 10)"], capture_output=True
+            ).returncode
+            == 0
+        )
         if ok:
             return py
     return None
@@ -151,8 +166,10 @@ def py310_venv() -> Path:
     Debian 12 must pass `./dev.sh test`): the one skip allowed in CI."""
     py = python310()
     if py is None:
-        pytest.skip("no Python 3.10 interpreter on this machine (python3.10 on PATH or under ~/.pyenv): the "
-                    "supported floor is not tested here")
+        pytest.skip(
+            "no Python 3.10 interpreter on this machine (python3.10 on PATH or under ~/.pyenv): the "
+            "supported floor is not tested here"
+        )
     return _venv_without_torch(py, PY310_VENV)
 
 
@@ -164,5 +181,6 @@ def torchless_venv() -> Path:
     if py is not None:
         return _venv_without_torch(py, PY310_VENV)
     import sys
+
     base = getattr(sys, "_base_executable", None) or sys.executable
     return _venv_without_torch(base, REPO / ".venv-torchless")

@@ -50,8 +50,12 @@ def case_added_peer_reads_back_as_configured(dev, workdir):
     dev.apply(PeerDiff(add=(PeerSpec(KEY_A, ("10.77.0.2/32",), "198.51.100.7:51820", 25),)))
     p = _peer(dev, KEY_A)
     assert p is not None, dev.peers()
-    assert (p.endpoint, p.allowed_ips, p.latest_handshake, p.keepalive) == ("198.51.100.7:51820", ("10.77.0.2/32",),
-                                                                             0, 25), p
+    assert (p.endpoint, p.allowed_ips, p.latest_handshake, p.keepalive) == (
+        "198.51.100.7:51820",
+        ("10.77.0.2/32",),
+        0,
+        25,
+    ), p
 
 
 def case_an_allowed_ip_given_to_a_second_peer_moves_to_it(dev, workdir):
@@ -92,7 +96,7 @@ def case_keepalive_off_reads_as_zero(dev, workdir):
 def case_removing_a_peer_and_an_unknown_key(dev, workdir):
     _up(dev, workdir)
     dev.apply(PeerDiff(add=(PeerSpec(KEY_A, ("10.77.0.2/32",), None, 0),)))
-    dev.apply(PeerDiff(remove=(KEY_A, KEY_B)))            # KEY_B was never there: no error
+    dev.apply(PeerDiff(remove=(KEY_A, KEY_B)))  # KEY_B was never there: no error
     assert dev.peers() == []
 
 
@@ -135,7 +139,8 @@ def run_all(factory: Callable[[], object], workdir: Path) -> dict[str, str]:
     return out
 
 
-if __name__ == "__main__":          # python tests/device_contract.py real IFACE WORKDIR (root, own netns)
+if __name__ == "__main__":  # python tests/device_contract.py real IFACE WORKDIR (root, own netns)
     from meshrun.system.device import WireGuardDevice
+
     _, _, iface, wd = sys.argv
     print(json.dumps(run_all(lambda: WireGuardDevice(iface, Path(wd) / "wg.log"), Path(wd))))

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun.mesh.node import setup as node
-from meshrun.mesh.node.daemon import AgentService
 from meshrun.mesh.coordinator.daemon import CoordinatorService
 from meshrun.mesh.coordinator.setup import InitOptions, init
+from meshrun.mesh.node import setup as node
+from meshrun.mesh.node.daemon import AgentService
 from meshrun.system.fakedevice import FakeDevice
 from meshrun.system.statedir import StateDir
 from meshrun.system.transport import Request, raise_for
@@ -31,8 +31,8 @@ class Node:
     state: StateDir
     device: FakeDevice
     agent: AgentService
-    public: str            # the endpoint the coordinator sees it at
-    private: str           # its LAN candidate
+    public: str  # the endpoint the coordinator sees it at
+    private: str  # its LAN candidate
 
     @property
     def key(self) -> str:
@@ -57,7 +57,7 @@ class FakeMesh:
     def new_coordinator(self) -> CoordinatorService:
         """A fresh coordinator service over the same state and device (a daemon restart)."""
         svc = CoordinatorService(self.coord_state, device=self.coord_device)
-        svc.overlay.max_wait = 0.0            # long-polls answer at once in unit tests
+        svc.overlay.max_wait = 0.0  # long-polls answer at once in unit tests
         self.coord = svc
         return svc
 
@@ -71,11 +71,20 @@ class FakeMesh:
         """Enrol `name` (start=False: no daemon) on its own FakeDevice; returns it, not yet synced."""
         state = StateDir(self.root / name)
         device = FakeDevice(name=self.network.interface)
-        node.join(self.token, state, name=name, start=False, mtu=1420, device=device, enrol_with=self._enrol,
-                  abandon_with=lambda *a: None)
+        node.join(
+            self.token,
+            state,
+            name=name,
+            start=False,
+            mtu=1420,
+            device=device,
+            enrol_with=self._enrol,
+            abandon_with=lambda *a: None,
+        )
         n = Node(name, state, device, None, public, private or "172.31.40.46:51820")  # type: ignore[arg-type]
-        n.agent = AgentService(state, device=device, call=self._caller(n), addresses=lambda iface, n=n: [
-            n.private.rsplit(":", 1)[0]])
+        n.agent = AgentService(
+            state, device=device, call=self._caller(n), addresses=lambda iface, n=n: [n.private.rsplit(":", 1)[0]]
+        )
         self.nodes[name] = n
         return n
 
@@ -84,6 +93,7 @@ class FakeMesh:
             resp = self.coord.overlay.handle(Request(method, path, n.ip, body))
             raise_for(resp.status, resp.body, "coordinator")
             return resp.body
+
         return call
 
     def see(self, n: Node, when: int | None = None) -> None:
@@ -110,4 +120,3 @@ class FakeMesh:
 
     def member_seen_by(self, n: Node, other: Node):
         return next(m for m in n.agent.members if m.public_key == other.key)
-

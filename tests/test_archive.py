@@ -47,9 +47,19 @@ def _project(root: Path) -> Path:
 
 
 def git(root: Path, *args: str) -> None:
-    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
-                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                        "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(root)})
+    subprocess.run(
+        ["git", "-C", str(root), *args],
+        check=True,
+        capture_output=True,
+        env={
+            **os.environ,
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+            "HOME": str(root),
+        },
+    )
 
 
 def test_a_plain_directory_ships_everything_but_caches_and_what_meshrunignore_names(tmp_path):
@@ -65,11 +75,11 @@ def test_a_plain_directory_ships_everything_but_caches_and_what_meshrunignore_na
 
 def test_state_directories_and_symlinks_are_never_shipped(tmp_path):
     root = _project(tmp_path / "proj")
-    state = root / "mesh-state"          # a user put --state-dir inside the project
+    state = root / "mesh-state"  # a user put --state-dir inside the project
     state.mkdir()
     (state / "member.json").write_text("{}")
     (state / "private.key").write_text("secret")
-    other = root / "old-node"            # another member's state, not the one in use
+    other = root / "old-node"  # another member's state, not the one in use
     other.mkdir()
     (other / "member.json").write_text("{}")
     (other / "private.key").write_text("secret")
@@ -89,7 +99,7 @@ def test_a_git_work_tree_ships_what_git_would_track(tmp_path):
     git(root, "init", "-q")
     (root / "forced.log").write_text("tracked although ignored\n")
     git(root, "add", "-f", "forced.log")
-    (root / "untracked.py").write_text("new = 1\n")      # not committed, not ignored: shipped (git would track it)
+    (root / "untracked.py").write_text("new = 1\n")  # not committed, not ignored: shipped (git would track it)
     sel = archive.select_files(root)
     assert sel.names == [".gitignore", "forced.log", "pkg/.gitignore", "pkg/m.py", "train.py", "untracked.py"]
     ignored = {e.name: e for e in sel.ignored}
@@ -104,7 +114,7 @@ def test_a_git_work_tree_ships_what_git_would_track(tmp_path):
 def test_the_dry_run_summary_names_an_ignored_200_mb_directory(tmp_path):
     root = _project(tmp_path / "proj")
     (root / ".gitignore").write_text("data/\n")
-    with open(root / "data" / "big.bin", "wb") as f:      # sparse: 200 MB listed, nothing written
+    with open(root / "data" / "big.bin", "wb") as f:  # sparse: 200 MB listed, nothing written
         f.truncate(200 * 1000 * 1000)
     git(root, "init", "-q")
     lines = archive.select_files(root).summary(50)
@@ -147,7 +157,7 @@ def test_a_file_swapped_for_a_link_after_the_listing_is_not_followed(tmp_path):
     (root / "train.log").unlink()
     (root / "train.log").symlink_to(secret)
     shutil.rmtree(root / "pkg")
-    (root / "pkg").symlink_to(tmp_path)            # a directory component swapped too
+    (root / "pkg").symlink_to(tmp_path)  # a directory component swapped too
     (tmp_path / "m.py").write_text("leak = 1\n")
     packed = archive.pack(sel, 1)
     assert sorted(packed.manifest) == ["data/shard0.bin", "train.py"]
@@ -167,15 +177,15 @@ def test_a_shipment_lands_on_a_persistent_directory_and_keeps_what_the_job_wrote
     root = _project(tmp_path / "proj")
     work = tmp_path / "work"
     first = archive.unpack_into(archive.pack(archive.select_files(root), 1).blob, work)
-    (work / "checkpoint.pt").write_bytes(b"ckpt")          # written by the job
+    (work / "checkpoint.pt").write_bytes(b"ckpt")  # written by the job
     (work / "runs").mkdir()
     (work / "runs" / "events").write_text("e")
-    (root / "pkg" / "m.py").unlink()                      # dropped from the project
+    (root / "pkg" / "m.py").unlink()  # dropped from the project
     (root / "train.py").write_text("print(2)\n")
     second = archive.unpack_into(archive.pack(archive.select_files(root), 1).blob, work, first)
     assert (work / "checkpoint.pt").read_bytes() == b"ckpt" and (work / "runs" / "events").exists()
     assert (work / "train.py").read_text() == "print(2)\n"
-    assert not (work / "pkg").exists()                    # its only file went, so did the directory
+    assert not (work / "pkg").exists()  # its only file went, so did the directory
     assert "pkg/m.py" not in second
     assert not list(tmp_path.glob(".incoming-*"))
 
@@ -232,15 +242,22 @@ def test_pulling_a_path_is_bounded_and_stays_inside(tmp_path):
 
 
 def test_an_absolute_name_lands_inside_the_destination(tmp_path):
-    archive.unpack_into(_tar(_info("/tmp/meshrun-evil-abs")), tmp_path / "dst")   # the "data" filter strips the /
+    archive.unpack_into(_tar(_info("/tmp/meshrun-evil-abs")), tmp_path / "dst")  # the "data" filter strips the /
     assert (tmp_path / "dst" / "tmp" / "meshrun-evil-abs").is_file()
-    with pytest.raises(tarfile.TarError):                                          # the fallback refuses it
+    with pytest.raises(tarfile.TarError):  # the fallback refuses it
         archive._check_member(_info("/tmp/meshrun-evil-abs"))
 
 
-@pytest.mark.parametrize("member", [_info("a/../../up.py"), _info("..", tarfile.DIRTYPE),
-                                    _info("l", tarfile.SYMTYPE, link="/etc/passwd"),
-                                    _info("h", tarfile.LNKTYPE, link="/etc/passwd"), _info("d", tarfile.CHRTYPE)])
+@pytest.mark.parametrize(
+    "member",
+    [
+        _info("a/../../up.py"),
+        _info("..", tarfile.DIRTYPE),
+        _info("l", tarfile.SYMTYPE, link="/etc/passwd"),
+        _info("h", tarfile.LNKTYPE, link="/etc/passwd"),
+        _info("d", tarfile.CHRTYPE),
+    ],
+)
 def test_unpacking_refuses_escapes_links_and_devices(tmp_path, member):
     with pytest.raises(UsageError, match="cannot be unpacked"):
         archive.unpack_into(_tar(member), tmp_path / "dst")
@@ -257,9 +274,11 @@ def test_the_fallback_checks_accept_plain_files_and_directories():
 
 def test_a_bench_job_hashes_no_code_a_no_sync_script_job_its_directory(tmp_path):
     from meshrun.jobs import planning, submission
+
     (tmp_path / "train.py").write_text("print(1)\n")
     script = submission.job_spec({"script": "train.py", "no_sync": True, "job_id": "j-1"}, tmp_path)
     assert planning.coordinator_copy(script) == archive.hash_files(tmp_path, ["train.py"])
-    bench = submission.job_spec({"script": "meshrun.bench.worker", "no_sync": True, "module": True,
-                                 "job_id": "bench-1"}, Path("/"))
-    assert planning.coordinator_copy(bench) is None      # not a walk of "/"
+    bench = submission.job_spec(
+        {"script": "meshrun.bench.worker", "no_sync": True, "module": True, "job_id": "bench-1"}, Path("/")
+    )
+    assert planning.coordinator_copy(bench) is None  # not a walk of "/"

@@ -49,15 +49,18 @@ def test_the_head_is_checked_before_the_body_and_the_body_after():
     Verifier.body(digest, auth.body_hash(b"tarball"))
     with pytest.raises(AuthError, match="not the one it was signed with"):
         Verifier.body(digest, auth.body_hash(b"another tarball"))
-    with pytest.raises(AuthError, match="does not match"):            # no body needed to refuse a stranger
+    with pytest.raises(AuthError, match="does not match"):  # no body needed to refuse a stranger
         Verifier(coord_side(K_B)).head(h, "POST", "/v1/jobs/j1/code", T)
 
 
-@pytest.mark.parametrize("method, path, body", [
-    ("POST", "/v1/jobs/j1/start", b'{"argv": ["rm"]}'),    # body changed
-    ("POST", "/v1/jobs/j2/start", b'{"argv": ["x"]}'),     # another job
-    ("GET", "/v1/jobs/j1/start", b'{"argv": ["x"]}'),      # another method
-])
+@pytest.mark.parametrize(
+    "method, path, body",
+    [
+        ("POST", "/v1/jobs/j1/start", b'{"argv": ["rm"]}'),  # body changed
+        ("POST", "/v1/jobs/j2/start", b'{"argv": ["x"]}'),  # another job
+        ("GET", "/v1/jobs/j1/start", b'{"argv": ["x"]}'),  # another method
+    ],
+)
 def test_any_change_breaks_the_mac(method, path, body):
     key = coord_side(K_A)
     h = auth.sign(key, "POST", "/v1/jobs/j1/start", b'{"argv": ["x"]}', T)
@@ -81,10 +84,19 @@ def test_stale_or_future_time_is_refused_naming_the_skew():
     Verifier(key).verify(auth.sign(key, "GET", "/x", b"", T), "GET", "/x", b"", T + 299)
 
 
-@pytest.mark.parametrize("header", [None, "", "Bearer abc", "MeshrunMAC v2 1 n " + "0" * 64 + " m",
-                                    "MeshrunMAC v1 1 abcdefgh " + "0" * 64 + " m",
-                                    "MeshrunMAC v2 -5 abcdefgh " + "0" * 64 + " m",
-                                    "MeshrunMAC v2 5 abcdefgh nothex m", "MeshrunMAC v2 5 ab/cdefgh " + "0" * 64 + " m"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "",
+        "Bearer abc",
+        "MeshrunMAC v2 1 n " + "0" * 64 + " m",
+        "MeshrunMAC v1 1 abcdefgh " + "0" * 64 + " m",
+        "MeshrunMAC v2 -5 abcdefgh " + "0" * 64 + " m",
+        "MeshrunMAC v2 5 abcdefgh nothex m",
+        "MeshrunMAC v2 5 ab/cdefgh " + "0" * 64 + " m",
+    ],
+)
 def test_unsigned_or_malformed_headers_are_refused(header):
     with pytest.raises(AuthError):
         Verifier(coord_side(K_A)).head(header, "GET", "/x", T)
@@ -97,7 +109,7 @@ def test_nonce_memory_is_bounded_and_forgets_only_what_the_clock_refuses_anyway(
         v.verify(auth.sign(key, "GET", "/x", b"", T + i), "GET", "/x", b"", T + i)
     assert len(v._seen) <= 3
     old = auth.sign(key, "GET", "/x", b"", T)
-    with pytest.raises(AuthError, match="signed"):         # too old to replay by then
+    with pytest.raises(AuthError, match="signed"):  # too old to replay by then
         v.verify(old, "GET", "/x", b"", T + 30)
 
 
@@ -105,19 +117,20 @@ def test_an_enrolment_proof_needs_the_private_key():
     proof = auth.enrol_proof(keys.shared_secret(A_PRIV, COORD), "lab", "gpu-a", K_A, "tok0000001", T)
     auth.check_enrol_proof(keys.shared_secret(COORD_PRIV, K_A), "lab", "gpu-a", K_A, "tok0000001", proof, T + 5)
     # someone who knows K_A (every member does) but not its private key
-    forged = auth.enrol_proof(keys.shared_secret(keys.generate_private_key(), COORD), "lab", "gpu-a", K_A,
-                              "tok0000001", T)
+    forged = auth.enrol_proof(
+        keys.shared_secret(keys.generate_private_key(), COORD), "lab", "gpu-a", K_A, "tok0000001", T
+    )
     for bad, needle in ((forged, "did not prove"), (None, "carries no proof"), ({"time": "x", "proof": 1}, "no proof")):
         with pytest.raises(AuthError, match=needle):
             auth.check_enrol_proof(keys.shared_secret(COORD_PRIV, K_A), "lab", "gpu-a", K_A, "tok0000001", bad, T)
-    with pytest.raises(AuthError, match="did not prove"):                 # bound to the name it was made for
+    with pytest.raises(AuthError, match="did not prove"):  # bound to the name it was made for
         auth.check_enrol_proof(keys.shared_secret(COORD_PRIV, K_A), "lab", "gpu-b", K_A, "tok0000001", proof, T)
     with pytest.raises(AuthError, match="coordinator's clock"):
-        auth.check_enrol_proof(keys.shared_secret(COORD_PRIV, K_A), "lab", "gpu-a", K_A, "tok0000001", proof,
-                               T + 400)
+        auth.check_enrol_proof(keys.shared_secret(COORD_PRIV, K_A), "lab", "gpu-a", K_A, "tok0000001", proof, T + 400)
 
 
 def test_a_low_order_public_key_gives_no_secret():
     from meshrun.errors import UsageError
+
     with pytest.raises(UsageError, match="low-order"):
         keys.shared_secret(COORD_PRIV, "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=")

@@ -8,22 +8,47 @@ import pytest
 
 from meshrun.bench import report as bench
 from meshrun.bench.run import _Capture
-from meshrun.system.tcpbench import PairServer, tcp_bandwidth, tcp_rtt_ms
 from meshrun.errors import UsageError
+from meshrun.system.tcpbench import PairServer, tcp_bandwidth, tcp_rtt_ms
 
 
 def _raw(rates=None):
     names = ["gpu-a", "gpu-b", "gpu-c"]
     rates = rates or {}
-    pairs = [{"src": s, "dst": d, "path": "relayed" if {s, d} == {"gpu-a", "gpu-c"} else "direct",
-              "rtt_ms": 1.5, "mbit_s": rates.get((s, d), 900.0), "bytes": 1}
-             for s in names for d in names if s != d]
-    return {"nodes": [{"name": n, "overlay_ip": f"10.213.0.{i + 2}"} for i, n in enumerate(names)],
-            "world_size": 3, "pairs": pairs,
-            "allreduce": {"backend": "gloo", "dtype": "float32", "op": "sum", "results": [
-                {"size": 1 << 20, "iters": 10, "time_s": 0.01, "algbw_GBps": 0.1048576,
-                 "busbw_GBps": bench.busbw(0.1048576, 3), "correct": True}]},
-            "settings": {"duration_s": 2.0, "streams": 4, "sizes": [1 << 20]}}
+    pairs = [
+        {
+            "src": s,
+            "dst": d,
+            "path": "relayed" if {s, d} == {"gpu-a", "gpu-c"} else "direct",
+            "rtt_ms": 1.5,
+            "mbit_s": rates.get((s, d), 900.0),
+            "bytes": 1,
+        }
+        for s in names
+        for d in names
+        if s != d
+    ]
+    return {
+        "nodes": [{"name": n, "overlay_ip": f"10.213.0.{i + 2}"} for i, n in enumerate(names)],
+        "world_size": 3,
+        "pairs": pairs,
+        "allreduce": {
+            "backend": "gloo",
+            "dtype": "float32",
+            "op": "sum",
+            "results": [
+                {
+                    "size": 1 << 20,
+                    "iters": 10,
+                    "time_s": 0.01,
+                    "algbw_GBps": 0.1048576,
+                    "busbw_GBps": bench.busbw(0.1048576, 3),
+                    "correct": True,
+                }
+            ],
+        },
+        "settings": {"duration_s": 2.0, "streams": 4, "sizes": [1 << 20]},
+    }
 
 
 @pytest.mark.parametrize("world, factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
@@ -47,16 +72,27 @@ def test_flag_slow_marks_pairs_under_half_the_median():
 
 def test_flag_slow_flags_failed_pair_and_nothing_when_all_equal():
     assert bench.flag_slow([{"src": "a", "dst": "b", "mbit_s": 5.0}, {"src": "b", "dst": "a", "mbit_s": 5.0}]) == []
-    pairs = [{"src": "a", "dst": "b", "mbit_s": 100.0}, {"src": "b", "dst": "a", "mbit_s": 0.0},
-             {"src": "a", "dst": "c", "mbit_s": 100.0}]
+    pairs = [
+        {"src": "a", "dst": "b", "mbit_s": 100.0},
+        {"src": "b", "dst": "a", "mbit_s": 0.0},
+        {"src": "a", "dst": "c", "mbit_s": 100.0},
+    ]
     assert [f["dst"] for f in bench.flag_slow(pairs)] == ["a"]
     assert bench.flag_slow([]) == []
 
 
 def test_summary_is_json_with_the_documented_shape():
     res = json.loads(json.dumps(bench.summarize(_raw())))
-    assert {"nodes", "pairs", "allreduce", "flagged", "median_mbit_s", "best_busbw_GBps", "settings",
-            "world_size"} <= set(res)
+    assert {
+        "nodes",
+        "pairs",
+        "allreduce",
+        "flagged",
+        "median_mbit_s",
+        "best_busbw_GBps",
+        "settings",
+        "world_size",
+    } <= set(res)
     assert len(res["pairs"]) == 6
     for p in res["pairs"]:
         assert {"src", "dst", "path", "rtt_ms", "mbit_s", "slow"} <= set(p)
@@ -121,12 +157,14 @@ def test_capture_picks_the_result_line():
 
 def test_plot_error_names_the_extra(monkeypatch):
     import builtins
+
     real = builtins.__import__
 
     def no_mpl(name, *a, **kw):
         if name.startswith("matplotlib"):
             raise ImportError(name)
         return real(name, *a, **kw)
+
     monkeypatch.setattr(builtins, "__import__", no_mpl)
     with pytest.raises(UsageError) as ei:
         bench.plot(_raw(), "/nonexistent/x.png")
@@ -153,20 +191,27 @@ def test_heat_map_marks_relayed_pairs_and_keeps_every_label_inside():
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
+
     fig = bench.figure(bench.summarize(_raw({("gpu-b", "gpu-c"): 300.0})))
     try:
         fig.canvas.draw()
         box = fig.bbox
         renderer = fig.canvas.get_renderer()
-        texts = [t for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_window_extent"))
-                 if t.get_text().strip() and t.get_visible()]
+        texts = [
+            t
+            for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_window_extent"))
+            if t.get_text().strip() and t.get_visible()
+        ]
         assert {"to", "from", "gpu-a", "relayed through the coordinator"} <= {t.get_text() for t in texts}
         for t in texts:
             ext = t.get_window_extent(renderer)
             assert box.x0 <= ext.x0 and ext.x1 <= box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1, t.get_text()
-        for ax in fig.axes[:2]:     # both matrices: the a<->c pair (relayed) is hatched, the others are not
-            hatched = sorted((round(p.get_x() + 0.5), round(p.get_y() + 0.5)) for p in ax.patches
-                             if isinstance(p, Rectangle) and p.get_hatch())
+        for ax in fig.axes[:2]:  # both matrices: the a<->c pair (relayed) is hatched, the others are not
+            hatched = sorted(
+                (round(p.get_x() + 0.5), round(p.get_y() + 0.5))
+                for p in ax.patches
+                if isinstance(p, Rectangle) and p.get_hatch()
+            )
             assert hatched == [(0, 2), (2, 0)]
             assert sum("relayed" in t.get_text() for t in ax.texts) == 2
     finally:

@@ -15,10 +15,10 @@ import typer
 from typer.testing import CliRunner
 
 from meshrun import __version__
-from meshrun.system import net
 from meshrun.cli import app
-from meshrun.errors import HostError
 from meshrun.core.token import JoinToken
+from meshrun.errors import HostError
+from meshrun.system import net
 
 FIX_COPY = "copy the whole token again from the output of `meshrun token create` on the coordinator"
 
@@ -45,9 +45,11 @@ def run(state):
     runner = CliRunner()
 
     def invoke(*args: str):
-        res = runner.invoke(app, list(args), env={"MESHRUN_STATE_DIR": str(state), "MESHRUN_DEBUG": ""},
-                            catch_exceptions=False)
+        res = runner.invoke(
+            app, list(args), env={"MESHRUN_STATE_DIR": str(state), "MESHRUN_DEBUG": ""}, catch_exceptions=False
+        )
         return res
+
     return invoke
 
 
@@ -56,7 +58,7 @@ def one_error_line(res) -> str:
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith("meshrun: error: ")
     assert "Traceback" not in res.stderr
-    return lines[0][len("meshrun: error: "):]
+    return lines[0][len("meshrun: error: ") :]
 
 
 def valid_token() -> str:
@@ -77,38 +79,48 @@ class TestJoin:
         res = run("join", tok[:-drop])
         assert res.exit_code == 1
         msg = one_error_line(res)
-        assert msg in (f"the join token is truncated or garbled (its checksum does not match); {FIX_COPY}",
-                       f"the join token is garbled (it is not valid base64url); {FIX_COPY}")
-        assert tok[4:-drop] not in res.stderr       # never echo the token (it carries a secret)
+        assert msg in (
+            f"the join token is truncated or garbled (its checksum does not match); {FIX_COPY}",
+            f"the join token is garbled (it is not valid base64url); {FIX_COPY}",
+        )
+        assert tok[4:-drop] not in res.stderr  # never echo the token (it carries a secret)
         assert not state.exists()
 
     def test_wrong_version(self, run, state):
         res = run("join", "mr7.abcdef")
-        assert one_error_line(res) == ("join token version mr7 is not supported by this meshrun (it reads mr1); "
-                                       "use the same meshrun version on the node as on the coordinator")
+        assert one_error_line(res) == (
+            "join token version mr7 is not supported by this meshrun (it reads mr1); "
+            "use the same meshrun version on the node as on the coordinator"
+        )
         assert not state.exists()
 
     def test_bad_name(self, run, state):
         res = run("join", valid_token(), "--name", "Bad_Name")
         assert res.exit_code == 2
-        assert one_error_line(res) == ("--name 'Bad_Name' is not a valid name; use 1-32 lower-case letters, "
-                                       "digits and '-', starting with a letter or digit, e.g. --name gpu-a")
+        assert one_error_line(res) == (
+            "--name 'Bad_Name' is not a valid name; use 1-32 lower-case letters, "
+            "digits and '-', starting with a letter or digit, e.g. --name gpu-a"
+        )
         assert not state.exists()
 
     def test_bad_endpoint(self, run, state):
         res = run("join", valid_token(), "--name", "gpu-a", "--endpoint", "a b")
         assert res.exit_code == 2
-        assert one_error_line(res) == ("--endpoint 'a b' is not HOST or HOST:PORT (endpoint host 'a b' is not an "
-                                       "address or DNS name); give this node's public address, "
-                                       "e.g. --endpoint 198.51.100.7")
+        assert one_error_line(res) == (
+            "--endpoint 'a b' is not HOST or HOST:PORT (endpoint host 'a b' is not an "
+            "address or DNS name); give this node's public address, "
+            "e.g. --endpoint 198.51.100.7"
+        )
         assert not state.exists()
 
     @pytest.mark.parametrize("endpoint", ["2001:db8::7", "[2001:db8::7]:51820"])
     def test_ipv6_endpoint_is_refused(self, run, state, endpoint):
         res = run("join", valid_token(), "--name", "gpu-a", "--endpoint", endpoint)
         assert res.exit_code == 2
-        assert one_error_line(res) == (f"--endpoint {endpoint!r} is an IPv6 address; meshrun's underlay is IPv4 "
-                                       "only; give this machine's public IPv4 address, or a DNS name with an A record")
+        assert one_error_line(res) == (
+            f"--endpoint {endpoint!r} is an IPv6 address; meshrun's underlay is IPv4 "
+            "only; give this machine's public IPv4 address, or a DNS name with an A record"
+        )
         assert not state.exists()
 
 
@@ -123,7 +135,10 @@ class TestToken:
         state.mkdir()
         (state / "member.json").write_text('{"role": "node"}')
         res = run("token", "list")
-        assert one_error_line(res) == f"{state} belongs to a node, not the coordinator; run this command on the coordinator"
+        assert (
+            one_error_line(res)
+            == f"{state} belongs to a node, not the coordinator; run this command on the coordinator"
+        )
 
     def test_list_with_corrupt_state(self, run, state):
         state.mkdir()
@@ -137,8 +152,10 @@ class TestToken:
     def test_create_bad_ttl_before_state(self, run, state):
         res = run("token", "create", "--ttl", "5y")
         assert res.exit_code == 2
-        assert one_error_line(res) == ("--ttl '5y' is not a duration between 1s and 30d; write it as a number and "
-                                       "a unit, e.g. --ttl 12h, 30m or 2d")
+        assert one_error_line(res) == (
+            "--ttl '5y' is not a duration between 1s and 30d; write it as a number and "
+            "a unit, e.g. --ttl 12h, 30m or 2d"
+        )
 
     def test_create_bad_uses(self, run):
         res = run("token", "create", "--uses", "0")
@@ -153,26 +170,49 @@ class TestToken:
 
 
 class TestInit:
-    @pytest.mark.parametrize("args,message", [
-        (["--cidr", "10.0.0.0/33"], "--cidr '10.0.0.0/33' is not a network address ('10.0.0.0/33' does not appear "
-                                    "to be an IPv4 or IPv6 network); give the network's first address and a prefix, "
-                                    "e.g. --cidr 10.213.0.0/16"),
-        (["--cidr", "8.8.8.0/24"], "--cidr '8.8.8.0/24' is not a private range; pick a range from 10.0.0.0/8, "
-                                   "172.16.0.0/12 or 192.168.0.0/16, e.g. 10.213.0.0/16"),
-        (["--mtu", "100"], "--mtu 100 is outside 1280..9000; use 1420 for a 1500-byte underlay, 1280 for the "
-                           "smallest paths"),
-        (["--interface", "a-name-far-too-long"], "--interface 'a-name-far-too-long' is not a valid interface name; "
-                                                 "use 1-15 letters, digits or -_.=+, e.g. --interface meshrun0"),
-        (["--ttl", "5y"], "--ttl '5y' is not a duration between 1s and 30d; write it as a number and a unit, "
-                          "e.g. --ttl 12h, 30m or 2d"),
-        (["--port", "0"], "--port 0 is not a usable port; pick 1-65534, e.g. --port 51820"),
-        (["--endpoint", "[2001:db8::1]:51820"], "--endpoint '[2001:db8::1]:51820' is an IPv6 address; meshrun's "
-                                                 "underlay is IPv4 only; give this machine's public IPv4 address, "
-                                                 "or a DNS name with an A record"),
-        (["--network", "Bad"], "--network 'Bad' is not a valid name; use 1-32 lower-case letters, digits and '-', "
-                               "starting with a letter or digit, e.g. --network gpu-a"),
-        (["--uses", "0"], "--uses 0 must be at least 1; leave it out for unlimited uses until expiry"),
-    ])
+    @pytest.mark.parametrize(
+        "args,message",
+        [
+            (
+                ["--cidr", "10.0.0.0/33"],
+                "--cidr '10.0.0.0/33' is not a network address ('10.0.0.0/33' does not appear "
+                "to be an IPv4 or IPv6 network); give the network's first address and a prefix, "
+                "e.g. --cidr 10.213.0.0/16",
+            ),
+            (
+                ["--cidr", "8.8.8.0/24"],
+                "--cidr '8.8.8.0/24' is not a private range; pick a range from 10.0.0.0/8, "
+                "172.16.0.0/12 or 192.168.0.0/16, e.g. 10.213.0.0/16",
+            ),
+            (
+                ["--mtu", "100"],
+                "--mtu 100 is outside 1280..9000; use 1420 for a 1500-byte underlay, 1280 for the smallest paths",
+            ),
+            (
+                ["--interface", "a-name-far-too-long"],
+                "--interface 'a-name-far-too-long' is not a valid interface name; "
+                "use 1-15 letters, digits or -_.=+, e.g. --interface meshrun0",
+            ),
+            (
+                ["--ttl", "5y"],
+                "--ttl '5y' is not a duration between 1s and 30d; write it as a number and a unit, "
+                "e.g. --ttl 12h, 30m or 2d",
+            ),
+            (["--port", "0"], "--port 0 is not a usable port; pick 1-65534, e.g. --port 51820"),
+            (
+                ["--endpoint", "[2001:db8::1]:51820"],
+                "--endpoint '[2001:db8::1]:51820' is an IPv6 address; meshrun's "
+                "underlay is IPv4 only; give this machine's public IPv4 address, "
+                "or a DNS name with an A record",
+            ),
+            (
+                ["--network", "Bad"],
+                "--network 'Bad' is not a valid name; use 1-32 lower-case letters, digits and '-', "
+                "starting with a letter or digit, e.g. --network gpu-a",
+            ),
+            (["--uses", "0"], "--uses 0 must be at least 1; leave it out for unlimited uses until expiry"),
+        ],
+    )
     def test_usage_errors(self, run, state, args, message):
         res = run("init", "--endpoint", "203.0.113.1", *args)
         msg = one_error_line(res)
@@ -187,8 +227,10 @@ class TestInit:
         (state / "member.json").write_text('{"role": "node"}')
         res = run("init", "--endpoint", "203.0.113.1")
         assert res.exit_code == 1
-        assert one_error_line(res) == (f"{state} already holds a meshrun node; start it with `meshrun up`, or remove "
-                                       "it with `meshrun down --purge` first")
+        assert one_error_line(res) == (
+            f"{state} already holds a meshrun node; start it with `meshrun up`, or remove "
+            "it with `meshrun down --purge` first"
+        )
 
 
 class TestOtherCommands:
@@ -210,16 +252,27 @@ class TestOtherCommands:
         assert (res.exit_code, res.stdout, res.stderr) == (0, f"meshrun {__version__}\n", "")
 
     def test_version_via_python_m(self, tmp_path):
-        res = subprocess.run([sys.executable, "-m", "meshrun", "--version"], capture_output=True, text=True,
-                             env={**os.environ, "MESHRUN_STATE_DIR": str(tmp_path / "s")}, timeout=60)
+        res = subprocess.run(
+            [sys.executable, "-m", "meshrun", "--version"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "MESHRUN_STATE_DIR": str(tmp_path / "s")},
+            timeout=60,
+        )
         assert (res.returncode, res.stdout, res.stderr) == (0, f"meshrun {__version__}\n", "")
 
     def test_join_garbage_via_python_m(self, tmp_path):
-        res = subprocess.run([sys.executable, "-m", "meshrun", "join", "hello"], capture_output=True, text=True,
-                             env={**os.environ, "MESHRUN_STATE_DIR": str(tmp_path / "s")}, timeout=60)
+        res = subprocess.run(
+            [sys.executable, "-m", "meshrun", "join", "hello"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "MESHRUN_STATE_DIR": str(tmp_path / "s")},
+            timeout=60,
+        )
         assert res.returncode == 1 and res.stdout == ""
-        assert res.stderr == ("meshrun: error: this is not a meshrun join token (it must start with 'mr1.'); "
-                              f"{FIX_COPY}\n")
+        assert res.stderr == (
+            f"meshrun: error: this is not a meshrun join token (it must start with 'mr1.'); {FIX_COPY}\n"
+        )
         assert not (tmp_path / "s").exists()
 
 
@@ -233,6 +286,7 @@ def _commands():
                 walk(cmd, path + [name])
             elif not cmd.hidden:
                 out.append(path + [name])
+
     walk(root, [])
     return out
 
@@ -242,8 +296,19 @@ COMMANDS = _commands()
 
 def test_command_tree_is_what_we_expect():
     names = {" ".join(c) for c in COMMANDS}
-    assert {"init", "join", "status", "leave", "down", "up", "remove", "train", "token create", "token list",
-            "token revoke"} <= names
+    assert {
+        "init",
+        "join",
+        "status",
+        "leave",
+        "down",
+        "up",
+        "remove",
+        "train",
+        "token create",
+        "token list",
+        "token revoke",
+    } <= names
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)
@@ -251,4 +316,4 @@ def test_help_has_an_example(run, cmd):
     res = run(*cmd, "--help")
     assert res.exit_code == 0, res.stderr
     assert "Example" in res.stdout
-    assert f"meshrun {' '.join(cmd)}" in res.stdout     # the example shows the command itself
+    assert f"meshrun {' '.join(cmd)}" in res.stdout  # the example shows the command itself

@@ -13,8 +13,9 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 def test_demo_runs_green():
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "meshrun", "demo", "--nodes", "3"], capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "meshrun", "demo", "--nodes", "3"], capture_output=True, text=True, timeout=300
+    )
     took = time.monotonic() - t0
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     out = res.stdout

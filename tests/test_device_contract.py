@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import device_contract
+import pytest
 from conftest import netns_unavailable_reason, unique_prefix
+
 from meshrun.system.fakedevice import FakeDevice
 
 HERE = Path(__file__).resolve().parent
@@ -32,11 +32,31 @@ def test_wireguard_go_keeps_the_contract(tmp_path):
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         res = subprocess.run(
-            ["ip", "netns", "exec", ns, "unshare", "-m", "--propagation", "private", "sh", "-c",
-             'mount -t tmpfs tmpfs /run/wireguard 2>/dev/null || { mkdir -p /run/wireguard && '
-             'mount -t tmpfs tmpfs /run/wireguard; }; exec "$@"', "-",
-             sys.executable, str(HERE / "device_contract.py"), "real", "mrcontract0", str(tmp_path)],
-            capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "unshare",
+                "-m",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                "mount -t tmpfs tmpfs /run/wireguard 2>/dev/null || { mkdir -p /run/wireguard && "
+                'mount -t tmpfs tmpfs /run/wireguard; }; exec "$@"',
+                "-",
+                sys.executable,
+                str(HERE / "device_contract.py"),
+                "real",
+                "mrcontract0",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         results = json.loads(res.stdout.strip().splitlines()[-1])
     finally:

@@ -36,8 +36,9 @@ def fake_sudo():
 
 def _as(user_argv: list[str], fake_sudo: Path, *args: str) -> subprocess.CompletedProcess:
     env = {"PATH": f"{fake_sudo}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/tmp"}
-    return subprocess.run([*user_argv, "bash", str(REPO / "dev.sh"), *args], capture_output=True, text=True,
-                          env=env, timeout=60)
+    return subprocess.run(
+        [*user_argv, "bash", str(REPO / "dev.sh"), *args], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def test_an_account_with_sudo_gets_dev_sh_run_again_through_sudo(fake_sudo):
@@ -47,8 +48,10 @@ def test_an_account_with_sudo_gets_dev_sh_run_again_through_sudo(fake_sudo):
     nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
     res = _as(nobody, fake_sudo, "demo", "--nodes", "2")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == f"sudo called as uid 65534: --preserve-env=PYTHON,MESHRUN_TORCH,CI {REPO}/dev.sh " \
-                                 "demo --nodes 2"
+    assert (
+        res.stdout.strip() == f"sudo called as uid 65534: --preserve-env=PYTHON,MESHRUN_TORCH,CI {REPO}/dev.sh "
+        "demo --nodes 2"
+    )
     assert "running again through sudo" in res.stderr
     # root never goes through sudo (a fresh root shell has none): here it gets the usage line.
     res = _as([], fake_sudo)

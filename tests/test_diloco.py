@@ -24,10 +24,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from meshrun.train.compress import (CODECS, FP4_BLOCK, INT2_BLOCK, INT8_CHUNK, dequantize_fp4, dequantize_int2,
-                                    dequantize_int8, quantize_fp4, quantize_int2, quantize_int8)
-from meshrun.train.diloco import DiLoCo, _balanced_fragments, state_digest
 from meshrun.errors import StateError, UsageError
+from meshrun.train.compress import (
+    CODECS,
+    FP4_BLOCK,
+    INT2_BLOCK,
+    INT8_CHUNK,
+    dequantize_fp4,
+    dequantize_int2,
+    dequantize_int8,
+    quantize_fp4,
+    quantize_int2,
+    quantize_int8,
+)
+from meshrun.train.diloco import DiLoCo, _balanced_fragments, state_digest
 
 IN, HID, OUT = 8, 16, 4
 NUMEL = IN * HID + HID + HID * OUT + OUT  # parameters of _mlp()
@@ -67,16 +77,28 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- worker scenarios
 def _sc_math_sgd(rank: int, world: int) -> dict:
     model = _mlp(0)
-    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1,
-                 outer_lr=1.0, outer_momentum=0.0, compression="none")
+    opt = DiLoCo(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        sync_every=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        compression="none",
+    )
     _train(model, opt, range(6), rank)
     return {"params": _params(model), "syncs": opt.sync_count}
 
 
 def _sc_math_nesterov(rank: int, world: int) -> dict:
     model = _mlp(0)
-    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every=3,
-                 outer_lr=0.7, outer_momentum=0.9, compression="none")
+    opt = DiLoCo(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        sync_every=3,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        compression="none",
+    )
     _train(model, opt, range(9), rank)
     return {"params": _params(model)}
 
@@ -96,8 +118,14 @@ def _sc_ef(rank: int, world: int) -> dict:
     out = {}
     for comp in ("int8", "fp4", "int2"):
         model = nn.Linear(301, 1, bias=False)
-        opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.0), sync_every=1,
-                     outer_lr=1.0, outer_momentum=0.0, compression=comp)
+        opt = DiLoCo(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            sync_every=1,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            compression=comp,
+        )
         (glob,) = opt.global_parameters().values()
         exact = glob.detach().double().clone()
         start = exact.clone()
@@ -139,19 +167,35 @@ def _sc_resume(rank: int, world: int) -> dict:
     model_c, opt_c = fresh(123)  # model restored but optimizer state not: must NOT match
     model_c.load_state_dict(ckpt["model"])
     _train(model_c, opt_c, range(k, k + m), rank)
-    return {"a": a, "b": _params(model_b), "c": _params(model_c),
-            "step_b": opt_b.step_count, "syncs_b": opt_b.sync_count}
+    return {
+        "a": a,
+        "b": _params(model_b),
+        "c": _params(model_c),
+        "step_b": opt_b.step_count,
+        "syncs_b": opt_b.sync_count,
+    }
 
 
 def _sc_compression(rank: int, world: int) -> dict:
     out = {}
     for comp in ("none", "fp16", "bf16", "int8", "fp4", "int2"):
         model = _mlp(0)
-        opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every=2,
-                     outer_lr=0.7, outer_momentum=0.9, compression=comp)
+        opt = DiLoCo(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            sync_every=2,
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            compression=comp,
+        )
         _train(model, opt, range(6), rank)
-        out[comp] = {"params": _params(model), "last": opt.last_sync_bytes,
-                     "total": opt.bytes_sent_total, "syncs": opt.sync_count, "ddp": opt.ddp_equivalent_bytes}
+        out[comp] = {
+            "params": _params(model),
+            "last": opt.last_sync_bytes,
+            "total": opt.bytes_sent_total,
+            "syncs": opt.sync_count,
+            "ddp": opt.ddp_equivalent_bytes,
+        }
     return out
 
 
@@ -182,9 +226,16 @@ def _sc_streaming(rank: int, world: int) -> dict:
         before_finish = {"params": _params(model), "global": {k: v.clone() for k, v in opt.global_parameters().items()}}
         syncs = opt.sync_count
         opt.finish()
-        out[name] = {"before": before_finish, "params": _params(model), "syncs": syncs, "syncs_after": opt.sync_count,
-                     "in_flight": flight, "sent": sent, "total": opt.bytes_sent_total,
-                     "fragments": opt.fragment_names}
+        out[name] = {
+            "before": before_finish,
+            "params": _params(model),
+            "syncs": syncs,
+            "syncs_after": opt.sync_count,
+            "in_flight": flight,
+            "sent": sent,
+            "total": opt.bytes_sent_total,
+            "fragments": opt.fragment_names,
+        }
     return out
 
 
@@ -246,17 +297,28 @@ def _sc_fresh_start(rank: int, world: int) -> dict:
 
 def _member_opt(snapshot_dir: Path) -> tuple[nn.Module, DiLoCo]:
     model = _mlp(0, batchnorm=True)
-    opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2, compression="fp4",
-                 snapshot_dir=snapshot_dir, **_MOMENTUM)
+    opt = DiLoCo(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        sync_every=2,
+        compression="fp4",
+        snapshot_dir=snapshot_dir,
+        **_MOMENTUM,
+    )
     return model, opt
 
 
 def _member_state(model: nn.Module, opt: DiLoCo) -> dict:
     inner = opt.inner_optimizer.state
     first = next(iter(model.parameters()))
-    return {"global": {k: v.clone() for k, v in opt.global_parameters().items()}, "params": _params(model),
-            "sync": opt.sync_count, "step": opt.step_count, "sent": opt.bytes_sent_total,
-            "exp_avg": inner[first]["exp_avg"].clone() if first in inner else None}
+    return {
+        "global": {k: v.clone() for k, v in opt.global_parameters().items()},
+        "params": _params(model),
+        "sync": opt.sync_count,
+        "step": opt.step_count,
+        "sent": opt.bytes_sent_total,
+        "exp_avg": inner[first]["exp_avg"].clone() if first in inner else None,
+    }
 
 
 def _sc_member_before(rank: int, world: int) -> dict:
@@ -283,10 +345,23 @@ def _sc_member_after(rank: int, world: int) -> dict:
     return {"start": start, "resumed": opt.resumed, "end": _member_state(model, opt)}
 
 
-SCENARIOS = {f.__name__[4:]: f for f in (_sc_math_sgd, _sc_math_nesterov, _sc_ef, _sc_resume,
-                                         _sc_compression, _sc_buffers, _sc_streaming,
-                                         _sc_overlap_runs_in_background, _sc_state_check, _sc_fresh_start,
-                                         _sc_member_before, _sc_member_after)}
+SCENARIOS = {
+    f.__name__[4:]: f
+    for f in (
+        _sc_math_sgd,
+        _sc_math_nesterov,
+        _sc_ef,
+        _sc_resume,
+        _sc_compression,
+        _sc_buffers,
+        _sc_streaming,
+        _sc_overlap_runs_in_background,
+        _sc_state_check,
+        _sc_fresh_start,
+        _sc_member_before,
+        _sc_member_after,
+    )
+}
 
 
 def _entry(rank: int, world: int, store_path: str, out_dir: str, names: list[str]) -> None:
@@ -294,8 +369,13 @@ def _entry(rank: int, world: int, store_path: str, out_dir: str, names: list[str
     os.environ.pop("MESHRUN_JOB_DIR", None)  # no snapshots unless a scenario asks for them
     os.environ["DILOCO_TEST_DIR"] = out_dir
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         results = {name: SCENARIOS[name](rank, world) for name in names}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -316,8 +396,9 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world3(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return _spawn(3, ["math_sgd", "math_nesterov", "ef", "streaming", "state_check"],
-                  str(tmp_path_factory.mktemp("w3")))
+    return _spawn(
+        3, ["math_sgd", "math_nesterov", "ef", "streaming", "state_check"], str(tmp_path_factory.mktemp("w3"))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -398,8 +479,18 @@ def _ref_diloco(world: int, rounds: int, h: int, lr: float, outer_lr: float, mom
     return _params(glob)
 
 
-def _ref_streaming(world: int, steps: int, h: int, fragments: list[list[str]], tau: int, alpha: float, lr: float,
-                   outer_lr: float, mom: float, finish: bool) -> tuple[list[dict], dict]:
+def _ref_streaming(
+    world: int,
+    steps: int,
+    h: int,
+    fragments: list[list[str]],
+    tau: int,
+    alpha: float,
+    lr: float,
+    outer_lr: float,
+    mom: float,
+    finish: bool,
+) -> tuple[list[dict], dict]:
     """Streaming DiLoCo written out by hand: one local model per rank; fragment f's deltas are
     taken at step t (t + tau a multiple of h / F, fragments in turn), averaged, and at t + tau the
     fragment's global copy takes an explicit Nesterov step and each rank's local copy becomes
@@ -421,8 +512,9 @@ def _ref_streaming(world: int, steps: int, h: int, fragments: list[list[str]], t
                     p.copy_(a * p + (1 - a) * glob[k])
 
     def deltas_of(names: list[str]) -> dict:
-        return {k: torch.stack([glob[k] - dict(m.named_parameters())[k].detach() for m in locals_]).mean(0)
-                for k in names}
+        return {
+            k: torch.stack([glob[k] - dict(m.named_parameters())[k].detach() for m in locals_]).mean(0) for k in names
+        }
 
     pending = None
     for s in range(1, steps + 1):
@@ -484,8 +576,7 @@ def test_outer_nesterov_matches_hand_written_diloco(world: int, world2: list[dic
 def test_world_size_1_is_plain_sgd() -> None:
     assert not dist.is_initialized()
     model = _mlp(0)
-    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1,
-                 outer_lr=1.0, outer_momentum=0.0)
+    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1, outer_lr=1.0, outer_momentum=0.0)
     _train(model, opt, range(6), rank=0)
     _assert_close(_params(model), _ref_ddp_sgd(1, steps=6, lr=0.1), atol=1e-6)
     assert (opt.world_size, opt.sync_count, opt.bytes_sent_total, opt.last_sync_bytes) == (1, 6, 0, 0)
@@ -511,8 +602,9 @@ def test_fragments_are_balanced_whole_tensors() -> None:
 def test_streaming_matches_hand_written_reference(world: int, world2: list[dict], world3: list[dict]) -> None:
     results = world2 if world == 2 else world3
     frags = results[0]["streaming"]["stream"]["fragments"]
-    ref_locals, ref_glob = _ref_streaming(world, steps=8, h=4, fragments=frags, tau=1, alpha=0.25, lr=0.05,
-                                          outer_lr=0.7, mom=0.9, finish=False)
+    ref_locals, ref_glob = _ref_streaming(
+        world, steps=8, h=4, fragments=frags, tau=1, alpha=0.25, lr=0.05, outer_lr=0.7, mom=0.9, finish=False
+    )
     for rank, res in enumerate(results):
         r = res["streaming"]["stream"]
         _assert_close(r["before"]["params"], ref_locals[rank], atol=1e-6)
@@ -521,8 +613,9 @@ def test_streaming_matches_hand_written_reference(world: int, world2: list[dict]
         assert r["in_flight"] == [True, False] * 4
         assert r["syncs"] == 4 and r["syncs_after"] == 5
     _assert_ranks_equal(results, "streaming", "stream")  # after finish(): one global model everywhere
-    _, ref_final = _ref_streaming(world, steps=8, h=4, fragments=frags, tau=1, alpha=0.25, lr=0.05,
-                                  outer_lr=0.7, mom=0.9, finish=True)
+    _, ref_final = _ref_streaming(
+        world, steps=8, h=4, fragments=frags, tau=1, alpha=0.25, lr=0.05, outer_lr=0.7, mom=0.9, finish=True
+    )
     _assert_close(results[0]["streaming"]["stream"]["params"], ref_final, atol=1e-6)
     # Not vacuous: the local copies differ between ranks before finish(), and from plain DiLoCo.
     before = [res["streaming"]["stream"]["before"]["params"] for res in results]
@@ -540,16 +633,25 @@ def test_streaming_one_fragment_no_overlap_is_plain_diloco(world3: list[dict]) -
         assert r["in_flight"] == [False] * 9
     # The hand-written streaming reference agrees with the hand-written DiLoCo in this case too.
     frags = world3[0]["streaming"]["one"]["fragments"]
-    _, glob = _ref_streaming(3, steps=9, h=3, fragments=frags, tau=0, alpha=0.0, lr=0.05, outer_lr=0.7,
-                             mom=0.9, finish=False)
+    _, glob = _ref_streaming(
+        3, steps=9, h=3, fragments=frags, tau=0, alpha=0.0, lr=0.05, outer_lr=0.7, mom=0.9, finish=False
+    )
     _assert_close(glob, ref, atol=1e-6)
 
 
 def test_streaming_sends_one_fragment_per_sync(world2: list[dict]) -> None:
     r = world2[0]["streaming"]["stream"]
     f0, f1 = HID * IN, NUMEL - HID * IN  # fragment 0 is 0.weight
-    per_step = [0, 4 * f0, 4 * f0, 4 * (f0 + f1), 4 * (f0 + f1), 4 * (2 * f0 + f1), 4 * (2 * f0 + f1),
-                4 * (2 * f0 + 2 * f1)]
+    per_step = [
+        0,
+        4 * f0,
+        4 * f0,
+        4 * (f0 + f1),
+        4 * (f0 + f1),
+        4 * (2 * f0 + f1),
+        4 * (2 * f0 + f1),
+        4 * (2 * f0 + 2 * f1),
+    ]
     assert r["sent"] == per_step  # counted when merged: fragment 0 at step 2, 1 at step 4, ...
     assert r["total"] == per_step[-1] + 4 * NUMEL  # finish() synced both (mixing left neither clean)
 
@@ -566,7 +668,7 @@ def test_state_check_names_the_perturbed_rank(world3: list[dict]) -> None:
             assert errors[how] is not None, how
             assert "rank(s) [2] disagree with rank(s) [0, 1]" in errors[how]
         assert "after sync 2" in errors["verify_state"]  # 4 steps, sync_every 2
-        assert "after sync 3" in errors["next_sync"]     # the sync at step 6 carried it
+        assert "after sync 3" in errors["next_sync"]  # the sync at step 6 carried it
 
 
 def test_fresh_start_aligns_models_only_when_they_differ(world2: list[dict]) -> None:
@@ -585,7 +687,7 @@ def test_state_digest_is_bit_exact() -> None:
     b[0][1] = torch.nextafter(b[0][1], torch.tensor(math.inf))
     assert state_digest(a) != state_digest(b)
     assert state_digest([torch.tensor([0.0])]) != state_digest([torch.tensor([-0.0])])  # raw bits, not values
-    assert -2**63 <= state_digest(a) < 2**63
+    assert -(2**63) <= state_digest(a) < 2**63
 
 
 def test_buffers_are_averaged_at_sync(world2: list[dict]) -> None:
@@ -675,7 +777,7 @@ def test_int2_round_trip_error_is_half_a_step_inside_the_grid(n: int, scale: flo
     allowed = torch.where(y <= 2, 0.5, y - 1.5) * s * (1 + 1e-5)
     assert bool(((x - dequantize_int2(packed, scales, n)).abs() <= allowed).all())
     for b in range(scales.numel()):  # the scale is the block's RMS (bf16-rounded)
-        block = x[b * INT2_BLOCK:(b + 1) * INT2_BLOCK]
+        block = x[b * INT2_BLOCK : (b + 1) * INT2_BLOCK]
         assert abs(float(scales[b]) - float(block.pow(2).mean().sqrt())) <= 2**-8 * float(block.pow(2).mean().sqrt())
 
 
@@ -844,26 +946,29 @@ def _make(model: nn.Module | None = None, **kw: object) -> DiLoCo:
     return DiLoCo(model, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kw, named", [
-    ({"sync_every": 0}, "sync_every=0"),
-    ({"sync_every": -3}, "sync_every=-3"),
-    ({"sync_every": 2.5}, "sync_every=2.5"),
-    ({"sync_every": True}, "sync_every=True"),
-    ({"compression": "int4"}, "compression='int4'"),
-    ({"outer_lr": 0.0}, "outer_lr=0.0"),
-    ({"outer_lr": float("nan")}, "outer_lr=nan"),
-    ({"outer_momentum": 1.0}, "outer_momentum=1.0"),
-    ({"outer_momentum": -0.1}, "outer_momentum=-0.1"),
-    ({"inner_optimizer": "adam"}, "inner_optimizer=str"),
-    ({"inner_optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)}, "not parameters of model"),
-    ({"process_group": object()}, "process_group"),
-    ({"fragments": 0}, "fragments=0"),
-    ({"fragments": 3}, "sync_every=4 is not a multiple of fragments=3"),
-    ({"fragments": 8, "sync_every": 16}, "fragments=8 is more than the 4 parameter tensors"),
-    ({"fragments": 2, "overlap": 2}, "overlap=2 is not below sync_every / fragments = 2"),
-    ({"overlap": -1}, "overlap=-1"),
-    ({"mixing": 1.0}, "mixing=1.0"),
-])
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        ({"sync_every": 0}, "sync_every=0"),
+        ({"sync_every": -3}, "sync_every=-3"),
+        ({"sync_every": 2.5}, "sync_every=2.5"),
+        ({"sync_every": True}, "sync_every=True"),
+        ({"compression": "int4"}, "compression='int4'"),
+        ({"outer_lr": 0.0}, "outer_lr=0.0"),
+        ({"outer_lr": float("nan")}, "outer_lr=nan"),
+        ({"outer_momentum": 1.0}, "outer_momentum=1.0"),
+        ({"outer_momentum": -0.1}, "outer_momentum=-0.1"),
+        ({"inner_optimizer": "adam"}, "inner_optimizer=str"),
+        ({"inner_optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)}, "not parameters of model"),
+        ({"process_group": object()}, "process_group"),
+        ({"fragments": 0}, "fragments=0"),
+        ({"fragments": 3}, "sync_every=4 is not a multiple of fragments=3"),
+        ({"fragments": 8, "sync_every": 16}, "fragments=8 is more than the 4 parameter tensors"),
+        ({"fragments": 2, "overlap": 2}, "overlap=2 is not below sync_every / fragments = 2"),
+        ({"overlap": -1}, "overlap=-1"),
+        ({"mixing": 1.0}, "mixing=1.0"),
+    ],
+)
 def test_bad_arguments_raise_usage_error(kw: dict, named: str) -> None:
     with pytest.raises(UsageError) as info:
         _make(**kw)

@@ -64,8 +64,13 @@ def test_node_lost_then_node_joined(tmp_path: Path) -> None:
     # meshrun's rendezvous backend (what `meshrun train` runs): c10d with the agent store bound to the
     # interface and made anew each round; plain c10d in torch 2.13 reuses the first round's store, so a
     # restarted group reads the previous round's gloo addresses and fails to connect (pytorch#135712).
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MESHRUN_INTERFACE": "lo", "PYTHONPATH": str(ROOT),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MESHRUN_INTERFACE": "lo",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
     procs: dict[int, subprocess.Popen] = {}
     logs = [tmp_path / f"node{n}.log" for n in range(4)]
     outputs = []
@@ -73,16 +78,54 @@ def test_node_lost_then_node_joined(tmp_path: Path) -> None:
     def start(n: int) -> None:
         job_dir = tmp_path / f"node{n}"
         job_dir.mkdir()
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
-                "--rdzv-backend", "meshrun", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "diloco-elastic",
-                "--rdzv-conf", "last_call_timeout=3,join_timeout=60", "--local-addr", "127.0.0.1",
-                "--max-restarts", "5", "--monitor-interval", "1",
-                str(SCRIPT), "--mode", "diloco", "--steps", str(STEPS), "--sync-every", str(SYNC_EVERY),
-                "--hidden", "32", "--batch-size", "8", "--seq-len", "32", "--threads", "1", "--compression", "fp4"]
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2:3",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "meshrun",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "diloco-elastic",
+            "--rdzv-conf",
+            "last_call_timeout=3,join_timeout=60",
+            "--local-addr",
+            "127.0.0.1",
+            "--max-restarts",
+            "5",
+            "--monitor-interval",
+            "1",
+            str(SCRIPT),
+            "--mode",
+            "diloco",
+            "--steps",
+            str(STEPS),
+            "--sync-every",
+            str(SYNC_EVERY),
+            "--hidden",
+            "32",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--threads",
+            "1",
+            "--compression",
+            "fp4",
+        ]
         outputs.append(logs[n].open("w"))
-        procs[n] = subprocess.Popen(argv, env={**env, "MESHRUN_JOB_DIR": str(job_dir), "MESHRUN_OUTPUT_DIR": str(job_dir)},
-                                    stdout=outputs[-1],
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+        procs[n] = subprocess.Popen(
+            argv,
+            env={**env, "MESHRUN_JOB_DIR": str(job_dir), "MESHRUN_OUTPUT_DIR": str(job_dir)},
+            stdout=outputs[-1],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     try:
         start(0)  # node 0 hosts the rendezvous store: it must outlive the others
@@ -90,8 +133,9 @@ def test_node_lost_then_node_joined(tmp_path: Path) -> None:
         start(1)
         start(2)
         _wait_for(r"^outer_step 4 ", logs, 120)
-        before_kill = max(int(n) for log in logs if log.exists()
-                          for n in re.findall(r"^outer_step (\d+) ", log.read_text(), re.M))
+        before_kill = max(
+            int(n) for log in logs if log.exists() for n in re.findall(r"^outer_step (\d+) ", log.read_text(), re.M)
+        )
         for pid in [procs[2].pid, *_children(procs[2].pid)]:  # the whole node: agent and worker
             os.kill(pid, signal.SIGKILL)
         _wait_for(r"^outer_step 9 ", logs, 180)
@@ -112,8 +156,10 @@ def test_node_lost_then_node_joined(tmp_path: Path) -> None:
         assert procs[n].returncode == 0, out[n][-3000:]
     every = "\n".join(out.values())  # rank 0 (whichever node it is after a restart) logs progress
     assert sorted(re.findall(r"^start mode=diloco world_size=(\d+)", every, re.M)) == ["2", "3", "3"]
-    resumes = {int(w): (int(s), int(st)) for w, s, st in
-               re.findall(r"^resumed rank=0 world_size=(\d) sync=(\d+) step=(\d+)", every, re.M)}
+    resumes = {
+        int(w): (int(s), int(st))
+        for w, s, st in re.findall(r"^resumed rank=0 world_size=(\d) sync=(\d+) step=(\d+)", every, re.M)
+    }
     assert sorted(resumes) == [2, 3], every[-3000:]
     # After the loss: lost at most the outer step in flight. The survivors resume at the last sync
     # logged before the kill, or the one after it (completed by a worker, not yet logged).
@@ -123,9 +169,9 @@ def test_node_lost_then_node_joined(tmp_path: Path) -> None:
     assert sorted(set(logged)) == list(range(1, STEPS // SYNC_EVERY + 1))  # no sync skipped
     assert len(logged) - len(set(logged)) <= 2  # at most one redone per restart
     # The joiner received the state from a peer and ends bit-identical to the others.
-    assert re.search(r"^resumed rank=\d world_size=3 sync=\d+ step=\d+ source_rank=\d received=yes", out[3], re.M), \
-        out[3][-2000:]
-    digests = {re.search(r"^param_checksum rank=\d+ sync=(\d+) digest=(\w+)", out[n], re.M).groups()
-               for n in (0, 1, 3)}
+    assert re.search(r"^resumed rank=\d world_size=3 sync=\d+ step=\d+ source_rank=\d received=yes", out[3], re.M), out[
+        3
+    ][-2000:]
+    digests = {re.search(r"^param_checksum rank=\d+ sync=(\d+) digest=(\w+)", out[n], re.M).groups() for n in (0, 1, 3)}
     assert len(digests) == 1 and int(next(iter(digests))[0]) == STEPS // SYNC_EVERY
     assert re.search(rf"^final val_loss=[\d.]+ .* world_size=3 steps={STEPS}\b", every, re.M)

@@ -10,24 +10,52 @@ from meshrun.core import doctor, mtu, netparse
 from meshrun.core.doctor import FAIL, OK, SKIP, WARN
 
 HEALTHY = {
-    "role": "node", "name": "gpu-b", "network": "lab", "overlay_ip": "10.9.0.3", "prefixlen": 16,
-    "interface_name": "meshrun0", "listen_port": 51820, "daemon_pid": 4242, "trains": False,
+    "role": "node",
+    "name": "gpu-b",
+    "network": "lab",
+    "overlay_ip": "10.9.0.3",
+    "prefixlen": 16,
+    "interface_name": "meshrun0",
+    "listen_port": 51820,
+    "daemon_pid": 4242,
+    "trains": False,
     "interface": {"exists": True, "up": True, "mtu": 1420},
     "backend": {"kind": "kernel", "kernel_module": True},
     "coordinator_name": "coordinator",
-    "peers": [{"name": "coordinator", "overlay_ip": "10.9.0.1", "endpoint": "198.51.100.1:51820",
-               "path": "direct (public)", "handshake_age_s": 20},
-              {"name": "gpu-c", "overlay_ip": "10.9.0.4", "endpoint": "198.51.100.7:51820",
-               "path": "direct (public)", "handshake_age_s": 40}],
+    "peers": [
+        {
+            "name": "coordinator",
+            "overlay_ip": "10.9.0.1",
+            "endpoint": "198.51.100.1:51820",
+            "path": "direct (public)",
+            "handshake_age_s": 20,
+        },
+        {
+            "name": "gpu-c",
+            "overlay_ip": "10.9.0.4",
+            "endpoint": "198.51.100.7:51820",
+            "path": "direct (public)",
+            "handshake_age_s": 40,
+        },
+    ],
     "mtu_probe": {"target": "10.9.0.1", "size": 1420, "full": True},
     "coordinator": {"ip": "10.9.0.1", "reachable": True, "rtt_ms": 21.0},
     "clock_offset_s": 0.03,
     "udp_probe": {"endpoint": "203.0.113.5:51820", "sent": 3, "arrived": 3},
     "jobs_dir": "/var/lib/meshrun/jobs",
-    "environment": {"python": "/opt/venv/bin/python", "python_version": "3.11.7", "torch": "2.13.0+cu128",
-                    "cuda": "12.8", "nccl": "2.27.3", "gloo": True, "gpus": 8, "gpu_names": ["NVIDIA H100"],
-                    "free_bytes": 500 << 30},
-    "shell_env": {}, "daemon_env": {},
+    "environment": {
+        "python": "/opt/venv/bin/python",
+        "python_version": "3.11.7",
+        "torch": "2.13.0+cu128",
+        "cuda": "12.8",
+        "nccl": "2.27.3",
+        "gloo": True,
+        "gpus": 8,
+        "gpu_names": ["NVIDIA H100"],
+        "free_bytes": 500 << 30,
+    },
+    "shell_env": {},
+    "daemon_env": {},
 }
 
 
@@ -58,8 +86,20 @@ def only(f: dict, name: str) -> doctor.Check:
 def test_healthy_facts_are_all_ok_and_do_not_block():
     checks = doctor.judge(HEALTHY)
     assert {c.level for c in checks} == {OK}, [c for c in checks if c.level != OK]
-    assert {"daemon", "interface", "wireguard", "mtu", "coordinator", "peer coordinator", "peer gpu-c", "udp/51820",
-            "clock", "disk", "torch", "environment"} == {c.name for c in checks}
+    assert {
+        "daemon",
+        "interface",
+        "wireguard",
+        "mtu",
+        "coordinator",
+        "peer coordinator",
+        "peer gpu-c",
+        "udp/51820",
+        "clock",
+        "disk",
+        "torch",
+        "environment",
+    } == {c.name for c in checks}
     assert not doctor.blocking(checks)
     assert "NCCL 2.27.3" in only(HEALTHY, "torch").detail and "8 GPU(s) NVIDIA H100" in only(HEALTHY, "torch").detail
 
@@ -79,13 +119,23 @@ def test_interface_missing_or_down_blocks_and_skips_the_overlay_probes():
     assert doctor.blocking(doctor.judge(down))
 
 
-@pytest.mark.parametrize("backend,level,phrase", [
-    ({"kind": "wireguard-go", "version": "0.0.20230223", "kernel_module": False}, OK, "this kernel has no WireGuard"),
-    ({"kind": "wireguard-go", "version": "0.0.20220316", "kernel_module": False, "warning": "no batched I/O"},
-     WARN, "no batched I/O"),
-    ({"kind": "wireguard-go", "version": "0.0.20230223", "kernel_module": True}, WARN, "module is present"),
-    ({"kind": "wireguard-go", "version": None, "kernel_module": None}, OK, "could not be looked for"),
-])
+@pytest.mark.parametrize(
+    "backend,level,phrase",
+    [
+        (
+            {"kind": "wireguard-go", "version": "0.0.20230223", "kernel_module": False},
+            OK,
+            "this kernel has no WireGuard",
+        ),
+        (
+            {"kind": "wireguard-go", "version": "0.0.20220316", "kernel_module": False, "warning": "no batched I/O"},
+            WARN,
+            "no batched I/O",
+        ),
+        ({"kind": "wireguard-go", "version": "0.0.20230223", "kernel_module": True}, WARN, "module is present"),
+        ({"kind": "wireguard-go", "version": None, "kernel_module": None}, OK, "could not be looked for"),
+    ],
+)
 def test_the_backend_line_says_why_userspace(backend, level, phrase):
     c = only(facts(backend=backend), "wireguard")
     assert c.level == level and phrase in c.detail
@@ -117,8 +167,12 @@ def test_stale_peers_warn_but_a_stale_coordinator_blocks():
 
 
 def test_many_healthy_peers_fold_into_one_line():
-    f = facts(peers=[{"name": f"n{i}", "overlay_ip": f"10.9.1.{i}", "endpoint": None, "path": "relayed",
-                      "handshake_age_s": 5} for i in range(50)])
+    f = facts(
+        peers=[
+            {"name": f"n{i}", "overlay_ip": f"10.9.1.{i}", "endpoint": None, "path": "relayed", "handshake_age_s": 5}
+            for i in range(50)
+        ]
+    )
     f["peers"][7]["handshake_age_s"] = None
     names = [c.name for c in doctor.judge(f)]
     assert names.count("peers") == 1 and "peer n7" in names and "peer n8" not in names
@@ -142,7 +196,7 @@ def test_disk_and_torch_follow_the_preflight_rules():
     assert levels(facts(environment={"free_bytes": 500 << 20}))["disk"] == WARN
     c = only(facts(environment={"torch": None, "cuda": None, "nccl": None}), "torch")
     assert c.level == FAIL and "/opt/venv/bin/python" in c.detail
-    assert levels(facts(environment={"gpus": 0, "gpu_names": []}))["torch"] == WARN   # CUDA build, no GPU
+    assert levels(facts(environment={"gpus": 0, "gpu_names": []}))["torch"] == WARN  # CUDA build, no GPU
 
 
 def test_torch_missing_on_a_coordinator_that_does_not_train_is_not_a_problem():
@@ -160,7 +214,9 @@ def test_a_coordinator_is_not_asked_about_itself():
 def test_pinning_overridden_in_the_shell_blocks_and_in_the_daemon_warns():
     shell = doctor.judge(facts(shell_env={"NCCL_SOCKET_IFNAME": "eth0"}))
     (c,) = [c for c in shell if c.name == "environment"]
-    assert c.level == FAIL and "NCCL_SOCKET_IFNAME=eth0 in this shell overrides meshrun's pinning (=meshrun0)" in c.detail
+    assert (
+        c.level == FAIL and "NCCL_SOCKET_IFNAME=eth0 in this shell overrides meshrun's pinning (=meshrun0)" in c.detail
+    )
     (c,) = [c for c in doctor.judge(facts(daemon_env={"NCCL_SOCKET_IFNAME": "eth0"})) if c.name == "environment"]
     assert c.level == WARN and "in the daemon's environment (pid 4242)" in c.detail
 
@@ -170,10 +226,16 @@ def test_meshrun_s_own_values_are_not_overrides():
     assert levels(f)["environment"] == OK
 
 
-@pytest.mark.parametrize("where,key,level", [
-    ("shell_env", "MASTER_ADDR", WARN), ("daemon_env", "MASTER_ADDR", OK), ("shell_env", "NCCL_COMM_ID", FAIL),
-    ("daemon_env", "NCCL_COMM_ID", FAIL), ("daemon_env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", FAIL),
-])
+@pytest.mark.parametrize(
+    "where,key,level",
+    [
+        ("shell_env", "MASTER_ADDR", WARN),
+        ("daemon_env", "MASTER_ADDR", OK),
+        ("shell_env", "NCCL_COMM_ID", FAIL),
+        ("daemon_env", "NCCL_COMM_ID", FAIL),
+        ("daemon_env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", FAIL),
+    ],
+)
 def test_steering_variables(where, key, level):
     assert levels(facts(**{where: {key: "1"}}))["environment"] == level
 
@@ -194,6 +256,7 @@ def test_mtu_search_finds_the_largest_passing_size_in_few_probes():
         def probe(n):
             asked.append(n)
             return n <= limit
+
         return probe
 
     assert mtu.largest(passes(1420), 576, 1420) == 1420 and asked == [1420]
@@ -209,10 +272,12 @@ def test_link_and_rule_counter_parsers():
     assert netparse.link(text) == {"exists": True, "up": True, "mtu": 1420}
     assert netparse.link('[{"ifname":"meshrun0","flags":["POINTOPOINT","NOARP"],"mtu":1420}]')["up"] is False
     assert netparse.link("")["exists"] is False
-    listing = ("Chain PREROUTING (policy ACCEPT 12 packets, 900 bytes)\n"
-               "    pkts      bytes target     prot opt in     out     source               destination\n"
-               "       3      159            udp  --  *      *       198.51.100.1         0.0.0.0/0            "
-               "udp spt:!51820 dpt:51820 /* meshrun-doctor-ab12 */\n")
+    listing = (
+        "Chain PREROUTING (policy ACCEPT 12 packets, 900 bytes)\n"
+        "    pkts      bytes target     prot opt in     out     source               destination\n"
+        "       3      159            udp  --  *      *       198.51.100.1         0.0.0.0/0            "
+        "udp spt:!51820 dpt:51820 /* meshrun-doctor-ab12 */\n"
+    )
     assert netparse.rule_packets(listing, "meshrun-doctor-ab12") == 3
     assert netparse.rule_packets(listing, "meshrun-doctor-ffff") == 0
 

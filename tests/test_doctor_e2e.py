@@ -7,8 +7,8 @@ import json
 import re
 
 import pytest
-
 from conftest import joined_mesh
+
 from meshrun.core.model import DEFAULT_IFACE
 from meshrun.lab.testbed import DatacenterSpec
 
@@ -39,8 +39,20 @@ def test_a_healthy_node_and_the_coordinator_pass_every_check(mesh):
     res = mesh.meshrun("dc2-a", "doctor", check=False)
     assert res.returncode == 0, res.stdout + res.stderr
     checks = _lines(res.stdout)
-    assert {"daemon", "interface", "wireguard", "mtu", "coordinator", "peer coordinator", "peer dc3-a", "udp/51820",
-            "clock", "disk", "torch", "environment"} <= set(checks), res.stdout
+    assert {
+        "daemon",
+        "interface",
+        "wireguard",
+        "mtu",
+        "coordinator",
+        "peer coordinator",
+        "peer dc3-a",
+        "udp/51820",
+        "clock",
+        "disk",
+        "torch",
+        "environment",
+    } <= set(checks), res.stdout
     assert all(levels == ["ok"] for levels in checks.values()), res.stdout
     assert "reachable from outside: 3 of 3 probes" in res.stdout
     assert "everything meshrun checks is fine" in res.stdout
@@ -61,9 +73,11 @@ def test_json_has_the_checks_and_leaves_no_probe_rule(mesh):
 
 def test_a_node_behind_a_cone_nat_is_told_its_port_is_not_reachable_from_outside(mesh):
     res = mesh.meshrun("dc3-a", "doctor", check=False)
-    assert res.returncode == 0, res.stdout + res.stderr        # a warning, not a block: relays work
+    assert res.returncode == 0, res.stdout + res.stderr  # a warning, not a block: relays work
     assert _lines(res.stdout)["udp/51820"] == ["warn"], res.stdout
-    assert re.search(r"not reachable from outside: none of 3 probes .*\n.*fix: forward UDP 51820", res.stdout), res.stdout
+    assert re.search(r"not reachable from outside: none of 3 probes .*\n.*fix: forward UDP 51820", res.stdout), (
+        res.stdout
+    )
 
 
 def test_variables_that_override_the_pinning_are_named(mesh):
@@ -74,8 +88,12 @@ def test_variables_that_override_the_pinning_are_named(mesh):
     try:
         res = mesh.meshrun(node, "doctor", check=False)
         assert res.returncode == 0, res.stdout + res.stderr
-        assert re.search(r"^warn\s+environment\s+NCCL_SOCKET_IFNAME=eth0 in the daemon's environment \(pid \d+\) "
-                         r"overrides meshrun's pinning", res.stdout, re.M), res.stdout
+        assert re.search(
+            r"^warn\s+environment\s+NCCL_SOCKET_IFNAME=eth0 in the daemon's environment \(pid \d+\) "
+            r"overrides meshrun's pinning",
+            res.stdout,
+            re.M,
+        ), res.stdout
         # in the shell that submits jobs: `meshrun train` would pass it on, so it blocks
         res = mesh.meshrun(node, "doctor", env={"GLOO_SOCKET_IFNAME": "eth0"}, check=False)
         assert res.returncode == 1, res.stdout

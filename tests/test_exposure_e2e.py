@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import joined_mesh
+
 from meshrun.core import auth
-from meshrun.mesh import member
 from meshrun.lab.testbed import Mesh, sh
+from meshrun.mesh import member
 from meshrun.system.procs import alive
 from meshrun.system.statedir import StateDir
 
@@ -103,20 +103,31 @@ def assert_only_enrolment_answers(mesh: Mesh, when: str) -> None:
     result = scan(mesh)
     coord = f"{mesh.world.node('dc1-a').public_ip}:51820"
     assert result["open"] == [coord], f"{when}: tried {result['tried']}, answered {result['open']}"
-    for n in MEMBERS:   # UDP: only WireGuard is bound to anything but the overlay or loopback
+    for n in MEMBERS:  # UDP: only WireGuard is bound to anything but the overlay or loopback
         for host, port in listeners(mesh, n, "u"):
             assert port == 51820 or host.startswith(("10.213.", "127.")), f"{when}: {n} has UDP {host}:{port}"
 
 
-LONG = ("ddp_train.py", "--epochs", "100", "--steps-per-epoch", "20", "--sleep-per-step", "0.1", "--log-steps",
-        "--checkpoint", "")
+LONG = (
+    "ddp_train.py",
+    "--epochs",
+    "100",
+    "--steps-per-epoch",
+    "20",
+    "--sleep-per-step",
+    "0.1",
+    "--log-steps",
+    "--checkpoint",
+    "",
+)
 
 
 def start_job(mesh: Mesh) -> tuple[str, subprocess.Popen]:
     res = mesh.meshrun(mesh.coordinator, "train", "--detach", *LONG, cwd=EXAMPLES)
     job = res.stdout.strip().splitlines()[-1]
-    follow = mesh.meshrun_popen(mesh.coordinator, "logs", "-f", job, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    follow = mesh.meshrun_popen(
+        mesh.coordinator, "logs", "-f", job, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.monotonic() + 120
     for line in follow.stdout:
         if re.search(r"\] step 3\b", line):
@@ -128,8 +139,14 @@ def start_job(mesh: Mesh) -> tuple[str, subprocess.Popen]:
 def test_the_scan_sees_a_wildcard_listener(mesh):
     """Negative control: what torch's own TCPStore does (bind the wildcard) is found from the internet."""
     node = mesh.world.node("dc2-a")
-    probe = node.popen(mesh.python, "-c", "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 39999)); "
-                       "s.listen(); print('up', flush=True); time.sleep(60)", stdout=subprocess.PIPE, text=True)
+    probe = node.popen(
+        mesh.python,
+        "-c",
+        "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 39999)); "
+        "s.listen(); print('up', flush=True); time.sleep(60)",
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert probe.stdout.readline().strip() == "up"
         assert f"{node.public_ip}:39999" in scan(mesh)["open"]
@@ -156,6 +173,7 @@ def test_only_wireguard_and_enrolment_answer_from_the_internet_during_and_after_
     job, follow = start_job(mesh)
     try:
         import os
+
         for n in MEMBERS:
             for pid in (int(p) for p in sh(["ip", "netns", "pids", mesh.world.node(n).netns]).stdout.split()):
                 try:
@@ -196,8 +214,15 @@ def test_a_local_user_on_the_coordinator_cannot_control_jobs_and_replays_are_ref
     path = "/v1/jobs/forged/start"
     # The unprivileged user can connect from the coordinator's overlay address, but cannot read the private
     # key the job keys are derived from ...
-    denied = mesh.world.node("dc1-a").run("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                                          "cat", str(coord_state / "private.key"), check=False)
+    denied = mesh.world.node("dc1-a").run(
+        "setpriv",
+        "--reuid=nobody",
+        "--regid=nogroup",
+        "--clear-groups",
+        "cat",
+        str(coord_state / "private.key"),
+        check=False,
+    )
     assert denied.returncode != 0 and "denied" in denied.stderr.lower()
     # ... so an unsigned request, or one signed with a guessed key, is refused and starts nothing.
     for header in (None, auth.sign(bytes(32), "POST", path, body, time.time())):
@@ -214,18 +239,24 @@ def test_a_local_user_on_the_coordinator_cannot_control_jobs_and_replays_are_ref
     replay = _send_raw(mesh, node_ip, health)
     assert replay.startswith("HTTP/1.0 401") and "already used once" in replay, replay
     log = (mesh.state_dir(mesh.world.node("dc2-a")) / "daemon.log").read_text()
-    assert re.search(r"WARNING meshrun.jobs.nodeapi: refused job request POST /v1/jobs/forged/start from "
-                     r"10\.213\.0\.1: the request is not signed", log), log[-2000:]
+    assert re.search(
+        r"WARNING meshrun.jobs.nodeapi: refused job request POST /v1/jobs/forged/start from "
+        r"10\.213\.0\.1: the request is not signed",
+        log,
+    ), log[-2000:]
 
 
 def test_a_join_succeeds_while_the_enrolment_port_is_flooded(mesh, tmp_path):
     coord = mesh.world.node("dc1-a")
     daemon = mesh.status(coord)["daemon_pid"]
-    flood = subprocess.Popen(["ip", "netns", "exec", mesh.world.inet, mesh.python, "-c", FLOOD,
-                              str(coord.public_ip), "51820", "500"], stdout=subprocess.PIPE, text=True)
+    flood = subprocess.Popen(
+        ["ip", "netns", "exec", mesh.world.inet, mesh.python, "-c", FLOOD, str(coord.public_ip), "51820", "500"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert flood.stdout.readline().strip() == "flooding"
-        time.sleep(3)                                    # 500 idle connections and the spray are in place
+        time.sleep(3)  # 500 idle connections and the spray are in place
         threads = _threads(daemon)
         token = mesh.meshrun(coord, "token", "create", "--uses", "1").stdout.strip()
         node = mesh.world.node("dc4-a")
@@ -234,7 +265,8 @@ def test_a_join_succeeds_while_the_enrolment_port_is_flooded(mesh, tmp_path):
         took = time.monotonic() - t0
         threads_after = _threads(daemon)
         assert "joined" in res.stdout and took < 10, (
-            f"join took {took:.1f} s under the flood; coordinator threads {threads} -> {threads_after}")
+            f"join took {took:.1f} s under the flood; coordinator threads {threads} -> {threads_after}"
+        )
         assert threads_after <= 40, f"the coordinator grew to {threads_after} threads (join took {took:.1f} s)"
         assert alive(daemon)
     finally:
@@ -249,14 +281,25 @@ def _threads(pid: int) -> int:
 
 
 def test_daemon_logs_have_timestamped_joins_and_jobs_and_no_secret(mesh):
-    res = mesh.meshrun(mesh.coordinator, "train", "ddp_train.py", "--epochs", "1", "--steps-per-epoch", "3",
-                       cwd=EXAMPLES, check=False, timeout=240)
+    res = mesh.meshrun(
+        mesh.coordinator,
+        "train",
+        "ddp_train.py",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "3",
+        cwd=EXAMPLES,
+        check=False,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     job = re.search(r"meshrun: job (\S+) submitted", res.stderr).group(1)
     stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO "
     coord_log = (mesh.state_dir(mesh.coordinator) / "daemon.log").read_text()
-    assert re.search(stamp + r"meshrun\.mesh\.coordinator\.enrolment: enrolled dc2-a at 10\.213\.0\.\d+", coord_log,
-                     re.M), coord_log[-3000:]
+    assert re.search(
+        stamp + r"meshrun\.mesh\.coordinator\.enrolment: enrolled dc2-a at 10\.213\.0\.\d+", coord_log, re.M
+    ), coord_log[-3000:]
     assert re.search(stamp + rf"meshrun\.jobs\.control: job {re.escape(job)} submitted", coord_log, re.M)
     deadline = time.monotonic() + 10
     while not re.search(rf"job {re.escape(job)} succeeded", coord_log) and time.monotonic() < deadline:
@@ -267,9 +310,15 @@ def test_daemon_logs_have_timestamped_joins_and_jobs_and_no_secret(mesh):
     assert re.search(stamp + rf"meshrun\.jobs\.nodeapi: job {re.escape(job)} started", node_log, re.M), node_log[-2000:]
     secrets_ = [(mesh.state_dir(mesh.world.node(n)) / "private.key").read_text().strip() for n in MEMBERS]
     coord_state = StateDir(mesh.state_dir(mesh.coordinator))
-    secrets_ += [base64.b64encode(member.job_key(coord_state, json.loads(
-        (mesh.state_dir(mesh.world.node(n)) / "member.json").read_text())["public_key"])).decode()
-        for n in MEMBERS if n != "dc1-a"] + [mesh.token]
+    secrets_ += [
+        base64.b64encode(
+            member.job_key(
+                coord_state, json.loads((mesh.state_dir(mesh.world.node(n)) / "member.json").read_text())["public_key"]
+            )
+        ).decode()
+        for n in MEMBERS
+        if n != "dc1-a"
+    ] + [mesh.token]
     for n in MEMBERS:
         for log in mesh.state_dir(mesh.world.node(n)).glob("daemon.*"):
             text = log.read_text(errors="replace")

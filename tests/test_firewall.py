@@ -13,12 +13,13 @@ from meshrun.system.firewall import cgroup2_root
 def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
     table = firewall.job_table("exp7", "dc1-a")
     assert table.startswith("meshrun_job_") and table != firewall.job_table("exp7", "dc2-a")
-    script = firewall.job_guard(table, "meshrun job exp7 on dc1-a", "meshrun0", ["10.213.0.3", "10.213.0.2",
-                                                                                   "10.213.0.3"])
+    script = firewall.job_guard(
+        table, "meshrun job exp7 on dc1-a", "meshrun0", ["10.213.0.3", "10.213.0.2", "10.213.0.3"]
+    )
     cg = f'socket cgroupv2 level 2 "meshrun/{table}"'
     assert script.splitlines() == [
         f"table inet {table} {{}}",
-        f"delete table inet {table}",          # re-created whole: idempotent, and atomic in one nft -f
+        f"delete table inet {table}",  # re-created whole: idempotent, and atomic in one nft -f
         f"table inet {table} {{",
         '  comment "meshrun job exp7 on dc1-a"',
         "  set nodes { type ipv4_addr; elements = { 10.213.0.2, 10.213.0.3 }; }",
@@ -55,22 +56,25 @@ def test_the_forward_guard_keeps_member_traffic_on_the_overlay():
     assert "hook forward" in script and "policy accept" in script
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: firewall.job_guard("meshrun_job_x", "c", "meshrun0", []),                 # not a table we make
-    lambda: firewall.job_guard(firewall.job_table("j", "n"), "c", 'eth0"; flush ruleset', []),
-    lambda: firewall.job_guard(firewall.job_table("j", "n"), "c", "meshrun0", ["10.0.0.1; flush ruleset"]),
-    lambda: firewall.add_allowed(firewall.job_table("j", "n"), ["fd00::1"]),
-    lambda: firewall.forward_guard(""),
-    lambda: firewall.forward_guard("meshrun0 accept"),
-    lambda: firewall.forward_guard("a-very-long-interface-name"),
-    lambda: firewall.job_table("job; flush ruleset", "n"),                              # job id charset
-    lambda: firewall.job_table("", "n"),
-    lambda: firewall.job_table("j", 'n" drop'),
-    lambda: firewall.job_table("j", "../../etc"),
-    lambda: firewall.delete_guard("filter"),                                            # never the host's tables
-    lambda: firewall.add_allowed(firewall.job_table("j", "n"), ["10.0.0.300"]),
-    lambda: firewall.add_allowed(firewall.job_table("j", "n"), ["10.0.0.0/24"]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: firewall.job_guard("meshrun_job_x", "c", "meshrun0", []),  # not a table we make
+        lambda: firewall.job_guard(firewall.job_table("j", "n"), "c", 'eth0"; flush ruleset', []),
+        lambda: firewall.job_guard(firewall.job_table("j", "n"), "c", "meshrun0", ["10.0.0.1; flush ruleset"]),
+        lambda: firewall.add_allowed(firewall.job_table("j", "n"), ["fd00::1"]),
+        lambda: firewall.forward_guard(""),
+        lambda: firewall.forward_guard("meshrun0 accept"),
+        lambda: firewall.forward_guard("a-very-long-interface-name"),
+        lambda: firewall.job_table("job; flush ruleset", "n"),  # job id charset
+        lambda: firewall.job_table("", "n"),
+        lambda: firewall.job_table("j", 'n" drop'),
+        lambda: firewall.job_table("j", "../../etc"),
+        lambda: firewall.delete_guard("filter"),  # never the host's tables
+        lambda: firewall.add_allowed(firewall.job_table("j", "n"), ["10.0.0.300"]),
+        lambda: firewall.add_allowed(firewall.job_table("j", "n"), ["10.0.0.0/24"]),
+    ],
+)
 def test_nothing_unchecked_reaches_a_script(bad):
     with pytest.raises(UsageError):
         bad()
@@ -91,10 +95,11 @@ def test_a_comment_cannot_break_out():
 
 
 def test_the_cgroup2_root_is_found_where_it_is_mounted():
-    hybrid = ("33 25 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"
-              "40 33 0:35 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
+    hybrid = (
+        "33 25 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n40 33 0:35 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
+    )
     unified = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
-    nested = "30 23 0:26 /docker/abc /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"   # not the hierarchy's root
+    nested = "30 23 0:26 /docker/abc /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"  # not the hierarchy's root
     assert str(cgroup2_root(hybrid)) == "/sys/fs/cgroup/unified"
     assert str(cgroup2_root(unified)) == "/sys/fs/cgroup"
     assert cgroup2_root(nested) is None and cgroup2_root("") is None
@@ -104,26 +109,37 @@ def test_the_fake_firewall_follows_the_protocol_and_checks_like_the_real_one():
     fw = FakeFirewall()
     g = fw.JobGuard("exp7", "dc1-a", "meshrun0").create(["10.213.0.2"])
     g.join()
-    fw.allow("exp7", "dc1-a", ["10.213.0.5"])                  # the agent, for a node joining the elastic job
+    fw.allow("exp7", "dc1-a", ["10.213.0.5"])  # the agent, for a node joining the elastic job
     assert fw.tables == {g.table: {"10.213.0.2", "10.213.0.5"}} and fw.job_tables() == [g.table]
     idle = fw.JobGuard("exp8", "dc1-a", "meshrun0").create([])  # made, never joined: swept
     assert fw.sweep() == [idle.table] and fw.sweeps == 1
     g.remove()
-    g.remove()                                                 # twice is fine
+    g.remove()  # twice is fine
     with pytest.raises(CommandError):
-        g.allow(["10.213.0.6"])                                # like nft: the table is gone
+        g.allow(["10.213.0.6"])  # like nft: the table is gone
     with pytest.raises(UsageError):
         fw.JobGuard("exp7", "dc1-a", "meshrun0").create(["not-an-ip"])
     fw.install_forward_guard("meshrun0")
     fw.remove_forward_guard()
-    assert [c[0] for c in fw.calls] == ["create", "join", "allow", "create", "sweep", "remove", "remove", "allow",
-                                        "install_forward_guard", "remove_forward_guard"]
+    assert [c[0] for c in fw.calls] == [
+        "create",
+        "join",
+        "allow",
+        "create",
+        "sweep",
+        "remove",
+        "remove",
+        "allow",
+        "install_forward_guard",
+        "remove_forward_guard",
+    ]
     assert fw.allowed == [("exp7", "dc1-a", ["10.213.0.5"])] and fw.forward is None and fw.available() is None
 
 
 def test_missing_requirements_are_named_with_their_fix(monkeypatch):
     from meshrun.errors import HostError
     from meshrun.system import firewall as fw
+
     monkeypatch.setattr(fw.os, "geteuid", lambda: 1000)
     with pytest.raises(HostError, match="need root") as err:
         fw.JobGuard("exp7", "dc1-a", "meshrun0").create([])
@@ -142,6 +158,7 @@ def test_missing_requirements_are_named_with_their_fix(monkeypatch):
 def test_a_sweep_that_cannot_see_cgroups_removes_nothing(monkeypatch):
     """Fail closed: without the cgroup hierarchy a live job's guard looks like a dead one's."""
     from meshrun.system import firewall as fw
+
     deleted = []
     monkeypatch.setattr(fw, "job_tables", lambda: [firewall.job_table("exp7", "dc1-a")])
     monkeypatch.setattr(fw, "cgroup2_root", lambda mountinfo=None: None)

@@ -63,8 +63,21 @@ def in_ns(ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProces
 def as_member(ns: str, *argv: str) -> subprocess.CompletedProcess:
     """`argv` in namespace `ns` as on a real machine: `ip netns exec` mounts a fresh /sys, without the cgroup
     hierarchy, so it is mounted at /sys/fs/cgroup again (the testbed's nodes do the same)."""
-    return sh("ip", "netns", "exec", ns, "unshare", "-m", "--propagation", "private", "sh", "-c",
-              'mount -t cgroup2 cgroup2 /sys/fs/cgroup && exec "$@"', "-", *argv)
+    return sh(
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'mount -t cgroup2 cgroup2 /sys/fs/cgroup && exec "$@"',
+        "-",
+        *argv,
+    )
 
 
 def with_host_mounts(ns: str, *argv: str) -> subprocess.CompletedProcess:
@@ -76,15 +89,20 @@ VIEWS = {"v2-at-sys-fs-cgroup": as_member, "host-mounts": with_host_mounts}
 
 
 def connects(ns: str, ip: str, port: int) -> bool:
-    code = f"import socket\ntry:\n socket.create_connection(('{ip}', {port}), 1.5).close(); print('ok')\nexcept OSError:\n print('no')"
+    code = (
+        f"import socket\ntry:\n socket.create_connection(('{ip}', {port}), 1.5).close(); print('ok')\n"
+        "except OSError:\n print('no')"
+    )
     return in_ns(ns, sys.executable, "-c", code).stdout.strip() == "ok"
 
 
 def echoes(ns: str, ip: str, port: int) -> bool:
     """Whether a UDP datagram to ip:port comes back (the listener echoes it)."""
-    code = ("import socket\nu = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(1.0)\n"
-            f"u.sendto(b'hi', ('{ip}', {port}))\ntry:\n print('ok' if u.recv(64) == b'hi' else 'no')\n"
-            "except OSError:\n print('no')")
+    code = (
+        "import socket\nu = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(1.0)\n"
+        f"u.sendto(b'hi', ('{ip}', {port}))\ntry:\n print('ok' if u.recv(64) == b'hi' else 'no')\n"
+        "except OSError:\n print('no')"
+    )
     return in_ns(ns, sys.executable, "-c", code).stdout.strip() == "ok"
 
 
@@ -95,8 +113,12 @@ def tables(ns: str) -> str:
 def cleanup(ns: str, job: list[str], table: str) -> None:
     """Remove a guard as the module does, then make sure its cgroup is gone (host-wide: the namespace's
     deletion would take only the table). Quiet: it runs after failures too."""
-    subprocess.run(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", GUARD, "remove", *job],
-                   check=False, capture_output=True, timeout=30)
+    subprocess.run(
+        ["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", GUARD, "remove", *job],
+        check=False,
+        capture_output=True,
+        timeout=30,
+    )
     firewall.remove_job_cgroups([table])
 
 
@@ -119,8 +141,21 @@ def lan():
         n = names["n"]
         in_ns(n, "ip", "link", "add", "ov0", "type", "bridge")
         for i, peer in ((2, "a"), (3, "b")):
-            sh("ip", "link", "add", f"{p}{peer}0", "netns", n, "type", "veth", "peer", "name", "eth0", "netns",
-               names[peer])
+            sh(
+                "ip",
+                "link",
+                "add",
+                f"{p}{peer}0",
+                "netns",
+                n,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                names[peer],
+            )
             in_ns(n, "ip", "link", "set", f"{p}{peer}0", "master", "ov0", "up")
             in_ns(names[peer], "ip", "addr", "add", f"10.99.0.{i}/24", "dev", "eth0")
             in_ns(names[peer], "ip", "link", "set", "eth0", "up")
@@ -156,24 +191,32 @@ def test_a_job_guard_admits_only_the_jobs_nodes_and_leaves_everything_else(lan, 
     table = rules.job_table(job[0], "n1")
     root = cgroup2_root()
     assert root is not None
-    inside = subprocess.Popen(["ip", "netns", "exec", n, sys.executable, "-c", LISTEN, "7000"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    outside = subprocess.Popen(["ip", "netns", "exec", n, sys.executable, "-c", LISTEN, "7001"],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    inside = subprocess.Popen(
+        ["ip", "netns", "exec", n, sys.executable, "-c", LISTEN, "7000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    outside = subprocess.Popen(
+        ["ip", "netns", "exec", n, sys.executable, "-c", LISTEN, "7001"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         run_in(n, sys.executable, "-c", GUARD, "create", *job, str(inside.pid), "10.99.0.2")
-        for p in (inside, outside):                  # the listeners open their sockets only now
+        for p in (inside, outside):  # the listeners open their sockets only now
             p.stdin.write("go\n")
             p.stdin.flush()
             assert p.stdout.readline().strip() == "listening"
         assert (root / "meshrun" / table / "cgroup.procs").read_text().split() == [str(inside.pid)]
         assert table in tables(n)
-        assert connects(a, "10.99.0.1", 7000) and echoes(a, "10.99.0.1", 7000)            # a node of the job
-        assert not connects(b, "10.99.0.1", 7000) and not echoes(b, "10.99.0.1", 7000)    # not in the job
-        assert connects(b, "10.99.0.1", 7001) and echoes(b, "10.99.0.1", 7001)    # the host's other services
-        assert connects(n, "127.0.0.1", 7000)               # loopback: not the overlay
+        assert connects(a, "10.99.0.1", 7000) and echoes(a, "10.99.0.1", 7000)  # a node of the job
+        assert not connects(b, "10.99.0.1", 7000) and not echoes(b, "10.99.0.1", 7000)  # not in the job
+        assert connects(b, "10.99.0.1", 7001) and echoes(b, "10.99.0.1", 7001)  # the host's other services
+        assert connects(n, "127.0.0.1", 7000)  # loopback: not the overlay
         run_in(n, sys.executable, "-c", GUARD, "allow", *job, "10.99.0.3")
-        assert connects(b, "10.99.0.1", 7000) and echoes(b, "10.99.0.1", 7000)    # admitted once in the job
+        assert connects(b, "10.99.0.1", 7000) and echoes(b, "10.99.0.1", 7000)  # admitted once in the job
         stop(inside, outside)
         run_in(n, sys.executable, "-c", GUARD, "remove", *job)
         assert table not in tables(n)
@@ -191,14 +234,14 @@ def test_sweep_removes_what_a_killed_job_left(lan):
     try:
         as_member(n, sys.executable, "-c", GUARD, "create", *job, str(sleeper.pid), "10.99.0.2")
         swept = as_member(n, sys.executable, "-c", "from meshrun.system.firewall import sweep; print(sweep())").stdout
-        assert table not in swept                             # its process still runs: kept
+        assert table not in swept  # its process still runs: kept
         stop(sleeper)
         time.sleep(0.2)
         swept = as_member(n, sys.executable, "-c", "from meshrun.system.firewall import sweep; print(sweep())").stdout
-        assert table not in swept                             # made a moment ago: its share may be about to join
+        assert table not in swept  # made a moment ago: its share may be about to join
         cg = cgroup2_root() / "meshrun" / table
         old = time.time() - firewall.FRESH_S - 5
-        os.utime(cg, (old, old))                              # as if made a while ago
+        os.utime(cg, (old, old))  # as if made a while ago
         swept = as_member(n, sys.executable, "-c", "from meshrun.system.firewall import sweep; print(sweep())").stdout
         assert table in swept
         assert table not in tables(n)
@@ -222,9 +265,9 @@ def test_the_forward_guard_keeps_member_traffic_on_the_overlay(lan):
         assert reaches("10.98.0.2") and reaches("10.97.0.3")
         in_ns(n, sys.executable, "-c", "from meshrun.system.firewall import install_forward_guard as g; g('ov0')")
         assert rules.FORWARD_TABLE in tables(n)
-        assert not reaches("10.98.0.2")                       # overlay -> the host's LAN: dropped
-        assert reaches("10.97.0.3")                           # overlay -> overlay (a relayed pair): forwarded
-        assert in_ns(l_ns, "ping", "-c", "1", "-W", "1", "10.98.0.1").returncode == 0   # the host's own LAN works
+        assert not reaches("10.98.0.2")  # overlay -> the host's LAN: dropped
+        assert reaches("10.97.0.3")  # overlay -> overlay (a relayed pair): forwarded
+        assert in_ns(l_ns, "ping", "-c", "1", "-W", "1", "10.98.0.1").returncode == 0  # the host's own LAN works
         in_ns(n, sys.executable, "-c", "from meshrun.system.firewall import remove_forward_guard as g; g()")
         assert "meshrun" not in tables(n)
         assert reaches("10.98.0.2")

@@ -26,9 +26,15 @@ def door(tmp_path):
     cert, key = keys.generate_tls_identity("meshrun-test")
     (tmp_path / "c").write_bytes(cert)
     (tmp_path / "k").write_bytes(key)
-    srv = FrontDoor(("127.0.0.1", 0), lambda req: Response(200, {"ip": req.client_ip, "body": req.body}),
-                    server_tls_context(str(tmp_path / "c"), str(tmp_path / "k")), max_conns=64, max_per_source=4,
-                    handshake_s=0.5, request_s=1.0)
+    srv = FrontDoor(
+        ("127.0.0.1", 0),
+        lambda req: Response(200, {"ip": req.client_ip, "body": req.body}),
+        server_tls_context(str(tmp_path / "c"), str(tmp_path / "k")),
+        max_conns=64,
+        max_per_source=4,
+        handshake_s=0.5,
+        request_s=1.0,
+    )
     srv.start()
     srv.addr = ("127.0.0.1", srv.server_address[1])
     yield srv
@@ -68,7 +74,7 @@ def test_idle_connections_from_one_source_do_not_lock_out_another(door):
         t0 = time.monotonic()
         assert tls_post(door.addr, "127.0.0.2", {"a": 2})[0] == 200
         assert time.monotonic() - t0 < 2
-        assert door.refused >= 100 - 4          # all but the source's 4 slots closed before any TLS
+        assert door.refused >= 100 - 4  # all but the source's 4 slots closed before any TLS
         assert door.active <= 4
     finally:
         for s in socks:
@@ -80,7 +86,7 @@ def test_a_silent_connection_is_dropped_after_the_handshake_deadline(door):
     try:
         s.settimeout(5)
         t0 = time.monotonic()
-        assert s.recv(1) == b""                 # closed by the server
+        assert s.recv(1) == b""  # closed by the server
         assert time.monotonic() - t0 < 3
     finally:
         s.close()
@@ -89,6 +95,7 @@ def test_a_silent_connection_is_dropped_after_the_handshake_deadline(door):
 def test_garbage_handshakes_and_threads_stay_bounded(door):
     threads_before = threading.active_count()
     stop = time.monotonic() + 2
+
     def spray():
         while time.monotonic() < stop:
             with socket.create_connection(door.addr) as s:
@@ -98,6 +105,7 @@ def test_garbage_handshakes_and_threads_stay_bounded(door):
                     s.recv(100)
                 except OSError:
                     pass
+
     sprayers = [threading.Thread(target=spray) for _ in range(4)]
     for t in sprayers:
         t.start()

@@ -9,13 +9,13 @@ import base64
 import hashlib
 import json
 
+from conftest import json_strategy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import json_strategy
-from meshrun.errors import TokenError, UsageError
 from meshrun.core.model import Member, Network, parse_endpoint
 from meshrun.core.token import PREFIX, JoinToken, parse_duration, parse_token
+from meshrun.errors import TokenError, UsageError
 
 BUDGET = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SECRET = bytes(range(32))
@@ -59,15 +59,15 @@ def test_parse_token_mutated_valid_token(data):
         i = data.draw(st.integers(0, max(len(s) - 1, 0)))
         c = data.draw(st.characters())
         if op == "flip":
-            s = s[:i] + c + s[i + 1:]
+            s = s[:i] + c + s[i + 1 :]
         elif op == "drop":
-            s = s[:i] + s[i + 1:]
+            s = s[:i] + s[i + 1 :]
         elif op == "insert":
             s = s[:i] + c + s[i:]
         elif op == "truncate":
             s = s[:i]
         elif len(s) > i + 1:
-            s = s[:i] + s[i + 1] + s[i] + s[i + 2:]
+            s = s[:i] + s[i + 1] + s[i] + s[i + 2 :]
     _check_token_error(s)
 
 
@@ -79,14 +79,16 @@ def test_parse_token_arbitrary_payload_with_valid_checksum(obj):
     _check_token_error(PREFIX + base64.urlsafe_b64encode(blob).decode().rstrip("="))
 
 
-good_payload = st.fixed_dictionaries({
-    "n": st.sampled_from(["lab", "x", "a" * 32]) | st.text(max_size=10) | st.integers(),
-    "e": st.lists(st.sampled_from(["203.0.113.1:51820", "h:1", "[::1]:2"]) | st.text(max_size=10), max_size=3)
-    | st.text(max_size=5),
-    "f": st.sampled_from(["ab" * 32]) | st.text(max_size=70),
-    "i": st.sampled_from(["abcde12345"]) | st.text(max_size=12),
-    "s": st.sampled_from([SECRET_B64]) | st.text(max_size=50),
-})
+good_payload = st.fixed_dictionaries(
+    {
+        "n": st.sampled_from(["lab", "x", "a" * 32]) | st.text(max_size=10) | st.integers(),
+        "e": st.lists(st.sampled_from(["203.0.113.1:51820", "h:1", "[::1]:2"]) | st.text(max_size=10), max_size=3)
+        | st.text(max_size=5),
+        "f": st.sampled_from(["ab" * 32]) | st.text(max_size=70),
+        "i": st.sampled_from(["abcde12345"]) | st.text(max_size=12),
+        "s": st.sampled_from([SECRET_B64]) | st.text(max_size=50),
+    }
+)
 
 
 @BUDGET
@@ -106,16 +108,19 @@ def test_member_from_dict_arbitrary(obj):
         pass
 
 
-member_like = st.fixed_dictionaries({
-    "name": st.sampled_from(["gpu-a"]) | json_values,
-    "public_key": st.sampled_from([KEY]) | json_values,
-    "overlay_ip": st.sampled_from(["10.213.0.2"]) | json_values,
-}, optional={
-    "endpoint": st.sampled_from(["1.2.3.4:5", "[::1]:9", None]) | json_values,
-    "candidates": st.lists(st.text(max_size=30), max_size=3) | json_values,
-    "is_coordinator": json_values,
-    "last_handshake": st.integers() | json_values,
-})
+member_like = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["gpu-a"]) | json_values,
+        "public_key": st.sampled_from([KEY]) | json_values,
+        "overlay_ip": st.sampled_from(["10.213.0.2"]) | json_values,
+    },
+    optional={
+        "endpoint": st.sampled_from(["1.2.3.4:5", "[::1]:9", None]) | json_values,
+        "candidates": st.lists(st.text(max_size=30), max_size=3) | json_values,
+        "is_coordinator": json_values,
+        "last_handshake": st.integers() | json_values,
+    },
+)
 
 
 @BUDGET
@@ -128,19 +133,21 @@ def test_member_from_dict_near_valid(obj):
     assert Member.from_dict(m.to_dict()) == m
 
 
-network_like = st.fixed_dictionaries({
-    "name": st.sampled_from(["lab"]) | json_values,
-    "cidr": st.sampled_from(["10.213.0.0/16", "fd00::/64"]) | json_values,
-    "interface": st.sampled_from(["meshrun0"]) | json_values,
-    "listen_port": st.sampled_from([51820]) | json_values,
-    "mtu": st.sampled_from([1420]) | st.integers() | json_values,
-    "coordinator_ip": st.sampled_from(["10.213.0.1"]) | json_values,
-    "coordinator_public_key": st.sampled_from([KEY]) | json_values,
-    "endpoints": st.lists(st.text(max_size=20), max_size=3) | json_values,
-    "fingerprint": st.sampled_from(["ab" * 32]) | json_values,
-    "api_port": st.sampled_from([51821]) | json_values,
-    "rdzv_port": st.sampled_from([29400]) | json_values,
-})
+network_like = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["lab"]) | json_values,
+        "cidr": st.sampled_from(["10.213.0.0/16", "fd00::/64"]) | json_values,
+        "interface": st.sampled_from(["meshrun0"]) | json_values,
+        "listen_port": st.sampled_from([51820]) | json_values,
+        "mtu": st.sampled_from([1420]) | st.integers() | json_values,
+        "coordinator_ip": st.sampled_from(["10.213.0.1"]) | json_values,
+        "coordinator_public_key": st.sampled_from([KEY]) | json_values,
+        "endpoints": st.lists(st.text(max_size=20), max_size=3) | json_values,
+        "fingerprint": st.sampled_from(["ab" * 32]) | json_values,
+        "api_port": st.sampled_from([51821]) | json_values,
+        "rdzv_port": st.sampled_from([29400]) | json_values,
+    }
+)
 
 
 @BUDGET

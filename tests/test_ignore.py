@@ -13,20 +13,63 @@ from hypothesis import strategies as st
 from meshrun.core import ignore
 from meshrun.system import archive
 
-FILES = ["a.py", "b.log", "data/x.bin", "data/sub/y.bin", "src/a.py", "src/deep/a.py", "src/deep/c.txt",
-         "logs/run1/events", "build/out.o", "docs/#note.md", "docs/!bang.md", "doc s/sp ace.txt", "x/a/b/c.py",
-         "foo", "foo.bar/baz", "[x].txt", "tmp/keep.me", "tmp/other"]
-PATTERNS = ["*.log", "data/", "/a.py", "src/**/a.py", "**/deep", "deep/", "logs/**", "!logs/run1/events", "*.o",
-            "\\#note.md", "\\!bang.md", "doc s/", "x/**/c.py", "foo", "foo/", "*.bar/", "[x].txt", "[!a]*.py",
-            "tmp/*", "!tmp/keep.me", "a?py", "**/c.txt", "src/", "!src/deep/", "b.log ", "/doc*", "*"]
+FILES = [
+    "a.py",
+    "b.log",
+    "data/x.bin",
+    "data/sub/y.bin",
+    "src/a.py",
+    "src/deep/a.py",
+    "src/deep/c.txt",
+    "logs/run1/events",
+    "build/out.o",
+    "docs/#note.md",
+    "docs/!bang.md",
+    "doc s/sp ace.txt",
+    "x/a/b/c.py",
+    "foo",
+    "foo.bar/baz",
+    "[x].txt",
+    "tmp/keep.me",
+    "tmp/other",
+]
+PATTERNS = [
+    "*.log",
+    "data/",
+    "/a.py",
+    "src/**/a.py",
+    "**/deep",
+    "deep/",
+    "logs/**",
+    "!logs/run1/events",
+    "*.o",
+    "\\#note.md",
+    "\\!bang.md",
+    "doc s/",
+    "x/**/c.py",
+    "foo",
+    "foo/",
+    "*.bar/",
+    "[x].txt",
+    "[!a]*.py",
+    "tmp/*",
+    "!tmp/keep.me",
+    "a?py",
+    "**/c.txt",
+    "src/",
+    "!src/deep/",
+    "b.log ",
+    "/doc*",
+    "*",
+]
 
 
 def test_the_basic_rules():
     m = ignore.Matcher()
     m.add(ignore.parse("# comment\n\n*.log\n!keep.log\nbuild/\n/top.py\ndocs/**/draft.md\n"))
     assert m.ignored("x.log") and m.ignored("a/b/x.log") and not m.ignored("keep.log")
-    assert m.ignored("build", is_dir=True) and not m.ignored("build")       # build/ matches directories only
-    assert m.ignored("top.py") and not m.ignored("sub/top.py")             # a slash anchors
+    assert m.ignored("build", is_dir=True) and not m.ignored("build")  # build/ matches directories only
+    assert m.ignored("top.py") and not m.ignored("sub/top.py")  # a slash anchors
     assert m.ignored("docs/draft.md") and m.ignored("docs/a/b/draft.md")
     assert not m.ignored("train.py")
 
@@ -41,7 +84,7 @@ def test_a_deeper_file_wins_and_applies_below_its_own_directory_only():
 def test_blank_comment_and_escaped_lines():
     assert ignore.compile_pattern("   ") is None and ignore.compile_pattern("# x") is None
     assert ignore.compile_pattern("\\#x").regex.match("#x")
-    assert ignore.compile_pattern("a\\ ").regex.match("a ")       # an escaped trailing space stays
+    assert ignore.compile_pattern("a\\ ").regex.match("a ")  # an escaped trailing space stays
 
 
 def _tree(root: Path) -> None:

@@ -6,15 +6,16 @@ import ipaddress
 
 import pytest
 
-from meshrun.errors import NetworkError, UsageError
 from meshrun.core.ipam import DEFAULT_CIDR, allocate, check_overlap, coordinator_address, parse_cidr
+from meshrun.errors import NetworkError, UsageError
 
 NET = ipaddress.IPv4Network("10.213.0.0/16")
 
 
 class TestParseCidr:
-    @pytest.mark.parametrize("value", ["10.213.0.0/16", "172.16.0.0/12", "192.168.7.0/24", "10.0.0.0/29",
-                                       " 10.231.0.0/16 ", "10.0.0.0/8"])
+    @pytest.mark.parametrize(
+        "value", ["10.213.0.0/16", "172.16.0.0/12", "192.168.7.0/24", "10.0.0.0/29", " 10.231.0.0/16 ", "10.0.0.0/8"]
+    )
     def test_good(self, value):
         assert parse_cidr(value) == ipaddress.IPv4Network(value.strip())
 
@@ -24,9 +25,11 @@ class TestParseCidr:
     def test_not_a_network(self):
         with pytest.raises(UsageError) as info:
             parse_cidr("banana")
-        assert str(info.value) == ("--cidr 'banana' is not a network address "
-                                   "('banana' does not appear to be an IPv4 or IPv6 network); "
-                                   "give the network's first address and a prefix, e.g. --cidr 10.213.0.0/16")
+        assert str(info.value) == (
+            "--cidr 'banana' is not a network address "
+            "('banana' does not appear to be an IPv4 or IPv6 network); "
+            "give the network's first address and a prefix, e.g. --cidr 10.213.0.0/16"
+        )
         assert info.value.exit_code == 2
 
     def test_prefix_too_long(self):
@@ -36,30 +39,49 @@ class TestParseCidr:
     def test_host_bits_set(self):
         with pytest.raises(UsageError) as info:
             parse_cidr("10.213.0.1/16")
-        assert str(info.value).startswith("--cidr '10.213.0.1/16' is not a network address (10.213.0.1/16 has host "
-                                          "bits set)")
+        assert str(info.value).startswith(
+            "--cidr '10.213.0.1/16' is not a network address (10.213.0.1/16 has host bits set)"
+        )
 
     def test_ipv6(self):
         with pytest.raises(UsageError) as info:
             parse_cidr("fd00::/64")
-        assert str(info.value) == ("--cidr 'fd00::/64' is IPv6; meshrun overlays are IPv4 for now; "
-                                   "use an IPv4 private range, e.g. --cidr 10.213.0.0/16")
+        assert str(info.value) == (
+            "--cidr 'fd00::/64' is IPv6; meshrun overlays are IPv4 for now; "
+            "use an IPv4 private range, e.g. --cidr 10.213.0.0/16"
+        )
 
     @pytest.mark.parametrize("value", ["10.0.0.0/30", "10.0.0.0/31", "10.0.0.1/32"])
     def test_too_small(self, value):
         with pytest.raises(UsageError) as info:
             parse_cidr(value)
-        assert str(info.value) == (f"--cidr {value!r} leaves room for fewer than 6 members; "
-                                   "use a prefix of /29 or shorter, e.g. /24 or /16")
+        assert str(info.value) == (
+            f"--cidr {value!r} leaves room for fewer than 6 members; use a prefix of /29 or shorter, e.g. /24 or /16"
+        )
 
-    @pytest.mark.parametrize("value", ["8.8.0.0/16", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-                                       "0.0.0.0/16", "240.0.0.0/16", "198.18.0.0/16", "192.0.2.0/24",
-                                       "224.0.0.0/24", "10.0.0.0/7", "172.0.0.0/8"])
+    @pytest.mark.parametrize(
+        "value",
+        [
+            "8.8.0.0/16",
+            "100.64.0.0/10",
+            "127.0.0.0/8",
+            "169.254.0.0/16",
+            "0.0.0.0/16",
+            "240.0.0.0/16",
+            "198.18.0.0/16",
+            "192.0.2.0/24",
+            "224.0.0.0/24",
+            "10.0.0.0/7",
+            "172.0.0.0/8",
+        ],
+    )
     def test_not_private(self, value):
         with pytest.raises(UsageError) as info:
             parse_cidr(value)
-        assert str(info.value) == (f"--cidr {value!r} is not a private range; pick a range from 10.0.0.0/8, "
-                                   "172.16.0.0/12 or 192.168.0.0/16, e.g. 10.213.0.0/16")
+        assert str(info.value) == (
+            f"--cidr {value!r} is not a private range; pick a range from 10.0.0.0/8, "
+            "172.16.0.0/12 or 192.168.0.0/16, e.g. 10.213.0.0/16"
+        )
 
 
 class TestOverlap:
@@ -78,9 +100,11 @@ class TestOverlap:
     def test_overlap_refused_naming_route_and_device(self):
         with pytest.raises(NetworkError) as info:
             check_overlap(NET, [("172.31.0.0/16", "eth0"), ("10.0.0.0/8", "ens5")])
-        assert str(info.value) == ("overlay range 10.213.0.0/16 overlaps the local route 10.0.0.0/8 on ens5; "
-                                   "pick a range that no local network uses with --cidr, e.g. --cidr 10.213.0.0/16 "
-                                   "or 10.231.0.0/16")
+        assert str(info.value) == (
+            "overlay range 10.213.0.0/16 overlaps the local route 10.0.0.0/8 on ens5; "
+            "pick a range that no local network uses with --cidr, e.g. --cidr 10.213.0.0/16 "
+            "or 10.231.0.0/16"
+        )
 
     def test_host_route_inside(self):
         with pytest.raises(NetworkError, match=r"overlaps the local route 10\.213\.5\.9/32 on docker0"):
@@ -127,5 +151,6 @@ class TestAllocate:
         taken = ["10.9.0.2", "10.9.0.3", "10.9.0.4", "10.9.0.5", "10.9.0.6"]
         with pytest.raises(NetworkError) as info:
             allocate(net, taken)
-        assert str(info.value) == ("overlay range 10.9.0.0/29 has no free address left (6 hosts); "
-                                   "create a new network with a larger --cidr")
+        assert str(info.value) == (
+            "overlay range 10.9.0.0/29 has no free address left (6 hosts); create a new network with a larger --cidr"
+        )

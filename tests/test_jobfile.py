@@ -7,15 +7,29 @@ from pathlib import Path
 import pytest
 
 from meshrun.core import jobconfig
-from meshrun.errors import UsageError
 from meshrun.core.jobspec import JobSpec
+from meshrun.errors import UsageError
 from meshrun.jobs.submission import job_spec
 from meshrun.system.statedir import read_user_file
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "configs" / "job.example.toml"
-NOTHING = {"script": None, "script_args": None, "nnodes": None, "nproc_per_node": None, "max_restarts": None,
-           "nodes": None, "wait_timeout": None, "rdzv_timeout": None, "module": False, "no_sync": False,
-           "sync_limit_mb": None, "dry_run": False, "env": {}, "job_id": None, "python": None}
+NOTHING = {
+    "script": None,
+    "script_args": None,
+    "nnodes": None,
+    "nproc_per_node": None,
+    "max_restarts": None,
+    "nodes": None,
+    "wait_timeout": None,
+    "rdzv_timeout": None,
+    "module": False,
+    "no_sync": False,
+    "sync_limit_mb": None,
+    "dry_run": False,
+    "env": {},
+    "job_id": None,
+    "python": None,
+}
 
 
 def test_the_shipped_example_loads_into_a_job_spec(tmp_path):
@@ -34,29 +48,34 @@ def test_every_key_maps_to_a_job_spec_field():
 
 
 def test_command_line_wins_and_env_merges():
-    got = jobconfig.merge(jobconfig.parse('script = "a.py"\nargs = ["--x"]\nnnodes = 3\nmax_restarts = 2\n'
-                                      '[env]\nA = "1"\nB = 2\n'),
-                        dict(NOTHING, nnodes="2:4", env={"B": "9"}, no_sync=True))
+    got = jobconfig.merge(
+        jobconfig.parse('script = "a.py"\nargs = ["--x"]\nnnodes = 3\nmax_restarts = 2\n[env]\nA = "1"\nB = 2\n'),
+        dict(NOTHING, nnodes="2:4", env={"B": "9"}, no_sync=True),
+    )
     assert got["nnodes"] == "2:4" and got["max_restarts"] == 2
     assert got["env"] == {"A": "1", "B": "9"}
     assert got["script"] == "a.py" and got["script_args"] == ["--x"] and got["no_sync"] is True
 
 
 def test_a_script_on_the_command_line_brings_its_own_args():
-    got = jobconfig.merge(jobconfig.parse('script = "a.py"\nargs = ["--x"]\n'),
-                        dict(NOTHING, script="b.py", script_args=[]))
+    got = jobconfig.merge(
+        jobconfig.parse('script = "a.py"\nargs = ["--x"]\n'), dict(NOTHING, script="b.py", script_args=[])
+    )
     assert got["script"] == "b.py" and got["script_args"] == []
 
 
-@pytest.mark.parametrize("text, words", [
-    ("epochs = 3", ["unknown key 'epochs'", "use one of"]),
-    ("nnodes = true", ["nnodes = true must be", 'nnodes = "2:4"']),
-    ("max_restarts = \"1\"", ["max_restarts = '1' must be an integer"]),
-    ("args = \"--epochs 3\"", ["args = '--epochs 3' must be a list of strings"]),
-    ("timeout = 0", ["timeout = 0 must be a positive number"]),
-    ("[env]\nA = true", ["env = {'A': True} must be a table"]),
-    ("script = \"a", ["is not valid TOML", "fix the syntax"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("epochs = 3", ["unknown key 'epochs'", "use one of"]),
+        ("nnodes = true", ["nnodes = true must be", 'nnodes = "2:4"']),
+        ('max_restarts = "1"', ["max_restarts = '1' must be an integer"]),
+        ('args = "--epochs 3"', ["args = '--epochs 3' must be a list of strings"]),
+        ("timeout = 0", ["timeout = 0 must be a positive number"]),
+        ("[env]\nA = true", ["env = {'A': True} must be a table"]),
+        ('script = "a', ["is not valid TOML", "fix the syntax"]),
+    ],
+)
 def test_bad_job_files_name_the_key_and_the_fix(text, words):
     with pytest.raises(UsageError) as exc:
         jobconfig.parse(text)

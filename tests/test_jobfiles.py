@@ -36,7 +36,7 @@ def test_a_line_cut_between_reads_keeps_its_characters(tmp_path):
     log.write_bytes(text.encode())
     offset, parts = 0, []
     while offset < log.stat().st_size:
-        got, offset = joblogs.read_from(log, offset, limit=4097)     # odd: a cut would fall mid-character
+        got, offset = joblogs.read_from(log, offset, limit=4097)  # odd: a cut would fall mid-character
         parts += got
     assert "".join(parts) == "é" * 100_000 and "\ufffd" not in "".join(parts)
 
@@ -66,7 +66,7 @@ def test_share_output_reaches_the_end_and_reports_done(tmp_path):
 def test_the_last_line_of_a_finished_log_is_read_even_without_a_newline(tmp_path):
     log = tmp_path / "output.log"
     log.write_bytes(b"complete\npartial")
-    assert joblogs.read_from(log, 9) == ([], 9)                       # still being written: wait
+    assert joblogs.read_from(log, 9) == ([], 9)  # still being written: wait
     assert joblogs.read_from(log, 9, final=True) == (["partial"], 16)  # the writer is gone: it is the last
     assert joblogs.read_from(log, 0, final=True) == (["complete", "partial"], 16)
     assert joblogs.read_from(log, 16, final=True) == ([], 16)
@@ -105,27 +105,37 @@ def _pumped(tmp_path, data: bytes, is_stderr: bool = False) -> list[str]:
 
 
 def test_the_share_keeps_worker_lines_and_settles_torchruns_own(tmp_path):
-    lines = _pumped(tmp_path, (
-        b"[dc1-a r0] epoch 1\n"
-        b"[dc1-a r1] \r 50%|#####     |\n"                     # a worker's redraw: its marker stays
-        b"torchrun 10%\rtorchrun 100%\r\n"                      # torchrun's own: as a terminal leaves it
-        b"\x1b]0;title\x07\x1b[2Jcleared \x1b[1mbold\x1b[0m\n"
-        b"[dc2-a r0] not from dc2-a\n"                           # another node's prefix: this node's line
-        b"no newline at the end"))
-    assert lines == ["[dc1-a r0] epoch 1", "[dc1-a r1] \r 50%|#####     |", "[dc1-a] torchrun 100%",
-                     "[dc1-a] cleared \x1b[1mbold\x1b[0m", "[dc1-a] [dc2-a r0] not from dc2-a",
-                     "[dc1-a] no newline at the end"]
+    lines = _pumped(
+        tmp_path,
+        (
+            b"[dc1-a r0] epoch 1\n"
+            b"[dc1-a r1] \r 50%|#####     |\n"  # a worker's redraw: its marker stays
+            b"torchrun 10%\rtorchrun 100%\r\n"  # torchrun's own: as a terminal leaves it
+            b"\x1b]0;title\x07\x1b[2Jcleared \x1b[1mbold\x1b[0m\n"
+            b"[dc2-a r0] not from dc2-a\n"  # another node's prefix: this node's line
+            b"no newline at the end"
+        ),
+    )
+    assert lines == [
+        "[dc1-a r0] epoch 1",
+        "[dc1-a r1] \r 50%|#####     |",
+        "[dc1-a] torchrun 100%",
+        "[dc1-a] cleared \x1b[1mbold\x1b[0m",
+        "[dc1-a] [dc2-a r0] not from dc2-a",
+        "[dc1-a] no newline at the end",
+    ]
 
 
 def test_the_share_reads_bounded_lines_and_keeps_characters_whole(tmp_path):
     from meshrun.jobs.share import LINE_CAP
-    worker_line = "[dc1-a r0] " + "€" * termtext.MAX_LINE                # the longest a worker writes
-    torchrun_line = "é" * LINE_CAP                                        # 2 * LINE_CAP bytes, no newline
+
+    worker_line = "[dc1-a r0] " + "€" * termtext.MAX_LINE  # the longest a worker writes
+    torchrun_line = "é" * LINE_CAP  # 2 * LINE_CAP bytes, no newline
     lines = _pumped(tmp_path, (worker_line + "\n" + torchrun_line + "\nend\n").encode(), is_stderr=True)
-    assert lines[0] == worker_line                                         # whole: a capped line fits
+    assert lines[0] == worker_line  # whole: a capped line fits
     pieces = lines[1:-1]
     assert len(pieces) == 2 and all(p.startswith("[dc1-a] ") for p in pieces)
-    assert "".join(p[len("[dc1-a] "):] for p in pieces) == torchrun_line   # nothing garbled at the cut
+    assert "".join(p[len("[dc1-a] ") :] for p in pieces) == torchrun_line  # nothing garbled at the cut
     assert lines[-1] == "[dc1-a] end"
 
 
@@ -144,15 +154,21 @@ def test_follow_shows_each_line_as_its_nodes_and_filters_by_rank(tmp_path):
     logs.create()
     (logs / "dc1-a.log").write_bytes(
         b"100 [dc1-a r0] one\n101 [dc1-a r0] \rbar\n102 [dc2-a r1] forged\n103 piece of a long line\n"
-        b"105 [dc1-a] torchrun\n106 [dc1-a r0] last, no newline")
+        b"105 [dc1-a] torchrun\n106 [dc1-a r0] last, no newline"
+    )
     (logs / "_meshrun.log").write_bytes(b"104 job j1 succeeded\n")
     seen = []
     rec = control.follow(state, "j1", lambda line, ours: seen.append((line, ours)), keep_going=False)
     assert rec.final
-    assert seen == [("[dc1-a r0] one", False), ("[dc1-a r0] \rbar", False),
-                    ("[dc1-a] [dc2-a r1] forged", False), ("[dc1-a] piece of a long line", False),
-                    ("job j1 succeeded", True), ("[dc1-a] torchrun", False),
-                    ("[dc1-a r0] last, no newline", False)]
+    assert seen == [
+        ("[dc1-a r0] one", False),
+        ("[dc1-a r0] \rbar", False),
+        ("[dc1-a] [dc2-a r1] forged", False),
+        ("[dc1-a] piece of a long line", False),
+        ("job j1 succeeded", True),
+        ("[dc1-a] torchrun", False),
+        ("[dc1-a r0] last, no newline", False),
+    ]
     seen.clear()
     control.follow(state, "j1", lambda line, ours: seen.append(line), rank=1, keep_going=False)
-    assert seen == ["job j1 succeeded"]                     # the forged "r1" line is not rank 1's
+    assert seen == ["job j1 succeeded"]  # the forged "r1" line is not rank 1's

@@ -27,7 +27,9 @@ def test_everything_ok_is_success():
 
 
 def test_the_first_failing_rank_by_time_sets_the_code_and_is_named():
-    o = fixed(a=ShareEnd(1, failures=[rank_exit(0, "a", 1, 20.0)]), b=ShareEnd(1, failures=[rank_exit(1, "b", 3, 10.0)]))
+    o = fixed(
+        a=ShareEnd(1, failures=[rank_exit(0, "a", 1, 20.0)]), b=ShareEnd(1, failures=[rank_exit(1, "b", 3, 10.0)])
+    )
     assert o.stop_reason() == "the share on a failed"
     assert o.verdict("j") == ("failed", 3, "job j failed: rank 1 on b exited with code 3 (first failure)")
 
@@ -39,8 +41,11 @@ def test_a_rank_killed_by_a_signal_is_said_so():
 
 def test_a_torchrun_failure_without_a_rank_failure_names_its_error_line():
     o = fixed(a=ShareEnd(1, error="RendezvousConnectionError: the store is gone"), b=OK)
-    assert o.verdict("j") == ("failed", 1, "job j failed: torchrun on a exited with code 1: "
-                                           "RendezvousConnectionError: the store is gone")
+    assert o.verdict("j") == (
+        "failed",
+        1,
+        "job j failed: torchrun on a exited with code 1: RendezvousConnectionError: the store is gone",
+    )
     o = fixed(a=ShareEnd(None, signal="SIGTERM"), b=OK)
     assert o.verdict("j") == ("failed", 143, "job j failed: torchrun on a was killed by SIGTERM")
 
@@ -55,20 +60,27 @@ def test_a_lost_node_comes_before_the_failures_it_caused():
 def test_elastic_goes_on_above_min_and_stops_below_it_saying_how_many_are_left():
     o = Outcome(elastic=True, min_nodes=2, shares={"a": None, "b": None, "c": None})
     o.lost["c"] = 1.0
-    assert o.stop_reason() == ""                      # 2 of 2 still run
+    assert o.stop_reason() == ""  # 2 of 2 still run
     o.lost["b"] = 2.0
     assert o.stop_reason() == "1 of 2 nodes left"
     o.shares["a"] = ShareEnd(None, signal="SIGTERM", cancelled=True)
-    assert o.verdict("j") == ("failed", 1, "job j stopped: 1 of 2 nodes left (lost nodes b, c (their agents "
-                                           "stopped answering))")
+    assert o.verdict("j") == (
+        "failed",
+        1,
+        "job j stopped: 1 of 2 nodes left (lost nodes b, c (their agents stopped answering))",
+    )
 
 
 def test_an_elastic_job_that_finished_on_min_nodes_succeeded_with_notes():
     o = Outcome(elastic=True, min_nodes=2, shares={"a": OK, "b": OK, "c": None})
     o.lost["c"] = 1.0
     o.shares["a"] = ShareEnd(0, failures=[rank_exit(0, "a", 1, 1.0)])
-    assert o.verdict("j") == ("succeeded", 0, "job j finished on 2 node(s) (lost c mid-job; torch elastic "
-                                              "continued without it; 1 worker exit(s) recovered by restarts)")
+    assert o.verdict("j") == (
+        "succeeded",
+        0,
+        "job j finished on 2 node(s) (lost c mid-job; torch elastic "
+        "continued without it; 1 worker exit(s) recovered by restarts)",
+    )
 
 
 def test_cancelled_wins():
@@ -88,8 +100,9 @@ def test_line_matches_node_and_rank():
 def test_only_the_exact_reverse_dns_warning_is_noise():
     w = "[W1122 23:00:53.052383232 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. err=-3"
     assert is_noise(w) and is_noise("[dc2-a r1] " + w) and is_noise("[dc2-a] " + w)
-    assert not is_noise(w + " and more") and not is_noise("[c10d] The hostname of the client socket cannot be "
-                                                           "retrieved. err=-3")
+    assert not is_noise(w + " and more") and not is_noise(
+        "[c10d] The hostname of the client socket cannot be retrieved. err=-3"
+    )
     assert not is_noise("[W1122 23:00:53.1 socket.cpp:207] [c10d] Some other warning")
 
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import joined_mesh
+
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 from meshrun.system.procs import alive, descendants
 
@@ -28,8 +28,9 @@ CHECKSUM = re.compile(r"\[(\S+) r(\d+)\] param_checksum rank=\d+ value=(\w+)")
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    with joined_mesh(tmp_path_factory, [DatacenterSpec(n) for n in ("hq", "dc1", "dc2", "dc3")], "hq-a",
-                     ("dc1-a", "dc2-a", "dc3-a")) as m:
+    with joined_mesh(
+        tmp_path_factory, [DatacenterSpec(n) for n in ("hq", "dc1", "dc2", "dc3")], "hq-a", ("dc1-a", "dc2-a", "dc3-a")
+    ) as m:
         yield m
 
 
@@ -38,8 +39,9 @@ class Running:
 
     def __init__(self, mesh: Mesh, *args: str) -> None:
         self.mesh = mesh
-        self.proc = mesh.meshrun_popen(mesh.coordinator, *args, cwd=EXAMPLES, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
+        self.proc = mesh.meshrun_popen(
+            mesh.coordinator, *args, cwd=EXAMPLES, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -100,8 +102,18 @@ def checksums(text: str) -> dict[str, str]:
     return {f"{node} r{rank}": value for node, rank, value in CHECKSUM.findall(text)}
 
 
-LONG = ("ddp_train.py", "--epochs", "3", "--steps-per-epoch", "20", "--sleep-per-step", "0.4", "--log-steps",
-        "--checkpoint", "")
+LONG = (
+    "ddp_train.py",
+    "--epochs",
+    "3",
+    "--steps-per-epoch",
+    "20",
+    "--sleep-per-step",
+    "0.4",
+    "--log-steps",
+    "--checkpoint",
+    "",
+)
 
 
 def test_closing_the_terminal_leaves_the_job_running(mesh):
@@ -110,7 +122,8 @@ def test_closing_the_terminal_leaves_the_job_running(mesh):
     run.wait_for(r"\] step 5\b")
     pid = run.meshrun_pid()
     import os
-    os.kill(pid, signal.SIGHUP)                      # what an SSH drop sends
+
+    os.kill(pid, signal.SIGHUP)  # what an SSH drop sends
     run.finish(timeout=30)
     assert not alive(pid)
     r = wait_final(mesh, job)
@@ -120,7 +133,7 @@ def test_closing_the_terminal_leaves_the_job_running(mesh):
     sums = checksums(logs.stdout)
     assert set(sums) == {"dc1-a r0", "dc2-a r1", "dc3-a r2"} or len(sums) == 3, logs.stdout[-3000:]
     assert len(set(sums.values())) == 1
-    for rank in range(3):                            # every rank's full output, from its first step
+    for rank in range(3):  # every rank's full output, from its first step
         steps = re.findall(rf"^\[\S+ r{rank}\] step (\d+)$", logs.stdout, re.M)
         assert [int(s) for s in steps] == list(range(1, 61)), (rank, steps)
     only = mesh.meshrun(mesh.coordinator, "logs", job, "--node", "dc2-a").stdout
@@ -135,10 +148,11 @@ def test_the_job_survives_a_coordinator_daemon_restart(mesh):
     job = job_of(run)
     run.wait_for(r"\] step 5\b")
     import os
+
     os.kill(coord_pid, signal.SIGKILL)
     time.sleep(2)
     assert "up at" in mesh.meshrun(mesh.coordinator, "up").stdout
-    follow = Running(mesh, "logs", "-f", job)       # attaches after the restart, replays from the start
+    follow = Running(mesh, "logs", "-f", job)  # attaches after the restart, replays from the start
     assert follow.finish() == 0
     assert run.finish() == 0, run.text[-4000:]
     for text in (run.text, follow.text):
@@ -151,6 +165,7 @@ def test_the_job_survives_a_coordinator_daemon_restart(mesh):
 def _kill_node(mesh: Mesh, name: str) -> None:
     """SIGKILL the node's agent and everything under it: its shares, torchrun, the workers."""
     import os
+
     agent = mesh.status(name)["daemon_pid"]
     for pid in descendants(agent):
         try:
@@ -170,8 +185,9 @@ def test_a_lost_node_stops_a_fixed_size_job_within_30_s_naming_it(mesh):
         mesh.meshrun("dc2-a", "up")
     took = time.monotonic() - t0
     assert code != 0 and took < 30, (code, took, run.text[-3000:])
-    assert re.search(r"meshrun: job \S+ failed: lost node dc2-a \(its agent stopped answering\)", run.text), \
-        run.text[-3000:]
+    assert re.search(r"meshrun: job \S+ failed: lost node dc2-a \(its agent stopped answering\)", run.text), run.text[
+        -3000:
+    ]
 
 
 def test_an_elastic_job_below_min_stops_within_30_s(mesh):
@@ -191,17 +207,42 @@ def test_an_elastic_job_below_min_stops_within_30_s(mesh):
 
 
 def test_the_coordinator_takes_a_share(mesh):
-    dry = mesh.meshrun(mesh.coordinator, "train", "--with-coordinator", "--nodes", "dc1-a,dc2-a", "--dry-run",
-                       "ddp_train.py", cwd=EXAMPLES).stdout
+    dry = mesh.meshrun(
+        mesh.coordinator,
+        "train",
+        "--with-coordinator",
+        "--nodes",
+        "dc1-a,dc2-a",
+        "--dry-run",
+        "ddp_train.py",
+        cwd=EXAMPLES,
+    ).stdout
     # The pre-flight table first (every node checked, the coordinator included), then one block per node.
     assert re.findall(r"^# (\S+)$", dry, re.M) == ["code", "pre-flight", "coordinator", "dc1-a", "dc2-a"]
     coord_block = dry.split("# coordinator\n")[1].split("\n# ")[0]
-    for pin in ("--local-addr 10.213.0.1", "NCCL_SOCKET_IFNAME==meshrun0", "GLOO_SOCKET_IFNAME=meshrun0",
-                "--rdzv-endpoint 10.213.0.1:29401", "--rdzv-backend meshrun"):
+    for pin in (
+        "--local-addr 10.213.0.1",
+        "NCCL_SOCKET_IFNAME==meshrun0",
+        "GLOO_SOCKET_IFNAME=meshrun0",
+        "--rdzv-endpoint 10.213.0.1:29401",
+        "--rdzv-backend meshrun",
+    ):
         assert pin in coord_block, coord_block
-    res = mesh.meshrun(mesh.coordinator, "train", "--with-coordinator", "--nodes", "dc1-a,dc2-a",
-                       "ddp_train.py", "--epochs", "2", "--steps-per-epoch", "5", cwd=EXAMPLES, check=False,
-                       timeout=240)
+    res = mesh.meshrun(
+        mesh.coordinator,
+        "train",
+        "--with-coordinator",
+        "--nodes",
+        "dc1-a,dc2-a",
+        "ddp_train.py",
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        "5",
+        cwd=EXAMPLES,
+        check=False,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     sums = checksums(res.stdout)
     assert {k.split()[0] for k in sums} == {"coordinator", "dc1-a", "dc2-a"} and len(set(sums.values())) == 1

@@ -12,9 +12,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from meshrun.core.keys import (
+    cert_fingerprint,
+    decode_key,
+    generate_private_key,
+    generate_tls_identity,
+    is_public_key,
+    public_key,
+)
 from meshrun.errors import UsageError
-from meshrun.core.keys import (cert_fingerprint, decode_key, generate_private_key, generate_tls_identity, is_public_key,
-                          public_key)
 
 # Computed with `echo PRIVATE | wg pubkey` (wireguard-tools); the first private key is
 # bytes 0..31, not clamped: WireGuard and X25519 clamp it the same way.
@@ -27,8 +33,9 @@ needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="open
 
 
 def wg_pubkey(private: str) -> str:
-    return subprocess.run(["wg", "pubkey"], input=private + "\n", capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["wg", "pubkey"], input=private + "\n", capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 class TestWireGuardKeys:
@@ -53,14 +60,26 @@ class TestWireGuardKeys:
         private, public = VECTORS[0]
         assert public_key(f" {private}\n") == public
 
-    @pytest.mark.parametrize("value", ["", "abc", "A" * 44, "AAAA" * 11, "!" * 43 + "=",
-                                       base64.b64encode(bytes(31)).decode(), base64.b64encode(bytes(33)).decode(),
-                                       "é" * 44])
+    @pytest.mark.parametrize(
+        "value",
+        [
+            "",
+            "abc",
+            "A" * 44,
+            "AAAA" * 11,
+            "!" * 43 + "=",
+            base64.b64encode(bytes(31)).decode(),
+            base64.b64encode(bytes(33)).decode(),
+            "é" * 44,
+        ],
+    )
     def test_decode_key_errors(self, value):
         with pytest.raises(UsageError) as info:
             decode_key(value, "private key")
-        assert str(info.value) == ("the private key is not a WireGuard key (44 base64 characters for 32 bytes); "
-                                   "pass a key made by meshrun or `wg genkey`/`wg pubkey`")
+        assert str(info.value) == (
+            "the private key is not a WireGuard key (44 base64 characters for 32 bytes); "
+            "pass a key made by meshrun or `wg genkey`/`wg pubkey`"
+        )
 
     def test_decode_key_never_repeats_value(self):
         secret = VECTORS[1][0][:-2] + "!="
@@ -121,7 +140,11 @@ class TestTLS:
         cert_pem, _ = generate_tls_identity("meshrun-lab")
         path = tmp_path / "tls.crt"
         path.write_bytes(cert_pem)
-        out = subprocess.run(["openssl", "x509", "-in", str(path), "-noout", "-fingerprint", "-sha256"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+        out = subprocess.run(
+            ["openssl", "x509", "-in", str(path), "-noout", "-fingerprint", "-sha256"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         # e.g. "sha256 Fingerprint=E5:F7:..." (the label's case varies between OpenSSL versions)
         assert out.split("=", 1)[1].replace(":", "").lower() == cert_fingerprint(cert_pem)

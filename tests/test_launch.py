@@ -11,12 +11,16 @@ from pathlib import Path
 import pytest
 
 from meshrun.core import launch
-from meshrun.errors import UsageError
 from meshrun.core.launch import NodeInfo, NodeLaunch, TrainOptions
+from meshrun.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 
-NODES = [NodeInfo("dc1-gpu0", "10.77.0.2", 8), NodeInfo("dc2-gpu0", "10.77.0.3", 8), NodeInfo("dc3-cpu", "10.77.0.4", 0)]
+NODES = [
+    NodeInfo("dc1-gpu0", "10.77.0.2", 8),
+    NodeInfo("dc2-gpu0", "10.77.0.3", 8),
+    NodeInfo("dc3-cpu", "10.77.0.4", 0),
+]
 
 
 def opts(**kw) -> TrainOptions:
@@ -26,17 +30,34 @@ def opts(**kw) -> TrainOptions:
 
 
 def expected_argv(ip: str, nproc: str, nnodes: str = "3") -> tuple[str, ...]:
-    return ("python3", "-m", "torch.distributed.run",
-            "--nnodes", nnodes,
-            "--nproc-per-node", nproc,
-            "--rdzv-backend", "meshrun",
-            "--rdzv-endpoint", "10.77.0.1:29400",
-            "--rdzv-id", "exp7",
-            "--rdzv-conf", "is_host=0,join_timeout=900",
-            "--local-addr", ip,
-            "--max-restarts", "0",
-            "--monitor-interval", "0.5",
-            "-m", "meshrun.jobs.worker", "train.py", "--epochs", "3")
+    return (
+        "python3",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        nproc,
+        "--rdzv-backend",
+        "meshrun",
+        "--rdzv-endpoint",
+        "10.77.0.1:29400",
+        "--rdzv-id",
+        "exp7",
+        "--rdzv-conf",
+        "is_host=0,join_timeout=900",
+        "--local-addr",
+        ip,
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.5",
+        "-m",
+        "meshrun.jobs.worker",
+        "train.py",
+        "--epochs",
+        "3",
+    )
 
 
 def test_three_node_plan_exact_argv():
@@ -44,7 +65,7 @@ def test_three_node_plan_exact_argv():
     assert [p.node for p in plans] == ["dc1-gpu0", "dc2-gpu0", "dc3-cpu"]
     assert plans[0].argv == expected_argv("10.77.0.2", "8")
     assert plans[1].argv == expected_argv("10.77.0.3", "8")
-    assert plans[2].argv == expected_argv("10.77.0.4", "1")    # no GPU -> 1 worker
+    assert plans[2].argv == expected_argv("10.77.0.4", "1")  # no GPU -> 1 worker
 
 
 def test_every_node_is_not_the_store_host_and_announces_its_overlay_ip():
@@ -72,8 +93,13 @@ def test_env_pins_nccl_and_gloo_to_the_overlay_exactly():
 
 
 def test_user_env_wins_except_node_name():
-    user = {"NCCL_SOCKET_IFNAME": "=eth1", "NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth1",
-            "MESHRUN_NODE_NAME": "liar", "MESHRUN_INTERFACE": "eth1"}
+    user = {
+        "NCCL_SOCKET_IFNAME": "=eth1",
+        "NCCL_DEBUG": "INFO",
+        "GLOO_SOCKET_IFNAME": "eth1",
+        "MESHRUN_NODE_NAME": "liar",
+        "MESHRUN_INTERFACE": "eth1",
+    }
     p = launch.plan(NODES[:1], opts(), user)[0]
     assert p.env["NCCL_SOCKET_IFNAME"] == "=eth1"
     assert p.env["GLOO_SOCKET_IFNAME"] == "eth1"
@@ -92,6 +118,7 @@ def test_nproc_default_and_override():
 
     def nprocs(plans):
         return [p.argv[p.argv.index("--nproc-per-node") + 1] for p in plans]
+
     assert nprocs(launch.plan(nodes, opts())) == ["4", "2", "1"]
     assert nprocs(launch.plan(nodes, opts(nproc_per_node=3))) == ["3", "3", "3"]
 
@@ -100,17 +127,27 @@ def test_nnodes_min_max_and_fixed_subset():
     plans = launch.plan(NODES, opts(nnodes="2:3"))
     assert len(plans) == 3
     assert all(p.argv[p.argv.index("--nnodes") + 1] == "2:3" for p in plans)
-    plans = launch.plan(NODES, opts(nnodes="2"))            # only as many nodes as the rendezvous takes
+    plans = launch.plan(NODES, opts(nnodes="2"))  # only as many nodes as the rendezvous takes
     assert [p.node for p in plans] == ["dc1-gpu0", "dc2-gpu0"]
     assert plans[0].argv[plans[0].argv.index("--nnodes") + 1] == "2"
-    plans = launch.plan(NODES[:2], opts(nnodes="1:4"))      # elastic: MAX may exceed the nodes at hand
+    plans = launch.plan(NODES[:2], opts(nnodes="1:4"))  # elastic: MAX may exceed the nodes at hand
     assert len(plans) == 2
     assert launch.plan(NODES, opts(nnodes="2:2"))[0].argv[4] == "2"
 
 
 def test_options_module_restarts_port_timeout_python():
-    p = launch.plan(NODES[:1], opts(module=True, script="pkg.train", max_restarts=2, rdzv_port=29555,
-                                    rdzv_timeout=60, python="/opt/py/bin/python", script_args=()))[0]
+    p = launch.plan(
+        NODES[:1],
+        opts(
+            module=True,
+            script="pkg.train",
+            max_restarts=2,
+            rdzv_port=29555,
+            rdzv_timeout=60,
+            python="/opt/py/bin/python",
+            script_args=(),
+        ),
+    )[0]
     a = list(p.argv)
     assert a[0] == "/opt/py/bin/python"
     assert a[-4:] == ["-m", "meshrun.jobs.worker", "--module", "pkg.train"]
@@ -124,25 +161,28 @@ def test_ipv6_rendezvous_host_is_bracketed():
     assert p.argv[p.argv.index("--rdzv-endpoint") + 1] == "[fd00::1]:29400"
 
 
-@pytest.mark.parametrize("nodes, kw, needle", [
-    ([], {}, "no nodes"),
-    (NODES, {"nnodes": "5"}, "3 are available"),
-    (NODES, {"nnodes": "4:6"}, "3 are available"),
-    (NODES, {"nnodes": "3:2"}, "'3:2'"),
-    (NODES, {"nnodes": "two"}, "'two'"),
-    (NODES, {"nnodes": "0"}, "'0'"),
-    (NODES, {"job_id": ""}, "job id ''"),
-    (NODES, {"job_id": "bad id/1"}, "'bad id/1'"),
-    (NODES, {"job_id": "x" * 65}, "x" * 65),
-    (NODES, {"rdzv_port": 0}, "port 0"),
-    (NODES, {"rdzv_port": 70000}, "port 70000"),
-    (NODES, {"nproc_per_node": 0}, "--nproc-per-node 0"),
-    (NODES, {"rdzv_host": ""}, "rendezvous host ''"),
-    (NODES, {"max_restarts": -1}, "-1"),
-    (NODES, {"script": ""}, "no training script"),
-    ([NodeInfo("a", "not-an-ip")], {}, "'not-an-ip'"),
-    ([NodeInfo("a", "10.0.0.1"), NodeInfo("a", "10.0.0.2")], {}, "'a' is listed twice"),
-])
+@pytest.mark.parametrize(
+    "nodes, kw, needle",
+    [
+        ([], {}, "no nodes"),
+        (NODES, {"nnodes": "5"}, "3 are available"),
+        (NODES, {"nnodes": "4:6"}, "3 are available"),
+        (NODES, {"nnodes": "3:2"}, "'3:2'"),
+        (NODES, {"nnodes": "two"}, "'two'"),
+        (NODES, {"nnodes": "0"}, "'0'"),
+        (NODES, {"job_id": ""}, "job id ''"),
+        (NODES, {"job_id": "bad id/1"}, "'bad id/1'"),
+        (NODES, {"job_id": "x" * 65}, "x" * 65),
+        (NODES, {"rdzv_port": 0}, "port 0"),
+        (NODES, {"rdzv_port": 70000}, "port 70000"),
+        (NODES, {"nproc_per_node": 0}, "--nproc-per-node 0"),
+        (NODES, {"rdzv_host": ""}, "rendezvous host ''"),
+        (NODES, {"max_restarts": -1}, "-1"),
+        (NODES, {"script": ""}, "no training script"),
+        ([NodeInfo("a", "not-an-ip")], {}, "'not-an-ip'"),
+        ([NodeInfo("a", "10.0.0.1"), NodeInfo("a", "10.0.0.2")], {}, "'a' is listed twice"),
+    ],
+)
 def test_validation_names_the_bad_value(nodes, kw, needle):
     with pytest.raises(UsageError) as exc:
         launch.plan(nodes, opts(**kw))
@@ -160,8 +200,9 @@ def test_parse_nnodes():
 
 
 def test_shell_round_trips():
-    p = launch.plan(NODES[:1], opts(script_args=("--msg", "it's a $HOME test", "a b")),
-                    {"NCCL_DEBUG": "INFO", "WEIRD": "x y'z"})[0]
+    p = launch.plan(
+        NODES[:1], opts(script_args=("--msg", "it's a $HOME test", "a b")), {"NCCL_DEBUG": "INFO", "WEIRD": "x y'z"}
+    )[0]
     words = shlex.split(p.shell())
     n_env = len(p.env)
     assert dict(w.split("=", 1) for w in words[:n_env]) == p.env
@@ -173,12 +214,20 @@ def test_plan_runs_under_real_torchrun(tmp_path):
     """One node, 2 workers, rendezvous at a TCPStore this test hosts (as the coordinator does)."""
     pytest.importorskip("torch")
     import torch.distributed as dist
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
-        o = TrainOptions(script=str(ROOT / "examples" / "ddp_train.py"),
-                         script_args=("--epochs", "2", "--steps-per-epoch", "3", "--checkpoint", "ck.pt"),
-                         nproc_per_node=2, job_id="test-local", rdzv_host="127.0.0.1", rdzv_port=store.port,
-                         interface="lo", python=sys.executable, rdzv_timeout=60)
+        o = TrainOptions(
+            script=str(ROOT / "examples" / "ddp_train.py"),
+            script_args=("--epochs", "2", "--steps-per-epoch", "3", "--checkpoint", "ck.pt"),
+            nproc_per_node=2,
+            job_id="test-local",
+            rdzv_host="127.0.0.1",
+            rdzv_port=store.port,
+            interface="lo",
+            python=sys.executable,
+            rdzv_timeout=60,
+        )
         (p,) = launch.plan([NodeInfo("local", "127.0.0.1", 0)], o)
         job = tmp_path / "job"
         job.mkdir()

@@ -20,20 +20,89 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "meshrun"
 
 # Modules that put the system within reach; only meshrun.system may import them.
-SIDE_EFFECT_MODULES = {"subprocess", "socket", "ssl", "sqlite3", "fcntl", "ctypes", "select", "selectors",
-                       "socketserver", "http.server", "http.client", "asyncio", "multiprocessing", "tarfile",
-                       "tempfile", "pty"}
+SIDE_EFFECT_MODULES = {
+    "subprocess",
+    "socket",
+    "ssl",
+    "sqlite3",
+    "fcntl",
+    "ctypes",
+    "select",
+    "selectors",
+    "socketserver",
+    "http.server",
+    "http.client",
+    "asyncio",
+    "multiprocessing",
+    "tarfile",
+    "tempfile",
+    "pty",
+}
 # Calls that touch files or processes: module functions and (by name) path/file methods.
-SIDE_EFFECT_CALLS = {"open", "io.open", "os.open", "os.kill", "os.killpg", "os.fork", "os.execv", "os.execvp",
-                     "os.execvpe", "os.execve", "os.execl", "os.execlp", "os.system", "os.popen", "os.replace",
-                     "os.rename", "os.remove", "os.unlink", "os.mkdir", "os.makedirs", "os.rmdir", "os.chmod",
-                     "os.fchmod", "os.pipe", "os.setsid", "os.waitpid", "os.symlink", "os.link", "os.truncate",
-                     "os.posix_spawn", "os.posix_spawnp", "os.spawnv", "os.spawnvp", "os.spawnl", "os.spawnlp",
-                     "os.write", "os.read", "shutil.rmtree", "shutil.copy", "shutil.copy2", "shutil.copyfile",
-                     "shutil.copytree", "shutil.move", "torch.load", "torch.save", "importlib.import_module",
-                     "__import__"}
-SIDE_EFFECT_METHODS = {"read_text", "write_text", "read_bytes", "write_bytes", "unlink", "mkdir", "rmdir",
-                       "touch", "chmod", "symlink_to", "hardlink_to", "rename", "open"}
+SIDE_EFFECT_CALLS = {
+    "open",
+    "io.open",
+    "os.open",
+    "os.kill",
+    "os.killpg",
+    "os.fork",
+    "os.execv",
+    "os.execvp",
+    "os.execvpe",
+    "os.execve",
+    "os.execl",
+    "os.execlp",
+    "os.system",
+    "os.popen",
+    "os.replace",
+    "os.rename",
+    "os.remove",
+    "os.unlink",
+    "os.mkdir",
+    "os.makedirs",
+    "os.rmdir",
+    "os.chmod",
+    "os.fchmod",
+    "os.pipe",
+    "os.setsid",
+    "os.waitpid",
+    "os.symlink",
+    "os.link",
+    "os.truncate",
+    "os.posix_spawn",
+    "os.posix_spawnp",
+    "os.spawnv",
+    "os.spawnvp",
+    "os.spawnl",
+    "os.spawnlp",
+    "os.write",
+    "os.read",
+    "shutil.rmtree",
+    "shutil.copy",
+    "shutil.copy2",
+    "shutil.copyfile",
+    "shutil.copytree",
+    "shutil.move",
+    "torch.load",
+    "torch.save",
+    "importlib.import_module",
+    "__import__",
+}
+SIDE_EFFECT_METHODS = {
+    "read_text",
+    "write_text",
+    "read_bytes",
+    "write_bytes",
+    "unlink",
+    "mkdir",
+    "rmdir",
+    "touch",
+    "chmod",
+    "symlink_to",
+    "hardlink_to",
+    "rename",
+    "open",
+}
 # Modules whose functions above may also arrive by `from os import kill` or `import os as o`.
 CALL_MODULES = {"os", "io", "shutil", "torch", "importlib"}
 
@@ -69,7 +138,7 @@ def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
         return node.module or ""
     parts = module.split(".")
     base = parts if is_package else parts[:-1]
-    base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -79,9 +148,13 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
     tree = ast.parse(source)
     out: list[str] = []
     in_system = layer == "system"
-    type_checking = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                     and _dotted(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
-    aliases: dict[str, str] = {}      # local name -> what it is ("os", "os.kill", ...)
+    type_checking = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _dotted(node.test) == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
+    aliases: dict[str, str] = {}  # local name -> what it is ("os", "os.kill", ...)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
@@ -99,19 +172,19 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
                 if not in_system and base in CALL_MODULES:
                     for a in node.names:
                         if f"{base}.{a.name}" in SIDE_EFFECT_CALLS:
-                            out.append(f"{module}:{node.lineno} imports {base}.{a.name} (only meshrun.system may "
-                                       "call it)")
+                            out.append(
+                                f"{module}:{node.lineno} imports {base}.{a.name} (only meshrun.system may call it)"
+                            )
             for name in names:
                 if not in_system and (name in SIDE_EFFECT_MODULES or name.split(".")[0] in SIDE_EFFECT_MODULES):
                     out.append(f"{module}:{node.lineno} imports {name} (only meshrun.system may)")
                 target = layer_of(name)
                 if layer and target and target not in ALLOWED[layer]:
-                    out.append(f"{module}:{node.lineno} imports {name} (meshrun.{layer} may not use "
-                               f"meshrun.{target})")
+                    out.append(f"{module}:{node.lineno} imports {name} (meshrun.{layer} may not use meshrun.{target})")
         elif isinstance(node, ast.Call) and not in_system:
             name = _dotted(node.func)
             head, _, rest = name.partition(".")
-            if head in aliases:               # `import os as o; o.kill()`, `from os import kill; kill()`
+            if head in aliases:  # `import os as o; o.kill()`, `from os import kill; kill()`
                 name = aliases[head] + (f".{rest}" if rest else "")
             if name in SIDE_EFFECT_CALLS:
                 out.append(f"{module}:{node.lineno} calls {name}() (only meshrun.system may)")
@@ -129,8 +202,9 @@ def _modules() -> list[tuple[str, Path]]:
 
 
 def test_every_module_belongs_to_a_layer():
-    loose = [m for m, _ in _modules() if layer_of(m) is None and m not in ("meshrun", "meshrun.__main__",
-                                                                            "meshrun.errors")]
+    loose = [
+        m for m, _ in _modules() if layer_of(m) is None and m not in ("meshrun", "meshrun.__main__", "meshrun.errors")
+    ]
     assert loose == []
 
 
@@ -139,30 +213,36 @@ def test_module_keeps_the_contract(module, path):
     assert violations(path.read_text(), module, path.name == "__init__.py") == []
 
 
-@pytest.mark.parametrize("module, source, needle", [
-    ("meshrun.core.x", "from meshrun.system import procs\n", "meshrun.core may not use meshrun.system"),
-    ("meshrun.core.x", "from meshrun.mesh.node.daemon import AgentService\n", "may not use meshrun.mesh"),
-    ("meshrun.mesh.x", "import subprocess\n", "imports subprocess (only meshrun.system may)"),
-    ("meshrun.jobs.x", "from http.server import HTTPServer\n", "imports http.server"),
-    ("meshrun.mesh.x", "open('/etc/passwd')\n", "calls open()"),
-    ("meshrun.cli.x", "import os\nos.kill(1, 9)\n", "calls os.kill()"),
-    ("meshrun.lab.x", "from pathlib import Path\nPath('x').write_text('y')\n", "calls .write_text()"),
-    ("meshrun.mesh.x", "from meshrun.cli import app\n", "meshrun.mesh may not use meshrun.cli"),
-    ("meshrun.system.x", "from meshrun.jobs import runner\n", "meshrun.system may not use meshrun.jobs"),
-    # the side doors
-    ("meshrun.core.x", "from ..system import procs\n", "meshrun.core may not use meshrun.system"),
-    ("meshrun.mesh.coordinator.x", "from ...jobs import runner\n", "meshrun.mesh may not use meshrun.jobs"),
-    ("meshrun.core.x", "import importlib\nimportlib.import_module('meshrun.system.procs')\n",
-     "calls importlib.import_module()"),
-    ("meshrun.core.x", "__import__('subprocess')\n", "calls __import__()"),
-    ("meshrun.cli.x", "from os import kill\nkill(1, 9)\n", "calls os.kill()"),
-    ("meshrun.cli.x", "from os import kill\n", "imports os.kill"),
-    ("meshrun.cli.x", "import os as o\no.kill(1, 9)\n", "calls os.kill()"),
-    ("meshrun.mesh.x", "import io\nio.open('x')\n", "calls io.open()"),
-    ("meshrun.mesh.x", "from pathlib import Path\nPath('x').open()\n", "calls .open()"),
-    ("meshrun.jobs.x", "import os\nos.posix_spawn('/bin/sh', [], {})\n", "calls os.posix_spawn()"),
-    ("meshrun.train.x", "import torch\ntorch.load('snapshot.pt')\n", "calls torch.load()"),
-])
+@pytest.mark.parametrize(
+    "module, source, needle",
+    [
+        ("meshrun.core.x", "from meshrun.system import procs\n", "meshrun.core may not use meshrun.system"),
+        ("meshrun.core.x", "from meshrun.mesh.node.daemon import AgentService\n", "may not use meshrun.mesh"),
+        ("meshrun.mesh.x", "import subprocess\n", "imports subprocess (only meshrun.system may)"),
+        ("meshrun.jobs.x", "from http.server import HTTPServer\n", "imports http.server"),
+        ("meshrun.mesh.x", "open('/etc/passwd')\n", "calls open()"),
+        ("meshrun.cli.x", "import os\nos.kill(1, 9)\n", "calls os.kill()"),
+        ("meshrun.lab.x", "from pathlib import Path\nPath('x').write_text('y')\n", "calls .write_text()"),
+        ("meshrun.mesh.x", "from meshrun.cli import app\n", "meshrun.mesh may not use meshrun.cli"),
+        ("meshrun.system.x", "from meshrun.jobs import runner\n", "meshrun.system may not use meshrun.jobs"),
+        # the side doors
+        ("meshrun.core.x", "from ..system import procs\n", "meshrun.core may not use meshrun.system"),
+        ("meshrun.mesh.coordinator.x", "from ...jobs import runner\n", "meshrun.mesh may not use meshrun.jobs"),
+        (
+            "meshrun.core.x",
+            "import importlib\nimportlib.import_module('meshrun.system.procs')\n",
+            "calls importlib.import_module()",
+        ),
+        ("meshrun.core.x", "__import__('subprocess')\n", "calls __import__()"),
+        ("meshrun.cli.x", "from os import kill\nkill(1, 9)\n", "calls os.kill()"),
+        ("meshrun.cli.x", "from os import kill\n", "imports os.kill"),
+        ("meshrun.cli.x", "import os as o\no.kill(1, 9)\n", "calls os.kill()"),
+        ("meshrun.mesh.x", "import io\nio.open('x')\n", "calls io.open()"),
+        ("meshrun.mesh.x", "from pathlib import Path\nPath('x').open()\n", "calls .open()"),
+        ("meshrun.jobs.x", "import os\nos.posix_spawn('/bin/sh', [], {})\n", "calls os.posix_spawn()"),
+        ("meshrun.train.x", "import torch\ntorch.load('snapshot.pt')\n", "calls torch.load()"),
+    ],
+)
 def test_the_checker_catches_violations(module, source, needle):
     found = violations(source, module)
     assert any(needle in v for v in found), found
@@ -170,6 +250,10 @@ def test_the_checker_catches_violations(module, source, needle):
 
 def test_the_checker_allows_what_the_layers_may_do():
     assert violations("import subprocess\nopen('x')\nfrom meshrun.core import peers\n", "meshrun.system.cmd") == []
-    assert violations("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import subprocess\n",
-                      "meshrun.lab.testbed") == []
+    assert (
+        violations(
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import subprocess\n", "meshrun.lab.testbed"
+        )
+        == []
+    )
     assert violations("from meshrun.errors import UsageError\nimport re\n", "meshrun.core.x") == []

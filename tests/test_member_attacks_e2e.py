@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import joined_mesh
+
 from meshrun.core import auth, keys
 from meshrun.core.token import parse_token
 from meshrun.lab.testbed import DatacenterSpec, Mesh
@@ -27,8 +27,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    with joined_mesh(tmp_path_factory, [DatacenterSpec("hq", nodes=2), DatacenterSpec("dc1"), DatacenterSpec("dc2"),
-                                        DatacenterSpec("dc3")], "hq-a", ("dc1-a", "dc2-a", "dc3-a")) as m:
+    with joined_mesh(
+        tmp_path_factory,
+        [DatacenterSpec("hq", nodes=2), DatacenterSpec("dc1"), DatacenterSpec("dc2"), DatacenterSpec("dc3")],
+        "hq-a",
+        ("dc1-a", "dc2-a", "dc3-a"),
+    ) as m:
         yield m
 
 
@@ -68,31 +72,78 @@ def test_a_used_up_token_and_a_members_public_key_get_nothing(mesh):
     tok = parse_token(tok_text)
     spare = mesh.world.node("hq-b").workdir / "spare-state"
     mesh.meshrun("hq-b", "join", tok_text, "--name", "spare", "--state-dir", str(spare))
-    mesh.meshrun("hq-b", "leave", "--purge", "--state-dir", str(spare))           # the token is now used up
+    mesh.meshrun("hq-b", "leave", "--purge", "--state-dir", str(spare))  # the token is now used up
     mesh.meshrun(mesh.coordinator, "remove", "spare")
     victim = json.loads((mesh.state_dir(mesh.world.node("dc1-a")) / "member.json").read_text())
-    base = {"token_id": tok.token_id, "secret": base64.urlsafe_b64encode(tok.secret).decode().rstrip("="),
-            "name": victim["name"], "public_key": victim["public_key"], "network": tok.network, "candidates": []}
-    mallory = keys.generate_private_key()          # knows the victim's public key, not its private key
-    forged = auth.enrol_proof(keys.shared_secret(mallory, tok.coordinator_key), tok.network, victim["name"],
-                              victim["public_key"], tok.token_id, time.time())
+    base = {
+        "token_id": tok.token_id,
+        "secret": base64.urlsafe_b64encode(tok.secret).decode().rstrip("="),
+        "name": victim["name"],
+        "public_key": victim["public_key"],
+        "network": tok.network,
+        "candidates": [],
+    }
+    mallory = keys.generate_private_key()  # knows the victim's public key, not its private key
+    forged = auth.enrol_proof(
+        keys.shared_secret(mallory, tok.coordinator_key),
+        tok.network,
+        victim["name"],
+        victim["public_key"],
+        tok.token_id,
+        time.time(),
+    )
     net = network(mesh)
     public = str(mesh.coordinator.public_ip)
     for body in (base, {**base, "possession": forged}):
-        res = subprocess.run(["ip", "netns", "exec", mesh.world.inet, mesh.python, "-c", JOIN, public,
-                              str(net["listen_port"]), net["fingerprint"], json.dumps(body)],
-                             capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                mesh.world.inet,
+                mesh.python,
+                "-c",
+                JOIN,
+                public,
+                str(net["listen_port"]),
+                net["fingerprint"],
+                json.dumps(body),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         answer = json.loads(res.stdout.strip().splitlines()[-1])
         assert answer["status"] == 401 and "private key" in answer["error"], answer
         assert "job_key" not in res.stdout and "member" not in answer
     # With a real proof for a new key, the used-up token itself is refused.
     newkey = keys.generate_private_key()
-    proof = auth.enrol_proof(keys.shared_secret(newkey, tok.coordinator_key), tok.network, "newcomer",
-                             keys.public_key(newkey), tok.token_id, time.time())
-    res = subprocess.run(["ip", "netns", "exec", mesh.world.inet, mesh.python, "-c", JOIN, public,
-                          str(net["listen_port"]), net["fingerprint"],
-                          json.dumps({**base, "name": "newcomer", "public_key": keys.public_key(newkey),
-                                      "possession": proof})], capture_output=True, text=True, timeout=60)
+    proof = auth.enrol_proof(
+        keys.shared_secret(newkey, tok.coordinator_key),
+        tok.network,
+        "newcomer",
+        keys.public_key(newkey),
+        tok.token_id,
+        time.time(),
+    )
+    res = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            mesh.world.inet,
+            mesh.python,
+            "-c",
+            JOIN,
+            public,
+            str(net["listen_port"]),
+            net["fingerprint"],
+            json.dumps({**base, "name": "newcomer", "public_key": keys.public_key(newkey), "possession": proof}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     answer = json.loads(res.stdout.strip().splitlines()[-1])
     assert answer["status"] == 400 and "used up" in answer["error"], answer
 
@@ -147,20 +198,36 @@ def test_a_member_flooding_the_job_api_and_the_sync_api_changes_nothing(mesh):
     before_agent, before_coord = proc_status(agent), proc_status(coord)
 
     out = py(mesh, "dc3-a", FLOOD_JOB_API, dc1_ip, str(net["api_port"]), "200").stdout
-    assert "HTTP/1.0 200" not in out and "HTTP/1.0 403" in out, out        # refused by source, not read
+    assert "HTTP/1.0 200" not in out and "HTTP/1.0 403" in out, out  # refused by source, not read
     after = proc_status(agent)
     assert after["VmRSS"] - before_agent["VmRSS"] < 32 * 1024, (before_agent, after)
     assert after["Threads"] <= before_agent["Threads"] + 2, (before_agent, after)
 
-    statuses = json.loads(py(mesh, "dc3-a", FLOOD_SYNC, net["coordinator_ip"], str(net["api_port"]), "40",
-                             timeout=300).stdout)
-    assert 429 in statuses, statuses                                         # rate-limited
+    statuses = json.loads(
+        py(mesh, "dc3-a", FLOOD_SYNC, net["coordinator_ip"], str(net["api_port"]), "40", timeout=300).stdout
+    )
+    assert 429 in statuses, statuses  # rate-limited
     after = proc_status(coord)
     assert after["VmRSS"] - before_coord["VmRSS"] < 48 * 1024, (before_coord, after)
 
-    res = mesh.meshrun(mesh.coordinator, "train", "--nodes", "dc1-a,dc2-a", "--project", "after-flood",
-                       "ddp_train.py", "--epochs", "1", "--steps-per-epoch", "3", "--checkpoint", "", cwd=EXAMPLES,
-                       check=False, timeout=240)
+    res = mesh.meshrun(
+        mesh.coordinator,
+        "train",
+        "--nodes",
+        "dc1-a,dc2-a",
+        "--project",
+        "after-flood",
+        "ddp_train.py",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "3",
+        "--checkpoint",
+        "",
+        cwd=EXAMPLES,
+        check=False,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -184,19 +251,27 @@ def test_the_local_store_is_opt_in_outside_the_daemon_and_capped(mesh):
     net = network(mesh)
     coord = mesh.coordinator
     daemon = mesh.status(coord)["daemon_pid"]
-    probe = py(mesh, "dc3-a", "import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), 3)"
-                              "\n print('open')\nexcept OSError:\n print('closed')", net["coordinator_ip"],
-               str(net["rdzv_port"])).stdout
-    assert "closed" in probe                                      # not there unless the operator starts it
+    probe = py(
+        mesh,
+        "dc3-a",
+        "import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), 3)"
+        "\n print('open')\nexcept OSError:\n print('closed')",
+        net["coordinator_ip"],
+        str(net["rdzv_port"]),
+    ).stdout
+    assert "closed" in probe  # not there unless the operator starts it
     started = mesh.meshrun(coord, "local-store", "start", "--max-mb", "64").stdout
     pid = int(re.search(r"pid (\d+)", started).group(1))
     try:
         assert pid != daemon
         before_daemon = proc_status(daemon)["VmRSS"]
-        stored = int(py(mesh, "dc3-a", FLOOD_STORE, net["coordinator_ip"], str(net["rdzv_port"]),
-                        timeout=300).stdout.strip().splitlines()[-1])
-        assert stored <= 64, stored                              # refused past the cap
-        assert proc_status(pid)["VmRSS"] < 600 * 1024            # torch itself, plus at most the cap
+        stored = int(
+            py(mesh, "dc3-a", FLOOD_STORE, net["coordinator_ip"], str(net["rdzv_port"]), timeout=300)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        assert stored <= 64, stored  # refused past the cap
+        assert proc_status(pid)["VmRSS"] < 600 * 1024  # torch itself, plus at most the cap
         assert abs(proc_status(daemon)["VmRSS"] - before_daemon) < 16 * 1024
     finally:
         mesh.meshrun(coord, "local-store", "stop")
@@ -208,10 +283,11 @@ def test_a_removed_node_cannot_come_back_with_its_old_token(mesh):
     other = mesh.world.node("hq-b").workdir / "victim-state"
     mesh.meshrun("hq-b", "join", tok, "--name", "temp-node", "--state-dir", str(other))
     mesh.meshrun(mesh.coordinator, "remove", "temp-node")
-    mesh.meshrun("hq-b", "leave", "--purge", "--state-dir", str(other), check=False)   # its agent may be down already
+    mesh.meshrun("hq-b", "leave", "--purge", "--state-dir", str(other), check=False)  # its agent may be down already
     again = mesh.meshrun("hq-b", "join", tok, "--name", "temp-node", "--state-dir", str(other), check=False)
-    assert again.returncode != 0 and "was removed from the network after this token was made" in again.stderr, \
+    assert again.returncode != 0 and "was removed from the network after this token was made" in again.stderr, (
         again.stderr
+    )
     assert not other.exists()
 
 
@@ -219,8 +295,21 @@ def test_the_token_is_read_from_stdin_and_never_appears_in_a_command_line(mesh, 
     tok = mesh.meshrun(mesh.coordinator, "token", "create", "--uses", "1").stdout.strip().splitlines()[-1]
     node = mesh.world.node("hq-b")
     state = node.workdir / "stdin-state"
-    proc = node.popen(mesh.python, "-m", "meshrun", "join", "-", "--name", "from-stdin", "--state-dir", str(state),
-                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = node.popen(
+        mesh.python,
+        "-m",
+        "meshrun",
+        "join",
+        "-",
+        "--name",
+        "from-stdin",
+        "--state-dir",
+        str(state),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
     out, err = proc.communicate(tok + "\n", timeout=120)
     assert proc.returncode == 0, err
@@ -250,7 +339,7 @@ def listening(mesh: Mesh, node: str, ip: str, skip: set[int]) -> list[str]:
     for line in mesh.world.node(node).run("ss", "-tlnH").stdout.splitlines():
         local = line.split()[3]
         host, _, port = local.rpartition(":")
-        host = host.strip("[]").split("%")[0]            # "10.213.0.2%meshrun0": bound to the device too
+        host = host.strip("[]").split("%")[0]  # "10.213.0.2%meshrun0": bound to the device too
         if host in (ip, "*", "0.0.0.0", "::") and int(port) not in skip:
             out.append(f"{ip}:{port}")
     return sorted(set(out))
@@ -260,11 +349,27 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
     """Finding 2: during a job on the coordinator, dc1-a and dc2-a, dc3-a tries every port the job listens on."""
     net = network(mesh)
     skip = {net["api_port"], net["listen_port"]}
-    job = mesh.meshrun(mesh.coordinator, "train", "--detach", "--with-coordinator", "--nodes", "dc1-a,dc2-a",
-                       "--project", "scanned", "--job-id", "scanned-job", *LONG, cwd=EXAMPLES).stdout.strip()
+    job = mesh.meshrun(
+        mesh.coordinator,
+        "train",
+        "--detach",
+        "--with-coordinator",
+        "--nodes",
+        "dc1-a,dc2-a",
+        "--project",
+        "scanned",
+        "--job-id",
+        "scanned-job",
+        *LONG,
+        cwd=EXAMPLES,
+    ).stdout.strip()
     node_ips = {n: mesh.overlay_ip(n) for n in ("dc1-a", "dc2-a", "dc3-a")}
-    decoy = mesh.world.node("dc1-a").popen(mesh.python, "-c", "import socket, time\ns = socket.socket()\n"
-                                           f"s.bind(('{node_ips['dc1-a']}', 28888)); s.listen()\ntime.sleep(600)")
+    decoy = mesh.world.node("dc1-a").popen(
+        mesh.python,
+        "-c",
+        "import socket, time\ns = socket.socket()\n"
+        f"s.bind(('{node_ips['dc1-a']}', 28888)); s.listen()\ntime.sleep(600)",
+    )
     try:
         deadline = time.monotonic() + 120
         while "training on 3 rank(s)" not in mesh.meshrun(mesh.coordinator, "logs", job).stdout:
@@ -276,7 +381,7 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
         # the job's store on the coordinator, torchrun's store on the rank-0 node, every worker's Gloo listener
         assert len(targets) >= 5, targets
         seen = json.loads(py(mesh, "dc3-a", PROBE_ALL, json.dumps(targets + [f"{node_ips['dc1-a']}:28888"])).stdout)
-        assert seen.pop(f"{node_ips['dc1-a']}:28888") == "connected"     # the probe reaches what is not the job's
+        assert seen.pop(f"{node_ips['dc1-a']}:28888") == "connected"  # the probe reaches what is not the job's
         assert "connected" not in seen.values(), seen
         for n in ("dc1-a", "dc2-a"):
             tables = mesh.world.node(n).run("nft", "list", "ruleset").stdout
@@ -284,8 +389,9 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
         # The negative control: without dc1-a's guard, the same probe reaches its job ports (the job is
         # cancelled right after: a stray connection may upset Gloo).
         dc1 = mesh.world.node("dc1-a")
-        table = next(line.split()[2] for line in dc1.run("nft", "list", "tables").stdout.splitlines()
-                     if "meshrun_job_" in line)
+        table = next(
+            line.split()[2] for line in dc1.run("nft", "list", "tables").stdout.splitlines() if "meshrun_job_" in line
+        )
         dc1.run("nft", "delete", "table", "inet", table)
         mine = [t for t in targets if t.startswith(node_ips["dc1-a"] + ":")]
         assert "connected" in json.loads(py(mesh, "dc3-a", PROBE_ALL, json.dumps(mine)).stdout).values()
@@ -294,10 +400,14 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
         decoy.wait()
         mesh.meshrun(mesh.coordinator, "cancel", job, check=False)
     deadline = time.monotonic() + 30
-    while any("meshrun_job_" in mesh.world.node(n).run("nft", "list", "tables").stdout
-              for n in ("hq-a", "dc1-a", "dc2-a")) and time.monotonic() < deadline:
+    while (
+        any(
+            "meshrun_job_" in mesh.world.node(n).run("nft", "list", "tables").stdout for n in ("hq-a", "dc1-a", "dc2-a")
+        )
+        and time.monotonic() < deadline
+    ):
         time.sleep(1)
-    for n in ("hq-a", "dc1-a", "dc2-a"):                                  # the guards went with the job
+    for n in ("hq-a", "dc1-a", "dc2-a"):  # the guards went with the job
         assert "meshrun_job_" not in mesh.world.node(n).run("nft", "list", "tables").stdout, n
 
 
@@ -338,12 +448,13 @@ def test_a_member_cannot_send_into_the_coordinators_lan(mesh):
     try:
         assert arrivals() == 0
         coord = mesh.coordinator
-        coord.run("nft", "delete", "table", "inet", "meshrun_forward")     # the negative control: no guard
+        coord.run("nft", "delete", "table", "inet", "meshrun_forward")  # the negative control: no guard
         try:
             assert arrivals() > 0
         finally:
-            coord.run(mesh.python, "-c", "from meshrun.system.firewall import install_forward_guard as g; "
-                                         "g('meshrun0')")
+            coord.run(
+                mesh.python, "-c", "from meshrun.system.firewall import install_forward_guard as g; g('meshrun0')"
+            )
         assert arrivals() == 0
     finally:
         dc3.run("ip", "route", "del", f"{lan_ip}/32", check=False)

@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import subprocess
 import time
 from pathlib import Path
-import json
 
 import pytest
 
-from meshrun.system.procs import alive as _running
-
 from meshrun.lab.testbed import Mesh
+from meshrun.system.procs import alive as _running
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 
 def _tcp_reaches(mesh: Mesh, src, dst_ip: str, port: int, listener) -> bool:
     """True if `src` completes a TCP handshake with dst_ip:port."""
-    res = src.run(mesh.python, "-c", f"import socket; socket.create_connection(('{dst_ip}', {port}), timeout=2)",
-                  check=False, timeout=20)
+    res = src.run(
+        mesh.python,
+        "-c",
+        f"import socket; socket.create_connection(('{dst_ip}', {port}), timeout=2)",
+        check=False,
+        timeout=20,
+    )
     return res.returncode == 0
 
 
@@ -33,8 +37,12 @@ def test_private_ips_do_not_route_across_datacenters(world_factory):
     """
     world = world_factory(2)
     a, b = world.node("dc1-a"), world.node("dc2-a")
-    listener = b.popen("python3", "-c", "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
-                       "socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 29500)); s.listen(); time.sleep(30)")
+    listener = b.popen(
+        "python3",
+        "-c",
+        "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
+        "socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 29500)); s.listen(); time.sleep(30)",
+    )
     try:
         mesh = Mesh(world, "dc1-a")
         deadline = time.monotonic() + 10
@@ -136,33 +144,58 @@ def test_setup_errors_are_one_line_and_leave_nothing(world_factory, tmp_path):
     `wg`, no CAP_NET_ADMIN: each is one clear line naming the value and the fix, with no state or
     interface left."""
     from meshrun.core.token import parse_token
+
     world = world_factory(3)
     mesh = Mesh(world, "dc1-a")
     n2 = world.node("dc2-a")
 
     # Overlay range overlapping the datacenter's own subnet (172.31.32.0/20 on eth0).
     line = _one_error(mesh.meshrun(n2, "init", "--cidr", "172.31.0.0/16", "--endpoint", "203.0.113.21", check=False))
-    assert line == ("meshrun: error: overlay range 172.31.0.0/16 overlaps the local route 172.31.32.0/20 on eth0; "
-                    "pick a range that no local network uses with --cidr, e.g. --cidr 10.213.0.0/16 or 10.231.0.0/16")
+    assert line == (
+        "meshrun: error: overlay range 172.31.0.0/16 overlaps the local route 172.31.32.0/20 on eth0; "
+        "pick a range that no local network uses with --cidr, e.g. --cidr 10.213.0.0/16 or 10.231.0.0/16"
+    )
     assert not mesh.state_dir(n2).exists()
 
     # `wg` missing: only `ip` on PATH (plus python itself, called by absolute path).
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "ip").symlink_to("/usr/sbin/ip" if Path("/usr/sbin/ip").exists() else "/sbin/ip")
-    line = _one_error(n2.run("env", f"PATH={bindir}", f"MESHRUN_STATE_DIR={mesh.state_dir(n2)}", mesh.python, "-m",
-                             "meshrun", "init", "--endpoint", "203.0.113.21", check=False))
+    line = _one_error(
+        n2.run(
+            "env",
+            f"PATH={bindir}",
+            f"MESHRUN_STATE_DIR={mesh.state_dir(n2)}",
+            mesh.python,
+            "-m",
+            "meshrun",
+            "init",
+            "--endpoint",
+            "203.0.113.21",
+            check=False,
+        )
+    )
     assert line == "meshrun: error: `wg` is not installed; install it: apt-get install wireguard-tools"
     assert not mesh.state_dir(n2).exists()
 
     # Root without CAP_NET_ADMIN (a container started without --cap-add NET_ADMIN): dropped from the
     # inheritable and bounding sets, so the exec'ed meshrun runs as uid 0 without it.
-    no_admin = ["setpriv", "--inh-caps=-net_admin", "--bounding-set=-net_admin", "env",
-                f"MESHRUN_STATE_DIR={mesh.state_dir(n2)}", mesh.python, "-m", "meshrun"]
+    no_admin = [
+        "setpriv",
+        "--inh-caps=-net_admin",
+        "--bounding-set=-net_admin",
+        "env",
+        f"MESHRUN_STATE_DIR={mesh.state_dir(n2)}",
+        mesh.python,
+        "-m",
+        "meshrun",
+    ]
     line = _one_error(n2.run(*no_admin, "init", "--endpoint", "203.0.113.21", check=False))
-    assert line == ("meshrun: error: this process runs as root but without CAP_NET_ADMIN, which WireGuard "
-                    "interfaces need (a container?); start the container with --cap-add NET_ADMIN --device "
-                    "/dev/net/tun, or run meshrun on the host")
+    assert line == (
+        "meshrun: error: this process runs as root but without CAP_NET_ADMIN, which WireGuard "
+        "interfaces need (a container?); start the container with --cap-add NET_ADMIN --device "
+        "/dev/net/tun, or run meshrun on the host"
+    )
     assert not mesh.state_dir(n2).exists()
     assert n2.run("ip", "link", "show", "meshrun0", check=False).returncode != 0
 
@@ -180,8 +213,9 @@ def test_setup_errors_are_one_line_and_leave_nothing(world_factory, tmp_path):
 
     # A token whose endpoint has no coordinator (dc3's public IP: nothing listens there).
     tok = parse_token(token)
-    wrong = type(tok)(tok.network, ("203.0.113.31:51820",), tok.fingerprint, tok.token_id, tok.secret,
-                      tok.coordinator_key).encode()
+    wrong = type(tok)(
+        tok.network, ("203.0.113.31:51820",), tok.fingerprint, tok.token_id, tok.secret, tok.coordinator_key
+    ).encode()
     line = _one_error(mesh.meshrun(n2, "join", wrong, "--name", "dc2-a", check=False))
     assert line.startswith("meshrun: error: cannot reach 203.0.113.31:51820 over TCP (")
     assert "TCP port 51820 is open" in line
@@ -205,8 +239,7 @@ def test_new_peer_does_not_interrupt_running_traffic(world_factory):
     mesh.join("dc3-a")
     dst = mesh.overlay_ip("dc3-a")
     mesh.wait_ping("dc2-a", dst)
-    stream = world.node("dc2-a").popen("ping", "-i", "0.05", "-c", "120", dst, stdout=subprocess.PIPE,
-                                       text=True)
+    stream = world.node("dc2-a").popen("ping", "-i", "0.05", "-c", "120", dst, stdout=subprocess.PIPE, text=True)
     time.sleep(1)
     mesh.join("dc4-a")
     out = stream.communicate(timeout=60)[0]

@@ -12,12 +12,12 @@ import threading
 import time
 
 import pytest
-
 from fakemesh import FakeMesh
+
 from meshrun.core import keys, memberlist, pairpaths, peers
 from meshrun.core.model import Member
-from meshrun.mesh.node.daemon import apply_members
 from meshrun.errors import StateError
+from meshrun.mesh.node.daemon import apply_members
 from meshrun.system.fakedevice import FakeDevice
 
 
@@ -38,11 +38,11 @@ def test_join_puts_the_node_on_the_coordinator_device(mesh):
 def test_nodes_learn_each_other_once_the_coordinator_has_seen_them(mesh):
     a, b = mesh.join("a", "198.51.100.2:40000"), mesh.join("b", "198.51.100.3:40001")
     mesh.sync()
-    assert mesh.member_seen_by(a, b).endpoint is None      # not observed yet: nothing to dial
+    assert mesh.member_seen_by(a, b).endpoint is None  # not observed yet: nothing to dial
     mesh.see(a)
     mesh.see(b)
     mesh.sync()
-    mesh.sync()            # the first sync reported candidates; pairs are judged once both did
+    mesh.sync()  # the first sync reported candidates; pairs are judged once both did
     assert mesh.member_seen_by(a, b).path == pairpaths.PUBLIC
     assert mesh.peer(a, b).endpoint == "198.51.100.3:40001"
     assert mesh.peer(b, a).endpoint == "198.51.100.2:40000"
@@ -68,13 +68,13 @@ def test_a_pair_without_a_handshake_falls_back_to_relayed_through_the_coordinato
     for _ in range(3):
         mesh.sync()
     t0 = time.time()
-    mesh.coord.tick(now=t0 + pairpaths.ATTEMPT_S + 1)          # the direct attempt timed out
+    mesh.coord.tick(now=t0 + pairpaths.ATTEMPT_S + 1)  # the direct attempt timed out
     for n in (a, b):
         n.agent.sync_once(wait=0)
     assert mesh.member_seen_by(a, b).path == pairpaths.RELAYED
-    assert mesh.peer(a, b).allowed_ips == ()                 # b's entry keeps trying direct, carries nothing
+    assert mesh.peer(a, b).allowed_ips == ()  # b's entry keeps trying direct, carries nothing
     coord = next(p for p in a.device.peers() if p.public_key == mesh.network.coordinator_public_key)
-    assert f"{b.ip}/32" in coord.allowed_ips                 # b is reached through the coordinator
+    assert f"{b.ip}/32" in coord.allowed_ips  # b is reached through the coordinator
 
 
 def test_a_reported_handshake_verifies_the_pair_and_it_stays_direct(mesh):
@@ -84,10 +84,11 @@ def test_a_reported_handshake_verifies_the_pair_and_it_stays_direct(mesh):
     for _ in range(3):
         mesh.sync()
     mesh.handshake(a, b)
-    mesh.sync()            # the agents report it, the next tick judges it
+    mesh.sync()  # the agents report it, the next tick judges it
     mesh.coord.tick(now=time.time() + pairpaths.ATTEMPT_S * 3)
-    assert mesh.coord.pairs.mode("a", "b") == pairpaths.PairState(pairpaths.PUBLIC, mesh.coord.pairs.mode("a", "b").since,
-                                                             True)
+    assert mesh.coord.pairs.mode("a", "b") == pairpaths.PairState(
+        pairpaths.PUBLIC, mesh.coord.pairs.mode("a", "b").since, True
+    )
 
 
 def test_an_unchanged_sync_applies_nothing(mesh):
@@ -107,7 +108,7 @@ def test_an_unchanged_sync_applies_nothing(mesh):
 def test_a_tick_survives_a_failed_device_read(mesh):
     a = mesh.join("a", "198.51.100.2:40000")
     mesh.coord_device.fail_reads = 1
-    mesh.coord.tick()                       # logged, not raised
+    mesh.coord.tick()  # logged, not raised
     mesh.see(a)
     mesh.coord.tick()
     assert mesh.coord.db.member_by_name("a").endpoint == "198.51.100.2:40000"
@@ -125,6 +126,7 @@ def test_a_removed_node_hears_410_and_takes_its_interface_down(mesh):
 
 
 # --------------------------------------------------------------------------- restarts (issue: jobs outlive the daemon)
+
 
 def _meshed(mesh):
     """Two nodes with a verified direct pair, every agent in sync."""
@@ -144,10 +146,10 @@ def test_versions_never_repeat_across_a_restart_and_path_changes_bump_them(mesh)
     a, b = _meshed(mesh)
     before = mesh.coord.roster.version
     restarted = mesh.new_coordinator()
-    assert restarted.roster.version == before            # persisted, not rebuilt from a counter at 0
+    assert restarted.roster.version == before  # persisted, not rebuilt from a counter at 0
     mesh.coord.tick(now=time.time() + pairpaths.STALE_S + 60)  # nothing reported since: nothing judged
     assert mesh.coord.roster.version == before
-    mesh.sync()                                           # first sync: delta, the coordinator asks for a full one
+    mesh.sync()  # first sync: delta, the coordinator asks for a full one
     mesh.sync()
     mesh.coord.tick(now=time.time() + pairpaths.STALE_S + 60)  # the reported handshake is now too old: relayed
     assert mesh.coord.pairs.mode("a", "b").mode == pairpaths.RELAYED
@@ -199,6 +201,7 @@ def test_the_loop_survives_a_failing_tick(mesh):
 
 # --------------------------------------------------------------------------- member-list deltas (issue 18)
 
+
 def _recording(n):
     """Make n's agent keep every sync answer it receives; returns the list."""
     answers = []
@@ -207,6 +210,7 @@ def _recording(n):
     def rec(method, path, body, timeout):
         answers.append(call(method, path, body, timeout))
         return answers[-1]
+
     n.agent.call = rec
     return answers
 
@@ -257,7 +261,7 @@ def test_a_removal_reaches_each_agent_as_a_delta_and_drops_only_that_peer(mesh):
 def test_an_agent_behind_a_restarted_coordinator_gets_the_full_list_and_then_deltas(mesh):
     a, b, c = _three(mesh)
     answers = _recording(a)
-    mesh.join("d", "198.51.100.9:40000")        # a has not heard of d when the coordinator restarts
+    mesh.join("d", "198.51.100.9:40000")  # a has not heard of d when the coordinator restarts
     mesh.new_coordinator()
     a.agent.sync_once(wait=0)
     assert "members" in answers[-1] and a.agent.members == _as_coordinator_sends(mesh, a)
@@ -273,9 +277,10 @@ def test_old_agents_get_full_lists_and_the_agent_applies_them_from_an_old_coordi
     sent = []
     call = a.agent.call
 
-    def old_coordinator(method, path, body, timeout):     # a coordinator that knows nothing of deltas
+    def old_coordinator(method, path, body, timeout):  # a coordinator that knows nothing of deltas
         sent.append(body.pop("delta"))
         return call(method, path, body, timeout)
+
     a.agent.call = old_coordinator
     answers = _recording(a)
     mesh.join("d", "198.51.100.9:40000")
@@ -291,7 +296,7 @@ def test_a_path_change_of_another_pair_does_not_wake_an_uninvolved_agent(mesh):
     mesh.handshake(b, c, when=t)
     mesh.sync()
     mesh.sync()
-    mesh.coord.tick(now=time.time() + pairpaths.ATTEMPT_S + 1)     # only a <-> b had no handshake: relayed
+    mesh.coord.tick(now=time.time() + pairpaths.ATTEMPT_S + 1)  # only a <-> b had no handshake: relayed
     assert mesh.coord.pairs.mode("a", "b").mode == pairpaths.RELAYED
     assert mesh.coord.pairs.mode("a", "c").mode == pairpaths.PUBLIC
     mesh.coord.overlay.max_wait = 5
@@ -301,7 +306,7 @@ def test_a_path_change_of_another_pair_does_not_wake_an_uninvolved_agent(mesh):
     assert time.monotonic() - t0 < 0.3 and [m["name"] for m in answers["a"][-1]["changed"]] == ["b"]
     t0 = time.monotonic()
     c.agent.sync_once(wait=0.4)
-    assert time.monotonic() - t0 >= 0.39             # it kept waiting: nothing it sees had changed
+    assert time.monotonic() - t0 >= 0.39  # it kept waiting: nothing it sees had changed
     assert answers["c"][-1] == {"version": mesh.coord.roster.version, "unchanged": True}
     assert c.agent.version == mesh.coord.roster.version
 
@@ -310,20 +315,33 @@ def test_applying_one_join_to_a_node_with_1000_peers_touches_one_peer(mesh):
     a = mesh.join("a", "198.51.100.2:40000")
     a.agent.sync_once(wait=0)
     members = list(a.agent.members) + [
-        Member(f"m{i}", keys.public_key(keys.generate_private_key()), f"10.213.{4 + i // 250}.{i % 250 + 1}",
-               f"198.18.{i // 250}.{i % 250 + 1}:51820", ("172.31.40.46:51820",), path="public")
-        for i in range(1000)]
+        Member(
+            f"m{i}",
+            keys.public_key(keys.generate_private_key()),
+            f"10.213.{4 + i // 250}.{i % 250 + 1}",
+            f"198.18.{i // 250}.{i % 250 + 1}:51820",
+            ("172.31.40.46:51820",),
+            path="public",
+        )
+        for i in range(1000)
+    ]
     apply_members(a.device, a.state, a.agent.rec, mesh.network, members)
     assert len(a.device.peers()) == 1001
-    new = Member("late", keys.public_key(keys.generate_private_key()), "10.213.9.9", "198.18.9.9:51820",
-                 ("172.31.40.46:51820",), path="public")
+    new = Member(
+        "late",
+        keys.public_key(keys.generate_private_key()),
+        "10.213.9.9",
+        "198.18.9.9:51820",
+        ("172.31.40.46:51820",),
+        path="public",
+    )
     n = len(a.device.applied)
     apply_members(a.device, a.state, a.agent.rec, mesh.network, memberlist.apply_delta(members, [new], []))
     assert len(a.device.applied) == n + 1
     d = a.device.applied[-1]
     assert d.add == (peers.PeerSpec(new.public_key, ("10.213.9.9/32",), "198.18.9.9:51820", 25, "late"),)
     assert not d.update and not d.remove
-    args = peers.wg_set_args(d)                     # the one `wg set` a real device runs for it
+    args = peers.wg_set_args(d)  # the one `wg set` a real device runs for it
     assert args.count("peer") == 1 and args[:2] == ["peer", new.public_key]
     apply_members(a.device, a.state, a.agent.rec, mesh.network, memberlist.apply_delta(members, [], []))
     assert a.device.applied[-1] == peers.PeerDiff(remove=(new.public_key,))

@@ -26,6 +26,7 @@ def wait_pairs(mesh: Mesh, names: list[str], timeout: float = 60) -> None:
             mesh.wait_ping(a, ips[b], timeout=timeout)
         except Exception as exc:  # collected, reported below
             errors.append(f"{a}->{b}: {exc}")
+
     ts = [threading.Thread(target=one, args=p) for p in itertools.permutations(names, 2)]
     for t in ts:
         t.start()
@@ -37,8 +38,15 @@ def wait_pairs(mesh: Mesh, names: list[str], timeout: float = 60) -> None:
 def test_symmetric_pair_is_relayed_others_direct(world_factory):
     """4 datacenters, two behind symmetric NAT: all 12 ordered pairs ping; only the pair of
     symmetric-NAT nodes is relayed through the coordinator, every other pair is direct."""
-    world = world_factory([DatacenterSpec("hq"), DatacenterSpec("dca"), DatacenterSpec("dcb"),
-                           DatacenterSpec("dcc", nat="symmetric"), DatacenterSpec("dcd", nat="symmetric")])
+    world = world_factory(
+        [
+            DatacenterSpec("hq"),
+            DatacenterSpec("dca"),
+            DatacenterSpec("dcb"),
+            DatacenterSpec("dcc", nat="symmetric"),
+            DatacenterSpec("dcd", nat="symmetric"),
+        ]
+    )
     mesh = Mesh(world, "hq-a")
     mesh.init()
     nodes = ["dca-a", "dcb-a", "dcc-a", "dcd-a"]
@@ -60,8 +68,9 @@ def test_symmetric_pair_is_relayed_others_direct(world_factory):
     assert peers["dca-a"]["path"] == "direct (public)"
     assert peers["dcd-a"]["latency_ms"] is not None
     out = mesh.meshrun("dcc-a", "ping", "dcd-a", "--count", "3").stdout
-    assert re.match(r"dcd-a \(10\.213\.0\.\d+\) relayed: rtt min/avg/max [\d.]+/[\d.]+/[\d.]+ ms \(3/3 answered\)",
-                    out), out
+    assert re.match(
+        r"dcd-a \(10\.213\.0\.\d+\) relayed: rtt min/avg/max [\d.]+/[\d.]+/[\d.]+ ms \(3/3 answered\)", out
+    ), out
 
 
 def test_same_site_nodes_talk_privately(world_factory):
@@ -86,7 +95,7 @@ def test_same_site_nodes_talk_privately(world_factory):
     world.node("site-a").run("ping", "-q", "-c", "200", "-i", "0.005", "-s", "1000", b_ip)
     after = world.gateway_counters("site")
     forwarded = after["forward_packets"] - before["forward_packets"]
-    assert forwarded < 50, (before, after)   # keepalives to the coordinator only, not 400 ping packets
+    assert forwarded < 50, (before, after)  # keepalives to the coordinator only, not 400 ping packets
 
 
 def test_small_mtu_hop_does_not_hang(world_factory):
@@ -104,10 +113,12 @@ def test_small_mtu_hop_does_not_hang(world_factory):
     for n in ("big-a", "hq-a"):
         deadline = time.monotonic() + 30
         while f"{small_ip} scope link mtu 1216" not in (
-                routes := world.node(n).run("ip", "-4", "route", "show", "dev", "meshrun0").stdout):
+            routes := world.node(n).run("ip", "-4", "route", "show", "dev", "meshrun0").stdout
+        ):
             assert time.monotonic() < deadline, f"{n}: {routes}"
             time.sleep(0.5)
-    res = mesh.meshrun("hq-a", "train", "--timeout", "60", "allreduce.py", "--mib", "64", cwd=SCRIPTS, timeout=240,
-                       check=False)
+    res = mesh.meshrun(
+        "hq-a", "train", "--timeout", "60", "allreduce.py", "--mib", "64", cwd=SCRIPTS, timeout=240, check=False
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert re.search(r"allreduce mib=64 world=2 seconds=[\d.]+", res.stdout), res.stdout

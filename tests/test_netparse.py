@@ -26,14 +26,21 @@ ADDRS = """\
 
 def test_routes_keep_destinations_and_devices_and_drop_defaults_and_non_destinations():
     assert netparse.routes(ROUTES) == [
-        ("172.31.32.0/20", "eth0"), ("10.213.0.0/16", "meshrun0"), ("127.0.0.1/32", "lo"),
-        ("172.31.40.46/32", "eth0"), ("192.168.7.0/24", "?")]
+        ("172.31.32.0/20", "eth0"),
+        ("10.213.0.0/16", "meshrun0"),
+        ("127.0.0.1/32", "lo"),
+        ("172.31.40.46/32", "eth0"),
+        ("192.168.7.0/24", "?"),
+    ]
     assert netparse.routes("") == []
 
 
 def test_addresses_per_device_and_exclusion():
-    assert netparse.addresses(ADDRS) == [("eth0", "172.31.40.46"), ("meshrun0", "10.213.0.2"),
-                                         ("docker0", "172.17.0.1")]
+    assert netparse.addresses(ADDRS) == [
+        ("eth0", "172.31.40.46"),
+        ("meshrun0", "10.213.0.2"),
+        ("docker0", "172.17.0.1"),
+    ]
     assert [a for _, a in netparse.addresses(ADDRS, exclude="meshrun0")] == ["172.31.40.46", "172.17.0.1"]
     assert netparse.addresses("7: eth1    inet6 fe80::1/64 scope link") == []
 
@@ -45,15 +52,17 @@ def test_default_device():
 
 
 def test_overlay_mtu_fits_the_probed_path():
-    assert overlay_mtu(1420, None) == 1420          # nothing learned: keep the configured MTU
+    assert overlay_mtu(1420, None) == 1420  # nothing learned: keep the configured MTU
     assert overlay_mtu(1420, 1500) == 1420
-    assert overlay_mtu(1420, 1280) == 1220          # a 1280-byte hop: 60 bytes of WireGuard over IPv4
-    assert overlay_mtu(1420, 600) == 576            # never below IPv4's minimum
+    assert overlay_mtu(1420, 1280) == 1220  # a 1280-byte hop: 60 bytes of WireGuard over IPv4
+    assert overlay_mtu(1420, 600) == 576  # never below IPv4's minimum
 
 
 def test_route_mtus_reads_only_host_routes_with_an_mtu():
-    text = ('[{"dst":"10.213.0.0/16","protocol":"kernel","scope":"link","prefsrc":"10.213.0.3","flags":[]},'
-            '{"dst":"10.213.0.2","scope":"link","flags":[],"metrics":[{"mtu":1216}]},'
-            '{"dst":"10.213.0.9","scope":"link","flags":[]}]')
+    text = (
+        '[{"dst":"10.213.0.0/16","protocol":"kernel","scope":"link","prefsrc":"10.213.0.3","flags":[]},'
+        '{"dst":"10.213.0.2","scope":"link","flags":[],"metrics":[{"mtu":1216}]},'
+        '{"dst":"10.213.0.9","scope":"link","flags":[]}]'
+    )
     assert netparse.route_mtus(text) == {"10.213.0.2": 1216}
     assert netparse.route_mtus("") == {} and netparse.route_mtus("not json") == {}

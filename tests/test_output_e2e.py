@@ -12,8 +12,8 @@ import textwrap
 import time
 
 import pytest
-
 from conftest import joined_mesh
+
 from meshrun.lab.testbed import DatacenterSpec
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 # Rank 0 draws two bars on stderr: tqdm's own (when installed; it ends its line at the end), then one
 # written as tqdm writes ("\r" + bar, flush) that never ends its line at all; each over 256 KiB. Then
 # every rank prints one normal line after a collective, so the job only ends if both ranks get there.
-SCRIPT = textwrap.dedent('''\
+SCRIPT = textwrap.dedent("""\
     import sys
 
     import torch
@@ -46,13 +46,14 @@ SCRIPT = textwrap.dedent('''\
     dist.all_reduce(total)
     print(f"rank {rank} last line, world {int(total.item())}", flush=True)
     dist.destroy_process_group()
-''')
+""")
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    with joined_mesh(tmp_path_factory, [DatacenterSpec(n) for n in ("hq", "dc1", "dc2")], "hq-a",
-                     ("dc1-a", "dc2-a")) as m:
+    with joined_mesh(
+        tmp_path_factory, [DatacenterSpec(n) for n in ("hq", "dc1", "dc2")], "hq-a", ("dc1-a", "dc2-a")
+    ) as m:
         yield m
 
 
@@ -72,7 +73,7 @@ def test_progress_bars_of_hundreds_of_kib_end_with_the_job_and_few_lines(mesh, t
     if re.search(r"tqdm bar", res.stdout):
         assert re.search(r"^\[dc\d-a r0\] tqdm bar: 100%.*5000/5000", res.stdout, re.M), res.stdout[-3000:]
     assert len(out.splitlines()) < 200, len(out.splitlines())
-    assert "\x1b" not in out                      # no cursor movement or colours in a pipe
+    assert "\x1b" not in out  # no cursor movement or colours in a pipe
     # the job's stored logs replay the same way: bounded, the final states there
     job = re.search(r"meshrun: job (\S+) submitted", res.stderr).group(1)
     logs = mesh.meshrun(mesh.coordinator, "logs", job, check=False, timeout=60)

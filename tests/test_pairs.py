@@ -11,14 +11,14 @@ import random
 import time
 
 import pytest
-
 from fakemesh import FakeMesh
+
 from meshrun.core import pairpaths
 from meshrun.core.model import Member
 from meshrun.errors import StateError
 from meshrun.mesh.coordinator.pairs import PairDriver
-from meshrun.system.statedir import StateDir
 from meshrun.system.coordinatordb import CoordinatorDB
+from meshrun.system.statedir import StateDir
 
 T0 = 1_700_000_000.0
 
@@ -49,9 +49,9 @@ def meshed(db, n: int = 6, hs: int = int(T0)) -> tuple[PairDriver, list[Member]]
     drv = PairDriver(db)
     members = [node(i) for i in range(n)]
     report_all(drv, members, hs)
-    assert drv.update(members, T0)             # every pair created
+    assert drv.update(members, T0)  # every pair created
     assert len(drv.pairs) == n * (n - 1) // 2 and all(st.verified for st in drv.pairs.values())
-    drv.update(None, T0 + 1)                   # a new state is looked at once more, the tick after
+    drv.update(None, T0 + 1)  # a new state is looked at once more, the tick after
     return drv, members
 
 
@@ -60,7 +60,7 @@ def test_a_tick_with_no_input_change_steps_no_pair(db):
     before = drv.steps
     for t in (T0 + 1, T0 + 5, T0 + 60, T0 + pairpaths.STALE_S - 1):
         assert not drv.update(None, t)
-        assert not drv.update(members, t)     # the same member list again: nothing changed either
+        assert not drv.update(members, t)  # the same member list again: nothing changed either
     assert drv.steps == before
 
 
@@ -68,10 +68,11 @@ def test_a_handshake_report_advances_only_its_own_pair(db, monkeypatch):
     drv, members = meshed(db)
     stepped = []
     real = pairpaths.step
-    monkeypatch.setattr(pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(
-        st, a, b, hs, now))
+    monkeypatch.setattr(
+        pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(st, a, b, hs, now)
+    )
     drv.report("n1", {key(4): int(T0) + 30}, full=False)
-    drv.report("n2", {key(3): int(T0)}, full=False)          # the same handshake as before: no news
+    drv.report("n2", {key(3): int(T0)}, full=False)  # the same handshake as before: no news
     drv.update(None, T0 + 31)
     assert stepped == [("n1", "n4")]
     # The newer handshake moved only that pair's stale time on.
@@ -84,16 +85,16 @@ def test_a_handshake_report_advances_only_its_own_pair(db, monkeypatch):
 def test_due_timers_step_each_pair_once_when_its_time_comes(db):
     drv = PairDriver(db)
     members = [node(i) for i in range(5)]
-    report_all(drv, members, 0)                  # no handshakes at all: every pair is tried, unproven
+    report_all(drv, members, 0)  # no handshakes at all: every pair is tried, unproven
     drv.update(members, T0)
     drv.update(None, T0 + 1)
-    assert drv.steps == 20                       # created, then looked at once more
+    assert drv.steps == 20  # created, then looked at once more
     drv.update(None, T0 + pairpaths.ATTEMPT_S - 0.5)
-    assert drv.steps == 20                       # nothing due yet
+    assert drv.steps == 20  # nothing due yet
     assert drv.update(None, T0 + pairpaths.ATTEMPT_S)
     assert drv.steps == 30 and {st.mode for st in drv.pairs.values()} == {pairpaths.RELAYED}
     drv.update(None, T0 + pairpaths.ATTEMPT_S + 1)
-    drv.update(None, T0 + 10_000)                # relayed pairs wait for a handshake, not for time
+    drv.update(None, T0 + 10_000)  # relayed pairs wait for a handshake, not for time
     assert drv.steps == 40
 
 
@@ -111,13 +112,15 @@ def test_same_site_pairs_start_private_and_fall_back_one_step_at_a_time(db):
 
 def reference(pairs, reports, members, now):
     """The old driver: every pair of judgeable, reported nodes stepped on every tick."""
+
     def hs(a, b):
         return max(reports.get(a.name, {}).get(b.public_key, 0), reports.get(b.name, {}).get(a.public_key, 0))
+
     nodes = [m for m in members if not m.is_coordinator and m.endpoint and m.candidates and m.name in reports]
     live = {m.name for m in members}
     new = {k: st for k, st in pairs.items() if k[0] in live and k[1] in live}
     for i, a in enumerate(nodes):
-        for b in nodes[i + 1:]:
+        for b in nodes[i + 1 :]:
             k = pairpaths.pair_key(a.name, b.name)
             old = pairs.get(k)
             new[k] = pairpaths.initial(a, b, hs(a, b), now) if old is None else pairpaths.step(old, a, b, hs(a, b), now)
@@ -146,11 +149,14 @@ def test_same_decisions_as_stepping_every_pair_every_tick(db, seed):
             members = [m for m in members if m is not gone]
             reports.pop(gone.name, None)
         elif op < 0.2:
-            members = [node(int(m.name[1:])) if not m.endpoint else m for m in members]   # observed now
+            members = [node(int(m.name[1:])) if not m.endpoint else m for m in members]  # observed now
         for m in rng.sample(members, k=min(len(members), rng.randrange(0, 4))):
             full = m.name not in reports or rng.random() < 0.1
-            delta = {o.public_key: int(now) - rng.choice([0, 1, 5, 200]) for o in members
-                     if o is not m and (full or rng.random() < 0.4)}
+            delta = {
+                o.public_key: int(now) - rng.choice([0, 1, 5, 200])
+                for o in members
+                if o is not m and (full or rng.random() < 0.4)
+            }
             if full:
                 reports[m.name] = dict(delta)
             else:
@@ -161,7 +167,7 @@ def test_same_decisions_as_stepping_every_pair_every_tick(db, seed):
         # the same list again (another change the driver does not care about).
         drv.update(list(members) if step == 0 or rng.random() < 0.5 or op < 0.2 else None, now)
         assert drv.pairs == ref
-    assert drv.pairs == db.pairs()               # every change was written
+    assert drv.pairs == db.pairs()  # every change was written
 
 
 def test_pairs_survive_a_restart_and_a_removed_member_takes_only_its_own_rows(db):
@@ -189,7 +195,7 @@ def test_an_old_paths_json_is_imported_once_and_removed(db, tmp_path):
     assert drv.pairs == {("n0", "n1"): pairpaths.PairState(pairpaths.RELAYED, T0)} == db.pairs()
     assert not (tmp_path / "pairpaths.json").exists()
     state.write("pairpaths.json", "{not json")
-    assert PairDriver(db, state).pairs == db.pairs()         # the database wins; the stale file goes
+    assert PairDriver(db, state).pairs == db.pairs()  # the database wins; the stale file goes
     assert not (tmp_path / "pairpaths.json").exists()
 
 
@@ -204,8 +210,9 @@ def test_an_unreadable_paths_json_is_ignored(tmp_path):
 def test_observe_writes_only_what_changed(db):
     db.add_coordinator("c", key(99), "10.213.0.1")
     db.set_meta(network="{}")
-    db.conn.execute("INSERT INTO members(name, public_key, overlay_ip, joined_at) VALUES('n0', ?, '10.213.0.2', 0)",
-                    (key(0),))
+    db.conn.execute(
+        "INSERT INTO members(name, public_key, overlay_ip, joined_at) VALUES('n0', ?, '10.213.0.2', 0)", (key(0),)
+    )
     v = db.version()
     assert db.observe({key(0): ("198.51.100.1:1", 5), key(99): (None, 0)}) is True and db.version() == v + 1
     assert db.observe({key(0): ("198.51.100.1:1", 5)}) is False and db.version() == v + 1
@@ -213,6 +220,7 @@ def test_observe_writes_only_what_changed(db):
 
 
 # --------------------------------------------------------------------------- the real service on fakes
+
 
 def seen_nodes(mesh: FakeMesh, count: int) -> list:
     """`count` nodes joined, each heard from by the coordinator's WireGuard at its own public address."""
@@ -229,19 +237,20 @@ def test_the_coordinator_loop_steps_no_pair_without_news_and_one_for_one_handsha
         mesh.sync()
     t = int(time.time())
     for i, a in enumerate(nodes):
-        for b in nodes[i + 1:]:
+        for b in nodes[i + 1 :]:
             mesh.handshake(a, b, when=t)
     for _ in range(3):
-        mesh.sync()           # reported, judged (verified), looked at once more the tick after
+        mesh.sync()  # reported, judged (verified), looked at once more the tick after
     assert len(mesh.coord.pairs.pairs) == 6 and all(st.verified for st in mesh.coord.pairs.pairs.values())
     before = mesh.coord.pairs.steps
     for _ in range(3):
-        mesh.sync()                   # agents report nothing new, the coordinator ticks
+        mesh.sync()  # agents report nothing new, the coordinator ticks
     assert mesh.coord.pairs.steps == before
     stepped = []
     real = pairpaths.step
-    monkeypatch.setattr(pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(
-        st, a, b, hs, now))
+    monkeypatch.setattr(
+        pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(st, a, b, hs, now)
+    )
     mesh.handshake(nodes[1], nodes[3], when=t + 1)
     mesh.sync()
     mesh.coord.tick()
@@ -255,10 +264,10 @@ def test_a_mass_start_is_judged_in_slices_and_urgent_pairs_do_not_wait(db):
     drv.bulk_per_update = 500
     members = [node(i) for i in range(60)]
     report_all(drv, members[:2], int(T0))
-    drv.update(members[:2], T0)                       # one pair, created and verified
+    drv.update(members[:2], T0)  # one pair, created and verified
     drv.update(None, T0 + 1)
     assert len(drv.pairs) == 1
-    report_all(drv, members, int(T0) + 2)             # everyone's first report at once; n0-n1 has news
+    report_all(drv, members, int(T0) + 2)  # everyone's first report at once; n0-n1 has news
     sizes = []
     for t in range(2, 10):
         before = drv.steps
@@ -280,15 +289,15 @@ def test_a_sliced_backlog_is_announced_once_per_interval_and_no_path_is_lost(tmp
     coord = mesh.coord
     coord.pairs.bulk_per_update = 5
     nodes = seen_nodes(mesh, 8)
-    mesh.sync()                                  # the coordinator sees endpoints; agents' first reports
-    coord.interval = 3600                        # from here on "within one interval"
+    mesh.sync()  # the coordinator sees endpoints; agents' first reports
+    coord.interval = 3600  # from here on "within one interval"
     coord.published_at = time.monotonic()
     versions = []
     while coord.pairs.backlog or not versions:
         coord.tick()
         versions.append(coord.roster.version)
-    assert len(versions) >= 4 and len(set(versions[:-1])) == 1, versions   # held back while slicing
-    assert versions[-1] > versions[0]                                      # announced once it emptied
+    assert len(versions) >= 4 and len(set(versions[:-1])) == 1, versions  # held back while slicing
+    assert versions[-1] > versions[0]  # announced once it emptied
     assert len(coord.pairs.pairs) == 28
     for n in nodes:
         n.agent.sync_once(wait=0)
@@ -314,7 +323,7 @@ def test_a_steady_sync_reads_nothing_from_the_database_and_a_removal_still_bites
         for n in nodes:
             n.agent.sync_once(wait=0)
     assert calls == []
-    db.remove_member("n0")                                   # no tick, no publish yet
+    db.remove_member("n0")  # no tick, no publish yet
     with pytest.raises(StateError) as exc:
         nodes[0].agent.sync_once(wait=0)
     assert exc.value.status == 410
@@ -331,11 +340,12 @@ def test_a_join_recorded_while_a_tick_applies_peers_is_applied_by_the_next_tick(
 
     def apply_then_a_join_lands(current=None):
         real_apply(current)
-        if not late:        # the enrolment thread records it; the daemon's loop is only woken (not here)
+        if not late:  # the enrolment thread records it; the daemon's loop is only woken (not here)
             late.append(mesh.join("late", "198.51.100.50:40000"))
+
     coord.apply_peers = apply_then_a_join_lands
     coord.enrolment.on_enrolled = lambda member: None
-    mesh.see(mesh.nodes["n0"], when=int(time.time()) + 5)                   # something for this tick to do
+    mesh.see(mesh.nodes["n0"], when=int(time.time()) + 5)  # something for this tick to do
     coord.tick()
     coord.apply_peers = real_apply
     coord.tick()

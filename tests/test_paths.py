@@ -24,7 +24,7 @@ B_LAN = member("b", K_B, "198.51.100.9:40002", ["172.31.40.47:51820"])
 def test_same_site_needs_one_public_ip_and_both_lan_candidates():
     assert pairpaths.same_site(A_LAN, B_LAN)
     assert not pairpaths.same_site(A, B)
-    assert not pairpaths.same_site(A_LAN, member("b", K_B, "198.51.100.9:40002"))          # no LAN candidate
+    assert not pairpaths.same_site(A_LAN, member("b", K_B, "198.51.100.9:40002"))  # no LAN candidate
     assert not pairpaths.same_site(A_LAN, member("b", K_B, None, ["172.31.40.47:51820"]))  # not observed yet
 
 
@@ -38,7 +38,7 @@ def test_initial_mode_private_for_one_site_else_public_and_a_fresh_handshake_is_
 
 def test_attempt_window_then_fall_back_one_step_at_a_time():
     st = pairpaths.initial(A_LAN, B_LAN, 0, T0)
-    assert pairpaths.step(st, A_LAN, B_LAN, 0, T0 + pairpaths.ATTEMPT_S - 0.1) == st     # still trying
+    assert pairpaths.step(st, A_LAN, B_LAN, 0, T0 + pairpaths.ATTEMPT_S - 0.1) == st  # still trying
     st = pairpaths.step(st, A_LAN, B_LAN, 0, T0 + pairpaths.ATTEMPT_S)
     assert st == pairpaths.PairState(pairpaths.PUBLIC, T0 + pairpaths.ATTEMPT_S)
     st = pairpaths.step(st, A_LAN, B_LAN, 0, T0 + 2 * pairpaths.ATTEMPT_S)
@@ -47,8 +47,10 @@ def test_attempt_window_then_fall_back_one_step_at_a_time():
 
 def test_a_handshake_after_the_mode_change_verifies_it_and_an_older_one_does_not():
     st = pairpaths.PairState(pairpaths.PUBLIC, T0)
-    assert pairpaths.step(st, A, B, int(T0) - 5, T0 + 1) == st                      # from before the change
-    assert pairpaths.step(st, A, B, int(T0), T0 + 1) == pairpaths.PairState(pairpaths.PUBLIC, T0, True)  # same second counts
+    assert pairpaths.step(st, A, B, int(T0) - 5, T0 + 1) == st  # from before the change
+    assert pairpaths.step(st, A, B, int(T0), T0 + 1) == pairpaths.PairState(
+        pairpaths.PUBLIC, T0, True
+    )  # same second counts
     verified = pairpaths.PairState(pairpaths.PUBLIC, T0, True)
     assert pairpaths.step(verified, A, B, int(T0) + 100, T0 + 100 + pairpaths.ATTEMPT_S * 5) == verified
 
@@ -61,8 +63,8 @@ def test_a_verified_pair_whose_tunnel_goes_stale_falls_back():
 
 def test_relayed_pair_returns_to_public_on_a_new_direct_handshake():
     relayed = pairpaths.PairState(pairpaths.RELAYED, T0)
-    assert pairpaths.step(relayed, A, B, int(T0) - 1, T0 + 50) == relayed       # nothing new
-    assert pairpaths.step(relayed, A, B, int(T0), T0 + 50) == relayed           # not after the relay began
+    assert pairpaths.step(relayed, A, B, int(T0) - 1, T0 + 50) == relayed  # nothing new
+    assert pairpaths.step(relayed, A, B, int(T0), T0 + 50) == relayed  # not after the relay began
     assert pairpaths.step(relayed, A, B, int(T0) + 30, T0 + 50) == pairpaths.PairState(pairpaths.PUBLIC, T0 + 50)
 
 

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from meshrun.core.model import Member
-from meshrun.core.peers import HANDSHAKE_FRESH_S, HOLD_S, KEEPALIVE, PeerDiff, PeerSpec, PeerState, \
-    desired_for_coordinator, desired_for_node, diff, handshake_holds, wg_set_args
+from meshrun.core.peers import (
+    HANDSHAKE_FRESH_S,
+    HOLD_S,
+    KEEPALIVE,
+    PeerDiff,
+    PeerSpec,
+    PeerState,
+    desired_for_coordinator,
+    desired_for_node,
+    diff,
+    handshake_holds,
+    wg_set_args,
+)
 
 K_COORD = "j0DFrbaPJWJK5bIU6nZ6bslNgp09e14a0bpvPiE4KF8="
 K_A = "omjXDyOxNCkYbimc/y3YipnkEnnasAyCC8uW60+7wVU="
@@ -27,7 +38,7 @@ class TestDesired:
     def test_for_node_excludes_self_and_sets_endpoints(self):
         assert desired_for_node(K_A, MEMBERS) == [
             PeerSpec(K_COORD, ("10.213.0.1/32",), "203.0.113.1:51820", 25, "coord"),
-            PeerSpec(K_B, ("10.213.0.3/32",), None, 0, "gpu-b"),   # no keepalive before an endpoint
+            PeerSpec(K_B, ("10.213.0.3/32",), None, 0, "gpu-b"),  # no keepalive before an endpoint
         ]
 
     def test_for_node_unknown_self_gets_everyone(self):
@@ -51,8 +62,10 @@ class TestHandshakeHolds:
     """Only the end with the greater key of a pair without a handshake waits, for HOLD_S."""
 
     # K_B > K_A > K_C (base64 text order, which both ends compute the same way)
-    B_SEES_A = [Member("coord", K_COORD, "10.213.0.1", "203.0.113.1:51820", (), True, 0),
-                Member("gpu-a", K_A, "10.213.0.2", "198.51.100.2:40000", (), False, 0, "public")]
+    B_SEES_A = [
+        Member("coord", K_COORD, "10.213.0.1", "203.0.113.1:51820", (), True, 0),
+        Member("gpu-a", K_A, "10.213.0.2", "198.51.100.2:40000", (), False, 0, "public"),
+    ]
 
     def test_greater_key_waits_then_goes(self):
         held, windows = handshake_holds(K_B, self.B_SEES_A, {}, {}, 100.0)
@@ -62,8 +75,10 @@ class TestHandshakeHolds:
         assert handshake_holds(K_B, self.B_SEES_A, {}, windows, 100.0 + HOLD_S)[0] == frozenset()
 
     def test_smaller_key_never_waits_and_coordinator_is_never_held(self):
-        a_sees_b = [Member("coord", K_COORD, "10.213.0.1", "203.0.113.1:51820", (), True, 0),
-                    Member("gpu-b", K_B, "10.213.0.3", "198.51.100.3:40000", (), False, 0, "public")]
+        a_sees_b = [
+            Member("coord", K_COORD, "10.213.0.1", "203.0.113.1:51820", (), True, 0),
+            Member("gpu-b", K_B, "10.213.0.3", "198.51.100.3:40000", (), False, 0, "public"),
+        ]
         assert handshake_holds(K_A, a_sees_b, {}, {}, 100.0) == (frozenset(), {})
         # A key greater than everyone's holds the node, never the coordinator (which has no endpoint
         # for nodes and never initiates to them).
@@ -82,8 +97,8 @@ class TestHandshakeHolds:
         before = dict(windows)
         held, windows = handshake_holds(K_B, moved, {K_A: 99}, windows, 103.0, recreate={K_A})
         assert held == {K_A}
-        assert list(windows) == [(K_A, "172.31.40.46:51820", "private")]   # the old window is dropped
-        assert list(before) == [(K_A, "198.51.100.2:40000", "public")]     # the input is left as it was
+        assert list(windows) == [(K_A, "172.31.40.46:51820", "private")]  # the old window is dropped
+        assert list(before) == [(K_A, "198.51.100.2:40000", "public")]  # the input is left as it was
 
 
 class TestDiff:
@@ -101,10 +116,12 @@ class TestDiff:
         assert PeerDiff(update=(PeerSpec(K_A, ()),))
 
     def test_add_and_remove(self):
-        want = [PeerSpec(K_B, ("10.213.0.3/32",), None, 25, "gpu-b"),
-                PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000", 25, "gpu-a")]
+        want = [
+            PeerSpec(K_B, ("10.213.0.3/32",), None, 25, "gpu-b"),
+            PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000", 25, "gpu-a"),
+        ]
         d = diff([state(K_C, ips=("10.213.0.9/32",))], want, NOW)
-        assert d.add == (want[1], want[0])      # sorted by key: "omj..." < "xTI..."
+        assert d.add == (want[1], want[0])  # sorted by key: "omj..." < "xTI..."
         assert d.update == ()
         assert d.remove == (K_C,)
         assert d
@@ -160,31 +177,59 @@ class TestWgSetArgs:
         d = PeerDiff(
             add=(PeerSpec(K_A, ("10.213.0.2/32",), "198.51.100.2:40000", 25, "gpu-a"),),
             update=(PeerSpec(K_B, ("10.213.0.3/32", "10.213.7.0/24"), None, 0, "gpu-b"),),
-            remove=(K_C,))
+            remove=(K_C,),
+        )
         assert wg_set_args(d) == [
-            "peer", K_C, "remove",
-            "peer", K_A, "endpoint", "198.51.100.2:40000", "persistent-keepalive", "25",
-            "allowed-ips", "10.213.0.2/32",
-            "peer", K_B, "persistent-keepalive", "off", "allowed-ips", "10.213.0.3/32,10.213.7.0/24",
+            "peer",
+            K_C,
+            "remove",
+            "peer",
+            K_A,
+            "endpoint",
+            "198.51.100.2:40000",
+            "persistent-keepalive",
+            "25",
+            "allowed-ips",
+            "10.213.0.2/32",
+            "peer",
+            K_B,
+            "persistent-keepalive",
+            "off",
+            "allowed-ips",
+            "10.213.0.3/32,10.213.7.0/24",
         ]
 
     def test_from_diff_end_to_end(self):
         cur = [state(K_A, endpoint=None), state(K_C)]
         d = diff(cur, desired_for_node(K_COORD, MEMBERS), NOW)
         assert wg_set_args(d) == [
-            "peer", K_C, "remove",
-            "peer", K_B, "persistent-keepalive", "off", "allowed-ips", "10.213.0.3/32",
-            "peer", K_A, "endpoint", "198.51.100.2:40000", "persistent-keepalive", "25",
-            "allowed-ips", "10.213.0.2/32",
+            "peer",
+            K_C,
+            "remove",
+            "peer",
+            K_B,
+            "persistent-keepalive",
+            "off",
+            "allowed-ips",
+            "10.213.0.3/32",
+            "peer",
+            K_A,
+            "endpoint",
+            "198.51.100.2:40000",
+            "persistent-keepalive",
+            "25",
+            "allowed-ips",
+            "10.213.0.2/32",
         ]
 
 
 def test_route_mtus_fit_the_smaller_peers_with_wireguard_padding():
     from meshrun.core.peers import route_mtus
+
     me = Member("big", "K" * 43 + "=", "10.213.0.3", mtu=1420)
     small = Member("small", "S" * 43 + "=", "10.213.0.2", mtu=1220)
     same = Member("same", "T" * 43 + "=", "10.213.0.4", mtu=1420)
-    old = Member("old", "U" * 43 + "=", "10.213.0.5")               # an agent that reports no MTU
+    old = Member("old", "U" * 43 + "=", "10.213.0.5")  # an agent that reports no MTU
     # 1220 rounds down to 1216: a 1217..1220-byte packet would be padded to 1232 with our MTU of 1420.
     assert route_mtus(me.public_key, 1420, [me, small, same, old]) == {"10.213.0.2": 1216}
-    assert route_mtus(small.public_key, 1220, [me, small, same, old]) == {}   # larger peers: no route
+    assert route_mtus(small.public_key, 1220, [me, small, same, old]) == {}  # larger peers: no route

@@ -11,15 +11,32 @@ GIB = 1 << 30
 
 
 def node(name: str, **kw) -> EnvReport:
-    base = dict(python="/opt/venv/bin/python", python_version="3.11.7", torch="2.13.0+cpu", gloo=True, gpus=0,
-                free_bytes=50 * GIB, code_hash="c0de", clock_offset_s=0.01)
+    base = dict(
+        python="/opt/venv/bin/python",
+        python_version="3.11.7",
+        torch="2.13.0+cpu",
+        gloo=True,
+        gpus=0,
+        free_bytes=50 * GIB,
+        code_hash="c0de",
+        clock_offset_s=0.01,
+    )
     base.update(kw)
     return EnvReport(name, **base)
 
 
 def cuda(name: str, **kw) -> EnvReport:
-    return node(name, **{"torch": "2.13.0+cu128", "cuda": "12.8", "nccl": "2.27.3", "gpus": 8,
-                         "gpu_names": ["NVIDIA H100 80GB HBM3"] * 8, **kw})
+    return node(
+        name,
+        **{
+            "torch": "2.13.0+cu128",
+            "cuda": "12.8",
+            "nccl": "2.27.3",
+            "gpus": 8,
+            "gpu_names": ["NVIDIA H100 80GB HBM3"] * 8,
+            **kw,
+        },
+    )
 
 
 def findings(*reports, code_hash="c0de", nproc_auto=True):
@@ -31,16 +48,19 @@ def test_identical_nodes_have_nothing_to_say():
     assert compare([cuda("a"), cuda("b")], "c0de") == []
 
 
-@pytest.mark.parametrize("odd, words", [
-    (node("c", torch="2.12.1+cpu"), "torch 2.12.1+cpu where the others have torch 2.13.x"),
-    (node("c", torch=None), "torch is not installed for /opt/venv/bin/python"),
-    (cuda("c", gpus=1, gpu_names=["x"]), "a CUDA 12.8 build of torch where the others have CPU"),
-    (node("c", gloo=False), "torch has no gloo backend and no CUDA"),
-    (node("c", code_hash="beef"), "its copy of the code differs from the coordinator's"),
-    (node("c", free_bytes=5 << 20), "5 MiB free in the job directory"),
-    (node("c", clock_offset_s=-400.0), "its clock is -400.0 s off the coordinator's"),
-    (node("c", error="No such file or directory"), "the pre-flight probe failed with /opt/venv/bin/python"),
-])
+@pytest.mark.parametrize(
+    "odd, words",
+    [
+        (node("c", torch="2.12.1+cpu"), "torch 2.12.1+cpu where the others have torch 2.13.x"),
+        (node("c", torch=None), "torch is not installed for /opt/venv/bin/python"),
+        (cuda("c", gpus=1, gpu_names=["x"]), "a CUDA 12.8 build of torch where the others have CPU"),
+        (node("c", gloo=False), "torch has no gloo backend and no CUDA"),
+        (node("c", code_hash="beef"), "its copy of the code differs from the coordinator's"),
+        (node("c", free_bytes=5 << 20), "5 MiB free in the job directory"),
+        (node("c", clock_offset_s=-400.0), "its clock is -400.0 s off the coordinator's"),
+        (node("c", error="No such file or directory"), "the pre-flight probe failed with /opt/venv/bin/python"),
+    ],
+)
 def test_what_breaks_a_job_blocks_it_naming_the_node(odd, words):
     found = compare([node("a"), node("b"), odd], "c0de")
     block = [f for f in found if f.level == BLOCK]
@@ -57,14 +77,20 @@ def test_torch_patch_or_build_tag_within_a_minor_is_fine():
     assert compare([node("a"), node("b", torch="2.13.1+cpu")], "c0de") == []
 
 
-@pytest.mark.parametrize("reports, words", [
-    ([cuda("a"), cuda("b", gpu_names=["NVIDIA A100-SXM4-80GB"] * 8)], "GPU models differ"),
-    ([cuda("a"), cuda("b", gpus=4, gpu_names=["NVIDIA H100 80GB HBM3"] * 4)], "GPU counts differ (a: 8, b: 4)"),
-    ([node("a"), node("b", python_version="3.11.9")], "Python 3.11.9 where the others run 3.11.7"),
-    ([node("a"), node("b", free_bytes=GIB // 2)], "only 512 MiB free in the job directory"),
-    ([node("a"), node("b", clock_offset_s=12.0)], "its clock is +12.0 s off"),
-    ([node("a"), cuda("b", gpus=0, gpu_names=[]), cuda("c", gpus=0, gpu_names=[])], "a CUDA build of torch but no GPU"),
-])
+@pytest.mark.parametrize(
+    "reports, words",
+    [
+        ([cuda("a"), cuda("b", gpu_names=["NVIDIA A100-SXM4-80GB"] * 8)], "GPU models differ"),
+        ([cuda("a"), cuda("b", gpus=4, gpu_names=["NVIDIA H100 80GB HBM3"] * 4)], "GPU counts differ (a: 8, b: 4)"),
+        ([node("a"), node("b", python_version="3.11.9")], "Python 3.11.9 where the others run 3.11.7"),
+        ([node("a"), node("b", free_bytes=GIB // 2)], "only 512 MiB free in the job directory"),
+        ([node("a"), node("b", clock_offset_s=12.0)], "its clock is +12.0 s off"),
+        (
+            [node("a"), cuda("b", gpus=0, gpu_names=[]), cuda("c", gpus=0, gpu_names=[])],
+            "a CUDA build of torch but no GPU",
+        ),
+    ],
+)
 def test_what_only_costs_speed_warns(reports, words):
     found = compare(reports, "c0de")
     assert any(f.level == WARN and words in f.what for f in found), found

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import joined_mesh
+
 from meshrun.lab.testbed import Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -32,8 +32,9 @@ def mesh(tmp_path_factory):
 
 
 def _procs_in(mesh: Mesh, name: str, needle: str) -> list[str]:
-    pids = subprocess.run(["ip", "netns", "pids", mesh.world.node(name).netns], capture_output=True,
-                          text=True).stdout.split()
+    pids = subprocess.run(
+        ["ip", "netns", "pids", mesh.world.node(name).netns], capture_output=True, text=True
+    ).stdout.split()
     out = []
     for pid in pids:
         try:
@@ -70,8 +71,9 @@ def test_a_job_with_three_mismatched_nodes_is_refused_within_5_s_starting_nothin
         assert res.returncode != 0 and took < 5, (res.returncode, took, out)
         blocks = dict(re.findall(r"^meshrun: BLOCK (dc\d-a): (.*)$", res.stderr, re.M))
         assert set(blocks) == {"dc2-a", "dc3-a", "dc4-a"}, out
-        assert blocks["dc2-a"].startswith("its copy of the code differs from the coordinator's: train.py; "
-                                          "drop --no-sync"), blocks["dc2-a"]
+        assert blocks["dc2-a"].startswith(
+            "its copy of the code differs from the coordinator's: train.py; drop --no-sync"
+        ), blocks["dc2-a"]
         assert re.match(r"\d+ MiB free in the job directory; free disk space on dc3-a", blocks["dc3-a"])
         assert blocks["dc4-a"].startswith(f"torch is not installed for {torchless_venv}")
         assert re.search(r"^meshrun: NODE +PYTHON +TORCH .*\nmeshrun: dc2-a +3\.11\.\d+ +2\.13\.0", res.stderr, re.M)

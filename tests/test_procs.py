@@ -48,8 +48,12 @@ def script(tmp_path):
 
 
 def spawn(script, tmp_path, mode: str, timeout: float = 30) -> int:
-    return procs.spawn_daemon([sys.executable, str(script), mode, str(tmp_path / "d.lock")], tmp_path / "d.out",
-                              timeout=timeout, what="the test daemon")
+    return procs.spawn_daemon(
+        [sys.executable, str(script), mode, str(tmp_path / "d.lock")],
+        tmp_path / "d.out",
+        timeout=timeout,
+        what="the test daemon",
+    )
 
 
 def test_spawn_returns_once_ready_and_the_lock_names_the_daemon(script, tmp_path):
@@ -60,7 +64,7 @@ def test_spawn_returns_once_ready_and_the_lock_names_the_daemon(script, tmp_path
         assert oct((tmp_path / "d.out").stat().st_mode & 0o777) == "0o600"
         assert lock.stop(timeout=5) is True
         assert not procs.alive(pid) and lock.holder() is None
-        assert lock.stop() is False                     # nothing runs any more
+        assert lock.stop() is False  # nothing runs any more
     finally:
         procs.signal_pid(pid, signal.SIGKILL)
 
@@ -77,7 +81,7 @@ def test_exit_before_ready_and_silence_past_the_deadline(script, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(MeshrunError, match="the test daemon was not ready within 1 s"):
         spawn(script, tmp_path, "silent", timeout=1)
-    assert time.monotonic() - t0 < 10      # and it was stopped, not waited for
+    assert time.monotonic() - t0 < 10  # and it was stopped, not waited for
 
 
 def test_stop_kills_a_daemon_that_ignores_sigterm(script, tmp_path):
@@ -104,7 +108,7 @@ def test_a_process_that_merely_looks_like_a_daemon_is_never_signalled(tmp_path):
     """The old check trusted any PID whose command line said "meshrun"; the lock does not."""
     decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "meshrun", "daemon"])
     try:
-        (tmp_path / "d.lock").write_text(f"{decoy.pid}\n")      # a stale pid in the lock file
+        (tmp_path / "d.lock").write_text(f"{decoy.pid}\n")  # a stale pid in the lock file
         lock = procs.DaemonLock(tmp_path / "d.lock")
         assert lock.holder() is None and lock.stop() is False
         assert decoy.poll() is None
@@ -114,9 +118,11 @@ def test_a_process_that_merely_looks_like_a_daemon_is_never_signalled(tmp_path):
 
 
 def test_kill_tree_stops_grandchildren_in_other_sessions(tmp_path):
-    code = ("import subprocess, sys, time\n"
-            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
-            "print('up', flush=True); time.sleep(60)")
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+        "print('up', flush=True); time.sleep(60)"
+    )
     root = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert root.stdout.readline().strip() == "up"
@@ -136,15 +142,24 @@ def test_the_lock_names_its_holder_on_an_overlay_file_system(script, tmp_path):
     device, stat() the overlay's. Liveness (status, stop) must still find the daemon: it did not in the VM."""
     if os.geteuid() != 0:
         pytest.skip("mounting an overlay needs root")
-    lower = tmp_path / "lower"       # lower on another file system than upper: the devices then differ
+    lower = tmp_path / "lower"  # lower on another file system than upper: the devices then differ
     for d in ("upper", "work", "merged"):
         (tmp_path / d).mkdir()
     lower.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(lower)], check=True)
     try:
-        subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                        f"lowerdir={lower},upperdir={tmp_path / 'upper'},workdir={tmp_path / 'work'}",
-                        str(tmp_path / "merged")], check=True)
+        subprocess.run(
+            [
+                "mount",
+                "-t",
+                "overlay",
+                "overlay",
+                "-o",
+                f"lowerdir={lower},upperdir={tmp_path / 'upper'},workdir={tmp_path / 'work'}",
+                str(tmp_path / "merged"),
+            ],
+            check=True,
+        )
         try:
             merged = tmp_path / "merged"
             pid = spawn(script, merged, "ok")

@@ -15,21 +15,59 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # Everything that runs without torch, root or namespaces: what 3.10 changes (tarfile filters, asyncio TLS,
 # typing, tomli for tomllib) is exercised here.
-TESTS = ["test_auth.py", "test_token.py", "test_keys.py", "test_model.py", "test_ipam.py", "test_peers.py",
-         "test_paths.py", "test_netparse.py", "test_wgconf.py", "test_jobfile.py", "test_jobs_core.py",
-         "test_store.py", "test_transport.py", "test_frontdoor.py", "test_mesh_loop.py", "test_layers.py",
-         "test_procs.py", "test_api_fuzz.py", "test_fuzz.py", "test_status.py", "test_runner.py", "test_worker.py",
-         "test_archive.py", "test_devsh.py"]
+TESTS = [
+    "test_auth.py",
+    "test_token.py",
+    "test_keys.py",
+    "test_model.py",
+    "test_ipam.py",
+    "test_peers.py",
+    "test_paths.py",
+    "test_netparse.py",
+    "test_wgconf.py",
+    "test_jobfile.py",
+    "test_jobs_core.py",
+    "test_store.py",
+    "test_transport.py",
+    "test_frontdoor.py",
+    "test_mesh_loop.py",
+    "test_layers.py",
+    "test_procs.py",
+    "test_api_fuzz.py",
+    "test_fuzz.py",
+    "test_status.py",
+    "test_runner.py",
+    "test_worker.py",
+    "test_archive.py",
+    "test_devsh.py",
+]
 
 
 def test_the_supported_floor_runs_the_pure_tests(py310_venv):
     vpy = py310_venv
-    version = subprocess.run([str(vpy), "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
-                             text=True, check=True).stdout.strip()
+    version = subprocess.run(
+        [str(vpy), "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert version == "(3, 10)", version
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([str(vpy), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not netns",
-                          *[str(REPO / "tests" / t) for t in TESTS]], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=900)
+    res = subprocess.run(
+        [
+            str(vpy),
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not netns",
+            *[str(REPO / "tests" / t) for t in TESTS],
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
     assert sys.version_info >= (3, 10)

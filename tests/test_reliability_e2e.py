@@ -20,14 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from meshrun.system.procs import alive as _running
 from typer.testing import CliRunner
 
-from meshrun.mesh import systemd
 from meshrun.cli import app
-from meshrun.system.statedir import StateDir
 from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.mesh import systemd
+from meshrun.system.procs import alive as _running
+from meshrun.system.statedir import StateDir
 
 REPO = Path(__file__).resolve().parents[1]
 e2e = [pytest.mark.netns, pytest.mark.slow]
@@ -80,6 +79,7 @@ def _one_error_line(res: subprocess.CompletedProcess) -> str:
 
 # --------------------------------------------------------------------------- coordinator crash
 
+
 @pytest.mark.netns
 @pytest.mark.slow
 def test_coordinator_sigkill_and_restart_keeps_tunnels_and_state(world_factory):
@@ -100,13 +100,14 @@ def test_coordinator_sigkill_and_restart_keeps_tunnels_and_state(world_factory):
 
     node2, node3 = world.node("dc2-a"), world.node("dc3-a")
     handshakes = {n.name: _handshakes(n) for n in (node2, node3)}
-    pinger = node2.popen("ping", "-i", "0.2", "-c", "75", "-W", "1", ip3,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pinger = node2.popen(
+        "ping", "-i", "0.2", "-c", "75", "-W", "1", ip3, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         time.sleep(2)
         _kill9(coord_pid)
         killed_at = time.time()
-        time.sleep(5)                           # the coordinator stays down for a while
+        time.sleep(5)  # the coordinator stays down for a while
         assert mesh.status("dc1-a")["daemon_pid"] is None
         out = mesh.meshrun("dc1-a", "up").stdout
         assert "up at" in out
@@ -133,8 +134,9 @@ def test_coordinator_sigkill_and_restart_keeps_tunnels_and_state(world_factory):
     # Members, addresses and tokens survived; the agents were not restarted and reconnected on their own.
     status_after = mesh.status("dc1-a")
     assert status_after["daemon_pid"] not in (None, coord_pid)
-    assert {(p["name"], p["overlay_ip"]) for p in status_after["peers"]} == \
-        {(p["name"], p["overlay_ip"]) for p in status_before["peers"]}
+    assert {(p["name"], p["overlay_ip"]) for p in status_after["peers"]} == {
+        (p["name"], p["overlay_ip"]) for p in status_before["peers"]
+    }
     tokens_after = json.loads(mesh.meshrun("dc1-a", "token", "list", "--json").stdout)
     strip = lambda ts: [{k: v for k, v in t.items() if k != "status"} for t in ts]  # noqa: E731
     assert strip(tokens_after) == strip(tokens_before)
@@ -161,6 +163,7 @@ def test_coordinator_sigkill_and_restart_keeps_tunnels_and_state(world_factory):
 
 # --------------------------------------------------------------------------- agent crash
 
+
 @pytest.mark.netns
 @pytest.mark.slow
 def test_agent_sigkill_then_join_again_keeps_identity(world_factory):
@@ -184,7 +187,7 @@ def test_agent_sigkill_then_join_again_keeps_identity(world_factory):
     mesh.wait_ping("dc1-a", before["overlay_ip"])
     mesh.wait_ping("dc2-a", coord_ip)
     coord = mesh.status("dc1-a")
-    assert [p["public_key"] for p in coord["peers"]] == [before["public_key"]]   # one member, not two
+    assert [p["public_key"] for p in coord["peers"]] == [before["public_key"]]  # one member, not two
 
     assert mesh.meshrun("dc2-a", "leave").returncode == 0
     assert world.node("dc2-a").run("ip", "link", "show", "meshrun0", check=False).returncode != 0
@@ -198,6 +201,7 @@ def test_agent_sigkill_then_join_again_keeps_identity(world_factory):
 
 # --------------------------------------------------------------------------- concurrent joins
 
+
 @pytest.mark.netns
 @pytest.mark.slow
 def test_eight_nodes_join_at_once(world_factory):
@@ -207,8 +211,12 @@ def test_eight_nodes_join_at_once(world_factory):
     mesh.init()
     nodes = [n.name for n in world.nodes if n.name != "dc1-a"]
     assert len(nodes) == 8
-    procs = {n: mesh.meshrun_popen(n, "join", mesh.token, "--name", n, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True) for n in nodes}
+    procs = {
+        n: mesh.meshrun_popen(
+            n, "join", mesh.token, "--name", n, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for n in nodes
+    }
     results = {}
     for n, p in procs.items():
         try:
@@ -239,6 +247,7 @@ def test_eight_nodes_join_at_once(world_factory):
 
 
 # --------------------------------------------------------------------------- bad state on disk
+
 
 @pytest.mark.netns
 @pytest.mark.slow
@@ -346,10 +355,12 @@ def test_coordinator_on_full_disk_refuses_cleanly(world_factory):
 
 # --------------------------------------------------------------------------- node loss while training
 
+
 @pytest.mark.netns
 @pytest.mark.slow
 def test_training_survives_losing_a_node(world_factory, tmp_path):
     from meshrun.system.procs import descendants
+
     world = world_factory(4)
     mesh = Mesh(world, "dc1-a")
     mesh.init()
@@ -357,11 +368,28 @@ def test_training_survives_losing_a_node(world_factory, tmp_path):
         mesh.join(n)
     for n in ("dc2-a", "dc3-a", "dc4-a"):
         mesh.wait_ping("dc1-a", mesh.overlay_ip(n), timeout=30)
-    ckpt = tmp_path / "ckpt.pt"     # one filesystem for all simulated nodes: a shared checkpoint volume
-    argv = ["train", "--nnodes", "2:3", "--max-restarts", "3", "--timeout", "120", "ddp_train.py",
-            "--epochs", "10", "--steps-per-epoch", "10", "--sleep-per-step", "0.25", "--checkpoint", str(ckpt)]
-    proc = mesh.meshrun_popen("dc1-a", *argv, cwd=str(REPO / "examples"), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    ckpt = tmp_path / "ckpt.pt"  # one filesystem for all simulated nodes: a shared checkpoint volume
+    argv = [
+        "train",
+        "--nnodes",
+        "2:3",
+        "--max-restarts",
+        "3",
+        "--timeout",
+        "120",
+        "ddp_train.py",
+        "--epochs",
+        "10",
+        "--steps-per-epoch",
+        "10",
+        "--sleep-per-step",
+        "0.25",
+        "--checkpoint",
+        str(ckpt),
+    ]
+    proc = mesh.meshrun_popen(
+        "dc1-a", *argv, cwd=str(REPO / "examples"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: [lines.append(line.rstrip("\n")) for line in proc.stdout], daemon=True)
     reader.start()
@@ -376,7 +404,7 @@ def test_training_survives_losing_a_node(world_factory, tmp_path):
         agent_pid = mesh.status(victim)["daemon_pid"]
         tree = descendants(agent_pid)
         assert len(tree) > 2, "no workers under the victim's agent"
-        for pid in tree:                  # the agent, torchrun and its workers: the node is gone
+        for pid in tree:  # the agent, torchrun and its workers: the node is gone
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -407,6 +435,7 @@ def test_training_survives_losing_a_node(world_factory, tmp_path):
 
 # --------------------------------------------------------------------------- service install
 
+
 def _coordinator_state(path: Path) -> StateDir:
     sd = StateDir(path)
     sd.create()
@@ -417,8 +446,11 @@ def _coordinator_state(path: Path) -> StateDir:
 def test_service_dry_run_changes_nothing(tmp_path):
     sd = _coordinator_state(tmp_path / "state")
     units = tmp_path / "units"
-    res = CliRunner().invoke(app, ["service", "install", "--dry-run", "--unit-dir", str(units),
-                                   "--state-dir", str(sd.path)], catch_exceptions=False)
+    res = CliRunner().invoke(
+        app,
+        ["service", "install", "--dry-run", "--unit-dir", str(units), "--state-dir", str(sd.path)],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert not units.exists()
     assert f"would write {units / 'meshrun-coordinator.service'}" in res.output
@@ -431,8 +463,9 @@ def test_service_install_writes_unit_and_prints_commands_without_systemd(tmp_pat
     sd.create()
     sd.write_json("member.json", {"role": "node", "name": "gpu-a"})
     units = tmp_path / "units"
-    res = CliRunner().invoke(app, ["service", "install", "--unit-dir", str(units), "--state-dir", str(sd.path)],
-                             catch_exceptions=False)
+    res = CliRunner().invoke(
+        app, ["service", "install", "--unit-dir", str(units), "--state-dir", str(sd.path)], catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     unit = units / "meshrun-agent.service"
     text = unit.read_text()
@@ -440,7 +473,7 @@ def test_service_install_writes_unit_and_prints_commands_without_systemd(tmp_pat
     exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
     assert exec_start.endswith(f"up --foreground --state-dir {sd.path}")
     assert "Restart=on-failure" in text and "WantedBy=multi-user.target" in text
-    assert "systemctl enable --now meshrun-agent.service" in res.output   # not run: not a systemd unit dir
+    assert "systemctl enable --now meshrun-agent.service" in res.output  # not run: not a systemd unit dir
 
 
 def test_service_install_runs_systemctl_when_systemd_runs(tmp_path, monkeypatch):
@@ -450,8 +483,12 @@ def test_service_install_runs_systemctl_when_systemd_runs(tmp_path, monkeypatch)
     monkeypatch.setattr(systemd.os, "geteuid", lambda: 0)
     plan = systemd.plan_install(sd, unit_dir=tmp_path / "units", command=["/usr/bin/meshrun"], systemd=True)
     ran, said = [], []
-    systemd.install(plan, sd, said.append,
-                    runner=lambda argv, **kw: ran.append(argv) or subprocess.CompletedProcess(argv, 0, "", ""))
+    systemd.install(
+        plan,
+        sd,
+        said.append,
+        runner=lambda argv, **kw: ran.append(argv) or subprocess.CompletedProcess(argv, 0, "", ""),
+    )
     assert ran == [["systemctl", "daemon-reload"], ["systemctl", "enable", "--now", "meshrun-coordinator.service"]]
     assert (tmp_path / "units" / "meshrun-coordinator.service").read_text() == plan.text
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from meshrun.core.jobspec import JobSpec
@@ -10,9 +9,17 @@ from meshrun.core.model import Network
 from meshrun.errors import UsageError
 from meshrun.jobs.planning import code_dir, plan
 
-NET = Network(name="t", cidr="10.213.0.0/16", interface="meshrun0", listen_port=51820, mtu=1420,
-              coordinator_ip="10.213.0.1", coordinator_public_key="A" * 43 + "=", endpoints=("192.0.2.1:51820",),
-              fingerprint="0" * 64)
+NET = Network(
+    name="t",
+    cidr="10.213.0.0/16",
+    interface="meshrun0",
+    listen_port=51820,
+    mtu=1420,
+    coordinator_ip="10.213.0.1",
+    coordinator_public_key="A" * 43 + "=",
+    endpoints=("192.0.2.1:51820",),
+    fingerprint="0" * 64,
+)
 READY = [("n1", "10.213.0.2", {"gpus": 0, "python": "/opt/py/bin/python"})]
 
 
@@ -30,7 +37,7 @@ def test_shipped_script_runs_by_its_base_name_from_the_shipped_directory(tree):
     assert code_dir(spec) == tree / "code" / "sub"
     (p,) = plan(spec, NET, READY, 29401)
     assert "train.py" in p.argv and "sub/train.py" not in p.argv
-    assert p.argv[0] == "/opt/py/bin/python"                  # the node agent's interpreter
+    assert p.argv[0] == "/opt/py/bin/python"  # the node agent's interpreter
     assert "--rdzv-endpoint" in p.argv and p.argv[p.argv.index("--rdzv-endpoint") + 1] == "10.213.0.1:29401"
 
 

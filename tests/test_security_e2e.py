@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.lab.testbed import Mesh, World
 from meshrun.core.token import JoinToken, parse_token
+from meshrun.lab.testbed import Mesh, World
 from meshrun.mesh import member
 from meshrun.system.statedir import StateDir
 
@@ -50,17 +50,20 @@ def _node_processes(world: World, node) -> list[str]:
 
 def _pids(netns: str) -> list[int]:
     import subprocess
+
     res = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
     return [int(p) for p in res.stdout.split() if p.isdigit()]
 
 
 # --------------------------------------------------------------------------- refused joins
 
+
 @pytest.fixture(scope="module")
 def refusal_world(tmp_path_factory):
     """One world shared by the refused-join cases (building one per case would cost ~10 s each):
     dc1-a is the coordinator, dc2-a a node that joins normally, dc3-a tries the bad tokens."""
     from conftest import unique_prefix
+
     prefix = unique_prefix()
     world = World.standard(3, prefix=prefix, workdir=tmp_path_factory.mktemp(prefix)).up()
     try:
@@ -118,17 +121,28 @@ def _bad_fingerprint(mesh):
 
 def _bad_network(mesh):
     t = parse_token(_create_token(mesh))
-    return JoinToken("othernet", t.endpoints, t.fingerprint, t.token_id, t.secret, t.coordinator_key).encode(), "othernet"
+    return JoinToken(
+        "othernet", t.endpoints, t.fingerprint, t.token_id, t.secret, t.coordinator_key
+    ).encode(), "othernet"
 
 
 def _bad_token_id(mesh):
     t = parse_token(_create_token(mesh))
-    return JoinToken(t.network, t.endpoints, t.fingerprint, "zz00zz00zz", t.secret, t.coordinator_key).encode(), "does not know"
+    return JoinToken(
+        t.network, t.endpoints, t.fingerprint, "zz00zz00zz", t.secret, t.coordinator_key
+    ).encode(), "does not know"
 
 
-BAD = {"garbage": _bad_garbage, "truncated": _bad_truncated, "expired": _bad_expired, "revoked": _bad_revoked,
-       "used-up": _bad_used_up, "wrong-fingerprint": _bad_fingerprint, "unknown-network": _bad_network,
-       "unknown-token-id": _bad_token_id}
+BAD = {
+    "garbage": _bad_garbage,
+    "truncated": _bad_truncated,
+    "expired": _bad_expired,
+    "revoked": _bad_revoked,
+    "used-up": _bad_used_up,
+    "wrong-fingerprint": _bad_fingerprint,
+    "unknown-network": _bad_network,
+    "unknown-token-id": _bad_token_id,
+}
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -197,8 +211,9 @@ def test_no_secret_in_logs_status_or_errors_and_modes(refusal_world):
         joined.append(name)
     # A join that fails after the token was accepted (name taken) must not print the secret either.
     other = world.node("dc3-a").workdir / "other-state"
-    bad = world.node("dc3-a").run(mesh.python, "-m", "meshrun", "join", tok, "--name", "dc2-a", "--state-dir",
-                                  str(other), check=False, timeout=60)
+    bad = world.node("dc3-a").run(
+        mesh.python, "-m", "meshrun", "join", tok, "--name", "dc2-a", "--state-dir", str(other), check=False, timeout=60
+    )
     assert bad.returncode != 0 and bad.stderr.startswith(ERROR_PREFIX) and not other.exists(), bad.stderr
     members = ["dc1-a", *joined]
     for n in joined:
@@ -212,7 +227,7 @@ def test_no_secret_in_logs_status_or_errors_and_modes(refusal_world):
 
     private_keys = {n: (mesh.state_dir(world.node(n)) / "private.key").read_text().strip() for n in members}
     coord_pub = parse_token(tok).coordinator_key
-    for n in joined:        # the job keys, derived on both sides, never stored and never printed
+    for n in joined:  # the job keys, derived on both sides, never stored and never printed
         key = member.job_key(StateDir(mesh.state_dir(world.node(n))), coord_pub)
         private_keys[f"{n} job key"] = base64.b64encode(key).decode()
         assert not (mesh.state_dir(world.node(n)) / "job.key").exists()
@@ -237,7 +252,7 @@ def test_no_secret_in_logs_status_or_errors_and_modes(refusal_world):
                 assert mode == 0o600, f"{f} has mode {oct(mode)}, want 0o600"
             if f.name.startswith("daemon."):
                 assert mode == 0o600, f"{f} has mode {oct(mode)}"
-            for s in token_secrets:   # the coordinator keeps only a hash; nobody writes the secret down
+            for s in token_secrets:  # the coordinator keeps only a hash; nobody writes the secret down
                 assert s.encode() not in data, f"a token secret in {f}"
             if SECRET_FILES.match(f.name):
                 continue
@@ -275,8 +290,7 @@ except MeshrunError as exc:
 
 
 def _call(mesh: Mesh, node: str, host: str, port: int, method: str, path: str, fingerprint: str = "") -> dict:
-    res = world_node(mesh, node).run(mesh.python, "-c", CALL, host, str(port), method, path, fingerprint,
-                                     timeout=30)
+    res = world_node(mesh, node).run(mesh.python, "-c", CALL, host, str(port), method, path, fingerprint, timeout=30)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -285,8 +299,12 @@ def world_node(mesh: Mesh, name: str):
 
 
 def _tcp_ok(mesh: Mesh, node: str, host: str, port: int, timeout: float = 3) -> bool:
-    return world_node(mesh, node).run(mesh.python, "-c", PROBE, host, str(port), str(timeout), check=False,
-                                      timeout=timeout + 20).returncode == 0
+    return (
+        world_node(mesh, node)
+        .run(mesh.python, "-c", PROBE, host, str(port), str(timeout), check=False, timeout=timeout + 20)
+        .returncode
+        == 0
+    )
 
 
 def _wg_peers(mesh: Mesh, node: str) -> set[str]:

@@ -8,22 +8,57 @@ import re
 from meshrun.mesh.status import _age, _bytes, render
 
 STATUS = {
-    "network": "lab", "role": "node", "name": "gpu-a", "overlay_ip": "10.213.0.2", "cidr": "10.213.0.0/16",
-    "interface": "meshrun0", "interface_up": True, "backend": "wireguard-go", "listen_port": 51820, "mtu": 1420,
-    "daemon_pid": 4242, "removed": False,
+    "network": "lab",
+    "role": "node",
+    "name": "gpu-a",
+    "overlay_ip": "10.213.0.2",
+    "cidr": "10.213.0.0/16",
+    "interface": "meshrun0",
+    "interface_up": True,
+    "backend": "wireguard-go",
+    "listen_port": 51820,
+    "mtu": 1420,
+    "daemon_pid": 4242,
+    "removed": False,
     "peers": [
-        {"name": "coord", "overlay_ip": "10.213.0.1", "endpoint": "203.0.113.1:51820", "handshake_age_s": 5,
-         "rx_bytes": 1023, "tx_bytes": 1024, "path": "direct (public)", "latency_ms": 0.5},
-        {"name": "gpu-b", "overlay_ip": "10.213.0.3", "endpoint": None, "handshake_age_s": None,
-         "rx_bytes": 0, "tx_bytes": 5 * 1024 * 1024, "path": "relayed", "latency_ms": None},
-        {"name": "?", "overlay_ip": "10.213.0.10", "endpoint": "[2001:db8::1]:51820", "handshake_age_s": 7300,
-         "rx_bytes": 3 * 1024 ** 4, "tx_bytes": 1536, "path": "unknown", "latency_ms": None},
+        {
+            "name": "coord",
+            "overlay_ip": "10.213.0.1",
+            "endpoint": "203.0.113.1:51820",
+            "handshake_age_s": 5,
+            "rx_bytes": 1023,
+            "tx_bytes": 1024,
+            "path": "direct (public)",
+            "latency_ms": 0.5,
+        },
+        {
+            "name": "gpu-b",
+            "overlay_ip": "10.213.0.3",
+            "endpoint": None,
+            "handshake_age_s": None,
+            "rx_bytes": 0,
+            "tx_bytes": 5 * 1024 * 1024,
+            "path": "relayed",
+            "latency_ms": None,
+        },
+        {
+            "name": "?",
+            "overlay_ip": "10.213.0.10",
+            "endpoint": "[2001:db8::1]:51820",
+            "handshake_age_s": 7300,
+            "rx_bytes": 3 * 1024**4,
+            "tx_bytes": 1536,
+            "path": "unknown",
+            "latency_ms": None,
+        },
     ],
 }
 
 
 def test_render_table():
-    assert render(STATUS) == """\
+    assert (
+        render(STATUS)
+        == """\
 network lab  node gpu-a  10.213.0.2 in 10.213.0.0/16
 interface meshrun0 (wireguard-go)  udp/51820  mtu 1420  daemon running (pid 4242)
 
@@ -32,19 +67,30 @@ coord  10.213.0.1   direct (public)  203.0.113.1:51820    5s ago     0.50 ms  10
 gpu-b  10.213.0.3   relayed          -                    never      -        0 B         5.0 MiB
 ?      10.213.0.10  unknown          [2001:db8::1]:51820  2h ago     -        3072.0 GiB  1.5 KiB
 RTT: median of 9 TCP connects over the overlay"""
+    )
 
 
 def test_render_down_removed_no_peers():
     st = copy.deepcopy(STATUS)
-    st.update(interface_up=False, daemon_pid=None, removed=True, peers=[], role="coordinator", name="coord",
-              overlay_ip="10.213.0.1")
-    assert render(st) == """\
+    st.update(
+        interface_up=False,
+        daemon_pid=None,
+        removed=True,
+        peers=[],
+        role="coordinator",
+        name="coord",
+        overlay_ip="10.213.0.1",
+    )
+    assert (
+        render(st)
+        == """\
 network lab  coordinator coord  10.213.0.1 in 10.213.0.0/16
 interface meshrun0 DOWN  udp/51820  mtu 1420  daemon not running
 this node was REMOVED from the network by the coordinator
 
 NAME  OVERLAY IP  PATH  ENDPOINT  HANDSHAKE  RTT  RX  TX
 (no peers yet)"""
+    )
 
 
 def test_no_trailing_spaces():
@@ -53,24 +99,47 @@ def test_no_trailing_spaces():
 
 def test_age():
     assert [_age(s) for s in (None, 0, 119, 120, 7199, 7200, 86400)] == [
-        "never", "0s ago", "119s ago", "2m ago", "119m ago", "2h ago", "24h ago"]
+        "never",
+        "0s ago",
+        "119s ago",
+        "2m ago",
+        "119m ago",
+        "2h ago",
+        "24h ago",
+    ]
 
 
 def test_bytes():
-    assert [_bytes(n) for n in (0, 1023, 1024, 1536, 1024 ** 3, 5 * 1024 ** 4)] == [
-        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 GiB", "5120.0 GiB"]
+    assert [_bytes(n) for n in (0, 1023, 1024, 1536, 1024**3, 5 * 1024**4)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "1.5 KiB",
+        "1.0 GiB",
+        "5120.0 GiB",
+    ]
 
 
 def test_a_large_mesh_shows_counts_and_the_worst_few_and_all_rows_on_request():
     st = copy.deepcopy(STATUS)
-    st["peers"] = [{"name": f"n{i}", "overlay_ip": f"10.213.1.{i}", "endpoint": f"198.18.0.{i}:51820",
-                    "handshake_age_s": 10, "rx_bytes": 0, "tx_bytes": 0, "path": "direct (public)", "latency_ms": None}
-                   for i in range(30)]
-    st["peers"][17].update(handshake_age_s=None, endpoint=None, path="relayed")   # never handshaken
-    st["peers"][4].update(handshake_age_s=900)                                    # stale
+    st["peers"] = [
+        {
+            "name": f"n{i}",
+            "overlay_ip": f"10.213.1.{i}",
+            "endpoint": f"198.18.0.{i}:51820",
+            "handshake_age_s": 10,
+            "rx_bytes": 0,
+            "tx_bytes": 0,
+            "path": "direct (public)",
+            "latency_ms": None,
+        }
+        for i in range(30)
+    ]
+    st["peers"][17].update(handshake_age_s=None, endpoint=None, path="relayed")  # never handshaken
+    st["peers"][4].update(handshake_age_s=900)  # stale
     text = render(st)
     assert "30 peers: direct (public) 29, relayed 1; handshake < 3 min 28, older 1, never 1" in text, text
     names = [line.split()[0] for line in text.splitlines() if re.match(r"n\d+ ", line)]
-    assert names[:2] == ["n17", "n4"] and len(names) == 5          # the worst first, five of them
+    assert names[:2] == ["n17", "n4"] and len(names) == 5  # the worst first, five of them
     full = render(st, full=True)
     assert sum(bool(re.match(r"n\d+ ", line)) for line in full.splitlines()) == 30 and "worst" not in full

@@ -12,7 +12,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from conftest import joined_mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -71,13 +70,26 @@ def test_status_latency_matches_a_median_of_tcp_connects(mesh):
     must be within 0.2 ms or 10%; no single round may be off by 3x (the old thread-pool measurement
     showed 5-8 ms for 0.5-0.8 ms peers)."""
     node = mesh.world.node("dc2-a")
-    peers = {"coordinator": mesh.overlay_ip("dc1-a"), "dc3-a": mesh.overlay_ip("dc3-a"),
-             "dc4-a": mesh.overlay_ip("dc4-a")}
+    peers = {
+        "coordinator": mesh.overlay_ip("dc1-a"),
+        "dc3-a": mesh.overlay_ip("dc3-a"),
+        "dc4-a": mesh.overlay_ip("dc4-a"),
+    }
     for ip in peers.values():
         mesh.wait_ping("dc2-a", ip)
     port = mesh.status(node)["api_port"]
-    res = json.loads(node.run(mesh.python, "-c", COMPARE, str(mesh.state_dir(node)), str(port), "25",
-                              *[f"{n}={ip}" for n, ip in peers.items()], timeout=120).stdout)
+    res = json.loads(
+        node.run(
+            mesh.python,
+            "-c",
+            COMPARE,
+            str(mesh.state_dir(node)),
+            str(port),
+            "25",
+            *[f"{n}={ip}" for n, ip in peers.items()],
+            timeout=120,
+        ).stdout
+    )
     for name, r in res.items():
         want = statistics.median(r["ref"])
         assert abs(statistics.median(r["delta"])) <= max(0.2, 0.1 * want), (name, r)
@@ -94,8 +106,18 @@ sys.stderr.write("UserWarning: keep me\\n")
 
 
 def test_job_output_has_no_reverse_dns_warnings_but_keeps_the_others(mesh, tmp_path):
-    res = mesh.meshrun("dc1-a", "train", "ddp_train.py", "--epochs", "1", "--steps-per-epoch", "2", cwd=EXAMPLES,
-                       check=False, timeout=240)
+    res = mesh.meshrun(
+        "dc1-a",
+        "train",
+        "ddp_train.py",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "2",
+        cwd=EXAMPLES,
+        check=False,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     job = re.search(r"meshrun: job (\S+) submitted", res.stderr).group(1)
     for text in (res.stdout + res.stderr, mesh.meshrun("dc1-a", "logs", job).stdout):

@@ -12,10 +12,10 @@ import threading
 import pytest
 
 from meshrun.core import admission
-from meshrun.errors import StateError, TokenError
 from meshrun.core.model import Member
-from meshrun.system.statedir import StateDir, default_state_dir
+from meshrun.errors import StateError, TokenError
 from meshrun.system.coordinatordb import CoordinatorDB, TokenInfo
+from meshrun.system.statedir import StateDir, default_state_dir
 
 CIDR = "10.213.0.0/16"
 SECRET = b"s" * 32
@@ -27,6 +27,7 @@ UNKNOWN = "the coordinator does not know this join token (wrong network, or dele
 def key(i: int) -> str:
     """A distinct, well-formed public key per i (these tests never need the private half)."""
     import base64
+
     return base64.b64encode(i.to_bytes(4, "big") * 8).decode()
 
 
@@ -35,6 +36,7 @@ def mode(path) -> int:
 
 
 # --------------------------------------------------------------------------- StateDir
+
 
 class TestStateDir:
     def test_create_is_0700_and_reports_creation(self, tmp_path):
@@ -54,8 +56,10 @@ class TestStateDir:
         sd = StateDir(tmp_path / "file" / "state")
         with pytest.raises(StateError) as info:
             sd.create()
-        assert str(info.value) == (f"cannot create state directory {tmp_path}/file/state: Not a directory; "
-                                   "pick a writable place with --state-dir or MESHRUN_STATE_DIR")
+        assert str(info.value) == (
+            f"cannot create state directory {tmp_path}/file/state: Not a directory; "
+            "pick a writable place with --state-dir or MESHRUN_STATE_DIR"
+        )
 
     def test_path_is_absolute(self, tmp_path, monkeypatch):
         monkeypatch.chdir(tmp_path)
@@ -92,12 +96,15 @@ class TestStateDir:
 
         def full_disk(fd):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
         monkeypatch.setattr(os, "fsync", full_disk)
         with pytest.raises(StateError) as info:
             sd.write("private.key", "new\n", secret=True)
-        assert str(info.value) == (f"cannot write {tmp_path}/private.key: No space left on device; the previous "
-                                   "version is unchanged; free disk space or fix permissions, then run the "
-                                   "command again")
+        assert str(info.value) == (
+            f"cannot write {tmp_path}/private.key: No space left on device; the previous "
+            "version is unchanged; free disk space or fix permissions, then run the "
+            "command again"
+        )
         assert (tmp_path / "private.key").read_text() == "old\n"
         assert sorted(os.listdir(tmp_path)) == ["private.key"]
 
@@ -107,6 +114,7 @@ class TestStateDir:
 
         def deny(src, dst):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
         monkeypatch.setattr(os, "replace", deny)
         with pytest.raises(StateError, match=r"cannot write .*/a\.json: Permission denied"):
             sd.write("a.json", '{"x": 1}')
@@ -116,8 +124,10 @@ class TestStateDir:
     def test_read_missing(self, tmp_path):
         with pytest.raises(StateError) as info:
             StateDir(tmp_path).read("member.json")
-        assert str(info.value) == (f"{tmp_path}/member.json is missing; run `meshrun init` or `meshrun join` "
-                                   "first, or point --state-dir at the right place")
+        assert str(info.value) == (
+            f"{tmp_path}/member.json is missing; run `meshrun init` or `meshrun join` "
+            "first, or point --state-dir at the right place"
+        )
 
     @pytest.mark.parametrize("content", [b'{"role": "no', b"", b"\xff\xfe", b"[1, 2]", b"null", b"{}garbage"])
     def test_read_json_corrupt(self, tmp_path, content):
@@ -128,7 +138,7 @@ class TestStateDir:
         assert msg.startswith(f"{tmp_path}/member.json is corrupt (")
         assert msg.endswith("); restore it from a backup, or remove the state directory and join again")
         assert "\n" not in msg
-        assert (tmp_path / "member.json").read_bytes() == content   # never reset
+        assert (tmp_path / "member.json").read_bytes() == content  # never reset
 
     def test_read_json_not_object_message(self, tmp_path):
         (tmp_path / "peers.json").write_text("[]")
@@ -154,6 +164,7 @@ class TestStateDir:
 
 # --------------------------------------------------------------------------- CoordinatorDB
 
+
 @pytest.fixture
 def db(tmp_path):
     d = CoordinatorDB.create(tmp_path / "coordinator.db")
@@ -171,8 +182,7 @@ class TestDBFile:
     def test_missing(self, tmp_path):
         with pytest.raises(StateError) as info:
             CoordinatorDB(tmp_path / "coordinator.db")
-        assert str(info.value) == (f"{tmp_path}/coordinator.db is missing; run `meshrun init` on the "
-                                   "coordinator first")
+        assert str(info.value) == (f"{tmp_path}/coordinator.db is missing; run `meshrun init` on the coordinator first")
 
     def test_create_mode_0600(self, tmp_path):
         CoordinatorDB.create(tmp_path / "c.db").close()
@@ -184,8 +194,10 @@ class TestDBFile:
         path.write_bytes(junk)
         with pytest.raises(StateError) as info:
             CoordinatorDB(path)
-        assert str(info.value) == (f"{path} is not a readable meshrun database (file is not a database); "
-                                   "restore it from a backup; meshrun will not reset it")
+        assert str(info.value) == (
+            f"{path} is not a readable meshrun database (file is not a database); "
+            "restore it from a backup; meshrun will not reset it"
+        )
         assert path.read_bytes() == junk
 
     def test_reopen_keeps_everything(self, tmp_path, db):
@@ -204,10 +216,19 @@ class TestTokens:
     def test_list_and_status(self, db):
         db.add_token("tok0000002", b"t" * 32, 60, 2, now=NOW + 10)
         infos = db.tokens()
-        assert infos == [TokenInfo("tok0000001", NOW, NOW + 3600, None, 0, False),
-                         TokenInfo("tok0000002", NOW + 10, NOW + 70, 2, 0, False)]
-        assert infos[1].to_dict(NOW + 20) == {"id": "tok0000002", "created_at": NOW + 10, "expires_at": NOW + 70,
-                                              "max_uses": 2, "uses": 0, "uses_left": 2, "status": "valid"}
+        assert infos == [
+            TokenInfo("tok0000001", NOW, NOW + 3600, None, 0, False),
+            TokenInfo("tok0000002", NOW + 10, NOW + 70, 2, 0, False),
+        ]
+        assert infos[1].to_dict(NOW + 20) == {
+            "id": "tok0000002",
+            "created_at": NOW + 10,
+            "expires_at": NOW + 70,
+            "max_uses": 2,
+            "uses": 0,
+            "uses_left": 2,
+            "status": "valid",
+        }
         assert infos[0].to_dict(NOW)["uses_left"] is None
 
     def test_status_transitions(self):
@@ -220,6 +241,7 @@ class TestTokens:
 
     def test_never_exposes_secret_or_hash(self, db):
         from meshrun.core.token import hash_secret
+
         h = hash_secret(SECRET)
         for t in db.tokens():
             text = repr(t) + json.dumps(t.to_dict(NOW))
@@ -229,7 +251,7 @@ class TestTokens:
     def test_revoke(self, db):
         assert db.revoke_token("tok0000001", now=NOW + 5) is True
         assert db.tokens()[0].revoked
-        assert db.revoke_token("tok0000001") is True        # already revoked: still "exists"
+        assert db.revoke_token("tok0000001") is True  # already revoked: still "exists"
         assert db.revoke_token("nosuchtok1") is False
 
 
@@ -280,7 +302,7 @@ class TestEnrol:
         m, created = enrol(db, "gpu-a", 1)
         again, created2 = db.enrol("tok0000001", SECRET, "gpu-a", key(1), ["10.0.0.9:1"], CIDR, now=NOW + 2)
         assert created and not created2
-        assert again == m                                   # a retry after a lost answer
+        assert again == m  # a retry after a lost answer
         assert db.tokens()[0].uses == 1
 
     def test_a_used_up_token_is_refused_even_for_an_existing_member(self, db):
@@ -292,24 +314,26 @@ class TestEnrol:
 
     def test_name_taken(self, db):
         enrol(db, "gpu-a", 1)
-        db.heartbeat("10.213.0.2", [], now=NOW + 5)        # it completed its join
+        db.heartbeat("10.213.0.2", [], now=NOW + 5)  # it completed its join
         with pytest.raises(StateError) as info:
             enrol(db, "gpu-a", 2)
-        assert str(info.value) == ("the name 'gpu-a' is already taken by another member; "
-                                   "pick another --name, or `meshrun remove` the old member first")
+        assert str(info.value) == (
+            "the name 'gpu-a' is already taken by another member; "
+            "pick another --name, or `meshrun remove` the old member first"
+        )
 
     def test_coordinator_name_never_reclaimed(self, db):
         with pytest.raises(StateError, match="^the name 'coord' is already taken by another member"):
             enrol(db, "coord", 1)
 
     def test_a_joining_nodes_name_cannot_be_squatted_and_a_failed_join_frees_it_later(self, db):
-        first, _ = enrol(db, "gpu-a", 1)                    # never synced yet: it is joining, or its join failed
+        first, _ = enrol(db, "gpu-a", 1)  # never synced yet: it is joining, or its join failed
         with pytest.raises(StateError, match="being taken by a node that is joining right now"):
             enrol(db, "gpu-a", 2, now=NOW + 60)
         second, created = enrol(db, "gpu-a", 2, now=NOW + 1 + admission.PENDING_GRACE_S)
         assert created and second.overlay_ip == "10.213.0.3" and first.overlay_ip == "10.213.0.2"
         assert [m.public_key for m in db.members()] == [key(0), key(2)]
-        assert db.is_removed_ip("10.213.0.2")               # its address waits out the quarantine
+        assert db.is_removed_ip("10.213.0.2")  # its address waits out the quarantine
         third, _ = enrol(db, "gpu-b", 3, now=NOW + 200)
         assert third.overlay_ip == "10.213.0.4"
 
@@ -319,16 +343,20 @@ class TestEnrol:
         for name in ("gpu-a", "other"):
             with pytest.raises(StateError) as info:
                 enrol(db, name, 1)
-            assert str(info.value) == ("this node's key belonged to a removed member and cannot join again; "
-                                       "run `meshrun leave --purge` on the node to make a new identity, then join")
+            assert str(info.value) == (
+                "this node's key belonged to a removed member and cannot join again; "
+                "run `meshrun leave --purge` on the node to make a new identity, then join"
+            )
 
     def test_active_key_under_another_name(self, db):
         enrol(db, "gpu-a", 1)
         db.heartbeat("10.213.0.2", [], now=NOW + 5)
         with pytest.raises(StateError) as info:
             enrol(db, "gpu-b", 1)
-        assert str(info.value) == ("this node's key is already enrolled as member 'gpu-a'; join again with "
-                                   "--name gpu-a, or `meshrun leave --purge` for a new identity")
+        assert str(info.value) == (
+            "this node's key is already enrolled as member 'gpu-a'; join again with "
+            "--name gpu-a, or `meshrun leave --purge` for a new identity"
+        )
 
     def test_removal_is_final_for_tokens_made_before_it(self, db):
         enrol(db, "gpu-a", 1)
@@ -337,16 +365,17 @@ class TestEnrol:
         assert removed.overlay_ip == "10.213.0.2"
         assert db.member_by_ip("10.213.0.2") is None and db.is_removed_ip("10.213.0.2")
         with pytest.raises(TokenError, match="'gpu-a' was removed from the network after this token was made"):
-            enrol(db, "gpu-a", 3, now=NOW + 20)             # same name, new key, the old (unlimited) token
+            enrol(db, "gpu-a", 3, now=NOW + 20)  # same name, new key, the old (unlimited) token
         db.add_token("tok0000009", SECRET, 3600, None, now=NOW + 30)
-        m, _ = enrol(db, "gpu-a", 3, token_id="tok0000009", now=NOW + 31)   # the operator's new token
+        m, _ = enrol(db, "gpu-a", 3, token_id="tok0000009", now=NOW + 31)  # the operator's new token
         assert m.overlay_ip == "10.213.0.4"
         assert db.remove_member("gpu-a") is not None
         assert db.remove_member("gpu-a") is None
-        assert db.remove_member("coord") is None            # the coordinator cannot be removed
+        assert db.remove_member("coord") is None  # the coordinator cannot be removed
 
     def test_a_removed_address_returns_after_the_quarantine(self, db):
         from meshrun.system.coordinatordb import ADDRESS_QUARANTINE_S
+
         enrol(db, "gpu-a", 1)
         db.remove_member("gpu-a", now=NOW + 10)
         assert enrol(db, "gpu-b", 2, now=NOW + 20)[0].overlay_ip == "10.213.0.3"
@@ -354,7 +383,7 @@ class TestEnrol:
         db.add_token("tok000000l", SECRET, 3600, None, now=later - 1)
         assert enrol(db, "gpu-c", 3, token_id="tok000000l", now=later)[0].overlay_ip == "10.213.0.2"
         with pytest.raises(StateError, match="belonged to a removed member"):
-            enrol(db, "gpu-x", 1, token_id="tok000000l", now=later)     # the key stays refused for ever
+            enrol(db, "gpu-x", 1, token_id="tok000000l", now=later)  # the key stays refused for ever
 
     def test_one_token_cannot_pile_up_pending_enrolments(self, db, monkeypatch):
         monkeypatch.setattr(admission, "PENDING_PER_TOKEN", 4)
@@ -362,7 +391,7 @@ class TestEnrol:
             enrol(db, f"n{i}", i)
         with pytest.raises(TokenError, match="4 enrolments that never completed"):
             enrol(db, "n99", 99)
-        db.heartbeat("10.213.0.2", [], now=NOW + 5)          # one synced: not pending any more
+        db.heartbeat("10.213.0.2", [], now=NOW + 5)  # one synced: not pending any more
         enrol(db, "n99", 99, now=NOW + 6)
         # the rest never sync: past the grace they are over, and their names are free
         enrol(db, "n2", 200, now=NOW + 2 + admission.PENDING_GRACE_S)
@@ -377,7 +406,7 @@ class TestEnrol:
             enrol(small, f"s{i}", i, token_id="tok000000s", cidr="10.9.0.0/29")
         with pytest.raises(TokenError, match="already holds 2 of the overlay's 5 addresses"):
             enrol(small, "s3", 3, token_id="tok000000s", cidr="10.9.0.0/29")
-        enrol(small, "t1", 4, token_id="tok000000t", cidr="10.9.0.0/29")      # another token still can
+        enrol(small, "t1", 4, token_id="tok000000t", cidr="10.9.0.0/29")  # another token still can
         small.close()
 
     def test_exhausted_range(self, db):
@@ -386,15 +415,16 @@ class TestEnrol:
         for i in range(1, 6):
             enrol(db, f"n{i}", i, token_id=f"tok00000e{i % 5}", cidr="10.9.0.0/29")
         from meshrun.errors import NetworkError
+
         with pytest.raises(NetworkError, match=r"^overlay range 10\.9\.0\.0/29 has no free address left"):
             enrol(db, "n6", 6, token_id="tok00000e1", cidr="10.9.0.0/29")
-        assert sum(t.uses for t in db.tokens()) == 5        # the failed one was rolled back
+        assert sum(t.uses for t in db.tokens()) == 5  # the failed one was rolled back
 
     def test_heartbeat_and_observe(self, db):
         enrol(db, "gpu-a", 1)
         v = db.version()
         db.heartbeat("10.213.0.2", ["172.31.40.1:51820"], now=NOW + 5)
-        assert db.version() == v                            # same candidates: no change
+        assert db.version() == v  # same candidates: no change
         db.heartbeat("10.213.0.2", ["172.31.40.9:51820"], now=NOW + 6)
         assert db.version() == v + 1
         assert db.observe({key(1): ("198.51.100.2:40000", 123)}) is True
@@ -406,6 +436,7 @@ class TestEnrol:
 
 
 # ---- concurrency: distinct names through separate connections on one file
+
 
 def _enrol_many(path: str, names: list[str], first_key: int, out) -> None:
     try:
@@ -439,6 +470,7 @@ class TestConcurrency:
                     results.extend(q)
             except Exception as exc:  # surfaced below
                 errors.append(exc)
+
         threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
@@ -455,8 +487,10 @@ class TestConcurrency:
         path = str(tmp_path / "coordinator.db")
         ctx = multiprocessing.get_context("spawn")
         q = ctx.Queue()
-        procs = [ctx.Process(target=_enrol_many, args=(path, [f"p{i}-{j}" for j in range(4)], 2000 + 10 * i, q))
-                 for i in range(4)]
+        procs = [
+            ctx.Process(target=_enrol_many, args=(path, [f"p{i}-{j}" for j in range(4)], 2000 + 10 * i, q))
+            for i in range(4)
+        ]
         for p in procs:
             p.start()
         results = [q.get(timeout=60) for _ in range(16)]
@@ -471,15 +505,19 @@ class TestConcurrency:
 
 def test_a_reported_mtu_is_stored_and_moves_the_version_once(tmp_path):
     import sqlite3
+
     from meshrun.system.coordinatordb import CoordinatorDB
+
     # A database made before the column existed gains it on open.
     old = sqlite3.connect(tmp_path / "coordinator.db")
-    old.executescript("CREATE TABLE members(id INTEGER PRIMARY KEY, name TEXT NOT NULL, public_key TEXT NOT NULL "
-                      "UNIQUE, overlay_ip TEXT NOT NULL UNIQUE, candidates TEXT NOT NULL DEFAULT '[]', endpoint TEXT, "
-                      "last_handshake INTEGER NOT NULL DEFAULT 0, is_coordinator INTEGER NOT NULL DEFAULT 0, "
-                      "token_id TEXT, joined_at REAL NOT NULL, last_seen REAL, removed_at REAL);"
-                      "INSERT INTO members(name, public_key, overlay_ip, joined_at) "
-                      f"VALUES('gpu-a', '{'A' * 43}=', '10.213.0.2', 1.0);")
+    old.executescript(
+        "CREATE TABLE members(id INTEGER PRIMARY KEY, name TEXT NOT NULL, public_key TEXT NOT NULL "
+        "UNIQUE, overlay_ip TEXT NOT NULL UNIQUE, candidates TEXT NOT NULL DEFAULT '[]', endpoint TEXT, "
+        "last_handshake INTEGER NOT NULL DEFAULT 0, is_coordinator INTEGER NOT NULL DEFAULT 0, "
+        "token_id TEXT, joined_at REAL NOT NULL, last_seen REAL, removed_at REAL);"
+        "INSERT INTO members(name, public_key, overlay_ip, joined_at) "
+        f"VALUES('gpu-a', '{'A' * 43}=', '10.213.0.2', 1.0);"
+    )
     old.close()
     db = CoordinatorDB(tmp_path / "coordinator.db")
     assert db.members()[0].mtu == 0
@@ -487,6 +525,6 @@ def test_a_reported_mtu_is_stored_and_moves_the_version_once(tmp_path):
     db.heartbeat("10.213.0.2", [], mtu=1220)
     assert db.members()[0].mtu == 1220 and db.version() == v + 1
     db.heartbeat("10.213.0.2", [], mtu=1220)
-    db.heartbeat("10.213.0.2", [])                  # an agent that does not report it keeps the stored one
+    db.heartbeat("10.213.0.2", [])  # an agent that does not report it keeps the stored one
     assert db.members()[0].mtu == 1220 and db.version() == v + 1
     db.close()

@@ -31,8 +31,8 @@ def test_a_bar_becomes_a_few_redraws_and_its_final_state_comes_before_the_next_l
     times = [i / 100 for i in range(101)] + [1.0]
     out = feed_all(bar + ["\ndone\n"], times=times)
     redraws = [t for k, t in out if k == "redraw"]
-    assert len(redraws) <= 3                                    # twice a second at most
-    assert out[-2] == ("line", " eval 100%|" + "#" * 10)       # the bar's last state, as a terminal shows it
+    assert len(redraws) <= 3  # twice a second at most
+    assert out[-2] == ("line", " eval 100%|" + "#" * 10)  # the bar's last state, as a terminal shows it
     assert out[-1] == ("line", "done")
 
 
@@ -42,7 +42,7 @@ def test_a_held_redraw_goes_out_on_tick_or_at_the_end():
     assert a.feed(b"\rstep 3", 0.2) == []
     # the stream went quiet: the draw on screen now is step 3 (tqdm's "\r" comes before its draw)
     assert a.tick(0.3) == [] and a.tick(0.7) == [("redraw", "step 3")]
-    assert a.tick(1.5) == []                                    # nothing new: nothing repeated
+    assert a.tick(1.5) == []  # nothing new: nothing repeated
     assert a.feed(b"\rstep 4", 1.6) == []
     assert a.close() == [("line", "step 4")]
 
@@ -62,8 +62,8 @@ def test_a_bar_ended_by_carriage_returns_keeps_its_last_state_as_its_line():
     a = LineAssembler(redraw_every=0.5)
     assert a.feed(b"50%\r", 0.0) == [("redraw", "50%")]
     assert a.feed(b"100%\r", 1.0) == [("redraw", "100%")]
-    assert a.feed(b"\n", 2.0) == [("line", "100%")]              # print() after the bar: it stays on screen
-    a.feed(b"\r" + b"#" * 10 + b"\r" + b" " * 10 + b"\r", 3.0)   # tqdm(leave=False) wipes its bar
+    assert a.feed(b"\n", 2.0) == [("line", "100%")]  # print() after the bar: it stays on screen
+    a.feed(b"\r" + b"#" * 10 + b"\r" + b" " * 10 + b"\r", 3.0)  # tqdm(leave=False) wipes its bar
     assert a.tick(4.0) == [] and a.close() == []
 
 
@@ -74,14 +74,16 @@ def test_a_line_without_end_is_passed_on_in_bounded_pieces():
 
 def test_utf8_split_across_chunks_is_not_garbled():
     data = "é€😀\n".encode()
-    assert feed_all([data[i:i + 1] for i in range(len(data))]) == [("line", "é€😀")]
+    assert feed_all([data[i : i + 1] for i in range(len(data))]) == [("line", "é€😀")]
 
 
 def test_colours_stay_everything_else_that_drives_a_terminal_goes():
     red = f"{ESC}[31mred{ESC}[0m"
     assert clean(red) == red
-    nasty = (f"ok{ESC}[2J{ESC}[H{ESC}]0;owned\x07{ESC}]8;;http://x\x1b\\link{ESC}]8;;\x1b\\\x08\x07"
-             f"{ESC}P1$r{ESC}\\{ESC}c\x9b2J\x00tail")
+    nasty = (
+        f"ok{ESC}[2J{ESC}[H{ESC}]0;owned\x07{ESC}]8;;http://x\x1b\\link{ESC}]8;;\x1b\\\x08\x07"
+        f"{ESC}P1$r{ESC}\\{ESC}c\x9b2J\x00tail"
+    )
     assert clean(nasty) == "oklinktail"
     assert clean("tab\tstays") == "tab\tstays"
 
@@ -94,8 +96,13 @@ def test_a_rank_cannot_forge_another_ranks_line():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.binary(max_size=64) | st.sampled_from([b"\r", b"\n", b"\x1b[", b"\x1b]", b"\x9b", b"m", b"\x07",
-                                                         b"\xc3", b"\xa9", b"\x1b\\"]), max_size=30))
+@given(
+    st.lists(
+        st.binary(max_size=64)
+        | st.sampled_from([b"\r", b"\n", b"\x1b[", b"\x1b]", b"\x9b", b"m", b"\x07", b"\xc3", b"\xa9", b"\x1b\\"]),
+        max_size=30,
+    )
+)
 def test_no_input_produces_control_characters_or_non_sgr_escapes(chunks):
     a = LineAssembler(max_line=50)
     events = []
@@ -129,12 +136,12 @@ class Screen:
                 elif m.group(2) == "K":
                     self.rows[self.y] = ""
                 elif m.group(2) == "J":
-                    self.rows[self.y] = self.rows[self.y][:self.x]
-                    del self.rows[self.y + 1:]
+                    self.rows[self.y] = self.rows[self.y][: self.x]
+                    del self.rows[self.y + 1 :]
                 i += m.end()
                 continue
             ch = text[i]
-            assert ch != ESC, f"an escape the screen does not know: {text[i:i + 10]!r}"
+            assert ch != ESC, f"an escape the screen does not know: {text[i : i + 10]!r}"
             if ch == "\r":
                 self.x = 0
             elif ch == "\n":
@@ -143,7 +150,7 @@ class Screen:
                 if self.x >= self.width:
                     self._down()
                 row = self.rows[self.y].ljust(self.x)
-                self.rows[self.y] = row[:self.x] + ch + row[self.x + 1:]
+                self.rows[self.y] = row[: self.x] + ch + row[self.x + 1 :]
                 self.x += 1
             i += 1
 
@@ -182,8 +189,15 @@ def test_several_bars_keep_a_row_each_and_other_lines_scroll_above_them():
             written += r.line("[c r2] ", "[c r2] ", f"loss {i}", float(i))
     for t in written:
         screen.write(t)
-    assert screen.text() == ["[c r2] loss 0", "[c r2] loss 50", "[c r2] loss 100", "[c r2] loss 150",
-                             "[a r0] step 199", "[b r1] step 199", ""]
+    assert screen.text() == [
+        "[c r2] loss 0",
+        "[c r2] loss 50",
+        "[c r2] loss 100",
+        "[c r2] loss 150",
+        "[a r0] step 199",
+        "[b r1] step 199",
+        "",
+    ]
     # meshrun's own line (on stderr, the same terminal): the bars step aside and come back below it
     for t in r.interrupt():
         screen.write(t)
@@ -191,8 +205,16 @@ def test_several_bars_keep_a_row_each_and_other_lines_scroll_above_them():
     for t in r.resume():
         screen.write(t)
     show(r, screen, "[a r0] ", "finished")
-    assert screen.text() == ["[c r2] loss 0", "[c r2] loss 50", "[c r2] loss 100", "[c r2] loss 150",
-                             "meshrun: lost dc3-a", "[a r0] finished", "[b r1] step 199", ""]
+    assert screen.text() == [
+        "[c r2] loss 0",
+        "[c r2] loss 50",
+        "[c r2] loss 100",
+        "[c r2] loss 150",
+        "meshrun: lost dc3-a",
+        "[a r0] finished",
+        "[b r1] step 199",
+        "",
+    ]
 
 
 def test_a_bar_row_is_cut_to_the_terminal_width_so_it_stays_one_row():
@@ -212,9 +234,9 @@ def test_more_bars_than_fit_fall_back_to_a_line_now_and_then():
             for t in r.line(src, src, f"\rstep {i}", float(i)):
                 screen.write(t)
     rows = screen.text()
-    assert rows[-termtext.MAX_BARS - 1:] == [f"{s}step 99" for s in sources[:termtext.MAX_BARS]] + [""]
-    extra = rows[:-termtext.MAX_BARS - 1]
-    assert len(extra) == 2 * 4 and all(r.startswith(tuple(sources[termtext.MAX_BARS:])) for r in extra)
+    assert rows[-termtext.MAX_BARS - 1 :] == [f"{s}step 99" for s in sources[: termtext.MAX_BARS]] + [""]
+    extra = rows[: -termtext.MAX_BARS - 1]
+    assert len(extra) == 2 * 4 and all(r.startswith(tuple(sources[termtext.MAX_BARS :])) for r in extra)
 
 
 def test_a_file_gets_only_the_last_redraw_of_a_run_and_one_now_and_then():
@@ -225,12 +247,20 @@ def test_a_file_gets_only_the_last_redraw_of_a_run_and_one_now_and_then():
     out += f.line("[b r1] ", "[b r1] ", "other rank", 100.0)
     out += f.line("[a r0] ", "[a r0] ", "done", 101.0)
     out += f.line("[b r1] ", "[b r1] ", "\rlast", 102.0)
-    out += f.line("[b r1] ", "[b r1] ", "last", 103.0)         # its final line: the same text once
+    out += f.line("[b r1] ", "[b r1] ", "last", 103.0)  # its final line: the same text once
     out += f.line("[c r2] ", "[c r2] ", "\r\x1b[31mred bar", 104.0)
     out += f.finish()
-    assert out == ["[a r0] step 0\n", "[a r0] step 30\n", "[a r0] step 60\n", "[a r0] step 90\n",
-                   "[b r1] other rank\n", "[a r0] step 99\n", "[a r0] done\n", "[b r1] last\n",
-                   "[c r2] \x1b[31mred bar\x1b[0m\n"]
+    assert out == [
+        "[a r0] step 0\n",
+        "[a r0] step 30\n",
+        "[a r0] step 60\n",
+        "[a r0] step 90\n",
+        "[b r1] other rank\n",
+        "[a r0] step 99\n",
+        "[a r0] done\n",
+        "[b r1] last\n",
+        "[c r2] \x1b[31mred bar\x1b[0m\n",
+    ]
     assert termtext.split_redraw("\rx") == (True, "x") and termtext.split_redraw("x") == (False, "x")
 
 
@@ -254,9 +284,41 @@ def test_line_separators_and_bidi_overrides_go():
     assert clean("safe\u202etxt.exe\u2066x\u2069") == "safetxt.exex"
 
 
-_CONTROL_HEAVY = st.text(alphabet=st.sampled_from(
-    ["\x1b", "[", "]", "m", "0", "1", ";", "3", "2", "J", "H", "P", "\\", "\x07", "\x08", "\x00", "\r", "\n",
-     "\t", "\x9b", "\x9d", "\x9c", "\x7f", "a", "é", "\u2028", "\u202e", " "]), max_size=60) | st.text(max_size=60)
+_CONTROL_HEAVY = st.text(
+    alphabet=st.sampled_from(
+        [
+            "\x1b",
+            "[",
+            "]",
+            "m",
+            "0",
+            "1",
+            ";",
+            "3",
+            "2",
+            "J",
+            "H",
+            "P",
+            "\\",
+            "\x07",
+            "\x08",
+            "\x00",
+            "\r",
+            "\n",
+            "\t",
+            "\x9b",
+            "\x9d",
+            "\x9c",
+            "\x7f",
+            "a",
+            "é",
+            "\u2028",
+            "\u202e",
+            " ",
+        ]
+    ),
+    max_size=60,
+) | st.text(max_size=60)
 
 
 def _only_allowed(text: str) -> bool:
@@ -274,16 +336,15 @@ def test_clean_keeps_only_sgr_escapes_and_tab_and_is_idempotent(text):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["[a r0] ", "[b r1] ", "[c] "]), _CONTROL_HEAVY), max_size=25),
-       st.booleans())
+@given(st.lists(st.tuples(st.sampled_from(["[a r0] ", "[b r1] ", "[c] "]), _CONTROL_HEAVY), max_size=25), st.booleans())
 def test_whatever_nodes_send_each_line_shown_starts_with_its_prefix(lines, tty):
     """No text of a node can start a line of its own on the operator's terminal or escape but in colour."""
-    r = Redraws(tty=tty, width=200 if tty else None, file_every=2)     # wide: a row is one line
+    r = Redraws(tty=tty, width=200 if tty else None, file_every=2)  # wide: a row is one line
     written = ""
     for i, (src, text) in enumerate(lines):
         written += "".join(r.line(src, src, text, float(i)))
     written += "".join(r.finish())
-    if tty:                     # what a terminal ends up showing: every row from one line, prefix first
+    if tty:  # what a terminal ends up showing: every row from one line, prefix first
         screen = Screen(width=200)
         screen.write(written)
         assert all(row == "" or row.startswith(("[a r0]", "[b r1]", "[c]")) for row in screen.text())

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from meshrun.lab import testbed
 from meshrun.errors import NetworkError
+from meshrun.lab import testbed
 from meshrun.lab.testbed import DatacenterSpec
 from meshrun.system.procs import alive as _alive
 
@@ -81,10 +81,18 @@ class Server:
     """A probe server in a node, stopped (by its PID) when the with-block ends."""
 
     def __init__(self, node: testbed.Node, kind: str, port: int = PORT) -> None:
-        self.proc = node.popen(sys.executable, "-c", PROBE, f"serve-{kind}", str(port),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = node.popen(
+            sys.executable,
+            "-c",
+            PROBE,
+            f"serve-{kind}",
+            str(port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         line = self.proc.stdout.readline().strip()
         assert line == "ready", f"probe server did not start: {line!r} {self.proc.stderr.read()}"
         return self
@@ -111,7 +119,7 @@ def test_private_ips_do_not_cross_datacenters_public_ips_do(world_factory):
     assert a.private_ip == b.private_ip == "172.31.40.46"
     assert (a.public_ip, b.public_ip) == ("203.0.113.11", "203.0.113.21")
     with Server(b, "tcp"):
-        assert tcp(a, b.private_ip) == "ConnectionRefusedError"     # its own address: no listener there
+        assert tcp(a, b.private_ip) == "ConnectionRefusedError"  # its own address: no listener there
         assert tcp(a, b.public_ip).split()[0].split(":")[0] == a.public_ip
     route = testbed.sh(["ip", "-n", w.inet, "route", "get", "172.31.40.46"], check=False)
     assert route.returncode != 0 and "unreachable" in route.stderr.lower()
@@ -138,7 +146,7 @@ def test_symmetric_nat_blocks_unsolicited_inbound_and_remaps_ports(world_factory
     assert a.public_ip == pub == "198.51.100.1"
     with Server(a, "udp"), Server(a, "tcp"):
         assert udp(b, pub, PORT, 40000) == ["timeout"]
-        assert tcp(b, pub, PORT) == "ConnectionRefusedError"        # the gateway itself answers: no DNAT
+        assert tcp(b, pub, PORT) == "ConnectionRefusedError"  # the gateway itself answers: no DNAT
     with Server(b, "udp"), Server(c, "udp"):
         seen = []
         for sport in (40000, 40001, 40002):
@@ -192,8 +200,10 @@ def test_wireguard_go_per_node_and_clean_teardown(world_factory):
     root_before = set(_root_links())
     w = world_factory(2)
     a, b = w.nodes
-    procs = [n.popen("wireguard-go", "-f", "meshrun0", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for n in (a, b)]
+    procs = [
+        n.popen("wireguard-go", "-f", "meshrun0", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for n in (a, b)
+    ]
     try:
         for n, proc in zip((a, b), procs):
             deadline = time.monotonic() + 10
@@ -210,7 +220,7 @@ def test_wireguard_go_per_node_and_clean_teardown(world_factory):
         names = w.namespaces
         w.down()
         for p in procs:
-            p.wait(timeout=5)       # reap: killed by down()
+            p.wait(timeout=5)  # reap: killed by down()
         assert not [pid for pid in pids if _alive(pid)]
         assert not set(names) & set(testbed._list_netns())
         ours = {"wan0", "lan0", "gw0", "br0", "meshrun0", "to-dc1", "to-dc2"}
@@ -261,22 +271,35 @@ def test_failed_up_tears_down_and_names_the_command(world_factory, monkeypatch):
     assert not set(w.namespaces) & set(testbed._list_netns())
 
 
-@pytest.mark.parametrize("spec, qdisc", [
-    (DatacenterSpec("dc1"), []),
-    (DatacenterSpec("dc1", rate_mbit=200), ["tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms"]),
-    (DatacenterSpec("dc1", delay_ms=25, loss_pct=1), ["netem", "delay", "25ms", "loss", "1%", "limit", "10000"]),
-    (DatacenterSpec("dc1", delay_ms=2.5, rate_mbit=100),
-     ["netem", "delay", "2.5ms", "loss", "0%", "limit", "10000", "rate", "100mbit"]),
-])
+@pytest.mark.parametrize(
+    "spec, qdisc",
+    [
+        (DatacenterSpec("dc1"), []),
+        (DatacenterSpec("dc1", rate_mbit=200), ["tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms"]),
+        (DatacenterSpec("dc1", delay_ms=25, loss_pct=1), ["netem", "delay", "25ms", "loss", "1%", "limit", "10000"]),
+        (
+            DatacenterSpec("dc1", delay_ms=2.5, rate_mbit=100),
+            ["netem", "delay", "2.5ms", "loss", "0%", "limit", "10000", "rate", "100mbit"],
+        ),
+    ],
+)
 def test_wan_link_qdisc(spec, qdisc):
     """Delay or loss make the WAN link a netem (which then also limits the rate); rate alone a tbf."""
     assert testbed._wan_qdisc(spec) == qdisc
 
 
-@pytest.mark.parametrize("kw, word", [({"delay_ms": -1}, "delay -1"), ({"delay_ms": 20_000}, "delay 20000"),
-                                      ({"loss_pct": 100}, "loss 100%"), ({"loss_pct": -0.5}, "loss -0.5%")])
+@pytest.mark.parametrize(
+    "kw, word",
+    [
+        ({"delay_ms": -1}, "delay -1"),
+        ({"delay_ms": 20_000}, "delay 20000"),
+        ({"loss_pct": 100}, "loss 100%"),
+        ({"loss_pct": -0.5}, "loss -0.5%"),
+    ],
+)
 def test_bad_delay_or_loss_is_refused_with_the_range(kw, word):
     from meshrun.errors import UsageError
+
     with pytest.raises(UsageError) as info:
         DatacenterSpec("dc1", **kw).validate()
     assert word in str(info.value) and "use 0 to" in str(info.value)

@@ -9,9 +9,17 @@ import re
 
 import pytest
 
+from meshrun.core.token import (
+    PREFIX,
+    JoinToken,
+    hash_secret,
+    looks_like_token,
+    new_token,
+    parse_duration,
+    parse_token,
+    secret_matches,
+)
 from meshrun.errors import TokenError, UsageError
-from meshrun.core.token import (PREFIX, JoinToken, hash_secret, looks_like_token, new_token, parse_duration,
-                           parse_token, secret_matches)
 
 FP = "ab" * 32
 SECRET = bytes(range(32))
@@ -23,8 +31,7 @@ MALFORMED = "the join token's contents are malformed; " + FIX
 
 
 def make(**over) -> JoinToken:
-    fields = dict(network="lab", endpoints=("203.0.113.1:51820",), fingerprint=FP, token_id="abcde12345",
-                  secret=SECRET)
+    fields = dict(network="lab", endpoints=("203.0.113.1:51820",), fingerprint=FP, token_id="abcde12345", secret=SECRET)
     fields.update(over)
     return JoinToken(**fields)
 
@@ -92,8 +99,10 @@ class TestErrors:
         assert token_error("").startswith("this is not a meshrun join token")
 
     def test_wrong_version(self):
-        assert token_error("mr2.xxx") == ("join token version mr2 is not supported by this meshrun (it reads mr1); "
-                                          "use the same meshrun version on the node as on the coordinator")
+        assert token_error("mr2.xxx") == (
+            "join token version mr2 is not supported by this meshrun (it reads mr1); "
+            "use the same meshrun version on the node as on the coordinator"
+        )
 
     @pytest.mark.parametrize("drop", [1, 2, 3, 4, 5, 10, 40])
     def test_truncated(self, drop):
@@ -107,7 +116,7 @@ class TestErrors:
         s = make().encode()
         for i in range(len(PREFIX), len(s)):
             c = "A" if s[i] != "A" else "B"
-            flipped = s[:i] + c + s[i + 1:]
+            flipped = s[:i] + c + s[i + 1 :]
             try:
                 tok = parse_token(flipped)
             except TokenError as exc:
@@ -119,7 +128,7 @@ class TestErrors:
     def test_one_flip_in_the_middle(self):
         s = make().encode()
         i = len(s) // 2
-        assert token_error(s[:i] + ("x" if s[i] != "x" else "y") + s[i + 1:]) == GARBLED
+        assert token_error(s[:i] + ("x" if s[i] != "x" else "y") + s[i + 1 :]) == GARBLED
 
     def test_bad_base64(self):
         assert token_error("mr1.a") == NOT_B64
@@ -133,27 +142,34 @@ class TestErrors:
         assert token_error(raw_token(b"{not json")) == MALFORMED
         assert token_error(raw_token(b"\xff\xfe\xfd\xfc")) == MALFORMED
 
-    @pytest.mark.parametrize("payload", [
-        [1, 2], "str", 12345, None,
-        {"n": "lab"},
-        good_payload(e="203.0.113.1:51820"),            # a string, not a list
-        good_payload(e=[]),
-        good_payload(e=[5]),
-        good_payload(e=["no-port"]),
-        good_payload(e=["203.0.113.1:99999"]),
-        good_payload(n=123),
-        good_payload(n="Bad_Name"),
-        good_payload(n="lab\n"),
-        good_payload(f="AB" * 32),
-        good_payload(f=FP[:-1]),
-        good_payload(f=FP + "\n"),
-        good_payload(i=1234567890),
-        good_payload(i="short"),
-        good_payload(i="abcde12345\n"),
-        good_payload(s=5),
-        good_payload(s=SECRET_B64[:-4]),                 # 29 bytes
-        good_payload(s="!!!!"),
-    ], ids=lambda p: json.dumps(p)[:40])
+    @pytest.mark.parametrize(
+        "payload",
+        [
+            [1, 2],
+            "str",
+            12345,
+            None,
+            {"n": "lab"},
+            good_payload(e="203.0.113.1:51820"),  # a string, not a list
+            good_payload(e=[]),
+            good_payload(e=[5]),
+            good_payload(e=["no-port"]),
+            good_payload(e=["203.0.113.1:99999"]),
+            good_payload(n=123),
+            good_payload(n="Bad_Name"),
+            good_payload(n="lab\n"),
+            good_payload(f="AB" * 32),
+            good_payload(f=FP[:-1]),
+            good_payload(f=FP + "\n"),
+            good_payload(i=1234567890),
+            good_payload(i="short"),
+            good_payload(i="abcde12345\n"),
+            good_payload(s=5),
+            good_payload(s=SECRET_B64[:-4]),  # 29 bytes
+            good_payload(s="!!!!"),
+        ],
+        ids=lambda p: json.dumps(p)[:40],
+    )
     def test_bad_field_shapes(self, payload):
         assert token_error(raw_token(json.dumps(payload).encode())) == MALFORMED
 
@@ -188,23 +204,38 @@ class TestSecret:
 
 
 class TestDuration:
-    @pytest.mark.parametrize("value,seconds", [
-        ("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("30d", 2592000), ("1s", 1),
-        (" 2H ", 7200), ("720h", 2592000),
-    ])
+    @pytest.mark.parametrize(
+        "value,seconds",
+        [
+            ("90s", 90),
+            ("30m", 1800),
+            ("12h", 43200),
+            ("7d", 604800),
+            ("30d", 2592000),
+            ("1s", 1),
+            (" 2H ", 7200),
+            ("720h", 2592000),
+        ],
+    )
     def test_good(self, value, seconds):
         assert parse_duration(value) == seconds
 
-    @pytest.mark.parametrize("value", ["0s", "31d", "721h", "5y", "12", "h", "", "1.5h", "-1h", "1h30m", "12h\n1",
-                                       "1" * 5000 + "s", "١٢h"])
+    @pytest.mark.parametrize(
+        "value", ["0s", "31d", "721h", "5y", "12", "h", "", "1.5h", "-1h", "1h30m", "12h\n1", "1" * 5000 + "s", "١٢h"]
+    )
     def test_bad(self, value):
         with pytest.raises(UsageError) as info:
             parse_duration(value)
-        assert str(info.value) == (f"--ttl {value!r} is not a duration between 1s and 30d; "
-                                   "write it as a number and a unit, e.g. --ttl 12h, 30m or 2d")
+        assert str(info.value) == (
+            f"--ttl {value!r} is not a duration between 1s and 30d; "
+            "write it as a number and a unit, e.g. --ttl 12h, 30m or 2d"
+        )
         assert info.value.exit_code == 2
 
     def test_option_name_in_message(self):
-        with pytest.raises(UsageError, match=r"^--expire '5y' is not a duration between 1s and 30d; "
-                                             r"write it as a number and a unit, e.g. --expire 12h"):
+        with pytest.raises(
+            UsageError,
+            match=r"^--expire '5y' is not a duration between 1s and 30d; "
+            r"write it as a number and a unit, e.g. --expire 12h",
+        ):
             parse_duration("5y", "--expire")

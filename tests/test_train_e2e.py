@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import joined_mesh
+
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -19,8 +19,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    with joined_mesh(tmp_path_factory, [DatacenterSpec(n) for n in ("hq", "dc1", "dc2", "dc3")], "hq-a",
-                     ("dc1-a", "dc2-a", "dc3-a")) as m:
+    with joined_mesh(
+        tmp_path_factory, [DatacenterSpec(n) for n in ("hq", "dc1", "dc2", "dc3")], "hq-a", ("dc1-a", "dc2-a", "dc3-a")
+    ) as m:
         yield m
 
 
@@ -70,9 +71,23 @@ def _workers(mesh: Mesh) -> list[str]:
 def test_sigint_stops_every_worker(mesh):
     """SIGINT to `meshrun train` on the coordinator leaves no worker process on any node."""
     coord = mesh.coordinator
-    proc = coord.popen(mesh.python, "-m", "meshrun", "train", "--state-dir", str(mesh.state_dir(coord)),
-                       "ddp_train.py", "--epochs", "100", "--sleep-per-step", "0.2",
-                       cwd=EXAMPLES, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = coord.popen(
+        mesh.python,
+        "-m",
+        "meshrun",
+        "train",
+        "--state-dir",
+        str(mesh.state_dir(coord)),
+        "ddp_train.py",
+        "--epochs",
+        "100",
+        "--sleep-per-step",
+        "0.2",
+        cwd=EXAMPLES,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         seen = []
@@ -81,11 +96,12 @@ def test_sigint_stops_every_worker(mesh):
             if "training on 3 rank(s)" in line:
                 break
             assert time.monotonic() < deadline, "".join(seen)
-        assert len(_workers(mesh)) >= 6   # torchrun + worker wrapper + script per node
+        assert len(_workers(mesh)) >= 6  # torchrun + worker wrapper + script per node
         # nsenter runs meshrun as its child: signal the meshrun process itself.
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         target = int(children[0]) if children else proc.pid
         import os
+
         os.kill(target, signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]
         assert proc.returncode == 130, "".join(seen) + rest
@@ -101,14 +117,15 @@ def test_sigint_stops_every_worker(mesh):
 
 
 def test_dry_run_prints_each_nodes_command(mesh):
-    res = train(mesh, "--dry-run", "--nproc-per-node", "2", "ddp_train.py", "--epochs", "2", "--nnodes", "9",
-                check=True)
+    res = train(
+        mesh, "--dry-run", "--nproc-per-node", "2", "ddp_train.py", "--epochs", "2", "--nnodes", "9", check=True
+    )
     blocks = re.findall(r"^# (dc\d-a)$", res.stdout, re.M)
     assert blocks == ["dc1-a", "dc2-a", "dc3-a"]
     for ip in ("10.213.0.2", "10.213.0.3", "10.213.0.4"):
         assert f"--local-addr {ip}" in res.stdout
-    assert res.stdout.count("--rdzv-endpoint 10.213.0.1:29401") == 3     # the job's own store
-    assert res.stdout.count("--rdzv-backend meshrun") == 3                # its agent store on the overlay only
+    assert res.stdout.count("--rdzv-endpoint 10.213.0.1:29401") == 3  # the job's own store
+    assert res.stdout.count("--rdzv-backend meshrun") == 3  # its agent store on the overlay only
     assert res.stdout.count("NCCL_SOCKET_IFNAME==meshrun0") == 3
     assert res.stdout.count("GLOO_SOCKET_IFNAME=meshrun0") == 3
     assert res.stdout.count("is_host=0") == 3
@@ -119,8 +136,10 @@ def test_dry_run_prints_each_nodes_command(mesh):
 def test_job_file_runs_a_module_and_the_command_line_wins(mesh, tmp_path):
     """--config: a job file's settings reach every node; options on the command line override it."""
     job = tmp_path / "job.toml"
-    job.write_text('script = "ddp_train"\nmodule = true\nargs = ["--epochs", "1", "--steps-per-epoch", "5"]\n'
-                   'nnodes = 2\nnodes = ["dc1-a", "dc2-a"]\nrdzv_timeout = 600\n[env]\nMESHRUN_JOBFILE_TEST = "yes"\n')
+    job.write_text(
+        'script = "ddp_train"\nmodule = true\nargs = ["--epochs", "1", "--steps-per-epoch", "5"]\n'
+        'nnodes = 2\nnodes = ["dc1-a", "dc2-a"]\nrdzv_timeout = 600\n[env]\nMESHRUN_JOBFILE_TEST = "yes"\n'
+    )
     res = train(mesh, "--config", str(job), "--dry-run", "--rdzv-timeout", "77", check=True)
     assert re.findall(r"^# (dc\d-a)$", res.stdout, re.M) == ["dc1-a", "dc2-a"]
     assert res.stdout.count("join_timeout=77") == 2 and "join_timeout=600" not in res.stdout
@@ -134,13 +153,15 @@ def test_job_file_runs_a_module_and_the_command_line_wins(mesh, tmp_path):
 
 
 def test_missing_node_times_out_naming_it(mesh):
-    res = train(mesh, "--nodes", "dc1-a,dc2-a", "--nnodes", "2", "--timeout", "3", "--dry-run", "ddp_train.py",
-                check=True)
+    res = train(
+        mesh, "--nodes", "dc1-a,dc2-a", "--nnodes", "2", "--timeout", "3", "--dry-run", "ddp_train.py", check=True
+    )
     assert "# dc3-a" not in res.stdout
     res = train(mesh, "--nodes", "nosuch", "ddp_train.py")
     assert res.returncode != 0
     assert res.stderr.strip().splitlines() == [
-        "meshrun: error: --nodes names unknown node(s): nosuch; members are: dc1-a, dc2-a, dc3-a"]
+        "meshrun: error: --nodes names unknown node(s): nosuch; members are: dc1-a, dc2-a, dc3-a"
+    ]
 
 
 def test_elastic_job_starts_without_a_node_that_is_down(mesh):
@@ -149,8 +170,9 @@ def test_elastic_job_starts_without_a_node_that_is_down(mesh):
     assert mesh.meshrun("dc3-a", "leave").returncode == 0
     try:
         t0 = time.monotonic()
-        res = train(mesh, "--nnodes", "1:3", "--timeout", "120", "ddp_train.py", "--epochs", "1",
-                    "--steps-per-epoch", "5")
+        res = train(
+            mesh, "--nnodes", "1:3", "--timeout", "120", "ddp_train.py", "--epochs", "1", "--steps-per-epoch", "5"
+        )
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert "2/3 nodes ready (waiting for: dc3-a)" in res.stderr
         assert re.search(r"meshrun: job \S+ finished on 2 node\(s\)", res.stderr), res.stderr

@@ -23,8 +23,9 @@ class Recorder:
     def __call__(self, req: Request) -> Response:
         self.requests.append(req)
         if req.path == "/echo":
-            return Response(200, {"method": req.method, "body": req.body, "raw": req.raw.decode(),
-                                  "client_ip": req.client_ip})
+            return Response(
+                200, {"method": req.method, "body": req.body, "raw": req.raw.decode(), "client_ip": req.client_ip}
+            )
         if req.path == "/token-error":
             raise TokenError("this join token has expired", "ask for a new token")
         if req.path == "/state-error":
@@ -99,7 +100,11 @@ class TestPinnedTLS:
     def test_right_fingerprint(self, tls_server, handler):
         srv, fp = tls_server
         assert call("127.0.0.1", port_of(srv), "POST", "/echo", {"a": 1}, fingerprint=fp) == {
-            "method": "POST", "body": {"a": 1}, "raw": '{"a": 1}', "client_ip": "127.0.0.1"}
+            "method": "POST",
+            "body": {"a": 1},
+            "raw": '{"a": 1}',
+            "client_ip": "127.0.0.1",
+        }
         assert len(handler.requests) == 1
 
     def test_wrong_fingerprint_never_sends_the_body(self, tls_server, handler):
@@ -107,9 +112,11 @@ class TestPinnedTLS:
         wrong = "0" * 64
         with pytest.raises(CoordinatorError) as info:
             call("127.0.0.1", port_of(srv), "POST", "/echo", {"secret": "s3cr3t"}, fingerprint=wrong)
-        assert str(info.value) == (f"the TLS certificate at 127.0.0.1:{port_of(srv)} does not match the join "
-                                   "token's fingerprint; make sure the token is for this coordinator; if the "
-                                   "coordinator was re-initialised, create a new token there")
+        assert str(info.value) == (
+            f"the TLS certificate at 127.0.0.1:{port_of(srv)} does not match the join "
+            "token's fingerprint; make sure the token is for this coordinator; if the "
+            "coordinator was re-initialised, create a new token there"
+        )
         # The server is still healthy, and it never saw the request.
         call("127.0.0.1", port_of(srv), "GET", "/echo", fingerprint=fp)
         assert [r.method for r in handler.requests] == ["GET"]
@@ -134,8 +141,10 @@ class TestClientErrors:
         s.close()
         with pytest.raises(CoordinatorError) as info:
             call("127.0.0.1", port, "GET", "/x", timeout=5)
-        assert str(info.value) == (f"cannot reach 127.0.0.1:{port} over TCP (Connection refused); check that the "
-                                   f"address is right and TCP port {port} is open on that machine")
+        assert str(info.value) == (
+            f"cannot reach 127.0.0.1:{port} over TCP (Connection refused); check that the "
+            f"address is right and TCP port {port} is open on that machine"
+        )
 
     def test_named_error_class_is_re_raised(self, plain_server):
         with pytest.raises(TokenError) as info:
@@ -158,8 +167,9 @@ class TestClientErrors:
     def test_error_without_error_body(self, plain_server):
         with pytest.raises(CoordinatorError) as info:
             call("127.0.0.1", port_of(plain_server), "GET", "/not-json-error")
-        assert str(info.value) == (f"127.0.0.1:{port_of(plain_server)} answered HTTP 502; "
-                                   "see the daemon log on that machine")
+        assert str(info.value) == (
+            f"127.0.0.1:{port_of(plain_server)} answered HTTP 502; see the daemon log on that machine"
+        )
 
     def test_non_object_answer(self, plain_server):
         with pytest.raises(CoordinatorError, match="sent an unexpected answer"):
@@ -184,12 +194,16 @@ class TestClientErrors:
 
 class TestServerLimits:
     def test_declared_oversize_body_is_413_unread(self, plain_server, handler):
-        status, body = raw_http(port_of(plain_server),
-                                b"POST /echo HTTP/1.0\r\nContent-Type: application/json\r\n"
-                                b"Content-Length: 1000000000\r\n\r\n{}")
+        status, body = raw_http(
+            port_of(plain_server),
+            b"POST /echo HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n{}",
+        )
         assert status == 413
-        assert body == {"error": f"request body over {MAX_JSON} bytes or without length", "fix": "",
-                        "kind": "CoordinatorError"}
+        assert body == {
+            "error": f"request body over {MAX_JSON} bytes or without length",
+            "fix": "",
+            "kind": "CoordinatorError",
+        }
         assert handler.requests == []
 
     def test_bad_length_is_413(self, plain_server, handler):
@@ -197,16 +211,20 @@ class TestServerLimits:
         assert status == 413 and handler.requests == []
 
     def test_absurd_length_is_413(self, plain_server, handler):
-        status, _ = raw_http(port_of(plain_server),
-                             b"POST /echo HTTP/1.0\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n")
+        status, _ = raw_http(
+            port_of(plain_server), b"POST /echo HTTP/1.0\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n"
+        )
         assert status == 413 and handler.requests == []
 
     def test_oversize_json_on_raw_capable_server(self, handler):
         srv = _serve(handler, max_body=4 * MAX_JSON)
         try:
             body = b'"' + b"x" * MAX_JSON + b'"'
-            status, got = raw_http(port_of(srv), b"POST /echo HTTP/1.0\r\nContent-Type: application/json\r\n"
-                                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            status, got = raw_http(
+                port_of(srv),
+                b"POST /echo HTTP/1.0\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body,
+            )
             assert status == 413 and got["error"] == f"request body over {MAX_JSON} bytes or without length"
             # The same size as an upload is fine.
             assert call("127.0.0.1", port_of(srv), "POST", "/echo", raw=body)["raw"] == body.decode()
@@ -217,8 +235,11 @@ class TestServerLimits:
 
     @pytest.mark.parametrize("payload", [b"{not json", b"\xff\xfe\xfd", b'{"a": 1'])
     def test_malformed_json_is_400(self, plain_server, handler, payload):
-        status, body = raw_http(port_of(plain_server), b"POST /echo HTTP/1.0\r\nContent-Type: application/json\r\n"
-                                b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        status, body = raw_http(
+            port_of(plain_server),
+            b"POST /echo HTTP/1.0\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(payload) + payload,
+        )
         assert status == 400
         assert body == {"error": "request body is not valid JSON", "fix": "", "kind": "CoordinatorError"}
         assert handler.requests == []
@@ -262,6 +283,7 @@ class TestStream:
                     i += 1
             finally:
                 closed.set()
+
         srv = _serve(lambda req: Response(200, stream=endless()))
         try:
             gen = stream("127.0.0.1", port_of(srv), "/x", {})

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import joined_mesh
+
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -86,15 +86,20 @@ TRAIN = textwrap.dedent('''\
     print(f"last line: rank {rank} of {world} finished from epoch {start} to {args.epochs} params {digest:.6f}",
           flush=True)
 ''')
-MODEL = "import torch\n\n\ndef make_model():\n    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))\n"
-LAST = re.compile(r"^\[(\S+) r(\d+)\] last line: rank (\d+) of (\d+) finished from epoch (\d+) to (\d+) params (\S+)$",
-                  re.M)
+MODEL = (
+    "import torch\n\n\ndef make_model():\n"
+    "    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))\n"
+)
+LAST = re.compile(
+    r"^\[(\S+) r(\d+)\] last line: rank (\d+) of (\d+) finished from epoch (\d+) to (\d+) params (\S+)$", re.M
+)
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    with joined_mesh(tmp_path_factory, [DatacenterSpec(n) for n in ("hq", "dc1", "dc2")], "hq-a",
-                     ("dc1-a", "dc2-a")) as m:
+    with joined_mesh(
+        tmp_path_factory, [DatacenterSpec(n) for n in ("hq", "dc1", "dc2")], "hq-a", ("dc1-a", "dc2-a")
+    ) as m:
         yield m
 
 
@@ -104,12 +109,17 @@ def project(root: Path, name: str, git: bool) -> Path:
     (proj / "data").mkdir(parents=True)
     (proj / "train.py").write_text(TRAIN)
     (proj / "model.py").write_text(MODEL)
-    with open(proj / "data" / "corpus.bin", "wb") as f:       # 200 MB as the listing sees it
+    with open(proj / "data" / "corpus.bin", "wb") as f:  # 200 MB as the listing sees it
         f.truncate(200 * 1000 * 1000)
     if git:
         (proj / ".gitignore").write_text("data/\n__pycache__/\n")
-        env = {**os.environ, "GIT_AUTHOR_NAME": "u", "GIT_AUTHOR_EMAIL": "u@x", "GIT_COMMITTER_NAME": "u",
-               "GIT_COMMITTER_EMAIL": "u@x"}
+        env = {
+            **os.environ,
+            "GIT_AUTHOR_NAME": "u",
+            "GIT_AUTHOR_EMAIL": "u@x",
+            "GIT_COMMITTER_NAME": "u",
+            "GIT_COMMITTER_EMAIL": "u@x",
+        }
         for cmd in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "start"]):
             subprocess.run(["git", "-C", str(proj), *cmd], check=True, env=env, capture_output=True)
     else:
@@ -121,8 +131,14 @@ def shell(mesh: Mesh, proj: Path, line: str, timeout: float = 300) -> subprocess
     """`line` in a shell on the coordinator, in the project directory, `meshrun` being the real CLI."""
     coord = mesh.coordinator
     meshrun = f"{shlex.quote(mesh.python)} -m meshrun"
-    return coord.run("sh", "-c", f"cd {shlex.quote(str(proj))} && {line.replace('meshrun', meshrun, 1)}",
-                     check=False, timeout=timeout, env={"MESHRUN_STATE_DIR": str(mesh.state_dir(coord))})
+    return coord.run(
+        "sh",
+        "-c",
+        f"cd {shlex.quote(str(proj))} && {line.replace('meshrun', meshrun, 1)}",
+        check=False,
+        timeout=timeout,
+        env={"MESHRUN_STATE_DIR": str(mesh.state_dir(coord))},
+    )
 
 
 def last_lines(out: str) -> dict[int, tuple]:
@@ -140,8 +156,9 @@ def test_a_git_project_with_its_log_redirected_into_it_runs_ships_only_code_and_
     assert re.search(r"^#   ships 3 file\(s\), .* from .*charlm \(git's ignore rules\)", dry.stdout, re.M), dry.stdout
     assert re.search(r"^#   not shipped: data/ 190\.7 MiB \(1 files\)", dry.stdout, re.M), dry.stdout
 
-    res = shell(mesh, proj, "meshrun train --env JOURNEY_ENV=hello train.py --epochs 2 --tag first --bar 4000 "
-                            "> train.log 2>&1")
+    res = shell(
+        mesh, proj, "meshrun train --env JOURNEY_ENV=hello train.py --epochs 2 --tag first --bar 4000 > train.log 2>&1"
+    )
     log = (proj / "train.log").read_text()
     assert res.returncode == 0, log
     assert "pre-flight refused" not in log and "differs" not in log
@@ -151,8 +168,8 @@ def test_a_git_project_with_its_log_redirected_into_it_runs_ships_only_code_and_
     lasts = last_lines(log)
     assert sorted(lasts) == [0, 1], log
     assert {g[0] for g in lasts.values()} == {"dc1-a", "dc2-a"}
-    assert {g[5:] for g in lasts.values()} == {("2", next(iter(lasts.values()))[6])}   # same epochs and params
-    assert all(g[4] == "0" for g in lasts.values())                                  # a fresh start
+    assert {g[5:] for g in lasts.values()} == {("2", next(iter(lasts.values()))[6])}  # same epochs and params
+    assert all(g[4] == "0" for g in lasts.values())  # a fresh start
     assert log.count("tag=first env=hello cwd_is_output_dir=True project=charlm") == 2
     # the progress bar: its final state arrived, not thousands of redraws
     assert re.search(r"eval: 100%.*4000/4000", log), log[-3000:]
@@ -161,8 +178,13 @@ def test_a_git_project_with_its_log_redirected_into_it_runs_ships_only_code_and_
         work = work_dir(mesh, node, "charlm")
         shipped = json.loads((work.parent / "shipped.json").read_text())["names"]
         assert shipped == [".gitignore", "model.py", "train.log", "train.py"]
-        assert sorted(p.name for p in work.iterdir()) == [".gitignore", "checkpoints", "model.py", "train.log",
-                                                          "train.py"]
+        assert sorted(p.name for p in work.iterdir()) == [
+            ".gitignore",
+            "checkpoints",
+            "model.py",
+            "train.log",
+            "train.py",
+        ]
     assert re.search(r"meshrun: job \S+ finished on 2 node\(s\)", log)
 
 
@@ -170,21 +192,28 @@ def test_the_next_job_resumes_from_the_checkpoints_and_they_can_be_pulled(mesh, 
     """A project without git (.meshrunignore leaves data/ out), `| tee` into it, the coordinator training
     too; the next job resumes where the first stopped; `meshrun pull` brings the checkpoints back."""
     proj = project(tmp_path, "resumable", git=False)
-    first = shell(mesh, proj, "meshrun train --with-coordinator --job-id journey-a train.py --epochs 2 --tag a "
-                              "2>&1 | tee train.log")
+    first = shell(
+        mesh,
+        proj,
+        "meshrun train --with-coordinator --job-id journey-a train.py --epochs 2 --tag a 2>&1 | tee train.log",
+    )
     assert first.returncode == 0, first.stdout
     assert (proj / "train.log").read_text() == first.stdout
     lasts = last_lines(first.stdout)
-    assert sorted(lasts) == [0, 1, 2] and {g[0] for g in lasts.values()} == {"coordinator", "dc1-a", "dc2-a"}, \
+    assert sorted(lasts) == [0, 1, 2] and {g[0] for g in lasts.values()} == {"coordinator", "dc1-a", "dc2-a"}, (
         first.stdout
-    assert re.search(r"meshrun: shipping 4 file\(s\)", first.stdout)   # .meshrunignore, model.py, train.log, train.py
+    )
+    assert re.search(r"meshrun: shipping 4 file\(s\)", first.stdout)  # .meshrunignore, model.py, train.log, train.py
 
-    second = shell(mesh, proj, "meshrun train --resume journey-a --job-id journey-b train.py --epochs 4 --tag b "
-                               "2>&1 | tee train.log")
+    second = shell(
+        mesh,
+        proj,
+        "meshrun train --resume journey-a --job-id journey-b train.py --epochs 4 --tag b 2>&1 | tee train.log",
+    )
     assert second.returncode == 0, second.stdout
     lasts = last_lines(second.stdout)
     assert sorted(lasts) == [0, 1, 2], second.stdout
-    assert {(g[4], g[5]) for g in lasts.values()} == {("2", "4")}, second.stdout    # from epoch 2, everywhere
+    assert {(g[4], g[5]) for g in lasts.values()} == {("2", "4")}, second.stdout  # from epoch 2, everywhere
     assert len({g[6] for g in lasts.values()}) == 1
 
     dest = tmp_path / "pulled"
@@ -200,7 +229,7 @@ def test_the_next_job_resumes_from_the_checkpoints_and_they_can_be_pulled(mesh, 
     assert pruned.returncode == 0 and "journey-a" in pruned.stdout and "journey-b" in pruned.stdout, pruned.stdout
     for node in ("dc1-a", "dc2-a"):
         assert not (mesh.state_dir(mesh.world.node(node)) / "jobs" / "journey-b").exists()
-        assert (work_dir(mesh, node, "resumable") / "checkpoints" / "last.pt").exists()   # the project stays
+        assert (work_dir(mesh, node, "resumable") / "checkpoints" / "last.pt").exists()  # the project stays
     removed = shell(mesh, proj, "meshrun jobs --prune-project resumable")
     assert removed.returncode == 0, removed.stdout + removed.stderr
     assert not work_dir(mesh, "dc1-a", "resumable").exists()

@@ -22,4 +22,4 @@ def test_only_a_release_without_batched_io_is_warned_about_with_the_cost_and_the
     assert "apt-get install -t bookworm-backports wireguard-go" in warning and "kernel WireGuard" in warning
     assert versions.wireguard_go_warning(versions.parse(NEW)) is None
     assert versions.wireguard_go_warning((0, 0, 20231211)) is None
-    assert versions.wireguard_go_warning(None) is None          # unknown: say nothing rather than guess
+    assert versions.wireguard_go_warning(None) is None  # unknown: say nothing rather than guess

@@ -13,14 +13,22 @@ import os
 from pathlib import Path
 
 import pytest
-
 import vm
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 SCENARIO = Path(__file__).resolve().parent / "scripts" / "vm_mesh.py"
-EXPECTED = ["netem_on_the_wan", "three_datacenters_all_pairs_ping", "a_later_node_is_reached_by_all",
-            "without_restarts", "kernel_backend", "symmetric_pair_relayed_others_direct", "tcp_transfer_over_the_relayed_pair",
-            "leave_removes_the_interface", "down_removes_the_interface", "world_torn_down"]
+EXPECTED = [
+    "netem_on_the_wan",
+    "three_datacenters_all_pairs_ping",
+    "a_later_node_is_reached_by_all",
+    "without_restarts",
+    "kernel_backend",
+    "symmetric_pair_relayed_others_direct",
+    "tcp_transfer_over_the_relayed_pair",
+    "leave_removes_the_interface",
+    "down_removes_the_interface",
+    "world_torn_down",
+]
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,15 @@ PersistentKeepalive = 25
 
 
 def render(peers=PEERS, **kw) -> str:
-    return render_quick(PRIV, "10.213.0.2/16", 51820, 1420, peers,
-                        comment=kw.pop("comment", "meshrun network lab (node gpu-a)\nmanaged by meshrun"), **kw)
+    return render_quick(
+        PRIV,
+        "10.213.0.2/16",
+        51820,
+        1420,
+        peers,
+        comment=kw.pop("comment", "meshrun network lab (node gpu-a)\nmanaged by meshrun"),
+        **kw,
+    )
 
 
 def wg_quick_strip(tmp_path, text: str, iface: str = "meshrun0") -> str:
@@ -68,8 +75,9 @@ class TestRender:
         assert render(list(reversed(PEERS))) == render(PEERS)
 
     def test_no_peers_no_comment(self):
-        assert render([], comment="") == (f"[Interface]\nPrivateKey = {PRIV}\nAddress = 10.213.0.2/16\n"
-                                          "ListenPort = 51820\nMTU = 1420\n")
+        assert render([], comment="") == (
+            f"[Interface]\nPrivateKey = {PRIV}\nAddress = 10.213.0.2/16\nListenPort = 51820\nMTU = 1420\n"
+        )
 
     def test_keepalive_zero_and_no_name_omitted(self):
         text = render([PeerSpec(KEY_A, ("10.213.0.1/32",), None, 0, "")], comment="")
@@ -80,8 +88,12 @@ class TestRender:
         iface, peers = read_quick(render())
         assert iface == {"PrivateKey": PRIV, "Address": "10.213.0.2/16", "ListenPort": 51820, "MTU": 1420}
         assert peers == {
-            KEY_A: {"PublicKey": KEY_A, "AllowedIPs": ["10.213.0.1/32", "10.213.9.0/24"],
-                    "Endpoint": "203.0.113.1:51820", "PersistentKeepalive": 25},
+            KEY_A: {
+                "PublicKey": KEY_A,
+                "AllowedIPs": ["10.213.0.1/32", "10.213.9.0/24"],
+                "Endpoint": "203.0.113.1:51820",
+                "PersistentKeepalive": 25,
+            },
             KEY_B: {"PublicKey": KEY_B, "AllowedIPs": "10.213.0.3/32", "PersistentKeepalive": 25},
         }
 
@@ -99,8 +111,17 @@ class TestRender:
     @needs_wg_quick
     def test_wg_quick_strip_with_ipv6_endpoint_and_many_peers(self, tmp_path):
         import base64
-        many = [PeerSpec(base64.b64encode(bytes([i]) * 32).decode(), (f"10.213.1.{i}/32",),
-                         f"[2001:db8::{i:x}]:51820" if i % 2 else None, 25, f"n{i}") for i in range(1, 40)]
+
+        many = [
+            PeerSpec(
+                base64.b64encode(bytes([i]) * 32).decode(),
+                (f"10.213.1.{i}/32",),
+                f"[2001:db8::{i:x}]:51820" if i % 2 else None,
+                25,
+                f"n{i}",
+            )
+            for i in range(1, 40)
+        ]
         stripped = wg_quick_strip(tmp_path, render(many), iface="wg-test.1")
         _, peers = read_quick(stripped)
         assert len(peers) == 39
@@ -118,8 +139,10 @@ class TestRender:
     def test_every_line_is_wg_syntax(self):
         # `wg-quick strip` is lenient, so also check the shape `wg setconf` requires.
         section = None
-        allowed = {"Interface": {"PrivateKey", "Address", "ListenPort", "MTU"},
-                   "Peer": {"PublicKey", "AllowedIPs", "Endpoint", "PersistentKeepalive"}}
+        allowed = {
+            "Interface": {"PrivateKey", "Address", "ListenPort", "MTU"},
+            "Peer": {"PublicKey", "AllowedIPs", "Endpoint", "PersistentKeepalive"},
+        }
         for line in render().splitlines():
             if not line or line.startswith("# "):
                 continue

@@ -56,28 +56,35 @@ def unavailable() -> str | None:
 
 def _link_tree(src: Path, dst: Path, skip: set[Path]) -> None:
     """Copy a tree as hard links (copies across file systems), leaving out `skip`."""
+
     def link(a: str, b: str) -> None:
         try:
             os.link(a, b)
         except OSError:
             shutil.copy2(a, b)
-    shutil.copytree(src, dst, symlinks=True, copy_function=link,
-                    ignore=lambda d, names: [n for n in names if Path(d, n) in skip])
+
+    shutil.copytree(
+        src, dst, symlinks=True, copy_function=link, ignore=lambda d, names: [n for n in names if Path(d, n) in skip]
+    )
 
 
 def build_image(workdir: Path) -> Path:
     """An ext4 image holding the interpreter, the venv and the meshrun package (hard-link staged)."""
     stage = workdir / "stage"
     stdlib = Path(sysconfig.get_paths(vars={"base": str(BASE), "installed_base": str(BASE)})["stdlib"])
-    _link_tree(BASE, stage / "py", {stdlib / "site-packages", stdlib / "test",
-                                    *stdlib.glob("config-*")})
+    _link_tree(BASE, stage / "py", {stdlib / "site-packages", stdlib / "test", *stdlib.glob("config-*")})
     (stage / "py" / stdlib.relative_to(BASE) / "site-packages").mkdir(exist_ok=True)
     site = Path(sysconfig.get_paths()["purelib"])
     _link_tree(VENV, stage / "venv", {p for name in SKIP_PACKAGES for p in site.glob(name + "*")})
     _link_tree(REPO / "meshrun", stage / "src", set())
     image = workdir / "python.ext4"
-    subprocess.run(["mke2fs", "-q", "-F", "-t", "ext4", "-d", str(stage), str(image), "3G"], check=True,
-                   capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        ["mke2fs", "-q", "-F", "-t", "ext4", "-d", str(stage), str(image), "3G"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     shutil.rmtree(stage)
     return image
 
@@ -105,12 +112,28 @@ set +e
 echo $? > {out}/rc
 """)
     guest.chmod(0o755)
-    argv = [str(VENV / "bin" / "vng"), "--disable-kvm", "--disable-microvm", "--run", str(kernel()),
-            "--cpus", "2", "--memory", "3G", "--rwdir", str(out), "--disk", f"{image}", "--exec", str(guest)]
+    argv = [
+        str(VENV / "bin" / "vng"),
+        "--disable-kvm",
+        "--disable-microvm",
+        "--run",
+        str(kernel()),
+        "--cpus",
+        "2",
+        "--memory",
+        "3G",
+        "--rwdir",
+        str(out),
+        "--disk",
+        f"{image}",
+        "--exec",
+        str(guest),
+    ]
     env = dict(os.environ, PATH=f"{VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}")
     # Its own session: on a timeout the whole group goes (vng's qemu child included), by the pgid we made.
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         vng, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -122,8 +145,10 @@ echo $? > {out}/rc
             proc.wait()
         image.unlink(missing_ok=True)
     rc_file, checks = out / "rc", out / "checks.jsonl"
-    return {"rc": int(rc_file.read_text()) if rc_file.exists() else None,
-            "checks": [json.loads(x) for x in checks.read_text().splitlines()] if checks.exists() else [],
-            "done": (out / "done").exists(),
-            "log": (out / "guest.log").read_text(errors="replace") if (out / "guest.log").exists() else "",
-            "vng": vng}
+    return {
+        "rc": int(rc_file.read_text()) if rc_file.exists() else None,
+        "checks": [json.loads(x) for x in checks.read_text().splitlines()] if checks.exists() else [],
+        "done": (out / "done").exists(),
+        "log": (out / "guest.log").read_text(errors="replace") if (out / "guest.log").exists() else "",
+        "vng": vng,
+    }

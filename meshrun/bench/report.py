@@ -14,12 +14,12 @@ from pathlib import Path
 
 from meshrun.errors import UsageError
 
-SLOW_FRACTION = 0.5           # a pair below this fraction of the median bandwidth is flagged
+SLOW_FRACTION = 0.5  # a pair below this fraction of the median bandwidth is flagged
 DEFAULT_SIZES = "1M,4M,16M,64M"
 DEFAULT_DURATION = 2.0
 DEFAULT_STREAMS = 4
 PROGRESS_MARKS = ("] pair ", "] all_reduce ", "meshrun: ")
-RESULT_MARK = "MESHRUN_BENCH_RESULT "    # rank 0 of the bench job prints its result after this
+RESULT_MARK = "MESHRUN_BENCH_RESULT "  # rank 0 of the bench job prints its result after this
 
 
 def busbw(algbw: float, world: int) -> float:
@@ -48,8 +48,9 @@ def parse_sizes(text: str) -> list[int]:
     except (ValueError, IndexError):
         sizes = []
     if not sizes or any(s < 4 for s in sizes):
-        raise UsageError(f"--sizes {text!r} is not a comma-separated list of sizes of at least 4 bytes",
-                         "e.g. --sizes 1M,4M,16M")
+        raise UsageError(
+            f"--sizes {text!r} is not a comma-separated list of sizes of at least 4 bytes", "e.g. --sizes 1M,4M,16M"
+        )
     return sorted(set(sizes))
 
 
@@ -72,8 +73,9 @@ def flag_slow(pairs: list[dict], fraction: float = SLOW_FRACTION) -> list[dict]:
     for p, r in zip(pairs, rates):
         p["slow"] = bool(med > 0 and r < fraction * med)
         if p["slow"]:
-            flagged.append({"src": p["src"], "dst": p["dst"], "mbit_s": r, "median_mbit_s": med,
-                            "fraction_of_median": r / med})
+            flagged.append(
+                {"src": p["src"], "dst": p["dst"], "mbit_s": r, "median_mbit_s": med, "fraction_of_median": r / med}
+            )
     return flagged
 
 
@@ -117,15 +119,26 @@ def render(res: dict) -> str:
         st = res.get("settings", {})
         bw = matrix(names, pairs, "mbit_s")
         slow = {(p["src"], p["dst"]) for p in pairs if p.get("slow")}
-        cells = [["-" if i == j else (f"{bw[i][j]:.0f}" + ("!" if (a, b) in slow else "")
-                                      if bw[i][j] is not None else "?")
-                  for j, b in enumerate(names)] for i, a in enumerate(names)]
-        lines += _table(f"TCP bandwidth over the overlay, Mbit/s ({st.get('streams', '?')} stream(s), "
-                        f"{st.get('duration_s', '?')} s each; ! = below {SLOW_FRACTION:.0%} of the median)",
-                        names, cells)
+        cells = [
+            [
+                "-"
+                if i == j
+                else (f"{bw[i][j]:.0f}" + ("!" if (a, b) in slow else "") if bw[i][j] is not None else "?")
+                for j, b in enumerate(names)
+            ]
+            for i, a in enumerate(names)
+        ]
+        lines += _table(
+            f"TCP bandwidth over the overlay, Mbit/s ({st.get('streams', '?')} stream(s), "
+            f"{st.get('duration_s', '?')} s each; ! = below {SLOW_FRACTION:.0%} of the median)",
+            names,
+            cells,
+        )
         rtt = matrix(names, pairs, "rtt_ms")
-        cells = [["-" if i == j else (f"{rtt[i][j]:.2f}" if rtt[i][j] is not None else "?")
-                  for j in range(len(names))] for i in range(len(names))]
+        cells = [
+            ["-" if i == j else (f"{rtt[i][j]:.2f}" if rtt[i][j] is not None else "?") for j in range(len(names))]
+            for i in range(len(names))
+        ]
         lines += [""] + _table("round-trip time, ms (TCP, median of 10)", names, cells)
         path = matrix(names, pairs, "path")
         cells = [["-" if i == j else str(path[i][j] or "?") for j in range(len(names))] for i in range(len(names))]
@@ -133,21 +146,31 @@ def render(res: dict) -> str:
     ar = res.get("allreduce", {})
     rows = ar.get("results", [])
     if rows:
-        lines += ["", f"all-reduce ({ar.get('backend')}, {res.get('world_size')} ranks, sum float32)",
-                  f"  {'size':>6} {'iters':>5} {'time(ms)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'busbw(Mbit/s)':>14}"]
+        lines += [
+            "",
+            f"all-reduce ({ar.get('backend')}, {res.get('world_size')} ranks, sum float32)",
+            f"  {'size':>6} {'iters':>5} {'time(ms)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} "
+            f"{'busbw(Mbit/s)':>14}",
+        ]
         for r in rows:
-            lines.append(f"  {human_size(r['size']):>6} {r['iters']:>5} {r['time_s'] * 1e3:>10.2f} "
-                         f"{r['algbw_GBps']:>12.4f} {r['busbw_GBps']:>12.4f} {r['busbw_GBps'] * 8e3:>14.1f}"
-                         + ("" if r.get("correct", True) else "  WRONG RESULT"))
+            lines.append(
+                f"  {human_size(r['size']):>6} {r['iters']:>5} {r['time_s'] * 1e3:>10.2f} "
+                f"{r['algbw_GBps']:>12.4f} {r['busbw_GBps']:>12.4f} {r['busbw_GBps'] * 8e3:>14.1f}"
+                + ("" if r.get("correct", True) else "  WRONG RESULT")
+            )
     flagged = res.get("flagged", [])
     if flagged:
         lines.append("")
         for f in flagged:
-            lines.append(f"SLOW PAIR: {f['src']} -> {f['dst']} {f['mbit_s']:.0f} Mbit/s is "
-                         f"{f['fraction_of_median']:.0%} of the median {f['median_mbit_s']:.0f} Mbit/s")
+            lines.append(
+                f"SLOW PAIR: {f['src']} -> {f['dst']} {f['mbit_s']:.0f} Mbit/s is "
+                f"{f['fraction_of_median']:.0%} of the median {f['median_mbit_s']:.0f} Mbit/s"
+            )
     elif pairs:
-        lines += ["", "no slow pairs (all within "
-                  f"{SLOW_FRACTION:.0%} of the median {res.get('median_mbit_s') or 0:.0f} Mbit/s)"]
+        lines += [
+            "",
+            f"no slow pairs (all within {SLOW_FRACTION:.0%} of the median {res.get('median_mbit_s') or 0:.0f} Mbit/s)",
+        ]
     for p in pairs:
         if p.get("error"):
             lines.append(f"FAILED PAIR: {p['src']} -> {p['dst']}: {p['error']}")
@@ -158,6 +181,7 @@ def require_matplotlib():
     """matplotlib.pyplot (Agg backend), or UsageError saying how to install it."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -169,12 +193,15 @@ def figure(res: dict):
     """The heat-map figure: pair bandwidth and RTT matrices, relayed pairs hatched and labelled."""
     plt = require_matplotlib()
     from matplotlib.patches import Patch, Rectangle
+
     names = [n["name"] for n in res.get("nodes", [])]
     pairs = res.get("pairs", [])
     relayed = {(p["src"], p["dst"]) for p in pairs if p.get("path") == "relayed"}
     fig, axes = plt.subplots(1, 2, figsize=(4.5 + 2.4 * len(names), 2.5 + 1.1 * len(names)), layout="constrained")
-    for ax, key, title, fmt, cmap in ((axes[0], "mbit_s", "TCP bandwidth (Mbit/s)", "{:.0f}", "viridis"),
-                                      (axes[1], "rtt_ms", "RTT (ms)", "{:.2f}", "magma_r")):
+    for ax, key, title, fmt, cmap in (
+        (axes[0], "mbit_s", "TCP bandwidth (Mbit/s)", "{:.0f}", "viridis"),
+        (axes[1], "rtt_ms", "RTT (ms)", "{:.2f}", "magma_r"),
+    ):
         m = matrix(names, pairs, key)
         data = [[float("nan") if v is None else float(v) for v in row] for row in m]
         im = ax.imshow(data, cmap=cmap)
@@ -191,15 +218,27 @@ def figure(res: dict):
                 r, g, b, _ = im.cmap(im.norm(v))
                 color = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
                 is_relayed = (names[i], names[j]) in relayed
-                ax.text(j, i, fmt.format(v) + ("\nrelayed" if is_relayed else ""), ha="center", va="center",
-                        color=color, fontsize=8)
+                ax.text(
+                    j,
+                    i,
+                    fmt.format(v) + ("\nrelayed" if is_relayed else ""),
+                    ha="center",
+                    va="center",
+                    color=color,
+                    fontsize=8,
+                )
                 if is_relayed:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor=color,
-                                           linewidth=0, alpha=0.6))
+                    ax.add_patch(
+                        Rectangle(
+                            (j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor=color, linewidth=0, alpha=0.6
+                        )
+                    )
         fig.colorbar(im, ax=ax, shrink=0.8)
     if relayed:
-        fig.legend(handles=[Patch(facecolor="white", edgecolor="gray", hatch="///",
-                                  label="relayed through the coordinator")], loc="outside lower center")
+        fig.legend(
+            handles=[Patch(facecolor="white", edgecolor="gray", hatch="///", label="relayed through the coordinator")],
+            loc="outside lower center",
+        )
     best = res.get("best_busbw_GBps")
     if best is not None:
         fig.suptitle(f"meshrun bench: best all-reduce busbw {best:.3f} GB/s ({best * 8e3:.0f} Mbit/s)")
@@ -218,8 +257,10 @@ def plot(res: dict, path: str | Path) -> Path:
 
 # --------------------------------------------------------------------------- running it
 
-def worker_args(sizes: str, duration: float, streams: int, iters: int, size_budget: float,
-                pairs: bool = True) -> list[str]:
+
+def worker_args(
+    sizes: str, duration: float, streams: int, iters: int, size_budget: float, pairs: bool = True
+) -> list[str]:
     """The benchworker's argument list (validated)."""
     parse_sizes(sizes)
     if not 0.1 <= duration <= 30:
@@ -228,8 +269,18 @@ def worker_args(sizes: str, duration: float, streams: int, iters: int, size_budg
         raise UsageError(f"--streams {streams} is out of range", "use 1 to 64")
     if iters < 1:
         raise UsageError(f"--iters {iters} must be at least 1", "e.g. --iters 10")
-    args = ["--sizes", sizes, "--duration", f"{duration:g}", "--streams", str(streams), "--iters", str(iters),
-            "--size-budget", f"{size_budget:g}"]
+    args = [
+        "--sizes",
+        sizes,
+        "--duration",
+        f"{duration:g}",
+        "--streams",
+        str(streams),
+        "--iters",
+        str(iters),
+        "--size-budget",
+        f"{size_budget:g}",
+    ]
     return args + ([] if pairs else ["--no-pairs"])
 
 

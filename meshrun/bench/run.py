@@ -12,8 +12,15 @@ import json
 import time
 from pathlib import Path
 
-from meshrun.bench.report import (DEFAULT_SIZES, DEFAULT_STREAMS, PROGRESS_MARKS, RESULT_MARK, auto_duration,
-                                  summarize, worker_args)
+from meshrun.bench.report import (
+    DEFAULT_SIZES,
+    DEFAULT_STREAMS,
+    PROGRESS_MARKS,
+    RESULT_MARK,
+    auto_duration,
+    summarize,
+    worker_args,
+)
 from meshrun.errors import LaunchError, UsageError
 from meshrun.jobs import control, submission
 from meshrun.mesh import status
@@ -42,9 +49,19 @@ class _Capture:
             self.echo(text)
 
 
-def run(state, *, sizes: str = DEFAULT_SIZES, duration: float | None = None, streams: int = DEFAULT_STREAMS,
-        iters: int = 10, nodes: list[str] | None = None, nproc_per_node: int | None = 1,
-        wait_timeout: float = 60, echo=None, env: dict[str, str] | None = None) -> dict:
+def run(
+    state,
+    *,
+    sizes: str = DEFAULT_SIZES,
+    duration: float | None = None,
+    streams: int = DEFAULT_STREAMS,
+    iters: int = 10,
+    nodes: list[str] | None = None,
+    nproc_per_node: int | None = 1,
+    wait_timeout: float = 60,
+    echo=None,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Run the benchmark from the coordinator; returns `summarize`'s dict (plus "elapsed_s").
 
     Without `duration`, pair tests share about 20 s (`auto_duration`); each all-reduce size gets a
@@ -55,27 +72,40 @@ def run(state, *, sizes: str = DEFAULT_SIZES, duration: float | None = None, str
     _, members = admin.members(state)
     n_nodes = len([m for m in members if not m.is_coordinator and (not nodes or m.name in nodes)])
     if n_nodes < 2:
-        raise UsageError(f"meshrun bench needs at least 2 nodes, the network has {n_nodes}",
-                         "join more nodes with `meshrun join TOKEN`")
+        raise UsageError(
+            f"meshrun bench needs at least 2 nodes, the network has {n_nodes}",
+            "join more nodes with `meshrun join TOKEN`",
+        )
     budget = 3.0 if n_nodes <= 4 else 2.0
     if duration is None:
         duration = auto_duration(n_nodes)
     args = worker_args(sizes, duration, streams, iters, budget)
-    spec = submission.job_spec({"script": "meshrun.bench.worker", "script_args": args, "nodes": nodes,
-                                "nproc_per_node": nproc_per_node, "wait_timeout": wait_timeout, "no_sync": True,
-                                "env": dict(env or {}), "job_id": submission.new_job_id("bench"), "module": True},
-                               Path("/"))
+    spec = submission.job_spec(
+        {
+            "script": "meshrun.bench.worker",
+            "script_args": args,
+            "nodes": nodes,
+            "nproc_per_node": nproc_per_node,
+            "wait_timeout": wait_timeout,
+            "no_sync": True,
+            "env": dict(env or {}),
+            "job_id": submission.new_job_id("bench"),
+            "module": True,
+        },
+        Path("/"),
+    )
     submission.check(state, spec)
     cap = _Capture(echo)
     rec = control.follow(state, control.submit(state, spec), lambda line, ours: cap.line(line))
     if rec.exit_code != 0 or cap.result is None:
         tail = "\n".join(cap.lines[-15:])
-        raise LaunchError(f"the benchmark job failed ({rec.message or rec.state}); last output:\n{tail}",
-                          "check `meshrun status` and that every node can run `meshrun train`")
+        raise LaunchError(
+            f"the benchmark job failed ({rec.message or rec.state}); last output:\n{tail}",
+            "check `meshrun status` and that every node can run `meshrun train`",
+        )
     labels = status.pair_labels(state)
     for pair in cap.result.get("pairs", []):
         pair["path"] = labels.get(frozenset((pair["src"], pair["dst"])), "unknown")
     res = summarize(cap.result)
     res["elapsed_s"] = round(time.monotonic() - t0, 2)
     return res
-

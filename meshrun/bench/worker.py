@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-pairs", action="store_true")
     args = ap.parse_args(argv)
 
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
-    from datetime import timedelta
 
     t_start = time.perf_counter()
     use_cuda = torch.cuda.is_available()
@@ -54,13 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     ctl = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     node = os.environ.get("MESHRUN_NODE_NAME") or os.uname().nodename
-    my_ip = os.environ.get("MESHRUN_OVERLAY_IP", "")    # set by meshrun's launch plan
+    my_ip = os.environ.get("MESHRUN_OVERLAY_IP", "")  # set by meshrun's launch plan
 
     leader = local_rank == 0
-    server = (PairServer(my_ip, os.environ.get("GLOO_SOCKET_IFNAME"))
-              if leader and not args.no_pairs else None)
-    me = {"rank": rank, "node": node, "leader": leader,
-          "overlay_ip": my_ip if leader else None, "port": server.port if server else None}
+    server = PairServer(my_ip, os.environ.get("GLOO_SOCKET_IFNAME")) if leader and not args.no_pairs else None
+    me = {
+        "rank": rank,
+        "node": node,
+        "leader": leader,
+        "overlay_ip": my_ip if leader else None,
+        "port": server.port if server else None,
+    }
     everyone: list = [None] * world
     dist.all_gather_object(everyone, me, group=ctl)
     leaders = [e for e in everyone if e["leader"]]
@@ -82,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                         row["bytes"] = bw["bytes"]
                     except (OSError, ConnectionError) as exc:
                         row.update(rtt_ms=None, mbit_s=0.0, bytes=0, error=str(exc))
-                    print(f"pair {row['src']} -> {row['dst']}: rtt {row['rtt_ms'] or 0:.2f} ms, "
-                          f"{row['mbit_s']:.1f} Mbit/s", flush=True)
+                    print(
+                        f"pair {row['src']} -> {row['dst']}: rtt {row['rtt_ms'] or 0:.2f} ms, "
+                        f"{row['mbit_s']:.1f} Mbit/s",
+                        flush=True,
+                    )
                 got: list = [None] * world
                 dist.all_gather_object(got, row, group=ctl)
                 pairs.append(got[src["rank"]])
@@ -100,10 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         count = max(1, size // 4)
         buf = torch.ones(count, dtype=torch.float32, device=device)
         t0 = time.perf_counter()
-        dist.all_reduce(buf)                     # warm-up and correctness check: every element == world
+        dist.all_reduce(buf)  # warm-up and correctness check: every element == world
         sync()
-        first = torch.tensor([time.perf_counter() - t0, 0.0 if bool(torch.all(buf == world).item()) else 1.0],
-                             dtype=torch.float64, device=device)
+        first = torch.tensor(
+            [time.perf_counter() - t0, 0.0 if bool(torch.all(buf == world).item()) else 1.0],
+            dtype=torch.float64,
+            device=device,
+        )
         dist.all_reduce(first, op=dist.ReduceOp.MAX)
         first_s, ok = first[0].item(), first[1].item() == 0.0
         # As many timed iterations as fit in the budget (at least 1, at most --iters); same on every rank.
@@ -117,8 +128,16 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(el, op=dist.ReduceOp.MAX)
         sec = el[0].item()
         algbw = size / sec / 1e9
-        rows.append({"size": size, "iters": iters, "time_s": sec, "algbw_GBps": algbw,
-                     "busbw_GBps": busbw(algbw, world), "correct": ok})
+        rows.append(
+            {
+                "size": size,
+                "iters": iters,
+                "time_s": sec,
+                "algbw_GBps": algbw,
+                "busbw_GBps": busbw(algbw, world),
+                "correct": ok,
+            }
+        )
         if rank == 0:
             print(f"all_reduce {size} B: {sec * 1e3:.1f} ms, busbw {rows[-1]['busbw_GBps']:.4f} GB/s", flush=True)
         del buf
@@ -126,12 +145,20 @@ def main(argv: list[str] | None = None) -> int:
             break
     t_ar = time.perf_counter() - t_start - t_setup - t_pairs
     if rank == 0:
-        out = {"nodes": [{"name": e["node"], "overlay_ip": e["overlay_ip"]} for e in leaders],
-               "world_size": world, "pairs": pairs,
-               "allreduce": {"backend": backend, "dtype": "float32", "op": "sum", "results": rows},
-               "settings": {"duration_s": args.duration, "streams": args.streams, "sizes": parse_sizes(args.sizes),
-                            "iters": args.iters, "size_budget_s": args.size_budget},
-               "timings_s": {"setup": round(t_setup, 3), "pairs": round(t_pairs, 3), "allreduce": round(t_ar, 3)}}
+        out = {
+            "nodes": [{"name": e["node"], "overlay_ip": e["overlay_ip"]} for e in leaders],
+            "world_size": world,
+            "pairs": pairs,
+            "allreduce": {"backend": backend, "dtype": "float32", "op": "sum", "results": rows},
+            "settings": {
+                "duration_s": args.duration,
+                "streams": args.streams,
+                "sizes": parse_sizes(args.sizes),
+                "iters": args.iters,
+                "size_budget_s": args.size_budget,
+            },
+            "timings_s": {"setup": round(t_setup, 3), "pairs": round(t_pairs, 3), "allreduce": round(t_ar, 3)},
+        }
         print(RESULT_MARK + json.dumps(out), flush=True)
     dist.barrier(group=ctl)
     dist.destroy_process_group()

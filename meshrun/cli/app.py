@@ -21,15 +21,25 @@ from meshrun import __version__
 from meshrun.errors import MeshrunError
 from meshrun.system.statedir import StateDir, default_state_dir
 
-root = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                   rich_markup_mode=None,
-                   help="Train one PyTorch model across NAT'd datacenters over a WireGuard overlay.")
+root = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Train one PyTorch model across NAT'd datacenters over a WireGuard overlay.",
+)
 
-StateOpt = Annotated[Optional[Path], typer.Option(
-    "--state-dir", envvar="MESHRUN_STATE_DIR", show_default=False,
-    help="State directory [default: /var/lib/meshrun as root, else ~/.local/state/meshrun].")]
+StateOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--state-dir",
+        envvar="MESHRUN_STATE_DIR",
+        show_default=False,
+        help="State directory [default: /var/lib/meshrun as root, else ~/.local/state/meshrun].",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-_settings = {"verbose": False}       # set by the root callback, before any command runs
+_settings = {"verbose": False}  # set by the root callback, before any command runs
 
 
 @dataclass
@@ -40,7 +50,7 @@ class Application:
     verbose: bool = False
 
     @classmethod
-    def for_command(cls, state_dir: Optional[Path]) -> "Application":
+    def for_command(cls, state_dir: Optional[Path]) -> Application:
         return cls(StateDir(state_dir or default_state_dir()), _settings["verbose"])
 
     def echo(self, text: str = "", err: bool = False) -> None:
@@ -62,6 +72,7 @@ class Application:
         from meshrun.jobs.control import start_job_control
         from meshrun.jobs.nodeapi import start_job_server
         from meshrun.mesh.run import serve
+
         serve(self.state, foreground, node_extensions=[start_job_server], coordinator_extensions=[start_job_control])
 
 
@@ -72,6 +83,7 @@ def abort(err: MeshrunError) -> NoReturn:
 
 def handled(fn):
     """Turn MeshrunError into the one-line message and exit code; Ctrl-C into exit 130."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -81,6 +93,7 @@ def handled(fn):
         except KeyboardInterrupt:
             typer.echo("meshrun: interrupted", err=True)
             raise typer.Exit(130) from None
+
     return wrapper
 
 
@@ -91,9 +104,12 @@ def _version(value: bool) -> None:
 
 
 @root.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                help="Print the version and exit.")] = False,
-          verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log what meshrun runs.")] = False) -> None:
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log what meshrun runs.")] = False,
+) -> None:
     _settings["verbose"] = verbose
     level = logging.DEBUG if verbose or os.environ.get("MESHRUN_DEBUG") else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -11,8 +11,9 @@ from meshrun.cli.app import Application, handled, root
 
 @root.command()
 @handled
-def demo(nodes: Annotated[int, typer.Option(help="Training datacenters to simulate (plus one for the coordinator).")] = 3
-         ) -> None:
+def demo(
+    nodes: Annotated[int, typer.Option(help="Training datacenters to simulate (plus one for the coordinator).")] = 3,
+) -> None:
     """Show the whole product on this machine: NAT'd datacenters in namespaces, init, join, train.
 
     \b
@@ -20,5 +21,6 @@ def demo(nodes: Annotated[int, typer.Option(help="Training datacenters to simula
       meshrun demo --nodes 3          # as root
     """
     from meshrun.lab import demo as d
+
     app = Application.for_command(None)
     app.exit(d.run(nodes, out=app.echo))

@@ -39,9 +39,19 @@ def init(
     Open UDP and TCP 51820 on this machine (UDP 51820 on every node).
     """
     from meshrun.mesh.coordinator import setup
+
     app = Application.for_command(state_dir)
-    opts = setup.InitOptions(endpoint=endpoint, cidr=cidr, port=port, interface=interface, mtu=mtu,
-                             name=network, token_ttl=ttl, token_uses=uses, train=train)
+    opts = setup.InitOptions(
+        endpoint=endpoint,
+        cidr=cidr,
+        port=port,
+        interface=interface,
+        mtu=mtu,
+        name=network,
+        token_ttl=ttl,
+        token_uses=uses,
+        train=train,
+    )
     res = setup.init(opts, app.state, start=not foreground)
     net = res.network
     app.echo(f"network {net.name}: {net.cidr}, coordinator {net.coordinator_ip} on {net.interface} ({res.backend})")
@@ -56,15 +66,18 @@ def init(
 
 @root.command()
 @handled
-def up(foreground: Annotated[bool, typer.Option(help="Run the daemon in this process (for systemd).")] = False,
-       state_dir: StateOpt = None) -> None:
+def up(
+    foreground: Annotated[bool, typer.Option(help="Run the daemon in this process (for systemd).")] = False,
+    state_dir: StateOpt = None,
+) -> None:
     """Start this member again from its state (after `leave`/`down`, a crash or a reboot).
 
     \b
     Example:
       meshrun up
     """
-    from meshrun.mesh import process, member
+    from meshrun.mesh import member, process
+
     app = Application.for_command(state_dir)
     rec, network = member.load(app.state)
     if foreground:
@@ -75,8 +88,10 @@ def up(foreground: Annotated[bool, typer.Option(help="Run the daemon in this pro
 
 @root.command()
 @handled
-def down(purge: Annotated[bool, typer.Option(help="Also delete the network's state (keys, members, tokens).")] = False,
-         state_dir: StateOpt = None) -> None:
+def down(
+    purge: Annotated[bool, typer.Option(help="Also delete the network's state (keys, members, tokens).")] = False,
+    state_dir: StateOpt = None,
+) -> None:
     """Stop the coordinator and remove its interface (state stays unless --purge).
 
     \b
@@ -85,6 +100,7 @@ def down(purge: Annotated[bool, typer.Option(help="Also delete the network's sta
     """
     from meshrun.jobs import control
     from meshrun.mesh import member
+
     app = Application.for_command(state_dir)
     for rec in control.list_jobs(app.state) if app.state.exists else []:
         if not rec.final and control.cancel(app.state, rec.job_id):
@@ -95,9 +111,11 @@ def down(purge: Annotated[bool, typer.Option(help="Also delete the network's sta
 
 @token_app.command("create")
 @handled
-def token_create(ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 30m, 12h, 2d (max 30d).")] = "12h",
-                 uses: Annotated[Optional[int], typer.Option(help="How many joins it allows [unlimited].")] = None,
-                 state_dir: StateOpt = None) -> None:
+def token_create(
+    ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 30m, 12h, 2d (max 30d).")] = "12h",
+    uses: Annotated[Optional[int], typer.Option(help="How many joins it allows [unlimited].")] = None,
+    state_dir: StateOpt = None,
+) -> None:
     """Print a new join token (and nothing else).
 
     \b
@@ -105,6 +123,7 @@ def token_create(ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 30m, 12h,
       meshrun token create --ttl 2h --uses 3
     """
     from meshrun.mesh.coordinator import admin
+
     app = Application.for_command(state_dir)
     app.echo(admin.create_token(app.state, ttl, uses))
 
@@ -119,6 +138,7 @@ def token_list(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
       meshrun token list --json
     """
     from meshrun.mesh.coordinator import admin
+
     app = Application.for_command(state_dir)
     tokens = admin.list_tokens(app.state)
     if json_out:
@@ -133,8 +153,9 @@ def token_list(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
 
 @token_app.command("revoke")
 @handled
-def token_revoke(token_or_id: Annotated[str, typer.Argument(metavar="TOKEN_OR_ID")],
-                 state_dir: StateOpt = None) -> None:
+def token_revoke(
+    token_or_id: Annotated[str, typer.Argument(metavar="TOKEN_OR_ID")], state_dir: StateOpt = None
+) -> None:
     """Revoke a token so no further node can join with it.
 
     \b
@@ -142,6 +163,7 @@ def token_revoke(token_or_id: Annotated[str, typer.Argument(metavar="TOKEN_OR_ID
       meshrun token revoke k3j9x2abcd
     """
     from meshrun.mesh.coordinator import admin
+
     app = Application.for_command(state_dir)
     app.echo(f"revoked {admin.revoke_token(app.state, token_or_id)}")
 
@@ -156,6 +178,7 @@ def remove(name: str, state_dir: StateOpt = None) -> None:
       meshrun remove gpu-b
     """
     from meshrun.mesh.coordinator import admin
+
     app = Application.for_command(state_dir)
     m = admin.remove_member(app.state, name)
     app.echo(f"removed {m.name} ({m.overlay_ip}); every peer drops it on its next sync")

@@ -12,8 +12,10 @@ from meshrun.cli.app import Application, StateOpt, handled, root
 
 @root.command()
 @handled
-def leave(purge: Annotated[bool, typer.Option(help="Also delete this node's key and state.")] = False,
-          state_dir: StateOpt = None) -> None:
+def leave(
+    purge: Annotated[bool, typer.Option(help="Also delete this node's key and state.")] = False,
+    state_dir: StateOpt = None,
+) -> None:
     """Stop this node's agent and remove its interface (state stays unless --purge).
 
     \b
@@ -21,6 +23,7 @@ def leave(purge: Annotated[bool, typer.Option(help="Also delete this node's key 
       meshrun leave --purge
     """
     from meshrun.mesh.node import setup as node
+
     app = Application.for_command(state_dir)
     iface = node.leave(app.state, purge=purge)
     app.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
@@ -28,16 +31,24 @@ def leave(purge: Annotated[bool, typer.Option(help="Also delete this node's key 
 
 @root.command()
 @handled
-def join(token: Annotated[Optional[str], typer.Argument(
-             help="The token printed by `meshrun init` or `token create`; `-` reads it from stdin. "
-                  "[$MESHRUN_TOKEN]")] = None,
-         token_file: Annotated[Optional[Path], typer.Option(
-             "--token-file", help="Read the token from this file (keep it 0600).")] = None,
-         name: Annotated[Optional[str], typer.Option(help="This node's name [default: hostname].")] = None,
-         endpoint: Annotated[Optional[str], typer.Option(help="This node's own public HOST[:PORT], if it has one.")] = None,
-         mtu: Annotated[Optional[int], typer.Option(help="Overlay MTU [probed: the network's, lowered to fit the path].")] = None,
-         foreground: Annotated[bool, typer.Option(help="Run the agent in this process (for systemd).")] = False,
-         state_dir: StateOpt = None) -> None:
+def join(
+    token: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="The token printed by `meshrun init` or `token create`; `-` reads it from stdin. [$MESHRUN_TOKEN]"
+        ),
+    ] = None,
+    token_file: Annotated[
+        Optional[Path], typer.Option("--token-file", help="Read the token from this file (keep it 0600).")
+    ] = None,
+    name: Annotated[Optional[str], typer.Option(help="This node's name [default: hostname].")] = None,
+    endpoint: Annotated[Optional[str], typer.Option(help="This node's own public HOST[:PORT], if it has one.")] = None,
+    mtu: Annotated[
+        Optional[int], typer.Option(help="Overlay MTU [probed: the network's, lowered to fit the path].")
+    ] = None,
+    foreground: Annotated[bool, typer.Option(help="Run the agent in this process (for systemd).")] = False,
+    state_dir: StateOpt = None,
+) -> None:
     """Join this machine to a network: make keys, enrol, bring up the interface, start the agent.
 
     \b
@@ -50,12 +61,15 @@ def join(token: Annotated[Optional[str], typer.Argument(
     enrolled node resumes with the same key and address.
     """
     from meshrun.mesh.node import setup as node
+
     app = Application.for_command(state_dir)
     text = read_token(token, token_file)
     res = node.join(text, app.state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu)
     verb = "resumed" if res.resumed else "joined"
-    app.echo(f"{verb} {res.network.name} as {res.name} at {res.overlay_ip} on {res.network.interface} "
-             f"({res.backend}, mtu {res.mtu})")
+    app.echo(
+        f"{verb} {res.network.name} as {res.name} at {res.overlay_ip} on {res.network.interface} "
+        f"({res.backend}, mtu {res.mtu})"
+    )
     if res.warning:
         app.echo(f"meshrun: warning: {res.warning}", err=True)
     if foreground:
@@ -70,6 +84,7 @@ def read_token(arg: str | None, token_file: Path | None) -> str:
 
     from meshrun.errors import UsageError
     from meshrun.system.statedir import read_user_file
+
     given = [w for w, v in (("the argument", arg), ("--token-file", token_file)) if v is not None]
     if len(given) > 1:
         raise UsageError("the token was given both as an argument and with --token-file", "give it once")

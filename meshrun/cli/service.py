@@ -18,7 +18,9 @@ root.add_typer(service_app, name="service")
 def service_install(
     role: Annotated[Optional[str], typer.Option(help="coordinator or agent [from the state directory].")] = None,
     unit_dir: Annotated[Optional[Path], typer.Option(help="Where to write the unit [/etc/systemd/system].")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the unit and the commands, change nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the unit and the commands, change nothing.")
+    ] = False,
     state_dir: StateOpt = None,
 ) -> None:
     """Write a systemd unit running `meshrun up --foreground` and enable it (restarts on failure and at boot).
@@ -30,6 +32,7 @@ def service_install(
     Without a running systemd (containers) it writes the unit and prints the commands to run.
     """
     from meshrun.mesh import systemd
+
     app = Application.for_command(state_dir)
     plan = systemd.plan_install(app.state, role=role, unit_dir=unit_dir)
     systemd.install(plan, app.state, app.echo, dry_run=dry_run)

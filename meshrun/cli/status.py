@@ -12,8 +12,11 @@ from meshrun.cli.app import Application, JsonOpt, StateOpt, handled, root
 
 @root.command()
 @handled
-def status(all_rows: Annotated[bool, typer.Option("--all", help="Every peer and pair, not a summary.")] = False,
-           json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+def status(
+    all_rows: Annotated[bool, typer.Option("--all", help="Every peer and pair, not a summary.")] = False,
+    json_out: JsonOpt = False,
+    state_dir: StateOpt = None,
+) -> None:
     """Show this member's peers: name, overlay IP, endpoint, last handshake, rx/tx.
 
     With more than 20 peers (or node pairs) it shows counts by path and handshake and the worst
@@ -26,6 +29,7 @@ def status(all_rows: Annotated[bool, typer.Option("--all", help="Every peer and 
       meshrun status --json | jq '.peers[].name'
     """
     from meshrun.mesh import status as st
+
     app = Application.for_command(state_dir)
     data = st.gather(app.state)
     app.echo(json.dumps(data, indent=2) if json_out else st.render(data, full=all_rows))
@@ -33,9 +37,12 @@ def status(all_rows: Annotated[bool, typer.Option("--all", help="Every peer and 
 
 @root.command()
 @handled
-def ping(peer: Annotated[str, typer.Argument(help="Peer name or overlay IP.")],
-         count: Annotated[int, typer.Option("--count", "-c", help="Probes to send.")] = 5,
-         json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+def ping(
+    peer: Annotated[str, typer.Argument(help="Peer name or overlay IP.")],
+    count: Annotated[int, typer.Option("--count", "-c", help="Probes to send.")] = 5,
+    json_out: JsonOpt = False,
+    state_dir: StateOpt = None,
+) -> None:
     """Measure the round trip to a peer over the overlay and show its path (direct/relayed).
 
     \b
@@ -44,6 +51,7 @@ def ping(peer: Annotated[str, typer.Argument(help="Peer name or overlay IP.")],
       meshrun ping 10.213.0.3 --count 20 --json
     """
     from meshrun.mesh import status as st
+
     app = Application.for_command(state_dir)
     r = st.ping(app.state, peer, count)
     app.echo(json.dumps(r, indent=2) if json_out else st.render_ping(r))
@@ -67,12 +75,18 @@ def doctor(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
     """
     from meshrun.core import doctor as dr
     from meshrun.mesh import doctor as md
+
     app = Application.for_command(state_dir)
     facts, checks = md.run(app.state)
     if json_out:
         app.echo(json.dumps({"ok": not dr.blocking(checks), "checks": dr.to_json(checks), "facts": facts}, indent=2))
     else:
-        app.echo(dr.render(checks, f"meshrun doctor: {facts['role']} {facts['name']} ({facts['overlay_ip']}) "
-                                   f"in network {facts['network']}"))
+        app.echo(
+            dr.render(
+                checks,
+                f"meshrun doctor: {facts['role']} {facts['name']} ({facts['overlay_ip']}) "
+                f"in network {facts['network']}",
+            )
+        )
     if dr.blocking(checks):
         app.exit(1)

@@ -17,39 +17,71 @@ from meshrun.cli.app import Application, JsonOpt, StateOpt, handled, root
 JobArg = Annotated[str, typer.Argument(help="A job id (see `meshrun jobs`).")]
 
 
-@root.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True,
-                                "allow_extra_args": True})
+@root.command(
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True, "allow_extra_args": True}
+)
 @handled
 def train(
     ctx: typer.Context,
-    script: Annotated[Optional[str], typer.Argument(
-        help="Training script (a module name with --module); its args follow it. [the job file's]")] = None,
-    config: Annotated[Optional[Path], typer.Option(
-        "--config", help="TOML job file with these options (configs/job.example.toml); the command line wins.")] = None,
-    nnodes: Annotated[Optional[str], typer.Option(help="Nodes to train on: N or MIN:MAX (elastic) [all joined].")] = None,
+    script: Annotated[
+        Optional[str],
+        typer.Argument(help="Training script (a module name with --module); its args follow it. [the job file's]"),
+    ] = None,
+    config: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--config", help="TOML job file with these options (configs/job.example.toml); the command line wins."
+        ),
+    ] = None,
+    nnodes: Annotated[
+        Optional[str], typer.Option(help="Nodes to train on: N or MIN:MAX (elastic) [all joined].")
+    ] = None,
     nproc_per_node: Annotated[Optional[int], typer.Option(help="Workers per node [GPUs on the node, else 1].")] = None,
-    max_restarts: Annotated[Optional[int], typer.Option(help="torchrun --max-restarts: restarts after a failure. [0]")] = None,
+    max_restarts: Annotated[
+        Optional[int], typer.Option(help="torchrun --max-restarts: restarts after a failure. [0]")
+    ] = None,
     nodes: Annotated[Optional[str], typer.Option(help="Comma-separated node names to use [all].")] = None,
     env: Annotated[Optional[list[str]], typer.Option("--env", help="KEY=VALUE for every worker (repeatable).")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="Seconds to wait for the nodes to be ready. [120]")] = None,
-    rdzv_timeout: Annotated[Optional[int], typer.Option(help="Seconds the rendezvous waits for every node. [900]")] = None,
+    rdzv_timeout: Annotated[
+        Optional[int], typer.Option(help="Seconds the rendezvous waits for every node. [900]")
+    ] = None,
     module: Annotated[bool, typer.Option("--module", help="SCRIPT is a module name, run as python -m SCRIPT.")] = False,
-    no_sync: Annotated[bool, typer.Option("--no-sync", help="Do not ship code: it already is at this path on every node.")] = False,
+    no_sync: Annotated[
+        bool, typer.Option("--no-sync", help="Do not ship code: it already is at this path on every node.")
+    ] = False,
     sync_limit: Annotated[Optional[int], typer.Option(help="Most MiB of code to ship. [50]")] = None,
-    with_coordinator: Annotated[bool, typer.Option("--with-coordinator", help="The coordinator takes a share too.")] = False,
+    with_coordinator: Annotated[
+        bool, typer.Option("--with-coordinator", help="The coordinator takes a share too.")
+    ] = False,
     detach: Annotated[bool, typer.Option("--detach", help="Print the job id once it started and return.")] = False,
-    skip_preflight: Annotated[bool, typer.Option("--skip-preflight",
-                                                 help="Start even if the nodes' environments disagree.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each node's command and environment, run nothing.")] = False,
-    local: Annotated[bool, typer.Option("--local", help="Run only this node's share (you start every node yourself).")] = False,
-    job_id: Annotated[Optional[str], typer.Option(help="The job's id [SCRIPT-DATE-TIME-RANDOM]; needed with --local.")] = None,
+    skip_preflight: Annotated[
+        bool, typer.Option("--skip-preflight", help="Start even if the nodes' environments disagree.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print each node's command and environment, run nothing.")
+    ] = False,
+    local: Annotated[
+        bool, typer.Option("--local", help="Run only this node's share (you start every node yourself).")
+    ] = False,
+    job_id: Annotated[
+        Optional[str], typer.Option(help="The job's id [SCRIPT-DATE-TIME-RANDOM]; needed with --local.")
+    ] = None,
     python: Annotated[Optional[str], typer.Option(help="Python interpreter on the nodes [the agent's].")] = None,
-    project: Annotated[Optional[str], typer.Option(
-        help="The job's persistent directory on every node, kept for the next job of the project "
-             "[the code directory's name].")] = None,
-    resume: Annotated[Optional[str], typer.Option(
-        metavar="JOB", help="Run JOB again in its project (its checkpoints are there), with its options "
-                            "unless given here.")] = None,
+    project: Annotated[
+        Optional[str],
+        typer.Option(
+            help="The job's persistent directory on every node, kept for the next job of the project "
+            "[the code directory's name]."
+        ),
+    ] = None,
+    resume: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="JOB",
+            help="Run JOB again in its project (its checkpoints are there), with its options unless given here.",
+        ),
+    ] = None,
     state_dir: StateOpt = None,
 ) -> None:
     """Train across every node: torchrun on each, rendezvous at the coordinator, NCCL/Gloo pinned to the overlay.
@@ -76,20 +108,37 @@ def train(
     from meshrun.core import jobconfig
     from meshrun.jobs import control, submission
     from meshrun.system.statedir import read_user_file
+
     app = Application.for_command(state_dir)
-    cli = {"script": script, "script_args": list(ctx.args) if script is not None else None, "nnodes": nnodes,
-           "nproc_per_node": nproc_per_node, "max_restarts": max_restarts,
-           "nodes": [n.strip() for n in nodes.split(",") if n.strip()] if nodes else None,
-           "wait_timeout": timeout, "rdzv_timeout": rdzv_timeout, "module": module, "no_sync": no_sync,
-           "sync_limit_mb": sync_limit, "dry_run": dry_run, "env": submission.parse_env_pairs(env or []),
-           "job_id": job_id, "python": python, "with_coordinator": with_coordinator, "detach": detach,
-           "skip_preflight": skip_preflight, "project": project}
-    from_file = jobconfig.parse(read_user_file(config, "job file", "--config"), f"job file {str(config)!r}") if config else {}
+    cli = {
+        "script": script,
+        "script_args": list(ctx.args) if script is not None else None,
+        "nnodes": nnodes,
+        "nproc_per_node": nproc_per_node,
+        "max_restarts": max_restarts,
+        "nodes": [n.strip() for n in nodes.split(",") if n.strip()] if nodes else None,
+        "wait_timeout": timeout,
+        "rdzv_timeout": rdzv_timeout,
+        "module": module,
+        "no_sync": no_sync,
+        "sync_limit_mb": sync_limit,
+        "dry_run": dry_run,
+        "env": submission.parse_env_pairs(env or []),
+        "job_id": job_id,
+        "python": python,
+        "with_coordinator": with_coordinator,
+        "detach": detach,
+        "skip_preflight": skip_preflight,
+        "project": project,
+    }
+    from_file = (
+        jobconfig.parse(read_user_file(config, "job file", "--config"), f"job file {str(config)!r}") if config else {}
+    )
     cwd = Path.cwd()
     if resume:
         earlier, earlier_cwd = submission.resumed(app.state, resume)
         if script is None and not from_file.get("script"):
-            cwd = earlier_cwd            # the same code, from where it was submitted
+            cwd = earlier_cwd  # the same code, from where it was submitted
         else:
             earlier.pop("script_args", None)
         from_file = {**earlier, **from_file, "env": {**earlier.get("env", {}), **from_file.get("env", {})}}
@@ -111,15 +160,18 @@ def train(
     if options.get("detach"):
         app.echo(job)
         return
-    app.echo(f"meshrun: job {job} submitted. Ctrl-C cancels it on every node (as with torchrun); if this "
-             f"terminal closes, the job keeps running: `meshrun logs -f {job}`, `meshrun cancel {job}`", err=True)
+    app.echo(
+        f"meshrun: job {job} submitted. Ctrl-C cancels it on every node (as with torchrun); if this "
+        f"terminal closes, the job keeps running: `meshrun logs -f {job}`, `meshrun cancel {job}`",
+        err=True,
+    )
     app.exit(_follow(app, job, cancel_on_interrupt=True).exit_code or 0)
 
 
-def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | None = None,
-            rank: int | None = None):
+def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | None = None, rank: int | None = None):
     """Print the job as it runs until it ends; Ctrl-C cancels it (train) or stops following (logs)."""
     from meshrun.jobs import control
+
     stop = threading.Event()
     printer = JobPrinter(app)
 
@@ -127,7 +179,7 @@ def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | N
         if not cancel_on_interrupt:
             stop.set()
             return
-        printer.say(f"meshrun: cancelling job {job} on every node ...")    # below the bars, not among them
+        printer.say(f"meshrun: cancelling job {job} on every node ...")  # below the bars, not among them
         threading.Thread(target=control.cancel, args=(app.state, job), daemon=True).start()
 
     old = signal.signal(signal.SIGINT, interrupted)
@@ -150,17 +202,19 @@ class JobPrinter:
 
     def __init__(self, app: Application) -> None:
         from meshrun.core import termtext
+
         self.app = app
         self.redraws = termtext.Redraws(tty=app.is_tty())
 
     def __call__(self, line: str, ours: bool) -> None:
         from meshrun.core.termtext import LINE_RE
+
         if ours:
             self.say(line)
             return
         m = LINE_RE.match(line)
-        prefix, rest = (m.group(0), line[m.end():]) if m else ("", line)
-        if self.redraws.tty:            # asked each time: the window may have been resized
+        prefix, rest = (m.group(0), line[m.end() :]) if m else ("", line)
+        if self.redraws.tty:  # asked each time: the window may have been resized
             self.redraws.width = shutil.get_terminal_size().columns
         for text in self.redraws.line(prefix, prefix, rest, time.monotonic()):
             self.app.write(text)
@@ -168,6 +222,7 @@ class JobPrinter:
     def say(self, line: str) -> None:
         """A line of meshrun's own on stderr; the bars on the screen step aside for it."""
         from meshrun.core import termtext
+
         for text in self.redraws.interrupt():
             self.app.write(text)
         self.app.echo(termtext.clean(line), err=True)
@@ -181,13 +236,24 @@ class JobPrinter:
 
 @root.command()
 @handled
-def jobs(json_out: JsonOpt = False,
-         prune: Annotated[bool, typer.Option(
-             "--prune", help="Delete every finished job's logs here and its job directory on its nodes "
-                             "(projects and their checkpoints stay).")] = False,
-         prune_project: Annotated[Optional[str], typer.Option(
-             metavar="PROJECT", help="Delete PROJECT's directory (checkpoints included) on every node that ran it.")] = None,
-         state_dir: StateOpt = None) -> None:
+def jobs(
+    json_out: JsonOpt = False,
+    prune: Annotated[
+        bool,
+        typer.Option(
+            "--prune",
+            help="Delete every finished job's logs here and its job directory on its nodes "
+            "(projects and their checkpoints stay).",
+        ),
+    ] = False,
+    prune_project: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="PROJECT", help="Delete PROJECT's directory (checkpoints included) on every node that ran it."
+        ),
+    ] = None,
+    state_dir: StateOpt = None,
+) -> None:
     """List the jobs on this coordinator: id, state, nodes, ranks, started, duration, exit.
 
     \b
@@ -198,6 +264,7 @@ def jobs(json_out: JsonOpt = False,
       meshrun jobs --prune-project charlm   # a project's working directory on every node
     """
     from meshrun.jobs import control, outputs
+
     app = Application.for_command(state_dir)
     if prune or prune_project:
         if prune:
@@ -212,10 +279,18 @@ def jobs(json_out: JsonOpt = False,
         app.echo(json.dumps([r.to_dict() for r in recs], indent=2))
         return
     now = time.time()
-    rows = [[r.job_id, r.state, ",".join(r.nodes) or "-", str(r.ranks or "-"),
-             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started)) if r.started else "-",
-             _duration(r.duration(now)) if r.started else "-", "-" if r.exit_code is None else str(r.exit_code)]
-            for r in recs]
+    rows = [
+        [
+            r.job_id,
+            r.state,
+            ",".join(r.nodes) or "-",
+            str(r.ranks or "-"),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started)) if r.started else "-",
+            _duration(r.duration(now)) if r.started else "-",
+            "-" if r.exit_code is None else str(r.exit_code),
+        ]
+        for r in recs
+    ]
     cols = ["JOB", "STATE", "NODES", "RANKS", "STARTED", "DURATION", "EXIT"]
     widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
     for row in [cols] + rows:
@@ -231,11 +306,13 @@ def _duration(s: float) -> str:
 
 @root.command()
 @handled
-def logs(job: JobArg,
-         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
-         node: Annotated[Optional[str], typer.Option(help="Only this node's lines.")] = None,
-         rank: Annotated[Optional[int], typer.Option(help="Only this rank's lines.")] = None,
-         state_dir: StateOpt = None) -> None:
+def logs(
+    job: JobArg,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+    node: Annotated[Optional[str], typer.Option(help="Only this node's lines.")] = None,
+    rank: Annotated[Optional[int], typer.Option(help="Only this rank's lines.")] = None,
+    state_dir: StateOpt = None,
+) -> None:
     """Print a job's output from its start (every rank, prefixed [node rRANK]); -f follows it.
 
     \b
@@ -244,6 +321,7 @@ def logs(job: JobArg,
       meshrun logs JOB --node gpu-a --rank 3
     """
     from meshrun.jobs import control
+
     app = Application.for_command(state_dir)
     if follow:
         rec = _follow(app, job, cancel_on_interrupt=False, node=node, rank=rank)
@@ -252,8 +330,10 @@ def logs(job: JobArg,
         rec = control.follow(app.state, job, printer, node, rank, keep_going=False)
         printer.finish()
     if rec.final:
-        app.echo(f"meshrun: job {job} {rec.state}" + (f" (exit {rec.exit_code})" if rec.exit_code is not None else ""),
-                 err=True)
+        app.echo(
+            f"meshrun: job {job} {rec.state}" + (f" (exit {rec.exit_code})" if rec.exit_code is not None else ""),
+            err=True,
+        )
 
 
 @root.command()
@@ -266,6 +346,7 @@ def cancel(job: JobArg, state_dir: StateOpt = None) -> None:
       meshrun cancel ddp_train-20261122-101500-ab12
     """
     from meshrun.jobs import control
+
     app = Application.for_command(state_dir)
     if control.cancel(app.state, job):
         app.echo(f"cancelled {job}")
@@ -276,12 +357,14 @@ def cancel(job: JobArg, state_dir: StateOpt = None) -> None:
 
 @root.command()
 @handled
-def pull(job: JobArg,
-         path: Annotated[str, typer.Argument(help="A file or directory, relative to the job's working directory.")],
-         node: Annotated[Optional[str], typer.Option(help="Only from this node [every node of the job].")] = None,
-         dest: Annotated[Path, typer.Option(help="Where to put the files: DEST/NODE/PATH.")] = Path("."),
-         max_mb: Annotated[int, typer.Option(help="Most MiB to fetch from each node.")] = 1024,
-         state_dir: StateOpt = None) -> None:
+def pull(
+    job: JobArg,
+    path: Annotated[str, typer.Argument(help="A file or directory, relative to the job's working directory.")],
+    node: Annotated[Optional[str], typer.Option(help="Only from this node [every node of the job].")] = None,
+    dest: Annotated[Path, typer.Option(help="Where to put the files: DEST/NODE/PATH.")] = Path("."),
+    max_mb: Annotated[int, typer.Option(help="Most MiB to fetch from each node.")] = 1024,
+    state_dir: StateOpt = None,
+) -> None:
     """Fetch files a job wrote on its nodes (checkpoints, logs) to this machine, over the overlay.
 
     \b
@@ -290,9 +373,11 @@ def pull(job: JobArg,
       meshrun pull JOB runs --node gpu-a --dest ./results
     """
     from meshrun.jobs import outputs
+
     app = Application.for_command(state_dir)
     if max_mb < 1:
         from meshrun.errors import UsageError
+
         raise UsageError(f"--max-mb {max_mb} is less than 1", "e.g. --max-mb 1024")
     results = outputs.pull(app.state, job, path, dest, node=node, max_mb=max_mb)
     for r in results:
@@ -311,8 +396,8 @@ root.add_typer(local_store_app, name="local-store")
 @local_store_app.command("start")
 @handled
 def local_store_start(
-        max_mb: Annotated[int, typer.Option(help="Most MiB of data the store may hold.")] = 256,
-        state_dir: StateOpt = None) -> None:
+    max_mb: Annotated[int, typer.Option(help="Most MiB of data the store may hold.")] = 256, state_dir: StateOpt = None
+) -> None:
     """Start, on the coordinator, the store `--local` shares meet at (every member can reach it).
 
     \b
@@ -322,12 +407,14 @@ def local_store_start(
     """
     from meshrun.errors import UsageError
     from meshrun.jobs import localstore
+
     app = Application.for_command(state_dir)
     if max_mb < 1:
         raise UsageError(f"--max-mb {max_mb} is less than 1", "e.g. --max-mb 256")
     pid = localstore.start(app.state, max_mb)
-    app.echo(f"local rendezvous store running (pid {pid}), data capped at {max_mb} MiB; "
-             "`meshrun local-store stop` ends it")
+    app.echo(
+        f"local rendezvous store running (pid {pid}), data capped at {max_mb} MiB; `meshrun local-store stop` ends it"
+    )
 
 
 @local_store_app.command("stop")
@@ -340,5 +427,6 @@ def local_store_stop(state_dir: StateOpt = None) -> None:
       meshrun local-store stop
     """
     from meshrun.jobs import localstore
+
     app = Application.for_command(state_dir)
     app.echo("stopped" if localstore.stop(app.state) else "it was not running")

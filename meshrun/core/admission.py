@@ -30,11 +30,19 @@ from dataclasses import dataclass, field
 
 from meshrun.errors import StateError, TokenError
 
-__all__ = ["TokenFacts", "MemberFacts", "Admission", "admit", "PENDING_GRACE_S", "PENDING_PER_TOKEN",
-           "TOKEN_SHARE_OF_RANGE", "FIX_NEW_TOKEN"]
+__all__ = [
+    "TokenFacts",
+    "MemberFacts",
+    "Admission",
+    "admit",
+    "PENDING_GRACE_S",
+    "PENDING_PER_TOKEN",
+    "TOKEN_SHARE_OF_RANGE",
+    "FIX_NEW_TOKEN",
+]
 
-PENDING_GRACE_S = 120.0          # a join's own bring-up takes at most ~60 s (its daemon must be ready in 45 s)
-PENDING_PER_TOKEN = 256        # a mass start joins hundreds at once; each completes within seconds
+PENDING_GRACE_S = 120.0  # a join's own bring-up takes at most ~60 s (its daemon must be ready in 45 s)
+PENDING_PER_TOKEN = 256  # a mass start joins hundreds at once; each completes within seconds
 TOKEN_SHARE_OF_RANGE = 0.5
 FIX_NEW_TOKEN = "ask the coordinator's operator for a new token (`meshrun token create`)"
 
@@ -59,7 +67,7 @@ class MemberFacts:
     public_key: str
     joined_at: float
     removed_at: float | None = None
-    synced: bool = False             # its node has synced over the overlay at least once
+    synced: bool = False  # its node has synced over the overlay at least once
     is_coordinator: bool = False
 
 
@@ -68,12 +76,21 @@ class Admission:
     """What to do: return `existing` (a retry), or create the member after releasing `release` (keys
     of pending enrolments whose name is taken over)."""
 
-    existing: str | None = None                   # the public key of the member to return as is
+    existing: str | None = None  # the public key of the member to return as is
     release: tuple[str, ...] = field(default_factory=tuple)
 
 
-def admit(now: float, token: TokenFacts | None, name: str, public_key: str, related: Sequence[MemberFacts],
-          name_removed_at: float | None, pending_of_token: int, held_by_token: int, range_size: int) -> Admission:
+def admit(
+    now: float,
+    token: TokenFacts | None,
+    name: str,
+    public_key: str,
+    related: Sequence[MemberFacts],
+    name_removed_at: float | None,
+    pending_of_token: int,
+    held_by_token: int,
+    range_size: int,
+) -> Admission:
     """Decide an enrolment (see the module docstring); TokenError or StateError with the reason and fix.
 
     `related`: active and removed members with this name or this key; `name_removed_at`: when a
@@ -92,31 +109,44 @@ def admit(now: float, token: TokenFacts | None, name: str, public_key: str, rela
     for m in related:
         if m.public_key == public_key:
             if m.removed_at is not None:
-                raise StateError("this node's key belonged to a removed member and cannot join again",
-                                 "run `meshrun leave --purge` on the node to make a new identity, then join")
+                raise StateError(
+                    "this node's key belonged to a removed member and cannot join again",
+                    "run `meshrun leave --purge` on the node to make a new identity, then join",
+                )
             if m.name == name:
                 return Admission(existing=public_key)
-            raise StateError(f"this node's key is already enrolled as member {m.name!r}",
-                             f"join again with --name {m.name}, or `meshrun leave --purge` for a new identity")
+            raise StateError(
+                f"this node's key is already enrolled as member {m.name!r}",
+                f"join again with --name {m.name}, or `meshrun leave --purge` for a new identity",
+            )
     for m in related:
         if m.public_key == public_key or m.removed_at is not None or m.name != name:
             continue
         if m.is_coordinator or m.synced:
-            raise StateError(f"the name {name!r} is already taken by another member",
-                             "pick another --name, or `meshrun remove` the old member first")
+            raise StateError(
+                f"the name {name!r} is already taken by another member",
+                "pick another --name, or `meshrun remove` the old member first",
+            )
         age = now - m.joined_at
         if age < PENDING_GRACE_S:
-            raise StateError(f"the name {name!r} is being taken by a node that is joining right now",
-                             f"pick another --name, or wait {PENDING_GRACE_S - age:.0f} s if that join was yours "
-                             "and it failed")
+            raise StateError(
+                f"the name {name!r} is being taken by a node that is joining right now",
+                f"pick another --name, or wait {PENDING_GRACE_S - age:.0f} s if that join was yours and it failed",
+            )
         release.append(m.public_key)
     if name_removed_at is not None and name_removed_at >= token.created_at:
-        raise TokenError(f"the node {name!r} was removed from the network after this token was made",
-                         "the operator decides whether it may come back: ask for a new token")
+        raise TokenError(
+            f"the node {name!r} was removed from the network after this token was made",
+            "the operator decides whether it may come back: ask for a new token",
+        )
     if pending_of_token - len(release) >= PENDING_PER_TOKEN:
-        raise TokenError(f"this join token has {pending_of_token} enrolments that never completed",
-                         f"wait {PENDING_GRACE_S:.0f} s for them to be released, or ask for a new token")
+        raise TokenError(
+            f"this join token has {pending_of_token} enrolments that never completed",
+            f"wait {PENDING_GRACE_S:.0f} s for them to be released, or ask for a new token",
+        )
     if held_by_token >= max(1, int(range_size * TOKEN_SHARE_OF_RANGE)):
-        raise TokenError(f"this join token already holds {held_by_token} of the overlay's {range_size} addresses",
-                         "ask the operator for another token (one token may take at most half the range)")
+        raise TokenError(
+            f"this join token already holds {held_by_token} of the overlay's {range_size} addresses",
+            "ask the operator for another token (one token may take at most half the range)",
+        )
     return Admission(release=tuple(release))

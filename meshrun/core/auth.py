@@ -27,13 +27,23 @@ from collections import OrderedDict
 
 from meshrun.errors import AuthError
 
-__all__ = ["AuthError", "SCHEME", "VERSION", "WINDOW_S", "job_key", "sign", "Verifier", "enrol_proof",
-           "check_enrol_proof", "body_hash"]
+__all__ = [
+    "AuthError",
+    "SCHEME",
+    "VERSION",
+    "WINDOW_S",
+    "job_key",
+    "sign",
+    "Verifier",
+    "enrol_proof",
+    "check_enrol_proof",
+    "body_hash",
+]
 
 SCHEME = "MeshrunMAC"
 VERSION = "v2"
-WINDOW_S = 300                  # clocks of coordinator and node may differ this much
-MAX_NONCES = 100_000            # bounds the replay memory; past it the oldest are dropped early
+WINDOW_S = 300  # clocks of coordinator and node may differ this much
+MAX_NONCES = 100_000  # bounds the replay memory; past it the oldest are dropped early
 _HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
@@ -42,7 +52,7 @@ def _kdf(shared: bytes, purpose: str) -> bytes:
 
 
 def job_key(shared: bytes, coordinator_public_key: str, node_public_key: str) -> bytes:
-    """The job key of a node, from the X25519 secret it shares with the coordinator (meshrun.core.keys.shared_secret)."""
+    """The job key of a node, from the X25519 secret it shares with the coordinator (keys.shared_secret)."""
     return _kdf(shared, f"job/{coordinator_public_key}/{node_public_key}")
 
 
@@ -70,7 +80,7 @@ class Verifier:
         self.key = key
         self.window = window
         self.max_nonces = max_nonces
-        self._seen: OrderedDict[str, float] = OrderedDict()     # nonce -> time accepted, oldest first
+        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> time accepted, oldest first
         self._lock = threading.Lock()
 
     def head(self, header: str | None, method: str, path: str, now: float) -> str:
@@ -78,22 +88,34 @@ class Verifier:
         `body` once the body is in). AuthError saying why not: unsigned, malformed, wrong key, stale, replayed."""
         parts = (header or "").split()
         if len(parts) != 6 or parts[0] != SCHEME:
-            raise AuthError("the request is not signed", "job control comes only from `meshrun` run as root "
-                                                          "on the coordinator")
+            raise AuthError(
+                "the request is not signed", "job control comes only from `meshrun` run as root on the coordinator"
+            )
         _, version, ts_text, nonce, digest, mac = parts
-        if (version != VERSION or not ts_text.isdigit() or len(ts_text) > 12 or not 8 <= len(nonce) <= 64
-                or not nonce.isalnum() or not _HEX64.match(digest)):
+        if (
+            version != VERSION
+            or not ts_text.isdigit()
+            or len(ts_text) > 12
+            or not 8 <= len(nonce) <= 64
+            or not nonce.isalnum()
+            or not _HEX64.match(digest)
+        ):
             raise AuthError("the request's signature is malformed", "use the same meshrun version everywhere")
         ts = int(ts_text)
         if not hmac.compare_digest(mac, _mac(self.key, method, path, ts, nonce, digest)):
-            raise AuthError("the request's signature does not match this node's job key",
-                            "only root on the coordinator can control jobs; if this node was re-created, join it again")
+            raise AuthError(
+                "the request's signature does not match this node's job key",
+                "only root on the coordinator can control jobs; if this node was re-created, join it again",
+            )
         if abs(now - ts) > self.window:
-            raise AuthError(f"the request was signed {now - ts:+.0f} s from this node's clock (more than "
-                            f"{self.window:.0f} s)", "synchronise the clocks (NTP) of the coordinator and nodes")
+            raise AuthError(
+                f"the request was signed {now - ts:+.0f} s from this node's clock (more than {self.window:.0f} s)",
+                "synchronise the clocks (NTP) of the coordinator and nodes",
+            )
         with self._lock:
-            while self._seen and (now - next(iter(self._seen.values())) > 2 * self.window
-                                  or len(self._seen) >= self.max_nonces):
+            while self._seen and (
+                now - next(iter(self._seen.values())) > 2 * self.window or len(self._seen) >= self.max_nonces
+            ):
                 self._seen.popitem(last=False)
             if nonce in self._seen:
                 raise AuthError("the request was already used once (a replay)", "send a freshly signed request")
@@ -122,18 +144,26 @@ def enrol_proof(shared: bytes, network: str, name: str, public_key: str, token_i
     return {"time": ts, "proof": mac.hexdigest()}
 
 
-def check_enrol_proof(shared: bytes, network: str, name: str, public_key: str, token_id: str, proof: object,
-                      now: float) -> None:
+def check_enrol_proof(
+    shared: bytes, network: str, name: str, public_key: str, token_id: str, proof: object, now: float
+) -> None:
     """AuthError unless `proof` (from `enrol_proof`) is fresh and made with `public_key`'s private key."""
     if not isinstance(proof, dict) or not isinstance(proof.get("time"), int) or not isinstance(proof.get("proof"), str):
-        raise AuthError("the join request carries no proof that the node holds its private key",
-                        "use a meshrun of the same version as the coordinator to join")
+        raise AuthError(
+            "the join request carries no proof that the node holds its private key",
+            "use a meshrun of the same version as the coordinator to join",
+        )
     ts = int(proof["time"])
-    want = hmac.new(_kdf(shared, "enrol"), _enrol_message(network, name, public_key, token_id, ts),
-                    hashlib.sha256).hexdigest()
+    want = hmac.new(
+        _kdf(shared, "enrol"), _enrol_message(network, name, public_key, token_id, ts), hashlib.sha256
+    ).hexdigest()
     if not hmac.compare_digest(want, str(proof["proof"])):
-        raise AuthError("the node did not prove that it holds the private key of the public key it presents",
-                        "join from the machine that made the key (a public key alone enrols nothing)")
+        raise AuthError(
+            "the node did not prove that it holds the private key of the public key it presents",
+            "join from the machine that made the key (a public key alone enrols nothing)",
+        )
     if abs(now - ts) > WINDOW_S:
-        raise AuthError(f"the join request was made {now - ts:+.0f} s from the coordinator's clock",
-                        "synchronise the clocks (NTP) of the coordinator and this node")
+        raise AuthError(
+            f"the join request was made {now - ts:+.0f} s from the coordinator's clock",
+            "synchronise the clocks (NTP) of the coordinator and this node",
+        )

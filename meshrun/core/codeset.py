@@ -14,8 +14,16 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["digest", "differences", "describe_differences", "Entry", "largest", "human_bytes", "project_name",
-           "PROJECT_RE"]
+__all__ = [
+    "digest",
+    "differences",
+    "describe_differences",
+    "Entry",
+    "largest",
+    "human_bytes",
+    "project_name",
+    "PROJECT_RE",
+]
 
 PROJECT_RE = re.compile(r"^(?![.-])[A-Za-z0-9_.-]{1,64}\Z")
 
@@ -43,7 +51,7 @@ def differences(reference: Mapping[str, str], other: Mapping[str, str]) -> list[
 
 
 def describe_differences(diffs: list[str], first: int = 5) -> str:
-    """"a.py, b.py (missing) and 3 more" for a finding."""
+    """ "a.py, b.py (missing) and 3 more" for a finding."""
     if not diffs:
         return "no file differs"
     shown = ", ".join(diffs[:first])
@@ -61,7 +69,8 @@ class Entry:
 
     def describe(self) -> str:
         return f"{self.name}{'/' if self.is_dir else ''} {human_bytes(self.bytes)}" + (
-            f" ({self.files} files)" if self.is_dir else "")
+            f" ({self.files} files)" if self.is_dir else ""
+        )
 
 
 def largest(files: Iterable[tuple[str, int]], n: int = 5) -> list[Entry]:

@@ -14,13 +14,20 @@ from dataclasses import asdict, dataclass
 from meshrun.core import preflight
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
-HANDSHAKE_STALE_S = 180          # WireGuard re-handshakes every 2 min while traffic flows; keepalives keep it flowing
-PEER_LINES_MAX = 12              # above this many healthy peers, one summary line
+HANDSHAKE_STALE_S = 180  # WireGuard re-handshakes every 2 min while traffic flows; keepalives keep it flowing
+PEER_LINES_MAX = 12  # above this many healthy peers, one summary line
 # meshrun sets these for every job; one set elsewhere to another value sends traffic off the overlay.
 PINNED = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 # Not set by meshrun, passed to jobs as they are, and each able to take a job off the overlay.
-STEERING = ("MASTER_ADDR", "MASTER_PORT", "NCCL_COMM_ID", "NCCL_SOCKET_FAMILY", "NCCL_NET_PLUGIN",
-            "GLOO_DEVICE_TRANSPORT", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+STEERING = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NCCL_COMM_ID",
+    "NCCL_SOCKET_FAMILY",
+    "NCCL_NET_PLUGIN",
+    "GLOO_DEVICE_TRANSPORT",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+)
 
 
 @dataclass(frozen=True)
@@ -28,7 +35,7 @@ class Check:
     """One line of the doctor's report."""
 
     name: str
-    level: str          # OK | WARN | FAIL | SKIP
+    level: str  # OK | WARN | FAIL | SKIP
     detail: str
     fix: str = ""
 
@@ -48,8 +55,11 @@ def render(checks: list[Check], head: str) -> str:
             lines.append(f"{'':4}  {'':<{width}}  fix: {c.fix}")
     failed = sum(c.level == FAIL for c in checks)
     warned = sum(c.level == WARN for c in checks)
-    lines.append(f"{failed} problem(s) that block training, {warned} warning(s)" if failed or warned
-                 else "everything meshrun checks is fine")
+    lines.append(
+        f"{failed} problem(s) that block training, {warned} warning(s)"
+        if failed or warned
+        else "everything meshrun checks is fine"
+    )
     return "\n".join(lines)
 
 
@@ -84,18 +94,30 @@ def _daemon(f: dict) -> Check:
     what = "coordinator daemon" if f["role"] == "coordinator" else "agent"
     if f.get("daemon_pid"):
         return Check("daemon", OK, f"the {what} runs (pid {f['daemon_pid']})")
-    return Check("daemon", FAIL, f"the {what} is not running: peers are not kept in sync and no job can start here",
-                 "meshrun up (or: systemctl start meshrun, if you installed the service)")
+    return Check(
+        "daemon",
+        FAIL,
+        f"the {what} is not running: peers are not kept in sync and no job can start here",
+        "meshrun up (or: systemctl start meshrun, if you installed the service)",
+    )
 
 
 def _interface(f: dict) -> Check:
     i, name = f.get("interface", {}), f["interface_name"]
     if not i.get("exists"):
-        return Check("interface", FAIL, f"{name} does not exist: this member is off the overlay",
-                     "meshrun up (it creates the interface from the saved state)")
+        return Check(
+            "interface",
+            FAIL,
+            f"{name} does not exist: this member is off the overlay",
+            "meshrun up (it creates the interface from the saved state)",
+        )
     if not i.get("up"):
-        return Check("interface", FAIL, f"{name} exists but is down: nothing crosses the overlay",
-                     f"ip link set {name} up (or: meshrun leave && meshrun up)")
+        return Check(
+            "interface",
+            FAIL,
+            f"{name} exists but is down: nothing crosses the overlay",
+            f"ip link set {name} up (or: meshrun leave && meshrun up)",
+        )
     return Check("interface", OK, f"{name} is up, {f['overlay_ip']}/{f.get('prefixlen', 32)}, mtu {i.get('mtu')}")
 
 
@@ -106,14 +128,22 @@ def _backend(f: dict) -> Check:
         return Check("wireguard", OK, "kernel WireGuard")
     if kind is None:
         return Check("wireguard", SKIP, "no interface to read the backend from")
-    why = ("this kernel has no WireGuard module" if module is False else
-           "the kernel module is present but the interface was not created with it" if module else
-           "the kernel module could not be looked for")
+    why = (
+        "this kernel has no WireGuard module"
+        if module is False
+        else "the kernel module is present but the interface was not created with it"
+        if module
+        else "the kernel module could not be looked for"
+    )
     label = f"wireguard-go {version}" if version else "wireguard-go (version unknown)"
     if b.get("warning"):
-        return Check("wireguard", WARN, f"{label}, userspace ({why}): {b['warning']}",
-                     "install a wireguard-go with batched I/O (Debian 12: apt-get install -t bookworm-backports "
-                     "wireguard-go) and run `meshrun leave && meshrun up`")
+        return Check(
+            "wireguard",
+            WARN,
+            f"{label}, userspace ({why}): {b['warning']}",
+            "install a wireguard-go with batched I/O (Debian 12: apt-get install -t bookworm-backports "
+            "wireguard-go) and run `meshrun leave && meshrun up`",
+        )
     fix = "" if module is False else "meshrun leave && modprobe wireguard && meshrun up, for the kernel's faster path"
     return Check("wireguard", OK if module is not True else WARN, f"{label}, userspace ({why})", fix)
 
@@ -129,28 +159,48 @@ def _mtu(f: dict) -> Check:
     if m["full"]:
         return Check("mtu", OK, f"{mtu}: a full-size packet with DF set reaches {target} over the overlay")
     if not m.get("small"):
-        return Check("mtu", FAIL, f"not even a small packet reaches {target} over the overlay",
-                     "see the peer and coordinator lines; the tunnel itself is down")
+        return Check(
+            "mtu",
+            FAIL,
+            f"not even a small packet reaches {target} over the overlay",
+            "see the peer and coordinator lines; the tunnel itself is down",
+        )
     largest = m.get("largest")
-    return Check("mtu", FAIL, f"packets of {mtu} bytes to {target} are lost (a path MTU black hole: ICMP "
-                              f"'fragmentation needed' does not come back); {largest} bytes get through",
-                 f"meshrun leave && meshrun join --mtu {largest} ... (or ask for ICMP type 3 code 4 to be let through)")
+    return Check(
+        "mtu",
+        FAIL,
+        f"packets of {mtu} bytes to {target} are lost (a path MTU black hole: ICMP "
+        f"'fragmentation needed' does not come back); {largest} bytes get through",
+        f"meshrun leave && meshrun join --mtu {largest} ... (or ask for ICMP type 3 code 4 to be let through)",
+    )
 
 
 def _coordinator(f: dict) -> Check:
     c = f.get("coordinator") or {}
     if c.get("reachable"):
         return Check("coordinator", OK, f"{c['ip']} answers over the overlay (an API call took {c['rtt_ms']:.0f} ms)")
-    return Check("coordinator", FAIL, f"{c.get('ip')} does not answer over the overlay: {c.get('error') or 'timeout'}",
-                 "check the coordinator runs (`meshrun status` there) and that UDP "
-                 f"{f.get('listen_port', 51820)} reaches it from here")
+    return Check(
+        "coordinator",
+        FAIL,
+        f"{c.get('ip')} does not answer over the overlay: {c.get('error') or 'timeout'}",
+        "check the coordinator runs (`meshrun status` there) and that UDP "
+        f"{f.get('listen_port', 51820)} reaches it from here",
+    )
 
 
 def _peers(f: dict) -> list[Check]:
     rows = f.get("peers") or []
     if not rows:
-        return [Check("peers", WARN if f["role"] == "coordinator" else FAIL, "no peers yet",
-                      "join a node with `meshrun join TOKEN`" if f["role"] == "coordinator" else "meshrun leave && meshrun up")]
+        return [
+            Check(
+                "peers",
+                WARN if f["role"] == "coordinator" else FAIL,
+                "no peers yet",
+                "join a node with `meshrun join TOKEN`"
+                if f["role"] == "coordinator"
+                else "meshrun leave && meshrun up",
+            )
+        ]
     bad, good = [], []
     for r in rows:
         age = r.get("handshake_age_s")
@@ -159,14 +209,19 @@ def _peers(f: dict) -> list[Check]:
             via += f" via {r['endpoint']}"
         name = f"peer {r['name']}"
         if age is None:
-            bad.append(Check(name, WARN, f"no handshake yet ({via})",
-                             f"is {r['name']} up? run `meshrun doctor` there"))
+            bad.append(Check(name, WARN, f"no handshake yet ({via})", f"is {r['name']} up? run `meshrun doctor` there"))
         elif age > HANDSHAKE_STALE_S:
-            bad.append(Check(name, WARN, f"last handshake {_age(age)} ago ({via})",
-                             f"is {r['name']} up? run `meshrun doctor` there"))
+            bad.append(
+                Check(
+                    name,
+                    WARN,
+                    f"last handshake {_age(age)} ago ({via})",
+                    f"is {r['name']} up? run `meshrun doctor` there",
+                )
+            )
         else:
             good.append(Check(name, OK, f"handshake {_age(age)} ago, {via}"))
-    if f["role"] == "node":       # without the coordinator nothing is kept in sync and relayed pairs are cut
+    if f["role"] == "node":  # without the coordinator nothing is kept in sync and relayed pairs are cut
         for c in list(bad):
             if c.name == f"peer {f.get('coordinator_name')}":
                 bad[bad.index(c)] = Check(c.name, FAIL, c.detail, c.fix)
@@ -184,12 +239,20 @@ def _udp(f: dict) -> Check:
     if "arrived" not in u:
         return Check(f"udp/{port}", SKIP, f"reachability from outside not tested: {u.get('error') or 'no probe'}")
     if u["arrived"]:
-        return Check(f"udp/{port}", OK, f"reachable from outside: {u['arrived']} of {u['sent']} probes the coordinator "
-                                        f"sent to {u['endpoint']} arrived")
-    return Check(f"udp/{port}", WARN, f"not reachable from outside: none of {u['sent']} probes the coordinator sent to "
-                                      f"{u['endpoint']} arrived: direct paths to this node rely on hole punching (pairs where it "
-                                      "fails go through the relay)",
-                 f"forward UDP {port} to this machine (NAT/security group) for direct paths")
+        return Check(
+            f"udp/{port}",
+            OK,
+            f"reachable from outside: {u['arrived']} of {u['sent']} probes the coordinator "
+            f"sent to {u['endpoint']} arrived",
+        )
+    return Check(
+        f"udp/{port}",
+        WARN,
+        f"not reachable from outside: none of {u['sent']} probes the coordinator sent to "
+        f"{u['endpoint']} arrived: direct paths to this node rely on hole punching (pairs where it "
+        "fails go through the relay)",
+        f"forward UDP {port} to this machine (NAT/security group) for direct paths",
+    )
 
 
 def _clock(f: dict) -> Check | None:
@@ -200,8 +263,12 @@ def _clock(f: dict) -> Check | None:
         return Check("clock", SKIP, "offset unknown (the coordinator did not answer)")
     if abs(off) >= preflight.CLOCK_WARN_S:
         level = FAIL if abs(off) >= preflight.CLOCK_BLOCK_S else WARN
-        return Check("clock", level, f"{off:+.1f} s off the coordinator's (job control refuses 300 s)",
-                     "synchronise the clocks (NTP/chrony)")
+        return Check(
+            "clock",
+            level,
+            f"{off:+.1f} s off the coordinator's (job control refuses 300 s)",
+            "synchronise the clocks (NTP/chrony)",
+        )
     return Check("clock", OK, f"{off:+.2f} s off the coordinator's")
 
 
@@ -225,14 +292,24 @@ def _environment(f: dict) -> list[Check]:
     if use is not None:
         projects = use.get("projects") or {}
         biggest = sorted(projects.items(), key=lambda kv: -kv[1])[:3]
-        out.append(Check("job files", OK, f"jobs {_mib(use.get('jobs', 0))}, {len(projects)} project(s) "
-                         f"{_mib(sum(projects.values()))}" + (" (" + ", ".join(f"{n} {_mib(b)}" for n, b in biggest)
-                                                              + ")" if biggest else ""),
-                         "`meshrun jobs --prune` (finished jobs) and `meshrun jobs --prune-project NAME` on the "
-                         "coordinator free them" if projects or use.get("jobs") else ""))
+        out.append(
+            Check(
+                "job files",
+                OK,
+                f"jobs {_mib(use.get('jobs', 0))}, {len(projects)} project(s) "
+                f"{_mib(sum(projects.values()))}"
+                + (" (" + ", ".join(f"{n} {_mib(b)}" for n, b in biggest) + ")" if biggest else ""),
+                "`meshrun jobs --prune` (finished jobs) and `meshrun jobs --prune-project NAME` on the "
+                "coordinator free them"
+                if projects or use.get("jobs")
+                else "",
+            )
+        )
     if not any(c.name == "torch" for c in out) and not report.error:
         build = report.build + (f", NCCL {report.nccl}" if report.nccl else "") + (", gloo" if report.gloo else "")
-        gpus = f", {report.gpus} GPU(s)" + (f" {report.gpu_names[0]}" if report.gpu_names else "") if report.gpus else ""
+        gpus = (
+            f", {report.gpus} GPU(s)" + (f" {report.gpu_names[0]}" if report.gpu_names else "") if report.gpus else ""
+        )
         out.append(Check("torch", OK, f"{report.torch} ({build}{gpus}) in {report.python}"))
     return out
 
@@ -246,28 +323,57 @@ def _variables(f: dict) -> list[Check]:
         for k in PINNED:
             if k in env and env[k] not in mine[k]:
                 if where == "this shell":
-                    out.append(Check("environment", FAIL,
-                                     f"{k}={env[k]} in {where} overrides meshrun's pinning ({mine[k][0]}): "
-                                     "`meshrun train` passes it to every node and the job leaves the overlay",
-                                     f"unset {k}"))
+                    out.append(
+                        Check(
+                            "environment",
+                            FAIL,
+                            f"{k}={env[k]} in {where} overrides meshrun's pinning ({mine[k][0]}): "
+                            "`meshrun train` passes it to every node and the job leaves the overlay",
+                            f"unset {k}",
+                        )
+                    )
                 else:
-                    out.append(Check("environment", WARN,
-                                     f"{k}={env[k]} in {where}'s environment (pid {f.get('daemon_pid')}) overrides "
-                                     f"meshrun's pinning ({mine[k][0]}) for anything started from it but "
-                                     "`meshrun train`, which sets its own",
-                                     f"unset {k} where it is set (the service's Environment=, /etc/environment)"))
+                    out.append(
+                        Check(
+                            "environment",
+                            WARN,
+                            f"{k}={env[k]} in {where}'s environment (pid {f.get('daemon_pid')}) overrides "
+                            f"meshrun's pinning ({mine[k][0]}) for anything started from it but "
+                            "`meshrun train`, which sets its own",
+                            f"unset {k} where it is set (the service's Environment=, /etc/environment)",
+                        )
+                    )
         for k in STEERING:
             if k not in env:
                 continue
-            if k.startswith("MASTER_"):   # torchrun sets its own for the workers of a meshrun job
+            if k.startswith("MASTER_"):  # torchrun sets its own for the workers of a meshrun job
                 if where == "this shell":
-                    out.append(Check("environment", WARN, f"{k}={env[k]} is set in {where}: `meshrun train` ignores "
-                                                          "it, a torchrun started by hand would use it", f"unset {k}"))
+                    out.append(
+                        Check(
+                            "environment",
+                            WARN,
+                            f"{k}={env[k]} is set in {where}: `meshrun train` ignores "
+                            "it, a torchrun started by hand would use it",
+                            f"unset {k}",
+                        )
+                    )
                 continue
-            out.append(Check("environment", FAIL, f"{k}={env[k]} is set in {where}: every job "
-                                                  f"{'submitted from here' if where == 'this shell' else 'on this node'} "
-                                                  "gets it and may leave the overlay", f"unset {k}"))
+            out.append(
+                Check(
+                    "environment",
+                    FAIL,
+                    f"{k}={env[k]} is set in {where}: every job "
+                    f"{'submitted from here' if where == 'this shell' else 'on this node'} "
+                    "gets it and may leave the overlay",
+                    f"unset {k}",
+                )
+            )
     if not out:
-        out.append(Check("environment", OK, "nothing overrides meshrun's pinning (" + ", ".join(PINNED + STEERING[:1])
-                                            + " and the like are unset)"))
+        out.append(
+            Check(
+                "environment",
+                OK,
+                "nothing overrides meshrun's pinning (" + ", ".join(PINNED + STEERING[:1]) + " and the like are unset)",
+            )
+        )
     return out

@@ -23,12 +23,23 @@ from collections.abc import Iterable
 
 from meshrun.errors import UsageError
 
-__all__ = ["CGROUP_PARENT", "FORWARD_TABLE", "JOB_TABLE_PREFIX", "add_allowed", "check_interface",
-           "delete_guard", "forward_guard", "inet_tables", "is_job_table", "job_guard", "job_table"]
+__all__ = [
+    "CGROUP_PARENT",
+    "FORWARD_TABLE",
+    "JOB_TABLE_PREFIX",
+    "add_allowed",
+    "check_interface",
+    "delete_guard",
+    "forward_guard",
+    "inet_tables",
+    "is_job_table",
+    "job_guard",
+    "job_table",
+]
 
 JOB_TABLE_PREFIX = "meshrun_job_"
 FORWARD_TABLE = "meshrun_forward"
-CGROUP_PARENT = "meshrun"          # jobs' cgroups live in <cgroup2 root>/meshrun/<table name>
+CGROUP_PARENT = "meshrun"  # jobs' cgroups live in <cgroup2 root>/meshrun/<table name>
 _IFACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}\Z")
 _TABLE_RE = re.compile(rf"^{JOB_TABLE_PREFIX}[0-9a-f]{{16}}\Z")
 # Job ids as meshrun.core.jobspec accepts them; a node is a member name, or "<member>/store" for the supervisor's
@@ -45,11 +56,13 @@ def job_table(job_id: str, node: str) -> str:
     a job id or node name meshrun would not make.
     """
     if not _JOB_RE.match(job_id or ""):
-        raise UsageError(f"job id {job_id!r} is not 1-64 characters of A-Z a-z 0-9 _ . -",
-                         "use the job id meshrun gave the job")
+        raise UsageError(
+            f"job id {job_id!r} is not 1-64 characters of A-Z a-z 0-9 _ . -", "use the job id meshrun gave the job"
+        )
     if not _NODE_RE.match(node or ""):
-        raise UsageError(f"node name {node!r} is not a member name (optionally /<role>)",
-                         "use the member's name, e.g. dc1-a")
+        raise UsageError(
+            f"node name {node!r} is not a member name (optionally /<role>)", "use the member's name, e.g. dc1-a"
+        )
     return JOB_TABLE_PREFIX + hashlib.sha256(f"{job_id}/{node}".encode()).hexdigest()[:16]
 
 
@@ -60,15 +73,20 @@ def is_job_table(name: str) -> bool:
 
 def inet_tables(listing: str) -> list[str]:
     """The names of the `inet` tables in what `nft list tables` prints (other families are left out)."""
-    return [parts[2] for parts in (line.split() for line in listing.splitlines())
-            if len(parts) == 3 and parts[0] == "table" and parts[1] == "inet"]
+    return [
+        parts[2]
+        for parts in (line.split() for line in listing.splitlines())
+        if len(parts) == 3 and parts[0] == "table" and parts[1] == "inet"
+    ]
 
 
 def check_interface(name: str) -> str:
     """`name` if it is a possible interface name, else UsageError (it is quoted into scripts)."""
     if not _IFACE_RE.match(name or ""):
-        raise UsageError(f"interface name {name!r} is not 1-15 characters of A-Z a-z 0-9 _ . -",
-                         "use the overlay interface's name, e.g. meshrun0")
+        raise UsageError(
+            f"interface name {name!r} is not 1-15 characters of A-Z a-z 0-9 _ . -",
+            "use the overlay interface's name, e.g. meshrun0",
+        )
     return name
 
 
@@ -90,7 +108,7 @@ def _check_table(table: str) -> str:
 
 
 def _comment(text: str) -> str:
-    return re.sub(r'[^A-Za-z0-9 _.:/-]', "-", text)[:120]
+    return re.sub(r"[^A-Za-z0-9 _.:/-]", "-", text)[:120]
 
 
 def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) -> str:
@@ -108,21 +126,23 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) 
     ips = _addresses(allowed)
     cg = f'socket cgroupv2 level 2 "{CGROUP_PARENT}/{table}"'
     elements = f" elements = {{ {', '.join(ips)} }};" if ips else ""
-    return "\n".join([
-        f"table inet {table} {{}}",
-        f"delete table inet {table}",
-        f"table inet {table} {{",
-        f'  comment "{_comment(comment)}"',
-        f"  set nodes {{ type ipv4_addr;{elements} }}",
-        "  chain input {",
-        "    type filter hook input priority filter - 1; policy accept;",
-        f'    iifname "{iface}" tcp flags & (syn | ack) == syn {cg} ip saddr != @nodes drop',
-        f'    iifname "{iface}" meta l4proto udp {cg} ip saddr != @nodes drop',
-        f'    iifname "{iface}" meta nfproto ipv6 {cg} drop',
-        "  }",
-        "}",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"table inet {table} {{}}",
+            f"delete table inet {table}",
+            f"table inet {table} {{",
+            f'  comment "{_comment(comment)}"',
+            f"  set nodes {{ type ipv4_addr;{elements} }}",
+            "  chain input {",
+            "    type filter hook input priority filter - 1; policy accept;",
+            f'    iifname "{iface}" tcp flags & (syn | ack) == syn {cg} ip saddr != @nodes drop',
+            f'    iifname "{iface}" meta l4proto udp {cg} ip saddr != @nodes drop',
+            f'    iifname "{iface}" meta nfproto ipv6 {cg} drop',
+            "  }",
+            "}",
+            "",
+        ]
+    )
 
 
 def add_allowed(table: str, ips: Iterable[str]) -> str:
@@ -145,15 +165,17 @@ def forward_guard(interface: str) -> str:
     leave on any other interface are dropped; overlay-to-overlay forwarding (relayed pairs) and everything
     else the host forwards are left alone. UsageError for a bad interface name."""
     iface = check_interface(interface)
-    return "\n".join([
-        f"table inet {FORWARD_TABLE} {{}}",
-        f"delete table inet {FORWARD_TABLE}",
-        f"table inet {FORWARD_TABLE} {{",
-        '  comment "meshrun: members reach other members only, never other networks of this host"',
-        "  chain forward {",
-        "    type filter hook forward priority filter - 1; policy accept;",
-        f'    iifname "{iface}" oifname != "{iface}" drop',
-        "  }",
-        "}",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"table inet {FORWARD_TABLE} {{}}",
+            f"delete table inet {FORWARD_TABLE}",
+            f"table inet {FORWARD_TABLE} {{",
+            '  comment "meshrun: members reach other members only, never other networks of this host"',
+            "  chain forward {",
+            "    type filter hook forward priority filter - 1; policy accept;",
+            f'    iifname "{iface}" oifname != "{iface}" drop',
+            "  }",
+            "}",
+            "",
+        ]
+    )

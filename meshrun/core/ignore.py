@@ -38,9 +38,9 @@ def _class(pat: str, i: int) -> tuple[str, int]:
         j += 1
     while j < len(pat) and pat[j] != "]":
         j += 1
-    if j >= len(pat):                       # no closing bracket: a literal "["
+    if j >= len(pat):  # no closing bracket: a literal "["
         return re.escape("["), i + 1
-    body = pat[i + 1:j]
+    body = pat[i + 1 : j]
     neg = body[:1] in ("!", "^")
     if neg:
         body = body[1:]
@@ -57,12 +57,12 @@ def _translate(pat: str) -> str:
         if c == "*":
             if pat.startswith("**", i):
                 before_ok = i == 0 or pat[i - 1] == "/"
-                after = pat[i + 2:i + 3]
-                if before_ok and after == "/":          # "**/": zero or more directories
+                after = pat[i + 2 : i + 3]
+                if before_ok and after == "/":  # "**/": zero or more directories
                     out.append("(?:[^/]*/)*")
                     i += 3
                     continue
-                if before_ok and i + 2 == n:            # trailing "/**" (or the whole pattern): everything
+                if before_ok and i + 2 == n:  # trailing "/**" (or the whole pattern): everything
                     out.append(".*")
                     i += 2
                     continue
@@ -124,7 +124,7 @@ class IgnoreRules:
         if self.base:
             if not rel.startswith(self.base + "/"):
                 return None
-            rel = rel[len(self.base) + 1:]
+            rel = rel[len(self.base) + 1 :]
         for p in reversed(self.patterns):
             if p.dir_only and not is_dir:
                 continue

@@ -18,18 +18,25 @@ def parse_cidr(value: str) -> ipaddress.IPv4Network:
     try:
         net = ipaddress.ip_network(value.strip(), strict=True)
     except ValueError as exc:
-        raise UsageError(f"--cidr {value!r} is not a network address ({exc})",
-                         f"give the network's first address and a prefix, e.g. --cidr {DEFAULT_CIDR}") from None
+        raise UsageError(
+            f"--cidr {value!r} is not a network address ({exc})",
+            f"give the network's first address and a prefix, e.g. --cidr {DEFAULT_CIDR}",
+        ) from None
     if not isinstance(net, ipaddress.IPv4Network):
-        raise UsageError(f"--cidr {value!r} is IPv6; meshrun overlays are IPv4 for now",
-                         f"use an IPv4 private range, e.g. --cidr {DEFAULT_CIDR}")
+        raise UsageError(
+            f"--cidr {value!r} is IPv6; meshrun overlays are IPv4 for now",
+            f"use an IPv4 private range, e.g. --cidr {DEFAULT_CIDR}",
+        )
     if net.prefixlen > 29:
-        raise UsageError(f"--cidr {value!r} leaves room for fewer than 6 members",
-                         "use a prefix of /29 or shorter, e.g. /24 or /16")
+        raise UsageError(
+            f"--cidr {value!r} leaves room for fewer than 6 members", "use a prefix of /29 or shorter, e.g. /24 or /16"
+        )
     # RFC 1918 only: `is_private` also admits 0.0.0.0/8, 240.0.0.0/4 and documentation ranges.
     if not any(net.subnet_of(r) for r in _RFC1918):
-        raise UsageError(f"--cidr {value!r} is not a private range",
-                         f"pick a range from 10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16, e.g. {DEFAULT_CIDR}")
+        raise UsageError(
+            f"--cidr {value!r} is not a private range",
+            f"pick a range from 10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16, e.g. {DEFAULT_CIDR}",
+        )
     return net
 
 
@@ -48,9 +55,10 @@ def check_overlap(net: ipaddress.IPv4Network, routes: Iterable[tuple[str, str]])
         if other.prefixlen == 0 or not isinstance(other, ipaddress.IPv4Network):
             continue
         if net.overlaps(other):
-            raise NetworkError(f"overlay range {net} overlaps the local route {other} on {dev}",
-                               f"pick a range that no local network uses with --cidr, e.g. --cidr {DEFAULT_CIDR} "
-                               "or 10.231.0.0/16")
+            raise NetworkError(
+                f"overlay range {net} overlaps the local route {other} on {dev}",
+                f"pick a range that no local network uses with --cidr, e.g. --cidr {DEFAULT_CIDR} or 10.231.0.0/16",
+            )
 
 
 def coordinator_address(net: ipaddress.IPv4Network) -> ipaddress.IPv4Address:
@@ -69,5 +77,7 @@ def allocate(net: ipaddress.IPv4Network, taken: Iterable[str]) -> ipaddress.IPv4
     for host in net.hosts():
         if host not in used:
             return host
-    raise NetworkError(f"overlay range {net} has no free address left ({net.num_addresses - 2} hosts)",
-                       "create a new network with a larger --cidr")
+    raise NetworkError(
+        f"overlay range {net} has no free address left ({net.num_addresses - 2} hosts)",
+        "create a new network with a larger --cidr",
+    )

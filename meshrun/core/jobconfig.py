@@ -39,17 +39,24 @@ KEYS: dict[str, tuple[str, Any, str, str]] = {
     "rdzv_timeout": ("rdzv_timeout", _is_int, "an integer (seconds)", "rdzv_timeout = 900"),
     "nodes": ("nodes", _str_list, "a list of node names", 'nodes = ["gpu-a", "gpu-b"]'),
     "python": ("python", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'python = "python3"'),
-    "timeout": ("wait_timeout", lambda v: (_is_int(v) or isinstance(v, float)) and v > 0,
-                "a positive number (seconds)", "timeout = 120"),
+    "timeout": (
+        "wait_timeout",
+        lambda v: (_is_int(v) or isinstance(v, float)) and v > 0,
+        "a positive number (seconds)",
+        "timeout = 120",
+    ),
     "no_sync": ("no_sync", lambda v: isinstance(v, bool), "true or false", "no_sync = false"),
-    "with_coordinator": ("with_coordinator", lambda v: isinstance(v, bool), "true or false",
-                         "with_coordinator = true"),
+    "with_coordinator": ("with_coordinator", lambda v: isinstance(v, bool), "true or false", "with_coordinator = true"),
     "sync_limit": ("sync_limit_mb", _is_int, "an integer (MiB)", "sync_limit = 50"),
     "job_id": ("job_id", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'job_id = "exp7"'),
     "project": ("project", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'project = "charlm"'),
-    "env": ("env", lambda v: isinstance(v, dict) and all(isinstance(x, (str, int, float)) and not isinstance(x, bool)
-                                                       for x in v.values()),
-            "a table of NAME = \"value\"", 'NCCL_DEBUG = "WARN" under [env]'),
+    "env": (
+        "env",
+        lambda v: isinstance(v, dict)
+        and all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v.values()),
+        'a table of NAME = "value"',
+        'NCCL_DEBUG = "WARN" under [env]',
+    ),
 }
 
 
@@ -66,7 +73,9 @@ def parse(text: str, source: str = "job file") -> dict[str, Any]:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"{source} is not valid TOML: {exc}", "fix the syntax (see configs/job.example.toml)") from None
+        raise UsageError(
+            f"{source} is not valid TOML: {exc}", "fix the syntax (see configs/job.example.toml)"
+        ) from None
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key not in KEYS:
@@ -92,13 +101,14 @@ def merge(from_file: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:
     for key, value in cli.items():
         if key == "env":
             out["env"] = {**from_file.get("env", {}), **(value or {})}
-        elif key in FLAGS:    # on if either turns them on
+        elif key in FLAGS:  # on if either turns them on
             out[key] = bool(value) or bool(from_file.get(key))
         elif value is not None:
             out[key] = value
     if not out.get("script"):
-        raise UsageError("no training script given", "pass SCRIPT, or set script = \"...\" in the --config job file")
+        raise UsageError("no training script given", 'pass SCRIPT, or set script = "..." in the --config job file')
     if out["script"].startswith("-"):
-        raise UsageError(f"unknown option {out['script']!r}",
-                         "meshrun's options come before the script (see `meshrun train --help`)")
+        raise UsageError(
+            f"unknown option {out['script']!r}", "meshrun's options come before the script (see `meshrun train --help`)"
+        )
     return out

@@ -6,17 +6,17 @@ meshrun.core.outcome's.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from meshrun.core.codeset import PROJECT_RE
 from meshrun.core.launch import TrainOptions, parse_nnodes
 from meshrun.core.model import Network
 from meshrun.errors import UsageError
 
-JOB_ID_RE = re.compile(r"^(?!\.{1,2}\Z)[A-Za-z0-9_.-]{1,64}\Z")   # names a directory: never "." or ".."
+JOB_ID_RE = re.compile(r"^(?!\.{1,2}\Z)[A-Za-z0-9_.-]{1,64}\Z")  # names a directory: never "." or ".."
 
 
 class JobState(str, Enum):
@@ -45,8 +45,8 @@ class JobState(str, Enum):
 
 
 FINAL = tuple(st.value for st in JobState if st.final)
-EXIT_LOST = 255           # a node (or the coordinator's supervisor) vanished: no process exit code exists
-EXIT_CANCELLED = 130      # as a shell reports Ctrl-C
+EXIT_LOST = 255  # a node (or the coordinator's supervisor) vanished: no process exit code exists
+EXIT_CANCELLED = 130  # as a shell reports Ctrl-C
 
 
 def check_job_id(job_id: str) -> str:
@@ -65,17 +65,17 @@ class JobSpec:
     nnodes: str | None = None
     nproc_per_node: int | None = None
     max_restarts: int = 0
-    nodes: list[str] | None = None             # only these node names
+    nodes: list[str] | None = None  # only these node names
     wait_timeout: float = 120.0
     no_sync: bool = False
-    cwd: str = ""                              # the submitter's directory: shipped, or used as is (no_sync)
+    cwd: str = ""  # the submitter's directory: shipped, or used as is (no_sync)
     sync_limit_mb: int = 50
     env: dict[str, str] = field(default_factory=dict)
-    python: str | None = None                  # interpreter on the nodes [each agent's]
+    python: str | None = None  # interpreter on the nodes [each agent's]
     module: bool = False
     rdzv_timeout: int = 900
-    with_coordinator: bool = False             # the coordinator takes a share too
-    skip_preflight: bool = False               # start even if the nodes' environments disagree
+    with_coordinator: bool = False  # the coordinator takes a share too
+    skip_preflight: bool = False  # start even if the nodes' environments disagree
     # Where the job runs on each member: <state>/projects/<project>/work, kept between jobs, so the
     # next job of the same project finds what this one wrote (checkpoints). [the code directory's name]
     project: str = ""
@@ -84,7 +84,7 @@ class JobSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "JobSpec":
+    def from_dict(cls, d: dict) -> JobSpec:
         if not isinstance(d, dict):
             raise ValueError("job spec must be an object")
         known = set(cls.__dataclass_fields__)
@@ -103,10 +103,20 @@ class JobSpec:
         a spec becomes launch options). `shipped`: the script's directory is the job's working directory,
         so the script is named by its file name."""
         script = Path(self.script).name if shipped and not self.module else self.script
-        return TrainOptions(script=script, script_args=tuple(self.script_args), nnodes=self.nnodes,
-                            nproc_per_node=self.nproc_per_node, max_restarts=self.max_restarts, job_id=self.job_id,
-                            rdzv_host=network.coordinator_ip, rdzv_port=store_port, interface=network.interface,
-                            python=self.python or "python3", rdzv_timeout=self.rdzv_timeout, module=self.module)
+        return TrainOptions(
+            script=script,
+            script_args=tuple(self.script_args),
+            nnodes=self.nnodes,
+            nproc_per_node=self.nproc_per_node,
+            max_restarts=self.max_restarts,
+            job_id=self.job_id,
+            rdzv_host=network.coordinator_ip,
+            rdzv_port=store_port,
+            interface=network.interface,
+            python=self.python or "python3",
+            rdzv_timeout=self.rdzv_timeout,
+            module=self.module,
+        )
 
     def bounds(self, available: int) -> tuple[int, int]:
         """(MIN, MAX) nodes: from --nnodes, else every available node."""
@@ -121,18 +131,23 @@ class JobSpec:
 class ShareEnd:
     """How one node's share ended (its status.json, written by the share process on the node)."""
 
-    code: int | None                 # torchrun's exit code (None: killed by a signal)
-    signal: str | None = None        # torchrun itself killed by a signal
-    failures: list[dict] = field(default_factory=list)   # worker exit records with a non-zero code
-    error: str = ""                  # torchrun's first error line
+    code: int | None  # torchrun's exit code (None: killed by a signal)
+    signal: str | None = None  # torchrun itself killed by a signal
+    failures: list[dict] = field(default_factory=list)  # worker exit records with a non-zero code
+    error: str = ""  # torchrun's first error line
     cancelled: bool = False
     ended: float = 0.0
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ShareEnd":
-        return cls(code=d.get("code"), signal=d.get("signal"), failures=list(d.get("failures") or []),
-                   error=str(d.get("error") or ""), cancelled=bool(d.get("cancelled")),
-                   ended=float(d.get("ended") or 0.0))
+    def from_dict(cls, d: dict) -> ShareEnd:
+        return cls(
+            code=d.get("code"),
+            signal=d.get("signal"),
+            failures=list(d.get("failures") or []),
+            error=str(d.get("error") or ""),
+            cancelled=bool(d.get("cancelled")),
+            ended=float(d.get("ended") or 0.0),
+        )
 
     @property
     def ok(self) -> bool:
@@ -160,7 +175,7 @@ class JobRecord:
         return {**asdict(self), "state": self.state.value}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "JobRecord":
+    def from_dict(cls, d: dict) -> JobRecord:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -46,8 +46,10 @@ def shared_secret(private_key_b64: str, peer_public_b64: str) -> bytes:
     try:
         return priv.exchange(X25519PublicKey.from_public_bytes(decode_key(peer_public_b64, "public key")))
     except ValueError:
-        raise UsageError("the public key gives no shared secret (a low-order point)",
-                         "use a key made by meshrun or `wg genkey`/`wg pubkey`") from None
+        raise UsageError(
+            "the public key gives no shared secret (a low-order point)",
+            "use a key made by meshrun or `wg genkey`/`wg pubkey`",
+        ) from None
 
 
 def decode_key(value: str, what: str = "key") -> bytes:
@@ -62,8 +64,10 @@ def decode_key(value: str, what: str = "key") -> bytes:
     # Canonical spelling only: b64decode ignores the last character's spare bits, so one key
     # would otherwise have several spellings (and slip past per-key checks on the coordinator).
     if len(raw) != 32 or base64.b64encode(raw).decode() != value.strip():
-        raise UsageError(f"the {what} is not a WireGuard key (44 base64 characters for 32 bytes)",
-                         "pass a key made by meshrun or `wg genkey`/`wg pubkey`")
+        raise UsageError(
+            f"the {what} is not a WireGuard key (44 base64 characters for 32 bytes)",
+            "pass a key made by meshrun or `wg genkey`/`wg pubkey`",
+        )
     return raw
 
 
@@ -97,8 +101,9 @@ def generate_tls_identity(common_name: str, days: int = 3650) -> tuple[bytes, by
         .not_valid_after(now + datetime.timedelta(days=days))
         .sign(key, hashes.SHA256())
     )
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 

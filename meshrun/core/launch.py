@@ -45,25 +45,25 @@ class NodeInfo:
 
     name: str
     overlay_ip: str
-    gpus: int = 0          # visible CUDA devices on that node
+    gpus: int = 0  # visible CUDA devices on that node
 
 
 @dataclass(frozen=True)
 class TrainOptions:
     """What to run and how to rendezvous (validated by `plan`)."""
 
-    script: str                          # path as the node sees it (relative to the job workdir)
+    script: str  # path as the node sees it (relative to the job workdir)
     script_args: tuple[str, ...] = ()
-    nnodes: str | None = None            # "N" or "MIN:MAX"; None -> number of nodes given
-    nproc_per_node: int | None = None    # None -> per node: its gpus, else 1
+    nnodes: str | None = None  # "N" or "MIN:MAX"; None -> number of nodes given
+    nproc_per_node: int | None = None  # None -> per node: its gpus, else 1
     max_restarts: int = 0
-    job_id: str = ""                     # rendezvous id, required
-    rdzv_host: str = ""                  # coordinator overlay IP
+    job_id: str = ""  # rendezvous id, required
+    rdzv_host: str = ""  # coordinator overlay IP
     rdzv_port: int = 29400
     interface: str = "meshrun0"
-    python: str = "python3"              # interpreter on the node
-    rdzv_timeout: int = 900              # seconds -> --rdzv-conf join_timeout
-    module: bool = False                 # script is a module name (python -m)
+    python: str = "python3"  # interpreter on the node
+    rdzv_timeout: int = 900  # seconds -> --rdzv-conf join_timeout
+    module: bool = False  # script is a module name (python -m)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class NodeLaunch:
 
     node: str
     argv: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)   # merged over the agent's environment
+    env: dict[str, str] = field(default_factory=dict)  # merged over the agent's environment
 
     def shell(self) -> str:
         """A copy-pasteable line: ``VAR=... python3 -m torch.distributed.run ...``."""
@@ -109,8 +109,10 @@ def worker_env(interface: str, node_name: str, user_env: Mapping[str, str], over
     """
     for k in PROTECTED_ENV:
         if k in user_env:
-            raise UsageError(f"{k} cannot be set for a meshrun job: {PROTECTED_ENV[k]}",
-                             f"drop it from --env, the job file's [env] and this shell (unset {k})")
+            raise UsageError(
+                f"{k} cannot be set for a meshrun job: {PROTECTED_ENV[k]}",
+                f"drop it from --env, the job file's [env] and this shell (unset {k})",
+            )
     env: dict[str, str] = {
         "GLOO_SOCKET_IFNAME": interface,
         "PYTHONUNBUFFERED": "1",
@@ -125,8 +127,10 @@ def worker_env(interface: str, node_name: str, user_env: Mapping[str, str], over
         "NCCL_NSOCKS_PERTHREAD": str(NCCL_NSOCKS_PERTHREAD),
     }
     # If the user raised one of the two, lower our default for the other so the product stays <= 64.
-    for mine, theirs in (("NCCL_NSOCKS_PERTHREAD", "NCCL_SOCKET_NTHREADS"),
-                         ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD")):
+    for mine, theirs in (
+        ("NCCL_NSOCKS_PERTHREAD", "NCCL_SOCKET_NTHREADS"),
+        ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD"),
+    ):
         if theirs in user_env and mine not in user_env:
             try:
                 n = int(user_env[theirs])
@@ -163,13 +167,14 @@ def _validate(nodes: Sequence[NodeInfo], opts: TrainOptions, local: bool) -> tup
         try:
             ipaddress.ip_address(n.overlay_ip)
         except ValueError:
-            raise UsageError(f"node {n.name!r} has overlay IP {n.overlay_ip!r}, not an IP address",
-                             "check the node's enrolment (`meshrun status`)") from None
+            raise UsageError(
+                f"node {n.name!r} has overlay IP {n.overlay_ip!r}, not an IP address",
+                "check the node's enrolment (`meshrun status`)",
+            ) from None
     if not opts.script:
         raise UsageError("no training script given", "e.g. meshrun train train.py")
     if not JOB_ID_RE.match(opts.job_id or ""):
-        raise UsageError(f"job id {opts.job_id!r} is not 1-64 characters of A-Z a-z 0-9 _ . -",
-                         "e.g. --job-id exp7")
+        raise UsageError(f"job id {opts.job_id!r} is not 1-64 characters of A-Z a-z 0-9 _ . -", "e.g. --job-id exp7")
     if not opts.rdzv_host:
         raise UsageError("rendezvous host '' is empty", "pass the coordinator's overlay IP")
     if isinstance(opts.rdzv_port, bool) or not isinstance(opts.rdzv_port, int) or not 1 <= opts.rdzv_port <= 65535:
@@ -187,13 +192,16 @@ def _validate(nodes: Sequence[NodeInfo], opts: TrainOptions, local: bool) -> tup
         lo, hi = parse_nnodes(opts.nnodes)
         spec = str(lo) if lo == hi else f"{lo}:{hi}"
     if lo > len(nodes) and not local:
-        raise UsageError(f"--nnodes {opts.nnodes} needs {lo} node(s) but {len(nodes)} are available",
-                         f"join more nodes or use --nnodes {len(nodes)}")
+        raise UsageError(
+            f"--nnodes {opts.nnodes} needs {lo} node(s) but {len(nodes)} are available",
+            f"join more nodes or use --nnodes {len(nodes)}",
+        )
     return spec, lo, hi
 
 
-def plan(nodes: Sequence[NodeInfo], opts: TrainOptions, user_env: Mapping[str, str] | None = None,
-         local: bool = False) -> list[NodeLaunch]:
+def plan(
+    nodes: Sequence[NodeInfo], opts: TrainOptions, user_env: Mapping[str, str] | None = None, local: bool = False
+) -> list[NodeLaunch]:
     """One torchrun command + environment per node that takes part.
 
     With ``nnodes`` N (or MIN:MAX) only the first N (MAX) nodes, in the order given, are
@@ -215,16 +223,30 @@ def plan(nodes: Sequence[NodeInfo], opts: TrainOptions, user_env: Mapping[str, s
         if nproc < 1:
             raise UsageError(f"node {n.name!r} would run {nproc} workers", "pass --nproc-per-node 1 or more")
         worker = ["-m", "meshrun.jobs.worker"] + (["--module"] if opts.module else []) + [opts.script]
-        argv = (opts.python, "-m", "torch.distributed.run",
-                "--nnodes", spec,
-                "--nproc-per-node", str(nproc),
-                "--rdzv-backend", RDZV_BACKEND,
-                "--rdzv-endpoint", endpoint,
-                "--rdzv-id", opts.job_id,
-                "--rdzv-conf", rdzv_conf,
-                "--local-addr", n.overlay_ip,
-                "--max-restarts", str(opts.max_restarts),
-                "--monitor-interval", MONITOR_INTERVAL,
-                *worker, *opts.script_args)
+        argv = (
+            opts.python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            spec,
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            RDZV_BACKEND,
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            opts.job_id,
+            "--rdzv-conf",
+            rdzv_conf,
+            "--local-addr",
+            n.overlay_ip,
+            "--max-restarts",
+            str(opts.max_restarts),
+            "--monitor-interval",
+            MONITOR_INTERVAL,
+            *worker,
+            *opts.script_args,
+        )
         out.append(NodeLaunch(n.name, argv, worker_env(opts.interface, n.name, user_env, n.overlay_ip)))
     return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from meshrun.core.model import Member
 
-HISTORY_SIZE = 512        # published versions a delta can reach back over
+HISTORY_SIZE = 512  # published versions a delta can reach back over
 
 
 def signature(m: Member) -> tuple:
@@ -30,32 +30,36 @@ def signature(m: Member) -> tuple:
 
 def member_changes(old: Mapping[str, tuple], new: Mapping[str, tuple]) -> tuple[frozenset[str], frozenset[str]]:
     """(keys added or changed, keys removed) from one {public key: signature} map to the next."""
-    return (frozenset(k for k, sig in new.items() if old.get(k) != sig),
-            frozenset(k for k in old if k not in new))
+    return (frozenset(k for k, sig in new.items() if old.get(k) != sig), frozenset(k for k in old if k not in new))
 
 
 @dataclass(frozen=True)
 class Change:
     """What one published version changed, relative to the version published before it."""
 
-    start: int                              # the version published before
-    end: int                                # this version
-    members: frozenset[str]                 # keys of members added or changed (for everyone)
-    removed: frozenset[str]                 # keys of members removed
-    paths: Mapping[str, frozenset[str]]     # node name -> keys of the peers whose path with it changed
+    start: int  # the version published before
+    end: int  # this version
+    members: frozenset[str]  # keys of members added or changed (for everyone)
+    removed: frozenset[str]  # keys of members removed
+    paths: Mapping[str, frozenset[str]]  # node name -> keys of the peers whose path with it changed
 
 
 class History:
     """The changes of the last `size` published versions, starting at `version`."""
 
     def __init__(self, version: int, size: int = HISTORY_SIZE) -> None:
-        self.oldest = version       # `since` answers for versions from here on
+        self.oldest = version  # `since` answers for versions from here on
         self.latest = version
         self.size = size
         self.changes: deque[Change] = deque()
 
-    def record(self, version: int, members: Collection[str] = (), removed: Collection[str] = (),
-               paths: Mapping[str, Collection[str]] | None = None) -> None:
+    def record(
+        self,
+        version: int,
+        members: Collection[str] = (),
+        removed: Collection[str] = (),
+        paths: Mapping[str, Collection[str]] | None = None,
+    ) -> None:
         """Publishing `version` changed these members, removed these, and changed these pairs' paths.
 
         A record that names no newer version joins the latest change (versions only move on; what
@@ -66,15 +70,16 @@ class History:
         if version <= self.latest:
             if not (members or removed or paths):
                 return
-            if self.changes:          # merge into the latest change
+            if self.changes:  # merge into the latest change
                 last = self.changes.pop()
                 merged = dict(last.paths)
                 for n, keys in paths.items():
                     merged[n] = merged.get(n, frozenset()) | keys
-                self.changes.append(Change(last.start, last.end, last.members | members, last.removed | removed,
-                                           merged))
+                self.changes.append(
+                    Change(last.start, last.end, last.members | members, last.removed | removed, merged)
+                )
                 return
-            self.oldest = self.latest     # nothing to merge into: agents at `latest` get a full list
+            self.oldest = self.latest  # nothing to merge into: agents at `latest` get a full list
             version = self.latest + 1
         self.changes.append(Change(self.latest, version, members, removed, paths))
         self.latest = version

@@ -38,9 +38,9 @@ class Network(_Wire):
     mtu: int
     coordinator_ip: str
     coordinator_public_key: str
-    endpoints: tuple[str, ...]          # the coordinator's public host:port (from init --endpoint)
-    fingerprint: str                    # SHA-256 of the coordinator's TLS certificate
-    api_port: int = DEFAULT_PORT + 1    # overlay API (coordinator) and job API (agents), overlay IPs only
+    endpoints: tuple[str, ...]  # the coordinator's public host:port (from init --endpoint)
+    fingerprint: str  # SHA-256 of the coordinator's TLS certificate
+    api_port: int = DEFAULT_PORT + 1  # overlay API (coordinator) and job API (agents), overlay IPs only
     rdzv_port: int = DEFAULT_RDZV_PORT  # torch c10d store hosted by the coordinator on its overlay IP
 
     @property
@@ -48,15 +48,21 @@ class Network(_Wire):
         return ipaddress.ip_network(self.cidr).prefixlen
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Network":
+    def from_dict(cls, d: dict) -> Network:
         _object(d, "network")
         net = cls(
-            name=_str(d, "name", NAME_RE), cidr=str(ipaddress.ip_network(_str(d, "cidr"))),
-            interface=_str(d, "interface", IFACE_RE), listen_port=_port(d, "listen_port"),
-            mtu=_int(d, "mtu", 1280, 9000), coordinator_ip=str(ipaddress.IPv4Address(_str(d, "coordinator_ip"))),
+            name=_str(d, "name", NAME_RE),
+            cidr=str(ipaddress.ip_network(_str(d, "cidr"))),
+            interface=_str(d, "interface", IFACE_RE),
+            listen_port=_port(d, "listen_port"),
+            mtu=_int(d, "mtu", 1280, 9000),
+            coordinator_ip=str(ipaddress.IPv4Address(_str(d, "coordinator_ip"))),
             coordinator_public_key=_key(d, "coordinator_public_key"),
-            endpoints=tuple(_strlist(d, "endpoints")), fingerprint=_str(d, "fingerprint", re.compile(r"^[0-9a-f]{64}\Z")),
-            api_port=_port(d, "api_port"), rdzv_port=_port(d, "rdzv_port"))
+            endpoints=tuple(_strlist(d, "endpoints")),
+            fingerprint=_str(d, "fingerprint", re.compile(r"^[0-9a-f]{64}\Z")),
+            api_port=_port(d, "api_port"),
+            rdzv_port=_port(d, "rdzv_port"),
+        )
         return net
 
 
@@ -67,27 +73,30 @@ class Member(_Wire):
     name: str
     public_key: str
     overlay_ip: str
-    endpoint: str | None = None               # public endpoint as the coordinator's WireGuard observed it
+    endpoint: str | None = None  # public endpoint as the coordinator's WireGuard observed it
     candidates: tuple[str, ...] = field(default=())  # the member's own local ip:port addresses
     is_coordinator: bool = False
-    last_handshake: int = 0                   # with the coordinator, unix seconds (0 = never)
-    path: str = ""                            # for the receiving node: private | public | relayed | ""
-    mtu: int = 0                              # the member's overlay MTU as it reported it (0 = unknown)
+    last_handshake: int = 0  # with the coordinator, unix seconds (0 = never)
+    path: str = ""  # for the receiving node: private | public | relayed | ""
+    mtu: int = 0  # the member's overlay MTU as it reported it (0 = unknown)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Member":
+    def from_dict(cls, d: dict) -> Member:
         _object(d, "member")
         endpoint = d.get("endpoint")
         if endpoint is not None:
             endpoint = parse_endpoint(str(endpoint))
         return cls(
-            name=_str(d, "name", NAME_RE), public_key=_key(d, "public_key"),
-            overlay_ip=str(ipaddress.IPv4Address(_str(d, "overlay_ip"))), endpoint=endpoint,
+            name=_str(d, "name", NAME_RE),
+            public_key=_key(d, "public_key"),
+            overlay_ip=str(ipaddress.IPv4Address(_str(d, "overlay_ip"))),
+            endpoint=endpoint,
             candidates=tuple(parse_endpoint(c) for c in _strlist(d, "candidates", required=False)),
             is_coordinator=bool(d.get("is_coordinator", False)),
             last_handshake=_int(d, "last_handshake", 0, 2**40, required=False),
             path=_choice(d, "path", ("", "private", "public", "relayed")),
-            mtu=_int(d, "mtu", 0, 9000, required=False))
+            mtu=_int(d, "mtu", 0, 9000, required=False),
+        )
 
 
 def parse_endpoint(value: str, default_port: int | None = None) -> str:
@@ -112,6 +121,7 @@ def refuse_ipv6(value: str) -> None:
     address: enrolment, NAT traversal and the MTU probes are IPv4 only, and a half-working IPv6
     underlay would fail later, on another machine, with a worse message."""
     from meshrun.errors import UsageError
+
     host = value.strip()
     if host.startswith("["):
         host = host[1:].split("]", 1)[0]
@@ -119,8 +129,10 @@ def refuse_ipv6(value: str) -> None:
         ipaddress.IPv6Address(host)
     except ValueError:
         return
-    raise UsageError(f"--endpoint {value!r} is an IPv6 address; meshrun's underlay is IPv4 only",
-                     "give this machine's public IPv4 address, or a DNS name with an A record")
+    raise UsageError(
+        f"--endpoint {value!r} is an IPv6 address; meshrun's underlay is IPv4 only",
+        "give this machine's public IPv4 address, or a DNS name with an A record",
+    )
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -176,16 +188,21 @@ def _strlist(d: dict, key: str, required: bool = True) -> list[str]:
 # --------------------------------------------------------------------------- option checks
 # Each raises UsageError naming the option, the bad value and an example of a good one.
 
+
 def check_interface(value: str) -> str:
     from meshrun.errors import UsageError
+
     if not IFACE_RE.match(value) or value in (".", ".."):
-        raise UsageError(f"--interface {value!r} is not a valid interface name",
-                         "use 1-15 letters, digits or -_.=+, e.g. --interface meshrun0")
+        raise UsageError(
+            f"--interface {value!r} is not a valid interface name",
+            "use 1-15 letters, digits or -_.=+, e.g. --interface meshrun0",
+        )
     return value
 
 
 def check_port(value: int, option: str = "--port") -> int:
     from meshrun.errors import UsageError
+
     if not 1 <= value <= 65534:
         raise UsageError(f"{option} {value} is not a usable port", f"pick 1-65534, e.g. {option} {DEFAULT_PORT}")
     return value
@@ -193,23 +210,28 @@ def check_port(value: int, option: str = "--port") -> int:
 
 def check_mtu(value: int) -> int:
     from meshrun.errors import UsageError
+
     if not 1280 <= value <= 9000:
-        raise UsageError(f"--mtu {value} is outside 1280..9000",
-                         f"use {DEFAULT_MTU} for a 1500-byte underlay, 1280 for the smallest paths")
+        raise UsageError(
+            f"--mtu {value} is outside 1280..9000",
+            f"use {DEFAULT_MTU} for a 1500-byte underlay, 1280 for the smallest paths",
+        )
     return value
 
 
 def check_name(value: str, option: str = "--name") -> str:
     from meshrun.errors import UsageError
+
     if not NAME_RE.match(value):
-        raise UsageError(f"{option} {value!r} is not a valid name",
-                         f"use 1-32 lower-case letters, digits and '-', starting with a letter or digit, "
-                         f"e.g. {option} gpu-a")
+        raise UsageError(
+            f"{option} {value!r} is not a valid name",
+            f"use 1-32 lower-case letters, digits and '-', starting with a letter or digit, e.g. {option} gpu-a",
+        )
     return value
 
 
-WG_OVERHEAD = 60   # outer IPv4 20 + UDP 8 + WireGuard 32 (IPv6 underlays would need 80)
-MIN_MTU = 576      # smallest IPv4 MTU every host must accept
+WG_OVERHEAD = 60  # outer IPv4 20 + UDP 8 + WireGuard 32 (IPv6 underlays would need 80)
+MIN_MTU = 576  # smallest IPv4 MTU every host must accept
 
 
 def overlay_mtu(configured: int, underlay: int | None) -> int:

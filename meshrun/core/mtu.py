@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from meshrun.core.model import MIN_MTU
 
-STEP = 8     # sizes are searched to this granularity (IPv4 fragments are multiples of 8)
+STEP = 8  # sizes are searched to this granularity (IPv4 fragments are multiples of 8)
 
 
 def largest(passes: Callable[[int], bool | None], lo: int = MIN_MTU, hi: int = 1500) -> int | None:
@@ -28,7 +28,7 @@ def largest(passes: Callable[[int], bool | None], lo: int = MIN_MTU, hi: int = 1
     bottom = passes(lo)
     if not bottom:
         return None
-    good, bad = lo, hi            # invariant: good passes, bad does not
+    good, bad = lo, hi  # invariant: good passes, bad does not
     while bad - good > STEP:
         mid = (good + bad) // 2 // STEP * STEP
         if mid <= good:

@@ -23,8 +23,8 @@ class Outcome:
 
     elastic: bool
     min_nodes: int
-    shares: dict[str, ShareEnd | None] = field(default_factory=dict)     # node -> its end (None: running)
-    lost: dict[str, float] = field(default_factory=dict)                 # node -> when it was declared lost
+    shares: dict[str, ShareEnd | None] = field(default_factory=dict)  # node -> its end (None: running)
+    lost: dict[str, float] = field(default_factory=dict)  # node -> when it was declared lost
     cancelled: bool = False
     below_min: str = ""
 
@@ -65,8 +65,11 @@ class Outcome:
                 notes.append(f"lost {', '.join(sorted(self.lost))} mid-job; torch elastic continued without it")
             if failures:
                 notes.append(f"{len(failures)} worker exit(s) recovered by restarts")
-            return JobState.SUCCEEDED, 0, f"job {job_id} finished on {len(ok)} node(s)" + (f" ({'; '.join(notes)})"
-                                                                                     if notes else "")
+            return (
+                JobState.SUCCEEDED,
+                0,
+                f"job {job_id} finished on {len(ok)} node(s)" + (f" ({'; '.join(notes)})" if notes else ""),
+            )
         if self.lost and not self.elastic:
             # The others' failures are the consequence: their collectives broke when it vanished.
             return JobState.FAILED, EXIT_LOST, f"job {job_id} failed: {_lost_words(self.lost)}"
@@ -75,13 +78,22 @@ class Outcome:
         bad = [(n, e) for n, e in self.shares.items() if e is not None and not e.ok]
         if bad:
             return JobState.FAILED, *_launcher_failure(job_id, *bad[0])
-        return JobState.FAILED, 1, f"job {job_id} failed: {len(ok)} node(s) finished, fewer than the {self.min_nodes} needed"
+        return (
+            JobState.FAILED,
+            1,
+            f"job {job_id} failed: {len(ok)} node(s) finished, fewer than the {self.min_nodes} needed",
+        )
 
 
 def _lost_words(lost: dict[str, float]) -> str:
     names = ", ".join(sorted(lost))
-    return f"lost node {names} (its agent stopped answering)" if len(lost) == 1 else \
-        f"lost nodes {names} (their agents stopped answering)" if lost else "no node lost"
+    return (
+        f"lost node {names} (its agent stopped answering)"
+        if len(lost) == 1
+        else f"lost nodes {names} (their agents stopped answering)"
+        if lost
+        else "no node lost"
+    )
 
 
 def _rank_failure(job_id: str, f: dict) -> tuple[int, str]:
@@ -99,8 +111,10 @@ def _rank_failure(job_id: str, f: dict) -> tuple[int, str]:
 def _launcher_failure(job_id: str, node: str, end: ShareEnd) -> tuple[int, str]:
     if end.signal:
         num = getattr(signal, end.signal, None)
-        return (128 + int(num) if num is not None else 1,
-                f"job {job_id} failed: torchrun on {node} was killed by {end.signal}")
+        return (
+            128 + int(num) if num is not None else 1,
+            f"job {job_id} failed: torchrun on {node} was killed by {end.signal}",
+        )
     code = end.code if end.code is not None and 0 < end.code < 256 else 1
     detail = f": {end.error}" if end.error else ""
     return code, f"job {job_id} failed: torchrun on {node} exited with code {code}{detail}"

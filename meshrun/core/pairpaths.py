@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from meshrun.core.model import Member, split_endpoint
 
-ATTEMPT_S = 10.0         # how long a new path gets to produce a handshake
-STALE_S = 180.0          # WireGuard rekeys every 120 s while a tunnel is used; older = broken
+ATTEMPT_S = 10.0  # how long a new path gets to produce a handshake
+STALE_S = 180.0  # WireGuard rekeys every 120 s while a tunnel is used; older = broken
 PRIVATE, PUBLIC, RELAYED = "private", "public", "relayed"
 LABELS = {PRIVATE: "direct (private)", PUBLIC: "direct (public)", RELAYED: "relayed"}
 
@@ -29,8 +29,8 @@ LABELS = {PRIVATE: "direct (private)", PUBLIC: "direct (public)", RELAYED: "rela
 @dataclass(frozen=True)
 class PairState:
     mode: str
-    since: float             # when this mode was chosen
-    verified: bool = False   # a handshake newer than `since` was seen
+    since: float  # when this mode was chosen
+    verified: bool = False  # a handshake newer than `since` was seen
 
 
 def host_of(endpoint: str | None) -> str | None:
@@ -89,11 +89,11 @@ def next_due(state: PairState, handshake: int) -> float | None:
     handshake changes.
     """
     if state.mode == RELAYED:
-        return None                                  # waits for a handshake after `since`
+        return None  # waits for a handshake after `since`
     if state.verified:
         # Stale at handshake + STALE_S; a verified pair without any handshake falls back at once.
         return float(handshake) + STALE_S if handshake else state.since
-    return state.since + ATTEMPT_S                   # the attempt window closes
+    return state.since + ATTEMPT_S  # the attempt window closes
 
 
 def endpoint_for(mode: str, peer: Member) -> str | None:

@@ -62,8 +62,9 @@ class PeerDiff:
         return bool(self.add or self.update or self.remove)
 
 
-def desired_for_node(my_key: str, members: Sequence[Member],
-                     hold: frozenset[str] | set[str] = frozenset()) -> list[PeerSpec]:
+def desired_for_node(
+    my_key: str, members: Sequence[Member], hold: frozenset[str] | set[str] = frozenset()
+) -> list[PeerSpec]:
     """Peers for a node: every other member, at the endpoint the coordinator chose for this node.
 
     The coordinator's own entry carries its public endpoint from the token. A peer whose path
@@ -89,10 +90,14 @@ def desired_for_node(my_key: str, members: Sequence[Member],
     return out
 
 
-def handshake_holds(my_key: str, members: Sequence[Member], handshakes: dict[str, int],
-                    windows: Mapping[tuple[str, str, str], float], now: float,
-                    recreate: frozenset[str] | set[str] = frozenset()
-                    ) -> tuple[frozenset[str], dict[tuple[str, str, str], float]]:
+def handshake_holds(
+    my_key: str,
+    members: Sequence[Member],
+    handshakes: dict[str, int],
+    windows: Mapping[tuple[str, str, str], float],
+    now: float,
+    recreate: frozenset[str] | set[str] = frozenset(),
+) -> tuple[frozenset[str], dict[tuple[str, str, str], float]]:
     """Peers this node must not start a handshake with yet (see HOLD_S), and the new hold windows.
 
     For a node pair with no handshake (or one being re-created for a new path), the end with the
@@ -117,7 +122,7 @@ def handshake_holds(my_key: str, members: Sequence[Member], handshakes: dict[str
     return frozenset(held), out
 
 
-WG_PAD = 16    # WireGuard pads each packet's plaintext to a multiple of 16 bytes (up to the interface MTU)
+WG_PAD = 16  # WireGuard pads each packet's plaintext to a multiple of 16 bytes (up to the interface MTU)
 
 
 def route_mtus(my_key: str, my_mtu: int, members: Sequence[Member]) -> dict[str, int]:
@@ -143,12 +148,15 @@ def desired_for_coordinator(members: Sequence[Member]) -> list[PeerSpec]:
 
     The coordinator sends no keepalives: each node's own keepalive holds its NAT mapping open."""
     # No keepalive here (see desired_for_node): nodes keep their NAT mappings open themselves.
-    return [PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), None, 0, m.name)
-            for m in members if not m.is_coordinator]
+    return [PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), None, 0, m.name) for m in members if not m.is_coordinator]
 
 
-def diff(current: Sequence[PeerState], desired: Sequence[PeerSpec], now: float,
-         recreate: frozenset[str] | set[str] = frozenset()) -> PeerDiff:
+def diff(
+    current: Sequence[PeerState],
+    desired: Sequence[PeerSpec],
+    now: float,
+    recreate: frozenset[str] | set[str] = frozenset(),
+) -> PeerDiff:
     """Compute the minimal PeerDiff.
 
     An existing peer's endpoint is only replaced when the desired one differs and the
@@ -172,8 +180,11 @@ def diff(current: Sequence[PeerState], desired: Sequence[PeerSpec], now: float,
             fresh = have.latest_handshake and now - have.latest_handshake < HANDSHAKE_FRESH_S
             if have.endpoint is None or not fresh:
                 endpoint = spec.endpoint
-        if (endpoint or tuple(sorted(spec.allowed_ips)) != tuple(sorted(have.allowed_ips))
-                or spec.keepalive != have.keepalive):
+        if (
+            endpoint
+            or tuple(sorted(spec.allowed_ips)) != tuple(sorted(have.allowed_ips))
+            or spec.keepalive != have.keepalive
+        ):
             update.append(PeerSpec(key, spec.allowed_ips, endpoint, spec.keepalive, spec.name))
     remove = tuple(sorted([k for k in cur if k not in want] + recreated))
     key_order = lambda p: p.public_key  # noqa: E731 - deterministic output for tests and logs
@@ -189,6 +200,10 @@ def wg_set_args(d: PeerDiff) -> list[str]:
         args += ["peer", spec.public_key]
         if spec.endpoint:
             args += ["endpoint", spec.endpoint]
-        args += ["persistent-keepalive", str(spec.keepalive) if spec.keepalive else "off",
-                 "allowed-ips", ",".join(spec.allowed_ips)]
+        args += [
+            "persistent-keepalive",
+            str(spec.keepalive) if spec.keepalive else "off",
+            "allowed-ips",
+            ",".join(spec.allowed_ips),
+        ]
     return args

@@ -21,25 +21,38 @@ import re
 import unicodedata
 from dataclasses import dataclass, field
 
-__all__ = ["LINE_RE", "is_noise", "line_matches", "REDRAW", "MAX_LINE", "REDRAW_EVERY", "MAX_BARS", "clean", "settle", "fit", "LineAssembler",
-           "split_redraw", "Redraws"]
+__all__ = [
+    "LINE_RE",
+    "is_noise",
+    "line_matches",
+    "REDRAW",
+    "MAX_LINE",
+    "REDRAW_EVERY",
+    "MAX_BARS",
+    "clean",
+    "settle",
+    "fit",
+    "LineAssembler",
+    "split_redraw",
+    "Redraws",
+]
 
-REDRAW = "\r"                    # first character of a stored redraw's text
-MAX_LINE = 16 * 1024             # characters: a longer line is passed on in pieces
-REDRAW_EVERY = 0.5               # seconds between two redraws passed on from one stream
-MAX_BARS = 8                     # bars a terminal shows at once, one row each, at the bottom of the screen
+REDRAW = "\r"  # first character of a stored redraw's text
+MAX_LINE = 16 * 1024  # characters: a longer line is passed on in pieces
+REDRAW_EVERY = 0.5  # seconds between two redraws passed on from one stream
+MAX_BARS = 8  # bars a terminal shows at once, one row each, at the bottom of the screen
 
 # ESC [ params m (colours, bold...) is kept; every other escape sequence goes: CSI with any final byte,
 # OSC (ESC ] ... BEL or ESC \\), DCS/SOS/PM/APC (ESC P/X/^/_ ... ESC \\), two-byte ESC sequences, and the
 # 8-bit C1 forms of them.
 _SGR = re.compile(r"\x1b\[[0-9;:]*m")
 _ESCAPES = re.compile(
-    r"(\x1b\[[0-?]*[ -/]*[@-~])"                       # CSI
-    r"|(\x1b\][^\x07\x1b]*(\x07|\x1b\\)?)"            # OSC
-    r"|(\x1b[PX^_][^\x1b]*(\x1b\\)?)"                 # DCS, SOS, PM, APC
-    r"|(\x1b[ -/]*[0-~])"                             # other ESC sequences (charset, keypad, RIS, ...)
-    r"|(\x9b[0-?]*[ -/]*[@-~])"                       # 8-bit CSI
-    r"|(\x9d[^\x07\x9c]*[\x07\x9c]?)"                 # 8-bit OSC
+    r"(\x1b\[[0-?]*[ -/]*[@-~])"  # CSI
+    r"|(\x1b\][^\x07\x1b]*(\x07|\x1b\\)?)"  # OSC
+    r"|(\x1b[PX^_][^\x1b]*(\x1b\\)?)"  # DCS, SOS, PM, APC
+    r"|(\x1b[ -/]*[0-~])"  # other ESC sequences (charset, keypad, RIS, ...)
+    r"|(\x9b[0-?]*[ -/]*[@-~])"  # 8-bit CSI
+    r"|(\x9d[^\x07\x9c]*[\x07\x9c]?)"  # 8-bit OSC
 )
 # Everything but TAB: ESC left over, BEL, BS, DEL, C1; also the Unicode line and paragraph separators (viewers
 # and str.splitlines() break lines there) and the bidi embeddings, overrides and isolates (text that reads
@@ -53,7 +66,7 @@ def clean(text: str) -> str:
     kept: list[str] = []
     pos = 0
     for m in _SGR.finditer(text):
-        kept.append(_strip(text[pos:m.start()]))
+        kept.append(_strip(text[pos : m.start()]))
         kept.append(m.group(0))
         pos = m.end()
     kept.append(_strip(text[pos:]))
@@ -117,13 +130,14 @@ class LineAssembler:
     max_line: int = MAX_LINE
     redraw_every: float = REDRAW_EVERY
     _decoder: codecs.IncrementalDecoder = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
-    _line: str = ""                      # the current line's text so far (after its last \r)
-    _drawn: str = ""                     # the current line's last complete draw (before its last \r)
-    _dirty: bool = False                 # _drawn changed since a redraw last went out
-    _redrawing: bool = False             # the current line had a \r: it is a bar
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+    _line: str = ""  # the current line's text so far (after its last \r)
+    _drawn: str = ""  # the current line's last complete draw (before its last \r)
+    _dirty: bool = False  # _drawn changed since a redraw last went out
+    _redrawing: bool = False  # the current line had a \r: it is a bar
     _last_redraw: float = float("-inf")  # when the last redraw went out
-    _shown: str | None = None            # the last redraw passed on (the same one is not repeated)
+    _shown: str | None = None  # the last redraw passed on (the same one is not repeated)
 
     def feed(self, data: bytes, now: float) -> list[tuple[str, str]]:
         return self._text(self._decoder.decode(data), now)
@@ -138,7 +152,7 @@ class LineAssembler:
         # -inf: no timed redraw here; the line's final state is said below
         out = self._text(self._decoder.decode(b"", final=True), float("-inf"))
         final = clean(self._line or self._drawn)
-        if final.strip() or (final and not self._redrawing):     # not a bar wiped with spaces at the end
+        if final.strip() or (final and not self._redrawing):  # not a bar wiped with spaces at the end
             out.append(("line", final))
         self._new_line()
         return out
@@ -162,13 +176,13 @@ class LineAssembler:
                 self._new_line()
             elif piece == "\r":
                 self._redrawing = True
-                if self._line:                  # a draw is complete: the latest one counts
+                if self._line:  # a draw is complete: the latest one counts
                     self._drawn, self._line, self._dirty = self._line, "", True
             elif piece:
                 self._line += piece
                 while len(self._line) > self.max_line:
-                    out.append(("line", clean(self._line[:self.max_line])))
-                    self._line = self._line[self.max_line:]
+                    out.append(("line", clean(self._line[: self.max_line])))
+                    self._line = self._line[self.max_line :]
         if self._dirty and now - self._last_redraw >= self.redraw_every:
             self._dirty = False
             out += self._emit_redraw(self._drawn, now)
@@ -193,11 +207,11 @@ class Redraws:
 
     tty: bool
     file_every: float = 30.0
-    width: int | None = None                                     # the terminal's columns (None: not cut)
-    _pending: dict[str, str] = field(default_factory=dict)       # source -> its latest unprinted redraw
-    _printed: dict[str, float] = field(default_factory=dict)     # source -> when its last redraw was printed
-    _last: dict[str, str] = field(default_factory=dict)          # source -> its redraw printed last, if latest
-    _bars: dict[str, str] = field(default_factory=dict)          # tty: source -> its row, top to bottom
+    width: int | None = None  # the terminal's columns (None: not cut)
+    _pending: dict[str, str] = field(default_factory=dict)  # source -> its latest unprinted redraw
+    _printed: dict[str, float] = field(default_factory=dict)  # source -> when its last redraw was printed
+    _last: dict[str, str] = field(default_factory=dict)  # source -> its redraw printed last, if latest
+    _bars: dict[str, str] = field(default_factory=dict)  # tty: source -> its row, top to bottom
 
     def line(self, source: str, prefix: str, text: str, now: float) -> list[str]:
         """What to write for one stored line of `source` (`prefix`: meshrun's `[node rN] `, `text`: the rest),
@@ -217,18 +231,18 @@ class Redraws:
         out = self.interrupt()
         self._bars.pop(source, None)
         held = self._pending.pop(source, None)
-        if held is not None and held != body:           # the bar's final state, then what came next
+        if held is not None and held != body:  # the bar's final state, then what came next
             out.append(held + "\n")
-        if self._last.pop(source, None) != body:        # not the bar's final state printed just before
+        if self._last.pop(source, None) != body:  # not the bar's final state printed just before
             out.append(body + "\n")
         return out + self.resume()
 
     def _bar(self, source: str, body: str) -> list[str]:
         row = _closed(fit(body, self.width))
-        self._pending.pop(source, None)                  # held while it had no row: superseded now
+        self._pending.pop(source, None)  # held while it had no row: superseded now
         if source not in self._bars:
             self._bars[source] = row
-            return [row + "\n"]                          # the cursor stays below the bars
+            return [row + "\n"]  # the cursor stays below the bars
         self._bars[source] = row
         up = len(self._bars) - list(self._bars).index(source)
         return [f"\x1b[{up}A\r\x1b[2K{row}\x1b[{up}B\r"]
@@ -256,8 +270,10 @@ class Redraws:
 LINE_RE = re.compile(r"^\[(?P<node>[a-z0-9][a-z0-9-]{0,31})(?: r(?P<rank>\d+))?\] ")
 # torch's TCPStore logs this for every client whose address has no reverse DNS (overlay addresses
 # never do): one line per node and rank, nothing anyone can act on. Only this exact line is dropped.
-REVERSE_DNS_NOISE = re.compile(r"^\[W\d{4} \d\d:\d\d:\d\d\.\d+ socket\.cpp:\d+\] \[c10d\] The hostname of the "
-                               r"client socket cannot be retrieved\. err=-?\d+$")
+REVERSE_DNS_NOISE = re.compile(
+    r"^\[W\d{4} \d\d:\d\d:\d\d\.\d+ socket\.cpp:\d+\] \[c10d\] The hostname of the "
+    r"client socket cannot be retrieved\. err=-?\d+$"
+)
 
 
 def is_noise(line: str) -> bool:

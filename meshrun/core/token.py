@@ -20,14 +20,14 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from meshrun.errors import TokenError, UsageError
 from meshrun.core.model import parse_endpoint
+from meshrun.errors import TokenError, UsageError
 
 PREFIX = "mr1."
 _VERSION_RE = re.compile(r"^mr(\d+)\.")
 _ID_RE = re.compile(r"^[a-z0-9]{10}\Z")
 _FP_RE = re.compile(r"^[0-9a-f]{64}\Z")
-_KEY_RE = re.compile(r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=\Z")     # a WireGuard key: base64 of 32 bytes
+_KEY_RE = re.compile(r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=\Z")  # a WireGuard key: base64 of 32 bytes
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}\Z")
 _FIX_COPY = "copy the whole token again from the output of `meshrun token create` on the coordinator"
 
@@ -41,12 +41,17 @@ class JoinToken:
     fingerprint: str
     token_id: str
     secret: bytes
-    coordinator_key: str = ""        # the coordinator's WireGuard public key ("" in tokens of older meshruns)
+    coordinator_key: str = ""  # the coordinator's WireGuard public key ("" in tokens of older meshruns)
 
     def encode(self) -> str:
         """Return the token string (``mr1.…``)."""
-        fields = {"n": self.network, "e": list(self.endpoints), "f": self.fingerprint, "i": self.token_id,
-                  "s": base64.urlsafe_b64encode(self.secret).decode().rstrip("=")}
+        fields = {
+            "n": self.network,
+            "e": list(self.endpoints),
+            "f": self.fingerprint,
+            "i": self.token_id,
+            "s": base64.urlsafe_b64encode(self.secret).decode().rstrip("="),
+        }
         if self.coordinator_key:
             fields["k"] = self.coordinator_key
         payload = json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
@@ -57,8 +62,9 @@ class JoinToken:
         return f"JoinToken(network={self.network!r}, endpoints={self.endpoints!r}, token_id={self.token_id!r})"
 
 
-def new_token(network: str, endpoints: list[str] | tuple[str, ...], fingerprint: str,
-              coordinator_key: str = "") -> JoinToken:
+def new_token(
+    network: str, endpoints: list[str] | tuple[str, ...], fingerprint: str, coordinator_key: str = ""
+) -> JoinToken:
     """Make a token with a fresh random id and 32-byte secret."""
     token_id = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(10))
     return JoinToken(network, tuple(endpoints), fingerprint, token_id, secrets.token_bytes(32), coordinator_key)
@@ -89,9 +95,11 @@ def parse_token(value: str) -> JoinToken:
     if not m:
         raise TokenError("this is not a meshrun join token (it must start with 'mr1.')", _FIX_COPY)
     if m.group(0) != PREFIX:
-        raise TokenError(f"join token version mr{m.group(1)} is not supported by this meshrun (it reads mr1)",
-                         "use the same meshrun version on the node as on the coordinator")
-    body = value[len(PREFIX):]
+        raise TokenError(
+            f"join token version mr{m.group(1)} is not supported by this meshrun (it reads mr1)",
+            "use the same meshrun version on the node as on the coordinator",
+        )
+    body = value[len(PREFIX) :]
     try:
         blob = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
     except (binascii.Error, ValueError):
@@ -103,8 +111,12 @@ def parse_token(value: str) -> JoinToken:
         data = json.loads(payload)
         # Exact shapes: str() of a number, or iterating a string as endpoints, would let a
         # malformed payload through to fail later with a confusing error.
-        if not (isinstance(data, dict) and all(isinstance(data.get(k), str) for k in "nfis")
-                and isinstance(data.get("e"), list) and all(isinstance(e, str) for e in data["e"])):
+        if not (
+            isinstance(data, dict)
+            and all(isinstance(data.get(k), str) for k in "nfis")
+            and isinstance(data.get("e"), list)
+            and all(isinstance(e, str) for e in data["e"])
+        ):
             raise ValueError("wrong field types")
         secret_b64 = data["s"]
         secret = base64.urlsafe_b64decode(secret_b64 + "=" * (-len(secret_b64) % 4))
@@ -114,9 +126,15 @@ def parse_token(value: str) -> JoinToken:
         tok = JoinToken(data["n"], tuple(parse_endpoint(e) for e in data["e"]), data["f"], data["i"], secret, ckey)
     except (ValueError, KeyError, TypeError, binascii.Error):
         raise TokenError("the join token's contents are malformed", _FIX_COPY) from None
-    if (not _NAME_RE.match(tok.network) or not tok.endpoints or not _FP_RE.match(tok.fingerprint)
-            or not _ID_RE.match(tok.token_id) or len(tok.secret) != 32
-            or tok.coordinator_key and not _KEY_RE.match(tok.coordinator_key)):
+    if (
+        not _NAME_RE.match(tok.network)
+        or not tok.endpoints
+        or not _FP_RE.match(tok.fingerprint)
+        or not _ID_RE.match(tok.token_id)
+        or len(tok.secret) != 32
+        or tok.coordinator_key
+        and not _KEY_RE.match(tok.coordinator_key)
+    ):
         raise TokenError("the join token's contents are malformed", _FIX_COPY)
     return tok
 
@@ -131,6 +149,8 @@ def parse_duration(value: str, option: str = "--ttl") -> int:
     m = _DURATION_RE.match(value.strip().lower())
     seconds = int(m.group(1)) * _UNIT[m.group(2)] if m else 0
     if not m or not 0 < seconds <= MAX_TTL:
-        raise UsageError(f"{option} {value!r} is not a duration between 1s and 30d",
-                         f"write it as a number and a unit, e.g. {option} 12h, 30m or 2d")
+        raise UsageError(
+            f"{option} {value!r} is not a duration between 1s and 30d",
+            f"write it as a number and a unit, e.g. {option} 12h, 30m or 2d",
+        )
     return seconds

@@ -25,8 +25,10 @@ def wireguard_go_warning(version: tuple[int, int, int] | None) -> str | None:
     """A one-line warning with the measured cost and the fix when `version` is an old wireguard-go, else None."""
     if version is None or version >= FAST_WIREGUARD_GO:
         return None
-    return (f"wireguard-go {shown(version)} has no batched I/O: on this project's 2-core machines it moved 184-291 "
-            f"Mbit/s one way where {shown(FAST_WIREGUARD_GO)} moved 1034-1329 (4-6x), enough to cap a WAN link; "
-            "install a newer wireguard-go (Debian 12: apt-get install -t bookworm-backports wireguard-go; "
-            "Ubuntu 24.04 and Debian 13 ship one) or use kernel WireGuard, then restart the interface (`meshrun leave` or "
-            "`meshrun down`, then `meshrun up`)")
+    return (
+        f"wireguard-go {shown(version)} has no batched I/O: on this project's 2-core machines it moved 184-291 "
+        f"Mbit/s one way where {shown(FAST_WIREGUARD_GO)} moved 1034-1329 (4-6x), enough to cap a WAN link; "
+        "install a newer wireguard-go (Debian 12: apt-get install -t bookworm-backports wireguard-go; "
+        "Ubuntu 24.04 and Debian 13 ship one) or use kernel WireGuard, then restart the interface (`meshrun leave` or "
+        "`meshrun down`, then `meshrun up`)"
+    )

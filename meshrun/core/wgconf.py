@@ -6,31 +6,44 @@ Pure: rendering works on file objects (StringIO), so it is testable without a sy
 from __future__ import annotations
 
 import io
+
 import wgconfig
 
 from meshrun.core.peers import PeerSpec, PeerState
 
 
-def render_quick(private_key: str, address: str, listen_port: int, mtu: int,
-                 peers: list[PeerSpec], comment: str = "") -> str:
+def render_quick(
+    private_key: str, address: str, listen_port: int, mtu: int, peers: list[PeerSpec], comment: str = ""
+) -> str:
     """Return a wg-quick compatible config (valid input for `wg-quick strip`).
 
     It holds the private key: whoever writes it must make the file 0600.
     """
     # The lines are laid out here, in wgconfig's format, and parsed once: wgconfig's add_peer and
     # add_attr re-parse the whole file on every call, which took 50 s for a node with 1000 peers.
-    lines = ["[Interface]", *(f"# {line}" for line in comment.splitlines()),
-             f"PrivateKey = {private_key}", f"Address = {address}", f"ListenPort = {listen_port}", f"MTU = {mtu}"]
+    lines = [
+        "[Interface]",
+        *(f"# {line}" for line in comment.splitlines()),
+        f"PrivateKey = {private_key}",
+        f"Address = {address}",
+        f"ListenPort = {listen_port}",
+        f"MTU = {mtu}",
+    ]
     for p in sorted(peers, key=lambda p: p.public_key):
-        lines += ["", *([f"# {p.name}"] if p.name else []), "[Peer]", f"PublicKey = {p.public_key}",
-                  f"AllowedIPs = {', '.join(p.allowed_ips)}"]
+        lines += [
+            "",
+            *([f"# {p.name}"] if p.name else []),
+            "[Peer]",
+            f"PublicKey = {p.public_key}",
+            f"AllowedIPs = {', '.join(p.allowed_ips)}",
+        ]
         if p.endpoint:
             lines.append(f"Endpoint = {p.endpoint}")
         if p.keepalive:
             lines.append(f"PersistentKeepalive = {p.keepalive}")
     cfg = wgconfig.WGConfig()
     cfg.lines = lines
-    cfg.parse_lines()        # raises on a malformed section, as add_peer/add_attr would
+    cfg.parse_lines()  # raises on a malformed section, as add_peer/add_attr would
     out = io.StringIO()
     cfg.write_to_fileobj(out)
     return out.getvalue()
@@ -57,8 +70,15 @@ def parse_dump(text: str) -> tuple[int, list[PeerState]]:
         if len(cols) != 8:
             raise ValueError(f"unexpected `wg show dump` line with {len(cols)} fields")
         pub, _psk, endpoint, allowed, hs, rx, tx, ka = cols
-        peers.append(PeerState(
-            public_key=pub, endpoint=None if endpoint == "(none)" else endpoint,
-            allowed_ips=tuple(sorted(a for a in allowed.split(",") if a and a != "(none)")),
-            latest_handshake=int(hs), rx=int(rx), tx=int(tx), keepalive=0 if ka == "off" else int(ka)))
+        peers.append(
+            PeerState(
+                public_key=pub,
+                endpoint=None if endpoint == "(none)" else endpoint,
+                allowed_ips=tuple(sorted(a for a in allowed.split(",") if a and a != "(none)")),
+                latest_handshake=int(hs),
+                rx=int(rx),
+                tx=int(tx),
+                keepalive=0 if ka == "off" else int(ka),
+            )
+        )
     return port, peers

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from meshrun.core.jobspec import EXIT_LOST, JobRecord, JobSpec, JobState, check_job_id
-from meshrun.core.termtext import LINE_RE, line_matches
 from meshrun.core.model import Network
+from meshrun.core.termtext import LINE_RE, line_matches
 from meshrun.errors import StateError, UsageError
 from meshrun.jobs.supervisor import EVENTS
 from meshrun.system import joblogs, procs, transport
@@ -52,8 +52,12 @@ def record(state: StateDir, job_id: str) -> JobRecord:
     rec = JobRecord.from_dict(d.read_json("job.json"))
     if not rec.final and not _lock(state, job_id).held():
         # Its supervisor is gone (the coordinator machine rebooted, or it crashed): nobody will finish it.
-        rec = replace(rec, state=JobState.LOST, exit_code=EXIT_LOST,
-                      message=f"job {job_id}'s supervisor on the coordinator stopped before the job ended")
+        rec = replace(
+            rec,
+            state=JobState.LOST,
+            exit_code=EXIT_LOST,
+            message=f"job {job_id}'s supervisor on the coordinator stopped before the job ended",
+        )
     return rec
 
 
@@ -62,6 +66,7 @@ def list_jobs(state: StateDir) -> list[JobRecord]:
 
 
 # --------------------------------------------------------------------------- the daemon's side
+
 
 class JobControl:
     """The coordinator daemon's job extension: the admin socket, and a log line per job start and end."""
@@ -119,13 +124,18 @@ def start(state: StateDir, spec: JobSpec) -> str:
     d.create()
     d.write_json("spec.json", spec.to_dict())
     d.write_json("job.json", JobRecord(spec.job_id).to_dict())
-    pid = procs.spawn_daemon([sys.executable, "-m", "meshrun.jobs.supervisor", str(state.path), spec.job_id],
-                             d / "supervisor.out", timeout=60, what=f"job {spec.job_id}'s supervisor")
+    pid = procs.spawn_daemon(
+        [sys.executable, "-m", "meshrun.jobs.supervisor", str(state.path), spec.job_id],
+        d / "supervisor.out",
+        timeout=60,
+        what=f"job {spec.job_id}'s supervisor",
+    )
     log.info("job %s submitted (supervisor pid %d): %s %s", spec.job_id, pid, spec.script, " ".join(spec.script_args))
     return spec.job_id
 
 
 # --------------------------------------------------------------------------- the command line's side
+
 
 def submit(state: StateDir, spec: JobSpec) -> str:
     """Hand the job to the coordinator daemon (it must run); returns the job id."""
@@ -152,8 +162,15 @@ def attributed(node: str, text: str) -> str:
     return text if m is not None and m.group("node") == node else f"[{node}] {text}"
 
 
-def follow(state: StateDir, job_id: str, out: Callable[[str, bool], None], node: str | None = None,
-           rank: int | None = None, keep_going: bool = True, stop: threading.Event | None = None) -> JobRecord:
+def follow(
+    state: StateDir,
+    job_id: str,
+    out: Callable[[str, bool], None],
+    node: str | None = None,
+    rank: int | None = None,
+    keep_going: bool = True,
+    stop: threading.Event | None = None,
+) -> JobRecord:
     """Print the job's lines from the start, in arrival order (`out(line, is_meshrun_line)`).
 
     With `keep_going`, follow until the job has ended and everything was printed (or `stop` is
@@ -175,8 +192,7 @@ def follow(state: StateDir, job_id: str, out: Callable[[str, bool], None], node:
                 m = MIRROR_RE.match(text)
                 if m:
                     batch.append((int(m.group(1)), i, path.stem, m.group(2)))
-        for _, _, source, text in heapq.merge(*[sorted(b for b in batch if b[2] == s)
-                                                for s in {b[2] for b in batch}]):
+        for _, _, source, text in heapq.merge(*[sorted(b for b in batch if b[2] == s) for s in {b[2] for b in batch}]):
             if source == EVENTS:
                 out(text, True)
                 continue
@@ -186,4 +202,3 @@ def follow(state: StateDir, job_id: str, out: Callable[[str, bool], None], node:
         if not keep_going or (rec.final and not batch) or (stop is not None and stop.is_set()):
             return rec
         time.sleep(0.25)
-

@@ -22,7 +22,7 @@ from meshrun.system.statedir import StateDir, remove_tree
 
 __all__ = ["ShareHandle", "RemoteShare", "LocalShare", "OUTPUT_WAIT_S"]
 
-OUTPUT_WAIT_S = 4.0      # long-poll for output
+OUTPUT_WAIT_S = 4.0  # long-poll for output
 
 
 class ShareHandle(Protocol):
@@ -41,8 +41,9 @@ class ShareHandle(Protocol):
     def preflight(self, job_id: str, python: str | None, cwd: str | None, project: str) -> dict:
         """Its environment report (meshrun.core.preflight.EnvReport fields) and clock."""
 
-    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str,
-              allow: list[str]) -> None:
+    def start(
+        self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str, allow: list[str]
+    ) -> None:
         """Start the share (torchrun) there, its ports answering only the overlay addresses in `allow`."""
 
     def allow(self, job_id: str, ips: list[str]) -> None:
@@ -71,10 +72,10 @@ class RemoteShare:
         self.name, self.overlay_ip = m.name, m.overlay_ip
         self.network, self.key = network, key
 
-    def _call(self, method: str, path: str, body: object = None, raw: bytes | None = None,
-              timeout: float = 15) -> dict:
-        return transport.call(self.overlay_ip, self.network.api_port, method, path, body, raw=raw, key=self.key,
-                              timeout=timeout)
+    def _call(self, method: str, path: str, body: object = None, raw: bytes | None = None, timeout: float = 15) -> dict:
+        return transport.call(
+            self.overlay_ip, self.network.api_port, method, path, body, raw=raw, key=self.key, timeout=timeout
+        )
 
     def health(self) -> dict:
         return self._call("GET", "/v1/health", timeout=3)
@@ -83,28 +84,42 @@ class RemoteShare:
         self._call("POST", f"/v1/jobs/{job_id}/code?project={project}", raw=blob, timeout=120)
 
     def preflight(self, job_id: str, python: str | None, cwd: str | None, project: str) -> dict:
-        return self._call("POST", f"/v1/jobs/{job_id}/preflight", {"python": python, "cwd": cwd, "project": project},
-                          timeout=90)
+        return self._call(
+            "POST", f"/v1/jobs/{job_id}/preflight", {"python": python, "cwd": cwd, "project": project}, timeout=90
+        )
 
-    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str,
-              allow: list[str]) -> None:
-        self._call("POST", f"/v1/jobs/{job_id}/start", {"argv": argv, "env": env, "cwd": cwd, "project": project,
-                                                        "allow": allow}, timeout=60)
+    def start(
+        self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str, allow: list[str]
+    ) -> None:
+        self._call(
+            "POST",
+            f"/v1/jobs/{job_id}/start",
+            {"argv": argv, "env": env, "cwd": cwd, "project": project, "allow": allow},
+            timeout=60,
+        )
 
     def allow(self, job_id: str, ips: list[str]) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/allow", {"ips": ips}, timeout=15)
 
     def output(self, job_id: str, offset: int) -> dict:
-        return self._call("POST", f"/v1/jobs/{job_id}/output", {"offset": offset, "wait": OUTPUT_WAIT_S},
-                          timeout=OUTPUT_WAIT_S + 6)
+        return self._call(
+            "POST", f"/v1/jobs/{job_id}/output", {"offset": offset, "wait": OUTPUT_WAIT_S}, timeout=OUTPUT_WAIT_S + 6
+        )
 
     def cancel(self, job_id: str) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/cancel", {}, timeout=40)
 
     def pull(self, job_id: str, path: str, max_bytes: int) -> bytes:
-        return transport.call_binary(self.overlay_ip, self.network.api_port, "POST", f"/v1/jobs/{job_id}/pull",
-                                     {"path": path, "max_bytes": max_bytes}, key=self.key, timeout=300,
-                                     max_bytes=max_bytes + (1 << 20))
+        return transport.call_binary(
+            self.overlay_ip,
+            self.network.api_port,
+            "POST",
+            f"/v1/jobs/{job_id}/pull",
+            {"path": path, "max_bytes": max_bytes},
+            key=self.key,
+            timeout=300,
+            max_bytes=max_bytes + (1 << 20),
+        )
 
     def prune(self, job_id: str) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/prune", {}, timeout=60)
@@ -133,11 +148,20 @@ class LocalShare:
         self.dir.create()
         return workdir.preflight(self.state, self.dir, python or sys.executable, project, cwd)
 
-    def start(self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str,
-              allow: list[str]) -> None:
+    def start(
+        self, job_id: str, argv: list[str], env: dict[str, str], cwd: str | None, project: str, allow: list[str]
+    ) -> None:
         self.dir.create()
-        shares.start_share(self.dir, self.name, argv, env, str(workdir.workdir(self.state, project, cwd)), self.state,
-                           project, {"interface": self.interface, "allow": allow})
+        shares.start_share(
+            self.dir,
+            self.name,
+            argv,
+            env,
+            str(workdir.workdir(self.state, project, cwd)),
+            self.state,
+            project,
+            {"interface": self.interface, "allow": allow},
+        )
 
     def allow(self, job_id: str, ips: list[str]) -> None:
         firewall.allow(job_id, self.name, ips)

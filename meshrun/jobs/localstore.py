@@ -34,8 +34,10 @@ LOCK = "local-store.lock"
 def _coordinator(state: StateDir):
     rec, network = member.load(state)
     if rec.get("role") != "coordinator":
-        raise StateError(f"{state.path} belongs to a node; the local store runs on the coordinator",
-                         "run `meshrun local-store start` on the coordinator")
+        raise StateError(
+            f"{state.path} belongs to a node; the local store runs on the coordinator",
+            "run `meshrun local-store start` on the coordinator",
+        )
     return network
 
 
@@ -44,10 +46,15 @@ def start(state: StateDir, max_mb: int = DEFAULT_MAX_MB) -> int:
     network = _coordinator(state)
     lock = procs.DaemonLock(state / LOCK)
     if lock.held():
-        raise StateError(f"the local store already runs (pid {lock.holder() or '?'})", "`meshrun local-store stop` first")
-    return procs.spawn_daemon([sys.executable, "-m", "meshrun.jobs.localstore", str(state.path), str(max_mb)],
-                              state / "local-store.out", timeout=90,
-                              what=f"the local rendezvous store on {network.coordinator_ip}:{network.rdzv_port}")
+        raise StateError(
+            f"the local store already runs (pid {lock.holder() or '?'})", "`meshrun local-store stop` first"
+        )
+    return procs.spawn_daemon(
+        [sys.executable, "-m", "meshrun.jobs.localstore", str(state.path), str(max_mb)],
+        state / "local-store.out",
+        timeout=90,
+        what=f"the local rendezvous store on {network.coordinator_ip}:{network.rdzv_port}",
+    )
 
 
 def stop(state: StateDir) -> bool:
@@ -74,15 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         # After torch and the store are up: what the store holds from now on is what the cap bounds.
         host.cap_data(max_mb << 20)
     except (MeshrunError, OSError, RuntimeError) as exc:
-        procs.notify_error(exc if isinstance(exc, MeshrunError) else MeshrunError(
-            f"cannot host the local rendezvous store: {exc}", "free the port, or check the overlay interface"))
+        procs.notify_error(
+            exc
+            if isinstance(exc, MeshrunError)
+            else MeshrunError(
+                f"cannot host the local rendezvous store: {exc}", "free the port, or check the overlay interface"
+            )
+        )
         return 1
     stopping = threading.Event()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: stopping.set())
-    log.info("local rendezvous store on %s:%d (data capped at %d MiB)", network.coordinator_ip, network.rdzv_port,
-             max_mb)
+    log.info(
+        "local rendezvous store on %s:%d (data capped at %d MiB)", network.coordinator_ip, network.rdzv_port, max_mb
+    )
     procs.notify_ready()
     stopping.wait()
     del store

@@ -39,8 +39,8 @@ from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.core.model import Network
 from meshrun.errors import AuthError, LaunchError, MeshrunError, NetworkError, UsageError
 from meshrun.jobs import workdir
-from meshrun.mesh import member
 from meshrun.jobs.share import cancel_share, share_output, share_running, start_share
+from meshrun.mesh import member
 from meshrun.system import firewall, host, joblogs
 from meshrun.system.projects import ProjectDir, check_project
 from meshrun.system.statedir import StateDir, remove_tree
@@ -51,24 +51,34 @@ log = logging.getLogger("meshrun.jobs.nodeapi")
 MAX_CODE = 200 * 1024 * 1024
 MAX_CONNS = 64
 OUTPUT_WAIT_MAX = 10.0
-ROUTE = re.compile(r"^/v1/jobs/([^/?]+)/(code|preflight|start|output|cancel|allow|pull|prune)"
-                   r"(?:\?project=([^&/]+))?$")
+ROUTE = re.compile(
+    r"^/v1/jobs/([^/?]+)/(code|preflight|start|output|cancel|allow|pull|prune)"
+    r"(?:\?project=([^&/]+))?$"
+)
 PROJECT_ROUTE = re.compile(r"^/v1/projects/([^/?]+)/remove$")
 
 
 class JobAPI:
     """The job API's handler for node `name`: shares under `jobs_dir`, requests checked with `key`."""
 
-    def __init__(self, state: StateDir, network: Network, name: str, key: bytes, gpus: int = 0,
-                 start=start_share, guards=firewall) -> None:
+    def __init__(
+        self,
+        state: StateDir,
+        network: Network,
+        name: str,
+        key: bytes,
+        gpus: int = 0,
+        start=start_share,
+        guards=firewall,
+    ) -> None:
         self.network = network
-        self.firewall = guards       # meshrun.system.firewall; tests pass a FakeFirewall
+        self.firewall = guards  # meshrun.system.firewall; tests pass a FakeFirewall
         self.name = name
         self.state = state
         self.jobs_dir = joblogs.jobs_root(state)
         self.verifier = auth.Verifier(key)
         self.gpus = gpus
-        self.start = start           # tests pass a stand-in that runs nothing
+        self.start = start  # tests pass a stand-in that runs nothing
 
     def gate(self, req: Request) -> Response | None:
         """Before the body is read: only the coordinator's overlay address, only with a fresh MAC under
@@ -77,15 +87,14 @@ class JobAPI:
             log.warning("refused job request %s %s from %s: not the coordinator", req.method, req.path, req.client_ip)
             return Response.error(403, f"{req.client_ip} is not the coordinator")
         try:
-            req.expect_sha256 = self.verifier.head(req.headers.get("Authorization"), req.method, req.path,
-                                                   time.time())
+            req.expect_sha256 = self.verifier.head(req.headers.get("Authorization"), req.method, req.path, time.time())
         except AuthError as exc:
             log.warning("refused job request %s %s from %s: %s", req.method, req.path, req.client_ip, exc.message)
             return Response.error(401, exc)
         return None
 
     def handle(self, req: Request) -> Response:
-        if not req.gated:                   # called directly (tests), not through JobServer's gate
+        if not req.gated:  # called directly (tests), not through JobServer's gate
             refused = self.gate(req)
             if refused is not None:
                 return refused
@@ -94,9 +103,15 @@ class JobAPI:
         except AuthError as exc:
             return Response.error(401, exc)
         if req.method == "GET" and req.path == "/v1/health":
-            return Response(200, {"name": self.name, "gpus": self.gpus, "python": sys.executable,
-                                  "jobs": [j for j in joblogs.job_ids(self.jobs_dir)
-                                           if share_running(StateDir(self.jobs_dir / j))]})
+            return Response(
+                200,
+                {
+                    "name": self.name,
+                    "gpus": self.gpus,
+                    "python": sys.executable,
+                    "jobs": [j for j in joblogs.job_ids(self.jobs_dir) if share_running(StateDir(self.jobs_dir / j))],
+                },
+            )
         m = PROJECT_ROUTE.match(req.path)
         if m and req.method == "POST":
             removed = ProjectDir(self.state, check_project(m.group(1))).remove()
@@ -118,8 +133,12 @@ class JobAPI:
         if action == "preflight":
             job_dir.create()
             cwd = body.get("cwd")
-            return Response(200, workdir.preflight(self.state, job_dir, str(body.get("python") or sys.executable),
-                                                   project, str(cwd) if cwd else None))
+            return Response(
+                200,
+                workdir.preflight(
+                    self.state, job_dir, str(body.get("python") or sys.executable), project, str(cwd) if cwd else None
+                ),
+            )
         if action == "start":
             return self._start(job_id, job_dir, body, project)
         if not (job_dir / "share.json").exists():
@@ -168,22 +187,35 @@ class JobAPI:
             cwd = body.get("cwd")
             cwd = str(cwd) if cwd else None
             allow = [str(ip) for ip in body["allow"]]
-            guard_rules.add_allowed(guard_rules.job_table(job_id, self.name), allow)      # addresses only
+            guard_rules.add_allowed(guard_rules.job_table(job_id, self.name), allow)  # addresses only
         except (KeyError, TypeError, AttributeError):
             return Response.error(400, UsageError("malformed start request", "use `meshrun train`"))
         if not argv:
             return Response.error(400, UsageError("empty command", "use `meshrun train`"))
         where = workdir.workdir(self.state, project, cwd)
         if not where.is_dir():
-            return Response.error(400, LaunchError(f"working directory {where} does not exist on {self.name}",
-                                                   "drop --no-sync so meshrun ships the code, or copy it there"))
+            return Response.error(
+                400,
+                LaunchError(
+                    f"working directory {where} does not exist on {self.name}",
+                    "drop --no-sync so meshrun ships the code, or copy it there",
+                ),
+            )
         job_dir.create()
         if share_running(job_dir):
             return Response.error(409, LaunchError(f"job {job_id} already runs on {self.name}", "use a new job id"))
-        self.firewall.sweep()          # guards that jobs killed before their cleanup left behind
+        self.firewall.sweep()  # guards that jobs killed before their cleanup left behind
         try:
-            pid = self.start(job_dir, self.name, argv, env, str(where), self.state, project,
-                             {"interface": self.network.interface, "allow": allow})
+            pid = self.start(
+                job_dir,
+                self.name,
+                argv,
+                env,
+                str(where),
+                self.state,
+                project,
+                {"interface": self.network.interface, "allow": allow},
+            )
         except MeshrunError as exc:
             log.warning("job %s could not start: %s", job_id, exc)
             return Response.error(400, exc)
@@ -199,9 +231,16 @@ class JobServer:
         uploads = StateDir(api.state / "uploads")
         uploads.create()
         # Only the coordinator may talk here: a few connections per job it follows, a bounded total.
-        self.server = JSONServer((overlay_ip, api.network.api_port), api.handle, device=api.network.interface,
-                                 max_body=MAX_CODE, gate=api.gate, max_conns=MAX_CONNS, max_per_source=MAX_CONNS,
-                                 upload_dir=str(uploads.path))
+        self.server = JSONServer(
+            (overlay_ip, api.network.api_port),
+            api.handle,
+            device=api.network.interface,
+            max_body=MAX_CODE,
+            gate=api.gate,
+            max_conns=MAX_CONNS,
+            max_per_source=MAX_CONNS,
+            upload_dir=str(uploads.path),
+        )
         self.server.start("jobs")
 
     def close(self) -> None:
@@ -217,8 +256,9 @@ def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
     # Pre-flight reports import torch once (a second or two): do it now, not while a job waits.
     threading.Thread(target=host.environment, args=(sys.executable,), name="preflight-warm", daemon=True).start()
     try:
-        return JobServer(JobAPI(state, network, rec["name"], key, gpus=host.visible_gpus()),
-                         rec["overlay_ip"])
+        return JobServer(JobAPI(state, network, rec["name"], key, gpus=host.visible_gpus()), rec["overlay_ip"])
     except OSError as exc:
-        raise NetworkError(f"job API unavailable: cannot listen on {rec['overlay_ip']}:{network.api_port}: "
-                           f"{exc.strerror}", "free that port on the node") from None
+        raise NetworkError(
+            f"job API unavailable: cannot listen on {rec['overlay_ip']}:{network.api_port}: {exc.strerror}",
+            "free that port on the node",
+        ) from None

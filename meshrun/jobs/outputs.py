@@ -54,8 +54,9 @@ def _shares(state: StateDir, job_id: str, names: list[str]) -> list[RemoteShare 
     return out
 
 
-def pull(state: StateDir, job_id: str, path: str, dest: Path, node: str | None = None,
-         max_mb: int = 1024) -> list[Pulled]:
+def pull(
+    state: StateDir, job_id: str, path: str, dest: Path, node: str | None = None, max_mb: int = 1024
+) -> list[Pulled]:
     """Fetch `path` (relative to the job's working directory) from each of the job's nodes (or `node`)
     into dest/<node>/path; one Pulled per node. UsageError for a node that was not in the job."""
     rec = control.record(state, job_id)
@@ -75,6 +76,7 @@ def pull(state: StateDir, job_id: str, path: str, dest: Path, node: str | None =
             return Pulled(share.name, where, len(files))
         except MeshrunError as exc:
             return Pulled(share.name, error=str(exc))
+
     shares = _shares(state, job_id, names)
     with ThreadPoolExecutor(max_workers=max(1, len(shares))) as pool:
         return list(pool.map(one, shares))
@@ -115,8 +117,9 @@ def remove_project(state: StateDir, project: str) -> list[str]:
         except (MeshrunError, ValueError, TypeError):
             continue
         if (spec.project or spec.job_id) == project and not control.record(state, job_id).final:
-            raise UsageError(f"job {job_id} of project {project!r} is still running",
-                             f"cancel it first (`meshrun cancel {job_id}`)")
+            raise UsageError(
+                f"job {job_id} of project {project!r} is still running", f"cancel it first (`meshrun cancel {job_id}`)"
+            )
     _, members = admin.members(state)
     removed, failed = [], []
     for share in _shares(state, "-", [m.name for m in members]):
@@ -126,7 +129,9 @@ def remove_project(state: StateDir, project: str) -> list[str]:
         except MeshrunError as exc:
             failed.append(f"{share.name} ({exc.message})")
     if failed:
-        raise UsageError(f"could not remove project {project!r} on {', '.join(failed)}"
-                         + (f" (removed on {', '.join(removed)})" if removed else ""),
-                         "run the command again when those members are back")
+        raise UsageError(
+            f"could not remove project {project!r} on {', '.join(failed)}"
+            + (f" (removed on {', '.join(removed)})" if removed else ""),
+            "run the command again when those members are back",
+        )
     return removed

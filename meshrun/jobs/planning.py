@@ -23,28 +23,30 @@ from meshrun.system.statedir import StateDir
 __all__ = ["candidates", "check_environments", "coordinator_copy", "pack", "ask_health", "nproc", "code_dir", "plan"]
 
 
-def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[Member],
-               rec: dict) -> list[ShareHandle]:
+def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[Member], rec: dict) -> list[ShareHandle]:
     """Every member that may take a share of `spec`, in the order the plan gives them ranks (the
     coordinator first when it trains). UsageError when --nodes names a member that does not exist."""
     nodes = [m for m in members if not m.is_coordinator]
     if spec.nodes:
         unknown = sorted(set(spec.nodes) - {m.name for m in nodes})
         if unknown:
-            raise UsageError(f"--nodes names unknown node(s): {', '.join(unknown)}",
-                             f"members are: {', '.join(m.name for m in nodes) or 'none'}")
+            raise UsageError(
+                f"--nodes names unknown node(s): {', '.join(unknown)}",
+                f"members are: {', '.join(m.name for m in nodes) or 'none'}",
+            )
         nodes = [m for m in nodes if m.name in spec.nodes]
-    out: list[ShareHandle] = [RemoteShare(network, m, member.job_key(state, m.public_key))
-                                           for m in nodes]
+    out: list[ShareHandle] = [RemoteShare(network, m, member.job_key(state, m.public_key)) for m in nodes]
     if spec.with_coordinator or rec.get("train"):
         out.insert(0, LocalShare(state, spec.job_id, rec["name"], network.coordinator_ip, network.interface))
     return out
 
 
-def check_environments(spec: JobSpec, shares, healths: dict[str, dict], job_id: str,
-                       project: str) -> tuple[list[preflight.EnvReport], dict[str, str] | None]:
+def check_environments(
+    spec: JobSpec, shares, healths: dict[str, dict], job_id: str, project: str
+) -> tuple[list[preflight.EnvReport], dict[str, str] | None]:
     """Every share's environment report, asked in parallel, with its clock offset from ours; and, for a
     --no-sync job, the coordinator's own copy of the code hashed at the same moment (None otherwise)."""
+
     def one(s) -> preflight.EnvReport:
         python = spec.python or str(healths.get(s.name, {}).get("python") or "python3")
         t0 = time.time()
@@ -53,9 +55,11 @@ def check_environments(spec: JobSpec, shares, healths: dict[str, dict], job_id: 
         except MeshrunError as exc:
             return preflight.EnvReport(s.name, python=python, error=exc.message)
         t1 = time.time()
-        d["clock_offset_s"] = (preflight.clock_offset(t0, t1, float(d["time"]), float(d.get("took", 0.0)))
-                               if "time" in d else None)
+        d["clock_offset_s"] = (
+            preflight.clock_offset(t0, t1, float(d["time"]), float(d.get("took", 0.0))) if "time" in d else None
+        )
         return preflight.EnvReport.from_dict(s.name, d)
+
     with ThreadPoolExecutor(max_workers=max(1, len(shares)) + 1) as pool:
         here = pool.submit(coordinator_copy, spec)
         reports = list(pool.map(one, shares))
@@ -94,7 +98,6 @@ def ask_health(s) -> dict | None:
         return None
 
 
-
 def nproc(p: launch.NodeLaunch) -> int:
     return int(p.argv[p.argv.index("--nproc-per-node") + 1])
 
@@ -106,13 +109,16 @@ def code_dir(spec: JobSpec) -> Path:
         return cwd
     script = cwd / spec.script
     if not script.is_file():
-        raise UsageError(f"script {spec.script!r} not found in {cwd}",
-                         "run `meshrun train` from the directory of your training code, or use --no-sync")
+        raise UsageError(
+            f"script {spec.script!r} not found in {cwd}",
+            "run `meshrun train` from the directory of your training code, or use --no-sync",
+        )
     return script.parent
 
 
-def plan(spec: JobSpec, network: Network, ready: list[tuple[str, str, dict]], store_port: int,
-         local: bool = False) -> list[launch.NodeLaunch]:
+def plan(
+    spec: JobSpec, network: Network, ready: list[tuple[str, str, dict]], store_port: int, local: bool = False
+) -> list[launch.NodeLaunch]:
     """Every ready node's torchrun command and environment for `spec` (ready: name, overlay IP, health)."""
     opts = spec.launch_options(network, store_port, shipped=not spec.no_sync)
     infos = [launch.NodeInfo(name, ip, int(h.get("gpus", 0) or 0)) for name, ip, h in ready]

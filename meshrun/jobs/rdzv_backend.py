@@ -25,7 +25,8 @@ def handler_factory():
 
 def create_handler(params):
     """torch.distributed.elastic's c10d rendezvous handler, with an overlay-bound agent store."""
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     from meshrun.system.tcpstore import serve_store
 
@@ -47,9 +48,20 @@ def create_handler(params):
 
     backend, store = c10d_rendezvous_backend.create_backend(params)
     # What dynamic_rendezvous.create_handler does, building our subclass instead.
-    timeout = dr.RendezvousTimeout(dr._get_timeout(params, "join"), dr._get_timeout(params, "last_call"),
-                                   dr._get_timeout(params, "close"), dr._get_timeout(params, "heartbeat"))
+    timeout = dr.RendezvousTimeout(
+        dr._get_timeout(params, "join"),
+        dr._get_timeout(params, "last_call"),
+        dr._get_timeout(params, "close"),
+        dr._get_timeout(params, "heartbeat"),
+    )
     return OverlayRendezvousHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
         keep_alive_interval=params.get_as_int("keep_alive_interval", 5),
-        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3))
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3),
+    )

@@ -24,12 +24,11 @@ from meshrun.core import termtext
 from meshrun.core.jobspec import ShareEnd
 from meshrun.core.termtext import LINE_RE, is_noise
 from meshrun.errors import LaunchError, MeshrunError
-from meshrun.system import procs, statedir
-from meshrun.system.statedir import StateDir
-from meshrun.system import joblogs
+from meshrun.system import joblogs, procs, statedir
 from meshrun.system.firewall import JobGuard
 from meshrun.system.joblogs import BoundedLog
 from meshrun.system.projects import ProjectDir
+from meshrun.system.statedir import StateDir
 
 # Bytes read at most for one line: a worker's capped line (MAX_LINE characters, up to 4 bytes each in UTF-8)
 # with its prefix and redraw marker comes whole; anything longer (torchrun's own) is passed on in pieces.
@@ -66,8 +65,9 @@ class Share:
             g.join()
         except OSError as exc:
             g.remove()
-            raise LaunchError(f"cannot move the share of job {self.job_id} into its cgroup: {exc}",
-                              "run the agent as root") from None
+            raise LaunchError(
+                f"cannot move the share of job {self.job_id} into its cgroup: {exc}", "run the agent as root"
+            ) from None
         return g
 
     def start(self) -> None:
@@ -76,13 +76,24 @@ class Share:
             env["MESHRUN_OUTPUT_DIR"] = str(self.project.work)
             env["MESHRUN_PROJECT"] = self.project.name
         try:
-            self.proc = procs.popen(self.argv, cwd=self.cwd, env=env, stdin=procs.DEVNULL, stdout=procs.PIPE,
-                                    stderr=procs.PIPE, start_new_session=True)
+            self.proc = procs.popen(
+                self.argv,
+                cwd=self.cwd,
+                env=env,
+                stdin=procs.DEVNULL,
+                stdout=procs.PIPE,
+                stderr=procs.PIPE,
+                start_new_session=True,
+            )
         except OSError as exc:
-            raise LaunchError(f"cannot start {self.argv[0]} on {self.node}: {exc.strerror}",
-                              "check that the Python interpreter and torch are installed on every node") from None
-        self.pumps = [threading.Thread(target=self._pump, args=(s, s is self.proc.stderr), daemon=True)
-                      for s in (self.proc.stdout, self.proc.stderr)]
+            raise LaunchError(
+                f"cannot start {self.argv[0]} on {self.node}: {exc.strerror}",
+                "check that the Python interpreter and torch are installed on every node",
+            ) from None
+        self.pumps = [
+            threading.Thread(target=self._pump, args=(s, s is self.proc.stderr), daemon=True)
+            for s in (self.proc.stdout, self.proc.stderr)
+        ]
         for t in self.pumps:
             t.start()
 
@@ -93,11 +104,11 @@ class Share:
         prefix = f"[{self.node}] "
         # Incremental: a UTF-8 character cut by the bounded read is finished by the next one, not garbled.
         decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
-        cut = False                     # the last read ended inside a line (it was passed on as a piece)
+        cut = False  # the last read ended inside a line (it was passed on as a piece)
         for raw in iter(lambda: pipe.readline(LINE_CAP), b""):
             ended = raw.endswith(b"\n")
             text = decode(raw).removesuffix("\n")
-            if not (cut and ended and not text):       # not just the end of a line already passed on
+            if not (cut and ended and not text):  # not just the end of a line already passed on
                 self._line(text, prefix, is_stderr)
             cut = not ended
         rest = decode(b"", final=True)
@@ -125,18 +136,34 @@ class Share:
 
     def wait(self) -> ShareEnd:
         rc = self.proc.wait()
-        procs.kill_tree(self.proc.pid, grace=2)      # workers torchrun left behind, if any
+        procs.kill_tree(self.proc.pid, grace=2)  # workers torchrun left behind, if any
         for t in self.pumps:
             t.join(10)
-        failures = [r for r in statedir.read_json_files(self.dir.path, "exit-r*.json") if r.get("exit_code") not in (0, None)]
+        failures = [
+            r for r in statedir.read_json_files(self.dir.path, "exit-r*.json") if r.get("exit_code") not in (0, None)
+        ]
         sig = signal.Signals(-rc).name if rc < 0 else None
-        return ShareEnd(code=None if sig else rc, signal=sig, failures=failures, error=self.error,
-                        cancelled=self.cancelled.is_set(), ended=time.time())
+        return ShareEnd(
+            code=None if sig else rc,
+            signal=sig,
+            failures=failures,
+            error=self.error,
+            cancelled=self.cancelled.is_set(),
+            ended=time.time(),
+        )
 
 
-def start_share(job_dir: StateDir, node: str, argv: list[str], env: dict[str, str], cwd: str | None,
-                state: StateDir | None = None, project: str | None = None, guard: dict | None = None,
-                timeout: float = 30) -> int:
+def start_share(
+    job_dir: StateDir,
+    node: str,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str | None,
+    state: StateDir | None = None,
+    project: str | None = None,
+    guard: dict | None = None,
+    timeout: float = 30,
+) -> int:
     """Write the share's command and start `python -m meshrun.jobs.share` for it; its PID once torchrun runs.
 
     With `project` (and the member's `state`) the share holds that project's directory while it runs
@@ -144,12 +171,25 @@ def start_share(job_dir: StateDir, node: str, argv: list[str], env: dict[str, st
     `guard` ({"interface", "allow": [overlay IPs]}) every port the job opens answers only those addresses
     on the overlay (meshrun.system.firewall.JobGuard, made before torchrun starts, removed after it).
     """
-    job_dir.write_json("share.json", {"node": node, "argv": argv, "env": env, "cwd": cwd,
-                                      "state": str(state.path) if state is not None else None, "project": project,
-                                      "guard": guard})
+    job_dir.write_json(
+        "share.json",
+        {
+            "node": node,
+            "argv": argv,
+            "env": env,
+            "cwd": cwd,
+            "state": str(state.path) if state is not None else None,
+            "project": project,
+            "guard": guard,
+        },
+    )
     job_dir.remove("status.json", "output.log")
-    return procs.spawn_daemon([sys.executable, "-m", "meshrun.jobs.share", str(job_dir.path)],
-                              job_dir / "share.out", timeout=timeout, what=f"the share of job {job_dir.path.name}")
+    return procs.spawn_daemon(
+        [sys.executable, "-m", "meshrun.jobs.share", str(job_dir.path)],
+        job_dir / "share.out",
+        timeout=timeout,
+        what=f"the share of job {job_dir.path.name}",
+    )
 
 
 def share_running(job_dir: StateDir) -> bool:
@@ -173,8 +213,7 @@ def share_output(job_dir: StateDir, offset: int, wait: float) -> dict:
         lines, new = joblogs.read_from(job_dir / "output.log", offset, final=status is not None)
         if lines or status is not None or time.monotonic() >= deadline:
             done = status is not None and new >= joblogs.size(job_dir / "output.log")
-            return {"lines": lines, "offset": new, "done": done, "status": status if done else None,
-                    "running": running}
+            return {"lines": lines, "offset": new, "done": done, "status": status if done else None, "running": running}
         time.sleep(0.2)
 
 

@@ -77,11 +77,29 @@ def resumed(state: StateDir, job_id: str) -> tuple[dict, Path]:
     new job runs where JOB left its checkpoints) and the directory JOB was submitted from."""
     d = joblogs.job_dir(state, check_job_id(job_id)).path
     if not (d / "spec.json").exists():
-        raise UsageError(f"there is no job {job_id!r} on this coordinator to resume", "see the jobs with `meshrun jobs`")
+        raise UsageError(
+            f"there is no job {job_id!r} on this coordinator to resume", "see the jobs with `meshrun jobs`"
+        )
     old = JobSpec.from_dict(StateDir(d).read_json("spec.json"))
-    fields = {k: getattr(old, k) for k in ("script", "script_args", "nnodes", "nproc_per_node", "max_restarts",
-                                           "nodes", "wait_timeout", "no_sync", "sync_limit_mb", "python", "module",
-                                           "rdzv_timeout", "with_coordinator", "skip_preflight")}
+    fields = {
+        k: getattr(old, k)
+        for k in (
+            "script",
+            "script_args",
+            "nnodes",
+            "nproc_per_node",
+            "max_restarts",
+            "nodes",
+            "wait_timeout",
+            "no_sync",
+            "sync_limit_mb",
+            "python",
+            "module",
+            "rdzv_timeout",
+            "with_coordinator",
+            "skip_preflight",
+        )
+    }
     fields["env"] = dict(old.env)
     fields["project"] = old.project or old.job_id
     return fields, Path(old.cwd)
@@ -99,7 +117,7 @@ def check(state: StateDir, spec: JobSpec) -> tuple[Network, list]:
     if not spec.no_sync:
         sel = archive.select_files(code_dir(spec), exclude=[state.path])
         if sel.bytes > spec.sync_limit_mb * 1024 * 1024:
-            archive.pack(sel, spec.sync_limit_mb)         # raises the error naming the largest entries
+            archive.pack(sel, spec.sync_limit_mb)  # raises the error naming the largest entries
     return network, shares
 
 
@@ -121,16 +139,24 @@ def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
         lines += ["# code", *(f"#   {line}" for line in sel.summary(spec.sync_limit_mb))]
         if sel.bytes > spec.sync_limit_mb * 1024 * 1024:
             lines.append(f"#   over --sync-limit {spec.sync_limit_mb} MiB: the job would be refused")
-    lines.append(f"# runs in project {spec.project!r}: <state>/projects/{spec.project}/work on every node "
-                 "($MESHRUN_OUTPUT_DIR, kept for the next job of the project)")
+    lines.append(
+        f"# runs in project {spec.project!r}: <state>/projects/{spec.project}/work on every node "
+        "($MESHRUN_OUTPUT_DIR, kept for the next job of the project)"
+    )
     if not spec.skip_preflight and answering:
         # Nothing is shipped by a dry run: only --no-sync's copies can be compared.
         reports, here = check_environments(spec, answering, healths, spec.job_id, spec.project)
-        findings = preflight.compare(reports, codeset.digest(here) if here is not None else None,
-                                     spec.nproc_per_node is None, reference_files=here)
+        findings = preflight.compare(
+            reports,
+            codeset.digest(here) if here is not None else None,
+            spec.nproc_per_node is None,
+            reference_files=here,
+        )
         lines += ["# pre-flight", *(f"#   {line}" for line in preflight.table(reports, findings))]
-    lines.append(f"# the job's rendezvous store listens on {network.coordinator_ip}, on the first free port from "
-                 f"{network.rdzv_port + 1}")
+    lines.append(
+        f"# the job's rendezvous store listens on {network.coordinator_ip}, on the first free port from "
+        f"{network.rdzv_port + 1}"
+    )
     workdir = spec.cwd if spec.no_sync else f"<state>/projects/{spec.project}/work"
     ready = [(s.name, s.overlay_ip, healths[s.name] or {}) for s in shares]
     for p in plan(spec, network, ready, network.rdzv_port + 1):
@@ -143,8 +169,10 @@ def local_launch(state: StateDir, spec: JobSpec) -> launch.NodeLaunch:
     the coordinator's store for --local shares, `meshrun local-store start`)."""
     rec, network = member.load(state)
     if not spec.nnodes:
-        raise UsageError("--local needs --nnodes: how many nodes take part in total",
-                         "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py")
+        raise UsageError(
+            "--local needs --nnodes: how many nodes take part in total",
+            "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py",
+        )
     opts = spec.launch_options(network, network.rdzv_port, shipped=False)
     opts = replace(opts, python=spec.python or sys.executable)
     me = launch.NodeInfo(rec["name"], rec["overlay_ip"], host.visible_gpus())
@@ -156,8 +184,10 @@ def local_job_id(given: str | None) -> str:
     """The job id of a --local share: --job-id, else $MESHRUN_JOB_ID or $SLURM_JOB_ID (the same on every node)."""
     job_id = given or os.environ.get("MESHRUN_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     if not job_id:
-        raise UsageError("--local needs --job-id, the same on every node (or MESHRUN_JOB_ID / SLURM_JOB_ID set)",
-                         "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py")
+        raise UsageError(
+            "--local needs --job-id, the same on every node (or MESHRUN_JOB_ID / SLURM_JOB_ID set)",
+            "e.g. meshrun train --local --nnodes 2 --job-id exp7 train.py",
+        )
     return job_id
 
 

@@ -36,13 +36,13 @@ from meshrun.jobs.planning import ask_health, candidates, check_environments, np
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
 from meshrun.system import joblogs, procs, tcpstore
-from meshrun.system.firewall import JobGuard
 from meshrun.system.archive import Packed
+from meshrun.system.firewall import JobGuard
 from meshrun.system.statedir import StateDir
 
 log = logging.getLogger("meshrun.jobs.supervisor")
 
-LOST_AFTER_S = 15.0      # a share whose agent has not answered for this long is lost
+LOST_AFTER_S = 15.0  # a share whose agent has not answered for this long is lost
 # After a fixed-size job's first failure the other nodes are stopped this many seconds later: their
 # torchrun would otherwise sit in its exit barrier (300 s) waiting for the dead node; the grace
 # lets simultaneous failures report their own cause.
@@ -51,8 +51,8 @@ FAIL_GRACE_S = 3.0
 # for a node that may be down.
 ELASTIC_GRACE_S = 10.0
 SCALE_UP_EVERY_S = 5.0
-STORE_PORTS = 100        # how many ports from rdzv_port up a job's store may take
-EVENTS = "_meshrun"      # the supervisor's own lines, among the nodes' logs
+STORE_PORTS = 100  # how many ports from rdzv_port up a job's store may take
+EVENTS = "_meshrun"  # the supervisor's own lines, among the nodes' logs
 
 
 class Supervisor:
@@ -67,8 +67,12 @@ class Supervisor:
         self.members = db.members()
         db.close()
         self.rec, _ = member.load(state)
-        self.record = JobRecord(job_id, created=self.dir.read_json("job.json").get("created", time.time())
-                                if (self.dir / "job.json").exists() else time.time())
+        self.record = JobRecord(
+            job_id,
+            created=self.dir.read_json("job.json").get("created", time.time())
+            if (self.dir / "job.json").exists()
+            else time.time(),
+        )
         self.logs = StateDir(self.dir / "logs")
         self.logs.create()
         self.events = joblogs.BoundedLog(self.logs / f"{EVENTS}.log")
@@ -81,9 +85,9 @@ class Supervisor:
         self.store = None
         self.store_port = 0
         self.project = self.spec.project or self.spec.job_id
-        self.guard: JobGuard | None = None     # the job's store answers only the job's nodes
-        self.allowed: list[str] = []           # the overlay addresses of the job's nodes
-        self.packed: Packed | None = None        # the code as shipped (elastic additions get the same)
+        self.guard: JobGuard | None = None  # the job's store answers only the job's nodes
+        self.allowed: list[str] = []  # the overlay addresses of the job's nodes
+        self.packed: Packed | None = None  # the code as shipped (elastic additions get the same)
 
     # ------------------------------------------------------------------ bookkeeping
     def say(self, text: str) -> None:
@@ -113,11 +117,13 @@ class Supervisor:
         except Exception as exc:  # noqa: BLE001 -- whatever stops the launch must end the job, not orphan it
             if not isinstance(exc, MeshrunError):
                 log.exception("the launch of %s failed", self.job_id)
-                exc = MeshrunError(f"internal error ({type(exc).__name__}: {exc})",
-                                   f"please report it with {self.dir / 'supervisor.out'}")
+                exc = MeshrunError(
+                    f"internal error ({type(exc).__name__}: {exc})",
+                    f"please report it with {self.dir / 'supervisor.out'}",
+                )
             with self.lock:
                 started = list(self.shares.values())
-            for s in started:         # a share that did start must not run on alone
+            for s in started:  # a share that did start must not run on alone
                 _quietly(s.cancel, self.job_id)
             if self.cancel_event.is_set():
                 state, code, message = JobState.CANCELLED, EXIT_CANCELLED, f"job {self.job_id} cancelled"
@@ -137,9 +143,11 @@ class Supervisor:
                 return tcpstore.serve_store(self.network.coordinator_ip, port, self.network.interface), port
             except (OSError, RuntimeError):
                 continue
-        raise LaunchError(f"no free port for the rendezvous store on {self.network.coordinator_ip}:"
-                          f"{self.network.rdzv_port + 1}-{self.network.rdzv_port + STORE_PORTS - 1}",
-                          "wait for other jobs to end")
+        raise LaunchError(
+            f"no free port for the rendezvous store on {self.network.coordinator_ip}:"
+            f"{self.network.rdzv_port + 1}-{self.network.rdzv_port + STORE_PORTS - 1}",
+            "wait for other jobs to end",
+        )
 
     def _launch(self) -> None:
         cands = self.candidates()
@@ -151,8 +159,10 @@ class Supervisor:
         by_name = {s.name: s for s, _ in ready}
         if not self.spec.no_sync:
             self.packed = pack(self.spec, self.state)
-            self.say(f"shipping {len(self.packed.manifest)} file(s), {codeset.human_bytes(self.packed.bytes)} "
-                     f"to project {self.project!r} on every node")
+            self.say(
+                f"shipping {len(self.packed.manifest)} file(s), {codeset.human_bytes(self.packed.bytes)} "
+                f"to project {self.project!r} on every node"
+            )
             self._each([s for s, _ in ready], lambda s: s.ship(self.job_id, self.project, self.packed.blob))
         if not self.spec.skip_preflight:
             self._preflight(ready)
@@ -176,25 +186,34 @@ class Supervisor:
         """Compare the nodes' environments (meshrun.core.preflight); LaunchError with the table if they
         cannot run this job together, the table as a warning if they can but differ."""
         t0 = time.monotonic()
-        reports, here = check_environments(self.spec, [s for s, _ in ready], {s.name: h for s, h in ready},
-                                           self.job_id, self.project)
+        reports, here = check_environments(
+            self.spec, [s for s, _ in ready], {s.name: h for s, h in ready}, self.job_id, self.project
+        )
         # The reference is exactly what was shipped, or the coordinator's own --no-sync copy read at the
         # same moment as the nodes' (never a second read of a directory that may be changing).
         reference = self.packed.manifest if self.packed is not None else here
-        findings = preflight.compare(reports, codeset.digest(reference) if reference is not None else None,
-                                     self.spec.nproc_per_node is None, reference_files=reference)
+        findings = preflight.compare(
+            reports,
+            codeset.digest(reference) if reference is not None else None,
+            self.spec.nproc_per_node is None,
+            reference_files=reference,
+        )
         took = f"{time.monotonic() - t0:.2f} s"
         if not findings:
-            self.say(f"pre-flight: {len(reports)} node(s) agree (torch {reports[0].torch}, {reports[0].build}) in {took}")
+            self.say(
+                f"pre-flight: {len(reports)} node(s) agree (torch {reports[0].torch}, {reports[0].build}) in {took}"
+            )
             return
         for line in preflight.table(reports, findings):
             self.say(line)
         verdict = "refused" if preflight.blocking(findings) else f"{len(findings)} warning(s), the job goes on"
         self.say(f"pre-flight: {len(reports)} node(s) checked in {took}: {verdict}")
         if preflight.blocking(findings):
-            raise LaunchError("pre-flight refused the job: " + "; ".join(
-                f"{', '.join(f.nodes)}: {f.what}" for f in findings if f.level == preflight.BLOCK),
-                "fix what the table above says, or pass --skip-preflight if you know better")
+            raise LaunchError(
+                "pre-flight refused the job: "
+                + "; ".join(f"{', '.join(f.nodes)}: {f.what}" for f in findings if f.level == preflight.BLOCK),
+                "fix what the table above says, or pass --skip-preflight if you know better",
+            )
 
     def _wait_for(self, cands, want: int, enough: int | None) -> list[tuple]:
         """Poll the agents until `want` answer (or `enough`, after ELASTIC_GRACE_S, for elastic jobs)."""
@@ -210,21 +229,30 @@ class Supervisor:
                 self.say(msg)
                 last = msg
             waited = time.monotonic() - t0
-            if len(ready) >= want or (enough is not None and len(ready) >= enough
-                                      and waited >= min(ELASTIC_GRACE_S, self.spec.wait_timeout)):
+            if len(ready) >= want or (
+                enough is not None and len(ready) >= enough and waited >= min(ELASTIC_GRACE_S, self.spec.wait_timeout)
+            ):
                 return ready[:want]
             if self.cancel_event.is_set():
                 raise LaunchError("cancelled while waiting for the nodes", "")
             if waited >= self.spec.wait_timeout:
-                raise LaunchError(f"only {len(ready)} of {want} nodes were ready after {self.spec.wait_timeout:.0f} s; "
-                                  f"not answering: {', '.join(missing) or 'none'}",
-                                  "check `meshrun status` on the coordinator and that those agents run "
-                                  "(`meshrun join`/`meshrun up` on them), or lower --nnodes")
+                raise LaunchError(
+                    f"only {len(ready)} of {want} nodes were ready after {self.spec.wait_timeout:.0f} s; "
+                    f"not answering: {', '.join(missing) or 'none'}",
+                    "check `meshrun status` on the coordinator and that those agents run "
+                    "(`meshrun join`/`meshrun up` on them), or lower --nnodes",
+                )
             time.sleep(1)
 
     def _start(self, s, p: launch.NodeLaunch) -> None:
-        s.start(self.job_id, list(p.argv), p.env, self.spec.cwd if self.spec.no_sync else None, self.project,
-                list(self.allowed))
+        s.start(
+            self.job_id,
+            list(p.argv),
+            p.env,
+            self.spec.cwd if self.spec.no_sync else None,
+            self.project,
+            list(self.allowed),
+        )
         with self.lock:
             self.shares[s.name] = s
             self.outcome.shares[s.name] = None
@@ -234,7 +262,7 @@ class Supervisor:
 
     def _each(self, items, fn) -> None:
         with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
-            list(pool.map(fn, items))     # the first error (in order) is raised, after all finished
+            list(pool.map(fn, items))  # the first error (in order) is raised, after all finished
 
     # ------------------------------------------------------------------ following the shares
     def _follow(self, s) -> None:
@@ -290,8 +318,11 @@ class Supervisor:
         """Stop every running share: at once when cancelled or below MIN, after FAIL_GRACE_S on a failure."""
         self.aborting = True
         grace = 0.0 if reason == "cancelled" or self.outcome.below_min else FAIL_GRACE_S
-        self.say(("cancelling the job on every node" if reason == "cancelled" else
-                  f"{reason}; stopping the other nodes" + (f" in {grace:.0f} s" if grace else "")))
+        self.say(
+            "cancelling the job on every node"
+            if reason == "cancelled"
+            else f"{reason}; stopping the other nodes" + (f" in {grace:.0f} s" if grace else "")
+        )
 
         def stop() -> None:
             time.sleep(grace)
@@ -299,6 +330,7 @@ class Supervisor:
                 running = [self.shares[n] for n in self.outcome.running()]
             for s in running:
                 threading.Thread(target=_quietly, args=(s.cancel, self.job_id), daemon=True).start()
+
         threading.Thread(target=stop, daemon=True).start()
 
     def cancel(self) -> None:
@@ -319,7 +351,7 @@ class Supervisor:
                 continue
             (p,) = plan(self.spec, self.network, [(s.name, s.overlay_ip, h)], self.store_port, local=True)
             try:
-                if self.packed is not None:     # the code the job started with, not what the directory holds now
+                if self.packed is not None:  # the code the job started with, not what the directory holds now
                     s.ship(self.job_id, self.project, self.packed.blob)
                 self._admit(s.overlay_ip)
                 self._start(s, p)
@@ -331,7 +363,6 @@ class Supervisor:
             self.record.ranks += nproc(p)
             self.save()
             self.say(f"{s.name} joined the job (elastic)")
-
 
     def _admit(self, ip: str) -> None:
         """A node joins the running job: the store's guard and every running share's admit it first."""
@@ -353,7 +384,6 @@ def _quietly(fn, *args) -> None:
         log.warning("%s", exc)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
@@ -362,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     state, job_id = StateDir(args[0]), args[1]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        lock = procs.DaemonLock(joblogs.job_dir(state, job_id) / "supervisor.lock").acquire(f"job {job_id}'s supervisor")
+        lock = procs.DaemonLock(joblogs.job_dir(state, job_id) / "supervisor.lock").acquire(
+            f"job {job_id}'s supervisor"
+        )
         sup = Supervisor(state, job_id)
     except MeshrunError as exc:
         procs.notify_error(exc)

@@ -56,9 +56,11 @@ def preflight(state: StateDir, job_dir: StateDir, python: str, project: str, cwd
     else:
         proj = ProjectDir(state, project)
         manifest = archive.hash_files(proj.work, proj.shipped())
-    report.update(free_bytes=host.free_bytes(job_dir.path),
-                  code_hash=codeset.digest(manifest) if manifest is not None else None,
-                  code_files=manifest)
+    report.update(
+        free_bytes=host.free_bytes(job_dir.path),
+        code_hash=codeset.digest(manifest) if manifest is not None else None,
+        code_files=manifest,
+    )
     # "took" lets the caller tell our work from the network in the round trip (preflight.clock_offset)
     report.update(took=time.monotonic() - t0, time=time.time())
     return report

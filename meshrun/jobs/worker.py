@@ -49,6 +49,7 @@ def pump(src, dst, pre: bytes, clock=time.monotonic) -> None:
             dst.write(pre + (mark + text).encode("utf-8", errors="replace") + b"\n")
         if events:
             dst.flush()
+
     while True:
         data = procs.read_some(fd, termtext.REDRAW_EVERY)
         if data is None:
@@ -107,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     pending: list[int] = []
 
     def forward(signum, _frame):
-        if child is None:               # arrived before the child started: deliver it right after
+        if child is None:  # arrived before the child started: deliver it right after
             pending.append(signum)
             return
         try:
             child.send_signal(signum)
         except ProcessLookupError:
             pass
+
     # Installed before the child starts, so no signal can kill us and orphan it.
     for s in FORWARDED:
         signal.signal(s, forward)
@@ -127,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         child.send_signal(signum)
 
     pre = prefix()
-    threads = [threading.Thread(target=pump, args=(child.stdout, sys.stdout.buffer, pre), daemon=True),
-               threading.Thread(target=pump, args=(child.stderr, sys.stderr.buffer, pre), daemon=True)]
+    threads = [
+        threading.Thread(target=pump, args=(child.stdout, sys.stdout.buffer, pre), daemon=True),
+        threading.Thread(target=pump, args=(child.stderr, sys.stderr.buffer, pre), daemon=True),
+    ]
     for t in threads:
         t.start()
     while True:
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
             continue
     for t in threads:
-        t.join(timeout=10)   # a grandchild that inherited the pipes must not keep us alive
+        t.join(timeout=10)  # a grandchild that inherited the pipes must not keep us alive
     sig = -rc if rc < 0 else None
     # A signal death is recorded as the shell reports it (128 + N) so "exit_code != 0" means failed.
     record_exit(128 + sig if sig else rc, sig)
@@ -147,12 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, signal.SIG_DFL)
         try:
             signal.signal(sig, signal.SIG_DFL)
-        except (OSError, ValueError):    # SIGKILL/SIGSTOP cannot be caught, so they are default already
+        except (OSError, ValueError):  # SIGKILL/SIGSTOP cannot be caught, so they are default already
             pass
         sys.stdout.flush()
         sys.stderr.flush()
         procs.signal_pid(os.getpid(), sig)
-        time.sleep(1)       # the signal is delivered before this returns, unless it is ignorable
+        time.sleep(1)  # the signal is delivered before this returns, unless it is ignorable
         return 128 + sig
     return rc
 

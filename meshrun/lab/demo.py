@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from meshrun.errors import HostError, LaunchError, UsageError
-from meshrun.system import procs
 from meshrun.lab.testbed import DatacenterSpec, Mesh, World
+from meshrun.system import procs
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RDZV_PORT = 29500
@@ -36,16 +36,46 @@ def negative_control(world: World, out) -> str:
     no --local-addr, no interface pinning. Returns the line that shows why it failed."""
     a, b = world.nodes[1], world.nodes[2]
     script = EXAMPLES / "ddp_train.py"
-    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a.public_ip}:{RDZV_PORT}", "--rdzv-id", "nomesh",
-              "--rdzv-conf", f"join_timeout={NEGATIVE_TIMEOUT},read_timeout={NEGATIVE_TIMEOUT}",
-              str(script), "--epochs", "1", "--steps-per-epoch", "2", "--checkpoint", "/dev/null/none"]
+    common = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{a.public_ip}:{RDZV_PORT}",
+        "--rdzv-id",
+        "nomesh",
+        "--rdzv-conf",
+        f"join_timeout={NEGATIVE_TIMEOUT},read_timeout={NEGATIVE_TIMEOUT}",
+        str(script),
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "2",
+        "--checkpoint",
+        "/dev/null/none",
+    ]
     out(f"    {a.name}: torchrun --rdzv-endpoint {a.public_ip}:{RDZV_PORT} --rdzv-conf is_host=1 ... ddp_train.py")
     out(f"    {b.name}: torchrun --rdzv-endpoint {a.public_ip}:{RDZV_PORT} --rdzv-conf is_host=0 ... ddp_train.py")
     env = {"PYTHONUNBUFFERED": "1"}
-    runs = [n.popen(*common[:13], "--rdzv-conf", f"is_host={int(i == 0)}", *common[13:][2:],
-                    env=env, stdout=procs.PIPE, stderr=procs.STDOUT, text=True)
-            for i, n in enumerate((a, b))]
+    runs = [
+        n.popen(
+            *common[:13],
+            "--rdzv-conf",
+            f"is_host={int(i == 0)}",
+            *common[13:][2:],
+            env=env,
+            stdout=procs.PIPE,
+            stderr=procs.STDOUT,
+            text=True,
+        )
+        for i, n in enumerate((a, b))
+    ]
     t0 = time.monotonic()
     outputs = []
     for p in runs:
@@ -56,16 +86,23 @@ def negative_control(world: World, out) -> str:
             outputs.append((p.communicate()[0] or "") + "\n(killed after the time limit: hung)")
     codes = [p.returncode for p in runs]
     if all(c == 0 for c in codes):
-        raise LaunchError("plain torchrun unexpectedly worked across the NAT",
-                           "the testbed is not simulating NAT; report this as a bug")
+        raise LaunchError(
+            "plain torchrun unexpectedly worked across the NAT",
+            "the testbed is not simulating NAT; report this as a bug",
+        )
     text = "\n".join(outputs)
     took = time.monotonic() - t0
     if "connectFullMesh" in text or "ProcessGroupGloo" in text:
-        return (f"failed after {took:.0f} s: the rendezvous got through {a.public_ip} (1:1 NAT), then Gloo's "
-                f"full-mesh connect failed: each rank announced its private address {a.private_ip}, "
-                "which in the other datacenter is that node itself")
-    pattern = re.compile(r"(Connection refused|timed out|timeout|No route|unreachable|failed to|"
-                         r"Network is unreachable|Name or service not known|hung)", re.I)
+        return (
+            f"failed after {took:.0f} s: the rendezvous got through {a.public_ip} (1:1 NAT), then Gloo's "
+            f"full-mesh connect failed: each rank announced its private address {a.private_ip}, "
+            "which in the other datacenter is that node itself"
+        )
+    pattern = re.compile(
+        r"(Connection refused|timed out|timeout|No route|unreachable|failed to|"
+        r"Network is unreachable|Name or service not known|hung)",
+        re.I,
+    )
     reasons = [ln.strip() for ln in text.splitlines() if pattern.search(ln)]
     reason = reasons[0] if reasons else text.strip().splitlines()[-1] if text.strip() else "no output"
     return f"failed after {took:.0f} s (exit codes {codes}): {reason[:240]}"
@@ -78,21 +115,26 @@ def run(nodes: int = 3, out=print) -> int:
     if not 2 <= nodes <= 8:
         raise UsageError(f"--nodes {nodes} is outside 2..8", "e.g. meshrun demo --nodes 3")
     if not (EXAMPLES / "ddp_train.py").is_file():
-        raise UsageError(f"the bundled example {EXAMPLES / 'ddp_train.py'} is missing",
-                         "run the demo from a meshrun checkout (pip install -e .)")
+        raise UsageError(
+            f"the bundled example {EXAMPLES / 'ddp_train.py'} is missing",
+            "run the demo from a meshrun checkout (pip install -e .)",
+        )
     total = 6
     t_start = time.monotonic()
     dcs = [DatacenterSpec("hq")] + [DatacenterSpec(f"dc{i}") for i in range(1, nodes + 1)]
     with World(dcs, prefix="demo") as world:
-        _say(out, 1, total, f"Building {nodes + 1} datacenters behind NAT in network namespaces "
-                            "(every one reuses 172.31.32.0/20)")
+        _say(
+            out,
+            1,
+            total,
+            f"Building {nodes + 1} datacenters behind NAT in network namespaces (every one reuses 172.31.32.0/20)",
+        )
         world.up()
         out(_indent(world.describe()))
         coord = world.nodes[0]
         workers = world.nodes[1:]
 
-        _say(out, 2, total, "Plain torchrun across the NAT, without meshrun (bounded to "
-                            f"{NEGATIVE_TIMEOUT} s)")
+        _say(out, 2, total, f"Plain torchrun across the NAT, without meshrun (bounded to {NEGATIVE_TIMEOUT} s)")
         out("    " + negative_control(world, out))
 
         _say(out, 3, total, f"meshrun init on {coord.name} (public {coord.public_ip})")
@@ -118,8 +160,19 @@ def run(nodes: int = 3, out=print) -> int:
         out(_indent(mesh.meshrun(coord, "status").stdout))
 
         _say(out, 6, total, f"meshrun train ddp_train.py on {len(workers)} datacenters (gloo over the overlay)")
-        argv = [mesh.python, "-m", "meshrun", "train", "--state-dir", str(mesh.state_dir(coord)),
-                "ddp_train.py", "--epochs", "5", "--steps-per-epoch", "20"]
+        argv = [
+            mesh.python,
+            "-m",
+            "meshrun",
+            "train",
+            "--state-dir",
+            str(mesh.state_dir(coord)),
+            "ddp_train.py",
+            "--epochs",
+            "5",
+            "--steps-per-epoch",
+            "20",
+        ]
         proc = coord.popen(*argv, cwd=EXAMPLES, stdout=procs.PIPE, stderr=procs.STDOUT, text=True)
         checksums = {}
         for line in proc.stdout:

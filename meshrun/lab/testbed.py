@@ -30,17 +30,19 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:       # annotations only: the lab runs its processes through meshrun.system
+if TYPE_CHECKING:  # annotations only: the lab runs its processes through meshrun.system
     import subprocess
 
 from meshrun.errors import MeshrunError, NetworkError, UsageError
 from meshrun.system import firewall, procs, statedir
+from meshrun.system.cmd import run as run_command
+from meshrun.system.cmd import tail
 from meshrun.system.statedir import StateDir
-from meshrun.system.cmd import run as run_command, tail
 
 logger = logging.getLogger("meshrun.lab.testbed")
 
@@ -48,23 +50,34 @@ NAT_KINDS = ("one-to-one", "cone", "symmetric")
 PRIVATE_CIDR = "172.31.32.0/20"
 PRIVATE_PREFIXLEN = 20
 GATEWAY_PRIVATE_IP = "172.31.32.1"
-FIRST_NODE_HOST = 46                      # nodes are 172.31.40.46, .47, ... (as on AWS)
-MAX_NODES_PER_DC = 9                      # 203.0.113.(10i+j), j in 1..9
-MAX_DCS = 24                              # 203.0.113.(10i+j) <= 249
+FIRST_NODE_HOST = 46  # nodes are 172.31.40.46, .47, ... (as on AWS)
+MAX_NODES_PER_DC = 9  # 203.0.113.(10i+j), j in 1..9
+MAX_DCS = 24  # 203.0.113.(10i+j) <= 249
 NODE_LETTERS = "abcdefghi"
 RUN_WIREGUARD = Path("/run/wireguard")
 _DC_NAME = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 _PREFIX = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RESERVED_DC_NAMES = {"gw", "lan", "inet"}
 # What to do when a lab command fails, for the reader of the lab's errors (first match wins).
-LAB_FIXES = (("operation not permitted", "the testbed needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"),
-             ("permission denied", "the testbed needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"),
-             ("file exists", "a namespace or interface with that name exists; "
-                             "run `python -m meshrun.lab.testbed down --prefix P`"))
+LAB_FIXES = (
+    ("operation not permitted", "the testbed needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"),
+    ("permission denied", "the testbed needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"),
+    (
+        "file exists",
+        "a namespace or interface with that name exists; run `python -m meshrun.lab.testbed down --prefix P`",
+    ),
+)
 
 
-def sh(argv: list[str], *, input: str | None = None, timeout: float = 30, check: bool = True,
-       env: dict[str, str] | None = None, where: str = "") -> subprocess.CompletedProcess:
+def sh(
+    argv: list[str],
+    *,
+    input: str | None = None,
+    timeout: float = 30,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    where: str = "",
+) -> subprocess.CompletedProcess:
     """Run one lab command through meshrun.system.cmd.run, with the lab's fixes.
 
     Raises NetworkError (CommandError) naming the command, where it ran, its exit code and stderr.
@@ -76,13 +89,13 @@ def sh(argv: list[str], *, input: str | None = None, timeout: float = 30, check:
 class DatacenterSpec:
     """One datacenter: a gateway doing ``nat`` in front of ``nodes`` machines on 172.31.32.0/20."""
 
-    name: str                      # short: it goes into namespace and interface names
-    nat: str = "one-to-one"        # "one-to-one" | "cone" | "symmetric"
+    name: str  # short: it goes into namespace and interface names
+    nat: str = "one-to-one"  # "one-to-one" | "cone" | "symmetric"
     nodes: int = 1
-    mtu: int = 1500                # MTU of the gateway's internet link (a small-MTU underlay hop)
-    rate_mbit: int | None = None   # shaping of the gateway's internet link, both directions
-    delay_ms: float = 0.0          # netem delay on the internet link, each direction (a WAN's latency)
-    loss_pct: float = 0.0          # netem loss on the internet link, each direction
+    mtu: int = 1500  # MTU of the gateway's internet link (a small-MTU underlay hop)
+    rate_mbit: int | None = None  # shaping of the gateway's internet link, both directions
+    delay_ms: float = 0.0  # netem delay on the internet link, each direction (a WAN's latency)
+    loss_pct: float = 0.0  # netem loss on the internet link, each direction
 
     @property
     def netem(self) -> bool:
@@ -92,24 +105,32 @@ class DatacenterSpec:
     def validate(self) -> None:
         """Raise UsageError for a name, NAT kind, node count, MTU or rate the testbed cannot build."""
         if not _DC_NAME.match(self.name) or self.name in _RESERVED_DC_NAMES:
-            raise UsageError(f"datacenter name {self.name!r} is not usable in the testbed",
-                             "use 1-10 lowercase letters/digits starting with a letter, not gw/lan/inet")
+            raise UsageError(
+                f"datacenter name {self.name!r} is not usable in the testbed",
+                "use 1-10 lowercase letters/digits starting with a letter, not gw/lan/inet",
+            )
         if self.nat not in NAT_KINDS:
-            raise UsageError(f"datacenter {self.name}: NAT kind {self.nat!r} is unknown",
-                             f"use one of {', '.join(NAT_KINDS)}")
+            raise UsageError(
+                f"datacenter {self.name}: NAT kind {self.nat!r} is unknown", f"use one of {', '.join(NAT_KINDS)}"
+            )
         if not 1 <= self.nodes <= MAX_NODES_PER_DC:
-            raise UsageError(f"datacenter {self.name}: {self.nodes} nodes is out of range",
-                             f"use 1 to {MAX_NODES_PER_DC} nodes per datacenter")
+            raise UsageError(
+                f"datacenter {self.name}: {self.nodes} nodes is out of range",
+                f"use 1 to {MAX_NODES_PER_DC} nodes per datacenter",
+            )
         if not 576 <= self.mtu <= 9000:
             raise UsageError(f"datacenter {self.name}: MTU {self.mtu} is out of range", "use 576 to 9000")
         if self.rate_mbit is not None and self.rate_mbit <= 0:
-            raise UsageError(f"datacenter {self.name}: rate {self.rate_mbit} Mbit/s must be positive",
-                             "give a positive rate or None for no shaping")
+            raise UsageError(
+                f"datacenter {self.name}: rate {self.rate_mbit} Mbit/s must be positive",
+                "give a positive rate or None for no shaping",
+            )
         if not 0 <= self.delay_ms <= 10_000:
             raise UsageError(f"datacenter {self.name}: delay {self.delay_ms} ms is out of range", "use 0 to 10000 ms")
         if not 0 <= self.loss_pct < 100:
-            raise UsageError(f"datacenter {self.name}: loss {self.loss_pct}% is out of range",
-                             "use 0 to below 100 percent")
+            raise UsageError(
+                f"datacenter {self.name}: loss {self.loss_pct}% is out of range", "use 0 to below 100 percent"
+            )
 
 
 def _wan_qdisc(dc: DatacenterSpec) -> list[str]:
@@ -119,8 +140,15 @@ def _wan_qdisc(dc: DatacenterSpec) -> list[str]:
     kernel has (this project's hosts have no netem: only the test VM's Debian kernel does).
     """
     if dc.netem:
-        qdisc = ["netem", "delay", f"{dc.delay_ms:g}ms", "loss", f"{dc.loss_pct:g}%",
-                 "limit", "10000"]   # a WAN queue: netem's default of 1000 packets drops bursts at 100 ms
+        qdisc = [
+            "netem",
+            "delay",
+            f"{dc.delay_ms:g}ms",
+            "loss",
+            f"{dc.loss_pct:g}%",
+            "limit",
+            "10000",
+        ]  # a WAN queue: netem's default of 1000 packets drops bursts at 100 ms
         return qdisc + (["rate", f"{dc.rate_mbit}mbit"] if dc.rate_mbit else [])
     if dc.rate_mbit:
         return ["tbf", "rate", f"{dc.rate_mbit}mbit", "burst", "256kb", "latency", "50ms"]
@@ -148,15 +176,23 @@ class Node:
         wd = [f"--wd={os.fspath(cwd)}"] if cwd is not None else []
         return ["nsenter", "-t", str(self.anchor_pid), "-m", "-n", *wd, "--", *map(str, cmd)]
 
-    def run(self, *cmd: str, check: bool = True, timeout: float = 60, env: dict[str, str] | None = None,
-            input: str | None = None, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        *cmd: str,
+        check: bool = True,
+        timeout: float = 60,
+        env: dict[str, str] | None = None,
+        input: str | None = None,
+        cwd: str | os.PathLike | None = None,
+    ) -> subprocess.CompletedProcess:
         """Run ``cmd`` in this node and wait (text mode, output captured).
 
         ``env`` holds extra variables, merged over os.environ. With ``check``, a non-zero exit raises
         CommandError (a NetworkError) whose message includes stderr and stdout.
         """
-        return sh(self.argv(*cmd, cwd=cwd), input=input, timeout=timeout, check=check,
-                  env=_merge_env(env), where=self.name)
+        return sh(
+            self.argv(*cmd, cwd=cwd), input=input, timeout=timeout, check=check, env=_merge_env(env), where=self.name
+        )
 
     def popen(self, *cmd: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
         """Start ``cmd`` in this node; ``kw`` goes to subprocess.Popen, ``env`` is merged over os.environ.
@@ -178,13 +214,13 @@ class _Gateway:
     index: int
     netns: str
     lan_netns: str | None
-    public_ip: str                 # gateway side of the /30
-    inet_ip: str                   # internet side of the /30
+    public_ip: str  # gateway side of the /30
+    inet_ip: str  # internet side of the /30
     inet_ifname: str
     nodes: list[Node] = field(default_factory=list)
 
 
-_live_worlds: "weakref.WeakSet[World]" = weakref.WeakSet()
+_live_worlds: weakref.WeakSet[World] = weakref.WeakSet()
 
 
 @atexit.register
@@ -200,11 +236,17 @@ class World:
     on exit, also on exceptions and Ctrl-C.
     """
 
-    def __init__(self, dcs: list[DatacenterSpec], prefix: str = "mr", workdir: Path | None = None,
-                 log: logging.Logger | Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        dcs: list[DatacenterSpec],
+        prefix: str = "mr",
+        workdir: Path | None = None,
+        log: logging.Logger | Callable[[str], None] | None = None,
+    ) -> None:
         if not _PREFIX.match(prefix):
-            raise UsageError(f"testbed prefix {prefix!r} is not usable",
-                             "use 1-8 lowercase letters/digits starting with a letter")
+            raise UsageError(
+                f"testbed prefix {prefix!r} is not usable", "use 1-8 lowercase letters/digits starting with a letter"
+            )
         if not dcs:
             raise UsageError("a testbed needs at least one datacenter", "pass one DatacenterSpec or more")
         if len(dcs) > MAX_DCS:
@@ -223,12 +265,12 @@ class World:
         self._gateways: dict[str, _Gateway] = {}
         self.nodes: list[Node] = []
         self._anchors: dict[int, subprocess.Popen] = {}
-        self._created: list[str] = []       # namespaces, in creation order
+        self._created: list[str] = []  # namespaces, in creation order
         self._up = False
         self._plan()
 
     @classmethod
-    def standard(cls, n: int, prefix: str = "mr", **kw) -> "World":
+    def standard(cls, n: int, prefix: str = "mr", **kw) -> World:
         """n datacenters dc1..dcN, each one node behind 1:1 NAT."""
         return cls([DatacenterSpec(f"dc{i}") for i in range(1, n + 1)], prefix=prefix, **kw)
 
@@ -237,16 +279,30 @@ class World:
     def _plan(self) -> None:
         base = self.workdir or Path("/nonexistent")
         for i, dc in enumerate(self.dcs, start=1):
-            gw = _Gateway(dc=dc, index=i, netns=f"{self.prefix}-gw-{dc.name}",
-                          lan_netns=f"{self.prefix}-lan-{dc.name}" if dc.nodes > 1 else None,
-                          public_ip=f"198.51.100.{4 * i - 3}", inet_ip=f"198.51.100.{4 * i - 2}",
-                          inet_ifname=f"to-{dc.name}")
+            gw = _Gateway(
+                dc=dc,
+                index=i,
+                netns=f"{self.prefix}-gw-{dc.name}",
+                lan_netns=f"{self.prefix}-lan-{dc.name}" if dc.nodes > 1 else None,
+                public_ip=f"198.51.100.{4 * i - 3}",
+                inet_ip=f"198.51.100.{4 * i - 2}",
+                inet_ifname=f"to-{dc.name}",
+            )
             for j in range(1, dc.nodes + 1):
                 name = f"{dc.name}-{NODE_LETTERS[j - 1]}"
                 public = f"203.0.113.{10 * i + j}" if dc.nat == "one-to-one" else gw.public_ip
-                gw.nodes.append(Node(name=name, dc=dc.name, netns=f"{self.prefix}-{name}",
-                                     private_ip=f"172.31.40.{FIRST_NODE_HOST + j - 1}", public_ip=public,
-                                     anchor_pid=0, workdir=base / name, nat=dc.nat))
+                gw.nodes.append(
+                    Node(
+                        name=name,
+                        dc=dc.name,
+                        netns=f"{self.prefix}-{name}",
+                        private_ip=f"172.31.40.{FIRST_NODE_HOST + j - 1}",
+                        public_ip=public,
+                        anchor_pid=0,
+                        workdir=base / name,
+                        nat=dc.nat,
+                    )
+                )
             self._gateways[dc.name] = gw
             self.nodes.extend(gw.nodes)
 
@@ -286,8 +342,9 @@ class World:
         try:
             return self._gateways[dc]
         except KeyError:
-            raise UsageError(f"the testbed has no datacenter {dc!r}",
-                             f"use one of {', '.join(self._gateways)}") from None
+            raise UsageError(
+                f"the testbed has no datacenter {dc!r}", f"use one of {', '.join(self._gateways)}"
+            ) from None
 
     def describe(self) -> str:
         """A multi-line human-readable summary: per datacenter its gateway, per node its addresses."""
@@ -295,11 +352,12 @@ class World:
         for gw in self._gateways.values():
             dc = gw.dc
             extra = [f"mtu {dc.mtu}"] + ([f"{dc.rate_mbit} Mbit/s"] if dc.rate_mbit else [])
-            lines.append(f"  {dc.name}: {dc.nat} NAT, gateway {gw.netns} public {gw.public_ip}, "
-                         f"{', '.join(extra)}")
+            lines.append(f"  {dc.name}: {dc.nat} NAT, gateway {gw.netns} public {gw.public_ip}, {', '.join(extra)}")
             for n in gw.nodes:
-                lines.append(f"    {n.name:<10} private {n.private_ip:<14} public {n.public_ip:<14} "
-                             f"nat {n.nat:<10} netns {n.netns}")
+                lines.append(
+                    f"    {n.name:<10} private {n.private_ip:<14} public {n.public_ip:<14} "
+                    f"nat {n.nat:<10} netns {n.netns}"
+                )
         return "\n".join(lines)
 
     # ----- building -----
@@ -312,7 +370,7 @@ class World:
         else:
             logger.info(msg)
 
-    def up(self) -> "World":
+    def up(self) -> World:
         """Build the world; on any failure tear down what was built and raise NetworkError."""
         if self._up:
             return self
@@ -331,8 +389,10 @@ class World:
             self.down()
             if isinstance(exc, NetworkError) or not isinstance(exc, Exception):
                 raise
-            raise NetworkError(f"building testbed {self.prefix!r} failed: {exc!r}",
-                               "see the debug log (logger meshrun.lab.testbed) for the commands run") from exc
+            raise NetworkError(
+                f"building testbed {self.prefix!r} failed: {exc!r}",
+                "see the debug log (logger meshrun.lab.testbed) for the commands run",
+            ) from exc
         self._up = True
         self._say(f"testbed {self.prefix!r} up in {time.monotonic() - t0:.1f} s")
         return self
@@ -362,12 +422,34 @@ class World:
         dc, g, inet = gw.dc, gw.netns, self.inet
         self._say(f"building {dc.name} ({dc.nat} NAT, {dc.nodes} node(s))")
         self._netns_add(g)
-        for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.send_redirects=0",
-                    "net.ipv4.conf.default.send_redirects=0"):
+        for key in (
+            "net.ipv4.ip_forward=1",
+            "net.ipv4.conf.all.send_redirects=0",
+            "net.ipv4.conf.default.send_redirects=0",
+        ):
             sh(["ip", "netns", "exec", g, "sysctl", "-qw", key])
         # Internet link: wan0 (gateway) <-> to-<dc> (internet), created in place.
-        sh(["ip", "-n", g, "link", "add", "wan0", "mtu", str(dc.mtu), "type", "veth",
-            "peer", "name", gw.inet_ifname, "mtu", str(dc.mtu), "netns", inet])
+        sh(
+            [
+                "ip",
+                "-n",
+                g,
+                "link",
+                "add",
+                "wan0",
+                "mtu",
+                str(dc.mtu),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                gw.inet_ifname,
+                "mtu",
+                str(dc.mtu),
+                "netns",
+                inet,
+            ]
+        )
         sh(["ip", "-n", g, "addr", "add", f"{gw.public_ip}/30", "dev", "wan0"])
         sh(["ip", "-n", inet, "addr", "add", f"{gw.inet_ip}/30", "dev", gw.inet_ifname])
         sh(["ip", "-n", g, "link", "set", "wan0", "up"])
@@ -390,8 +472,23 @@ class World:
             self._netns_add(n.netns)
             if gw.lan_netns:
                 port = f"p-{n.name}"
-                sh(["ip", "-n", gw.lan_netns, "link", "add", port, "type", "veth",
-                    "peer", "name", "eth0", "netns", n.netns])
+                sh(
+                    [
+                        "ip",
+                        "-n",
+                        gw.lan_netns,
+                        "link",
+                        "add",
+                        port,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        "eth0",
+                        "netns",
+                        n.netns,
+                    ]
+                )
                 sh(["ip", "-n", gw.lan_netns, "link", "set", port, "master", "br0"])
                 sh(["ip", "-n", gw.lan_netns, "link", "set", port, "up"])
             else:
@@ -409,14 +506,61 @@ class World:
             inet_ip = gw.public_ip
             for n in gw.nodes:
                 assert n.public_ip is not None
-                sh(ipt + ["-t", "nat", "-A", "PREROUTING", "-d", n.public_ip,
-                          "-j", "DNAT", "--to-destination", n.private_ip])
+                sh(
+                    ipt
+                    + [
+                        "-t",
+                        "nat",
+                        "-A",
+                        "PREROUTING",
+                        "-d",
+                        n.public_ip,
+                        "-j",
+                        "DNAT",
+                        "--to-destination",
+                        n.private_ip,
+                    ]
+                )
                 # Source port kept (no --random): what a cloud's elastic IP does.
-                sh(ipt + ["-t", "nat", "-A", "POSTROUTING", "-s", n.private_ip, "-o", "wan0",
-                          "-j", "SNAT", "--to-source", n.public_ip])
+                sh(
+                    ipt
+                    + [
+                        "-t",
+                        "nat",
+                        "-A",
+                        "POSTROUTING",
+                        "-s",
+                        n.private_ip,
+                        "-o",
+                        "wan0",
+                        "-j",
+                        "SNAT",
+                        "--to-source",
+                        n.public_ip,
+                    ]
+                )
                 # Hairpin: a node reaching a same-DC node's public IP is seen from its own public IP.
-                sh(ipt + ["-t", "nat", "-A", "POSTROUTING", "-s", n.private_ip, "-o", "lan0",
-                          "-m", "conntrack", "--ctstate", "DNAT", "-j", "SNAT", "--to-source", n.public_ip])
+                sh(
+                    ipt
+                    + [
+                        "-t",
+                        "nat",
+                        "-A",
+                        "POSTROUTING",
+                        "-s",
+                        n.private_ip,
+                        "-o",
+                        "lan0",
+                        "-m",
+                        "conntrack",
+                        "--ctstate",
+                        "DNAT",
+                        "-j",
+                        "SNAT",
+                        "--to-source",
+                        n.public_ip,
+                    ]
+                )
                 sh(["ip", "-n", inet, "route", "add", f"{n.public_ip}/32", "via", inet_ip])
         else:
             masq = ["-t", "nat", "-A", "POSTROUTING", "-s", PRIVATE_CIDR, "-o", "wan0", "-j", "MASQUERADE"]
@@ -426,14 +570,26 @@ class World:
         # `ip netns exec`, `unshare` (no --fork) and `sh -c 'exec ...'` all exec: the pid is the anchor's.
         # `ip netns exec` mounts a fresh /sys without the cgroup hierarchy: the node gets the (one, shared)
         # cgroup v2 hierarchy at /sys/fs/cgroup again, as a real machine has it (meshrun's job guards use it).
-        argv = ["ip", "netns", "exec", n.netns, "unshare", "-m", "--propagation", "private",
-                "sh", "-c", f"mount -t tmpfs tmpfs {RUN_WIREGUARD} && "
-                            "{ mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null || true; } && exec sleep infinity"]
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            n.netns,
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"mount -t tmpfs tmpfs {RUN_WIREGUARD} && "
+            "{ mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null || true; } && exec sleep infinity",
+        ]
         logger.debug("start anchor [%s]: %s", n.name, " ".join(argv))
         try:
             # Own session: a Ctrl-C in the terminal must not kill the anchors before down() runs.
-            proc = procs.popen(argv, stdin=procs.DEVNULL, stdout=procs.DEVNULL, stderr=procs.PIPE, text=True,
-                               start_new_session=True)
+            proc = procs.popen(
+                argv, stdin=procs.DEVNULL, stdout=procs.DEVNULL, stderr=procs.PIPE, text=True, start_new_session=True
+            )
         except FileNotFoundError:
             raise NetworkError("`ip` is not installed", "install it: apt-get install iproute2") from None
         self._anchors[proc.pid] = proc
@@ -445,15 +601,19 @@ class World:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 err = proc.stderr.read() if proc.stderr else ""
-                raise NetworkError(f"the anchor process of node {n.name} (`{' '.join(proc.args)}`) exited with "
-                                   f"code {proc.returncode} (stderr: {tail(err) or '-'})",
-                                   "the testbed needs root and a kernel with mount namespaces and tmpfs")
+                raise NetworkError(
+                    f"the anchor process of node {n.name} (`{' '.join(proc.args)}`) exited with "
+                    f"code {proc.returncode} (stderr: {tail(err) or '-'})",
+                    "the testbed needs root and a kernel with mount namespaces and tmpfs",
+                )
             # comm turns to "sleep" only after the tmpfs mount succeeded (`&&`).
             if procs.comm(proc.pid) == "sleep":
                 return
             time.sleep(0.01)
-        raise NetworkError(f"the anchor process of node {n.name} did not start within {timeout:g} s",
-                           "check the machine's load and `ip netns list`")
+        raise NetworkError(
+            f"the anchor process of node {n.name} did not start within {timeout:g} s",
+            "check the machine's load and `ip netns list`",
+        )
 
     # ----- observing -----
 
@@ -472,8 +632,7 @@ class World:
                 counts[f"forward_{m.group(3)}_packets"] = int(m.group(1))
                 counts[f"forward_{m.group(3)}_bytes"] = int(m.group(2))
         if len(counts) != 4:
-            raise NetworkError(f"the counting rules in {gw.netns}'s FORWARD chain are missing",
-                               "rebuild the testbed")
+            raise NetworkError(f"the counting rules in {gw.netns}'s FORWARD chain are missing", "rebuild the testbed")
         counts["forward_packets"] = counts["forward_out_packets"] + counts["forward_in_packets"]
         counts["forward_bytes"] = counts["forward_out_bytes"] + counts["forward_in_bytes"]
         link = json.loads(sh(["ip", "-n", gw.netns, "-s", "-j", "link", "show", "lan0"]).stdout)[0]
@@ -523,7 +682,7 @@ class World:
         if interrupted:
             raise KeyboardInterrupt
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         return self.up()
 
     def __exit__(self, *exc) -> None:
@@ -547,8 +706,10 @@ def _list_netns() -> list[str]:
 
 def _stale_names(prefix: str) -> list[str]:
     """Our namespaces for ``prefix`` that exist now: only names that fit our exact naming scheme."""
-    pat = re.compile(rf"^{re.escape(prefix)}-(inet|gw-[a-z][a-z0-9]{{0,9}}|lan-[a-z][a-z0-9]{{0,9}}"
-                     rf"|[a-z][a-z0-9]{{0,9}}-[{NODE_LETTERS}])$")
+    pat = re.compile(
+        rf"^{re.escape(prefix)}-(inet|gw-[a-z][a-z0-9]{{0,9}}|lan-[a-z][a-z0-9]{{0,9}}"
+        rf"|[a-z][a-z0-9]{{0,9}}-[{NODE_LETTERS}])$"
+    )
     return [name for name in _list_netns() if pat.match(name)]
 
 
@@ -563,7 +724,7 @@ def _teardown(names: Iterable[str], extra_pids: Iterable[int] = (), grace: float
     existing = set(_list_netns())
     names = [n for n in names if n in existing]
     extra = [p for p in extra_pids if procs.alive(p)]
-    for round_ in range(3):            # processes may fork while we kill: look again
+    for round_ in range(3):  # processes may fork while we kill: look again
         pids = sorted({p for n in names for p in _pids_in(n)} | set(extra))
         pids = [p for p in pids if p != os.getpid()]
         if not pids:
@@ -590,8 +751,9 @@ def _teardown(names: Iterable[str], extra_pids: Iterable[int] = (), grace: float
         if res.returncode != 0 and n in _list_netns():
             errors.append(f"{n}: {res.stderr.strip()}")
     if errors:
-        raise NetworkError(f"could not delete namespace(s) {'; '.join(errors)}",
-                           "delete them by hand with `ip netns del NAME`")
+        raise NetworkError(
+            f"could not delete namespace(s) {'; '.join(errors)}", "delete them by hand with `ip netns del NAME`"
+        )
 
 
 def _remove_job_cgroups(names: Iterable[str]) -> None:
@@ -601,7 +763,7 @@ def _remove_job_cgroups(names: Iterable[str]) -> None:
     for n in names:
         try:
             out = sh(["ip", "netns", "exec", n, "nft", "list", "tables"], check=False).stdout
-        except MeshrunError:             # no nft here: no guards either
+        except MeshrunError:  # no nft here: no guards either
             return
         tables += [p[2] for p in (line.split() for line in out.splitlines()) if len(p) == 3]
     firewall.remove_job_cgroups(tables)
@@ -632,22 +794,37 @@ class Mesh:
     def state_dir(self, node: Node) -> Path:
         return node.workdir / "state"
 
-    def meshrun(self, node: Node | str, *args: str, check: bool = True, timeout: float = 120,
-                env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    def meshrun(
+        self,
+        node: Node | str,
+        *args: str,
+        check: bool = True,
+        timeout: float = 120,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+    ) -> subprocess.CompletedProcess:
         """Run `meshrun ARGS` in `node` with MESHRUN_STATE_DIR set to the node's state dir.
 
         (An environment variable, not --state-dir: after `train SCRIPT` every argument is the script's.)
         """
         n = self.world.node(node) if isinstance(node, str) else node
         statedir.make_dir(n.workdir)
-        return n.run(self.python, "-m", "meshrun", *args, check=check, timeout=timeout,
-                     env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, cwd=cwd)
+        return n.run(
+            self.python,
+            "-m",
+            "meshrun",
+            *args,
+            check=check,
+            timeout=timeout,
+            env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})},
+            cwd=cwd,
+        )
 
-    def meshrun_popen(self, node: Node | str, *args: str, env: dict[str, str] | None = None,
-                      **kw) -> subprocess.Popen:
+    def meshrun_popen(self, node: Node | str, *args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
         n = self.world.node(node) if isinstance(node, str) else node
-        return n.popen(self.python, "-m", "meshrun", *args,
-                       env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, **kw)
+        return n.popen(
+            self.python, "-m", "meshrun", *args, env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})}, **kw
+        )
 
     def init(self, *extra: str) -> str:
         """`meshrun init` on the coordinator with its public IP as endpoint; returns the token."""
@@ -665,7 +842,9 @@ class Mesh:
 
     def ping(self, src: Node | str, dst_ip: str, count: int = 1, wait: float = 2) -> bool:
         n = self.world.node(src) if isinstance(src, str) else src
-        res = n.run("ping", "-c", str(count), "-W", str(wait), "-i", "0.2", dst_ip, check=False, timeout=count * wait + 10)
+        res = n.run(
+            "ping", "-c", str(count), "-W", str(wait), "-i", "0.2", dst_ip, check=False, timeout=count * wait + 10
+        )
         return res.returncode == 0
 
     def wait_ping(self, src: Node | str, dst_ip: str, timeout: float = 30) -> float:
@@ -675,8 +854,10 @@ class Mesh:
             if self.ping(src, dst_ip, wait=1):
                 return time.monotonic() - t0
         name = src if isinstance(src, str) else src.name
-        raise NetworkError(f"{name} cannot ping {dst_ip} over the overlay after {timeout:.0f} s",
-                           "see the daemon logs in the nodes' state directories")
+        raise NetworkError(
+            f"{name} cannot ping {dst_ip} over the overlay after {timeout:.0f} s",
+            "see the daemon logs in the nodes' state directories",
+        )
 
     def status(self, node: Node | str) -> dict:
         return json.loads(self.meshrun(node, "status", "--json").stdout)
@@ -688,8 +869,9 @@ def _cli_workdir(prefix: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m meshrun.lab.testbed up --dcs 3 [--nat cone] [--prefix mr]` / `down --prefix mr`."""
-    ap = argparse.ArgumentParser(prog="python -m meshrun.lab.testbed",
-                                 description="Build or remove a NAT'd multi-datacenter testbed (root).")
+    ap = argparse.ArgumentParser(
+        prog="python -m meshrun.lab.testbed", description="Build or remove a NAT'd multi-datacenter testbed (root)."
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="log every command")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="build a world and leave it running")
@@ -708,8 +890,11 @@ def main(argv: list[str] | None = None) -> int:
             world = World(specs, prefix=args.prefix, workdir=wd).up()
             world.detach()
             print(world.describe())
-            print("run a command in a node: nsenter -t ANCHOR -m -n -- CMD  (anchors: "
-                  + ", ".join(f"{n.name}={n.anchor_pid}" for n in world.nodes) + ")")
+            print(
+                "run a command in a node: nsenter -t ANCHOR -m -n -- CMD  (anchors: "
+                + ", ".join(f"{n.name}={n.anchor_pid}" for n in world.nodes)
+                + ")"
+            )
             print(f"remove it: python -m meshrun.lab.testbed down --prefix {args.prefix}")
         else:
             if not _PREFIX.match(args.prefix):

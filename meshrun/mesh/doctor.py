@@ -16,7 +16,7 @@ import time
 from meshrun.core import doctor, mtu, preflight
 from meshrun.core.model import split_endpoint
 from meshrun.errors import MeshrunError
-from meshrun.mesh import process, iface, member
+from meshrun.mesh import iface, member, process
 from meshrun.mesh import status as mstatus
 from meshrun.system import host, joblogs, net, probe, procs, transport
 from meshrun.system.device import USERSPACE
@@ -45,13 +45,25 @@ def gather(state: StateDir, shell_env) -> dict:
     link = net.link(network.interface)
     backend = device.backend() if link["exists"] else None
     coordinator = next((p for p in st["peers"] if p["overlay_ip"] == network.coordinator_ip), None)
-    f = {"role": rec["role"], "name": rec["name"], "network": network.name, "overlay_ip": rec["overlay_ip"],
-         "prefixlen": network.prefixlen, "interface_name": network.interface, "listen_port": network.listen_port,
-         "daemon_pid": pid, "interface": link, "trains": bool(rec.get("train")),
-         "coordinator_name": coordinator["name"] if coordinator else None,
-         "backend": {"kind": backend, "kernel_module": host.kernel_wireguard()},
-         "peers": [{k: p[k] for k in ("name", "overlay_ip", "endpoint", "path", "handshake_age_s")} for p in st["peers"]],
-         "shell_env": _watched(dict(shell_env)), "daemon_env": _watched(procs.environ(pid) if pid else None)}
+    f = {
+        "role": rec["role"],
+        "name": rec["name"],
+        "network": network.name,
+        "overlay_ip": rec["overlay_ip"],
+        "prefixlen": network.prefixlen,
+        "interface_name": network.interface,
+        "listen_port": network.listen_port,
+        "daemon_pid": pid,
+        "interface": link,
+        "trains": bool(rec.get("train")),
+        "coordinator_name": coordinator["name"] if coordinator else None,
+        "backend": {"kind": backend, "kernel_module": host.kernel_wireguard()},
+        "peers": [
+            {k: p[k] for k in ("name", "overlay_ip", "endpoint", "path", "handshake_age_s")} for p in st["peers"]
+        ],
+        "shell_env": _watched(dict(shell_env)),
+        "daemon_env": _watched(procs.environ(pid) if pid else None),
+    }
     if backend == USERSPACE:
         v = device.userspace_version()
         f["backend"].update(version=".".join(map(str, v)) if v else None, warning=device.warning())
@@ -59,15 +71,22 @@ def gather(state: StateDir, shell_env) -> dict:
         f["mtu_probe"] = _probe_mtu(st, link["mtu"], network.coordinator_ip if rec["role"] == "node" else None)
         if rec["role"] == "node":
             f["coordinator"], f["clock_offset_s"] = _ask_coordinator(network)
-            f["udp_probe"] = _probe_udp(network) if f["coordinator"]["reachable"] else {
-                "error": "the coordinator does not answer over the overlay"}
+            f["udp_probe"] = (
+                _probe_udp(network)
+                if f["coordinator"]["reachable"]
+                else {"error": "the coordinator does not answer over the overlay"}
+            )
     python = _job_python(pid)
     jobs = joblogs.jobs_root(state).path
     f["jobs_dir"] = str(jobs)
     f["environment"] = dict(host.environment(python), free_bytes=host.free_bytes(jobs))
     projects = state / "projects"
-    f["disk_use"] = {"jobs": disk_use(jobs), "projects": {p.name: disk_use(p) for p in sorted(projects.iterdir())
-                                                          if p.is_dir()} if projects.is_dir() else {}}
+    f["disk_use"] = {
+        "jobs": disk_use(jobs),
+        "projects": {p.name: disk_use(p) for p in sorted(projects.iterdir()) if p.is_dir()}
+        if projects.is_dir()
+        else {},
+    }
     return f
 
 

@@ -28,8 +28,9 @@ def bring_up(device: Device, state: StateDir, network: Network, address: str, mt
     """Create and configure the interface from state; returns the backend. On failure it is removed."""
     device.create()
     try:
-        device.configure(state / "private.key", network.listen_port, f"{address}/{network.prefixlen}",
-                         mtu or network.mtu)
+        device.configure(
+            state / "private.key", network.listen_port, f"{address}/{network.prefixlen}", mtu or network.mtu
+        )
     except BaseException:
         with contextlib.suppress(Exception):
             device.delete()
@@ -37,10 +38,19 @@ def bring_up(device: Device, state: StateDir, network: Network, address: str, mt
     return device.backend()
 
 
-def sync_peers(device: Device, state: StateDir, network: Network, desired: Sequence[peers.PeerSpec], *,
-               address: str, mtu: int, comment: str, recreate: frozenset[str] = frozenset(),
-               current: Sequence[peers.PeerState] | None = None,
-               route_mtus: Mapping[str, int] | None = None) -> peers.PeerDiff:
+def sync_peers(
+    device: Device,
+    state: StateDir,
+    network: Network,
+    desired: Sequence[peers.PeerSpec],
+    *,
+    address: str,
+    mtu: int,
+    comment: str,
+    recreate: frozenset[str] = frozenset(),
+    current: Sequence[peers.PeerState] | None = None,
+    route_mtus: Mapping[str, int] | None = None,
+) -> peers.PeerDiff:
     """Make the interface's peers match `desired` with the minimal diff, and rewrite the wg-quick file.
 
     `current` is the device's peer list if the caller just read it. Peers in `recreate` are
@@ -58,7 +68,11 @@ def sync_peers(device: Device, state: StateDir, network: Network, desired: Seque
     conf = f"{network.interface}.conf"
     if d or not (state / conf).exists():
         key = state.read("private.key").decode().strip()
-        state.write(conf, render_quick(key, f"{address}/{network.prefixlen}", network.listen_port, mtu, list(desired),
-                                       comment=comment), secret=True)
+        state.write(
+            conf,
+            render_quick(
+                key, f"{address}/{network.prefixlen}", network.listen_port, mtu, list(desired), comment=comment
+            ),
+            secret=True,
+        )
     return d
-

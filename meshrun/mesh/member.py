@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
 from meshrun.errors import StateError
-from meshrun.mesh import process, iface
+from meshrun.mesh import iface, process
 from meshrun.system import firewall, net
 from meshrun.system.statedir import StateDir
 
@@ -19,8 +18,9 @@ def load(state: StateDir) -> tuple[dict, Network]:
     try:
         return rec, Network.from_dict(rec["network"])
     except (KeyError, ValueError, TypeError) as exc:
-        raise StateError(f"{state / 'member.json'} is corrupt ({exc})",
-                         "restore it, or `meshrun leave --purge` and join again") from None
+        raise StateError(
+            f"{state / 'member.json'} is corrupt ({exc})", "restore it, or `meshrun leave --purge` and join again"
+        ) from None
 
 
 def take_down(state: StateDir, role: str, purge: bool = False) -> str:
@@ -56,7 +56,9 @@ def load_members(state: StateDir) -> tuple[int, list[Member]]:
         data = state.read_json("peers.json")
         return int(data.get("version", 0)), [Member.from_dict(m) for m in data.get("members", [])]
     except (ValueError, TypeError) as exc:
-        raise StateError(f"{state / 'peers.json'} is corrupt ({exc})", "remove it; the agent fetches it again") from None
+        raise StateError(
+            f"{state / 'peers.json'} is corrupt ({exc})", "remove it; the agent fetches it again"
+        ) from None
 
 
 def job_key(state: StateDir, peer_public_key: str) -> bytes:

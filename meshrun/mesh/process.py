@@ -46,8 +46,11 @@ def spawn(state: StateDir, timeout: float = 60) -> int:
     Raises MeshrunError with the daemon's own error if it fails to start (it is stopped if it
     does not become ready in time).
     """
-    return procs.spawn_daemon([sys.executable, "-m", "meshrun", "daemon", "--state-dir", str(state.path)],
-                              state / "daemon.out", timeout=timeout)
+    return procs.spawn_daemon(
+        [sys.executable, "-m", "meshrun", "daemon", "--state-dir", str(state.path)],
+        state / "daemon.out",
+        timeout=timeout,
+    )
 
 
 def stop(state: StateDir, timeout: float = 10) -> bool:
@@ -86,14 +89,19 @@ def failed(err: MeshrunError) -> None:
 def setup_logging(state: StateDir, foreground: bool = False) -> None:
     """Log INFO (DEBUG with MESHRUN_DEBUG) with timestamps to DIR/daemon.log, rotated; in the
     foreground (systemd) also to stderr, which the journal keeps."""
-    os.umask(0o077)           # every file the daemon makes (logs included) is private
-    handlers: list[logging.Handler] = [logging.handlers.RotatingFileHandler(
-        state / "daemon.log", maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)]
+    os.umask(0o077)  # every file the daemon makes (logs included) is private
+    handlers: list[logging.Handler] = [
+        logging.handlers.RotatingFileHandler(state / "daemon.log", maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)
+    ]
     if foreground:
         handlers.append(logging.StreamHandler(sys.stderr))
     # force: the CLI configured WARNING-level logging before the daemon took over this process.
-    logging.basicConfig(level=logging.DEBUG if os.environ.get("MESHRUN_DEBUG") else logging.INFO,
-                        format=LOG_FORMAT, handlers=handlers, force=True)
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("MESHRUN_DEBUG") else logging.INFO,
+        format=LOG_FORMAT,
+        handlers=handlers,
+        force=True,
+    )
 
 
 class Extension(Protocol):

@@ -5,14 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshrun.errors import MeshrunError
-from meshrun.mesh import process, member
+from meshrun.mesh import member, process
 from meshrun.mesh.node.daemon import AgentService
 from meshrun.mesh.process import ExtensionFactory
 from meshrun.system.statedir import StateDir
 
 
-def serve(state: StateDir, foreground: bool = False, node_extensions: Sequence[ExtensionFactory] = (),
-          coordinator_extensions: Sequence[ExtensionFactory] = ()) -> None:
+def serve(
+    state: StateDir,
+    foreground: bool = False,
+    node_extensions: Sequence[ExtensionFactory] = (),
+    coordinator_extensions: Sequence[ExtensionFactory] = (),
+) -> None:
     """Set up the daemon's log and run its service until SIGTERM/SIGINT.
 
     `foreground` (systemd, `--foreground`) also logs to stderr; `node_extensions` run beside a
@@ -26,6 +30,7 @@ def serve(state: StateDir, foreground: bool = False, node_extensions: Sequence[E
         rec, _ = member.load(state)
         if rec["role"] == "coordinator":
             from meshrun.mesh.coordinator.daemon import CoordinatorService
+
             svc = CoordinatorService(state, extensions=coordinator_extensions)
         else:
             svc = AgentService(state, extensions=node_extensions)

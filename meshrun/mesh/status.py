@@ -12,10 +12,10 @@ from collections import Counter
 from meshrun.core import pairpaths
 from meshrun.core.model import Member
 from meshrun.errors import UsageError
-from meshrun.mesh import process, iface, member
+from meshrun.mesh import iface, member, process
 from meshrun.system import probe
-from meshrun.system.statedir import StateDir
 from meshrun.system.coordinatordb import CoordinatorDB
+from meshrun.system.statedir import StateDir
 
 
 def path_label(m: Member | None, endpoint: str | None, allowed_ips: tuple[str, ...]) -> str:
@@ -38,7 +38,7 @@ def _members(state: StateDir, rec: dict) -> list[Member]:
 
 
 RTT_SAMPLES = 9
-RTT_PEERS_MAX = 64       # a larger mesh shows latency for this many peers (meshrun ping measures any one)
+RTT_PEERS_MAX = 64  # a larger mesh shows latency for this many peers (meshrun ping measures any one)
 RTT_LABEL = f"median of {RTT_SAMPLES} TCP connects over the overlay"
 
 
@@ -67,23 +67,43 @@ def gather(state: StateDir, measure: bool = True) -> dict:
     for p in current:
         m = by_key.get(p.public_key)
         ip = m.overlay_ip if m else (p.allowed_ips[0].split("/")[0] if p.allowed_ips else "")
-        rows.append({
-            "name": m.name if m else "?", "overlay_ip": ip, "public_key": p.public_key, "endpoint": p.endpoint,
-            "path": path_label(m, p.endpoint, p.allowed_ips),
-            "latest_handshake": p.latest_handshake or None,
-            "handshake_age_s": now - p.latest_handshake if p.latest_handshake else None,
-            "rx_bytes": p.rx, "tx_bytes": p.tx, "allowed_ips": list(p.allowed_ips), "latency_ms": None})
+        rows.append(
+            {
+                "name": m.name if m else "?",
+                "overlay_ip": ip,
+                "public_key": p.public_key,
+                "endpoint": p.endpoint,
+                "path": path_label(m, p.endpoint, p.allowed_ips),
+                "latest_handshake": p.latest_handshake or None,
+                "handshake_age_s": now - p.latest_handshake if p.latest_handshake else None,
+                "rx_bytes": p.rx,
+                "tx_bytes": p.tx,
+                "allowed_ips": list(p.allowed_ips),
+                "latency_ms": None,
+            }
+        )
     if measure and up:
         for r in [r for r in rows if r["overlay_ip"]][:RTT_PEERS_MAX]:
             r["latency_ms"] = rtt_ms(r["overlay_ip"], network.api_port)
     rows.sort(key=lambda r: tuple(int(x) for x in r["overlay_ip"].split(".")) if r["overlay_ip"] else (999,))
-    out = {"network": network.name, "role": rec["role"], "name": rec["name"], "overlay_ip": rec["overlay_ip"],
-           "cidr": network.cidr, "interface": network.interface, "interface_up": up,
-           "backend": device.backend() if up else rec.get("backend"),
-           "listen_port": network.listen_port, "api_port": network.api_port,
-           "mtu": int(rec.get("mtu") or network.mtu), "latency": RTT_LABEL,
-           "daemon_pid": process.pid(state), "removed": bool(rec.get("removed")), "peers": rows,
-           "warnings": [w for w in [device.warning() if up else None] if w]}
+    out = {
+        "network": network.name,
+        "role": rec["role"],
+        "name": rec["name"],
+        "overlay_ip": rec["overlay_ip"],
+        "cidr": network.cidr,
+        "interface": network.interface,
+        "interface_up": up,
+        "backend": device.backend() if up else rec.get("backend"),
+        "listen_port": network.listen_port,
+        "api_port": network.api_port,
+        "mtu": int(rec.get("mtu") or network.mtu),
+        "latency": RTT_LABEL,
+        "daemon_pid": process.pid(state),
+        "removed": bool(rec.get("removed")),
+        "peers": rows,
+        "warnings": [w for w in [device.warning() if up else None] if w],
+    }
     if rec.get("role") == "coordinator":
         out["pairs"] = _pairs(state, members)
     return out
@@ -100,10 +120,16 @@ def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
     nodes = sorted(m.name for m in members if not m.is_coordinator)
     out = []
     for i, a in enumerate(nodes):
-        for b in nodes[i + 1:]:
+        for b in nodes[i + 1 :]:
             v = decided.get((a, b))
-            out.append({"a": a, "b": b, "path": pairpaths.LABELS.get(v.mode, "?") if v else "probing",
-                        "verified": bool(v and v.verified)})
+            out.append(
+                {
+                    "a": a,
+                    "b": b,
+                    "path": pairpaths.LABELS.get(v.mode, "?") if v else "probing",
+                    "verified": bool(v and v.verified),
+                }
+            )
     return out
 
 
@@ -136,7 +162,7 @@ def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt.format(*cols)] + [fmt.format(*r) for r in rows]
 
 
-SUMMARY_AT = 20     # more peers (or pairs) than this: counts and the worst few, unless --all
+SUMMARY_AT = 20  # more peers (or pairs) than this: counts and the worst few, unless --all
 WORST = 5
 
 
@@ -152,7 +178,11 @@ def _peer_badness(r: dict) -> tuple:
 
 
 def _pair_badness(p: dict) -> tuple:
-    return {"probing": 0, pairpaths.LABELS[pairpaths.RELAYED]: 1}.get(p["path"], 2 if not p["verified"] else 3), p["a"], p["b"]
+    return (
+        {"probing": 0, pairpaths.LABELS[pairpaths.RELAYED]: 1}.get(p["path"], 2 if not p["verified"] else 3),
+        p["a"],
+        p["b"],
+    )
 
 
 def render(st: dict, full: bool = False) -> str:
@@ -162,8 +192,10 @@ def render(st: dict, full: bool = False) -> str:
     handshake state) and the WORST few rows, unless `full` (`meshrun status --all`)."""
     daemon = f"running (pid {st['daemon_pid']})" if st["daemon_pid"] else "not running"
     iface = f"{st['interface']} ({st['backend']})" if st["interface_up"] else f"{st['interface']} DOWN"
-    head = [f"network {st['network']}  {st['role']} {st['name']}  {st['overlay_ip']} in {st['cidr']}",
-            f"interface {iface}  udp/{st['listen_port']}  mtu {st['mtu']}  daemon {daemon}"]
+    head = [
+        f"network {st['network']}  {st['role']} {st['name']}  {st['overlay_ip']} in {st['cidr']}",
+        f"interface {iface}  udp/{st['listen_port']}  mtu {st['mtu']}  daemon {daemon}",
+    ]
     if st.get("removed"):
         head.append("this node was REMOVED from the network by the coordinator")
     head += [f"warning: {w}" for w in st.get("warnings", [])]
@@ -171,15 +203,32 @@ def render(st: dict, full: bool = False) -> str:
     shown = st["peers"]
     lines = head + [""]
     if not full and len(shown) > SUMMARY_AT:
-        ages = ["never" if r["handshake_age_s"] is None else "< 3 min" if r["handshake_age_s"] < pairpaths.STALE_S
-                else "older" for r in shown]
-        lines += [f"{len(shown)} peers: {_counts([r.get('path', '-') for r in shown])}; "
-                  f"handshake {_counts(ages)}",
-                  f"the {WORST} worst (meshrun status --all lists every peer):"]
+        ages = [
+            "never"
+            if r["handshake_age_s"] is None
+            else "< 3 min"
+            if r["handshake_age_s"] < pairpaths.STALE_S
+            else "older"
+            for r in shown
+        ]
+        lines += [
+            f"{len(shown)} peers: {_counts([r.get('path', '-') for r in shown])}; handshake {_counts(ages)}",
+            f"the {WORST} worst (meshrun status --all lists every peer):",
+        ]
         shown = sorted(shown, key=_peer_badness)[:WORST]
-    rows = [[r["name"], r["overlay_ip"], r.get("path", "-"), r["endpoint"] or "-", _age(r["handshake_age_s"]),
-             "-" if r.get("latency_ms") is None else f"{r['latency_ms']:.2f} ms",
-             _bytes(r["rx_bytes"]), _bytes(r["tx_bytes"])] for r in shown]
+    rows = [
+        [
+            r["name"],
+            r["overlay_ip"],
+            r.get("path", "-"),
+            r["endpoint"] or "-",
+            _age(r["handshake_age_s"]),
+            "-" if r.get("latency_ms") is None else f"{r['latency_ms']:.2f} ms",
+            _bytes(r["rx_bytes"]),
+            _bytes(r["tx_bytes"]),
+        ]
+        for r in shown
+    ]
     lines += _table(cols, rows)
     if not rows:
         lines.append("(no peers yet)")
@@ -189,13 +238,19 @@ def render(st: dict, full: bool = False) -> str:
     if pairs_shown:
         lines += ["", "node pairs:"]
         if not full and len(pairs_shown) > SUMMARY_AT:
-            lines += [f"{len(pairs_shown)} pairs: {_counts([p['path'] for p in pairs_shown])}; verified "
-                      f"{_counts(['yes' if p['verified'] else 'no' for p in pairs_shown])}",
-                      f"the {WORST} worst (meshrun status --all lists every pair):"]
+            lines += [
+                f"{len(pairs_shown)} pairs: {_counts([p['path'] for p in pairs_shown])}; verified "
+                f"{_counts(['yes' if p['verified'] else 'no' for p in pairs_shown])}",
+                f"the {WORST} worst (meshrun status --all lists every pair):",
+            ]
             pairs_shown = sorted(pairs_shown, key=_pair_badness)[:WORST]
-        lines += _table(["A", "B", "PATH", "VERIFIED"], [
-            [p["a"], p["b"], p["path"], "yes" if p["verified"] else "-" if p["path"] == "probing" else "no"]
-            for p in pairs_shown])
+        lines += _table(
+            ["A", "B", "PATH", "VERIFIED"],
+            [
+                [p["a"], p["b"], p["path"], "yes" if p["verified"] else "-" if p["path"] == "probing" else "no"]
+                for p in pairs_shown
+            ],
+        )
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -216,9 +271,15 @@ def ping(state: StateDir, peer: str, count: int = 5, interval: float = 0.2) -> d
             rtts.append(rtt * 1000)
         if i + 1 < count:
             time.sleep(interval)
-    return {"peer": row["name"], "overlay_ip": row["overlay_ip"], "path": row["path"], "endpoint": row["endpoint"],
-            "sent": count, "received": len(rtts),
-            "rtt_ms": {"min": min(rtts), "avg": statistics.fmean(rtts), "max": max(rtts)} if rtts else None}
+    return {
+        "peer": row["name"],
+        "overlay_ip": row["overlay_ip"],
+        "path": row["path"],
+        "endpoint": row["endpoint"],
+        "sent": count,
+        "received": len(rtts),
+        "rtt_ms": {"min": min(rtts), "avg": statistics.fmean(rtts), "max": max(rtts)} if rtts else None,
+    }
 
 
 def render_ping(r: dict) -> str:
@@ -226,5 +287,7 @@ def render_ping(r: dict) -> str:
     if not r["rtt_ms"]:
         return f"{r['peer']} ({r['overlay_ip']}) {via}: no answer ({r['received']}/{r['sent']})"
     t = r["rtt_ms"]
-    return (f"{r['peer']} ({r['overlay_ip']}) {via}: rtt min/avg/max {t['min']:.2f}/{t['avg']:.2f}/{t['max']:.2f} ms "
-            f"({r['received']}/{r['sent']} answered)")
+    return (
+        f"{r['peer']} ({r['overlay_ip']}) {via}: rtt min/avg/max {t['min']:.2f}/{t['avg']:.2f}/{t['max']:.2f} ms "
+        f"({r['received']}/{r['sent']} answered)"
+    )

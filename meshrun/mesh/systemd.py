@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrun.errors import StateError, HostError, UsageError
+from meshrun.errors import HostError, StateError, UsageError
 from meshrun.mesh import process
 from meshrun.system import procs, statedir
 from meshrun.system.statedir import StateDir
@@ -25,11 +25,17 @@ from meshrun.system.statedir import StateDir
 ROLES = ("coordinator", "agent")
 SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
 # Directories systemd reads system units from; a unit written elsewhere cannot be enabled.
-SYSTEMD_UNIT_DIRS = (Path("/etc/systemd/system"), Path("/run/systemd/system"), Path("/usr/lib/systemd/system"),
-                     Path("/lib/systemd/system"))
+SYSTEMD_UNIT_DIRS = (
+    Path("/etc/systemd/system"),
+    Path("/run/systemd/system"),
+    Path("/usr/lib/systemd/system"),
+    Path("/lib/systemd/system"),
+)
 
-_DESCRIPTION = {"coordinator": "meshrun coordinator (enrolment, overlay API, job control)",
-                "agent": "meshrun agent (peer sync and job API of this node)"}
+_DESCRIPTION = {
+    "coordinator": "meshrun coordinator (enrolment, overlay API, job control)",
+    "agent": "meshrun agent (peer sync and job API of this node)",
+}
 
 
 def unit_name(role: str) -> str:
@@ -87,8 +93,8 @@ class InstallPlan:
     unit_path: Path
     text: str
     commands: list[list[str]] = field(default_factory=list)
-    run_commands: bool = False          # False: print them for the operator instead
-    reason: str = ""                    # why the commands are not run
+    run_commands: bool = False  # False: print them for the operator instead
+    reason: str = ""  # why the commands are not run
 
 
 def _role_of(state: StateDir) -> str | None:
@@ -98,21 +104,30 @@ def _role_of(state: StateDir) -> str | None:
     return {"coordinator": "coordinator", "node": "agent"}.get(role)
 
 
-def plan_install(state: StateDir, role: str | None = None, unit_dir: Path | None = None,
-                 command: list[str] | None = None, systemd: bool | None = None) -> InstallPlan:
+def plan_install(
+    state: StateDir,
+    role: str | None = None,
+    unit_dir: Path | None = None,
+    command: list[str] | None = None,
+    systemd: bool | None = None,
+) -> InstallPlan:
     """Decide what `service install` does (reads the state's role; changes nothing)."""
     found = _role_of(state)
     if role is None:
         if found is None:
-            raise UsageError(f"no meshrun state in {state.path} to take the role from",
-                             "run `meshrun init`/`meshrun join` first, or pass --role coordinator|agent")
+            raise UsageError(
+                f"no meshrun state in {state.path} to take the role from",
+                "run `meshrun init`/`meshrun join` first, or pass --role coordinator|agent",
+            )
         role = found
     if role not in ROLES:
         raise UsageError(f"--role {role!r} is not one of {', '.join(ROLES)}", "pass --role coordinator or --role agent")
     if found is not None and found != role:
-        raise UsageError(f"{state.path} holds a {'node' if found == 'agent' else found}, not a "
-                         f"{'node' if role == 'agent' else role}",
-                         f"pass --role {found}, or point --state-dir at the other state directory")
+        raise UsageError(
+            f"{state.path} holds a {'node' if found == 'agent' else found}, not a "
+            f"{'node' if role == 'agent' else role}",
+            f"pass --role {found}, or point --state-dir at the other state directory",
+        )
     unit_dir = Path(unit_dir) if unit_dir is not None else SYSTEM_UNIT_DIR
     name = unit_name(role)
     plan = InstallPlan(role, unit_dir / name, render_unit(role, state.path, command or meshrun_command()))
@@ -127,8 +142,13 @@ def plan_install(state: StateDir, role: str | None = None, unit_dir: Path | None
     return plan
 
 
-def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry_run: bool = False,
-            runner: Callable[..., procs.CompletedProcess] = procs.run) -> None:
+def install(
+    plan: InstallPlan,
+    state: StateDir,
+    echo: Callable[[str], None],
+    dry_run: bool = False,
+    runner: Callable[..., procs.CompletedProcess] = procs.run,
+) -> None:
     """Carry out `plan` (or, with dry_run, only say what would happen)."""
     if dry_run:
         echo(f"would write {plan.unit_path}:")
@@ -156,7 +176,8 @@ def install(plan: InstallPlan, state: StateDir, echo: Callable[[str], None], dry
     for argv in plan.commands:
         res = runner(argv, capture_output=True, text=True, timeout=60)
         if res.returncode != 0:
-            raise HostError(f"`{' '.join(argv)}` failed: {(res.stderr or res.stdout).strip()}",
-                               f"see `systemctl status {unit_name(plan.role)}` and `journalctl -u "
-                               f"{unit_name(plan.role)}`")
+            raise HostError(
+                f"`{' '.join(argv)}` failed: {(res.stderr or res.stdout).strip()}",
+                f"see `systemctl status {unit_name(plan.role)}` and `journalctl -u {unit_name(plan.role)}`",
+            )
     echo(f"enabled and started {unit_name(plan.role)}; logs: journalctl -u {unit_name(plan.role)}")

@@ -30,16 +30,35 @@ from meshrun.core import codeset, ignore
 from meshrun.errors import LaunchError, UsageError
 from meshrun.system.cmd import run
 
-__all__ = ["ALWAYS_IGNORED", "IGNORE_FILE", "Selection", "Packed", "select_files", "pack", "hash_files",
-           "unpack_into", "pack_paths", "unpack_pulled"]
+__all__ = [
+    "ALWAYS_IGNORED",
+    "IGNORE_FILE",
+    "Selection",
+    "Packed",
+    "select_files",
+    "pack",
+    "hash_files",
+    "unpack_into",
+    "pack_paths",
+    "unpack_pulled",
+]
 
 # Never shipped, whatever the ignore files say: version control, caches, virtual environments.
-ALWAYS_IGNORED = {".git", "__pycache__", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache",
-                  "node_modules", ".ipynb_checkpoints"}
+ALWAYS_IGNORED = {
+    ".git",
+    "__pycache__",
+    ".venv",
+    "venv",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    "node_modules",
+    ".ipynb_checkpoints",
+}
 IGNORE_FILE = ".meshrunignore"
 HASH_MAX_FILES = 5000
 HASH_MAX_BYTES = 200 * 1024 * 1024
-DU_MAX_ENTRIES = 20000            # how far `select_files` counts an ignored directory's size
+DU_MAX_ENTRIES = 20000  # how far `select_files` counts an ignored directory's size
 # git config for listing an untrusted work tree as root: no fsmonitor hook runs (a repository's config
 # could name any command there), and another user's repository is listed (git refuses "dubious ownership").
 _GIT = ["git", "-c", "core.fsmonitor=false", "-c", "safe.directory=*"]
@@ -51,9 +70,9 @@ class Selection:
 
     root: Path
     files: list[tuple[str, int]] = field(default_factory=list)
-    ignored: list[codeset.Entry] = field(default_factory=list)     # largest first
-    links: list[str] = field(default_factory=list)                 # symbolic links, never shipped
-    rules: str = ""                                                # which rules applied, for people
+    ignored: list[codeset.Entry] = field(default_factory=list)  # largest first
+    links: list[str] = field(default_factory=list)  # symbolic links, never shipped
+    rules: str = ""  # which rules applied, for people
 
     @property
     def names(self) -> list[str]:
@@ -77,8 +96,10 @@ class Selection:
             more = len(self.ignored) - top
             lines.append("not shipped: " + shown + (f" and {more} more" if more > 0 else ""))
         if self.links:
-            lines.append(f"not shipped (symbolic links): {', '.join(self.links[:top])}"
-                         + (f" and {len(self.links) - top} more" if len(self.links) > top else ""))
+            lines.append(
+                f"not shipped (symbolic links): {', '.join(self.links[:top])}"
+                + (f" and {len(self.links) - top} more" if len(self.links) > top else "")
+            )
         return lines
 
 
@@ -96,6 +117,7 @@ class Packed:
 
 
 # --------------------------------------------------------------------------- choosing the files
+
 
 def _is_state_dir(path: Path) -> bool:
     """A meshrun state directory (it holds a member's keys): never shipped, wherever it sits."""
@@ -168,7 +190,7 @@ def select_files(directory: Path | str, exclude: Iterable[Path | str] = (), use_
     if (root / IGNORE_FILE).is_file():
         matcher.add(_read_rules(root / IGNORE_FILE, ""))
     sel = Selection(root)
-    ignored: list[tuple[str, bool]] = []             # (rel, is_dir) left out by a rule
+    ignored: list[tuple[str, bool]] = []  # (rel, is_dir) left out by a rule
 
     def keep_dir(rel: str, path: Path) -> bool:
         return not (path.name in ALWAYS_IGNORED or path in excluded or _is_state_dir(path))
@@ -191,12 +213,13 @@ def select_files(directory: Path | str, exclude: Iterable[Path | str] = (), use_
             _add_file(sel, root, rel)
     else:
         git_dir = (root / ".git").exists()
-        if git_dir:             # a git work tree, but no git binary: read its ignore files ourselves
+        if git_dir:  # a git work tree, but no git binary: read its ignore files ourselves
             for extra in (root / ".git" / "info" / "exclude",):
                 if extra.is_file():
                     matcher.add(_read_rules(extra, ""))
         sel.rules = (".gitignore files" if git_dir else "no git work tree") + (
-            f" and {IGNORE_FILE}" if any(r.base == "" for r in matcher.rules) else "")
+            f" and {IGNORE_FILE}" if any(r.base == "" for r in matcher.rules) else ""
+        )
         for cur, dirs, names in os.walk(root):
             here = Path(cur)
             base = here.relative_to(root).as_posix()
@@ -246,7 +269,7 @@ def _ancestors(rel: str) -> list[str]:
 def _add_file(sel: Selection, root: Path, rel: str) -> None:
     try:
         st = (root / rel).lstat()
-    except OSError:                     # listed by git but deleted since: nothing to ship
+    except OSError:  # listed by git but deleted since: nothing to ship
         return
     if stat.S_ISLNK(st.st_mode):
         sel.links.append(rel)
@@ -255,6 +278,7 @@ def _add_file(sel: Selection, root: Path, rel: str) -> None:
 
 
 # --------------------------------------------------------------------------- reading without following links
+
 
 def _open_beneath(root_fd: int, rel: str) -> int | None:
     """A read-only descriptor of the regular file `rel` under the directory `root_fd`, refusing a symbolic
@@ -296,10 +320,12 @@ def _read_fd(fd: int, limit: int) -> bytes:
 
 def _too_big(sel: Selection, limit_mb: int) -> LaunchError:
     big = ", ".join(e.describe() for e in codeset.largest(sel.files, 5))
-    return LaunchError(f"the code to ship from {sel.root} is {codeset.human_bytes(sel.bytes)}, over --sync-limit "
-                       f"{limit_mb} MiB; largest: {big}",
-                       f"list what the job does not need in {IGNORE_FILE} (gitignore syntax) or .gitignore, raise "
-                       "--sync-limit, or put the code on every node and use --no-sync")
+    return LaunchError(
+        f"the code to ship from {sel.root} is {codeset.human_bytes(sel.bytes)}, over --sync-limit "
+        f"{limit_mb} MiB; largest: {big}",
+        f"list what the job does not need in {IGNORE_FILE} (gitignore syntax) or .gitignore, raise "
+        "--sync-limit, or put the code on every node and use --no-sync",
+    )
 
 
 def pack(sel: Selection, limit_mb: int) -> Packed:
@@ -318,7 +344,7 @@ def pack(sel: Selection, limit_mb: int) -> Packed:
         with tarfile.open(fileobj=buf, mode="w:gz") as tar:
             for rel, listed in sel.files:
                 fd = _open_beneath(root_fd, rel)
-                if fd is None:          # deleted, or swapped for a link or a device since the listing
+                if fd is None:  # deleted, or swapped for a link or a device since the listing
                     continue
                 try:
                     st = os.fstat(fd)
@@ -338,8 +364,9 @@ def pack(sel: Selection, limit_mb: int) -> Packed:
     return Packed(buf.getvalue(), manifest, total)
 
 
-def hash_files(directory: Path | str, names: Iterable[str], max_files: int = HASH_MAX_FILES,
-               max_bytes: int = HASH_MAX_BYTES) -> dict[str, str] | None:
+def hash_files(
+    directory: Path | str, names: Iterable[str], max_files: int = HASH_MAX_FILES, max_bytes: int = HASH_MAX_BYTES
+) -> dict[str, str] | None:
     """{name: sha256} of the files `names` under `directory` as they are now (links not followed;
     a missing file is left out). None when there are more than `max_files` files or `max_bytes`
     bytes (a --no-sync directory may hold a dataset: the pre-flight then does not compare code)."""
@@ -374,6 +401,7 @@ def hash_files(directory: Path | str, names: Iterable[str], max_files: int = HAS
 
 # --------------------------------------------------------------------------- unpacking on a node
 
+
 def _check_member(m: tarfile.TarInfo) -> None:
     """What tarfile's "data" filter refuses, for interpreters without it (before 3.10.12 / 3.11.4)."""
     parts = Path(m.name).parts
@@ -391,13 +419,13 @@ def _extract(blob: bytes | BinaryIO, dest: Path) -> None:
         with tarfile.open(fileobj=io.BytesIO(blob) if isinstance(blob, bytes) else blob, mode="r:gz") as tar:
             if hasattr(tarfile, "data_filter"):
                 tar.extractall(dest, filter="data")
-            else:   # pragma: no cover - exercised on old 3.10 patch releases only
+            else:  # pragma: no cover - exercised on old 3.10 patch releases only
                 members = tar.getmembers()
                 for m in members:
                     _check_member(m)
                     m.mode &= 0o755
                 tar.extractall(dest, members=members)
-    except (tarfile.TarError, OSError, EOFError, KeyError, ValueError) as exc:   # KeyError: a hard link to nothing
+    except (tarfile.TarError, OSError, EOFError, KeyError, ValueError) as exc:  # KeyError: a hard link to nothing
         shutil.rmtree(dest, ignore_errors=True)
         raise UsageError(f"the archive cannot be unpacked ({exc})", "retry; meshrun builds it itself") from None
 
@@ -438,8 +466,10 @@ def unpack_into(blob: bytes | BinaryIO, workdir: Path | str, previous: Iterable[
         for rel in names:
             target = workdir / rel
             if target.is_dir() and not target.is_symlink():
-                raise UsageError(f"the shipped file {rel!r} would replace the directory {target} on this node",
-                                 "rename one of them, or start a new project with --project")
+                raise UsageError(
+                    f"the shipped file {rel!r} would replace the directory {target} on this node",
+                    "rename one of them, or start a new project with --project",
+                )
             _make_parents(workdir, rel)
             os.replace(staging / rel, target)
         for rel in sorted(set(previous) - set(names)):
@@ -457,6 +487,7 @@ def unpack_into(blob: bytes | BinaryIO, workdir: Path | str, previous: Iterable[
 
 # --------------------------------------------------------------------------- files back from a node
 
+
 def pack_paths(root: Path | str, rel: str, max_bytes: int) -> tuple[bytes, int]:
     """tar.gz of `rel` (a file or a directory tree) under `root`, links not followed; (blob, files).
 
@@ -471,8 +502,10 @@ def pack_paths(root: Path | str, rel: str, max_bytes: int) -> tuple[bytes, int]:
     if rel in (".", ""):
         target, rel = root, ""
     if target.is_symlink() or not target.exists():
-        raise UsageError(f"{rel or '.'} does not exist in the job's directory on this node",
-                         "check the path (it is relative to the job's working directory)")
+        raise UsageError(
+            f"{rel or '.'} does not exist in the job's directory on this node",
+            "check the path (it is relative to the job's working directory)",
+        )
     names = [rel] if target.is_file() else [f"{rel}/{n}" if rel else n for n in _files_under(target)]
     buf = io.BytesIO()
     total = count = 0
@@ -486,8 +519,10 @@ def pack_paths(root: Path | str, rel: str, max_bytes: int) -> tuple[bytes, int]:
                 try:
                     st = os.fstat(fd)
                     if total + st.st_size > max_bytes:
-                        raise UsageError(f"{rel or '.'} holds more than {codeset.human_bytes(max_bytes)}",
-                                         "pull a smaller path, or raise --max-mb")
+                        raise UsageError(
+                            f"{rel or '.'} holds more than {codeset.human_bytes(max_bytes)}",
+                            "pull a smaller path, or raise --max-mb",
+                        )
                     data = _read_fd(fd, st.st_size)
                 finally:
                     os.close(fd)

@@ -90,8 +90,15 @@ class TokenInfo:
 
     def to_dict(self, now: float) -> dict:
         left = None if self.max_uses is None else max(self.max_uses - self.uses, 0)
-        return {"id": self.id, "created_at": self.created_at, "expires_at": self.expires_at,
-                "max_uses": self.max_uses, "uses": self.uses, "uses_left": left, "status": self.status(now)}
+        return {
+            "id": self.id,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "max_uses": self.max_uses,
+            "uses": self.uses,
+            "uses_left": left,
+            "status": self.status(now),
+        }
 
 
 def _locked(fn):
@@ -99,6 +106,7 @@ def _locked(fn):
     def inner(self, *a, **kw):
         with self._lock:
             return fn(self, *a, **kw)
+
     return inner
 
 
@@ -116,13 +124,13 @@ class CoordinatorDB:
         # One connection shared by the daemon's threads: the lock keeps their
         # transactions from interleaving on it.
         self._lock = threading.RLock()
-        self.removals = 0        # members removed through this object (in-memory views check it)
+        self.removals = 0  # members removed through this object (in-memory views check it)
         if not self.path.exists():
             raise StateError(f"{self.path} is missing", "run `meshrun init` on the coordinator first")
         self._open()
 
     @classmethod
-    def create(cls, path: Path | str) -> "CoordinatorDB":
+    def create(cls, path: Path | str) -> CoordinatorDB:
         path = Path(path)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         os.close(fd)
@@ -140,11 +148,14 @@ class CoordinatorDB:
             finally:
                 ro.close()
         except sqlite3.DatabaseError as exc:
-            raise StateError(f"{self.path} is not a readable meshrun database ({exc})",
-                             "restore it from a backup; meshrun will not reset it") from None
-        if self.readonly:     # readers (status, listings) never write, not even the schema
-            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30, isolation_level=None,
-                                        check_same_thread=False)
+            raise StateError(
+                f"{self.path} is not a readable meshrun database ({exc})",
+                "restore it from a backup; meshrun will not reset it",
+            ) from None
+        if self.readonly:  # readers (status, listings) never write, not even the schema
+            self.conn = sqlite3.connect(
+                f"file:{self.path}?mode=ro", uri=True, timeout=30, isolation_level=None, check_same_thread=False
+            )
             return
         try:
             self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
@@ -154,16 +165,20 @@ class CoordinatorDB:
             self._migrate()
             self.conn.execute("PRAGMA quick_check").fetchone()
         except sqlite3.DatabaseError as exc:
-            raise StateError(f"{self.path} is not a readable meshrun database ({exc})",
-                             "restore it from a backup; meshrun will not reset it") from None
+            raise StateError(
+                f"{self.path} is not a readable meshrun database ({exc})",
+                "restore it from a backup; meshrun will not reset it",
+            ) from None
 
     def _migrate(self) -> None:
         """Columns added since a database was made (CREATE TABLE IF NOT EXISTS keeps the old table)."""
         cols = {r[1] for r in self.conn.execute("PRAGMA table_info(members)")}
         if "mtu" not in cols:
             self.conn.execute("ALTER TABLE members ADD COLUMN mtu INTEGER NOT NULL DEFAULT 0")
-        self.conn.execute("INSERT OR IGNORE INTO removals(public_key, name, removed_at) "
-                          "SELECT public_key, name, removed_at FROM members WHERE removed_at IS NOT NULL")
+        self.conn.execute(
+            "INSERT OR IGNORE INTO removals(public_key, name, removed_at) "
+            "SELECT public_key, name, removed_at FROM members WHERE removed_at IS NOT NULL"
+        )
 
     def close(self) -> None:
         self.conn.close()
@@ -183,8 +198,10 @@ class CoordinatorDB:
             except sqlite3.OperationalError as exc:  # disk full, read-only, locked too long
                 with contextlib.suppress(sqlite3.Error):
                     self.conn.execute("ROLLBACK")
-                raise StateError(f"cannot write {self.path}: {exc}; the previous version is unchanged",
-                                 "free disk space or fix permissions, then run the command again") from None
+                raise StateError(
+                    f"cannot write {self.path}: {exc}; the previous version is unchanged",
+                    "free disk space or fix permissions, then run the command again",
+                ) from None
 
     # meta ------------------------------------------------------------------
     def set_meta(self, **values: str) -> None:
@@ -209,27 +226,36 @@ class CoordinatorDB:
 
     @staticmethod
     def _bump(c: sqlite3.Connection) -> None:
-        c.execute("INSERT INTO meta(key, value) VALUES('version', '1') ON CONFLICT(key) "
-                  "DO UPDATE SET value = CAST(value AS INTEGER) + 1")
+        c.execute(
+            "INSERT INTO meta(key, value) VALUES('version', '1') ON CONFLICT(key) "
+            "DO UPDATE SET value = CAST(value AS INTEGER) + 1"
+        )
 
     # tokens ----------------------------------------------------------------
-    def add_token(self, token_id: str, secret: bytes, ttl_s: int, max_uses: int | None, now: float | None = None) -> None:
+    def add_token(
+        self, token_id: str, secret: bytes, ttl_s: int, max_uses: int | None, now: float | None = None
+    ) -> None:
         now = time.time() if now is None else now
         with self.tx() as c:
-            c.execute("INSERT INTO tokens(id, secret_hash, created_at, expires_at, max_uses) VALUES(?,?,?,?,?)",
-                      (token_id, hash_secret(secret), now, now + ttl_s, max_uses))
+            c.execute(
+                "INSERT INTO tokens(id, secret_hash, created_at, expires_at, max_uses) VALUES(?,?,?,?,?)",
+                (token_id, hash_secret(secret), now, now + ttl_s, max_uses),
+            )
 
     @_locked
     def tokens(self) -> list[TokenInfo]:
         rows = self.conn.execute(
-            "SELECT id, created_at, expires_at, max_uses, uses, revoked_at FROM tokens ORDER BY created_at").fetchall()
+            "SELECT id, created_at, expires_at, max_uses, uses, revoked_at FROM tokens ORDER BY created_at"
+        ).fetchall()
         return [TokenInfo(r[0], r[1], r[2], r[3], r[4], r[5] is not None) for r in rows]
 
     def revoke_token(self, token_id: str, now: float | None = None) -> bool:
         """Revoke a token; False if no such token."""
         with self.tx() as c:
-            cur = c.execute("UPDATE tokens SET revoked_at=? WHERE id=? AND revoked_at IS NULL",
-                            (time.time() if now is None else now, token_id))
+            cur = c.execute(
+                "UPDATE tokens SET revoked_at=? WHERE id=? AND revoked_at IS NULL",
+                (time.time() if now is None else now, token_id),
+            )
             if cur.rowcount:
                 return True
             return c.execute("SELECT 1 FROM tokens WHERE id=?", (token_id,)).fetchone() is not None
@@ -237,12 +263,22 @@ class CoordinatorDB:
     # members ---------------------------------------------------------------
     def add_coordinator(self, name: str, public_key: str, overlay_ip: str) -> None:
         with self.tx() as c:
-            c.execute("INSERT INTO members(name, public_key, overlay_ip, is_coordinator, joined_at) "
-                      "VALUES(?,?,?,1,?)", (name, public_key, overlay_ip, time.time()))
+            c.execute(
+                "INSERT INTO members(name, public_key, overlay_ip, is_coordinator, joined_at) VALUES(?,?,?,1,?)",
+                (name, public_key, overlay_ip, time.time()),
+            )
             self._bump(c)
 
-    def enrol(self, token_id: str, secret: bytes, name: str, public_key: str, candidates: list[str],
-              cidr: str, now: float | None = None) -> tuple[Member, bool]:
+    def enrol(
+        self,
+        token_id: str,
+        secret: bytes,
+        name: str,
+        public_key: str,
+        candidates: list[str],
+        cidr: str,
+        now: float | None = None,
+    ) -> tuple[Member, bool]:
         """Check the token and add (or find) the member; returns (member, created).
 
         Gathers the facts in one transaction and applies meshrun.core.admission.admit's decision
@@ -254,23 +290,53 @@ class CoordinatorDB:
         with self.tx() as c:
             # Enrolments whose node never synced within the grace are over (their join failed there): their
             # names are free, their addresses return after the quarantine.
-            c.execute("UPDATE members SET removed_at=? WHERE removed_at IS NULL AND last_seen IS NULL "
-                      "AND is_coordinator=0 AND joined_at < ?", (now, now - admission.PENDING_GRACE_S))
-            row = c.execute("SELECT secret_hash, created_at, expires_at, max_uses, uses, revoked_at FROM tokens "
-                            "WHERE id=?", (token_id,)).fetchone()
-            token = None if row is None else admission.TokenFacts(
-                secret_matches(secret, row[0]), row[1], row[2], row[3], row[4], row[5] is not None)
-            related = [admission.MemberFacts(r[0], r[1], r[2], r[3], r[4] is not None, bool(r[5])) for r in c.execute(
-                "SELECT name, public_key, joined_at, removed_at, last_seen, is_coordinator FROM members "
-                "WHERE (name=? AND removed_at IS NULL) OR public_key=?", (name, public_key))]
-            related += [admission.MemberFacts(r[0], r[1], r[2], r[2]) for r in c.execute(
-                "SELECT name, public_key, removed_at FROM removals WHERE public_key=?", (public_key,))]
+            c.execute(
+                "UPDATE members SET removed_at=? WHERE removed_at IS NULL AND last_seen IS NULL "
+                "AND is_coordinator=0 AND joined_at < ?",
+                (now, now - admission.PENDING_GRACE_S),
+            )
+            row = c.execute(
+                "SELECT secret_hash, created_at, expires_at, max_uses, uses, revoked_at FROM tokens WHERE id=?",
+                (token_id,),
+            ).fetchone()
+            token = (
+                None
+                if row is None
+                else admission.TokenFacts(
+                    secret_matches(secret, row[0]), row[1], row[2], row[3], row[4], row[5] is not None
+                )
+            )
+            related = [
+                admission.MemberFacts(r[0], r[1], r[2], r[3], r[4] is not None, bool(r[5]))
+                for r in c.execute(
+                    "SELECT name, public_key, joined_at, removed_at, last_seen, is_coordinator FROM members "
+                    "WHERE (name=? AND removed_at IS NULL) OR public_key=?",
+                    (name, public_key),
+                )
+            ]
+            related += [
+                admission.MemberFacts(r[0], r[1], r[2], r[2])
+                for r in c.execute(
+                    "SELECT name, public_key, removed_at FROM removals WHERE public_key=?", (public_key,)
+                )
+            ]
             removed_at = c.execute("SELECT MAX(removed_at) FROM removals WHERE name=?", (name,)).fetchone()[0]
             pending, held = c.execute(
                 "SELECT COALESCE(SUM(last_seen IS NULL), 0), COUNT(*) FROM members WHERE token_id=? "
-                "AND removed_at IS NULL", (token_id,)).fetchone()
-            decision = admission.admit(now, token, name, public_key, related, removed_at, int(pending), int(held),
-                                       max(net.num_addresses - 3, 1))
+                "AND removed_at IS NULL",
+                (token_id,),
+            ).fetchone()
+            decision = admission.admit(
+                now,
+                token,
+                name,
+                public_key,
+                related,
+                removed_at,
+                int(pending),
+                int(held),
+                max(net.num_addresses - 3, 1),
+            )
             if decision.existing is not None:
                 m = self._member_where(c, "public_key=? AND removed_at IS NULL", (public_key,))
                 assert m is not None
@@ -279,12 +345,17 @@ class CoordinatorDB:
                 # An enrolment whose node never synced (its join failed there): the name is free again,
                 # its address returns after the quarantine.
                 c.execute("UPDATE members SET removed_at=? WHERE public_key=?", (now, key))
-            c.execute("DELETE FROM members WHERE removed_at IS NOT NULL AND removed_at < ? AND is_coordinator=0",
-                      (now - ADDRESS_QUARANTINE_S,))
+            c.execute(
+                "DELETE FROM members WHERE removed_at IS NOT NULL AND removed_at < ? AND is_coordinator=0",
+                (now - ADDRESS_QUARANTINE_S,),
+            )
             taken = [r[0] for r in c.execute("SELECT overlay_ip FROM members")]
             ip = str(ipam.allocate(net, taken))
-            c.execute("INSERT INTO members(name, public_key, overlay_ip, candidates, token_id, joined_at) "
-                      "VALUES(?,?,?,?,?,?)", (name, public_key, ip, json.dumps(candidates), token_id, now))
+            c.execute(
+                "INSERT INTO members(name, public_key, overlay_ip, candidates, token_id, joined_at) "
+                "VALUES(?,?,?,?,?,?)",
+                (name, public_key, ip, json.dumps(candidates), token_id, now),
+            )
             c.execute("UPDATE tokens SET uses = uses + 1 WHERE id=?", (token_id,))
             self._bump(c)
             return Member(name, public_key, ip, None, tuple(candidates)), True
@@ -317,21 +388,26 @@ class CoordinatorDB:
     def recently_removed(self, grace_s: float, now: float | None = None) -> list[Member]:
         """Members removed less than `grace_s` ago (kept reachable so they can learn of it)."""
         now = time.time() if now is None else now
-        rows = self.conn.execute(f"SELECT {self._COLS} FROM members WHERE removed_at > ? AND is_coordinator=0",
-                                 (now - grace_s,)).fetchall()
+        rows = self.conn.execute(
+            f"SELECT {self._COLS} FROM members WHERE removed_at > ? AND is_coordinator=0", (now - grace_s,)
+        ).fetchall()
         return [self._row_member(r) for r in rows]
 
     def is_removed_ip(self, ip: str) -> bool:
-        return self.conn.execute("SELECT 1 FROM members WHERE overlay_ip=? AND removed_at IS NOT NULL",
-                                 (ip,)).fetchone() is not None
+        return (
+            self.conn.execute("SELECT 1 FROM members WHERE overlay_ip=? AND removed_at IS NOT NULL", (ip,)).fetchone()
+            is not None
+        )
 
     def abandon(self, name: str, public_key: str, now: float | None = None) -> bool:
         """Release the enrolment of `name` with `public_key` if it never completed (its node never synced);
         True if one was released. Its address waits out the quarantine like any other."""
         with self.tx() as c:
-            cur = c.execute("UPDATE members SET removed_at=? WHERE name=? AND public_key=? AND removed_at IS NULL "
-                            "AND last_seen IS NULL AND is_coordinator=0",
-                            (time.time() if now is None else now, name, public_key))
+            cur = c.execute(
+                "UPDATE members SET removed_at=? WHERE name=? AND public_key=? AND removed_at IS NULL "
+                "AND last_seen IS NULL AND is_coordinator=0",
+                (time.time() if now is None else now, name, public_key),
+            )
             if cur.rowcount:
                 self._bump(c)
             return cur.rowcount > 0
@@ -343,14 +419,17 @@ class CoordinatorDB:
             if m is not None:
                 when = time.time() if now is None else now
                 c.execute("UPDATE members SET removed_at=? WHERE public_key=?", (when, m.public_key))
-                c.execute("INSERT OR REPLACE INTO removals(public_key, name, removed_at) VALUES(?,?,?)",
-                          (m.public_key, m.name, when))
+                c.execute(
+                    "INSERT OR REPLACE INTO removals(public_key, name, removed_at) VALUES(?,?,?)",
+                    (m.public_key, m.name, when),
+                )
                 self._bump(c)
                 self.removals += 1
             return m
 
-    def heartbeat(self, ip: str, candidates: list[str], now: float | None = None, touch: bool = False,
-                  mtu: int | None = None) -> None:
+    def heartbeat(
+        self, ip: str, candidates: list[str], now: float | None = None, touch: bool = False, mtu: int | None = None
+    ) -> None:
         """Record a member's self-reported candidates (and overlay MTU); bump the version if they changed.
 
         Writes only when the candidates or MTU changed, on the member's first sync ever, or with
@@ -360,16 +439,19 @@ class CoordinatorDB:
         """
         new = json.dumps(candidates)
         with self._lock:
-            old = self.conn.execute("SELECT candidates, last_seen, mtu FROM members WHERE overlay_ip=? "
-                                    "AND removed_at IS NULL", (ip,)).fetchone()
+            old = self.conn.execute(
+                "SELECT candidates, last_seen, mtu FROM members WHERE overlay_ip=? AND removed_at IS NULL", (ip,)
+            ).fetchone()
         if old is None:
             return
         mtu = old[2] if mtu is None else mtu
         if old[0] == new and old[2] == mtu and old[1] is not None and not touch:
             return
         with self.tx() as c:
-            c.execute("UPDATE members SET candidates=?, mtu=?, last_seen=? WHERE overlay_ip=? AND removed_at IS NULL",
-                      (new, mtu, time.time() if now is None else now, ip))
+            c.execute(
+                "UPDATE members SET candidates=?, mtu=?, last_seen=? WHERE overlay_ip=? AND removed_at IS NULL",
+                (new, mtu, time.time() if now is None else now, ip),
+            )
             if old[0] != new or old[2] != mtu:
                 self._bump(c)
 
@@ -380,8 +462,12 @@ class CoordinatorDB:
         that changed (only the coordinator daemon writes these columns, so reading first is safe).
         """
         with self._lock:
-            rows = {r[0]: (r[1], r[2]) for r in self.conn.execute(
-                "SELECT public_key, endpoint, last_handshake FROM members WHERE removed_at IS NULL")}
+            rows = {
+                r[0]: (r[1], r[2])
+                for r in self.conn.execute(
+                    "SELECT public_key, endpoint, last_handshake FROM members WHERE removed_at IS NULL"
+                )
+            }
         changed = False
         updates = []
         for key, (endpoint, hs) in observations.items():
@@ -394,8 +480,9 @@ class CoordinatorDB:
         if not updates:
             return False
         with self.tx() as c:
-            c.executemany("UPDATE members SET endpoint=COALESCE(?, endpoint), last_handshake=? WHERE public_key=?",
-                          updates)
+            c.executemany(
+                "UPDATE members SET endpoint=COALESCE(?, endpoint), last_handshake=? WHERE public_key=?", updates
+            )
             if changed:
                 self._bump(c)
         return changed
@@ -406,7 +493,7 @@ class CoordinatorDB:
         """Every stored pair path {(a, b): state}, a < b (none in a database from before the table)."""
         try:
             rows = self.conn.execute("SELECT a, b, mode, since, verified FROM pairs").fetchall()
-        except sqlite3.OperationalError:       # read-only open of a database made by an older meshrun
+        except sqlite3.OperationalError:  # read-only open of a database made by an older meshrun
             return {}
         return {(r[0], r[1]): PairState(r[2], float(r[3]), bool(r[4])) for r in rows}
 
@@ -416,6 +503,8 @@ class CoordinatorDB:
         with self.tx() as c:
             for name in drop:
                 c.execute("DELETE FROM pairs WHERE a=? OR b=?", (name, name))
-            c.executemany("INSERT INTO pairs(a, b, mode, since, verified) VALUES(?,?,?,?,?) ON CONFLICT(a, b) "
-                          "DO UPDATE SET mode=excluded.mode, since=excluded.since, verified=excluded.verified",
-                          [(a, b, st.mode, st.since, int(st.verified)) for (a, b), st in states.items()])
+            c.executemany(
+                "INSERT INTO pairs(a, b, mode, since, verified) VALUES(?,?,?,?,?) ON CONFLICT(a, b) "
+                "DO UPDATE SET mode=excluded.mode, since=excluded.since, verified=excluded.verified",
+                [(a, b, st.mode, st.since, int(st.verified)) for (a, b), st in states.items()],
+            )

@@ -34,7 +34,7 @@ UAPI_DIR = Path("/var/run/wireguard")
 # wireguard-go gives its UDP sockets 7 MiB buffers itself since commit f26efb6 (March 2023, after
 # release 0.0.20230223); older builds (0.0.20220316 is Debian 12's) keep the kernel default, 208 KiB.
 SOCKET_BUFFER = 7 << 20
-SYS_PIDFD_GETFD = 438            # one number on every Linux architecture (Linux >= 5.6)
+SYS_PIDFD_GETFD = 438  # one number on every Linux architecture (Linux >= 5.6)
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 KERNEL, USERSPACE = "kernel", "wireguard-go"
 # The userspace implementation to start when the kernel has no WireGuard (a path to pick another build).
@@ -45,7 +45,7 @@ class Device(Protocol):
     """A WireGuard interface, as the coordinator and the agent use it."""
 
     name: str
-    pid: int | None          # wireguard-go's process (None for kernel WireGuard)
+    pid: int | None  # wireguard-go's process (None for kernel WireGuard)
 
     def exists(self) -> bool:
         """True when the interface is present."""
@@ -106,8 +106,10 @@ class WireGuardDevice:
         """Kernel WireGuard if `ip link add` works, else wireguard-go in its own session (it and the
         tunnels outlive the meshrun daemon; deleting the link stops it)."""
         if self.exists():
-            raise NetworkError(f"network interface {self.name} already exists",
-                               "run `meshrun leave`/`meshrun down` if it is meshrun's, or pick another --interface")
+            raise NetworkError(
+                f"network interface {self.name} already exists",
+                "run `meshrun leave`/`meshrun down` if it is meshrun's, or pick another --interface",
+            )
         res = run(["ip", "link", "add", "dev", self.name, "type", "wireguard"], check=False)
         if res.returncode == 0:
             self.pid = None
@@ -119,8 +121,14 @@ class WireGuardDevice:
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             env = dict(os.environ, WG_PROCESS_FOREGROUND="1", LOG_LEVEL="error")
-            proc = procs.popen([WIREGUARD_GO, "-f", self.name], stdin=procs.DEVNULL, stdout=fd,
-                               stderr=procs.STDOUT, env=env, start_new_session=True)
+            proc = procs.popen(
+                [WIREGUARD_GO, "-f", self.name],
+                stdin=procs.DEVNULL,
+                stdout=fd,
+                stderr=procs.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         finally:
             os.close(fd)
         sock = UAPI_DIR / f"{self.name}.sock"
@@ -128,8 +136,10 @@ class WireGuardDevice:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-                raise NetworkError(f"wireguard-go exited with code {proc.returncode} creating {self.name}: {tail[0]}",
-                                   f"check /dev/net/tun exists and that no other process uses {sock}")
+                raise NetworkError(
+                    f"wireguard-go exited with code {proc.returncode} creating {self.name}: {tail[0]}",
+                    f"check /dev/net/tun exists and that no other process uses {sock}",
+                )
             if sock.exists() and self.exists():
                 self.pid = proc.pid
                 return
@@ -145,17 +155,21 @@ class WireGuardDevice:
             try:
                 log.debug("wireguard-go socket buffers (rcv, snd): %s", widen_socket_buffers(self.pid))
             except OSError as exc:
-                log.warning("could not widen wireguard-go's UDP socket buffers (%s): at high rates it may "
-                            "drop datagrams (inner TCP retransmits); kernel WireGuard and wireguard-go after "
-                            "0.0.20230223 do not need this", exc)
+                log.warning(
+                    "could not widen wireguard-go's UDP socket buffers (%s): at high rates it may "
+                    "drop datagrams (inner TCP retransmits); kernel WireGuard and wireguard-go after "
+                    "0.0.20230223 do not need this",
+                    exc,
+                )
 
     def set_mtu(self, mtu: int, up: bool = False) -> None:
         run(["ip", "link", "set", "dev", self.name, "mtu", str(mtu), *(["up"] if up else [])])
 
     def set_route_mtus(self, mtus: Mapping[str, int]) -> None:
         if net.set_route_mtus(self.name, mtus):
-            log.info("route MTUs on %s: %s", self.name,
-                     ", ".join(f"{ip} {m}" for ip, m in sorted(mtus.items())) or "none")
+            log.info(
+                "route MTUs on %s: %s", self.name, ", ".join(f"{ip} {m}" for ip, m in sorted(mtus.items())) or "none"
+            )
 
     def peers(self) -> list[PeerState]:
         out = run(["wg", "show", self.name, "dump"], quiet=True).stdout.splitlines()
@@ -186,10 +200,10 @@ class WireGuardDevice:
         binary = WIREGUARD_GO
         if self.pid and procs.alive(self.pid):
             with contextlib.suppress(OSError):
-                binary = os.readlink(f"/proc/{self.pid}/exe")    # the build that serves this interface
+                binary = os.readlink(f"/proc/{self.pid}/exe")  # the build that serves this interface
         try:
             res = run([binary, "--version"], check=False, quiet=True, timeout=10)
-        except MeshrunError:        # not installed under that name any more
+        except MeshrunError:  # not installed under that name any more
             return None
         return versions.parse(res.stdout)
 
@@ -206,7 +220,7 @@ class WireGuardDevice:
             return
         if not cmdline or not cmdline[0].endswith(b"wireguard-go") or self.name.encode() not in cmdline:
             return  # the PID was reused by something else: leave it alone
-        if not procs.wait_gone(pid, 3):      # deleting the link normally ends it
+        if not procs.wait_gone(pid, 3):  # deleting the link normally ends it
             procs.signal_pid(pid, signal.SIGTERM)
 
 
@@ -251,8 +265,12 @@ def widen_socket_buffers(pid: int, size: int = SOCKET_BUFFER, only_grow: bool = 
                 for force, opt in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
                     if not only_grow or s.getsockopt(socket.SOL_SOCKET, opt) < size:
                         s.setsockopt(socket.SOL_SOCKET, force, size)
-                out.append((s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
-                            s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)))
+                out.append(
+                    (
+                        s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+                        s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+                    )
+                )
     finally:
         os.close(pidfd)
     return out

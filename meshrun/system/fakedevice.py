@@ -31,7 +31,7 @@ class FakeDevice:
         self._peers: dict[str, PeerState] = {}
         self.applied: list[PeerDiff] = []
         self.nudged: list[str] = []
-        self.fail_reads = 0          # the next N peers() calls raise NetworkError (a flaky `wg show`)
+        self.fail_reads = 0  # the next N peers() calls raise NetworkError (a flaky `wg show`)
         self.warn: str | None = None  # what warning() says
 
     # the Device protocol ------------------------------------------------------
@@ -82,8 +82,9 @@ class FakeDevice:
             if old is None:
                 self._peers[spec.public_key] = PeerState(spec.public_key, endpoint, ips, 0, 0, 0, spec.keepalive)
             else:
-                self._peers[spec.public_key] = replace(old, endpoint=endpoint or old.endpoint, allowed_ips=ips,
-                                                       keepalive=spec.keepalive)
+                self._peers[spec.public_key] = replace(
+                    old, endpoint=endpoint or old.endpoint, allowed_ips=ips, keepalive=spec.keepalive
+                )
 
     def nudge(self, overlay_ips: list[str]) -> None:
         self.nudged.extend(overlay_ips)

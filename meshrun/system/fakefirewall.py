@@ -43,7 +43,7 @@ class FakeJobGuard:
 
     def create(self, allowed: Iterable[str]) -> FakeJobGuard:
         allowed = list(allowed)
-        rules.job_guard(self.table, self.comment, self.interface, allowed)      # the real checks
+        rules.job_guard(self.table, self.comment, self.interface, allowed)  # the real checks
         self.fw.calls.append(("create", self.table, self.interface, allowed))
         self.fw.tables[self.table] = set(allowed)
         self.fw.cgroups.setdefault(self.table, set())
@@ -52,7 +52,7 @@ class FakeJobGuard:
     def join(self, pid: int = 0) -> None:
         self.fw.calls.append(("join", self.table, pid))
         if self.table not in self.fw.cgroups:
-            raise FileNotFoundError(f"no cgroup for {self.table}")      # the real one's OSError
+            raise FileNotFoundError(f"no cgroup for {self.table}")  # the real one's OSError
         self.fw.cgroups[self.table].add(pid)
 
     def allow(self, ips: Iterable[str]) -> None:
@@ -69,17 +69,17 @@ class FakeFirewall:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
-        self.tables: dict[str, set[str]] = {}        # job guard table -> admitted addresses
-        self.cgroups: dict[str, set[int]] = {}       # job guard table -> pids that joined (0: the caller)
-        self.forward: str | None = None              # the forward guard's interface, when installed
-        self.allowed: list[tuple[str, str, list[str]]] = []    # every module-level allow(job_id, node, ips)
+        self.tables: dict[str, set[str]] = {}  # job guard table -> admitted addresses
+        self.cgroups: dict[str, set[int]] = {}  # job guard table -> pids that joined (0: the caller)
+        self.forward: str | None = None  # the forward guard's interface, when installed
+        self.allowed: list[tuple[str, str, list[str]]] = []  # every module-level allow(job_id, node, ips)
         self.sweeps = 0
 
     def JobGuard(self, job_id: str, node: str, interface: str) -> FakeJobGuard:  # named as the real module's class
         return FakeJobGuard(self, job_id, node, interface)
 
     def _allow(self, table: str, ips: list[str]) -> None:
-        rules.add_allowed(table, ips)                 # the same checks as the real one
+        rules.add_allowed(table, ips)  # the same checks as the real one
         self.calls.append(("allow", table, ips))
         if table not in self.tables:
             raise CommandError(f"`nft -f -` failed: no table inet {table}", "see the command's error above")
@@ -90,9 +90,9 @@ class FakeFirewall:
         table = rules.job_table(job_id, node)
         rules.add_allowed(table, ips)
         self.allowed.append((job_id, node, ips))
-        if table in self.tables:                      # a guard made through this fake: extend it
+        if table in self.tables:  # a guard made through this fake: extend it
             self._allow(table, ips)
-        else:                                         # made by a share this fake never saw: recorded only
+        else:  # made by a share this fake never saw: recorded only
             self.calls.append(("allow", table, ips))
 
     def job_tables(self) -> list[str]:

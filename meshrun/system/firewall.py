@@ -34,21 +34,40 @@ from meshrun.core import firewall as rules
 from meshrun.errors import CommandError, HostError
 from meshrun.system.cmd import run
 
-__all__ = ["JobGuard", "allow", "available", "cgroup2_root", "install_forward_guard", "job_tables",
-           "remove_forward_guard", "remove_job_cgroups", "sweep"]
+__all__ = [
+    "JobGuard",
+    "allow",
+    "available",
+    "cgroup2_root",
+    "install_forward_guard",
+    "job_tables",
+    "remove_forward_guard",
+    "remove_job_cgroups",
+    "sweep",
+]
 
 log = logging.getLogger("meshrun.system.firewall")
 
 CGROUP_FS = Path("/sys/fs/cgroup")
-FRESH_S = 60.0          # sweep leaves a guard this young alone: its share may not have joined it yet
-RMDIR_WAIT_S = 2.0      # a killed process leaves its cgroup a moment after the kill: rmdir waits this long
+FRESH_S = 60.0  # sweep leaves a guard this young alone: its share may not have joined it yet
+RMDIR_WAIT_S = 2.0  # a killed process leaves its cgroup a moment after the kill: rmdir waits this long
 # What to do about an nft failure, by a phrase of its stderr (first match wins).
 NFT_FIXES = (
-    ("cgroupv2 path fails", ("nft could not find the job's cgroup under /sys/fs/cgroup: it was removed meanwhile, "
-                             "or this mount namespace shows the cgroup v2 hierarchy elsewhere; run meshrun on the "
-                             "host, not in a container with a private cgroup namespace")),
-    ("not supported", ("this kernel lacks nftables' `socket cgroupv2` match: use Linux >= 5.13 with "
-                       "CONFIG_NFT_SOCKET (modprobe nft_socket)")),
+    (
+        "cgroupv2 path fails",
+        (
+            "nft could not find the job's cgroup under /sys/fs/cgroup: it was removed meanwhile, "
+            "or this mount namespace shows the cgroup v2 hierarchy elsewhere; run meshrun on the "
+            "host, not in a container with a private cgroup namespace"
+        ),
+    ),
+    (
+        "not supported",
+        (
+            "this kernel lacks nftables' `socket cgroupv2` match: use Linux >= 5.13 with "
+            "CONFIG_NFT_SOCKET (modprobe nft_socket)"
+        ),
+    ),
     ("operation not permitted", "run meshrun as root (CAP_NET_ADMIN is needed for nftables)"),
 )
 
@@ -71,16 +90,22 @@ def cgroup2_root(mountinfo: str | None = None) -> Path | None:
 def _require() -> Path:
     """The cgroup v2 root, once root, nft and cgroup v2 are known to be there (HostError naming the missing one)."""
     if os.geteuid() != 0:
-        raise HostError("job guards need root: meshrun makes a cgroup and nftables rules for every job",
-                        "run the meshrun agent as root (e.g. with sudo)")
+        raise HostError(
+            "job guards need root: meshrun makes a cgroup and nftables rules for every job",
+            "run the meshrun agent as root (e.g. with sudo)",
+        )
     if shutil.which("nft") is None:
-        raise HostError("`nft` is not installed: meshrun limits every port a job opens to the job's own nodes with "
-                        "nftables", "install it: apt-get install nftables")
+        raise HostError(
+            "`nft` is not installed: meshrun limits every port a job opens to the job's own nodes with nftables",
+            "install it: apt-get install nftables",
+        )
     root = cgroup2_root()
     if root is None:
-        raise HostError("no cgroup v2 hierarchy is mounted: meshrun tells a job's sockets apart by their cgroup",
-                        "boot with the unified cgroup hierarchy (systemd.unified_cgroup_hierarchy=1), or mount it: "
-                        "mount -t cgroup2 none /sys/fs/cgroup/unified")
+        raise HostError(
+            "no cgroup v2 hierarchy is mounted: meshrun tells a job's sockets apart by their cgroup",
+            "boot with the unified cgroup hierarchy (systemd.unified_cgroup_hierarchy=1), or mount it: "
+            "mount -t cgroup2 none /sys/fs/cgroup/unified",
+        )
     return root
 
 
@@ -105,8 +130,11 @@ def _nft(script: str, root: Path | None = None) -> None:
     if root is None or root == CGROUP_FS:
         run(["nft", "-f", "-"], input=script, fixes=NFT_FIXES)
         return
-    run(["unshare", "-m", "sh", "-c", 'mount --bind "$0" /sys/fs/cgroup && exec nft -f -', str(root)],
-        input=script, fixes=NFT_FIXES)
+    run(
+        ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /sys/fs/cgroup && exec nft -f -', str(root)],
+        input=script,
+        fixes=NFT_FIXES,
+    )
 
 
 def job_tables() -> list[str]:
@@ -143,7 +171,7 @@ def _remove_cgroup(path: Path) -> None:
     RMDIR_WAIT_S, then left behind with a warning (an empty cgroup guards nothing and costs little).
     """
     for pid in _cgroup_procs(path):
-        with contextlib.suppress(OSError):       # it exited meanwhile
+        with contextlib.suppress(OSError):  # it exited meanwhile
             (path.parent / "cgroup.procs").write_text(str(pid))
     deadline = time.monotonic() + RMDIR_WAIT_S
     while True:
@@ -195,9 +223,11 @@ class JobGuard:
             # the inode is evicted): stamped explicitly, the time lives with the cgroup and `sweep` can trust it.
             os.utime(self.cgroup)
         except OSError as exc:
-            _remove_cgroup(self.cgroup)             # made before the failure, or gone already: quiet
-            raise HostError(f"cannot create the job's cgroup {self.cgroup}: {exc.strerror}",
-                            "run meshrun as root on a host with a writable cgroup v2 hierarchy") from None
+            _remove_cgroup(self.cgroup)  # made before the failure, or gone already: quiet
+            raise HostError(
+                f"cannot create the job's cgroup {self.cgroup}: {exc.strerror}",
+                "run meshrun as root on a host with a writable cgroup v2 hierarchy",
+            ) from None
         try:
             _nft(script, self.root)
         except (CommandError, HostError):
@@ -286,8 +316,10 @@ def install_forward_guard(interface: str) -> None:
     calling it again replaces the guard. HostError without nft, CommandError when nft refuses.
     """
     if shutil.which("nft") is None:
-        raise HostError("`nft` is not installed: meshrun keeps relayed member traffic off this host's other "
-                        "networks with nftables", "install it: apt-get install nftables")
+        raise HostError(
+            "`nft` is not installed: meshrun keeps relayed member traffic off this host's other networks with nftables",
+            "install it: apt-get install nftables",
+        )
     _nft(rules.forward_guard(interface))
 
 

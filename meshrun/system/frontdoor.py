@@ -28,15 +28,25 @@ from meshrun.system.transport import MAX_JSON, Handler, Response, answer, body_l
 
 log = logging.getLogger("meshrun.system.frontdoor")
 
-HEAD_LIMIT = 16 * 1024        # request line + headers
+HEAD_LIMIT = 16 * 1024  # request line + headers
 
 
 class FrontDoor:
     """A TLS HTTP server on `addr` for `handler`; `start()` runs it on its own thread."""
 
-    def __init__(self, addr: tuple[str, int], handler: Handler, ssl_context: ssl.SSLContext, *,
-                 max_conns: int = 256, max_per_source: int = 8, handshake_s: float = 5.0, request_s: float = 10.0,
-                 workers: int = 4, max_body: int = MAX_JSON) -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        handler: Handler,
+        ssl_context: ssl.SSLContext,
+        *,
+        max_conns: int = 256,
+        max_per_source: int = 8,
+        handshake_s: float = 5.0,
+        request_s: float = 10.0,
+        workers: int = 4,
+        max_body: int = MAX_JSON,
+    ) -> None:
         self.handler = handler
         self.ssl_context = ssl_context
         self.max_conns, self.max_per_source = max_conns, max_per_source
@@ -45,7 +55,7 @@ class FrontDoor:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontdoor")
         self.active = 0
         self.per_source: collections.Counter[str] = collections.Counter()
-        self.refused = 0              # connections closed at the cap (for tests and the log)
+        self.refused = 0  # connections closed at the cap (for tests and the log)
         # Bind here, in the caller's thread: a port in use is the caller's error, not a thread's.
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -62,7 +72,8 @@ class FrontDoor:
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             self._server = self.loop.run_until_complete(
-                asyncio.start_server(self._connection, sock=self.sock, limit=HEAD_LIMIT))
+                asyncio.start_server(self._connection, sock=self.sock, limit=HEAD_LIMIT)
+            )
             ready.set()
             self.loop.run_forever()
 
@@ -86,22 +97,34 @@ class FrontDoor:
         ip = peer[0]
         if self.active >= self.max_conns or self.per_source[ip] >= self.max_per_source:
             self.refused += 1
-            writer.transport.abort()          # before the TLS handshake: an attacker's cheapest move costs us least
+            writer.transport.abort()  # before the TLS handshake: an attacker's cheapest move costs us least
             return
         self.active += 1
         self.per_source[ip] += 1
         transport = writer.transport
         answered = False
         try:
-            transport = await self.loop.start_tls(transport, transport.get_protocol(), self.ssl_context,
-                                                  server_side=True, ssl_handshake_timeout=self.handshake_s)
+            transport = await self.loop.start_tls(
+                transport,
+                transport.get_protocol(),
+                self.ssl_context,
+                server_side=True,
+                ssl_handshake_timeout=self.handshake_s,
+            )
             tls_writer = asyncio.StreamWriter(transport, transport.get_protocol(), reader, self.loop)
             resp = await asyncio.wait_for(self._request(reader, ip), self.request_s)
             tls_writer.write(_encode(resp))
             await asyncio.wait_for(tls_writer.drain(), self.request_s)
             answered = True
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
-                ssl.SSLError, OSError, ValueError) as exc:
+        except (
+            asyncio.TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+            ssl.SSLError,
+            OSError,
+            ValueError,
+        ) as exc:
             log.debug("connection from %s dropped: %s", ip, exc.__class__.__name__)
         finally:
             self.active -= 1
@@ -135,7 +158,6 @@ class FrontDoor:
             return req
         return await self.loop.run_in_executor(self.pool, answer, self.handler, req)
 
-
     async def _discard(self, reader: asyncio.StreamReader, declared: str) -> None:
         """Read (and drop) a body too large to accept, up to 4 x max_body, so the client can read
         our 413 instead of a reset; a larger declared body just gets the connection closed."""
@@ -149,6 +171,8 @@ def _encode(resp: Response) -> bytes:
         reason = HTTPStatus(resp.status).phrase
     except ValueError:
         reason = ""
-    head = (f"HTTP/1.0 {resp.status} {reason}\r\nServer: meshrun\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.0 {resp.status} {reason}\r\nServer: meshrun\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
     return head.encode() + data

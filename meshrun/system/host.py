@@ -102,7 +102,7 @@ def kernel_wireguard() -> bool | None:
         return True
     release = os.uname().release
     if not (Path("/lib/modules") / release).is_dir():
-        return False        # no modules for this kernel, and a built-in WireGuard would show in /sys/module
+        return False  # no modules for this kernel, and a built-in WireGuard would show in /sys/module
     found = None
     for name in ("modules.builtin", "modules.dep"):
         try:

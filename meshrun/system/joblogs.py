@@ -19,7 +19,7 @@ from pathlib import Path
 
 from meshrun.system.statedir import StateDir
 
-LOG_CAP = 256 << 20             # per log file (a node's output, or its mirror on the coordinator)
+LOG_CAP = 256 << 20  # per log file (a node's output, or its mirror on the coordinator)
 TAIL_LINES = 2000
 READ_CHUNK = 256 << 10
 
@@ -71,8 +71,10 @@ class BoundedLog:
     def close(self) -> None:
         if self.dropped:
             kept = len(self.tail)
-            self.f.write(f"[meshrun: {self.dropped - kept} line(s) dropped past the {self.cap >> 20} MiB bound; "
-                         f"the last {kept} follow]\n".encode())
+            self.f.write(
+                f"[meshrun: {self.dropped - kept} line(s) dropped past the {self.cap >> 20} MiB bound; "
+                f"the last {kept} follow]\n".encode()
+            )
             self.f.writelines(self.tail)
         self.f.close()
 
@@ -111,7 +113,7 @@ def utf8_boundary(data: bytes) -> int:
     while back < 3 and end - back - 1 >= 0 and data[end - back - 1] & 0xC0 == 0x80:
         back += 1
     lead = end - back - 1
-    if lead >= 0 and data[lead] >= 0xC0:           # a lead byte: is its character complete?
+    if lead >= 0 and data[lead] >= 0xC0:  # a lead byte: is its character complete?
         need = 2 if data[lead] < 0xE0 else 3 if data[lead] < 0xF0 else 4
         if back + 1 < need:
             return max(lead, 1)

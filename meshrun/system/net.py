@@ -31,16 +31,17 @@ def require_admin() -> None:
         status = Path("/proc/self/status").read_text().splitlines()
         caps = next(int(line.split()[1], 16) for line in status if line.startswith("CapEff:"))
     except (OSError, StopIteration, ValueError, IndexError):
-        caps = None                  # cannot tell: trust the uid
+        caps = None  # cannot tell: trust the uid
     if caps is None and os.geteuid() == 0 or caps is not None and caps >> CAP_NET_ADMIN & 1:
         return
     if os.geteuid() == 0:
-        raise HostError("this process runs as root but without CAP_NET_ADMIN, which WireGuard interfaces "
-                           "need (a container?)",
-                           "start the container with --cap-add NET_ADMIN --device /dev/net/tun, or run meshrun "
-                           "on the host")
-    raise HostError("meshrun needs root (or CAP_NET_ADMIN) to manage WireGuard interfaces",
-                       "run it as root (e.g. with sudo)")
+        raise HostError(
+            "this process runs as root but without CAP_NET_ADMIN, which WireGuard interfaces need (a container?)",
+            "start the container with --cap-add NET_ADMIN --device /dev/net/tun, or run meshrun on the host",
+        )
+    raise HostError(
+        "meshrun needs root (or CAP_NET_ADMIN) to manage WireGuard interfaces", "run it as root (e.g. with sudo)"
+    )
 
 
 def require_tools(*tools: str) -> None:
@@ -80,7 +81,7 @@ def enable_forwarding(iface: str) -> None:
     reach the coordinator's LAN or VPC through it, whatever the host's FORWARD policy. If the FORWARD
     chain drops by default (Docker hosts), one rule accepts wg-to-wg traffic.
     """
-    firewall.install_forward_guard(iface)         # before forwarding is on: nothing slips through
+    firewall.install_forward_guard(iface)  # before forwarding is on: nothing slips through
     for key, value in (("forwarding", "1"), ("send_redirects", "0")):
         run(["sysctl", "-q", "-w", f"net.ipv4.conf.{iface}.{key}={value}"])
     if shutil.which("iptables") is None:
@@ -124,11 +125,26 @@ def udp_arrivals(source: str, port: int) -> Iterator[Callable[[], int]]:
     """
     require_tools("iptables")
     tag = f"meshrun-doctor-{secrets.token_hex(4)}"
-    rule = ["PREROUTING", "-p", "udp", "-s", source, "--dport", str(port), "!", "--sport", str(port),
-            "-m", "comment", "--comment", tag]
+    rule = [
+        "PREROUTING",
+        "-p",
+        "udp",
+        "-s",
+        source,
+        "--dport",
+        str(port),
+        "!",
+        "--sport",
+        str(port),
+        "-m",
+        "comment",
+        "--comment",
+        tag,
+    ]
     run(["iptables", "-w", "5", "-t", "raw", "-I", *rule])
     try:
         yield lambda: netparse.rule_packets(
-            run(["iptables", "-w", "5", "-t", "raw", "-L", "PREROUTING", "-v", "-x", "-n"], quiet=True).stdout, tag)
+            run(["iptables", "-w", "5", "-t", "raw", "-L", "PREROUTING", "-v", "-x", "-n"], quiet=True).stdout, tag
+        )
     finally:
         run(["iptables", "-w", "5", "-t", "raw", "-D", *rule], check=False)

@@ -32,7 +32,7 @@ def path_mtu(host: str, port: int, start: int = 1500, rounds: int = 4, wait: flo
         size = start
         for _ in range(rounds):
             try:
-                s.send(b"\0" * (size - 28))     # 20 IP + 8 UDP
+                s.send(b"\0" * (size - 28))  # 20 IP + 8 UDP
             except OSError as exc:
                 if exc.errno not in (errno.EMSGSIZE, errno.ECONNREFUSED):  # refused: port closed, path fine
                     return None
@@ -51,7 +51,7 @@ def path_mtu(host: str, port: int, start: int = 1500, rounds: int = 4, wait: flo
 def _checksum(data: bytes) -> int:
     if len(data) % 2:
         data += b"\0"
-    total = sum(int.from_bytes(data[i:i + 2], "big") for i in range(0, len(data), 2))
+    total = sum(int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2))
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     return ~total & 0xFFFF
@@ -73,7 +73,7 @@ def echo(host: str, size: int, timeout: float = 1.0, tries: int = 2) -> bool | N
     try:
         s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_PROBE)
         s.connect((host, 0))
-        payload = os.urandom(max(0, size - 28))      # 20 IP + 8 ICMP
+        payload = os.urandom(max(0, size - 28))  # 20 IP + 8 ICMP
         for seq in range(1, tries + 1):
             head = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
             packet = struct.pack("!BBHHH", 8, 0, _checksum(head + payload), ident, seq) + payload
@@ -88,10 +88,10 @@ def echo(host: str, size: int, timeout: float = 1.0, tries: int = 2) -> bool | N
                 s.settimeout(left)
                 try:
                     data = s.recv(65535)
-                except socket.timeout:
+                except TimeoutError:
                     break
                 ihl = (data[0] & 0x0F) * 4
-                kind, _, _, rid, rseq = struct.unpack("!BBHHH", data[ihl:ihl + 8])
+                kind, _, _, rid, rseq = struct.unpack("!BBHHH", data[ihl : ihl + 8])
                 if kind == 0 and rid == ident and rseq == seq and len(data) - ihl == len(packet):
                     return True
         return False

@@ -33,6 +33,7 @@ KILL_GRACE_S = 5.0
 
 # --------------------------------------------------------------------------- looking at processes
 
+
 def _stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name (state is [0], ppid [1], start time [19])."""
     try:
@@ -157,6 +158,7 @@ def wait_gone(pid: int, timeout: float) -> bool:
 
 # --------------------------------------------------------------------------- starting processes
 
+
 def popen(argv: Sequence[str], **kw) -> subprocess.Popen:
     """subprocess.Popen, the one place meshrun starts a child it keeps a handle on."""
     return subprocess.Popen(list(argv), **kw)
@@ -177,8 +179,13 @@ CompletedProcess = subprocess.CompletedProcess
 PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
 
 
-def spawn_daemon(argv: Sequence[str], log_path: Path, timeout: float = 60,
-                 env: Mapping[str, str] | None = None, what: str = "the meshrun daemon") -> int:
+def spawn_daemon(
+    argv: Sequence[str],
+    log_path: Path,
+    timeout: float = 60,
+    env: Mapping[str, str] | None = None,
+    what: str = "the meshrun daemon",
+) -> int:
     """Start `argv` in its own session (output appended to `log_path`, 0600) and wait until ready.
 
     The child finds a pipe's write end in $MESHRUN_READY_FD and calls `notify_ready()` (or
@@ -191,28 +198,35 @@ def spawn_daemon(argv: Sequence[str], log_path: Path, timeout: float = 60,
         os.fchmod(fd, 0o600)
         child_env = dict(os.environ if env is None else env, **{READY_ENV: str(wfd)})
         try:
-            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-                                    start_new_session=True, pass_fds=(wfd,), env=child_env)
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=(wfd,),
+                env=child_env,
+            )
         finally:
             os.close(fd)
     except BaseException:
         os.close(rfd)
         os.close(wfd)
         raise
-    os.close(wfd)        # only the child holds the write end now: EOF means it exited (or closed it)
+    os.close(wfd)  # only the child holds the write end now: EOF means it exited (or closed it)
     try:
         message = _read_ready(rfd, timeout)
     finally:
         os.close(rfd)
     if message is not None and message.get("ready"):
         return proc.pid
-    if message is None and proc.poll() is None:     # silent past the deadline
+    if message is None and proc.poll() is None:  # silent past the deadline
         kill_tree(proc.pid, grace=5)
         _reap(proc)
         raise StateError(f"{what} was not ready within {timeout:.0f} s", f"see {log_path}")
     _reap(proc)
     if message and message.get("error"):
-        raise from_wire(message, default=MeshrunError)         # the child's own error, its class kept
+        raise from_wire(message, default=MeshrunError)  # the child's own error, its class kept
     raise StateError(f"{what} exited with code {proc.returncode} before it was ready", f"see {log_path}")
 
 
@@ -223,7 +237,7 @@ def read_some(fd: int, timeout: float, size: int = 65536) -> bytes | None:
         return None
     try:
         return os.read(fd, size)
-    except InterruptedError:      # pragma: no cover - PEP 475 retries os.read itself
+    except InterruptedError:  # pragma: no cover - PEP 475 retries os.read itself
         return None
 
 
@@ -254,7 +268,7 @@ def _read_ready(fd: int, timeout: float) -> dict | None:
 def _notify(message: dict) -> None:
     fd = os.environ.pop(READY_ENV, None)
     if fd is None or not fd.isdigit():
-        return          # not started by spawn_daemon (systemd, a terminal): nobody waits
+        return  # not started by spawn_daemon (systemd, a terminal): nobody waits
     with contextlib.suppress(OSError):
         os.write(int(fd), json.dumps(message).encode() + b"\n")
     with contextlib.suppress(OSError):
@@ -273,6 +287,7 @@ def notify_error(err: MeshrunError) -> None:
 
 # --------------------------------------------------------------------------- daemon lock
 
+
 class DaemonLock:
     """An exclusive flock on `path`: held by a daemon for its lifetime; its liveness signal.
 
@@ -284,14 +299,16 @@ class DaemonLock:
         self.path = Path(path)
         self.fd: int | None = None
 
-    def acquire(self, what: str = "another meshrun daemon") -> "DaemonLock":
+    def acquire(self, what: str = "another meshrun daemon") -> DaemonLock:
         fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StateError(f"{what} already runs for {self.path.parent} (pid {self.holder() or '?'})",
-                             "stop it first (`meshrun leave`/`meshrun down`), or use another --state-dir") from None
+            raise StateError(
+                f"{what} already runs for {self.path.parent} (pid {self.holder() or '?'})",
+                "stop it first (`meshrun leave`/`meshrun down`), or use another --state-dir",
+            ) from None
         os.set_inheritable(fd, False)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())

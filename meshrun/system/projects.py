@@ -28,8 +28,10 @@ __all__ = ["ProjectDir", "check_project", "disk_use"]
 def check_project(name: str) -> str:
     """`name` if it is a valid project name; UsageError naming it otherwise."""
     if not isinstance(name, str) or not PROJECT_RE.match(name):
-        raise UsageError(f"project name {name!r} is not 1-64 characters of A-Z a-z 0-9 _ . - (not starting "
-                         "with . or -)", "e.g. --project charlm")
+        raise UsageError(
+            f"project name {name!r} is not 1-64 characters of A-Z a-z 0-9 _ . - (not starting with . or -)",
+            "e.g. --project charlm",
+        )
     return name
 
 
@@ -74,9 +76,11 @@ class ProjectDir:
         """LaunchError when another job of this project runs here (its files are being written)."""
         other = self.user()
         if other is not None and other != job_id:
-            raise LaunchError(f"project {self.name!r} is in use by job {other} on {node}",
-                              f"wait for it to end, cancel it (`meshrun cancel {other}`), or run this job in "
-                              "another project (--project NAME)")
+            raise LaunchError(
+                f"project {self.name!r} is in use by job {other} on {node}",
+                f"wait for it to end, cancel it (`meshrun cancel {other}`), or run this job in "
+                "another project (--project NAME)",
+            )
 
     def take(self, job_id: str, node: str) -> procs.DaemonLock:
         """Hold the project for `job_id` for this process's life (LaunchError when another job has it)."""
@@ -85,8 +89,10 @@ class ProjectDir:
         try:
             lock = self._lock().acquire(f"job {self.user()} of project {self.name}")
         except Exception as exc:  # noqa: BLE001 -- lost the race to another job: say so in the project's words
-            raise LaunchError(f"project {self.name!r} is in use by another job on {node}",
-                              "wait for it to end, or run this job with --project NAME") from exc
+            raise LaunchError(
+                f"project {self.name!r} is in use by another job on {node}",
+                "wait for it to end, or run this job with --project NAME",
+            ) from exc
         atomic_write(self.root / "job", job_id + "\n", 0o600)
         return lock
 

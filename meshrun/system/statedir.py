@@ -56,8 +56,10 @@ def atomic_write(target: Path | str, data: bytes | str, mode: int = 0o600) -> Pa
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise StateError(f"cannot write {target}: {exc.strerror}; the previous version is unchanged",
-                         "free disk space or fix permissions, then run the command again") from None
+        raise StateError(
+            f"cannot write {target}: {exc.strerror}; the previous version is unchanged",
+            "free disk space or fix permissions, then run the command again",
+        ) from None
     dfd = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)
@@ -132,8 +134,10 @@ class StateDir:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.path, 0o700)
         except OSError as exc:
-            raise StateError(f"cannot create state directory {self.path}: {exc.strerror}",
-                             "pick a writable place with --state-dir or MESHRUN_STATE_DIR") from None
+            raise StateError(
+                f"cannot create state directory {self.path}: {exc.strerror}",
+                "pick a writable place with --state-dir or MESHRUN_STATE_DIR",
+            ) from None
         return created
 
     def write(self, name: str, data: bytes | str, secret: bool = False) -> Path:
@@ -147,8 +151,10 @@ class StateDir:
         try:
             return (self.path / name).read_bytes()
         except FileNotFoundError:
-            raise StateError(f"{self.path / name} is missing",
-                             "run `meshrun init` or `meshrun join` first, or point --state-dir at the right place") from None
+            raise StateError(
+                f"{self.path / name} is missing",
+                "run `meshrun init` or `meshrun join` first, or point --state-dir at the right place",
+            ) from None
         except OSError as exc:
             raise StateError(f"cannot read {self.path / name}: {exc.strerror}", "check its permissions") from None
 
@@ -159,8 +165,10 @@ class StateDir:
             if not isinstance(obj, dict):
                 raise ValueError("not an object")
         except ValueError as exc:
-            raise StateError(f"{self.path / name} is corrupt ({exc})",
-                             "restore it from a backup, or remove the state directory and join again") from None
+            raise StateError(
+                f"{self.path / name} is corrupt ({exc})",
+                "restore it from a backup, or remove the state directory and join again",
+            ) from None
         return obj
 
     def delete(self) -> None:

@@ -32,7 +32,7 @@ class PairServer:
     def __init__(self, host: str, device: str | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if device:   # only packets that came through the overlay interface reach it
+        if device:  # only packets that came through the overlay interface reach it
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, device.encode())
         self.sock.bind((host, 0))
         self.sock.listen(64)
@@ -129,5 +129,3 @@ def tcp_bandwidth(host: str, port: int, duration: float, streams: int = 1, timeo
     total = sum(r[0] for r in results)
     secs = max(r[1] for r in results) or 1e-9
     return {"bytes": total, "seconds": secs, "mbit_s": total * 8 / secs / 1e6}
-
-

@@ -32,8 +32,10 @@ def serve_store(ip: str, port: int = 0, device: str | None = None, multi_tenant:
     Raises OSError if the address cannot be bound. Imports torch (slow): call it where torch is used.
     """
     from torch.distributed import TCPStore
+
     sock = listener(ip, port, device)
     bound = sock.getsockname()[1]
     # The store takes the descriptor over (it closes it when the store goes).
-    return TCPStore(ip, bound, is_master=True, wait_for_workers=False, multi_tenant=multi_tenant,
-                    master_listen_fd=sock.detach())
+    return TCPStore(
+        ip, bound, is_master=True, wait_for_workers=False, multi_tenant=multi_tenant, master_listen_fd=sock.detach()
+    )

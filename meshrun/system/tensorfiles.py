@@ -20,6 +20,7 @@ __all__ = ["save", "load"]
 def save(path: Path | str, obj: Any) -> None:
     """Write `obj` (tensors, numbers, lists, dicts) to `path` atomically (0600)."""
     import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     atomic_write(path, buf.getvalue())
@@ -29,6 +30,7 @@ def load(path: Path | str, map_location: Any = None) -> Any:
     """What `save` wrote; StateError naming the file when it cannot be read (corrupt, not torch's format,
     or holding anything but tensors and plain containers)."""
     import torch
+
     try:
         return torch.load(path, weights_only=True, map_location=map_location)
     except Exception as exc:  # torch.load raises many types (pickle, zip, EOF) for a bad file

@@ -47,13 +47,13 @@ class Request:
     method: str
     path: str
     client_ip: str
-    body: object = None          # parsed JSON (or None)
-    raw: bytes = b""             # a JSON body as it arrived (what a request MAC covers)
+    body: object = None  # parsed JSON (or None)
+    raw: bytes = b""  # a JSON body as it arrived (what a request MAC covers)
     headers: dict = field(default_factory=dict)
-    upload: IO[bytes] | None = None      # a binary body, streamed to a spooled file (server-side uploads)
-    body_sha256: str = ""                # SHA-256 of the body as read (raw or upload)
-    expect_sha256: str = ""              # set by a server's gate: the hash the request's MAC covers
-    gated: bool = False                  # the server's gate already admitted the request
+    upload: IO[bytes] | None = None  # a binary body, streamed to a spooled file (server-side uploads)
+    body_sha256: str = ""  # SHA-256 of the body as read (raw or upload)
+    expect_sha256: str = ""  # set by a server's gate: the hash the request's MAC covers
+    gated: bool = False  # the server's gate already admitted the request
 
     def sha256(self) -> str:
         """The body's SHA-256 (computed from `raw` when the server did not stream it)."""
@@ -64,11 +64,11 @@ class Request:
 class Response:
     status: int = 200
     body: object = None
-    stream: Iterator[dict] | None = None   # NDJSON lines, sent as they come
-    raw: bytes | None = None               # a binary answer (files pulled from a node), sent as is
+    stream: Iterator[dict] | None = None  # NDJSON lines, sent as they come
+    raw: bytes | None = None  # a binary answer (files pulled from a node), sent as is
 
     @classmethod
-    def error(cls, status: int, err: MeshrunError | str) -> "Response":
+    def error(cls, status: int, err: MeshrunError | str) -> Response:
         """An error answer: the error as meshrun.errors.to_wire writes it (a bare text: a CoordinatorError)."""
         return cls(status, errors.to_wire(err if isinstance(err, MeshrunError) else CoordinatorError(err)))
 
@@ -112,8 +112,9 @@ class _RequestHandler(BaseHTTPRequestHandler):
         if isinstance(req, Request):
             req.gated, req.expect_sha256 = srv.gate is not None, expect
             if expect and not hmac.compare_digest(expect, req.sha256()):
-                req = Response.error(401, errors.AuthError("the request's body is not the one it was signed with",
-                                                           "send it again"))
+                req = Response.error(
+                    401, errors.AuthError("the request's body is not the one it was signed with", "send it again")
+                )
         try:
             self._send(req if isinstance(req, Response) else answer(srv.handler, req))
         finally:
@@ -228,9 +229,17 @@ class JSONServer(ThreadingHTTPServer):
     # returned would see dropped SYNs and a 1 s retransmit each.
     request_queue_size = 1024
 
-    def __init__(self, addr: tuple[str, int], handler: Handler, device: str | None = None,
-                 max_body: int = MAX_JSON, gate: Gate | None = None, max_conns: int = 1024,
-                 max_per_source: int = 16, upload_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        handler: Handler,
+        device: str | None = None,
+        max_body: int = MAX_JSON,
+        gate: Gate | None = None,
+        max_conns: int = 1024,
+        max_per_source: int = 16,
+        upload_dir: str | None = None,
+    ) -> None:
         self.handler = handler
         self.device = device
         self.max_body = max_body
@@ -239,7 +248,7 @@ class JSONServer(ThreadingHTTPServer):
         self.upload_dir = upload_dir
         self.active = 0
         self.per_source: collections.Counter[str] = collections.Counter()
-        self.refused = 0                 # connections closed at a cap (for tests and the log)
+        self.refused = 0  # connections closed at a cap (for tests and the log)
         self._count = threading.Lock()
         super().__init__(addr, _RequestHandler)
 
@@ -254,7 +263,7 @@ class JSONServer(ThreadingHTTPServer):
                 self.active += 1
                 self.per_source[ip] += 1
         if over:
-            self.shutdown_request(request)      # no thread, no read: the cheapest answer
+            self.shutdown_request(request)  # no thread, no read: the cheapest answer
             return
         try:
             super().process_request(request, client_address)
@@ -317,8 +326,9 @@ class AdminServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             os.umask(old)
 
     def client_id(self, request: socket.socket, client_address) -> str:
-        _pid, uid, _gid = struct.unpack("3i", request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                 struct.calcsize("3i")))
+        _pid, uid, _gid = struct.unpack(
+            "3i", request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
         return f"uid:{uid}"
 
     def start(self, name: str) -> threading.Thread:
@@ -350,11 +360,14 @@ def call_admin(path: str, method: str, route: str, body: object = None, timeout:
         resp = conn.getresponse()
         payload = resp.read(16 * 1024 * 1024)
     except FileNotFoundError:
-        raise CoordinatorError(f"the coordinator daemon does not run here ({path} is missing)",
-                               "start it with `meshrun up`") from None
+        raise CoordinatorError(
+            f"the coordinator daemon does not run here ({path} is missing)", "start it with `meshrun up`"
+        ) from None
     except (OSError, http.client.HTTPException) as exc:
-        raise CoordinatorError(f"the coordinator daemon did not answer on {path} ({exc})",
-                               "check that it runs (`meshrun status`) and its log (daemon.log)") from None
+        raise CoordinatorError(
+            f"the coordinator daemon did not answer on {path} ({exc})",
+            "check that it runs (`meshrun status`) and its log (daemon.log)",
+        ) from None
     finally:
         conn.close()
     try:
@@ -391,21 +404,29 @@ def _connect(host: str, port: int, timeout: float, fingerprint: str | None) -> h
         conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=_client_tls_context())
         conn.connect()
     except (OSError, ssl.SSLError) as exc:
-        reason = "timed out" if isinstance(exc, (socket.timeout, TimeoutError)) else (
-            getattr(exc, "strerror", None) or str(exc))
-        raise CoordinatorError(f"cannot reach {where} over TCP ({reason})",
-                               f"check that the address is right and TCP port {port} is open on that machine") from None
+        reason = (
+            "timed out"
+            if isinstance(exc, (socket.timeout, TimeoutError))
+            else (getattr(exc, "strerror", None) or str(exc))
+        )
+        raise CoordinatorError(
+            f"cannot reach {where} over TCP ({reason})",
+            f"check that the address is right and TCP port {port} is open on that machine",
+        ) from None
     der = conn.sock.getpeercert(binary_form=True) or b""
     if not hmac.compare_digest(hashlib.sha256(der).hexdigest(), fingerprint):
         conn.close()
-        raise CoordinatorError(f"the TLS certificate at {where} does not match the join token's fingerprint",
-                               "make sure the token is for this coordinator; if the coordinator was "
-                               "re-initialised, create a new token there")
+        raise CoordinatorError(
+            f"the TLS certificate at {where} does not match the join token's fingerprint",
+            "make sure the token is for this coordinator; if the coordinator was "
+            "re-initialised, create a new token there",
+        )
     return conn
 
 
-def _send(conn: http.client.HTTPConnection, method: str, path: str, body: object, raw: bytes | None,
-          key: bytes | None) -> None:
+def _send(
+    conn: http.client.HTTPConnection, method: str, path: str, body: object, raw: bytes | None, key: bytes | None
+) -> None:
     headers = {}
     data: bytes | None = None
     if raw is not None:
@@ -423,25 +444,44 @@ def raise_for(resp_status: int, data: object, where: str) -> None:
         return
     if isinstance(data, dict) and "error" in data:
         raise errors.from_wire(data, status=resp_status)
-    raise CoordinatorError(f"{where} answered HTTP {resp_status}", "see the daemon log on that machine",
-                           status=resp_status)
+    raise CoordinatorError(
+        f"{where} answered HTTP {resp_status}", "see the daemon log on that machine", status=resp_status
+    )
 
 
-def call(host: str, port: int, method: str, path: str, body: object = None, *, raw: bytes | None = None,
-         fingerprint: str | None = None, timeout: float = TIMEOUT, key: bytes | None = None) -> dict:
+def call(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    body: object = None,
+    *,
+    raw: bytes | None = None,
+    fingerprint: str | None = None,
+    timeout: float = TIMEOUT,
+    key: bytes | None = None,
+) -> dict:
     """One request; returns the JSON answer or raises the error class the server named.
 
     With `fingerprint` the TLS certificate is pinned; with `key` the request carries a MAC
     (meshrun.core.auth) that the node's job API checks.
     """
     where = f"{host}:{port}"
-    status, ctype, payload = _exchange(host, port, method, path, body, raw, fingerprint, timeout, key,
-                                       16 * 1024 * 1024)
+    status, ctype, payload = _exchange(host, port, method, path, body, raw, fingerprint, timeout, key, 16 * 1024 * 1024)
     return _json_answer(status, payload, where)
 
 
-def call_binary(host: str, port: int, method: str, path: str, body: object = None, *, timeout: float = TIMEOUT,
-                key: bytes | None = None, max_bytes: int = 1 << 30) -> bytes:
+def call_binary(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    body: object = None,
+    *,
+    timeout: float = TIMEOUT,
+    key: bytes | None = None,
+    max_bytes: int = 1 << 30,
+) -> bytes:
     """One request whose answer is binary (files pulled from a node); at most `max_bytes` are read.
 
     An error answer (JSON) raises the error class the server named; a longer answer raises CoordinatorError.
@@ -456,8 +496,18 @@ def call_binary(host: str, port: int, method: str, path: str, body: object = Non
     return payload
 
 
-def _exchange(host: str, port: int, method: str, path: str, body: object, raw: bytes | None,
-              fingerprint: str | None, timeout: float, key: bytes | None, max_read: int) -> tuple[int, str, bytes]:
+def _exchange(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    body: object,
+    raw: bytes | None,
+    fingerprint: str | None,
+    timeout: float,
+    key: bytes | None,
+    max_read: int,
+) -> tuple[int, str, bytes]:
     """Send one request; (status, content type, at most `max_read` bytes of the answer)."""
     where = f"{host}:{port}"
     conn = _connect(host, port, timeout, fingerprint)
@@ -467,8 +517,10 @@ def _exchange(host: str, port: int, method: str, path: str, body: object, raw: b
         payload = resp.read(max_read)
         return resp.status, resp.getheader("Content-Type") or "", payload
     except (OSError, http.client.HTTPException) as exc:
-        raise CoordinatorError(f"connection to {where} failed during {method} {path} ({exc})",
-                               "retry; if it persists check the daemon log on that machine") from None
+        raise CoordinatorError(
+            f"connection to {where} failed during {method} {path} ({exc})",
+            "retry; if it persists check the daemon log on that machine",
+        ) from None
     finally:
         conn.close()
 
@@ -484,8 +536,9 @@ def _json_answer(status: int, payload: bytes, where: str) -> dict:
     return data
 
 
-def stream(host: str, port: int, path: str, body: object, *, timeout: float = 60,
-           key: bytes | None = None) -> Iterator[dict]:
+def stream(
+    host: str, port: int, path: str, body: object, *, timeout: float = 60, key: bytes | None = None
+) -> Iterator[dict]:
     """POST and yield NDJSON objects as they arrive. Closing the generator closes the socket."""
     where = f"{host}:{port}"
     conn = _connect(host, port, timeout, None)

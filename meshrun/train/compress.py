@@ -30,13 +30,13 @@ receiver's finite check catches a diverged worker instead of averaging garbage.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 INT8_CHUNK = 2048  # elements per int8 scale: 4 bytes of scale per 2048 bytes of payload (0.2 %)
-FP4_BLOCK = 128    # elements per fp4 scale: 2 bytes of scale per 64 bytes of codes (3 %)
-INT2_BLOCK = 128   # elements per int2 scale: 2 bytes of scale per 32 bytes of codes (6 %)
+FP4_BLOCK = 128  # elements per fp4 scale: 2 bytes of scale per 64 bytes of codes (3 %)
+INT2_BLOCK = 128  # elements per int2 scale: 2 bytes of scale per 32 bytes of codes (6 %)
 _E2M1 = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_GRID = torch.tensor([-v for v in reversed(_E2M1)] + [0.0] + list(_E2M1))  # 15 values, codes 0..14
 INT2_GRID = torch.tensor([-1.5, -0.5, 0.5, 1.5])
@@ -62,16 +62,15 @@ def quantize_int8(x: torch.Tensor, chunk: int = INT8_CHUNK) -> tuple[torch.Tenso
     absmax = rows.abs().amax(dim=1)
     scales = torch.where(absmax == 0, torch.ones_like(absmax), absmax / 127.0)
     q = torch.round(rows / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.view(-1)[:x.numel()], scales
+    return q.view(-1)[: x.numel()], scales
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, chunk: int = INT8_CHUNK) -> torch.Tensor:
     """Invert ``quantize_int8``: fp32 tensor of ``q``'s length."""
-    return (_blocks(q, chunk) * scales[:, None]).view(-1)[:q.numel()]
+    return (_blocks(q, chunk) * scales[:, None]).view(-1)[: q.numel()]
 
 
-def quantize_grid(x: torch.Tensor, grid: torch.Tensor, scales: torch.Tensor, bits: int,
-                  block: int) -> torch.Tensor:
+def quantize_grid(x: torch.Tensor, grid: torch.Tensor, scales: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     """Round ``x / scale`` (one scale per ``block`` elements) to the nearest value of the sorted ``grid``.
 
     Returns the grid indices, ``8 // bits`` per byte (element ``i`` in bits ``bits * (i % per_byte)``
@@ -85,13 +84,14 @@ def quantize_grid(x: torch.Tensor, grid: torch.Tensor, scales: torch.Tensor, bit
     codes = torch.bucketize(rows / safe[:, None], midpoints.to(x.device)).to(torch.uint8).view(-1)
     per_byte = 8 // bits
     n = x.numel()
-    codes = codes[:math.ceil(n / per_byte) * per_byte].view(-1, per_byte)
+    codes = codes[: math.ceil(n / per_byte) * per_byte].view(-1, per_byte)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device)
     return (codes << shifts).sum(dim=1, dtype=torch.uint8) if per_byte > 1 else codes.view(-1)
 
 
-def dequantize_grid(packed: torch.Tensor, scales: torch.Tensor, n: int, grid: torch.Tensor, bits: int,
-                    block: int) -> torch.Tensor:
+def dequantize_grid(
+    packed: torch.Tensor, scales: torch.Tensor, n: int, grid: torch.Tensor, bits: int, block: int
+) -> torch.Tensor:
     """Invert ``quantize_grid``: fp32 tensor of ``n`` elements."""
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = ((packed[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:n]
@@ -140,8 +140,9 @@ class GatherCodec:
     payload back. ``payload_bytes(n)`` is the payload's length for ``n`` elements.
     """
 
-    def __init__(self, quantize: Callable, dequantize: Callable, block: int, scale_dtype: torch.dtype,
-                 bits: int) -> None:
+    def __init__(
+        self, quantize: Callable, dequantize: Callable, block: int, scale_dtype: torch.dtype, bits: int
+    ) -> None:
         self.quantize, self.dequantize = quantize, dequantize
         self.block, self.scale_dtype, self.bits = block, scale_dtype, bits
         self.scale_size = torch.tensor([], dtype=scale_dtype).element_size()
@@ -165,8 +166,9 @@ class GatherCodec:
 
 
 CODECS = {
-    "int8": GatherCodec(quantize_int8, lambda q, s, n, block: dequantize_int8(q, s, block),
-                        INT8_CHUNK, torch.float32, 8),
+    "int8": GatherCodec(
+        quantize_int8, lambda q, s, n, block: dequantize_int8(q, s, block), INT8_CHUNK, torch.float32, 8
+    ),
     "fp4": GatherCodec(quantize_fp4, dequantize_fp4, FP4_BLOCK, torch.bfloat16, 4),
     "int2": GatherCodec(quantize_int2, dequantize_int2, INT2_BLOCK, torch.bfloat16, 2),
 }

@@ -47,7 +47,8 @@ Compression (the pseudo-gradient only; floating-point buffers travel in their ow
   accumulate over syncs (the cumulative error stays within one rounding error). They are averaged
   by ``all_gather``: summing 8-, 4- or 2-bit codes in an ``all_reduce`` overflows, and the fixes
   that keep ``all_reduce`` cost the saving (reduce in int32) or the precision (a shared scale with
-  ``levels // world_size`` levels per worker). Each worker dequantizes the ``world_size`` contributions and averages them in rank order, so all
+  ``levels // world_size`` levels per worker). Each worker dequantizes the ``world_size``
+  contributions and averages them in rank order, so all
   workers get bit-identical results. Each worker *contributes* its payload once but *receives*
   ``world_size - 1`` payloads: fine for the handful of datacenters meshrun targets; for many
   workers a reduce-scatter scheme (torchft's fp8 path) is bandwidth-optimal.
@@ -67,7 +68,8 @@ CPU core here) and the digests are ``all_gather``ed in the background; the next 
 a barrier.) ``verify_state()`` checks everything, blocking, now.
 
 Membership changes (``snapshot_dir``, default ``$MESHRUN_OUTPUT_DIR/diloco-snapshots`` when meshrun
-runs the script: the project's persistent directory, so the next job of the project resumes too; else off): torchrun restarts *every* worker of an elastic job when a node dies or joins,
+runs the script: the project's persistent directory, so the next job of the project resumes too;
+else off): torchrun restarts *every* worker of an elastic job when a node dies or joins,
 so in-memory state is gone. After every sync each worker writes a node-local snapshot
 (``diloco-worker{LOCAL_RANK}.pt``: global copy, outer momentum, buffers, counters, and its own inner
 optimizer state and error feedback). At construction the workers ``all_gather`` (sync count,
@@ -100,9 +102,10 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -131,8 +134,9 @@ def state_digest(tensors: list[torch.Tensor]) -> int:
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"{name}={value!r} is not an integer >= {minimum}",
-                         f"pass {name} as an integer of at least {minimum}")
+        raise UsageError(
+            f"{name}={value!r} is not an integer >= {minimum}", f"pass {name} as an integer of at least {minimum}"
+        )
     return value
 
 
@@ -142,8 +146,7 @@ def _check_float(name: str, value: Any, lo: float, hi: float, hi_open: bool) -> 
         ok = lo <= value < hi if hi_open else lo < value <= hi
     if not ok:
         interval = f"[{lo}, {hi})" if hi_open else f"({lo}, {hi}]"
-        raise UsageError(f"{name}={value!r} is outside {interval}",
-                         f"pass a finite number in {interval} as {name}")
+        raise UsageError(f"{name}={value!r} is outside {interval}", f"pass a finite number in {interval} as {name}")
     return float(value)
 
 
@@ -161,9 +164,10 @@ def _balanced_fragments(sizes: list[int], n: int) -> list[list[int]]:
 @dataclass
 class _InFlight:
     """A launched sync: per bucket its collective handle and how to read the average once done."""
-    fragments: list[int]        # fragments synced
-    indices: list[int]          # their parameter indices
-    due: int                    # step_count at which it is merged
+
+    fragments: list[int]  # fragments synced
+    indices: list[int]  # their parameter indices
+    due: int  # step_count at which it is merged
     parts: list[tuple[list[int], Any, Callable[[], torch.Tensor]]]
     buffer_part: tuple[Any, torch.Tensor] | None
     nbytes: int
@@ -212,37 +216,48 @@ class DiLoCo:
         snapshot_dir: str | os.PathLike | None = AUTO,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise UsageError(f"model={type(model).__name__} is not a torch.nn.Module",
-                             "pass the model being trained")
+            raise UsageError(f"model={type(model).__name__} is not a torch.nn.Module", "pass the model being trained")
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise UsageError("model is wrapped in DistributedDataParallel, which all-reduces every step",
-                             "pass the bare module (model.module); DiLoCo does the synchronization")
+            raise UsageError(
+                "model is wrapped in DistributedDataParallel, which all-reduces every step",
+                "pass the bare module (model.module); DiLoCo does the synchronization",
+            )
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise UsageError(f"inner_optimizer={type(inner_optimizer).__name__} is not a torch.optim.Optimizer",
-                             "pass e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)")
+            raise UsageError(
+                f"inner_optimizer={type(inner_optimizer).__name__} is not a torch.optim.Optimizer",
+                "pass e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)",
+            )
         self.sync_every = _check_int("sync_every", sync_every, 1)
         self.outer_lr = _check_float("outer_lr", outer_lr, 0.0, math.inf, hi_open=False)
         self.outer_momentum = _check_float("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
         if compression not in COMPRESSIONS:
-            raise UsageError(f"compression={compression!r} is not supported",
-                             f"use one of {', '.join(repr(c) for c in COMPRESSIONS)}")
+            raise UsageError(
+                f"compression={compression!r} is not supported",
+                f"use one of {', '.join(repr(c) for c in COMPRESSIONS)}",
+            )
         self.compression = compression
         self._codec = CODECS.get(compression)
         self.fragments = _check_int("fragments", fragments, 1)
         if self.sync_every % self.fragments:
-            raise UsageError(f"sync_every={sync_every} is not a multiple of fragments={fragments}",
-                             "each fragment syncs every sync_every steps, one every sync_every / fragments: "
-                             f"use e.g. sync_every={self.fragments * max(1, sync_every // self.fragments)}")
+            raise UsageError(
+                f"sync_every={sync_every} is not a multiple of fragments={fragments}",
+                "each fragment syncs every sync_every steps, one every sync_every / fragments: "
+                f"use e.g. sync_every={self.fragments * max(1, sync_every // self.fragments)}",
+            )
         self._period = self.sync_every // self.fragments
         default_overlap = min(1, self._period - 1) if self.fragments > 1 else 0
         self.overlap = _check_int("overlap", default_overlap if overlap is None else overlap, 0)
         if self.overlap >= self._period:
-            raise UsageError(f"overlap={self.overlap} is not below sync_every / fragments = {self._period}",
-                             "a fragment's sync must land before the next one starts: lower overlap")
+            raise UsageError(
+                f"overlap={self.overlap} is not below sync_every / fragments = {self._period}",
+                "a fragment's sync must land before the next one starts: lower overlap",
+            )
         self.mixing = _check_float("mixing", mixing, 0.0, 1.0, hi_open=True)
         if process_group is not None and not (dist.is_available() and dist.is_initialized()):
-            raise UsageError("process_group was given but torch.distributed is not initialized",
-                             "call torch.distributed.init_process_group() first, or drop process_group")
+            raise UsageError(
+                "process_group was given but torch.distributed is not initialized",
+                "call torch.distributed.init_process_group() first, or drop process_group",
+            )
         self.process_group = process_group
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if self._distributed else 1
@@ -255,22 +270,30 @@ class DiLoCo:
                 snapshot_dir = Path(out) / "diloco-snapshots"
                 make_dir(snapshot_dir)
         if snapshot_dir is not None and not Path(snapshot_dir).is_dir():
-            raise UsageError(f"snapshot_dir={str(snapshot_dir)!r} is not a directory",
-                             "create it first (one per node, on local disk), or pass snapshot_dir=None")
-        self.snapshot_path = (Path(snapshot_dir) / f"diloco-worker{os.environ.get('LOCAL_RANK', '0')}.pt"
-                              if snapshot_dir is not None else None)
+            raise UsageError(
+                f"snapshot_dir={str(snapshot_dir)!r} is not a directory",
+                "create it first (one per node, on local disk), or pass snapshot_dir=None",
+            )
+        self.snapshot_path = (
+            Path(snapshot_dir) / f"diloco-worker{os.environ.get('LOCAL_RANK', '0')}.pt"
+            if snapshot_dir is not None
+            else None
+        )
 
         self.model = model
         self.inner_optimizer = inner_optimizer
         opt_params = {id(p) for group in inner_optimizer.param_groups for p in group["params"]}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in opt_params]
         if len(named) != len(opt_params):
-            raise UsageError(f"inner_optimizer holds {len(opt_params) - len(named)} tensor(s) that are "
-                             "not parameters of model",
-                             "build the inner optimizer from this model's parameters")
+            raise UsageError(
+                f"inner_optimizer holds {len(opt_params) - len(named)} tensor(s) that are not parameters of model",
+                "build the inner optimizer from this model's parameters",
+            )
         if self.fragments > len(named):
-            raise UsageError(f"fragments={fragments} is more than the {len(named)} parameter tensors",
-                             f"use at most {len(named)} fragments (a tensor is never split)")
+            raise UsageError(
+                f"fragments={fragments} is more than the {len(named)} parameter tensors",
+                f"use at most {len(named)} fragments (a tensor is never split)",
+            )
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
@@ -278,8 +301,9 @@ class DiLoCo:
 
         # Global copy in the parameter's dtype and device (see module docstring).
         self._global = [p.detach().clone() for p in self._params]
-        self.outer_optimizer = torch.optim.SGD(self._global, lr=self.outer_lr, momentum=self.outer_momentum,
-                                               nesterov=self.outer_momentum > 0)
+        self.outer_optimizer = torch.optim.SGD(
+            self._global, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0
+        )
         self._make_momentum()
         self._error_feedback: list[torch.Tensor] | None = None
         if self._codec is not None:
@@ -413,7 +437,7 @@ class DiLoCo:
         offset = 0
         for i in bucket:
             ef = self._error_feedback[i]
-            ef.copy_(residual[offset:offset + ef.numel()].view_as(ef))
+            ef.copy_(residual[offset : offset + ef.numel()].view_as(ef))
             offset += ef.numel()
         gathered = [torch.empty_like(payload) for _ in range(world)] if world > 1 else [payload]
         work = dist.all_gather(gathered, payload, group=group, async_op=True) if world > 1 else None
@@ -423,6 +447,7 @@ class DiLoCo:
             for part in gathered:  # fixed rank order: identical result on every worker
                 total += self._codec.decode(part, flat.numel())
             return (total / world).to(flat.dtype)
+
         return work, average, payload.numel()
 
     @torch.no_grad()
@@ -436,13 +461,15 @@ class DiLoCo:
                 work.wait()
             avg = read()
             if not bool(torch.isfinite(avg).all()):
-                raise UsageError(f"the averaged pseudo-gradient is not finite with compression={self.compression!r}",
-                                 "use compression='bf16' (fp16 overflows above 65504), or lower the "
-                                 "learning rate / sync_every if training diverged")
+                raise UsageError(
+                    f"the averaged pseudo-gradient is not finite with compression={self.compression!r}",
+                    "use compression='bf16' (fp16 overflows above 65504), or lower the "
+                    "learning rate / sync_every if training diverged",
+                )
             offset = 0
             for i in bucket:
                 g = self._global[i]
-                g.grad = avg[offset:offset + g.numel()].view_as(g).to(g.dtype)
+                g.grad = avg[offset : offset + g.numel()].view_as(g).to(g.dtype)
                 offset += g.numel()
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
@@ -455,7 +482,7 @@ class DiLoCo:
             flat /= self.world_size
             offset = 0
             for b in self._buffers:
-                avg = flat[offset:offset + b.numel()].view_as(b)
+                avg = flat[offset : offset + b.numel()].view_as(b)
                 b.copy_(avg if alpha == 0 else torch.lerp(avg, b, alpha))
                 offset += b.numel()
         if alpha == 0:
@@ -473,8 +500,11 @@ class DiLoCo:
     # ----------------------------------------------------------------- state check
     def _shared_tensors(self, indices: list[int]) -> list[torch.Tensor]:
         """What every worker must hold identically for ``indices``: global copy, then outer momentum."""
-        momentum = [self.outer_optimizer.state[self._global[i]]["momentum_buffer"] for i in indices] \
-            if self.outer_momentum > 0 else []
+        momentum = (
+            [self.outer_optimizer.state[self._global[i]]["momentum_buffer"] for i in indices]
+            if self.outer_momentum > 0
+            else []
+        )
         return [self._global[i] for i in indices] + momentum
 
     @torch.no_grad()
@@ -503,10 +533,12 @@ class DiLoCo:
         odd = [r for r, d in enumerate(digests) if d != majority]
         if odd:
             agree = [r for r, d in enumerate(digests) if d == majority]
-            raise StateError(f"the DiLoCo global state differs between workers after sync {sync}: "
-                             f"rank(s) {odd} disagree with rank(s) {agree}",
-                             "a worker diverged (faulty hardware, a non-deterministic outer step, or state "
-                             "changed by hand); restart the job: workers resume from the newest snapshot")
+            raise StateError(
+                f"the DiLoCo global state differs between workers after sync {sync}: "
+                f"rank(s) {odd} disagree with rank(s) {agree}",
+                "a worker diverged (faulty hardware, a non-deterministic outer step, or state "
+                "changed by hand); restart the job: workers resume from the newest snapshot",
+            )
 
     def _start_gather(self, values: list[int]) -> tuple[Any, list[torch.Tensor]]:
         """Start an ``all_gather`` of a few int64 values: (handle, one tensor per rank once done)."""
@@ -530,16 +562,19 @@ class DiLoCo:
 
     def _write_snapshot(self) -> None:
         assert self.snapshot_path is not None
-        tensorfiles.save(self.snapshot_path, {
-            "format": _SNAPSHOT_FORMAT,
-            "names": self._names,
-            "step_count": self.step_count,
-            "sync_count": self.sync_count,
-            "bytes_sent_total": self.bytes_sent_total,
-            "shared": self._snapshot_tensors(),
-            "inner_optimizer": self.inner_optimizer.state_dict(),
-            "error_feedback": self._error_feedback,
-        })
+        tensorfiles.save(
+            self.snapshot_path,
+            {
+                "format": _SNAPSHOT_FORMAT,
+                "names": self._names,
+                "step_count": self.step_count,
+                "sync_count": self.sync_count,
+                "bytes_sent_total": self.bytes_sent_total,
+                "shared": self._snapshot_tensors(),
+                "inner_optimizer": self.inner_optimizer.state_dict(),
+                "error_feedback": self._error_feedback,
+            },
+        )
 
     def _read_snapshot(self) -> dict[str, Any] | None:
         """This worker's snapshot, checked against this model; None when there is none."""
@@ -549,16 +584,25 @@ class DiLoCo:
         try:
             snap = tensorfiles.load(path, map_location=self._params[0].device)
         except StateError as exc:
-            raise StateError(f"cannot read the DiLoCo snapshot: {exc.message}",
-                             f"delete {path} to make this worker start as a joiner") from None
+            raise StateError(
+                f"cannot read the DiLoCo snapshot: {exc.message}",
+                f"delete {path} to make this worker start as a joiner",
+            ) from None
         layout = self._snapshot_tensors()
         shared = snap.get("shared") if isinstance(snap, dict) else None
-        if (not isinstance(snap, dict) or snap.get("format") != _SNAPSHOT_FORMAT or snap.get("names") != self._names
-                or not isinstance(shared, list) or len(shared) != len(layout)
-                or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(shared, layout))):
-            raise StateError(f"the DiLoCo snapshot {path} is not for this model and outer optimizer",
-                             f"delete {path}, or run a different model in its own project (`meshrun train "
-                             "--project NAME`) or with another snapshot_dir")
+        if (
+            not isinstance(snap, dict)
+            or snap.get("format") != _SNAPSHOT_FORMAT
+            or snap.get("names") != self._names
+            or not isinstance(shared, list)
+            or len(shared) != len(layout)
+            or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(shared, layout))
+        ):
+            raise StateError(
+                f"the DiLoCo snapshot {path} is not for this model and outer optimizer",
+                f"delete {path}, or run a different model in its own project (`meshrun train "
+                "--project NAME`) or with another snapshot_dir",
+            )
         return snap
 
     @torch.no_grad()
@@ -598,8 +642,7 @@ class DiLoCo:
                     dist.send(t.contiguous(), dst=self._global_rank(r), group=group)
                     self.bytes_sent_total += t.numel() * t.element_size()
         self._adopt(shared, table[src][1], newest, snap if snap is not None and snap["sync_count"] == newest else None)
-        self.resumed = {"sync_count": newest, "step_count": self.step_count, "source_rank": src,
-                        "receivers": receivers}
+        self.resumed = {"sync_count": newest, "step_count": self.step_count, "source_rank": src, "receivers": receivers}
         if self.check_state:
             self.verify_state()
 
@@ -611,8 +654,7 @@ class DiLoCo:
         for g, p in zip(self._global, self._params):
             g.copy_(p)
 
-    def _adopt(self, shared: list[torch.Tensor], step_count: int, sync_count: int,
-               own: dict[str, Any] | None) -> None:
+    def _adopt(self, shared: list[torch.Tensor], step_count: int, sync_count: int, own: dict[str, Any] | None) -> None:
         """Take ``shared`` (``_snapshot_tensors`` layout) as the state; the model becomes the global copy.
 
         ``own``: this worker's snapshot when it is of the same sync, so its error feedback still applies.
@@ -669,9 +711,11 @@ class DiLoCo:
         cannot be saved. Save right after a sync, when ``sync_count`` has just changed.
         """
         if self._inflight is not None:
-            raise UsageError(f"state_dict() at step {self.step_count}: a fragment's sync is in flight "
-                             f"until step {self._inflight.due}",
-                             "save when opt.in_flight is False (e.g. right after sync_count changes)")
+            raise UsageError(
+                f"state_dict() at step {self.step_count}: a fragment's sync is in flight "
+                f"until step {self._inflight.due}",
+                "save when opt.in_flight is False (e.g. right after sync_count changes)",
+            )
         return {
             "format": _STATE_FORMAT,
             "compression": self.compression,
@@ -685,8 +729,9 @@ class DiLoCo:
             "inner_optimizer": self.inner_optimizer.state_dict(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "global_params": dict(zip(self._names, self._global)),
-            "error_feedback": (dict(zip(self._names, self._error_feedback))
-                               if self._error_feedback is not None else None),
+            "error_feedback": (
+                dict(zip(self._names, self._error_feedback)) if self._error_feedback is not None else None
+            ),
         }
 
     @torch.no_grad()
@@ -698,22 +743,34 @@ class DiLoCo:
         Raises ``StateError`` when the checkpoint does not match this model.
         """
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-            raise StateError("the DiLoCo checkpoint is not in the meshrun.train.diloco/1 format",
-                             "pass the dict returned by DiLoCo.state_dict()")
-        for key in ("step_count", "sync_count", "inner_optimizer", "outer_optimizer", "global_params",
-                    "error_feedback"):
+            raise StateError(
+                "the DiLoCo checkpoint is not in the meshrun.train.diloco/1 format",
+                "pass the dict returned by DiLoCo.state_dict()",
+            )
+        for key in (
+            "step_count",
+            "sync_count",
+            "inner_optimizer",
+            "outer_optimizer",
+            "global_params",
+            "error_feedback",
+        ):
             if key not in state:
                 raise StateError(f"the DiLoCo checkpoint lacks {key!r}", "save it with DiLoCo.state_dict()")
         saved = state["global_params"]
         if list(saved) != self._names:
             missing = sorted(set(self._names) - set(saved)) or sorted(set(saved) - set(self._names))
-            raise StateError(f"the DiLoCo checkpoint's parameters differ from this model's (e.g. {missing[:3]})",
-                             "resume with the same model and inner optimizer as were saved")
+            raise StateError(
+                f"the DiLoCo checkpoint's parameters differ from this model's (e.g. {missing[:3]})",
+                "resume with the same model and inner optimizer as were saved",
+            )
         for name, g in zip(self._names, self._global):
             if saved[name].shape != g.shape:
-                raise StateError(f"parameter {name!r} has shape {tuple(saved[name].shape)} in the checkpoint "
-                                 f"but {tuple(g.shape)} in the model",
-                                 "resume with the same model architecture")
+                raise StateError(
+                    f"parameter {name!r} has shape {tuple(saved[name].shape)} in the checkpoint "
+                    f"but {tuple(g.shape)} in the model",
+                    "resume with the same model architecture",
+                )
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self._make_momentum()  # a checkpoint saved before the first sync by an older meshrun has none
@@ -733,7 +790,9 @@ class DiLoCo:
         self._clean.clear()
 
     def __repr__(self) -> str:
-        return (f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
-                f"outer_momentum={self.outer_momentum}, compression={self.compression!r}, "
-                f"fragments={self.fragments}, overlap={self.overlap}, mixing={self.mixing}, "
-                f"world_size={self.world_size}, params={self.numel})")
+        return (
+            f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
+            f"outer_momentum={self.outer_momentum}, compression={self.compression!r}, "
+            f"fragments={self.fragments}, overlap={self.overlap}, mixing={self.mixing}, "
+            f"world_size={self.world_size}, params={self.numel})"
+        )

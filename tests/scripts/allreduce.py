@@ -1,4 +1,5 @@
 """All-reduce of a --mib MiB float32 tensor (gloo); prints the bandwidth and checks the sum."""
+
 import argparse
 import time
 
@@ -20,6 +21,9 @@ dt = (time.perf_counter() - t0) / a.iters
 expected = float(sum(range(1, world + 1))) * world ** (a.iters - 1)
 assert torch.allclose(t[:4], torch.full((4,), expected)), (t[:4], expected)
 if rank == 0:
-    print(f"allreduce mib={a.mib} world={world} seconds={dt:.3f} algbw_MiBps={a.mib / dt:.1f} "
-          f"busbw_MiBps={a.mib / dt * 2 * (world - 1) / world:.1f}", flush=True)
+    print(
+        f"allreduce mib={a.mib} world={world} seconds={dt:.3f} algbw_MiBps={a.mib / dt:.1f} "
+        f"busbw_MiBps={a.mib / dt * 2 * (world - 1) / world:.1f}",
+        flush=True,
+    )
 dist.destroy_process_group()

@@ -25,7 +25,7 @@ from meshrun.mesh import process
 from meshrun.system.statedir import StateDir
 
 DELAY_MS, LOSS_PCT = 25, 1
-PING_TIMEOUT = 120           # TCG runs Python ~15x slower than the host: generous, the check is that it works
+PING_TIMEOUT = 120  # TCG runs Python ~15x slower than the host: generous, the check is that it works
 TRANSFER_BYTES = 2 << 20
 PORT = 5201
 RECEIVE = f"""
@@ -73,6 +73,7 @@ def wait_pairs(mesh: Mesh, names: list[str], timeout: float) -> dict[str, float 
             took[f"{a}->{b}"] = round(mesh.wait_ping(a, ips[b], timeout=timeout), 1)
         except Exception as exc:  # recorded: the check fails on it
             took[f"{a}->{b}"] = f"{exc}"
+
     threads = [threading.Thread(target=one, args=p) for p in itertools.permutations(names, 2)]
     for t in threads:
         t.start()
@@ -118,13 +119,23 @@ def ifaces(mesh: Mesh, node: str) -> list[str]:
 
 def scenario(s: Scenario) -> None:
     wan = {"delay_ms": DELAY_MS, "loss_pct": LOSS_PCT}
-    dcs = [DatacenterSpec("dc1", **wan), DatacenterSpec("dc2", **wan), DatacenterSpec("dc3", nat="symmetric", **wan),
-           DatacenterSpec("dc4", nat="symmetric", **wan)]
+    dcs = [
+        DatacenterSpec("dc1", **wan),
+        DatacenterSpec("dc2", **wan),
+        DatacenterSpec("dc3", nat="symmetric", **wan),
+        DatacenterSpec("dc4", nat="symmetric", **wan),
+    ]
     with World(dcs, prefix="vm") as world:
-        rtt = world.node("dc1-a").run("ping", "-c", "3", "-i", "0.2", "-q", str(world.node("dc2-a").public_ip),
-                                      check=False).stdout
-        s.record("netem_on_the_wan", "rtt min/avg/max" in rtt and float(rtt.split("=")[-1].split("/")[1]) >= 90,
-                 ping=rtt.strip().splitlines()[-1])
+        rtt = (
+            world.node("dc1-a")
+            .run("ping", "-c", "3", "-i", "0.2", "-q", str(world.node("dc2-a").public_ip), check=False)
+            .stdout
+        )
+        s.record(
+            "netem_on_the_wan",
+            "rtt min/avg/max" in rtt and float(rtt.split("=")[-1].split("/")[1]) >= 90,
+            ping=rtt.strip().splitlines()[-1],
+        )
         mesh = Mesh(world, "dc1-a")
         mesh.init()
         parallel(mesh.join, ["dc2-a", "dc3-a"])
@@ -133,7 +144,7 @@ def scenario(s: Scenario) -> None:
         s.record("three_datacenters_all_pairs_ping", all(isinstance(v, float) for v in took.values()), took=took)
         pids = daemon_pids(mesh, first)
 
-        mesh.join("dc4-a")                                                          # later, symmetric NAT
+        mesh.join("dc4-a")  # later, symmetric NAT
         took = wait_pairs(mesh, first + ["dc4-a"], PING_TIMEOUT)
         s.record("a_later_node_is_reached_by_all", all(isinstance(v, float) for v in took.values()), took=took)
         after = daemon_pids(mesh, first)
@@ -143,8 +154,13 @@ def scenario(s: Scenario) -> None:
         backends = {n: st["backend"] for n, st in statuses.items()}
         s.record("kernel_backend", backends == dict.fromkeys(everyone, "kernel"), backends=backends)
         # The coordinator judges the pairs of nodes (it is itself reached directly by every node).
-        st = wait_status(mesh, "dc1-a", lambda st: len(st["pairs"]) == 3 and all(
-            p["verified"] or p["path"] == "relayed" for p in st["pairs"]), 120, statuses["dc1-a"])
+        st = wait_status(
+            mesh,
+            "dc1-a",
+            lambda st: len(st["pairs"]) == 3 and all(p["verified"] or p["path"] == "relayed" for p in st["pairs"]),
+            120,
+            statuses["dc1-a"],
+        )
         paths = {f"{p['a']}|{p['b']}": p["path"] for p in st["pairs"]}
         want = {k: ("relayed" if set(k.split("|")) == {"dc3-a", "dc4-a"} else "direct (public)") for k in paths}
         s.record("symmetric_pair_relayed_others_direct", len(paths) == 3 and paths == want, paths=paths)
@@ -162,15 +178,18 @@ def scenario(s: Scenario) -> None:
             if server.poll() is None:
                 server.kill()
                 server.wait()
-        s.record("tcp_transfer_over_the_relayed_pair", got.split() == sent.split(), sent=sent.strip(),
-                 received=got.strip(), seconds=round(time.monotonic() - t, 1))
+        s.record(
+            "tcp_transfer_over_the_relayed_pair",
+            got.split() == sent.split(),
+            sent=sent.strip(),
+            received=got.strip(),
+            seconds=round(time.monotonic() - t, 1),
+        )
 
         mesh.meshrun("dc4-a", "leave")
-        s.record("leave_removes_the_interface", "meshrun0" not in ifaces(mesh, "dc4-a"),
-                 ifaces=ifaces(mesh, "dc4-a"))
+        s.record("leave_removes_the_interface", "meshrun0" not in ifaces(mesh, "dc4-a"), ifaces=ifaces(mesh, "dc4-a"))
         mesh.meshrun("dc1-a", "down")
-        s.record("down_removes_the_interface", "meshrun0" not in ifaces(mesh, "dc1-a"),
-                 ifaces=ifaces(mesh, "dc1-a"))
+        s.record("down_removes_the_interface", "meshrun0" not in ifaces(mesh, "dc1-a"), ifaces=ifaces(mesh, "dc1-a"))
     s.record("world_torn_down", True)
 
 

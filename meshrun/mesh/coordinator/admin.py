@@ -13,8 +13,8 @@ from meshrun.core.model import Member, Network
 from meshrun.core.token import looks_like_token, new_token, parse_duration, parse_token
 from meshrun.errors import StateError, UsageError
 from meshrun.mesh.coordinator.setup import DEFAULT_TTL, check_token_uses
-from meshrun.system.statedir import StateDir
 from meshrun.system.coordinatordb import CoordinatorDB
+from meshrun.system.statedir import StateDir
 
 
 def open_db(state: StateDir, readonly: bool = False) -> tuple[CoordinatorDB, Network]:
@@ -22,14 +22,15 @@ def open_db(state: StateDir, readonly: bool = False) -> tuple[CoordinatorDB, Net
     if not state.exists:
         raise StateError(f"no meshrun state in {state.path}", "run `meshrun init` first, or pass --state-dir")
     if state.read_json("member.json").get("role") != "coordinator":
-        raise StateError(f"{state.path} belongs to a node, not the coordinator",
-                         "run this command on the coordinator")
+        raise StateError(f"{state.path} belongs to a node, not the coordinator", "run this command on the coordinator")
     db = CoordinatorDB(state / "coordinator.db", readonly=readonly)
     try:
         network = Network.from_dict(json.loads(db.meta("network") or "null"))
     except (ValueError, TypeError) as exc:
-        raise StateError(f"{state / 'coordinator.db'} holds a corrupt network description ({exc})",
-                         "restore the state directory from a backup") from None
+        raise StateError(
+            f"{state / 'coordinator.db'} holds a corrupt network description ({exc})",
+            "restore the state directory from a backup",
+        ) from None
     return db, network
 
 

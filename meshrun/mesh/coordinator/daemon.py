@@ -23,23 +23,23 @@ from collections.abc import Sequence
 from meshrun.core import keys, peers
 from meshrun.core.model import Member
 from meshrun.errors import MeshrunError, NetworkError
-from meshrun.mesh import process, iface
-from meshrun.mesh.process import ExtensionFactory
+from meshrun.mesh import iface, process
 from meshrun.mesh.coordinator.admin import open_db
 from meshrun.mesh.coordinator.enrolment import EnrolmentAPI
 from meshrun.mesh.coordinator.overlay import OverlayAPI
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
+from meshrun.mesh.process import ExtensionFactory
 from meshrun.system.device import Device
-from meshrun.system.statedir import StateDir
 from meshrun.system.frontdoor import FrontDoor
+from meshrun.system.statedir import StateDir
 from meshrun.system.transport import JSONServer, server_tls_context
 
 log = logging.getLogger("meshrun.mesh.coordinator.daemon")
 
-REMOVED_GRACE_S = 5.0   # a removed node's pending long-poll is answered 410 within this
+REMOVED_GRACE_S = 5.0  # a removed node's pending long-poll is answered 410 within this
 OBSERVE_INTERVAL = 1.0
-BACKLOG_PAUSE = 0.05      # between two slices of a pair backlog: the API threads get the GIL
+BACKLOG_PAUSE = 0.05  # between two slices of a pair backlog: the API threads get the GIL
 OVERLAY_MAX_CONNS = 4096  # threads of the overlay API at most (1000 members long-polling fit)
 OVERLAY_PER_SOURCE = 8
 
@@ -47,8 +47,9 @@ OVERLAY_PER_SOURCE = 8
 class CoordinatorService:
     """The coordinator daemon. `run()` blocks until SIGTERM/SIGINT; `tick()` is one loop round."""
 
-    def __init__(self, state: StateDir, device: Device | None = None,
-                 extensions: Sequence[ExtensionFactory] = ()) -> None:
+    def __init__(
+        self, state: StateDir, device: Device | None = None, extensions: Sequence[ExtensionFactory] = ()
+    ) -> None:
         self.state = state
         self.db, self.network = open_db(state)
         self.member = state.read_json("member.json")
@@ -57,18 +58,19 @@ class CoordinatorService:
         self.apply_lock = threading.Lock()
         self.pairs = PairDriver(self.db, state)
         self.roster = Roster(self.db, self.network, self.pairs)
-        self.wake = threading.Event()            # a join asks the loop for a tick now
+        self.wake = threading.Event()  # a join asks the loop for a tick now
         self.ticks = threading.Condition()
         self.tick_count = 0
         self.looping = False
         self.interval = OBSERVE_INTERVAL
         self.known = {m.name for m in self.db.members()}
-        self.members_version = -1                # the member-list version the pair driver last saw
-        self.paths_moved = False                 # pair paths changed, not yet published (see tick)
-        self.published_at = 0.0                  # monotonic time of the last roster.publish
+        self.members_version = -1  # the member-list version the pair driver last saw
+        self.paths_moved = False  # pair paths changed, not yet published (see tick)
+        self.published_at = 0.0  # monotonic time of the last roster.publish
         private = state.read("private.key").decode().strip()
-        self.enrolment = EnrolmentAPI(self.db, self.network, self.roster,
-                                      lambda pub: keys.shared_secret(private, pub), self._enrolled)
+        self.enrolment = EnrolmentAPI(
+            self.db, self.network, self.roster, lambda pub: keys.shared_secret(private, pub), self._enrolled
+        )
         self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event)
         self.extensions = list(extensions)
 
@@ -77,27 +79,37 @@ class CoordinatorService:
         with process.running(self.state):
             try:
                 self._ensure_interface()
-                self.device.enable_forwarding()   # relayed pairs are forwarded wg -> wg here
+                self.device.enable_forwarding()  # relayed pairs are forwarded wg -> wg here
                 self.apply_peers()
                 tls = server_tls_context(str(self.state / "tls.crt"), str(self.state / "tls.key"))
                 self.front = FrontDoor(("0.0.0.0", self.network.listen_port), self.enrolment.handle, tls)
                 # Bounded: a long-poll per member and a few more (doctor, status); beyond, closed at once.
-                self.overlay_server = JSONServer((self.network.coordinator_ip, self.network.api_port),
-                                                 self.overlay.handle, device=self.network.interface,
-                                                 gate=self.overlay.gate, max_conns=OVERLAY_MAX_CONNS,
-                                                 max_per_source=OVERLAY_PER_SOURCE)
+                self.overlay_server = JSONServer(
+                    (self.network.coordinator_ip, self.network.api_port),
+                    self.overlay.handle,
+                    device=self.network.interface,
+                    gate=self.overlay.gate,
+                    max_conns=OVERLAY_MAX_CONNS,
+                    max_per_source=OVERLAY_PER_SOURCE,
+                )
             except OSError as exc:
-                raise NetworkError(f"cannot listen on TCP port {self.network.listen_port} or "
-                                   f"{self.network.api_port}: {exc.strerror}",
-                                   "stop whatever uses that port, or init with another --port") from None
+                raise NetworkError(
+                    f"cannot listen on TCP port {self.network.listen_port} or {self.network.api_port}: {exc.strerror}",
+                    "stop whatever uses that port, or init with another --port",
+                ) from None
             self.front.start("enrolment")
             self.overlay_server.start("overlay-api")
             signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
             signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
             running = [start(self.state, self.network, self.member) for start in self.extensions]
             process.ready()
-            log.info("coordinator of %s up: enrolment on :%d/tcp, overlay API on %s:%d", self.network.name,
-                     self.network.listen_port, self.network.coordinator_ip, self.network.api_port)
+            log.info(
+                "coordinator of %s up: enrolment on :%d/tcp, overlay API on %s:%d",
+                self.network.name,
+                self.network.listen_port,
+                self.network.coordinator_ip,
+                self.network.api_port,
+            )
             try:
                 self._loop()
             finally:
@@ -137,7 +149,7 @@ class CoordinatorService:
     def _enrolled(self, member: Member) -> None:
         """A join was recorded: wait (briefly) for a tick, so the new peer is on the interface before
         the node's first handshake arrives."""
-        if not self.looping:        # no loop thread (tests drive the service by hand): tick here
+        if not self.looping:  # no loop thread (tests drive the service by hand): tick here
             self.tick()
             return
         with self.ticks:
@@ -184,11 +196,17 @@ class CoordinatorService:
         with self.apply_lock:
             members = self.db.members()
             # Relayed packets leave here too: they must fit the small-MTU nodes' hops as well.
-            iface.sync_peers(self.device, self.state, self.network, self.desired_peers(members),
-                             address=self.network.coordinator_ip, mtu=self.network.mtu,
-                             route_mtus=peers.route_mtus(self._own_key(members), self.network.mtu, members),
-                             comment=f"meshrun network {self.network.name} (coordinator); managed by meshrun",
-                             current=current)
+            iface.sync_peers(
+                self.device,
+                self.state,
+                self.network,
+                self.desired_peers(members),
+                address=self.network.coordinator_ip,
+                mtu=self.network.mtu,
+                route_mtus=peers.route_mtus(self._own_key(members), self.network.mtu, members),
+                comment=f"meshrun network {self.network.name} (coordinator); managed by meshrun",
+                current=current,
+            )
 
     @staticmethod
     def _own_key(members: list[Member]) -> str:

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 
 from meshrun.core import auth, keys
-from meshrun.core.ratelimit import RateLimiter
 from meshrun.core.model import Member, Network, check_name, parse_endpoint
+from meshrun.core.ratelimit import RateLimiter
 from meshrun.errors import AuthError, CoordinatorError, MeshrunError, TokenError, UsageError
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.system.coordinatordb import CoordinatorDB
@@ -31,10 +31,16 @@ class EnrolmentAPI:
     """Handler of the public TLS port. `on_enrolled(member)` runs after a join is recorded (the
     service puts the new peer on the interface at once, so the node's first handshake is answered)."""
 
-    def __init__(self, db: CoordinatorDB, network: Network, roster: Roster, shared_with: Callable[[str], bytes],
-                 on_enrolled: Callable[[Member], None]) -> None:
+    def __init__(
+        self,
+        db: CoordinatorDB,
+        network: Network,
+        roster: Roster,
+        shared_with: Callable[[str], bytes],
+        on_enrolled: Callable[[Member], None],
+    ) -> None:
         self.db = db
-        self.shared_with = shared_with       # public key -> the X25519 secret the coordinator shares with it
+        self.shared_with = shared_with  # public key -> the X25519 secret the coordinator shares with it
         self.network = network
         self.roster = roster
         self.on_enrolled = on_enrolled
@@ -44,13 +50,15 @@ class EnrolmentAPI:
         if req.method == "POST" and req.path == "/v1/join":
             if not self.limiter.allow(req.client_ip):
                 log.warning("refused join from %s: rate limit", req.client_ip)
-                return Response.error(429, CoordinatorError(
-                    f"too many join attempts from {req.client_ip}", "wait a minute and try again"))
+                return Response.error(
+                    429, CoordinatorError(f"too many join attempts from {req.client_ip}", "wait a minute and try again")
+                )
             return self.join(req)
         if req.method == "POST" and req.path == "/v1/join/abandon":
             if not self.limiter.allow(req.client_ip):
-                return Response.error(429, CoordinatorError(
-                    f"too many join attempts from {req.client_ip}", "wait a minute and try again"))
+                return Response.error(
+                    429, CoordinatorError(f"too many join attempts from {req.client_ip}", "wait a minute and try again")
+                )
             return self.abandon(req)
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
 
@@ -66,8 +74,15 @@ class EnrolmentAPI:
             token_id = str(b["token_id"])
             if not keys.is_public_key(public_key):
                 raise ValueError("public_key is not a canonical WireGuard key")
-            auth.check_enrol_proof(self.shared_with(public_key), self.network.name, name, public_key,
-                                   f"abandon:{token_id}", b.get("possession"), time.time())
+            auth.check_enrol_proof(
+                self.shared_with(public_key),
+                self.network.name,
+                name,
+                public_key,
+                f"abandon:{token_id}",
+                b.get("possession"),
+                time.time(),
+            )
         except (KeyError, ValueError, TypeError):
             return Response.error(400, UsageError("malformed request", "use the meshrun client"))
         except (AuthError, UsageError) as exc:
@@ -93,14 +108,25 @@ class EnrolmentAPI:
             return Response.error(400, UsageError("malformed join request", "use the meshrun client to join"))
         if network_name != self.network.name:
             log.warning("refused join of %s from %s: token for network %r", name, req.client_ip, network_name)
-            return Response.error(403, TokenError(
-                f"this token is for network {network_name!r} but this coordinator runs {self.network.name!r}",
-                "use a token created on this coordinator"))
+            return Response.error(
+                403,
+                TokenError(
+                    f"this token is for network {network_name!r} but this coordinator runs {self.network.name!r}",
+                    "use a token created on this coordinator",
+                ),
+            )
         if public_key == self.network.coordinator_public_key:
             return Response.error(400, UsageError("the node presented the coordinator's own key", "join from a node"))
         try:
-            auth.check_enrol_proof(self.shared_with(public_key), self.network.name, name, public_key, token_id,
-                                   b.get("possession"), time.time())
+            auth.check_enrol_proof(
+                self.shared_with(public_key),
+                self.network.name,
+                name,
+                public_key,
+                token_id,
+                b.get("possession"),
+                time.time(),
+            )
         except (AuthError, UsageError) as exc:
             log.warning("refused join of %s from %s: %s", name, req.client_ip, exc.message)
             return Response.error(401, exc)
@@ -109,8 +135,10 @@ class EnrolmentAPI:
         except MeshrunError as exc:
             log.warning("refused join of %s from %s: %s", name, req.client_ip, exc.message)
             raise
-        log.info("%s %s at %s (from %s)", "enrolled" if created else "re-enrolled", name, member.overlay_ip,
-                 req.client_ip)
+        log.info(
+            "%s %s at %s (from %s)", "enrolled" if created else "re-enrolled", name, member.overlay_ip, req.client_ip
+        )
         self.on_enrolled(member)
-        return Response(200, {"member": member.to_dict(), "network": self.network.to_dict(),
-                              "members": self.roster.payload(member)})
+        return Response(
+            200, {"member": member.to_dict(), "network": self.network.to_dict(), "members": self.roster.payload(member)}
+        )

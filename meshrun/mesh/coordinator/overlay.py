@@ -36,22 +36,24 @@ PROBE_PAYLOAD = b"meshrun doctor: is this port reachable from outside?"
 
 
 def _gone() -> Response:
-    return Response.error(410, StateError("this node was removed from the network",
-                                          "ask the operator for a new token and join again"))
+    return Response.error(
+        410, StateError("this node was removed from the network", "ask the operator for a new token and join again")
+    )
 
 
 class OverlayAPI:
     """Handler of the overlay port (member-facing)."""
 
-    def __init__(self, db: CoordinatorDB, network: Network, roster: Roster, pairs: PairDriver,
-                 stop: threading.Event) -> None:
+    def __init__(
+        self, db: CoordinatorDB, network: Network, roster: Roster, pairs: PairDriver, stop: threading.Event
+    ) -> None:
         self.db = db
         self.network = network
         self.roster = roster
         self.pairs = pairs
         self.stop = stop
         self.max_wait = SYNC_WAIT_MAX
-        self.probed: dict[str, float] = {}     # member name -> monotonic time of its last UDP probe
+        self.probed: dict[str, float] = {}  # member name -> monotonic time of its last UDP probe
         # (overlay IP, public key) -> (candidates, mtu) as last handed to db.heartbeat: an unchanged
         # heartbeat needs no database access (and no wait for its lock) at all.
         self.heard: dict[tuple[str, str], tuple[list[str], int | None]] = {}
@@ -67,17 +69,22 @@ class OverlayAPI:
             log.warning("refused %s %s from %s: not a member", req.method, req.path, req.client_ip)
             return Response.error(403, f"{req.client_ip} is not a member of this network")
         if not self.limiter.allow(req.client_ip):
-            return Response.error(429, UsageError(f"too many requests from {caller.name}",
-                                                  f"at most {SYNC_PER_S:g} a second; the agent backs off by itself"))
+            return Response.error(
+                429,
+                UsageError(
+                    f"too many requests from {caller.name}",
+                    f"at most {SYNC_PER_S:g} a second; the agent backs off by itself",
+                ),
+            )
         return None
 
     def handle(self, req: Request) -> Response:
-        if not req.gated:               # called directly (tests, in-process agents), not through the server's gate
+        if not req.gated:  # called directly (tests, in-process agents), not through the server's gate
             refused = self.gate(req)
             if refused is not None:
                 return refused
         caller = self.roster.member_by_ip(req.client_ip)
-        if caller is None:              # removed between the gate and now
+        if caller is None:  # removed between the gate and now
             return _gone()
         if req.method == "POST" and req.path == "/v1/sync":
             return self.sync(caller, req.body if isinstance(req.body, dict) else {})
@@ -120,7 +127,7 @@ class OverlayAPI:
         if owed or self.heard.get(heard) != (candidates, mtu):
             self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu)
             self.heard[heard] = (candidates, mtu)
-        deltas = bool(body.get("delta")) and known > 0       # the agent applies deltas (meshrun >= this one)
+        deltas = bool(body.get("delta")) and known > 0  # the agent applies deltas (meshrun >= this one)
         # A node that owes a full report is answered at once, so its pairs are judged again soon.
         deadline = time.monotonic() + (0 if owed else wait)
         seen, news = known, None
@@ -134,7 +141,7 @@ class OverlayAPI:
             # The new version changes nothing this caller sees (another pair's path): a thousand agents
             # need not all come back for it; keep waiting.
             seen, news = version, None
-        if self.roster.member_by_ip(caller.overlay_ip) is None:   # removed while it waited
+        if self.roster.member_by_ip(caller.overlay_ip) is None:  # removed while it waited
             return _gone()
         extra = {"report": "full"} if owed else {}
         if version == known:
@@ -147,18 +154,31 @@ class OverlayAPI:
                 return Response(200, {"version": version, **news, **extra})
         # The list as published with `version` (not re-read from the database: a thousand agents
         # fetching it at once queued on the database lock ahead of the loop).
-        return Response(200, {"version": version, "network": self.network.to_dict(),
-                              "members": self.roster.payload(caller, fresh=False), **extra})
+        return Response(
+            200,
+            {
+                "version": version,
+                "network": self.network.to_dict(),
+                "members": self.roster.payload(caller, fresh=False),
+                **extra,
+            },
+        )
 
     def probe_udp(self, caller: Member) -> Response:
         """Send PROBE_COUNT datagrams from an ephemeral port to the caller's observed endpoint."""
         if not caller.endpoint:
-            return Response.error(409, UsageError("the coordinator has not seen this node's endpoint yet",
-                                                  "wait for a handshake (meshrun status) and try again"))
+            return Response.error(
+                409,
+                UsageError(
+                    "the coordinator has not seen this node's endpoint yet",
+                    "wait for a handshake (meshrun status) and try again",
+                ),
+            )
         now = time.monotonic()
         if now - self.probed.get(caller.name, -PROBE_INTERVAL_S) < PROBE_INTERVAL_S:
-            return Response.error(429, UsageError("a UDP probe was sent to this node a moment ago",
-                                                  f"wait {PROBE_INTERVAL_S:g} s"))
+            return Response.error(
+                429, UsageError("a UDP probe was sent to this node a moment ago", f"wait {PROBE_INTERVAL_S:g} s")
+            )
         self.probed[caller.name] = now
         host, port = split_endpoint(caller.endpoint)
         sent = probe.send_udp(host, port, PROBE_PAYLOAD, PROBE_COUNT)

@@ -23,8 +23,8 @@ import threading
 from meshrun.core import pairpaths
 from meshrun.core.model import Member
 from meshrun.errors import StateError
-from meshrun.system.statedir import StateDir
 from meshrun.system.coordinatordb import CoordinatorDB
+from meshrun.system.statedir import StateDir
 
 log = logging.getLogger("meshrun.mesh.coordinator.pairs")
 
@@ -41,7 +41,7 @@ def _judgeable(m: Member) -> bool:
     return not m.is_coordinator and bool(m.endpoint) and bool(m.candidates)
 
 
-UNKNOWN_SLACK = 64      # handshake reports about keys not (yet) members, kept per node at most
+UNKNOWN_SLACK = 64  # handshake reports about keys not (yet) members, kept per node at most
 
 
 class PairDriver:
@@ -53,23 +53,23 @@ class PairDriver:
 
     def __init__(self, db: CoordinatorDB, state: StateDir | None = None) -> None:
         self.db = db
-        self.lock = threading.Lock()                       # reports, dirty and pending
-        self.reports: dict[str, dict[str, int]] = {}       # node name -> {peer key: latest handshake}, since start
+        self.lock = threading.Lock()  # reports, dirty and pending
+        self.reports: dict[str, dict[str, int]] = {}  # node name -> {peer key: latest handshake}, since start
         self.pairs: dict[Key, pairpaths.PairState] = db.pairs()
         if state is not None:
             self._import_paths_json(state)
-        self.members: dict[str, Member] = {}   # live members by name, as of the last update with members
+        self.members: dict[str, Member] = {}  # live members by name, as of the last update with members
         # public key -> name of the live members (from the start: a report may arrive before the first update)
         self.names: dict[str, str] = {m.public_key: m.name for m in db.members()}
-        self.judged: set[str] = set()          # nodes whose pairs are advanced (see _judgeable, report)
-        self.dirty: set[Key] = set()           # pairs whose handshake changed since the last update
-        self.pending: set[str] = set()         # nodes whose judgeability may have changed
+        self.judged: set[str] = set()  # nodes whose pairs are advanced (see _judgeable, report)
+        self.dirty: set[Key] = set()  # pairs whose handshake changed since the last update
+        self.pending: set[str] = set()  # nodes whose judgeability may have changed
         self.heap: list[tuple[float, Key]] = []
-        self.booked: dict[Key, float] = {}     # pair -> due time of its live heap entry (one per pair)
-        self.changed: set[Key] = set()         # pairs whose mode changed, until take_changes()
-        self.backlog: set[Key] = set()         # pairs of newly judged nodes not looked at yet (see BULK_PER_UPDATE)
+        self.booked: dict[Key, float] = {}  # pair -> due time of its live heap entry (one per pair)
+        self.changed: set[Key] = set()  # pairs whose mode changed, until take_changes()
+        self.backlog: set[Key] = set()  # pairs of newly judged nodes not looked at yet (see BULK_PER_UPDATE)
         self.bulk_per_update = BULK_PER_UPDATE
-        self.steps = 0                         # pairpaths.initial/step calls so far (the work; tests count it)
+        self.steps = 0  # pairpaths.initial/step calls so far (the work; tests count it)
         self._pruned = False
 
     def _import_paths_json(self, state: StateDir) -> None:
@@ -79,8 +79,10 @@ class PairDriver:
         if not self.pairs:
             try:
                 data = state.read_json("pairpaths.json")
-                old = {tuple(k.split("|", 1)): pairpaths.PairState(v["mode"], float(v["since"]), bool(v["verified"]))
-                       for k, v in data.get("pairs", {}).items()}
+                old = {
+                    tuple(k.split("|", 1)): pairpaths.PairState(v["mode"], float(v["since"]), bool(v["verified"]))
+                    for k, v in data.get("pairs", {}).items()
+                }
                 self.db.save_pairs(old)
                 self.pairs = old
                 log.info("imported %d pair paths from pairpaths.json into the database", len(old))
@@ -109,7 +111,7 @@ class PairDriver:
                 self.reports[node] = new
                 if old is None:
                     self.pending.add(node)
-                    touched = []                   # all its pairs are looked at once it is judged
+                    touched = []  # all its pairs are looked at once it is judged
                 else:
                     touched = [k for k in old.keys() | new.keys() if old.get(k) != new.get(k)]
             elif old is not None:
@@ -126,8 +128,7 @@ class PairDriver:
 
     def handshake(self, a: Member, b: Member) -> int:
         """The newest handshake between a and b that either of them reported."""
-        return max(self.reports.get(a.name, {}).get(b.public_key, 0),
-                   self.reports.get(b.name, {}).get(a.public_key, 0))
+        return max(self.reports.get(a.name, {}).get(b.public_key, 0), self.reports.get(b.name, {}).get(a.public_key, 0))
 
     # the loop ----------------------------------------------------------------
     def update(self, members: list[Member] | None, now: float) -> bool:
@@ -145,7 +146,7 @@ class PairDriver:
             work, self.dirty = self.dirty, set()
         while self.heap and self.heap[0][0] <= now:
             due, key = heapq.heappop(self.heap)
-            if self.booked.get(key) == due:       # else a stale entry: the pair was booked again
+            if self.booked.get(key) == due:  # else a stale entry: the pair was booked again
                 del self.booked[key]
                 work.add(key)
         # Urgent (a handshake changed, a timer came) are all stepped; a newly judged node's pairs join
@@ -163,7 +164,7 @@ class PairDriver:
         writes: dict[Key, pairpaths.PairState] = {}
         for key in work:
             if key[0] not in self.judged or key[1] not in self.judged:
-                continue                          # kept as it is until both nodes are judged again
+                continue  # kept as it is until both nodes are judged again
             a, b = self.members[key[0]], self.members[key[1]]
             hs = self.handshake(a, b)
             old = self.pairs.get(key)
@@ -212,7 +213,7 @@ class PairDriver:
             for other in partners:
                 key = pairpaths.pair_key(name, other)
                 if self.pairs.pop(key, None) is not None:
-                    self.booked.pop(key, None)    # its heap entry is now stale
+                    self.booked.pop(key, None)  # its heap entry is now stale
                     self.changed.discard(key)
         with self.lock:
             for name in drop:
@@ -224,7 +225,7 @@ class PairDriver:
                     self.pending.add(name)
         self.members = live
         self.names = {m.public_key: m.name for m in members}
-        with self.lock:             # keys of members that are gone (or never were) leave the reports too
+        with self.lock:  # keys of members that are gone (or never were) leave the reports too
             for node, rep in self.reports.items():
                 if len(rep) > len(self.names):
                     self.reports[node] = {k: v for k, v in rep.items() if k in self.names}
@@ -245,7 +246,7 @@ class PairDriver:
         """Keep at most one live heap entry per pair, the earliest: a later due time is booked when the
         earlier entry comes up (the step then finds nothing to do and books the next one)."""
         if due is None:
-            self.booked.pop(key, None)            # its heap entry, if any, is now stale
+            self.booked.pop(key, None)  # its heap entry, if any, is now stale
             return
         cur = self.booked.get(key)
         if cur is not None and cur <= due:

@@ -17,15 +17,16 @@ class Roster:
     """Publishes member-list versions and answers `payload(caller)` (the full list with per-pair paths
     applied) or `delta(caller, known)` (only what changed for the caller since version `known`)."""
 
-    def __init__(self, db: CoordinatorDB, network: Network, pairs: PairDriver,
-                 history: int = memberlist.HISTORY_SIZE) -> None:
+    def __init__(
+        self, db: CoordinatorDB, network: Network, pairs: PairDriver, history: int = memberlist.HISTORY_SIZE
+    ) -> None:
         self.db = db
         self.network = network
         self.pairs = pairs
         self.cond = threading.Condition()
         # (database version, [(member, its dict)], {public key: index}, {overlay IP: member})
         self._cache: tuple[int, list[tuple[Member, dict]], dict[str, int], dict[str, Member]] | None = None
-        self._removals = 0                      # db.removals when the cache was built
+        self._removals = 0  # db.removals when the cache was built
         v, base, _, _ = self._base()
         self.version = v
         self._published = {m.public_key: memberlist.signature(m) for m, _ in base}
@@ -50,8 +51,12 @@ class Roster:
                 if m.is_coordinator:
                     d["endpoint"] = self.network.endpoints[0]
                 base.append((m, d))
-            cache = self._cache = (v, base, {m.public_key: i for i, (m, _) in enumerate(base)},
-                                   {m.overlay_ip: m for m, _ in base})
+            cache = self._cache = (
+                v,
+                base,
+                {m.public_key: i for i, (m, _) in enumerate(base)},
+                {m.overlay_ip: m for m, _ in base},
+            )
         return cache
 
     def member_by_ip(self, ip: str) -> Member | None:
@@ -124,5 +129,5 @@ class Roster:
             return None
         # A member changed since the last publish may be gone already: then it is removed.
         gone = removed | {k for k in changed if k not in index}
-        at = sorted(index[k] for k in changed if k in index)     # the coordinator's order: new ones last
+        at = sorted(index[k] for k in changed if k in index)  # the coordinator's order: new ones last
         return {"since": known, "changed": [self._entry(caller, *base[i]) for i in at], "removed": sorted(gone)}

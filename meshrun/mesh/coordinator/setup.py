@@ -12,15 +12,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshrun.core import ipam, keys
-from meshrun.core.model import (DEFAULT_IFACE, DEFAULT_MTU, DEFAULT_PORT, Network, check_interface, check_mtu,
-                                check_name, check_port, parse_endpoint, refuse_ipv6)
+from meshrun.core.model import (
+    DEFAULT_IFACE,
+    DEFAULT_MTU,
+    DEFAULT_PORT,
+    Network,
+    check_interface,
+    check_mtu,
+    check_name,
+    check_port,
+    parse_endpoint,
+    refuse_ipv6,
+)
 from meshrun.core.token import new_token, parse_duration
 from meshrun.errors import NetworkError, StateError, UsageError
-from meshrun.mesh import process, iface
+from meshrun.mesh import iface, process
 from meshrun.system import net
+from meshrun.system.coordinatordb import CoordinatorDB
 from meshrun.system.device import Device
 from meshrun.system.statedir import StateDir
-from meshrun.system.coordinatordb import CoordinatorDB
 
 DEFAULT_TTL = "12h"
 
@@ -35,7 +45,7 @@ class InitOptions:
     name: str = "meshrun"
     token_ttl: str = DEFAULT_TTL
     token_uses: int | None = None
-    train: bool = False          # the coordinator takes a share of every job
+    train: bool = False  # the coordinator takes a share of every job
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ class InitResult:
     backend: str
     state_dir: Path
     daemon_pid: int | None
-    warning: str | None = None       # what the interface costs (an old wireguard-go), with the fix
+    warning: str | None = None  # what the interface costs (an old wireguard-go), with the fix
 
 
 def check_token_uses(uses: int | None) -> None:
@@ -71,24 +81,38 @@ def _endpoint(host: str, port: int) -> str:
     try:
         return parse_endpoint(host, default_port=port)
     except ValueError as exc:
-        raise UsageError(f"--endpoint {host!r} is not HOST or HOST:PORT ({exc})",
-                         "e.g. --endpoint 203.0.113.1 or --endpoint vpn.example.com:51820") from None
+        raise UsageError(
+            f"--endpoint {host!r} is not HOST or HOST:PORT ({exc})",
+            "e.g. --endpoint 203.0.113.1 or --endpoint vpn.example.com:51820",
+        ) from None
 
 
-def plan_network(opts: InitOptions, routes: list[tuple[str, str]], fallback_host: str | None,
-                 public_key: str, fingerprint: str) -> Network:
+def plan_network(
+    opts: InitOptions, routes: list[tuple[str, str]], fallback_host: str | None, public_key: str, fingerprint: str
+) -> Network:
     """Validate init options against the machine's routes and return the Network (pure)."""
     check_init_options(opts)
     cidr = ipam.parse_cidr(opts.cidr)
     ipam.check_overlap(cidr, [(d, dev) for d, dev in routes if dev != opts.interface])
     host = opts.endpoint or fallback_host
     if not host:
-        raise UsageError("no --endpoint given and this machine has no default route to guess one from",
-                         "pass the address nodes reach this machine at, e.g. --endpoint 203.0.113.1")
+        raise UsageError(
+            "no --endpoint given and this machine has no default route to guess one from",
+            "pass the address nodes reach this machine at, e.g. --endpoint 203.0.113.1",
+        )
     endpoint = _endpoint(host, opts.port)
-    return Network(name=opts.name, cidr=str(cidr), interface=opts.interface, listen_port=opts.port, mtu=opts.mtu,
-                   coordinator_ip=str(ipam.coordinator_address(cidr)), coordinator_public_key=public_key,
-                   endpoints=(endpoint,), fingerprint=fingerprint, api_port=opts.port + 1)
+    return Network(
+        name=opts.name,
+        cidr=str(cidr),
+        interface=opts.interface,
+        listen_port=opts.port,
+        mtu=opts.mtu,
+        coordinator_ip=str(ipam.coordinator_address(cidr)),
+        coordinator_public_key=public_key,
+        endpoints=(endpoint,),
+        fingerprint=fingerprint,
+        api_port=opts.port + 1,
+    )
 
 
 def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device | None = None) -> InitResult:
@@ -99,23 +123,28 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
     """
     if state.exists:
         role = state.read_json("member.json").get("role")
-        raise StateError(f"{state.path} already holds a meshrun {role}",
-                         "start it with `meshrun up`, or remove it with `meshrun down --purge` first")
+        raise StateError(
+            f"{state.path} already holds a meshrun {role}",
+            "start it with `meshrun up`, or remove it with `meshrun down --purge` first",
+        )
     # Bad options are reported before missing privileges: the user fixes one thing at a time.
     check_init_options(opts)
-    if device is None:      # an injected (test) device needs no privileges
+    if device is None:  # an injected (test) device needs no privileges
         net.require_admin()
         net.require_tools("ip", "wg")
     private_key = keys.generate_private_key()
     # A common name that tells an internet scanner nothing about the network.
     cert_pem, tls_key_pem = keys.generate_tls_identity("meshrun")
     fallback = None if opts.endpoint else net.default_route_address()
-    network = plan_network(opts, net.local_routes(), fallback, keys.public_key(private_key),
-                           keys.cert_fingerprint(cert_pem))
+    network = plan_network(
+        opts, net.local_routes(), fallback, keys.public_key(private_key), keys.cert_fingerprint(cert_pem)
+    )
     device = device or iface.device_for(state, network)
     if device.exists():
-        raise NetworkError(f"network interface {network.interface} already exists",
-                           "run `meshrun down` if it is a leftover of meshrun, or pick another --interface")
+        raise NetworkError(
+            f"network interface {network.interface} already exists",
+            "run `meshrun down` if it is a leftover of meshrun, or pick another --interface",
+        )
     ttl = parse_duration(opts.token_ttl)
 
     created_dir = state.create()
@@ -135,9 +164,18 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
         db.close()
         backend = iface.bring_up(device, state, network, network.coordinator_ip)
         undo.append(device.delete)
-        state.write_json("member.json", {"role": "coordinator", "name": "coordinator", "network": network.to_dict(),
-                                         "overlay_ip": network.coordinator_ip, "backend": backend,
-                                         "wg_pid": device.pid, "train": opts.train})
+        state.write_json(
+            "member.json",
+            {
+                "role": "coordinator",
+                "name": "coordinator",
+                "network": network.to_dict(),
+                "overlay_ip": network.coordinator_ip,
+                "backend": backend,
+                "wg_pid": device.pid,
+                "train": opts.train,
+            },
+        )
         undo.append(lambda: state.remove("member.json"))
         daemon_pid = process.spawn(state) if start else None
     except BaseException:

@@ -2,7 +2,8 @@
 
 The agent long-polls POST /v1/sync on the coordinator's overlay IP: the coordinator answers
 at once when the member list changed since the version the agent holds, else after up to
-25 s; the answer is the full list or only what changed since that version (a delta). Each request carries the node's heartbeat (its candidate addresses and its view of
+25 s; the answer is the full list or only what changed since that version (a delta). Each
+request carries the node's heartbeat (its candidate addresses and its view of
 its peers). When the coordinator is unreachable the agent keeps the tunnels it has and
 retries with backoff; the data path never depends on the coordinator being up.
 """
@@ -15,11 +16,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-
 from meshrun.core import memberlist, peers
 from meshrun.core.model import Member, Network
 from meshrun.errors import CoordinatorError, MeshrunError, StateError
-from meshrun.mesh import process, iface, member
+from meshrun.mesh import iface, member, process
 from meshrun.mesh.process import Extension, ExtensionFactory
 from meshrun.system import net, transport
 from meshrun.system.device import Device
@@ -28,17 +28,22 @@ from meshrun.system.statedir import StateDir
 log = logging.getLogger("meshrun.mesh.node.daemon")
 
 SYNC_WAIT = 20.0
-FAST_WAIT = 2.0          # long-poll while a path is unproven
-PROBE_WINDOW_S = 10.0    # = paths.ATTEMPT_S: how long a new path gets to handshake
+FAST_WAIT = 2.0  # long-poll while a path is unproven
+PROBE_WINDOW_S = 10.0  # = paths.ATTEMPT_S: how long a new path gets to handshake
 
 # (method, path, body, timeout) -> the coordinator's JSON answer
 CoordinatorCall = Callable[[str, str, dict, float], dict]
 
 
-def apply_members(device: Device, state: StateDir, rec: dict, network: Network, members: list[Member],
-                  recreate: frozenset[str] = frozenset(),
-                  hold_windows: dict[tuple[str, str, str], float] | None = None,
-                  ) -> tuple[frozenset[str], dict[tuple[str, str, str], float]]:
+def apply_members(
+    device: Device,
+    state: StateDir,
+    rec: dict,
+    network: Network,
+    members: list[Member],
+    recreate: frozenset[str] = frozenset(),
+    hold_windows: dict[tuple[str, str, str], float] | None = None,
+) -> tuple[frozenset[str], dict[tuple[str, str, str], float]]:
     """Make the interface's peers match `members` (minimal diff) and rewrite the wg-quick file.
 
     Peers in `recreate` changed path: they are re-created so a fresh handshake proves the path.
@@ -50,22 +55,41 @@ def apply_members(device: Device, state: StateDir, rec: dict, network: Network, 
     hold: frozenset[str] = frozenset()
     windows: dict[tuple[str, str, str], float] = {}
     if hold_windows is not None:
-        hold, windows = peers.handshake_holds(rec["public_key"], members,
-                                              {p.public_key: p.latest_handshake for p in current},
-                                              hold_windows, time.monotonic(), recreate)
+        hold, windows = peers.handshake_holds(
+            rec["public_key"],
+            members,
+            {p.public_key: p.latest_handshake for p in current},
+            hold_windows,
+            time.monotonic(),
+            recreate,
+        )
     desired = peers.desired_for_node(rec["public_key"], members, hold)
     mtu = int(rec.get("mtu") or network.mtu)
-    d = iface.sync_peers(device, state, network, desired, address=rec["overlay_ip"],
-                         mtu=mtu, recreate=recreate, current=current,
-                         route_mtus=peers.route_mtus(rec["public_key"], mtu, members),
-                         comment=f"meshrun network {network.name}, node {rec['name']}; managed by meshrun")
+    d = iface.sync_peers(
+        device,
+        state,
+        network,
+        desired,
+        address=rec["overlay_ip"],
+        mtu=mtu,
+        recreate=recreate,
+        current=current,
+        route_mtus=peers.route_mtus(rec["public_key"], mtu, members),
+        comment=f"meshrun network {network.name}, node {rec['name']}; managed by meshrun",
+    )
     # WireGuard handshakes only when it has something to send: a datagram to each new
     # direct peer starts the handshake now, so the new path is proven (or not) quickly.
     # Only peers with an endpoint: an attempt without one still counts as "sent" for
     # wireguard-go, which then waits REKEY_TIMEOUT (5 s) before it tries again.
     # Held peers (no keepalive yet) are left alone: the other end starts their handshake.
-    device.nudge([ip.split("/")[0] for spec in (*d.add, *d.update) if spec.endpoint and spec.keepalive
-                  for ip in spec.allowed_ips[:1]])
+    device.nudge(
+        [
+            ip.split("/")[0]
+            for spec in (*d.add, *d.update)
+            if spec.endpoint and spec.keepalive
+            for ip in spec.allowed_ips[:1]
+        ]
+    )
     return hold, windows
 
 
@@ -77,9 +101,14 @@ class AgentService:
     `extensions` start what runs beside the mesh once the interface is up (the job API).
     """
 
-    def __init__(self, state: StateDir, device: Device | None = None, call: CoordinatorCall | None = None,
-                 addresses: Callable[[str], list[str]] = net.local_addresses,
-                 extensions: Sequence[ExtensionFactory] = ()) -> None:
+    def __init__(
+        self,
+        state: StateDir,
+        device: Device | None = None,
+        call: CoordinatorCall | None = None,
+        addresses: Callable[[str], list[str]] = net.local_addresses,
+        extensions: Sequence[ExtensionFactory] = (),
+    ) -> None:
         self.state = state
         self.rec, self.network = member.load(state)
         self.device = device or iface.device_for(state, self.network, self.rec)
@@ -90,10 +119,10 @@ class AgentService:
         self.ready = False
         self.removed = False
         self.path_changed_at = 0.0
-        self.reported: dict[str, int] = {}   # handshakes the coordinator has acknowledged
+        self.reported: dict[str, int] = {}  # handshakes the coordinator has acknowledged
         self.full_report = True
         self.hold_windows: dict[tuple[str, str, str], float] = {}
-        self.apply_lock = threading.Lock()    # the sync loop and the hold-release timer both apply
+        self.apply_lock = threading.Lock()  # the sync loop and the hold-release timer both apply
         self.release_timer: threading.Timer | None = None
         self.extensions = list(extensions)
         self.running: list[Extension] = []
@@ -152,15 +181,18 @@ class AgentService:
         """Candidates plus {peer key: latest handshake} for peers whose handshake changed since the
         last report the coordinator acknowledged (all of them when it asked for a full report)."""
         port = self.network.listen_port
-        cands = list(self.rec.get("advertised", [])) + [f"{a}:{port}"
-                                                         for a in self.addresses(self.network.interface)]
+        cands = list(self.rec.get("advertised", [])) + [f"{a}:{port}" for a in self.addresses(self.network.interface)]
         now = {p.public_key: p.latest_handshake for p in current}
         if self.full_report:
             delta = now
         else:
             delta = {k: hs for k, hs in now.items() if self.reported.get(k) != hs}
-        return {"candidates": cands[:16], "peers": delta, "full": self.full_report,
-                "mtu": int(self.rec.get("mtu") or self.network.mtu)}
+        return {
+            "candidates": cands[:16],
+            "peers": delta,
+            "full": self.full_report,
+            "mtu": int(self.rec.get("mtu") or self.network.mtu),
+        }
 
     def wait_time(self, current: list[peers.PeerState] | None = None) -> float:
         """Long-poll briefly while a path is being probed, so the coordinator hears of the
@@ -184,34 +216,45 @@ class AgentService:
         self.full_report = answer.get("report") == "full"
         try:
             version = int(answer["version"])
-            if answer.get("unchanged"):           # our member list is current (a long-poll that timed out)
+            if answer.get("unchanged"):  # our member list is current (a long-poll that timed out)
                 members = self.members
-            elif "members" in answer:             # the full list
+            elif "members" in answer:  # the full list
                 members = [Member.from_dict(m) for m in answer["members"]]
-            elif int(answer["since"]) == self.version:   # what changed since the version we hold
-                members = memberlist.apply_delta(self.members, [Member.from_dict(m) for m in answer["changed"]],
-                                                 {str(k) for k in answer["removed"]})
-            else:                                 # a delta from elsewhere: ask for the full list next
-                log.warning("ignored a member-list delta since version %s (this node holds %d)",
-                            answer["since"], self.version)
+            elif int(answer["since"]) == self.version:  # what changed since the version we hold
+                members = memberlist.apply_delta(
+                    self.members, [Member.from_dict(m) for m in answer["changed"]], {str(k) for k in answer["removed"]}
+                )
+            else:  # a delta from elsewhere: ask for the full list next
+                log.warning(
+                    "ignored a member-list delta since version %s (this node holds %d)", answer["since"], self.version
+                )
                 self.version = 0
                 return
         except (KeyError, ValueError, TypeError) as exc:
-            raise CoordinatorError(f"malformed sync answer ({exc})", "run the same meshrun version everywhere") from None
+            raise CoordinatorError(
+                f"malformed sync answer ({exc})", "run the same meshrun version everywhere"
+            ) from None
         if not any(m.public_key == self.rec["public_key"] for m in members):
-            err = StateError("this node is no longer a member of the network", "ask the operator for a new token",
-                             status=410)
+            err = StateError(
+                "this node is no longer a member of the network", "ask the operator for a new token", status=410
+            )
             raise err
         before = {m.public_key: m.path for m in self.members}
         # Re-create a peer only when its path really changed; a first assignment ("" -> mode)
         # keeps a tunnel that already works (the coordinator counts its handshake as proof).
-        recreate = frozenset(m.public_key for m in members
-                             if before.get(m.public_key) and before[m.public_key] != m.path
-                             or before.get(m.public_key) == "" and m.path == "private")
+        recreate = frozenset(
+            m.public_key
+            for m in members
+            if before.get(m.public_key)
+            and before[m.public_key] != m.path
+            or before.get(m.public_key) == ""
+            and m.path == "private"
+        )
         if recreate:
             self.path_changed_at = time.time()
-            log.info("path changed for %s", ", ".join(f"{m.name}->{m.path}" for m in members
-                                                       if m.public_key in recreate))
+            log.info(
+                "path changed for %s", ", ".join(f"{m.name}->{m.path}" for m in members if m.public_key in recreate)
+            )
         # Saved when the list changed, not for a version alone: a node holding an older version with
         # the same list gets the same delta after a restart, and 1000 nodes do not rewrite 1000 files
         # for a change elsewhere.
@@ -222,14 +265,20 @@ class AgentService:
         if not self.ready:
             self.ready = True
             process.ready()
-            log.info("agent of %s up: %s on %s, %d members", self.rec["name"], self.rec["overlay_ip"],
-                     self.network.interface, len(members))
+            log.info(
+                "agent of %s up: %s on %s, %d members",
+                self.rec["name"],
+                self.rec["overlay_ip"],
+                self.network.interface,
+                len(members),
+            )
 
     def _apply(self, members: list[Member], recreate: frozenset[str] = frozenset()) -> None:
         """apply_members with handshake holds; a timer applies again when the holds are up."""
         with self.apply_lock:
-            held, self.hold_windows = apply_members(self.device, self.state, self.rec, self.network, members,
-                                                    recreate, self.hold_windows)
+            held, self.hold_windows = apply_members(
+                self.device, self.state, self.rec, self.network, members, recreate, self.hold_windows
+            )
             if held and (self.release_timer is None or not self.release_timer.is_alive()):
                 self.release_timer = threading.Timer(peers.HOLD_S + 0.05, self._release_holds)
                 self.release_timer.daemon = True
@@ -237,12 +286,12 @@ class AgentService:
 
     def _release_holds(self) -> None:
         with self.apply_lock:
-            self.release_timer = None     # this thread: _apply may need to start the next one
+            self.release_timer = None  # this thread: _apply may need to start the next one
         if self.stop_event.is_set():
             return
         try:
             self._apply(self.members)
-        except MeshrunError as exc:   # the next sync applies again
+        except MeshrunError as exc:  # the next sync applies again
             log.warning("could not release handshake holds: %s", exc)
 
     def _cleanup_removed(self) -> None:

@@ -15,11 +15,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshrun.core import auth, keys
-from meshrun.core.model import (Member, Network, check_mtu, check_name, default_node_name, overlay_mtu,
-                                parse_endpoint, refuse_ipv6, split_endpoint)
+from meshrun.core.model import (
+    Member,
+    Network,
+    check_mtu,
+    check_name,
+    default_node_name,
+    overlay_mtu,
+    parse_endpoint,
+    refuse_ipv6,
+    split_endpoint,
+)
 from meshrun.core.token import JoinToken, parse_token
 from meshrun.errors import CoordinatorError, NetworkError, StateError, TokenError, UsageError
-from meshrun.mesh import process, iface, member
+from meshrun.mesh import iface, member, process
 from meshrun.mesh.node.daemon import apply_members
 from meshrun.system import net, probe, transport
 from meshrun.system.device import Device
@@ -38,49 +47,75 @@ class JoinResult:
     resumed: bool
     daemon_pid: int | None
     mtu: int
-    warning: str | None = None       # what the interface costs (an old wireguard-go), with the fix
+    warning: str | None = None  # what the interface costs (an old wireguard-go), with the fix
 
 
-def join_request(tok: JoinToken, name: str, private_key: str, coordinator_public_key: str,
-                 candidates: list[str]) -> dict:
+def join_request(
+    tok: JoinToken, name: str, private_key: str, coordinator_public_key: str, candidates: list[str]
+) -> dict:
     """The body of POST /v1/join (it carries the token secret: send it only over pinned TLS), with the
     proof that this node holds its private key (made with the X25519 secret it shares with the coordinator)."""
     public_key = keys.public_key(private_key)
-    proof = auth.enrol_proof(keys.shared_secret(private_key, coordinator_public_key), tok.network, name, public_key,
-                             tok.token_id, time.time())
-    return {"token_id": tok.token_id, "secret": base64.urlsafe_b64encode(tok.secret).decode().rstrip("="),
-            "name": name, "public_key": public_key, "candidates": candidates, "network": tok.network,
-            "possession": proof}
+    proof = auth.enrol_proof(
+        keys.shared_secret(private_key, coordinator_public_key),
+        tok.network,
+        name,
+        public_key,
+        tok.token_id,
+        time.time(),
+    )
+    return {
+        "token_id": tok.token_id,
+        "secret": base64.urlsafe_b64encode(tok.secret).decode().rstrip("="),
+        "name": name,
+        "public_key": public_key,
+        "candidates": candidates,
+        "network": tok.network,
+        "possession": proof,
+    }
 
 
 def enrol(tok: JoinToken, name: str, private_key: str, candidates: list[str], timeout: float = 15) -> dict:
     """POST /v1/join to each endpoint in the token until one answers; TLS pinned by fingerprint."""
     if not tok.coordinator_key:
-        raise TokenError("this join token was made by an older meshrun and lacks the coordinator's key",
-                         "create a new token on the coordinator (`meshrun token create`)")
+        raise TokenError(
+            "this join token was made by an older meshrun and lacks the coordinator's key",
+            "create a new token on the coordinator (`meshrun token create`)",
+        )
     body = join_request(tok, name, private_key, tok.coordinator_key, candidates)
     tried = []
     for ep in tok.endpoints:
         host, port = split_endpoint(ep)
         try:
-            return transport.call(host, port, "POST", "/v1/join", body, fingerprint=tok.fingerprint,
-                                  timeout=timeout)
+            return transport.call(host, port, "POST", "/v1/join", body, fingerprint=tok.fingerprint, timeout=timeout)
         except CoordinatorError as exc:
             if exc.status:  # the coordinator answered: its verdict is final
                 raise
             tried.append(exc)
     if len(tried) == 1:
         raise tried[0]
-    raise CoordinatorError("cannot reach the coordinator at any of " + ", ".join(tok.endpoints),
-                           "check the addresses and that TCP port is open on the coordinator")
+    raise CoordinatorError(
+        "cannot reach the coordinator at any of " + ", ".join(tok.endpoints),
+        "check the addresses and that TCP port is open on the coordinator",
+    )
 
 
 def abandon(tok: JoinToken, name: str, private_key: str, timeout: float = 5) -> None:
     """Tell the coordinator that this enrolment's join failed here, so the name is free again (best effort)."""
     public_key = keys.public_key(private_key)
-    body = {"name": name, "public_key": public_key, "token_id": tok.token_id,
-            "possession": auth.enrol_proof(keys.shared_secret(private_key, tok.coordinator_key), tok.network, name,
-                                           public_key, f"abandon:{tok.token_id}", time.time())}
+    body = {
+        "name": name,
+        "public_key": public_key,
+        "token_id": tok.token_id,
+        "possession": auth.enrol_proof(
+            keys.shared_secret(private_key, tok.coordinator_key),
+            tok.network,
+            name,
+            public_key,
+            f"abandon:{tok.token_id}",
+            time.time(),
+        ),
+    }
     for ep in tok.endpoints:
         host, port = split_endpoint(ep)
         try:
@@ -94,9 +129,17 @@ Enrol = Callable[[JoinToken, str, str, list[str]], dict]
 Abandon = Callable[[JoinToken, str, str], None]
 
 
-def join(token: str, state: StateDir, name: str | None = None, endpoint: str | None = None,
-         start: bool = True, mtu: int | None = None, device: Device | None = None,
-         enrol_with: Enrol = enrol, abandon_with: Abandon = abandon) -> JoinResult:
+def join(
+    token: str,
+    state: StateDir,
+    name: str | None = None,
+    endpoint: str | None = None,
+    start: bool = True,
+    mtu: int | None = None,
+    device: Device | None = None,
+    enrol_with: Enrol = enrol,
+    abandon_with: Abandon = abandon,
+) -> JoinResult:
     """Enrol this machine and bring up its interface; start the agent unless start=False.
 
     Run again on an enrolled node, it resumes with the same key and address. On failure
@@ -116,8 +159,10 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
         try:
             advertised = [parse_endpoint(endpoint, default_port=split_endpoint(tok.endpoints[0])[1])]
         except ValueError as exc:
-            raise UsageError(f"--endpoint {endpoint!r} is not HOST or HOST:PORT ({exc})",
-                             "give this node's public address, e.g. --endpoint 198.51.100.7") from None
+            raise UsageError(
+                f"--endpoint {endpoint!r} is not HOST or HOST:PORT ({exc})",
+                "give this node's public address, e.g. --endpoint 198.51.100.7",
+            ) from None
     if device is None:
         net.require_admin()
         net.require_tools("ip", "wg")
@@ -126,13 +171,20 @@ def join(token: str, state: StateDir, name: str | None = None, endpoint: str | N
     try:
         return _install(answer, state, private_key, advertised, mtu, device, start)
     except BaseException:
-        with contextlib.suppress(Exception):      # the name is free again at once, not after the grace
+        with contextlib.suppress(Exception):  # the name is free again at once, not after the grace
             abandon_with(tok, name, private_key)
         raise
 
 
-def _install(answer: dict, state: StateDir, private_key: str, advertised: list[str], mtu: int | None,
-             device: Device | None, start: bool) -> JoinResult:
+def _install(
+    answer: dict,
+    state: StateDir,
+    private_key: str,
+    advertised: list[str],
+    mtu: int | None,
+    device: Device | None,
+    start: bool,
+) -> JoinResult:
     """After enrolment: write the state, bring up the interface, apply the peers, start the agent; on
     failure nothing is left here (the caller gives the enrolment back)."""
     try:
@@ -140,12 +192,16 @@ def _install(answer: dict, state: StateDir, private_key: str, advertised: list[s
         me = Member.from_dict(answer["member"])
         members = [Member.from_dict(m) for m in answer["members"]]
     except (KeyError, ValueError, TypeError) as exc:
-        raise CoordinatorError(f"the coordinator's join answer is malformed ({exc})",
-                               "use the same meshrun version on the node and the coordinator") from None
+        raise CoordinatorError(
+            f"the coordinator's join answer is malformed ({exc})",
+            "use the same meshrun version on the node and the coordinator",
+        ) from None
     device = device or iface.device_for(state, network)
     if device.exists():
-        raise NetworkError(f"network interface {network.interface} already exists on this machine",
-                           "run `meshrun leave` if it is a leftover of meshrun, or remove it with `ip link del`")
+        raise NetworkError(
+            f"network interface {network.interface} already exists on this machine",
+            "run `meshrun leave` if it is a leftover of meshrun, or remove it with `ip link del`",
+        )
 
     underlay = None
     if mtu is None:
@@ -155,8 +211,16 @@ def _install(answer: dict, state: StateDir, private_key: str, advertised: list[s
     created_dir = state.create()
     try:
         state.write("private.key", private_key + "\n", secret=True)
-        record = {"role": "node", "name": me.name, "network": network.to_dict(), "overlay_ip": me.overlay_ip,
-                  "public_key": me.public_key, "advertised": advertised, "mtu": mtu, "underlay_mtu": underlay}
+        record = {
+            "role": "node",
+            "name": me.name,
+            "network": network.to_dict(),
+            "overlay_ip": me.overlay_ip,
+            "public_key": me.public_key,
+            "advertised": advertised,
+            "mtu": mtu,
+            "underlay_mtu": underlay,
+        }
         backend = iface.bring_up(device, state, network, me.overlay_ip, mtu)
         record.update(backend=backend, wg_pid=device.pid)
         state.write_json("member.json", record)
@@ -180,18 +244,29 @@ def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinRe
     """Bring an enrolled node back (same key, same address): interface and agent."""
     rec, network = member.load(state)
     if rec.get("role") != "node":
-        raise StateError(f"{state.path} holds a coordinator, not a node",
-                         "use another --state-dir to join from this machine")
+        raise StateError(
+            f"{state.path} holds a coordinator, not a node", "use another --state-dir to join from this machine"
+        )
     if tok is not None and (tok.network != network.name or tok.fingerprint != network.fingerprint):
-        raise StateError(f"this node is already a member of network {network.name!r} (another network's token given)",
-                         "run `meshrun leave --purge` first to switch networks")
+        raise StateError(
+            f"this node is already a member of network {network.name!r} (another network's token given)",
+            "run `meshrun leave --purge` first to switch networks",
+        )
     net.require_admin()
     pid = process.pid(state)
     if pid is None and start:
         pid = process.spawn(state, timeout=READY_TIMEOUT)
     device = iface.device_for(state, network, rec)
-    return JoinResult(rec["name"], rec["overlay_ip"], network, device.backend(), True, pid,
-                      int(rec.get("mtu") or network.mtu), device.warning())
+    return JoinResult(
+        rec["name"],
+        rec["overlay_ip"],
+        network,
+        device.backend(),
+        True,
+        pid,
+        int(rec.get("mtu") or network.mtu),
+        device.warning(),
+    )
 
 
 def leave(state: StateDir, purge: bool = False) -> str:
