@@ -1,0 +1,459 @@
+"""A malicious member, or someone holding a token, gains nothing beyond its own node.
+
+Each test acts from the attacker's position in a NAT'd namespace world (real meshrun, wireguard-go,
+torch): hq-a is the coordinator and hq-b a machine on its LAN that is not a member; dc1-a and dc2-a
+are members that run jobs; dc3-a is a member that attacks.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from support import REPO_ROOT, joined_mesh
+
+from meshrun.core import auth, keys
+from meshrun.core.token import parse_token
+from meshrun.lab.testbed import DatacenterSpec, Mesh
+
+EXAMPLES = REPO_ROOT / "examples"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    with joined_mesh(
+        tmp_path_factory,
+        [DatacenterSpec("hq", nodes=2), DatacenterSpec("dc1"), DatacenterSpec("dc2"), DatacenterSpec("dc3")],
+        "hq-a",
+        ("dc1-a", "dc2-a", "dc3-a"),
+    ) as m:
+        yield m
+
+
+def network(mesh: Mesh) -> dict:
+    return json.loads((mesh.state_dir(mesh.coordinator) / "member.json").read_text())["network"]
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS (KiB) and Threads of a process."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in ("VmRSS", "Threads"):
+            out[k] = int(v.split()[0])
+    return out
+
+
+def py(mesh: Mesh, node: str, code: str, *args: str, timeout: float = 120, check: bool = True):
+    return mesh.world.node(node).run(mesh.python, "-c", code, *args, timeout=timeout, check=check)
+
+
+JOIN = """
+import json, sys
+from meshrun.system import transport
+from meshrun.errors import MeshrunError
+host, port, fp, body = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+try:
+    print(json.dumps({"status": 200, "body": transport.call(host, port, "POST", "/v1/join", body, fingerprint=fp)}))
+except MeshrunError as exc:
+    print(json.dumps({"status": exc.status, "error": str(exc)}))
+"""
+
+
+def test_a_used_up_token_and_a_members_public_key_get_nothing(mesh):
+    """Finding 1: from the internet, a used-up single-use token plus dc1-a's name and public key."""
+    tok_text = mesh.meshrun(mesh.coordinator, "token", "create", "--uses", "1").stdout.strip().splitlines()[-1]
+    tok = parse_token(tok_text)
+    spare = mesh.world.node("hq-b").workdir / "spare-state"
+    mesh.meshrun("hq-b", "join", tok_text, "--name", "spare", "--state-dir", str(spare))
+    mesh.meshrun("hq-b", "leave", "--purge", "--state-dir", str(spare))  # the token is now used up
+    mesh.meshrun(mesh.coordinator, "remove", "spare")
+    victim = json.loads((mesh.state_dir(mesh.world.node("dc1-a")) / "member.json").read_text())
+    base = {
+        "token_id": tok.token_id,
+        "secret": base64.urlsafe_b64encode(tok.secret).decode().rstrip("="),
+        "name": victim["name"],
+        "public_key": victim["public_key"],
+        "network": tok.network,
+        "candidates": [],
+    }
+    mallory = keys.generate_private_key()  # knows the victim's public key, not its private key
+    forged = auth.enrol_proof(
+        keys.shared_secret(mallory, tok.coordinator_key),
+        tok.network,
+        victim["name"],
+        victim["public_key"],
+        tok.token_id,
+        time.time(),
+    )
+    net = network(mesh)
+    public = str(mesh.coordinator.public_ip)
+    for body in (base, {**base, "possession": forged}):
+        res = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                mesh.world.inet,
+                mesh.python,
+                "-c",
+                JOIN,
+                public,
+                str(net["listen_port"]),
+                net["fingerprint"],
+                json.dumps(body),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        answer = json.loads(res.stdout.strip().splitlines()[-1])
+        assert answer["status"] == 401 and "private key" in answer["error"], answer
+        assert "job_key" not in res.stdout and "member" not in answer
+    # With a real proof for a new key, the used-up token itself is refused.
+    newkey = keys.generate_private_key()
+    proof = auth.enrol_proof(
+        keys.shared_secret(newkey, tok.coordinator_key),
+        tok.network,
+        "newcomer",
+        keys.public_key(newkey),
+        tok.token_id,
+        time.time(),
+    )
+    res = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            mesh.world.inet,
+            mesh.python,
+            "-c",
+            JOIN,
+            public,
+            str(net["listen_port"]),
+            net["fingerprint"],
+            json.dumps({**base, "name": "newcomer", "public_key": keys.public_key(newkey), "possession": proof}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    answer = json.loads(res.stdout.strip().splitlines()[-1])
+    assert answer["status"] == 400 and "used up" in answer["error"], answer
+
+
+FLOOD_JOB_API = """
+import socket, sys, threading, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+answers = []
+def one():
+    try:
+        s = socket.create_connection((host, port), timeout=10)
+        s.sendall(b"POST /v1/jobs/x/code HTTP/1.0\\r\\nContent-Type: application/octet-stream\\r\\n"
+                  b"Content-Length: 209715200\\r\\n\\r\\n")
+        try:
+            s.sendall(b"\\0" * (4 << 20))     # the first megabytes of a 200 MiB body
+        except OSError:
+            pass
+        answers.append(s.recv(64)[:12])
+        s.close()
+    except OSError as exc:
+        answers.append(type(exc).__name__)
+ts = [threading.Thread(target=one) for _ in range(n)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(sorted(set(map(str, answers))))
+"""
+
+FLOOD_SYNC = """
+import json, sys
+from meshrun.system import transport
+from meshrun.errors import MeshrunError
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+statuses = []
+for i in range(n):
+    peers = {f"{i:08d}{j:035d}=": j for j in range(5000)}       # invented keys: not members
+    try:
+        transport.call(host, port, "POST", "/v1/sync", {"version": 0, "peers": peers, "full": True}, timeout=10)
+        statuses.append(200)
+    except MeshrunError as exc:
+        statuses.append(exc.status)
+print(json.dumps(statuses))
+"""
+
+
+def test_a_member_flooding_the_job_api_and_the_sync_api_changes_nothing(mesh):
+    """Finding 3: bodies are never read before the sender is known, reports keep only members' keys,
+    connections and threads are bounded; a job still starts and finishes afterwards."""
+    net = network(mesh)
+    dc1_ip = mesh.overlay_ip("dc1-a")
+    agent = mesh.status("dc1-a")["daemon_pid"]
+    coord = mesh.status(mesh.coordinator)["daemon_pid"]
+    before_agent, before_coord = proc_status(agent), proc_status(coord)
+
+    out = py(mesh, "dc3-a", FLOOD_JOB_API, dc1_ip, str(net["api_port"]), "200").stdout
+    assert "HTTP/1.0 200" not in out and "HTTP/1.0 403" in out, out  # refused by source, not read
+    after = proc_status(agent)
+    assert after["VmRSS"] - before_agent["VmRSS"] < 32 * 1024, (before_agent, after)
+    assert after["Threads"] <= before_agent["Threads"] + 2, (before_agent, after)
+
+    statuses = json.loads(
+        py(mesh, "dc3-a", FLOOD_SYNC, net["coordinator_ip"], str(net["api_port"]), "40", timeout=300).stdout
+    )
+    assert 429 in statuses, statuses  # rate-limited
+    after = proc_status(coord)
+    assert after["VmRSS"] - before_coord["VmRSS"] < 48 * 1024, (before_coord, after)
+
+    res = mesh.meshrun(
+        mesh.coordinator,
+        "train",
+        "--nodes",
+        "dc1-a,dc2-a",
+        "--project",
+        "after-flood",
+        "ddp_train.py",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "3",
+        "--checkpoint",
+        "",
+        cwd=EXAMPLES,
+        check=False,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+FLOOD_STORE = """
+import datetime, sys
+from torch.distributed import TCPStore
+host, port = sys.argv[1], int(sys.argv[2])
+c = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+stored = 0
+for i in range(60):
+    try:
+        c.set(f"flood{i}", b"x" * (7 << 20))
+        stored += 7
+    except Exception:
+        break
+print(stored)
+"""
+
+
+def test_the_local_store_is_opt_in_outside_the_daemon_and_capped(mesh):
+    net = network(mesh)
+    coord = mesh.coordinator
+    daemon = mesh.status(coord)["daemon_pid"]
+    probe = py(
+        mesh,
+        "dc3-a",
+        "import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), 3)"
+        "\n print('open')\nexcept OSError:\n print('closed')",
+        net["coordinator_ip"],
+        str(net["rdzv_port"]),
+    ).stdout
+    assert "closed" in probe  # not there unless the operator starts it
+    started = mesh.meshrun(coord, "local-store", "start", "--max-mb", "64").stdout
+    pid = int(re.search(r"pid (\d+)", started).group(1))
+    try:
+        assert pid != daemon
+        before_daemon = proc_status(daemon)["VmRSS"]
+        stored = int(
+            py(mesh, "dc3-a", FLOOD_STORE, net["coordinator_ip"], str(net["rdzv_port"]), timeout=300)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        assert stored <= 64, stored  # refused past the cap
+        assert proc_status(pid)["VmRSS"] < 600 * 1024  # torch itself, plus at most the cap
+        assert abs(proc_status(daemon)["VmRSS"] - before_daemon) < 16 * 1024
+    finally:
+        mesh.meshrun(coord, "local-store", "stop")
+
+
+def test_a_removed_node_cannot_come_back_with_its_old_token(mesh):
+    """Finding 4: the multi-use token it joined with brings neither its name nor its key back."""
+    tok = mesh.meshrun(mesh.coordinator, "token", "create").stdout.strip().splitlines()[-1]
+    other = mesh.world.node("hq-b").workdir / "victim-state"
+    mesh.meshrun("hq-b", "join", tok, "--name", "temp-node", "--state-dir", str(other))
+    mesh.meshrun(mesh.coordinator, "remove", "temp-node")
+    mesh.meshrun("hq-b", "leave", "--purge", "--state-dir", str(other), check=False)  # its agent may be down already
+    again = mesh.meshrun("hq-b", "join", tok, "--name", "temp-node", "--state-dir", str(other), check=False)
+    assert again.returncode != 0 and "was removed from the network after this token was made" in again.stderr, (
+        again.stderr
+    )
+    assert not other.exists()
+
+
+def test_the_token_is_read_from_stdin_and_never_appears_in_a_command_line(mesh, tmp_path):
+    tok = mesh.meshrun(mesh.coordinator, "token", "create", "--uses", "1").stdout.strip().splitlines()[-1]
+    node = mesh.world.node("hq-b")
+    state = node.workdir / "stdin-state"
+    proc = node.popen(
+        mesh.python,
+        "-m",
+        "meshrun",
+        "join",
+        "-",
+        "--name",
+        "from-stdin",
+        "--state-dir",
+        str(state),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    out, err = proc.communicate(tok + "\n", timeout=120)
+    assert proc.returncode == 0, err
+    assert "joined" in out and tok.encode() not in cmdline
+    mesh.meshrun("hq-b", "leave", "--purge", "--state-dir", str(state))
+    mesh.meshrun(mesh.coordinator, "remove", "from-stdin")
+
+
+LONG = ["ddp_train.py", "--epochs", "200", "--steps-per-epoch", "10", "--sleep-per-step", "0.2", "--checkpoint", ""]
+PROBE_ALL = """
+import json, socket, sys
+out = {}
+for target in json.loads(sys.argv[1]):
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        out[target] = "connected"
+    except OSError as exc:
+        out[target] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def listening(mesh: Mesh, node: str, ip: str, skip: set[int]) -> list[str]:
+    """host:port of every TCP socket listening in `node` on `ip` or the wildcard, but `skip`'s ports."""
+    out = []
+    for line in mesh.world.node(node).run("ss", "-tlnH").stdout.splitlines():
+        local = line.split()[3]
+        host, _, port = local.rpartition(":")
+        host = host.strip("[]").split("%")[0]  # "10.213.0.2%meshrun0": bound to the device too
+        if host in (ip, "*", "0.0.0.0", "::") and int(port) not in skip:
+            out.append(f"{ip}:{port}")
+    return sorted(set(out))
+
+
+def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
+    """Finding 2: during a job on the coordinator, dc1-a and dc2-a, dc3-a tries every port the job listens on."""
+    net = network(mesh)
+    skip = {net["api_port"], net["listen_port"]}
+    job = mesh.meshrun(
+        mesh.coordinator,
+        "train",
+        "--detach",
+        "--with-coordinator",
+        "--nodes",
+        "dc1-a,dc2-a",
+        "--project",
+        "scanned",
+        "--job-id",
+        "scanned-job",
+        *LONG,
+        cwd=EXAMPLES,
+    ).stdout.strip()
+    node_ips = {n: mesh.overlay_ip(n) for n in ("dc1-a", "dc2-a", "dc3-a")}
+    decoy = mesh.world.node("dc1-a").popen(
+        mesh.python,
+        "-c",
+        "import socket, time\ns = socket.socket()\n"
+        f"s.bind(('{node_ips['dc1-a']}', 28888)); s.listen()\ntime.sleep(600)",
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "training on 3 rank(s)" not in mesh.meshrun(mesh.coordinator, "logs", job).stdout:
+            assert time.monotonic() < deadline, mesh.meshrun(mesh.coordinator, "logs", job).stdout
+            time.sleep(1)
+        targets = listening(mesh, "hq-a", net["coordinator_ip"], skip)
+        for n in ("dc1-a", "dc2-a"):
+            targets += listening(mesh, n, node_ips[n], skip | {28888})
+        # the job's store on the coordinator, torchrun's store on the rank-0 node, every worker's Gloo listener
+        assert len(targets) >= 5, targets
+        seen = json.loads(py(mesh, "dc3-a", PROBE_ALL, json.dumps(targets + [f"{node_ips['dc1-a']}:28888"])).stdout)
+        assert seen.pop(f"{node_ips['dc1-a']}:28888") == "connected"  # the probe reaches what is not the job's
+        assert "connected" not in seen.values(), seen
+        for n in ("dc1-a", "dc2-a"):
+            tables = mesh.world.node(n).run("nft", "list", "ruleset").stdout
+            assert "meshrun job scanned-job" in tables and node_ips["dc3-a"] not in tables
+        # The negative control: without dc1-a's guard, the same probe reaches its job ports (the job is
+        # cancelled right after: a stray connection may upset Gloo).
+        dc1 = mesh.world.node("dc1-a")
+        table = next(
+            line.split()[2] for line in dc1.run("nft", "list", "tables").stdout.splitlines() if "meshrun_job_" in line
+        )
+        dc1.run("nft", "delete", "table", "inet", table)
+        mine = [t for t in targets if t.startswith(node_ips["dc1-a"] + ":")]
+        assert "connected" in json.loads(py(mesh, "dc3-a", PROBE_ALL, json.dumps(mine)).stdout).values()
+    finally:
+        decoy.kill()
+        decoy.wait()
+        mesh.meshrun(mesh.coordinator, "cancel", job, check=False)
+    deadline = time.monotonic() + 30
+    while (
+        any(
+            "meshrun_job_" in mesh.world.node(n).run("nft", "list", "tables").stdout for n in ("hq-a", "dc1-a", "dc2-a")
+        )
+        and time.monotonic() < deadline
+    ):
+        time.sleep(1)
+    for n in ("hq-a", "dc1-a", "dc2-a"):  # the guards went with the job
+        assert "meshrun_job_" not in mesh.world.node(n).run("nft", "list", "tables").stdout, n
+
+
+UDP_COUNT = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 9999)); s.settimeout(float(sys.argv[1]))
+n = 0
+try:
+    while True:
+        s.recv(100); n += 1
+except OSError:
+    pass
+print(n)
+"""
+UDP_SEND = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(20):
+    s.sendto(b"x", (sys.argv[1], 9999)); time.sleep(0.05)
+"""
+
+
+def test_a_member_cannot_send_into_the_coordinators_lan(mesh):
+    """Finding 5: dc3-a routes hq-b's LAN address at the coordinator; the coordinator never forwards it."""
+    lan_ip = mesh.world.node("hq-b").private_ip
+    coord_key = network(mesh)["coordinator_public_key"]
+    dc3 = mesh.world.node("dc3-a")
+
+    def arrivals() -> int:
+        dc3.run("wg", "set", "meshrun0", "peer", coord_key, "allowed-ips", f"{network(mesh)['cidr']},{lan_ip}/32")
+        dc3.run("ip", "route", "replace", f"{lan_ip}/32", "dev", "meshrun0")
+        counter = mesh.world.node("hq-b").popen(mesh.python, "-c", UDP_COUNT, "4", stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        dc3.run(mesh.python, "-c", UDP_SEND, lan_ip)
+        return int(counter.communicate(timeout=30)[0].strip())
+
+    try:
+        assert arrivals() == 0
+        coord = mesh.coordinator
+        coord.run("nft", "delete", "table", "inet", "meshrun_forward")  # the negative control: no guard
+        try:
+            assert arrivals() > 0
+        finally:
+            coord.run(
+                mesh.python, "-c", "from meshrun.system.firewall import install_forward_guard as g; g('meshrun0')"
+            )
+        assert arrivals() == 0
+    finally:
+        dc3.run("ip", "route", "del", f"{lan_ip}/32", check=False)

@@ -1,0 +1,121 @@
+"""What the tests share that is not a fixture: the repository's paths, the testbed helpers, strategies.
+
+Importable from every test (pyproject.toml puts tests/ on the path): `from support import joined_mesh`.
+Fixtures live in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO_ROOT = TESTS.parent
+EXAMPLES = REPO_ROOT / "examples"
+
+
+def netns_unavailable_reason() -> str | None:
+    """Why namespace tests cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root to build network namespaces (run the tests as root)"
+    return None
+
+
+def unique_prefix() -> str:
+    """A short testbed prefix unique enough for concurrent runs: "t" + 4 hex digits."""
+    return "t" + secrets.token_hex(2)
+
+
+def _world(dcs, prefix: str, **kw):
+    """World.standard(dcs) for a count, else World(dcs): a list of DatacenterSpecs."""
+    from meshrun.lab.testbed import World
+
+    return World.standard(dcs, prefix=prefix, **kw) if isinstance(dcs, int) else World(dcs, prefix=prefix, **kw)
+
+
+@contextlib.contextmanager
+def joined_mesh(tmp_path_factory, dcs, coordinator: str, nodes: Sequence[str]) -> Iterator:
+    """A world (`dcs` as for world_factory) with meshrun init on `coordinator` and `nodes` joined, for a
+    module-scoped fixture; torn down on exit. Skips where namespaces cannot be built (in CI,
+    pytest_runtest_setup fails the netns tests instead)."""
+    from meshrun.lab.testbed import Mesh
+
+    reason = netns_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    prefix = unique_prefix()
+    world = _world(dcs, prefix, workdir=tmp_path_factory.mktemp(prefix))
+    try:
+        world.up()
+        mesh = Mesh(world, coordinator)
+        mesh.init()
+        for n in nodes:
+            mesh.join(n)
+        yield mesh
+    finally:
+        world.down()
+
+
+def json_strategy(max_text: int = 40, max_list: int = 5, max_key: int = 12, max_dict: int = 6, max_leaves: int = 20):
+    """Hypothesis strategy: any JSON value (NaN, huge integers and odd text included), for fuzzing parsers."""
+    from hypothesis import strategies as st
+
+    return st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats(allow_nan=True)
+        | st.text(max_size=max_text),
+        lambda children: st.lists(children, max_size=max_list)
+        | st.dictionaries(st.text(max_size=max_key), children, max_size=max_dict),
+        max_leaves=max_leaves,
+    )
+
+
+# --------------------------------------------------------------------------- a second Python environment
+
+REPO = REPO_ROOT
+PY310_VENV = REPO / ".venv-py310"
+PY310_DEPS = ["typer>=0.9", "cryptography>=41", "wgconfig>=1.0", "numpy", "tomli>=1.1", "pytest>=7", "hypothesis>=6"]
+
+
+def python310() -> str | None:
+    """A working Python 3.10 (a pyenv shim on PATH may name one that is not installed)."""
+    candidates = [
+        p
+        for pattern in (
+            "/root/.pyenv/versions/3.10*/bin/python3.10",
+            os.path.expanduser("~/.pyenv/versions/3.10*/bin/python3.10"),
+        )
+        for p in sorted(glob.glob(pattern), reverse=True)
+    ]
+    candidates += [p for p in (shutil.which("python3.10"), "/usr/bin/python3.10", "/usr/local/bin/python3.10") if p]
+    for py in candidates:
+        ok = (
+            subprocess.run(
+                [py, "-c", "import sys, venv; assert sys.version_info[:2] == (3, 10)"], capture_output=True
+            ).returncode
+            == 0
+        )
+        if ok:
+            return py
+    return None
+
+
+def _venv_without_torch(py: str, where: Path) -> Path:
+    """A venv of interpreter `py` at `where` with meshrun and its dependencies but torch."""
+    vpy = where / "bin" / "python"
+    if not vpy.exists():
+        subprocess.run([py, "-m", "venv", str(where)], check=True, timeout=120)
+    pip = [str(vpy), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run(pip + PY310_DEPS, check=True, timeout=600)
+    subprocess.run(pip + ["--no-deps", "-e", str(REPO)], check=True, timeout=300)
+    return vpy

@@ -1,0 +1,93 @@
+"""Job files (`meshrun train --config`): parsing, errors naming the bad key, command line precedence."""
+
+from __future__ import annotations
+
+import pytest
+from support import REPO_ROOT
+
+from meshrun.core import jobconfig
+from meshrun.core.jobspec import JobSpec
+from meshrun.errors import UsageError
+from meshrun.jobs.submission import job_spec
+from meshrun.system.statedir import read_user_file
+
+EXAMPLE = REPO_ROOT / "configs" / "job.example.toml"
+NOTHING = {
+    "script": None,
+    "script_args": None,
+    "nnodes": None,
+    "nproc_per_node": None,
+    "max_restarts": None,
+    "nodes": None,
+    "wait_timeout": None,
+    "rdzv_timeout": None,
+    "module": False,
+    "no_sync": False,
+    "sync_limit_mb": None,
+    "dry_run": False,
+    "env": {},
+    "job_id": None,
+    "python": None,
+}
+
+
+def test_the_shipped_example_loads_into_a_job_spec(tmp_path):
+    (tmp_path / "examples").mkdir()
+    req = job_spec(jobconfig.merge(jobconfig.parse(EXAMPLE.read_text()), NOTHING), tmp_path)
+    assert req.script == "examples/ddp_train.py"
+    assert req.script_args == ["--epochs", "5", "--steps-per-epoch", "50", "--checkpoint", "checkpoint.pt"]
+    assert (req.nnodes, req.nproc_per_node, req.max_restarts, req.rdzv_timeout) == ("2", 1, 1, 900)
+    assert req.env == {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "4"}
+    assert req.module is False and req.python == "python3"
+
+
+def test_every_key_maps_to_a_job_spec_field():
+    fields = set(JobSpec.__dataclass_fields__)
+    assert {field for field, *_ in jobconfig.KEYS.values()} <= fields
+
+
+def test_command_line_wins_and_env_merges():
+    got = jobconfig.merge(
+        jobconfig.parse('script = "a.py"\nargs = ["--x"]\nnnodes = 3\nmax_restarts = 2\n[env]\nA = "1"\nB = 2\n'),
+        dict(NOTHING, nnodes="2:4", env={"B": "9"}, no_sync=True),
+    )
+    assert got["nnodes"] == "2:4" and got["max_restarts"] == 2
+    assert got["env"] == {"A": "1", "B": "9"}
+    assert got["script"] == "a.py" and got["script_args"] == ["--x"] and got["no_sync"] is True
+
+
+def test_a_script_on_the_command_line_brings_its_own_args():
+    got = jobconfig.merge(
+        jobconfig.parse('script = "a.py"\nargs = ["--x"]\n'), dict(NOTHING, script="b.py", script_args=[])
+    )
+    assert got["script"] == "b.py" and got["script_args"] == []
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("epochs = 3", ["unknown key 'epochs'", "use one of"]),
+        ("nnodes = true", ["nnodes = true must be", 'nnodes = "2:4"']),
+        ('max_restarts = "1"', ["max_restarts = '1' must be an integer"]),
+        ('args = "--epochs 3"', ["args = '--epochs 3' must be a list of strings"]),
+        ("timeout = 0", ["timeout = 0 must be a positive number"]),
+        ("[env]\nA = true", ["env = {'A': True} must be a table"]),
+        ('script = "a', ["is not valid TOML", "fix the syntax"]),
+    ],
+)
+def test_bad_job_files_name_the_key_and_the_fix(text, words):
+    with pytest.raises(UsageError) as exc:
+        jobconfig.parse(text)
+    msg = f"{exc.value.message}; {exc.value.fix}"
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+def test_missing_file_and_missing_script(tmp_path):
+    with pytest.raises(UsageError, match="job file '.*nope.toml' not found; check the path given to --config"):
+        read_user_file(tmp_path / "nope.toml", "job file", "--config")
+    with pytest.raises(UsageError, match="no training script given"):
+        jobconfig.merge({}, NOTHING)
+    with pytest.raises(UsageError, match="unknown option '--bogus'"):
+        jobconfig.merge({}, dict(NOTHING, script="--bogus"))

@@ -1,0 +1,283 @@
+"""meshrun.jobs.worker: prefixes, exit code and signal passthrough, exit records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from support import REPO_ROOT
+
+ROOT = REPO_ROOT
+
+
+def run_worker(
+    tmp_path: Path, code: str, *args: str, module: bool = False, env: dict | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess:
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(code))
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "MESHRUN_JOB_DIR", "TORCHELASTIC_RESTART_COUNT")
+    }
+    full_env.update({"PYTHONPATH": str(ROOT), "MESHRUN_NODE_NAME": "dc1-gpu0", "RANK": "3", "LOCAL_RANK": "1"})
+    full_env.update(env or {})
+    target = ["--module", "child"] if module else [str(script)]
+    return subprocess.run(
+        [sys.executable, "-m", "meshrun.jobs.worker", *target, *args],
+        cwd=tmp_path,
+        env=full_env,
+        capture_output=True,
+        timeout=timeout,
+    )
+
+
+def test_prefixes_stdout_and_stderr(tmp_path):
+    r = run_worker(
+        tmp_path,
+        """
+        import sys
+        print("hello")
+        print("oops", file=sys.stderr)
+        print("args", sys.argv[1:])
+    """,
+        "--epochs",
+        "3",
+    )
+    assert r.returncode == 0
+    assert r.stdout.decode().splitlines() == ["[dc1-gpu0 r3] hello", "[dc1-gpu0 r3] args ['--epochs', '3']"]
+    assert r.stderr.decode().splitlines() == ["[dc1-gpu0 r3] oops"]
+
+
+def test_module_mode(tmp_path):
+    r = run_worker(tmp_path, "import sys; print('as module', __name__, sys.argv[1:])", "x", module=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode() == "[dc1-gpu0 r3] as module __main__ ['x']\n"
+
+
+def test_partial_last_line_and_binary(tmp_path):
+    r = run_worker(
+        tmp_path,
+        r"""
+        import sys
+        sys.stdout.buffer.write(b"line1\nbad \xff byte\nno newline at end")
+    """,
+    )
+    assert r.returncode == 0
+    assert r.stdout.decode().splitlines() == [
+        "[dc1-gpu0 r3] line1",
+        "[dc1-gpu0 r3] bad \ufffd byte",
+        "[dc1-gpu0 r3] no newline at end",
+    ]
+    assert r.stdout.endswith(b"\n")
+
+
+def test_exit_code_passthrough_and_record(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    before = time.time()
+    r = run_worker(
+        tmp_path,
+        "import sys; print('bye'); sys.exit(3)",
+        env={"MESHRUN_JOB_DIR": str(job), "TORCHELASTIC_RESTART_COUNT": "2"},
+    )
+    assert r.returncode == 3
+    assert r.stdout.decode() == "[dc1-gpu0 r3] bye\n"
+    rec = json.loads((job / "exit-r3-a2.json").read_text())
+    assert rec["rank"] == 3 and rec["local_rank"] == 1 and rec["node"] == "dc1-gpu0"
+    assert rec["exit_code"] == 3 and rec["signal"] is None
+    assert before <= rec["time"] <= time.time()
+    assert [p.name for p in job.iterdir()] == ["exit-r3-a2.json"]  # no temp file left behind
+
+
+def test_no_record_without_job_dir(tmp_path):
+    r = run_worker(tmp_path, "pass")
+    assert r.returncode == 0
+    assert not list(tmp_path.glob("exit-*.json"))
+
+
+def test_signal_death_passthrough(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    r = run_worker(
+        tmp_path,
+        "import os, signal; print('dying', flush=True); os.kill(os.getpid(), signal.SIGKILL)",
+        env={"MESHRUN_JOB_DIR": str(job)},
+    )
+    assert r.returncode == -signal.SIGKILL
+    assert r.stdout.decode() == "[dc1-gpu0 r3] dying\n"
+    rec = json.loads((job / "exit-r3-a0.json").read_text())
+    assert rec["signal"] == "SIGKILL" and rec["exit_code"] == 128 + signal.SIGKILL
+
+
+def sigterm_worker(tmp_path: Path, code: str) -> tuple[bytes, int]:
+    """Run `code` under the worker, SIGTERM the worker once the child printed "ready"; (rest of stdout, exit code)."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "meshrun.jobs.worker", str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert p.stdout.readline() == b"[n1 r0] ready\n"
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return out, p.returncode
+
+
+def test_sigterm_is_forwarded_to_the_child(tmp_path):
+    out, code = sigterm_worker(
+        tmp_path,
+        """
+        import signal, sys, time
+        def bye(signum, frame):
+            print("child got", signal.Signals(signum).name, flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, bye)
+        print("ready", flush=True)
+        time.sleep(30)
+    """,
+    )
+    assert out == b"[n1 r0] child got SIGTERM\n"
+    assert code == 7
+
+
+def test_unhandled_sigterm_kills_child_and_worker_alike(tmp_path):
+    _, code = sigterm_worker(tmp_path, "import time\nprint('ready', flush=True)\ntime.sleep(30)\n")
+    assert code == -signal.SIGTERM
+
+
+def test_usage_without_script():
+    r = subprocess.run(
+        [sys.executable, "-m", "meshrun.jobs.worker"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        timeout=30,
+    )
+    assert r.returncode == 2
+    assert b"usage" in r.stderr
+
+
+@pytest.mark.parametrize("mod", ["meshrun.jobs.worker", "meshrun.core.launch"])
+def test_does_not_import_torch(mod):
+    code = f"import sys, {mod}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True, timeout=30)
+
+
+def test_a_progress_bar_becomes_a_few_marked_redraws_and_its_final_state(tmp_path):
+    """400 KiB of tqdm-style redraws without a newline, then one line: bounded output, nothing held back."""
+    t0 = time.monotonic()
+    r = run_worker(
+        tmp_path,
+        r"""
+        import sys, time
+        for i in range(13_000):
+            sys.stderr.write(f"\r eval {i * 100 // 12_999:3d}%|{'#' * (i * 20 // 12_999):<20}| {i + 1}/13000")
+            sys.stderr.flush()
+            if i % 2000 == 0:
+                time.sleep(0.3)
+        sys.stderr.write("\n")
+        print("done")
+    """,
+    )
+    assert r.returncode == 0 and time.monotonic() - t0 < 20
+    err = r.stderr.decode().split("\n")[:-1]  # not splitlines(): a redraw keeps its "\r" marker
+    assert 1 <= len(err) <= 30, len(err)  # not thousands of redraws
+    assert all(line.startswith("[dc1-gpu0 r3] ") for line in err)
+    assert err[-1] == "[dc1-gpu0 r3]  eval 100%|####################| 13000/13000"  # the bar's final state
+    assert all(line.startswith("[dc1-gpu0 r3] \r") for line in err[:-1])  # earlier ones: redraws
+    assert r.stdout.decode() == "[dc1-gpu0 r3] done\n"
+
+
+def test_a_long_line_is_split_and_control_sequences_are_removed(tmp_path):
+    r = run_worker(
+        tmp_path,
+        r"""
+        import sys
+        sys.stdout.write("x" * 40_000 + "\n")
+        print("\x1b[2J\x1b]0;owned\x07\x1b[32mgreen\x1b[0m")
+    """,
+    )
+    lines = r.stdout.decode().splitlines()
+    assert [len(x) for x in lines[:3]] == [len("[dc1-gpu0 r3] ") + n for n in (16384, 16384, 40_000 - 32768)]
+    assert lines[3] == "[dc1-gpu0 r3] \x1b[32mgreen\x1b[0m"
+
+
+def test_a_rank_cannot_forge_a_line_of_another_node(tmp_path):
+    """An embedded newline, carriage return or cursor movement cannot start a line that is not this rank's."""
+    r = run_worker(
+        tmp_path,
+        r"""
+        import sys
+        sys.stdout.write("mine\n[dc2-a r0] forged by a newline\n")
+        sys.stdout.write("x\r[dc2-a r0] forged by a carriage return\n")
+        sys.stdout.write("y\x1b[1A\x1b[2K\x1b[G[dc2-a r0] forged by cursor movement\n")
+        sys.stdout.write("z\x08\x08\x08[dc2-a r0] forged by backspaces\u2028[dc2-a r0] and a separator\n")
+    """,
+    )
+    assert r.returncode == 0
+    assert r.stdout.decode().split("\n") == [
+        "[dc1-gpu0 r3] mine",
+        "[dc1-gpu0 r3] [dc2-a r0] forged by a newline",
+        "[dc1-gpu0 r3] [dc2-a r0] forged by a carriage return",
+        "[dc1-gpu0 r3] y[dc2-a r0] forged by cursor movement",
+        "[dc1-gpu0 r3] z[dc2-a r0] forged by backspaces[dc2-a r0] and a separator",
+        "",
+    ]
+
+
+def test_a_character_split_between_writes_arrives_whole(tmp_path):
+    r = run_worker(
+        tmp_path,
+        r"""
+        import sys, time
+        for part in (b"price \xe2\x82", b"\xac 5\n"):
+            sys.stdout.buffer.write(part)
+            sys.stdout.flush()
+            time.sleep(0.7)             # the worker reads (and ticks) in between
+    """,
+    )
+    assert r.returncode == 0 and r.stdout.decode() == "[dc1-gpu0 r3] price € 5\n"
+
+
+def test_a_slow_progress_bar_reaches_the_reader_while_it_runs(tmp_path):
+    """One redraw, then minutes of work: its current state is passed on within about a second."""
+    script = tmp_path / "child.py"
+    script.write_text("import sys, time\nsys.stderr.write('\\repoch 1/3'); sys.stderr.flush()\ntime.sleep(30)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "meshrun.jobs.worker", str(script)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(p.stderr.readline()), daemon=True)
+    try:
+        t0 = time.monotonic()
+        reader.start()
+        reader.join(10)
+        assert got == [b"[n1 r0] \repoch 1/3\n"] and time.monotonic() - t0 < 10
+    finally:
+        p.send_signal(signal.SIGTERM)  # forwarded: the child goes too
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        p.stderr.close()
