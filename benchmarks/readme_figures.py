@@ -5,7 +5,7 @@
 
 Each row says what was measured, the result as median (min-max, rounds) where the benchmark kept its
 rounds, the WireGuard binary and date it ran with, and the command that reproduces it. A benchmark
-that kept only one run says so. tests/test_readme_figures.py runs the check.
+that kept only one run says so. tests/unit/project/test_readme_figures.py runs the check.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ ignored whatever a later pattern says). The syntax is git's (gitignore(5)): `#` 
 escapes, trailing `/` for directories only, a slash elsewhere anchors the pattern to the file's
 directory, `*`, `?`, `[...]` and `**` (leading `**/`, trailing `/**`, inner `/**/`).
 
-tests/test_ignore.py checks the translation against `git check-ignore` on the same patterns.
+tests/unit/core/test_ignore.py checks the translation against `git check-ignore` on the same patterns.
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""The overlay: the coordinator (enrolment, overlay API, pair paths), the node agent, status."""
+"""The overlay: the coordinator (meshrun.mesh.coordinator), the node (meshrun.mesh.node), and what both share:
+the member record, the interface, the daemon process, status and doctor."""
