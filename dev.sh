@@ -81,8 +81,8 @@ case "${1:-}" in
   demo) install_system; install_python; shift; exec .venv/bin/meshrun demo "$@" ;;
   test) install_system; install_vm; install_python; shift
         # Lint and format first (ruff, configured in pyproject.toml): seconds, and a red CI says why at once.
-        .venv/bin/ruff check meshrun tests benchmarks
-        .venv/bin/ruff format --check meshrun tests benchmarks
+        .venv/bin/ruff check .
+        .venv/bin/ruff format --check .
         exec .venv/bin/python -m pytest -q -ra tests "$@" ;;
   *) echo "usage: ./dev.sh demo|test|install" >&2; exit 2 ;;
 esac

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    torch.manual_seed(args.seed)        # same initial weights on every rank (DDP also broadcasts them)
+    torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts them)
     model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     start = 0

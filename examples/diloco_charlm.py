@@ -78,12 +78,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["diloco", "ddp", "local"], default="diloco")
     p.add_argument("--steps", type=int, default=300, help="inner (optimizer) steps per worker")
-    p.add_argument("--sync-every", type=int, default=20,
-                   help="DiLoCo H: inner steps between two syncs of a fragment; the log interval of ddp/local")
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=20,
+        help="DiLoCo H: inner steps between two syncs of a fragment; the log interval of ddp/local",
+    )
     p.add_argument("--compression", choices=COMPRESSIONS, default="none")
     p.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments (1: plain DiLoCo)")
-    p.add_argument("--overlap", type=int, default=None,
-                   help="inner steps a fragment's sync overlaps [DiLoCo's default]")
+    p.add_argument(
+        "--overlap", type=int, default=None, help="inner steps a fragment's sync overlaps [DiLoCo's default]"
+    )
     p.add_argument("--mixing", type=float, default=0.0, help="local weight when merging a fragment")
     p.add_argument("--no-check-state", action="store_true", help="skip the digest comparison after each sync")
     p.add_argument("--outer-lr", type=float, default=0.7)
@@ -94,13 +99,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads per worker [0: the node's cores / its local workers]; set it when "
-                        "several nodes share one machine (e.g. the namespace testbed)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads per worker [0: the node's cores / its local workers]; set it when "
+        "several nodes share one machine (e.g. the namespace testbed)",
+    )
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--step-time", type=float, default=0.0,
-                   help="pad every inner step to at least this many seconds, to stand in for a GPU step on a "
-                        "CPU-only testbed [0: no padding]")
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="pad every inner step to at least this many seconds, to stand in for a GPU step on a "
+        "CPU-only testbed [0: no padding]",
+    )
     args = p.parse_args(argv)
     for name in ("steps", "sync_every", "batch_size", "seq_len", "hidden", "val_batches"):
         if getattr(args, name) < 1:
@@ -126,19 +139,18 @@ def batches(shard: torch.Tensor, batch: int, seq: int, gen: torch.Generator, dev
     """Endless random windows from this worker's shard: (inputs, next-character targets)."""
     while True:
         starts = torch.randint(0, len(shard) - seq - 1, (batch,), generator=gen)
-        window = torch.stack([shard[s:s + seq + 1] for s in starts.tolist()]).to(device)
+        window = torch.stack([shard[s : s + seq + 1] for s in starts.tolist()]).to(device)
         yield window[:, :-1], window[:, 1:]
 
 
 @torch.no_grad()
-def validate(model: nn.Module, val: torch.Tensor, n_batches: int, batch: int, seq: int,
-             device: torch.device) -> float:
+def validate(model: nn.Module, val: torch.Tensor, n_batches: int, batch: int, seq: int, device: torch.device) -> float:
     """Mean cross-entropy over fixed, evenly spaced validation windows (same for every run)."""
     model.eval()
     starts = torch.linspace(0, len(val) - seq - 2, n_batches * batch).long()
     losses = []
     for chunk in starts.split(batch):
-        window = torch.stack([val[s:s + seq + 1] for s in chunk.tolist()]).to(device)
+        window = torch.stack([val[s : s + seq + 1] for s in chunk.tolist()]).to(device)
         logits = model(window[:, :-1])
         losses.append(nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten()).item())
     model.train()
@@ -162,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
 
     train, val, vocab = load_corpus(args.data)
     shard_len = len(train) // world
-    shard = train[rank * shard_len:(rank + 1) * shard_len]  # each worker sees only its own shard
+    shard = train[rank * shard_len : (rank + 1) * shard_len]  # each worker sees only its own shard
 
     torch.manual_seed(args.seed)
     model = CharGRU(vocab, embed=64, hidden=args.hidden, layers=2).to(device)
@@ -171,13 +183,25 @@ def main(argv: list[str] | None = None) -> None:
     net: nn.Module = model
     opt: DiLoCo | torch.optim.Optimizer = inner
     if args.mode == "diloco":
-        opt = DiLoCo(model, inner, sync_every=args.sync_every, outer_lr=args.outer_lr,
-                     outer_momentum=args.outer_momentum, compression=args.compression, fragments=args.fragments,
-                     overlap=args.overlap, mixing=args.mixing, check_state=not args.no_check_state)
+        opt = DiLoCo(
+            model,
+            inner,
+            sync_every=args.sync_every,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            compression=args.compression,
+            fragments=args.fragments,
+            overlap=args.overlap,
+            mixing=args.mixing,
+            check_state=not args.no_check_state,
+        )
         if opt.resumed:
             r = opt.resumed
-            print(f"resumed rank={rank} world_size={world} sync={r['sync_count']} step={r['step_count']} "
-                  f"source_rank={r['source_rank']} received={'yes' if rank in r['receivers'] else 'no'}", flush=True)
+            print(
+                f"resumed rank={rank} world_size={world} sync={r['sync_count']} step={r['step_count']} "
+                f"source_rank={r['source_rank']} received={'yes' if rank in r['receivers'] else 'no'}",
+                flush=True,
+            )
     elif args.mode == "ddp" and world > 1:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
     first = opt.step_count + 1 if isinstance(opt, DiLoCo) else 1
@@ -191,10 +215,14 @@ def main(argv: list[str] | None = None) -> None:
         return 4 * numel * steps if args.mode == "ddp" and world > 1 else 0
 
     if rank == 0:
-        extra = (f" fragments={opt.fragments} overlap={opt.overlap} mixing={opt.mixing}"
-                 if isinstance(opt, DiLoCo) else "")
-        print(f"start mode={args.mode} world_size={world} params={numel} steps={args.steps} first_step={first} "
-              f"sync_every={args.sync_every} compression={args.compression}{extra} device={device.type}", flush=True)
+        extra = (
+            f" fragments={opt.fragments} overlap={opt.overlap} mixing={opt.mixing}" if isinstance(opt, DiLoCo) else ""
+        )
+        print(
+            f"start mode={args.mode} world_size={world} params={numel} steps={args.steps} first_step={first} "
+            f"sync_every={args.sync_every} compression={args.compression}{extra} device={device.type}",
+            flush=True,
+        )
     t0 = time.perf_counter()
     window_loss, window_n = 0.0, 0
     for step in range(first, args.steps + 1):
@@ -230,12 +258,17 @@ def main(argv: list[str] | None = None) -> None:
         val_loss = validate(model, val, args.val_batches, args.batch_size, args.seq_len, device)
         extra = ""
         if isinstance(opt, DiLoCo):
-            extra = (f" sync_every={args.sync_every} compression={args.compression} fragments={opt.fragments} "
-                     f"syncs={opt.sync_count}")
+            extra = (
+                f" sync_every={args.sync_every} compression={args.compression} fragments={opt.fragments} "
+                f"syncs={opt.sync_count}"
+            )
         ddp_bytes = 4 * numel * args.steps if world > 1 else 0
-        print(f"final val_loss={val_loss:.4f} bytes_sent={bytes_sent(args.steps)} wall_s={wall:.1f} "
-              f"mode={args.mode} world_size={world} steps={args.steps}{extra} ddp_bytes={ddp_bytes} "
-              f"ppl={math.exp(val_loss):.2f}", flush=True)
+        print(
+            f"final val_loss={val_loss:.4f} bytes_sent={bytes_sent(args.steps)} wall_s={wall:.1f} "
+            f"mode={args.mode} world_size={world} steps={args.steps}{extra} ddp_bytes={ddp_bytes} "
+            f"ppl={math.exp(val_loss):.2f}",
+            flush=True,
+        )
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     if rank == args.rank:
         time.sleep(args.delay)
         print(f"rank {rank} of {world} exiting with code {args.code}", file=sys.stderr, flush=True)
-        os._exit(args.code)      # no clean shutdown: like a crash
+        os._exit(args.code)  # no clean shutdown: like a crash
     print(f"rank {rank} of {world} done", flush=True)
     dist.destroy_process_group()
     return 0

@@ -45,8 +45,12 @@ def parse_args(argv=None):
     p.add_argument("--max-size", type=size_arg, default=256 << 20, help="last message size [256M]")
     p.add_argument("--iters", type=int, default=20, help="timed all-reduces per size")
     p.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size")
-    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="auto: nccl when CUDA is available, else gloo")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="auto: nccl when CUDA is available, else gloo",
+    )
     p.add_argument("--json", metavar="FILE", help="write the results as JSON (rank 0)")
     args = p.parse_args(argv)
     if args.min_size < 4 or args.max_size < args.min_size:
@@ -80,15 +84,19 @@ def main(argv=None) -> int:
         sizes.append(s)
         s *= 2
     if rank == 0:
-        print(f"# all_reduce sum float32, {world} ranks, backend {backend}, "
-              f"warmup {args.warmup}, iters {args.iters}", flush=True)
-        print(f"# {'size':>8} {'count':>11} {'time(ms)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'check':>6}",
-              flush=True)
+        print(
+            f"# all_reduce sum float32, {world} ranks, backend {backend}, warmup {args.warmup}, iters {args.iters}",
+            flush=True,
+        )
+        print(
+            f"# {'size':>8} {'count':>11} {'time(ms)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'check':>6}",
+            flush=True,
+        )
     rows = []
     for size in sizes:
         count = size // 4
         buf = torch.ones(count, dtype=torch.float32, device=device)
-        dist.all_reduce(buf)                          # also a correctness check: every element == world
+        dist.all_reduce(buf)  # also a correctness check: every element == world
         sync()
         ok = bool(torch.all(buf == world).item())
         for _ in range(args.warmup):
@@ -99,18 +107,23 @@ def main(argv=None) -> int:
         for _ in range(args.iters):
             dist.all_reduce(buf)
         sync()
-        elapsed = torch.tensor([(time.perf_counter() - t0) / args.iters, 0.0 if ok else 1.0], dtype=torch.float64,
-                               device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)   # the slowest rank sets the pace
+        elapsed = torch.tensor(
+            [(time.perf_counter() - t0) / args.iters, 0.0 if ok else 1.0], dtype=torch.float64, device=device
+        )
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         sec = elapsed[0].item()
         ok = elapsed[1].item() == 0.0
         algbw = size / sec / 1e9
         busbw = algbw * 2 * (world - 1) / world
-        rows.append({"size": size, "count": count, "time_s": sec, "algbw_GBps": algbw, "busbw_GBps": busbw,
-                     "correct": ok})
+        rows.append(
+            {"size": size, "count": count, "time_s": sec, "algbw_GBps": algbw, "busbw_GBps": busbw, "correct": ok}
+        )
         if rank == 0:
-            print(f"  {human(size):>8} {count:>11} {sec * 1e3:>10.3f} {algbw:>12.3f} {busbw:>12.3f} "
-                  f"{'ok' if ok else 'WRONG':>6}", flush=True)
+            print(
+                f"  {human(size):>8} {count:>11} {sec * 1e3:>10.3f} {algbw:>12.3f} {busbw:>12.3f} "
+                f"{'ok' if ok else 'WRONG':>6}",
+                flush=True,
+            )
         del buf
     if rank == 0:
         avg = sum(r["busbw_GBps"] for r in rows) / len(rows)
@@ -118,8 +131,19 @@ def main(argv=None) -> int:
         if args.json:
             tmp = args.json + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"backend": backend, "world_size": world, "iters": args.iters, "warmup": args.warmup,
-                           "dtype": "float32", "op": "sum", "results": rows}, f, indent=2)
+                json.dump(
+                    {
+                        "backend": backend,
+                        "world_size": world,
+                        "iters": args.iters,
+                        "warmup": args.warmup,
+                        "dtype": "float32",
+                        "op": "sum",
+                        "results": rows,
+                    },
+                    f,
+                    indent=2,
+                )
             os.replace(tmp, args.json)
     dist.destroy_process_group()
     return 0 if all(r["correct"] for r in rows) else 1
