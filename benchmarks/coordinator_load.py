@@ -67,10 +67,10 @@ def pct(xs: list[float], q: float) -> float | None:
 def server(args) -> int:
     from dataclasses import replace
 
-    from meshrun.core import auth, keys
+    from meshrun.core import keys
     from meshrun.core.model import Network
     from meshrun.core.token import new_token
-    from meshrun.mesh.coordinator.daemon import CoordinatorService
+    from meshrun.mesh.coordinator.daemon import OVERLAY_MAX_CONNS, OVERLAY_PER_SOURCE, CoordinatorService
     from meshrun.system.coordinatordb import CoordinatorDB
     from meshrun.system.fakedevice import FakeDevice
     from meshrun.system.statedir import StateDir, remove_tree
@@ -114,7 +114,6 @@ def server(args) -> int:
         }
     )
     db.close()
-    state.write("job.key", auth.encode_key(auth.new_key()).encode(), secret=True)
     state.write_json(
         "member.json",
         {
@@ -152,7 +151,14 @@ def server(args) -> int:
         req.client_ip = mapping.get(req.client_ip, req.client_ip)
         return svc.overlay.handle(req)
 
-    srv = JSONServer(("127.0.0.1", 0), handle)
+    def gate(req):
+        req.client_ip = mapping.get(req.client_ip, req.client_ip)
+        return svc.overlay.gate(req)
+
+    # The daemon's own bounds: a benchmark with laxer ones would measure a coordinator nobody runs.
+    srv = JSONServer(
+        ("127.0.0.1", 0), handle, gate=gate, max_conns=OVERLAY_MAX_CONNS, max_per_source=OVERLAY_PER_SOURCE
+    )
     srv.start("overlay")
     svc.apply_peers()
     threading.Thread(target=svc._loop, name="loop", daemon=True).start()

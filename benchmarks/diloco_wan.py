@@ -50,6 +50,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing meshrun
 
+from common import environment  # noqa: E402  (benchmarks/ is on sys.path when a script there runs)
+
 from meshrun.lab.testbed import DatacenterSpec, Mesh, World  # noqa: E402
 
 EXAMPLES = REPO / "examples"
@@ -607,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "loadavg_at_start": load_at_start,
         },
+        "environment": environment(),
         "config": cfg,
         "targets": {
             "bytes_ratio_min": TARGET_BYTES_RATIO,

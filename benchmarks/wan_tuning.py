@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import mesh_world, need_root, set_congctl, write_result  # noqa: E402  (common puts meshrun on sys.path)
 from wan_efficiency import ITERS, allreduce  # noqa: E402
 
-from meshrun import wg  # noqa: E402
 from meshrun.bench.worker import parse_sizes  # noqa: E402
+from meshrun.system import device as wg  # noqa: E402
 
 VARIANTS = ("default", "smallbuf", "mtu1440", "cubic", "reno", "nots", "frag2840")
 CONGCTL = ("cubic", "reno")
@@ -116,6 +116,7 @@ def main() -> int:
     ap.add_argument("--size", default="256M", help="all-reduce size")
     ap.add_argument("--rate", type=int, default=200, help="link rate, Mbit/s")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--name", default="wan_tuning", help="results file name")
     args = ap.parse_args()
 
     need_root()
@@ -208,7 +209,7 @@ def main() -> int:
         f"[{time.monotonic() - t_start:.0f} s]"
     )
     write_result(
-        "wan_tuning",
+        args.name,
         {"rate_mbit": args.rate, "size": size, "rounds": args.rounds, "table": table, "runs": runs},
         summary,
     )

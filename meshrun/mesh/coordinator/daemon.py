@@ -42,6 +42,9 @@ OBSERVE_INTERVAL = 1.0
 BACKLOG_PAUSE = 0.05  # between two slices of a pair backlog: the API threads get the GIL
 OVERLAY_MAX_CONNS = 4096  # threads of the overlay API at most (1000 members long-polling fit)
 OVERLAY_PER_SOURCE = 8
+# A new version wakes every member's long-poll and each comes back at once: at most this often, so a
+# join storm costs members a few syncs a second (under the overlay's per-member rate limit), not one per join.
+PUBLISH_GAP = 0.25
 
 
 class CoordinatorService:
@@ -67,6 +70,7 @@ class CoordinatorService:
         self.members_version = -1  # the member-list version the pair driver last saw
         self.paths_moved = False  # pair paths changed, not yet published (see tick)
         self.published_at = 0.0  # monotonic time of the last roster.publish
+        self.publish_held = False  # a version applied to the interface, held back by PUBLISH_GAP
         private = state.read("private.key").decode().strip()
         self.enrolment = EnrolmentAPI(
             self.db, self.network, self.roster, lambda pub: keys.shared_secret(private, pub), self._enrolled
@@ -134,7 +138,10 @@ class CoordinatorService:
         self.looping = True
         while not self.stop_event.is_set():
             # Pairs still waiting for their first look (a mass start): the next slice at once.
-            self.wake.wait(BACKLOG_PAUSE if self.pairs.backlog else self.interval)
+            pause = BACKLOG_PAUSE if self.pairs.backlog else self.interval
+            if self.publish_held:
+                pause = min(pause, max(0.0, PUBLISH_GAP - (time.monotonic() - self.published_at)))
+            self.wake.wait(pause)
             self.wake.clear()
             if self.stop_event.is_set():
                 return
@@ -188,6 +195,14 @@ class CoordinatorService:
             self.paths_moved = False
         if changed or v != self.roster.version or self.db.recently_removed(REMOVED_GRACE_S + 5):
             self.apply_peers(current)
+            # In a burst of joins the peers are on the interface now (each joiner's handshake works) and
+            # the members hear of them together, in one version, at most PUBLISH_GAP after the last one. Only
+            # with the loop running: it comes back for the held version (tests tick by hand).
+            self.publish_held = (
+                self.looping and v != self.roster.version and time.monotonic() - self.published_at < PUBLISH_GAP
+            )
+            if self.publish_held:
+                return
             # Pair changes go out with the version that announces them (held back ones stay queued).
             self.roster.publish(v, () if self.paths_moved else self.pairs.take_changes())
             self.published_at = time.monotonic()

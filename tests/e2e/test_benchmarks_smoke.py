@@ -1,0 +1,75 @@
+"""Every benchmark runs end to end at a tiny size and writes a result file the README generator can read.
+
+Numbers at these sizes mean nothing; what is checked is that the benchmark code still works against
+the current meshrun (a rename or a changed CLI breaks a benchmark long before anyone re-runs it), and
+that its result carries the environment and the rounds the README's figures are built from. Each
+writes `benchmarks/results/smoke_*.json`, removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from support import REPO_ROOT
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+
+# benchmark script -> tiny arguments (the results name is added by the test)
+CASES = {
+    "time_to_mesh": ["--sizes", "2", "--rounds", "1"],
+    "launch_overhead": ["--nodes", "1", "--rounds", "1"],
+    "relay_vs_direct": ["--mib", "1", "--iters", "1", "--rounds", "1"],
+    "wan_efficiency": ["--sizes", "1M", "--rounds", "1", "--iperf-seconds", "1"],
+    "wan_tuning": ["--variants", "default", "--size", "1M", "--rounds", "1"],
+    "preflight_time": ["--nodes", "2", "--rounds", "1"],
+    "coordinator_load": ["--sizes", "10", "--window", "3", "--probes", "2"],
+}
+
+
+@pytest.fixture
+def result_file(request):
+    name = f"smoke_{request.node.callspec.id}"
+    path = RESULTS / f"{name}.json"
+    path.unlink(missing_ok=True)
+    yield name, path
+    path.unlink(missing_ok=True)
+
+
+def run_benchmark(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / f"{script}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.parametrize("script", list(CASES), ids=list(CASES))
+def test_benchmark_runs_at_a_tiny_size(script, result_file):
+    name, path = result_file
+    proc = run_benchmark(script, [*CASES[script], "--name", name], timeout=400)
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == name
+    assert data["summary"] and data["summary"] in proc.stdout
+    env = data["environment"]
+    assert env["cpus"] >= 1 and env["kernel"] and env["date"]
+    if script != "coordinator_load":  # the only one without WireGuard on the path
+        assert env["wireguard"]["sha256"], env["wireguard"]
+
+
+def test_diloco_wan_runs_at_a_tiny_size(tmp_path):
+    out = tmp_path / "diloco.json"
+    args = ["--variants", "ddp,diloco_fp4", "--steps", "4", "--sync-every", "2", "--hidden", "16"]
+    args += ["--batch-size", "2", "--seq-len", "8", "--workers", "2", "--timeout", "240", "--json", str(out)]
+    run_benchmark("diloco_wan", args, timeout=500)
+    report = json.loads(out.read_text())
+    assert set(report["results"]) >= {"ddp", "diloco_fp4"}, report.keys()
+    assert report["environment"]["wireguard"]["sha256"], report["environment"]
