@@ -26,8 +26,8 @@ numbers and how far off it is; nothing is retried or filtered.
 
 Needs root (network namespaces), wireguard-go, iproute2, iptables and torch. Usage:
 
-    sudo python benchmarks/diloco_wan.py                      # all variants, about 7 minutes on 2 cores
-    sudo python benchmarks/diloco_wan.py --rounds 2           # twice, the order reversed: medians
+    sudo python benchmarks/diloco_wan.py                      # all variants, 3 rounds: about 30 minutes on 2 cores
+    sudo python benchmarks/diloco_wan.py --rounds 1           # once: about 7 minutes
     sudo python benchmarks/diloco_wan.py --variants ddp,local,diloco_int2 -v   # stream every rank's output
 """
 
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rounds",
         type=int,
-        default=1,
+        default=3,
         help="run every variant this many times, alternating the order; medians are compared",
     )
     p.add_argument(

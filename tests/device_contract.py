@@ -1,11 +1,11 @@
 """The Device contract (meshrun.system.device.Device): what every implementation must do, written once.
 
 `CASES` run against a fresh device each; `run_all(factory)` returns {case: "ok" or what went wrong}.
-tests/test_device_contract.py runs them on FakeDevice (no root) and, in a network namespace of its own,
-on WireGuardDevice with wireguard-go (`python tests/device_contract.py real IFACE DIR` prints the JSON),
-so the fake is held to what real WireGuard does: the coordinator's relay relies on an allowed IP moving
-to the peer it is given to, the agent on `update` creating an unknown peer, status on endpoints printed
-the way `wg` prints them.
+tests/unit/system/test_fakedevice.py runs them on FakeDevice (no root); tests/e2e/test_wireguard_device.py
+on WireGuardDevice with wireguard-go in a network namespace of its own (`python tests/device_contract.py
+real IFACE DIR` prints the JSON). So the fake is held to what real WireGuard does: the coordinator's
+relay relies on an allowed IP moving to the peer it is given to, the agent on `update` creating an
+unknown peer, status on endpoints printed the way `wg` prints them.
 """
 
 from __future__ import annotations

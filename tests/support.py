@@ -108,14 +108,3 @@ def python310() -> str | None:
         if ok:
             return py
     return None
-
-
-def _venv_without_torch(py: str, where: Path) -> Path:
-    """A venv of interpreter `py` at `where` with meshrun and its dependencies but torch."""
-    vpy = where / "bin" / "python"
-    if not vpy.exists():
-        subprocess.run([py, "-m", "venv", str(where)], check=True, timeout=120)
-    pip = [str(vpy), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run(pip + PY310_DEPS, check=True, timeout=600)
-    subprocess.run(pip + ["--no-deps", "-e", str(REPO)], check=True, timeout=300)
-    return vpy

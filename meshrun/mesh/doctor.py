@@ -20,8 +20,7 @@ from meshrun.mesh import iface, member, process
 from meshrun.mesh import status as mstatus
 from meshrun.system import host, joblogs, net, probe, procs, transport
 from meshrun.system.device import USERSPACE
-from meshrun.system.projects import disk_use
-from meshrun.system.statedir import StateDir
+from meshrun.system.statedir import StateDir, disk_use
 
 UDP_WAIT_S = 1.0
 
@@ -82,8 +81,8 @@ def gather(state: StateDir, shell_env) -> dict:
     f["environment"] = dict(host.environment(python), free_bytes=host.free_bytes(jobs))
     projects = state / "projects"
     f["disk_use"] = {
-        "jobs": disk_use(jobs),
-        "projects": {p.name: disk_use(p) for p in sorted(projects.iterdir()) if p.is_dir()}
+        "jobs": disk_use(jobs)[0],
+        "projects": {p.name: disk_use(p)[0] for p in sorted(projects.iterdir()) if p.is_dir()}
         if projects.is_dir()
         else {},
     }

@@ -29,6 +29,7 @@ from typing import BinaryIO
 from meshrun.core import codeset, ignore
 from meshrun.errors import LaunchError, UsageError
 from meshrun.system.cmd import run
+from meshrun.system.statedir import disk_use
 
 __all__ = [
     "ALWAYS_IGNORED",
@@ -145,25 +146,6 @@ def _read_rules(path: Path, base: str) -> ignore.IgnoreRules:
         return ignore.IgnoreRules(base)
 
 
-def _du(path: Path, max_entries: int = DU_MAX_ENTRIES) -> tuple[int, int]:
-    """(bytes, files) under `path`, counting at most `max_entries` entries (a dataset may hold millions)."""
-    total = files = seen = 0
-    for root, dirs, names in os.walk(path):
-        for n in names:
-            seen += 1
-            try:
-                st = os.lstat(os.path.join(root, n))
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-                files += 1
-        seen += len(dirs)
-        if seen >= max_entries:
-            break
-    return total, files
-
-
 def _excluded(rel: str, matcher: ignore.Matcher) -> bool:
     """Is `rel` (a file) left out by the always-ignored names or by `matcher`, itself or a parent directory?"""
     parts = rel.split("/")
@@ -250,7 +232,7 @@ def select_files(directory: Path | str, exclude: Iterable[Path | str] = (), use_
     for rel, is_dir in ignored:
         path = root / rel
         if is_dir:
-            b, f = _du(path)
+            b, f = disk_use(path, DU_MAX_ENTRIES)
             entries.append(codeset.Entry(rel, b, f, True))
         else:
             try:

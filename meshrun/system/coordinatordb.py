@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS tokens(
   max_uses INTEGER,                         -- NULL: unlimited until expiry
   uses INTEGER NOT NULL DEFAULT 0,
   revoked_at REAL);
-CREATE TABLE IF NOT EXISTS pairs(           -- the coordinator's path for each node pair (core/paths)
+CREATE TABLE IF NOT EXISTS pairs(           -- the coordinator's path for each node pair (core/pairpaths)
   a TEXT NOT NULL,                          -- node names, a < b
   b TEXT NOT NULL,
   mode TEXT NOT NULL,

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from meshrun.errors import LaunchError, UsageError
 from meshrun.system import procs
 from meshrun.system.statedir import StateDir, atomic_write
 
-__all__ = ["ProjectDir", "check_project", "disk_use"]
+__all__ = ["ProjectDir", "check_project"]
 
 
 def check_project(name: str) -> str:
@@ -105,19 +104,3 @@ class ProjectDir:
             return False
         shutil.rmtree(self.root)
         return True
-
-
-def disk_use(path: Path, max_entries: int = 200_000) -> int:
-    """Bytes of the regular files under `path` (0 when it does not exist; counting stops after `max_entries`)."""
-    total = seen = 0
-    for root, _dirs, names in os.walk(path):
-        for n in names:
-            seen += 1
-            try:
-                st = os.lstat(os.path.join(root, n))
-            except OSError:
-                continue
-            total += st.st_size
-        if seen >= max_entries:
-            break
-    return total

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -79,6 +80,32 @@ def make_dir(path: Path | str, mode: int = 0o755) -> None:
 def remove_tree(path: Path | str) -> None:
     """rm -rf: no error if it is gone already."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def disk_use(path: Path | str, max_entries: int = 200_000) -> tuple[int, int]:
+    """(bytes, regular files) under `path`, (0, 0) when it does not exist. Links are not followed. Counting
+    stops after `max_entries` entries (a dataset may hold millions), so the answer may then be short."""
+    total = files = seen = 0
+    stack = [os.fspath(path)]
+    while stack and seen < max_entries:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    seen += 1
+                    if seen > max_entries:
+                        break
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        total += st.st_size
+                        files += 1
+                    elif stat.S_ISDIR(st.st_mode):
+                        stack.append(entry.path)
+        except OSError:  # gone, or not a directory
+            continue
+    return total, files
 
 
 def temp_root() -> Path:

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from meshrun.core import doctor, mtu, netparse
+from meshrun.core import doctor, netparse
 from meshrun.core.doctor import FAIL, OK, SKIP, WARN
 
 HEALTHY = {
@@ -247,24 +247,6 @@ def test_render_puts_the_fix_under_problems_and_ends_with_a_verdict():
     assert lines[i + 1].strip().startswith("fix: meshrun up")
     assert lines[-1] == "1 problem(s) that block training, 0 warning(s)"
     assert doctor.render(doctor.judge(HEALTHY), "head").splitlines()[-1] == "everything meshrun checks is fine"
-
-
-def test_mtu_search_finds_the_largest_passing_size_in_few_probes():
-    asked = []
-
-    def passes(limit):
-        def probe(n):
-            asked.append(n)
-            return n <= limit
-
-        return probe
-
-    assert mtu.largest(passes(1420), 576, 1420) == 1420 and asked == [1420]
-    asked.clear()
-    found = mtu.largest(passes(1341), 576, 1420)
-    assert 1341 - mtu.STEP < found <= 1341 and len(asked) <= 12
-    assert mtu.largest(passes(500), 576, 1420) is None
-    assert mtu.largest(lambda n: None, 576, 1420) is None
 
 
 def test_link_and_rule_counter_parsers():

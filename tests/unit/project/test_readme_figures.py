@@ -1,4 +1,5 @@
-"""Every figure in the README's Performance table comes from benchmarks/results (benchmarks/readme_figures.py)."""
+"""Every figure in the README's Performance table and in benchmarks/README.md's latest results comes from
+benchmarks/results (benchmarks/readme_figures.py)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,7 @@ def test_the_check_fails_when_a_figure_is_edited_by_hand(tmp_path, monkeypatch):
     assert readme_figures.render(readme) == readme
     edited = readme.replace("of the link rate", "of the link rate (typed by hand: 0.99)", 1)
     assert edited != readme and readme_figures.render(edited) != edited
+    bench = (REPO_ROOT / "benchmarks" / "README.md").read_text()
+    assert readme_figures.render_bench(bench) == bench
+    edited = bench.replace("results/wan_efficiency.json", "results/wan_efficiency.json 0.99", 1)
+    assert edited != bench and readme_figures.render_bench(edited) != edited

@@ -154,3 +154,18 @@ class TestStateDir:
         monkeypatch.setattr(os, "geteuid", lambda: 1000)
         monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
         assert default_state_dir() == tmp_path / "xdg" / "meshrun"
+
+
+def test_disk_use_counts_regular_files_only_and_stops_at_its_bound(tmp_path):
+    from meshrun.system.statedir import disk_use
+
+    assert disk_use(tmp_path / "missing") == (0, 0)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "a.pt").write_bytes(b"x" * 1000)
+    (tmp_path / "log").write_bytes(b"y" * 24)
+    (tmp_path / "link").symlink_to("/etc/passwd")  # a link is not followed, nor counted
+    assert disk_use(tmp_path) == (1024, 2)
+    for i in range(50):
+        (tmp_path / "ckpt" / f"{i}.pt").write_bytes(b"z")
+    used, files = disk_use(tmp_path, max_entries=10)
+    assert files <= 10  # cut short: a dataset with millions of files is not walked to the end
