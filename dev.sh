@@ -9,8 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 APT_PKGS=(iproute2 iptables nftables wireguard-tools wireguard-go iputils-ping iperf3 procps util-linux)
 # The tests' VM (tests/vm.py): Debian's kernel (WireGuard and netem as modules) under QEMU, booted by
-# virtme-ng (a test dependency in pyproject.toml); mke2fs -d (e2fsprogs) builds its Python image.
-VM_APT_PKGS=(qemu-system-x86 linux-image-amd64 e2fsprogs)
+# virtme-ng (a test dependency in pyproject.toml); mke2fs -d (e2fsprogs) builds its Python image; a
+# modular kernel needs an initramfs, which virtme-ng builds around a static busybox (busybox-static).
+VM_APT_PKGS=(qemu-system-x86 linux-image-amd64 e2fsprogs busybox-static)
 PY=${PYTHON:-python3}
 TORCH=${MESHRUN_TORCH:-torch==2.13.0}
 # wireguard-go before this release has no batched I/O: 4-6x slower (README, Performance).

@@ -49,6 +49,9 @@ def unavailable() -> str | None:
         return "qemu-system-x86_64 not found: apt-get install qemu-system-x86 (./dev.sh test does, as root)"
     if kernel() is None:
         return "no Debian kernel with modules in /boot: apt-get install linux-image-amd64 (./dev.sh test does)"
+    if not any(shutil.which(b) for b in ("busybox-static", "busybox.static", "busybox")):
+        # virtme-ng builds an initramfs for a modular kernel around the host's static busybox.
+        return "no busybox for the VM's initramfs: apt-get install busybox-static (./dev.sh test does)"
     if VENV == BASE:
         return "the VM needs the project venv (./dev.sh test runs the suite in .venv)"
     return None

@@ -26,6 +26,7 @@ from meshrun.errors import UsageError
 __all__ = [
     "CGROUP_PARENT",
     "FORWARD_TABLE",
+    "GUARD_LEVELS",
     "JOB_TABLE_PREFIX",
     "add_allowed",
     "check_interface",
@@ -38,6 +39,13 @@ __all__ = [
 ]
 
 JOB_TABLE_PREFIX = "meshrun_job_"
+# The levels a job's cgroup may sit at, counted from the hierarchy's real root. It is level 2 where nft
+# sees that root at /sys/fs/cgroup; in a container with a private cgroup namespace (Docker's default on
+# cgroup v2) it is deeper, and kernels without "netfilter: nft_socket: make cgroupsv2 matching work with
+# namespaces" (Linux 6.12, backported to stable kernels in 2024) compare the level as if from the real root:
+# a level-2 rule alone would never match there and the guard would silently admit everyone. Cgroup IDs are
+# unique, so a rule per level matches the job's cgroup at exactly one level and nothing else.
+GUARD_LEVELS = range(2, 17)
 FORWARD_TABLE = "meshrun_forward"
 CGROUP_PARENT = "meshrun"  # jobs' cgroups live in <cgroup2 root>/meshrun/<table name>
 _IFACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}\Z")
@@ -113,7 +121,7 @@ def _comment(text: str) -> str:
 
 def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) -> str:
     """The script that (re)creates a job guard: table `table` whose cgroup is CGROUP_PARENT/`table`
-    (level 2 below the cgroup2 root), admitting new connections on `interface` only from `allowed`.
+    (level 2 below the cgroup2 root nft sees), admitting new connections on `interface` only from `allowed`.
 
     `allowed` are the overlay addresses of the job's nodes (the coordinator's too when it hosts the job's
     store). Only new connections are judged (TCP SYN without ACK, any UDP datagram): connections the job
@@ -124,8 +132,8 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) 
     """
     table, iface = _check_table(table), check_interface(interface)
     ips = _addresses(allowed)
-    cg = f'socket cgroupv2 level 2 "{CGROUP_PARENT}/{table}"'
     elements = f" elements = {{ {', '.join(ips)} }};" if ips else ""
+    path = f"{CGROUP_PARENT}/{table}"
     return "\n".join(
         [
             f"table inet {table} {{}}",
@@ -135,9 +143,12 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) 
             f"  set nodes {{ type ipv4_addr;{elements} }}",
             "  chain input {",
             "    type filter hook input priority filter - 1; policy accept;",
-            f'    iifname "{iface}" tcp flags & (syn | ack) == syn {cg} ip saddr != @nodes drop',
-            f'    iifname "{iface}" meta l4proto udp {cg} ip saddr != @nodes drop',
-            f'    iifname "{iface}" meta nfproto ipv6 {cg} drop',
+            f'    iifname "{iface}" tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider',
+            f'    iifname "{iface}" meta l4proto udp ip saddr != @nodes jump outsider',
+            f'    iifname "{iface}" meta nfproto ipv6 jump outsider',
+            "  }",
+            "  chain outsider {",
+            *(f'    socket cgroupv2 level {level} "{path}" drop' for level in GUARD_LEVELS),
             "  }",
             "}",
             "",

@@ -57,8 +57,8 @@ NFT_FIXES = (
         "cgroupv2 path fails",
         (
             "nft could not find the job's cgroup under /sys/fs/cgroup: it was removed meanwhile, "
-            "or this mount namespace shows the cgroup v2 hierarchy elsewhere; run meshrun on the "
-            "host, not in a container with a private cgroup namespace"
+            "or this mount namespace shows the cgroup v2 hierarchy elsewhere; mount it at "
+            "/sys/fs/cgroup (mount -t cgroup2 none /sys/fs/cgroup) or run meshrun on the host"
         ),
     ),
     (

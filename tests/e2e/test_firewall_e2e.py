@@ -10,6 +10,7 @@ Every namespace, cgroup and table made here is removed, and every process killed
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -271,3 +272,54 @@ def test_the_forward_guard_keeps_member_traffic_on_the_overlay(lan):
         assert reaches("10.98.0.2")
     finally:
         in_ns(n, "nft", "delete", "table", "inet", rules.FORWARD_TABLE, check=False)
+
+
+def test_a_job_guard_holds_inside_a_container_with_its_own_cgroup_namespace(lan):
+    """As in a privileged container on a cgroup v2 host (Docker's default: a private cgroup namespace rooted
+    below the host's root): the job's cgroup is deeper than it looks from inside, and the guard still holds."""
+    n, a, b = lan["n"], lan["a"], lan["b"]
+    root = cgroup2_root()
+    assert root is not None
+    container = root / f"{unique_prefix()}-ctr"  # the container's cgroup, as the host sees it
+    job = ["guard-test-container", "n1", "ov0"]
+    table = rules.job_table(job[0], "n1")
+    inside_job = container / "meshrun" / table
+
+    def in_container(*argv: str) -> subprocess.CompletedProcess:
+        """`argv` in N's network, moved into `container`, then in a cgroup namespace rooted there with the
+        hierarchy mounted at /sys/fs/cgroup (what a container sees)."""
+        script = (
+            'echo $$ > "$0/cgroup.procs" && exec unshare -C -m --propagation private '
+            'sh -c \'mount -t cgroup2 cgroup2 /sys/fs/cgroup && exec "$@"\' - "$@"'
+        )
+        return sh("nsenter", f"--net=/run/netns/{n}", "sh", "-c", script, str(container), *argv)
+
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", n, sys.executable, "-c", LISTEN, "7000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        container.mkdir()
+        (container / "cgroup.procs").write_text(str(listener.pid))  # the job's process runs in the container
+        v2_line = in_container("cat", "/proc/self/cgroup").stdout.splitlines()[-1]
+        assert v2_line == "0::/"  # the namespace hides the depth
+        in_container(sys.executable, "-c", GUARD, "create", *job, str(listener.pid), "10.99.0.2")
+        listener.stdin.write("go\n")
+        listener.stdin.flush()
+        assert listener.stdout.readline().strip() == "listening"
+        # Negative control: from the host the job's cgroup is at level 3, not the level 2 it is at in the container.
+        assert (inside_job / "cgroup.procs").read_text().split() == [str(listener.pid)]
+        assert len(inside_job.relative_to(root).parts) == 3
+        assert connects(a, "10.99.0.1", 7000) and echoes(a, "10.99.0.1", 7000)  # a node of the job
+        assert not connects(b, "10.99.0.1", 7000) and not echoes(b, "10.99.0.1", 7000)  # not in the job
+        stop(listener)
+        in_container(sys.executable, "-c", GUARD, "remove", *job)
+        assert table not in tables(n) and not inside_job.exists()
+    finally:
+        stop(listener)
+        in_ns(n, "nft", "delete", "table", "inet", table, check=False)
+        for cg in (inside_job, inside_job.parent, container):
+            with contextlib.suppress(OSError):
+                cg.rmdir()

@@ -16,7 +16,6 @@ def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
     script = firewall.job_guard(
         table, "meshrun job exp7 on dc1-a", "meshrun0", ["10.213.0.3", "10.213.0.2", "10.213.0.3"]
     )
-    cg = f'socket cgroupv2 level 2 "meshrun/{table}"'
     assert script.splitlines() == [
         f"table inet {table} {{}}",
         f"delete table inet {table}",  # re-created whole: idempotent, and atomic in one nft -f
@@ -25,9 +24,13 @@ def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
         "  set nodes { type ipv4_addr; elements = { 10.213.0.2, 10.213.0.3 }; }",
         "  chain input {",
         "    type filter hook input priority filter - 1; policy accept;",
-        f'    iifname "meshrun0" tcp flags & (syn | ack) == syn {cg} ip saddr != @nodes drop',
-        f'    iifname "meshrun0" meta l4proto udp {cg} ip saddr != @nodes drop',
-        f'    iifname "meshrun0" meta nfproto ipv6 {cg} drop',
+        '    iifname "meshrun0" tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider',
+        '    iifname "meshrun0" meta l4proto udp ip saddr != @nodes jump outsider',
+        '    iifname "meshrun0" meta nfproto ipv6 jump outsider',
+        "  }",
+        "  chain outsider {",
+        # One rule per level the job's cgroup may be at (a container's cgroup namespace puts it deeper).
+        *(f'    socket cgroupv2 level {n} "meshrun/{table}" drop' for n in range(2, 17)),
         "  }",
         "}",
     ]
