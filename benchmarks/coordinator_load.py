@@ -104,6 +104,8 @@ def server(args) -> int:
         members.append((f"n{i}", keys.public_key(keys.generate_private_key()), loop_ip(i)))
     for name, key, ip in members[: args.agents]:
         m, _ = db.enrol(tok.token_id, tok.secret, name, key, CANDIDATES, net.cidr)
+        # Its first sync, as in a running network: a token holds at most 256 enrolments not yet completed.
+        db.heartbeat(m.overlay_ip, list(CANDIDATES), touch=True)
         mapping[ip] = m.overlay_ip
     # Every member has an observed endpoint (each its own public address), as in a running network.
     db.observe(
