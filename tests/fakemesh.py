@@ -67,8 +67,9 @@ class FakeMesh:
         assert resp.status == 200, resp.body
         return resp.body
 
-    def join(self, name: str, public: str, private: str | None = None) -> Node:
-        """Enrol `name` (start=False: no daemon) on its own FakeDevice; returns it, not yet synced."""
+    def join(self, name: str, public: str, private: str | None = None, site: str | None = None) -> Node:
+        """Enrol `name` (start=False: no daemon) on its own FakeDevice, in `site` if given; returns it, not yet
+        synced."""
         state = StateDir(self.root / name)
         device = FakeDevice(name=self.network.interface)
         node.join(
@@ -80,6 +81,7 @@ class FakeMesh:
             device=device,
             enrol_with=self._enrol,
             abandon_with=lambda *a: None,
+            site=site,
         )
         n = Node(name, state, device, None, public, private or "172.31.40.46:51820")  # type: ignore[arg-type]
         n.agent = AgentService(

@@ -46,6 +46,10 @@ def join(
     mtu: Annotated[
         Optional[int], typer.Option(help="Overlay MTU [probed: the network's, lowered to fit the path].")
     ] = None,
+    site: Annotated[
+        Optional[str],
+        typer.Option(help="The site this node is in: nodes that share a private network (a datacenter, a fabric)."),
+    ] = None,
     foreground: Annotated[bool, typer.Option(help="Run the agent in this process (for systemd).")] = False,
     state_dir: StateOpt = None,
 ) -> None:
@@ -64,7 +68,7 @@ def join(
 
     app = Application.for_command(state_dir)
     text = read_token(token, token_file)
-    res = node.join(text, app.state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu)
+    res = node.join(text, app.state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu, site=site)
     verb = "resumed" if res.resumed else "joined"
     app.echo(
         f"{verb} {res.network.name} as {res.name} at {res.overlay_ip} on {res.network.interface} "

@@ -17,6 +17,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from meshrun.core.topology import Placement
 from meshrun.errors import UsageError
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -46,6 +47,7 @@ class NodeInfo:
     name: str
     overlay_ip: str
     gpus: int = 0  # visible CUDA devices on that node
+    site: Placement | None = None  # its site within the job (meshrun.core.topology.placement)
 
 
 @dataclass(frozen=True)
@@ -96,14 +98,18 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return lo, hi
 
 
-def worker_env(interface: str, node_name: str, user_env: Mapping[str, str], overlay_ip: str = "") -> dict[str, str]:
+def worker_env(
+    interface: str, node_name: str, user_env: Mapping[str, str], overlay_ip: str = "", site: Placement | None = None
+) -> dict[str, str]:
     """The variables meshrun sets for one node's torchrun and workers.
 
     Pins Gloo and NCCL to the overlay interface, disables
     InfiniBand (an overlay carries sockets only) and opens several TCP streams per peer.
     Every variable in `user_env` is included and wins over meshrun's defaults, except
     ``MESHRUN_NODE_NAME``, ``MESHRUN_OVERLAY_IP`` and ``MESHRUN_INTERFACE``, which are always the node's
-    name, address and overlay interface.
+    name, address and overlay interface, and, with `site`, ``MESHRUN_SITE``, ``MESHRUN_SITE_RANK``,
+    ``MESHRUN_NUM_SITES`` and ``MESHRUN_SITE_ADDR`` (the node's address on the site network, when the
+    job has another node in its site): what meshrun.train.sites groups ranks by.
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is not set: torchrun's agent already defaults it to 1
     for its workers in torch 2.13, so a hung collective on a dead peer tears the worker down.
     """
@@ -142,6 +148,12 @@ def worker_env(interface: str, node_name: str, user_env: Mapping[str, str], over
     env["MESHRUN_NODE_NAME"] = node_name
     env["MESHRUN_OVERLAY_IP"] = overlay_ip
     env["MESHRUN_INTERFACE"] = interface
+    if site is not None:
+        env["MESHRUN_SITE"] = site.site
+        env["MESHRUN_SITE_RANK"] = str(site.rank)
+        env["MESHRUN_NUM_SITES"] = str(site.count)
+        if site.addr:
+            env["MESHRUN_SITE_ADDR"] = site.addr
     return env
 
 
@@ -248,5 +260,5 @@ def plan(
             *worker,
             *opts.script_args,
         )
-        out.append(NodeLaunch(n.name, argv, worker_env(opts.interface, n.name, user_env, n.overlay_ip)))
+        out.append(NodeLaunch(n.name, argv, worker_env(opts.interface, n.name, user_env, n.overlay_ip, n.site)))
     return out

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from meshrun.core.keys import is_public_key
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}\Z")  # \Z: `$` would accept a trailing newline
+SITE_RE = NAME_RE  # `meshrun join --site`: a name like a member's
 IFACE_RE = re.compile(r"^[A-Za-z0-9_=+.-]{1,15}\Z")
 DEFAULT_PORT = 51820
 DEFAULT_MTU = 1420
@@ -79,6 +80,7 @@ class Member(_Wire):
     last_handshake: int = 0  # with the coordinator, unix seconds (0 = never)
     path: str = ""  # for the receiving node: private | public | relayed | ""
     mtu: int = 0  # the member's overlay MTU as it reported it (0 = unknown)
+    site: str = ""  # the site it joined with (`meshrun join --site`), "" if none
 
     @classmethod
     def from_dict(cls, d: dict) -> Member:
@@ -96,6 +98,7 @@ class Member(_Wire):
             last_handshake=_int(d, "last_handshake", 0, 2**40, required=False),
             path=_choice(d, "path", ("", "private", "public", "relayed")),
             mtu=_int(d, "mtu", 0, 9000, required=False),
+            site=_str(d, "site", SITE_RE) if d.get("site") else "",
         )
 
 

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from meshrun.core import launch, preflight
+from meshrun.core import launch, preflight, topology
 from meshrun.core.jobspec import JobSpec
 from meshrun.core.model import Member, Network
 from meshrun.errors import MeshrunError, UsageError
@@ -20,7 +20,17 @@ from meshrun.system import archive
 from meshrun.system.archive import Packed
 from meshrun.system.statedir import StateDir
 
-__all__ = ["candidates", "check_environments", "coordinator_copy", "pack", "ask_health", "nproc", "code_dir", "plan"]
+__all__ = [
+    "candidates",
+    "check_environments",
+    "coordinator_copy",
+    "pack",
+    "placements",
+    "ask_health",
+    "nproc",
+    "code_dir",
+    "plan",
+]
 
 
 def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[Member], rec: dict) -> list[ShareHandle]:
@@ -90,6 +100,12 @@ def pack(spec: JobSpec, state: StateDir) -> Packed:
     return archive.pack(archive.select_files(code_dir(spec), exclude=[state.path]), spec.sync_limit_mb)
 
 
+def placements(shares: list[ShareHandle], sites: dict[str, topology.Site]) -> dict[str, topology.Placement]:
+    """The site of each share within the job, numbered in the shares' order (the candidates', so that a node
+    that joins an elastic job later finds the numbering the others got). `sites`: topology.assign's."""
+    return topology.placement([s.name for s in shares], sites)
+
+
 def ask_health(s) -> dict | None:
     """The share's health answer (GPUs, interpreter), or None if its agent does not answer."""
     try:
@@ -117,11 +133,21 @@ def code_dir(spec: JobSpec) -> Path:
 
 
 def plan(
-    spec: JobSpec, network: Network, ready: list[tuple[str, str, dict]], store_port: int, local: bool = False
+    spec: JobSpec,
+    network: Network,
+    ready: list[tuple[str, str, dict]],
+    store_port: int,
+    local: bool = False,
+    sites: dict[str, topology.Placement] | None = None,
 ) -> list[launch.NodeLaunch]:
-    """Every ready node's torchrun command and environment for `spec` (ready: name, overlay IP, health)."""
+    """Every ready node's torchrun command and environment for `spec` (ready: name, overlay IP, health).
+
+    `sites`: every node's site within the job (`placements`); None: the ready nodes', each a site of its own.
+    """
     opts = spec.launch_options(network, store_port, shipped=not spec.no_sync)
-    infos = [launch.NodeInfo(name, ip, int(h.get("gpus", 0) or 0)) for name, ip, h in ready]
+    if sites is None:
+        sites = topology.placement([name for name, _, _ in ready], {})
+    infos = [launch.NodeInfo(name, ip, int(h.get("gpus", 0) or 0), sites.get(name)) for name, ip, h in ready]
     plans = launch.plan(infos, opts, spec.env, local=local)
     if spec.python:
         return plans

@@ -24,7 +24,7 @@ from meshrun.core import termtext
 from meshrun.core.jobspec import ShareEnd
 from meshrun.core.termtext import LINE_RE, is_noise
 from meshrun.errors import LaunchError, MeshrunError
-from meshrun.system import joblogs, procs, statedir
+from meshrun.system import joblogs, net, procs, statedir
 from meshrun.system.firewall import JobGuard
 from meshrun.system.joblogs import BoundedLog
 from meshrun.system.projects import ProjectDir
@@ -35,6 +35,15 @@ from meshrun.system.statedir import StateDir
 LINE_CAP = 4 * termtext.MAX_LINE + 256
 # torchrun's own lines that name what went wrong (the last one is the most specific)
 ERROR_RE = re.compile(r"^\S*(Error|Exception)\b.*?: \S|^RuntimeError|^ERROR:")
+
+
+def _interface_of(address: str) -> str | None:
+    """The interface holding `address` here; None when none does or `ip` fails (the site group then uses
+    the process's default interface, the overlay)."""
+    try:
+        return net.interface_of(address)
+    except MeshrunError:
+        return None
 
 
 class Share:
@@ -75,6 +84,12 @@ class Share:
         if self.project is not None:
             env["MESHRUN_OUTPUT_DIR"] = str(self.project.work)
             env["MESHRUN_PROJECT"] = self.project.name
+        site_addr = env.get("MESHRUN_SITE_ADDR")
+        if site_addr and not env.get("MESHRUN_SITE_IFNAME"):
+            # The coordinator knows the node's site address, only the node its interface (gloo binds by name).
+            dev = _interface_of(site_addr)
+            if dev:
+                env["MESHRUN_SITE_IFNAME"] = dev
         try:
             self.proc = procs.popen(
                 self.argv,

@@ -19,7 +19,7 @@ from meshrun.core import codeset, launch, preflight
 from meshrun.core.jobspec import JobSpec, check_job_id
 from meshrun.core.model import Network
 from meshrun.errors import LaunchError, UsageError
-from meshrun.jobs.planning import ask_health, candidates, check_environments, code_dir, plan
+from meshrun.jobs.planning import ask_health, candidates, check_environments, code_dir, placements, plan
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
 from meshrun.system import archive, host, joblogs, procs
@@ -128,6 +128,7 @@ def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
     a node that does not answer is planned with 0 GPUs and python3.
     """
     network, shares = check(state, spec)
+    sites = placements(shares, admin.sites(state))
     _, hi = spec.bounds(len(shares))
     shares = shares[:hi]
     with ThreadPoolExecutor(max_workers=len(shares)) as pool:
@@ -159,7 +160,7 @@ def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
     )
     workdir = spec.cwd if spec.no_sync else f"<state>/projects/{spec.project}/work"
     ready = [(s.name, s.overlay_ip, healths[s.name] or {}) for s in shares]
-    for p in plan(spec, network, ready, network.rdzv_port + 1):
+    for p in plan(spec, network, ready, network.rdzv_port + 1, sites=sites):
         lines += [f"# {p.node}", f"cd {workdir} && {p.shell()}"]
     return lines
 

@@ -27,12 +27,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from meshrun.core import codeset, launch, preflight
+from meshrun.core import codeset, launch, preflight, topology
 from meshrun.core.jobspec import EXIT_CANCELLED, JobRecord, JobSpec, JobState, ShareEnd
 from meshrun.core.outcome import Outcome
 from meshrun.errors import LaunchError, MeshrunError
 from meshrun.jobs.handles import LocalShare, RemoteShare
-from meshrun.jobs.planning import ask_health, candidates, check_environments, nproc, pack, plan
+from meshrun.jobs.planning import ask_health, candidates, check_environments, nproc, pack, placements, plan
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
 from meshrun.system import joblogs, procs, tcpstore
@@ -65,6 +65,7 @@ class Supervisor:
         self.job_id = job_id
         db, self.network = admin.open_db(state, readonly=True)
         self.members = db.members()
+        self.pairs = db.pairs()  # which members proved a private path: sites (meshrun.core.topology)
         db.close()
         self.rec, _ = member.load(state)
         self.record = JobRecord(
@@ -88,6 +89,7 @@ class Supervisor:
         self.guard: JobGuard | None = None  # the job's store answers only the job's nodes
         self.allowed: list[str] = []  # the overlay addresses of the job's nodes
         self.packed: Packed | None = None  # the code as shipped (elastic additions get the same)
+        self.sites: dict | None = None  # every candidate's site within the job, numbered once at the start
 
     # ------------------------------------------------------------------ bookkeeping
     def say(self, text: str) -> None:
@@ -173,7 +175,10 @@ class Supervisor:
         self.guard = JobGuard(self.job_id, f"{self.rec['name']}/store", self.network.interface).create(self.allowed)
         self.guard.join()
         self.store, self.store_port = self._host_store()
-        plans = plan(self.spec, self.network, [(s.name, s.overlay_ip, h) for s, h in ready], self.store_port)
+        self.sites = placements(self.candidates(), topology.assign(self.members, self.pairs))
+        plans = plan(
+            self.spec, self.network, [(s.name, s.overlay_ip, h) for s, h in ready], self.store_port, sites=self.sites
+        )
         self.outcome = Outcome(self.spec.elastic, lo if self.spec.nnodes else len(plans))
         self._each(plans, lambda p: self._start(by_name[p.node], p))
         self.record.state, self.record.started = JobState.RUNNING, time.time()
@@ -349,7 +354,9 @@ class Supervisor:
             h = ask_health(s)
             if h is None:
                 continue
-            (p,) = plan(self.spec, self.network, [(s.name, s.overlay_ip, h)], self.store_port, local=True)
+            (p,) = plan(
+                self.spec, self.network, [(s.name, s.overlay_ip, h)], self.store_port, local=True, sites=self.sites
+            )
             try:
                 if self.packed is not None:  # the code the job started with, not what the directory holds now
                     s.ship(self.job_id, self.project, self.packed.blob)

@@ -9,7 +9,7 @@ import statistics
 import time
 from collections import Counter
 
-from meshrun.core import pairpaths
+from meshrun.core import pairpaths, topology
 from meshrun.core.model import Member
 from meshrun.errors import UsageError
 from meshrun.mesh import iface, member, process
@@ -63,6 +63,8 @@ def gather(state: StateDir, measure: bool = True) -> dict:
     up = device.exists()
     current = device.peers() if up else []
     now = int(time.time())
+    # The coordinator knows every pair's path, so it also infers sites; a node shows what members joined with.
+    sites = _sites(state, members) if rec.get("role") == "coordinator" else {m.name: m.site for m in members}
     rows = []
     for p in current:
         m = by_key.get(p.public_key)
@@ -70,6 +72,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         rows.append(
             {
                 "name": m.name if m else "?",
+                "site": sites.get(m.name, "") if m else "",
                 "overlay_ip": ip,
                 "public_key": p.public_key,
                 "endpoint": p.endpoint,
@@ -107,6 +110,15 @@ def gather(state: StateDir, measure: bool = True) -> dict:
     if rec.get("role") == "coordinator":
         out["pairs"] = _pairs(state, members)
     return out
+
+
+def _sites(state: StateDir, members: list[Member]) -> dict[str, str]:
+    """{member: site name} as jobs group them (meshrun.core.topology), from the coordinator's database."""
+    db = CoordinatorDB(state / "coordinator.db", readonly=True)
+    try:
+        return {name: site.name for name, site in topology.assign(members, db.pairs()).items()}
+    finally:
+        db.close()
 
 
 def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
@@ -199,7 +211,7 @@ def render(st: dict, full: bool = False) -> str:
     if st.get("removed"):
         head.append("this node was REMOVED from the network by the coordinator")
     head += [f"warning: {w}" for w in st.get("warnings", [])]
-    cols = ["NAME", "OVERLAY IP", "PATH", "ENDPOINT", "HANDSHAKE", "RTT", "RX", "TX"]
+    cols = ["NAME", "SITE", "OVERLAY IP", "PATH", "ENDPOINT", "HANDSHAKE", "RTT", "RX", "TX"]
     shown = st["peers"]
     lines = head + [""]
     if not full and len(shown) > SUMMARY_AT:
@@ -219,6 +231,7 @@ def render(st: dict, full: bool = False) -> str:
     rows = [
         [
             r["name"],
+            r.get("site") or "-",
             r["overlay_ip"],
             r.get("path", "-"),
             r["endpoint"] or "-",

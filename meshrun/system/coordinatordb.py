@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS members(
   joined_at REAL NOT NULL,
   last_seen REAL,
   removed_at REAL,
-  mtu INTEGER NOT NULL DEFAULT 0);           -- the member's overlay MTU as its agent reports it
+  mtu INTEGER NOT NULL DEFAULT 0,            -- the member's overlay MTU as its agent reports it
+  site TEXT NOT NULL DEFAULT '');           -- the site its agent reports (`meshrun join --site`)
 CREATE UNIQUE INDEX IF NOT EXISTS members_active_name ON members(name) WHERE removed_at IS NULL;
 CREATE TABLE IF NOT EXISTS tokens(
   id TEXT PRIMARY KEY,
@@ -175,6 +176,8 @@ class CoordinatorDB:
         cols = {r[1] for r in self.conn.execute("PRAGMA table_info(members)")}
         if "mtu" not in cols:
             self.conn.execute("ALTER TABLE members ADD COLUMN mtu INTEGER NOT NULL DEFAULT 0")
+        if "site" not in cols:
+            self.conn.execute("ALTER TABLE members ADD COLUMN site TEXT NOT NULL DEFAULT ''")
         self.conn.execute(
             "INSERT OR IGNORE INTO removals(public_key, name, removed_at) "
             "SELECT public_key, name, removed_at FROM members WHERE removed_at IS NOT NULL"
@@ -360,11 +363,13 @@ class CoordinatorDB:
             self._bump(c)
             return Member(name, public_key, ip, None, tuple(candidates)), True
 
-    _COLS = "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake, mtu"
+    _COLS = "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake, mtu, site"
 
     @staticmethod
     def _row_member(r) -> Member:
-        return Member(r[0], r[1], r[2], r[3], tuple(json.loads(r[4])), bool(r[5]), r[6], mtu=int(r[7] or 0))
+        return Member(
+            r[0], r[1], r[2], r[3], tuple(json.loads(r[4])), bool(r[5]), r[6], mtu=int(r[7] or 0), site=r[8] or ""
+        )
 
     def _member_where(self, c, where: str, args: tuple) -> Member | None:
         r = c.execute(f"SELECT {self._COLS} FROM members WHERE {where}", args).fetchone()
@@ -428,31 +433,40 @@ class CoordinatorDB:
             return m
 
     def heartbeat(
-        self, ip: str, candidates: list[str], now: float | None = None, touch: bool = False, mtu: int | None = None
+        self,
+        ip: str,
+        candidates: list[str],
+        now: float | None = None,
+        touch: bool = False,
+        mtu: int | None = None,
+        site: str | None = None,
     ) -> None:
-        """Record a member's self-reported candidates (and overlay MTU); bump the version if they changed.
+        """Record a member's self-reported candidates (overlay MTU, site); bump the version if they changed.
 
         Writes only when the candidates or MTU changed, on the member's first sync ever, or with
         `touch` (the coordinator passes it on a member's first sync since the daemon started,
         so last_seen says when it last reconnected): an idle network's heartbeats cost no
-        disk write (and no fsync). `mtu` None (an agent that does not report it) keeps the stored one.
+        disk write (and no fsync). `mtu` or `site` None (an agent that does not report it) keeps the stored one.
         """
         new = json.dumps(candidates)
         with self._lock:
             old = self.conn.execute(
-                "SELECT candidates, last_seen, mtu FROM members WHERE overlay_ip=? AND removed_at IS NULL", (ip,)
+                "SELECT candidates, last_seen, mtu, site FROM members WHERE overlay_ip=? AND removed_at IS NULL",
+                (ip,),
             ).fetchone()
         if old is None:
             return
         mtu = old[2] if mtu is None else mtu
-        if old[0] == new and old[2] == mtu and old[1] is not None and not touch:
+        site = old[3] if site is None else site
+        changed = old[0] != new or old[2] != mtu or old[3] != site
+        if not changed and old[1] is not None and not touch:
             return
         with self.tx() as c:
             c.execute(
-                "UPDATE members SET candidates=?, mtu=?, last_seen=? WHERE overlay_ip=? AND removed_at IS NULL",
-                (new, mtu, time.time() if now is None else now, ip),
+                "UPDATE members SET candidates=?, mtu=?, site=?, last_seen=? WHERE overlay_ip=? AND removed_at IS NULL",
+                (new, mtu, site, time.time() if now is None else now, ip),
             )
-            if old[0] != new or old[2] != mtu:
+            if changed:
                 self._bump(c)
 
     def observe(self, observations: dict[str, tuple[str | None, int]]) -> bool:

@@ -62,6 +62,12 @@ def local_addresses(exclude: str | None = None) -> list[str]:
     return [addr for _, addr in netparse.addresses(out, exclude)]
 
 
+def interface_of(address: str) -> str | None:
+    """The interface that holds IPv4 `address` on this machine, or None."""
+    out = run(["ip", "-4", "-o", "addr", "show"], check=False, quiet=True).stdout
+    return next((dev for dev, addr in netparse.addresses(out) if addr == address), None)
+
+
 def default_route_address() -> str | None:
     """The primary address of the default route's device, if there is one."""
     dev = netparse.default_device(run(["ip", "-4", "-o", "route", "show", "default"], check=False, quiet=True).stdout)

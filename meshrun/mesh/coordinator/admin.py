@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 
+from meshrun.core import topology
 from meshrun.core.model import Member, Network
 from meshrun.core.token import looks_like_token, new_token, parse_duration, parse_token
 from meshrun.errors import StateError, UsageError
@@ -67,6 +68,15 @@ def remove_member(state: StateDir, name: str) -> Member:
         names = ", ".join(x.name for x in db.members() if not x.is_coordinator) or "none"
         raise UsageError(f"there is no node named {name!r}", f"members are: {names}")
     return m
+
+
+def sites(state: StateDir) -> dict[str, topology.Site]:
+    """Every member's site (read-only): what it joined with, or what its private paths show."""
+    db, _ = open_db(state, readonly=True)
+    try:
+        return topology.assign(db.members(), db.pairs())
+    finally:
+        db.close()
 
 
 def members(state: StateDir) -> tuple[Network, list[Member]]:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 
-from meshrun.core.model import Member, Network, parse_endpoint, split_endpoint
+from meshrun.core.model import SITE_RE, Member, Network, parse_endpoint, split_endpoint
 from meshrun.core.ratelimit import RateLimiter
 from meshrun.errors import StateError, UsageError
 from meshrun.mesh.coordinator.pairs import PairDriver
@@ -56,7 +56,7 @@ class OverlayAPI:
         self.probed: dict[str, float] = {}  # member name -> monotonic time of its last UDP probe
         # (overlay IP, public key) -> (candidates, mtu) as last handed to db.heartbeat: an unchanged
         # heartbeat needs no database access (and no wait for its lock) at all.
-        self.heard: dict[tuple[str, str], tuple[list[str], int | None]] = {}
+        self.heard: dict[tuple[str, str], tuple[list[str], int | None, str | None]] = {}
         self.limiter = RateLimiter(SYNC_BURST, SYNC_PER_S)
 
     def gate(self, req: Request) -> Response | None:
@@ -120,13 +120,16 @@ class OverlayAPI:
             mtu = body.get("mtu")
             if mtu is not None and (isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 9000):
                 raise ValueError("mtu must be an integer in 576..9000")
+            site = body.get("site")
+            if site is not None and not (isinstance(site, str) and (site == "" or SITE_RE.match(site))):
+                raise ValueError("site must be a name")
         except (ValueError, TypeError, KeyError, OverflowError):
             return Response.error(400, UsageError("malformed sync request", "use the meshrun agent"))
         owed = self.pairs.report(caller.name, delta, full=bool(body.get("full")))
         heard = (caller.overlay_ip, caller.public_key)
-        if owed or self.heard.get(heard) != (candidates, mtu):
-            self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu)
-            self.heard[heard] = (candidates, mtu)
+        if owed or self.heard.get(heard) != (candidates, mtu, site):
+            self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu, site=site)
+            self.heard[heard] = (candidates, mtu, site)
         deltas = bool(body.get("delta")) and known > 0  # the agent applies deltas (meshrun >= this one)
         # A node that owes a full report is answered at once, so its pairs are judged again soon.
         deadline = time.monotonic() + (0 if owed else wait)

@@ -192,6 +192,7 @@ class AgentService:
             "peers": delta,
             "full": self.full_report,
             "mtu": int(self.rec.get("mtu") or self.network.mtu),
+            "site": str(self.rec.get("site") or ""),
         }
 
     def wait_time(self, current: list[peers.PeerState] | None = None) -> float:

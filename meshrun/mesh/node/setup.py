@@ -139,17 +139,21 @@ def join(
     device: Device | None = None,
     enrol_with: Enrol = enrol,
     abandon_with: Abandon = abandon,
+    site: str | None = None,
 ) -> JoinResult:
     """Enrol this machine and bring up its interface; start the agent unless start=False.
 
-    Run again on an enrolled node, it resumes with the same key and address. On failure
+    `site`: the site this node is in (its agent reports it; jobs group their ranks by it, see
+    meshrun.core.topology). Run again on an enrolled node, it resumes with the same key and address. On failure
     nothing is left: no interface, no daemon, no state files (the coordinator keeps a
     reservation it frees for the same name on the next try). Tests pass a FakeDevice (whose
     caller needs no privileges) and an in-process `enrol_with`.
     """
     tok = parse_token(token)
+    if site is not None:
+        check_name(site, "--site")
     if state.exists:
-        return resume(state, tok, start)
+        return resume(state, tok, start, site=site)
     name = check_name(name) if name else default_node_name(platform.node())
     if mtu is not None:
         check_mtu(mtu)
@@ -169,7 +173,7 @@ def join(
     private_key = keys.generate_private_key()
     answer = enrol_with(tok, name, private_key, advertised)
     try:
-        return _install(answer, state, private_key, advertised, mtu, device, start)
+        return _install(answer, state, private_key, advertised, mtu, device, start, site or "")
     except BaseException:
         with contextlib.suppress(Exception):  # the name is free again at once, not after the grace
             abandon_with(tok, name, private_key)
@@ -184,6 +188,7 @@ def _install(
     mtu: int | None,
     device: Device | None,
     start: bool,
+    site: str = "",
 ) -> JoinResult:
     """After enrolment: write the state, bring up the interface, apply the peers, start the agent; on
     failure nothing is left here (the caller gives the enrolment back)."""
@@ -220,6 +225,7 @@ def _install(
             "advertised": advertised,
             "mtu": mtu,
             "underlay_mtu": underlay,
+            "site": site,
         }
         backend = iface.bring_up(device, state, network, me.overlay_ip, mtu)
         record.update(backend=backend, wg_pid=device.pid)
@@ -240,8 +246,9 @@ def _install(
     return JoinResult(me.name, me.overlay_ip, network, backend, False, daemon_pid, mtu, device.warning())
 
 
-def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinResult:
-    """Bring an enrolled node back (same key, same address): interface and agent."""
+def resume(state: StateDir, tok: JoinToken | None, start: bool = True, site: str | None = None) -> JoinResult:
+    """Bring an enrolled node back (same key, same address): interface and agent; `site` (if given) becomes
+    its site, which its agent reports from its next start (UsageError while the agent runs with another)."""
     rec, network = member.load(state)
     if rec.get("role") != "node":
         raise StateError(
@@ -254,6 +261,14 @@ def resume(state: StateDir, tok: JoinToken | None, start: bool = True) -> JoinRe
         )
     net.require_admin()
     pid = process.pid(state)
+    if site is not None and site != rec.get("site", ""):
+        if pid is not None:
+            raise UsageError(
+                f"--site {site!r}: this node's agent is running with site {rec.get('site', '')!r}",
+                "run `meshrun leave` (the node keeps its keys and address), then this `meshrun join` again",
+            )
+        rec["site"] = site
+        state.write_json("member.json", rec)
     if pid is None and start:
         pid = process.spawn(state, timeout=READY_TIMEOUT)
     device = iface.device_for(state, network, rec)

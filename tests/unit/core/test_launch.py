@@ -12,6 +12,7 @@ from support import REPO_ROOT
 
 from meshrun.core import launch
 from meshrun.core.launch import NodeInfo, NodeLaunch, TrainOptions
+from meshrun.core.topology import Placement
 from meshrun.errors import UsageError
 
 ROOT = REPO_ROOT
@@ -105,6 +106,20 @@ def test_user_env_wins_except_node_name():
     assert p.env["GLOO_SOCKET_IFNAME"] == "eth1"
     assert p.env["NCCL_DEBUG"] == "INFO"
     assert p.env["MESHRUN_NODE_NAME"] == "dc1-gpu0" and p.env["MESHRUN_INTERFACE"] == "meshrun0"
+
+
+def test_every_worker_learns_its_site_and_the_user_cannot_rename_it():
+    site = Placement("fra", 1, 2, "10.1.0.2")
+    nodes = [NodeInfo("a", "10.77.0.2", 0, site), NodeInfo("b", "10.77.0.3", 0, Placement("b", 0, 2, ""))]
+    a, b = launch.plan(nodes, opts(), {"MESHRUN_SITE": "liar", "MESHRUN_NUM_SITES": "9"})
+    assert {k: a.env[k] for k in a.env if k.startswith("MESHRUN_SITE") or k == "MESHRUN_NUM_SITES"} == {
+        "MESHRUN_SITE": "fra",
+        "MESHRUN_SITE_RANK": "1",
+        "MESHRUN_NUM_SITES": "2",
+        "MESHRUN_SITE_ADDR": "10.1.0.2",
+    }
+    assert b.env["MESHRUN_SITE"] == "b" and "MESHRUN_SITE_ADDR" not in b.env  # alone in its site: no site network
+    assert "MESHRUN_SITE" not in launch.plan(NODES[:1], opts())[0].env  # planned without sites: none set
 
 
 def test_user_socket_threads_keep_the_product_within_64():

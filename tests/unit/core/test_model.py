@@ -167,6 +167,7 @@ class TestMember:
             "last_handshake": 1700000000,
             "path": "",
             "mtu": 0,
+            "site": "",
         }
 
     @pytest.mark.parametrize(
@@ -175,6 +176,7 @@ class TestMember:
             member(),
             member(endpoint=None, candidates=(), last_handshake=0),
             member(is_coordinator=True, endpoint="[2001:db8::2]:51820"),
+            member(site="dc1"),
         ],
     )
     def test_round_trip(self, m):
@@ -209,6 +211,8 @@ class TestMember:
             {"last_handshake": "0"},
             {"last_handshake": None},
             {"last_handshake": 2**41},
+            {"site": "DC 1"},
+            {"site": 7},
         ],
         ids=repr,
     )

@@ -33,6 +33,7 @@ STATUS = {
         },
         {
             "name": "gpu-b",
+            "site": "dc2",
             "overlay_ip": "10.213.0.3",
             "endpoint": None,
             "handshake_age_s": None,
@@ -62,10 +63,10 @@ def test_render_table():
 network lab  node gpu-a  10.213.0.2 in 10.213.0.0/16
 interface meshrun0 (wireguard-go)  udp/51820  mtu 1420  daemon running (pid 4242)
 
-NAME   OVERLAY IP   PATH             ENDPOINT             HANDSHAKE  RTT      RX          TX
-coord  10.213.0.1   direct (public)  203.0.113.1:51820    5s ago     0.50 ms  1023 B      1.0 KiB
-gpu-b  10.213.0.3   relayed          -                    never      -        0 B         5.0 MiB
-?      10.213.0.10  unknown          [2001:db8::1]:51820  2h ago     -        3072.0 GiB  1.5 KiB
+NAME   SITE  OVERLAY IP   PATH             ENDPOINT             HANDSHAKE  RTT      RX          TX
+coord  -     10.213.0.1   direct (public)  203.0.113.1:51820    5s ago     0.50 ms  1023 B      1.0 KiB
+gpu-b  dc2   10.213.0.3   relayed          -                    never      -        0 B         5.0 MiB
+?      -     10.213.0.10  unknown          [2001:db8::1]:51820  2h ago     -        3072.0 GiB  1.5 KiB
 RTT: median of 9 TCP connects over the overlay"""
     )
 
@@ -88,7 +89,7 @@ network lab  coordinator coord  10.213.0.1 in 10.213.0.0/16
 interface meshrun0 DOWN  udp/51820  mtu 1420  daemon not running
 this node was REMOVED from the network by the coordinator
 
-NAME  OVERLAY IP  PATH  ENDPOINT  HANDSHAKE  RTT  RX  TX
+NAME  SITE  OVERLAY IP  PATH  ENDPOINT  HANDSHAKE  RTT  RX  TX
 (no peers yet)"""
     )
 

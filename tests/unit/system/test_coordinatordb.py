@@ -377,7 +377,7 @@ class TestConcurrency:
         assert {m.overlay_ip for m in db.members()} == set(ips) | {"10.213.0.1"}
 
 
-def test_a_reported_mtu_is_stored_and_moves_the_version_once(tmp_path):
+def test_a_reported_mtu_and_site_are_stored_and_move_the_version_once(tmp_path):
     import sqlite3
 
     from meshrun.system.coordinatordb import CoordinatorDB
@@ -401,4 +401,11 @@ def test_a_reported_mtu_is_stored_and_moves_the_version_once(tmp_path):
     db.heartbeat("10.213.0.2", [], mtu=1220)
     db.heartbeat("10.213.0.2", [])  # an agent that does not report it keeps the stored one
     assert db.members()[0].mtu == 1220 and db.version() == v + 1
+    assert db.members()[0].site == ""  # the site column came with the same migration
+    db.heartbeat("10.213.0.2", [], site="fra")
+    db.heartbeat("10.213.0.2", [], site="fra")
+    db.heartbeat("10.213.0.2", [])  # not reported: kept
+    assert db.members()[0].site == "fra" and db.version() == v + 2
+    db.heartbeat("10.213.0.2", [], site="")  # reported empty: cleared
+    assert db.members()[0].site == "" and db.version() == v + 3
     db.close()

@@ -16,9 +16,11 @@ from fakemesh import FakeMesh
 
 from meshrun.core import keys, memberlist, pairpaths, peers
 from meshrun.core.model import Member
-from meshrun.errors import StateError
+from meshrun.errors import StateError, UsageError
+from meshrun.mesh.coordinator import admin
 from meshrun.mesh.node.daemon import apply_members
 from meshrun.system.fakedevice import FakeDevice
+from meshrun.system.transport import Request
 
 
 @pytest.fixture
@@ -59,6 +61,43 @@ def test_nodes_behind_one_public_ip_talk_over_their_private_addresses(mesh):
     assert mesh.member_seen_by(a, b).path == pairpaths.PRIVATE
     assert mesh.peer(a, b).endpoint == "172.31.40.47:51820"
     assert mesh.peer(b, a).endpoint == "172.31.40.46:51820"
+
+
+def test_sites_come_from_join_site_and_from_private_paths_that_work(mesh):
+    a = mesh.join("a", "198.51.100.2:40000", "10.1.0.2:51820", site="fra")
+    b = mesh.join("b", "198.51.100.3:40000", "10.1.0.3:51820", site="fra")  # told, though its NAT differs
+    c = mesh.join("c", "198.51.100.9:40000", "172.31.40.46:51820")
+    d = mesh.join("d", "198.51.100.9:40002", "172.31.40.47:51820")
+    for n in (a, b, c, d):
+        mesh.see(n)
+    mesh.sync()
+    mesh.sync()
+    assert mesh.member_seen_by(c, a).site == "fra" and mesh.member_seen_by(a, c).site == ""
+    assert admin.sites(mesh.coord_state)["c"].name == "c"  # private path chosen, not yet proven
+    mesh.handshake(c, d)
+    mesh.sync()  # the agents report it, the next tick judges it
+    mesh.sync()
+    sites = admin.sites(mesh.coord_state)
+    assert {n: (s.name, s.addr) for n, s in sites.items() if n != "coordinator"} == {
+        "a": ("fra", "10.1.0.2"),
+        "b": ("fra", "10.1.0.3"),
+        "c": ("lan-198.51.100.9", "172.31.40.46"),
+        "d": ("lan-198.51.100.9", "172.31.40.47"),
+    }
+
+
+@pytest.mark.parametrize("site", ["Not A Name", 7, "x" * 40])
+def test_a_sync_with_a_malformed_site_is_refused(mesh, site):
+    a = mesh.join("a", "198.51.100.2:40000")
+    body = {**a.agent.heartbeat([]), "site": site}
+    resp = mesh.coord.overlay.handle(Request("POST", "/v1/sync", a.ip, body))
+    assert resp.status == 400 and "malformed sync request" in str(resp.body)
+
+
+def test_a_bad_site_is_refused_before_anything_is_made(mesh):
+    with pytest.raises(UsageError, match="--site 'DC 1' is not a valid name"):
+        mesh.join("a", "198.51.100.2:40000", site="DC 1")
+    assert not (mesh.root / "a").exists()
 
 
 def test_a_pair_without_a_handshake_falls_back_to_relayed_through_the_coordinator(mesh):

@@ -1,0 +1,219 @@
+"""Sites inside a job: a process group per site, and an all-reduce across sites that uses every node's uplink.
+
+A site is a set of the job's nodes that reach each other directly on a private network (a datacenter's
+LAN or fabric); between sites, traffic crosses the overlay and the WAN. A flat ring all-reduce over the
+overlay runs at the speed of one WAN link. The hierarchical all-reduce here does what the links allow:
+
+1. reduce-scatter inside each site (site network): local rank i ends with the site's sum of shard i;
+2. all-reduce of shard i across sites, among the ranks with local rank i (one group per i, on the
+   overlay): every node sends only its own shard over its own uplink, all at once;
+3. all-gather inside each site (site network): every rank has the whole sum.
+
+Each node's WAN traffic is 2(S-1)/S of a shard instead of 2(N-1)/N of the whole tensor (S sites, N
+ranks), and the WAN links of all nodes of a site carry it in parallel.
+
+Use it from a script that `meshrun train` runs, after ``torch.distributed.init_process_group``::
+
+    from meshrun.train import sites
+    g = sites.groups()                  # collective: every rank calls it, in the same order
+    sites.all_reduce(grad_bucket, g)    # in place; equal to dist.all_reduce up to float rounding
+
+``groups()`` reads the worker's site from ``MESHRUN_SITE`` (pass ``site=`` to override; ranks without
+one form a site of their own per node, ``MESHRUN_NODE_NAME`` or the host name). With gloo, the site's groups
+bind to ``MESHRUN_SITE_IFNAME`` (the node's interface on the site network) when it is set, the
+cross-site groups to the overlay (``GLOO_SOCKET_IFNAME``, which `meshrun train` pins to it). gloo reads
+the interface when a group is made, so the choice is per group. NCCL reads its transport settings once
+per process: the groups made here use whatever the process was launched with (the overlay's socket
+transport under `meshrun train`); a per-group NCCL transport is not done yet.
+
+Sites of different sizes have no one-to-one shard owners: ``all_reduce`` then falls back to the
+flat all-reduce over the job's group (correct, not faster), and ``SiteGroups.hierarchical`` says so.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshrun.errors import UsageError
+
+__all__ = ["SiteGroups", "SiteLayout", "all_reduce", "groups"]
+
+ENV_SITE = "MESHRUN_SITE"
+ENV_SITE_IFNAME = "MESHRUN_SITE_IFNAME"
+ENV_NODE = "MESHRUN_NODE_NAME"
+_OPS = ("sum", "avg")
+
+
+@dataclass(frozen=True)
+class SiteLayout:
+    """Which global ranks are in which site. Pure.
+
+    `sites` are in the order of each site's lowest rank; `ranks[i]` are site i's ranks, ascending.
+    """
+
+    sites: tuple[str, ...]
+    ranks: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, site_of_rank: Sequence[str]) -> SiteLayout:
+        """The layout of a job whose rank r is in site `site_of_rank[r]`. UsageError for an empty name."""
+        by_site: dict[str, list[int]] = {}
+        for rank, site in enumerate(site_of_rank):
+            if not site:
+                raise UsageError(f"rank {rank} has an empty site name", "set MESHRUN_SITE or pass site=")
+            by_site.setdefault(site, []).append(rank)
+        return cls(tuple(by_site), tuple(tuple(r) for r in by_site.values()))
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every site has as many ranks as every other (needed for one shard owner per site)."""
+        return len({len(r) for r in self.ranks}) == 1
+
+    def site_index(self, rank: int) -> int:
+        for i, ranks in enumerate(self.ranks):
+            if rank in ranks:
+                return i
+        raise UsageError(f"rank {rank} is in no site of this layout", "build the layout from every rank's site")
+
+    def local_rank(self, rank: int) -> int:
+        """The rank's position inside its site."""
+        return self.ranks[self.site_index(rank)].index(rank)
+
+    def cross_groups(self) -> list[tuple[int, ...]]:
+        """For each local rank i, the ranks with local rank i in every site (empty unless uniform)."""
+        if not self.uniform:
+            return []
+        return [tuple(site[i] for site in self.ranks) for i in range(len(self.ranks[0]))]
+
+
+@dataclass(frozen=True)
+class SiteGroups:
+    """This rank's site and the groups ``all_reduce`` uses (from ``groups()``).
+
+    `local` holds the ranks of this rank's site; `cross` the ranks with this rank's local rank in every
+    site (None when sites differ in size or there is one site); `world` the group they were made from
+    (None: the default group).
+    """
+
+    layout: SiteLayout
+    rank: int
+    site: str
+    site_rank: int
+    num_sites: int
+    local_rank: int
+    local_size: int
+    local: Any
+    cross: Any
+    world: Any = None
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether ``all_reduce`` takes the three-step path (else the flat all-reduce over `world`)."""
+        return self.cross is not None
+
+
+def _default_site() -> str:
+    return os.environ.get(ENV_SITE) or os.environ.get(ENV_NODE) or platform.node()
+
+
+@contextmanager
+def _gloo_interface(ifname: str | None):
+    """GLOO_SOCKET_IFNAME set to `ifname` while a group is made (gloo reads it then); restored after."""
+    if not ifname:
+        yield
+        return
+    old = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = old
+
+
+def groups(site: str | None = None, *, site_ifname: str | None = None, world: Any = None) -> SiteGroups:
+    """Make this job's site groups: collective, every rank of `world` (default: the default group) calls it.
+
+    `site`: this rank's site (default ``MESHRUN_SITE``, else one site per node). `site_ifname`: the
+    interface gloo binds the site group to (default ``MESHRUN_SITE_IFNAME``; unset: the process's default,
+    the overlay under `meshrun train`). UsageError when torch.distributed is not initialized.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UsageError(
+            "meshrun.train.sites.groups() needs torch.distributed", "call torch.distributed.init_process_group first"
+        )
+    mine = site or _default_site()
+    names: list[Any] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(names, mine, group=world)
+    # Ranks of `world` as the group sees them; new_group takes global ranks.
+    ranks = [dist.get_global_rank(world, r) if world is not None else r for r in range(len(names))]
+    layout = SiteLayout.of([str(n) for n in names])
+    me = dist.get_rank(world)
+    ifname = site_ifname if site_ifname is not None else os.environ.get(ENV_SITE_IFNAME)
+    if dist.get_backend(world) != "gloo":
+        ifname = None  # NCCL's transport is per process (see the module docstring)
+    local = None
+    for site_ranks in layout.ranks:  # every rank makes every group, in one order (new_group is collective)
+        mine_here = me in site_ranks
+        with _gloo_interface(ifname if mine_here else None):
+            g = dist.new_group([ranks[r] for r in site_ranks])
+        if mine_here:
+            local = g
+    cross = None
+    if len(layout.sites) > 1:
+        for owners in layout.cross_groups():
+            g = dist.new_group([ranks[r] for r in owners])
+            if me in owners:
+                cross = g
+    i = layout.site_index(me)
+    return SiteGroups(
+        layout=layout,
+        rank=me,
+        site=layout.sites[i],
+        site_rank=i,
+        num_sites=len(layout.sites),
+        local_rank=layout.local_rank(me),
+        local_size=len(layout.ranks[i]),
+        local=local,
+        cross=cross,
+        world=world,
+    )
+
+
+def all_reduce(tensor: torch.Tensor, g: SiteGroups, op: str = "sum") -> torch.Tensor:
+    """Reduce `tensor` over every rank of `g.world`, in place, and return it: "sum" or "avg".
+
+    Hierarchical when ``g.hierarchical`` (reduce-scatter in the site, all-reduce of each shard across
+    sites, all-gather in the site), else one flat all-reduce. The sum is the same as ``dist.all_reduce``'s
+    up to the order of float additions (exact for values that add exactly, e.g. integers in fp32).
+    UsageError for another op.
+    """
+    if op not in _OPS:
+        raise UsageError(f"op {op!r} is not supported by meshrun.train.sites.all_reduce", "use 'sum' or 'avg'")
+    if not g.hierarchical:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g.world)
+    else:
+        n = g.local_size
+        flat = tensor.detach().reshape(-1)
+        pad = (-flat.numel()) % n
+        buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.clone()
+        shard = buf.new_empty(buf.numel() // n)
+        dist.reduce_scatter_tensor(shard, buf, op=dist.ReduceOp.SUM, group=g.local)
+        dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=g.cross)
+        dist.all_gather_into_tensor(buf, shard, group=g.local)
+        with torch.no_grad():
+            tensor.copy_(buf[: flat.numel()].view_as(tensor))
+    if op == "avg":
+        with torch.no_grad():
+            tensor.div_(dist.get_world_size(g.world))
+    return tensor
