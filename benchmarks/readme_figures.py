@@ -140,6 +140,27 @@ def diloco_wan(d: dict) -> tuple[str, str]:
     )
 
 
+def sites(d: dict) -> tuple[str, str]:
+    runs = d["runs_s"]
+    intra = [o / n for o, n in zip(runs["intra_overlay"], runs["intra_site_network"])]  # paired by round
+    cross = [f / h for f, h in zip(runs["cross_flat"], runs["cross_hierarchical"])]
+    times = "; ".join(
+        f"{label} {_spread(runs[key])} s"
+        for label, key in (
+            ("site network", "intra_site_network"),
+            ("overlay", "intra_overlay"),
+            ("hierarchical", "cross_hierarchical"),
+            ("flat", "cross_flat"),
+        )
+    )
+    return (
+        f"2 sites x 2 nodes, each node's own uplink {d['node_rate_mbit']} Mbit/s: the site network vs the overlay "
+        "inside a site, the hierarchical vs the flat all-reduce across sites (gloo)",
+        f"intra-site {d['intra_mib']} MiB: {_spread(intra, '{:.1f}')}x faster on the site network; cross-site "
+        f"{d['cross_mib']} MiB: {_spread(cross)}x faster hierarchical ({times}); results identical: {d['identical']}",
+    )
+
+
 ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("wan_efficiency", wan_efficiency, "benchmarks/wan_efficiency.py"),
     ("time_to_mesh", time_to_mesh, "benchmarks/time_to_mesh.py"),
@@ -148,6 +169,7 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("preflight_time", preflight_time, "benchmarks/preflight_time.py"),
     ("relay_vs_direct", relay_vs_direct, "benchmarks/relay_vs_direct.py"),
     ("diloco_wan", diloco_wan, "benchmarks/diloco_wan.py"),
+    ("sites", sites, "benchmarks/sites.py"),
 ]
 
 

@@ -42,9 +42,11 @@ def _world(dcs, prefix: str, **kw):
 
 
 @contextlib.contextmanager
-def joined_mesh(tmp_path_factory, dcs, coordinator: str, nodes: Sequence[str]) -> Iterator:
-    """A world (`dcs` as for world_factory) with meshrun init on `coordinator` and `nodes` joined, for a
-    module-scoped fixture; torn down on exit. Skips where namespaces cannot be built (in CI,
+def joined_mesh(
+    tmp_path_factory, dcs, coordinator: str, nodes: Sequence[str], init_args: Sequence[str] = ()
+) -> Iterator:
+    """A world (`dcs` as for world_factory) with meshrun init (`init_args`) on `coordinator` and `nodes` joined,
+    for a module-scoped fixture; torn down on exit. Skips where namespaces cannot be built (in CI,
     pytest_runtest_setup fails the netns tests instead)."""
     from meshrun.lab.testbed import Mesh
 
@@ -56,7 +58,7 @@ def joined_mesh(tmp_path_factory, dcs, coordinator: str, nodes: Sequence[str]) -
     try:
         world.up()
         mesh = Mesh(world, coordinator)
-        mesh.init()
+        mesh.init(*init_args)
         for n in nodes:
             mesh.join(n)
         yield mesh

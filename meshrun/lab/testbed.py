@@ -96,6 +96,8 @@ class DatacenterSpec:
     rate_mbit: int | None = None  # shaping of the gateway's internet link, both directions
     delay_ms: float = 0.0  # netem delay on the internet link, each direction (a WAN's latency)
     loss_pct: float = 0.0  # netem loss on the internet link, each direction
+    node_rate_mbit: int | None = None  # each node's own share of the internet link, both directions (a cloud
+    # VM's allowance); one-to-one NAT only (a node is told apart by its public address)
 
     @property
     def netem(self) -> bool:
@@ -125,6 +127,17 @@ class DatacenterSpec:
                 f"datacenter {self.name}: rate {self.rate_mbit} Mbit/s must be positive",
                 "give a positive rate or None for no shaping",
             )
+        if self.node_rate_mbit is not None:
+            if self.node_rate_mbit <= 0:
+                raise UsageError(
+                    f"datacenter {self.name}: node rate {self.node_rate_mbit} Mbit/s must be positive",
+                    "give a positive rate or None for no per-node shaping",
+                )
+            if self.nat != "one-to-one" or self.rate_mbit is not None or self.netem:
+                raise UsageError(
+                    f"datacenter {self.name}: per-node shaping needs one-to-one NAT and no link rate, delay or loss",
+                    "use nat='one-to-one' and leave rate_mbit, delay_ms and loss_pct unset",
+                )
         if not 0 <= self.delay_ms <= 10_000:
             raise UsageError(f"datacenter {self.name}: delay {self.delay_ms} ms is out of range", "use 0 to 10000 ms")
         if not 0 <= self.loss_pct < 100:
@@ -153,6 +166,28 @@ def _wan_qdisc(dc: DatacenterSpec) -> list[str]:
     if dc.rate_mbit:
         return ["tbf", "rate", f"{dc.rate_mbit}mbit", "burst", "256kb", "latency", "50ms"]
     return []
+
+
+def _node_uplinks(dev: str, rate_mbit: int, public_ips: list[str], way: str) -> list[list[str]]:
+    """`tc` commands giving each node `rate_mbit` of `dev` (an HTB class per node, matched by its public
+    address as `way`: "src" leaving the datacenter, "dst" entering it); other traffic is not shaped.
+
+    Each class queues at most 50 ms at its rate (a bfifo), as the whole-link tbf does.
+    """
+    limit = max(rate_mbit * 1_000_000 // 8 // 20, 16 * 1500)
+    cmds = [
+        ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"],
+        ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit"],
+    ]
+    for i, ip in enumerate(public_ips, start=16):  # class ids are hex: 1:10, 1:11, ...
+        cls = f"1:{i:x}"
+        cmds += [
+            ["class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate", f"{rate_mbit}mbit"],
+            ["qdisc", "add", "dev", dev, "parent", cls, "bfifo", "limit", str(limit)],
+            ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "u32", "match", "ip", way, f"{ip}/32"]
+            + ["flowid", cls],
+        ]
+    return cmds
 
 
 @dataclass
@@ -352,6 +387,7 @@ class World:
         for gw in self._gateways.values():
             dc = gw.dc
             extra = [f"mtu {dc.mtu}"] + ([f"{dc.rate_mbit} Mbit/s"] if dc.rate_mbit else [])
+            extra += [f"{dc.node_rate_mbit} Mbit/s per node"] if dc.node_rate_mbit else []
             lines.append(f"  {dc.name}: {dc.nat} NAT, gateway {gw.netns} public {gw.public_ip}, {', '.join(extra)}")
             for n in gw.nodes:
                 lines.append(
@@ -459,6 +495,11 @@ class World:
             qdisc = _wan_qdisc(dc)
             if qdisc:
                 sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc])
+        if dc.node_rate_mbit:
+            ips = [str(n.public_ip) for n in gw.nodes]
+            for ns, dev, way in ((g, "wan0", "src"), (inet, gw.inet_ifname, "dst")):
+                for cmd in _node_uplinks(dev, dc.node_rate_mbit, ips, way):
+                    sh(["ip", "netns", "exec", ns, "tc", *cmd])
         # Private side: lan0 172.31.32.1/20, straight to the node or to a bridge in the lan namespace.
         if gw.lan_netns:
             lan = gw.lan_netns

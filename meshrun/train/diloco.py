@@ -80,6 +80,16 @@ missing (a joiner); everyone sets its model to the global copy and goes on from 
 writes checkpoint code. ``resumed`` says what happened. Without any snapshot the model is
 broadcast from rank 0 unless every worker already holds identical parameters (compared by digest).
 
+Sites (``sites=meshrun.train.sites.groups()``): one DiLoCo replica per site, for nodes that share a
+fast network inside each datacenter. The inner step is the user's data parallelism *inside* the site
+(``DistributedDataParallel(model, process_group=g.local)``; pass the bare module here), so the ranks of
+a site hold the same pseudo-gradient. The outer sync then needs no reduction inside the site: local rank
+i takes shard i of the pseudo-gradient, averages it with the other sites' shard i over the overlay (one
+collective per local rank, all at once: every node's WAN uplink carries 1/n of the model), and the site
+all-gathers the averaged shards on its own network. The average is over sites, not ranks. Compression
+applies to the shards (error feedback per shard, on the rank that sends it). Needs two or more sites of
+equal size (``g.hierarchical``); the state check and the start compare every rank of the job.
+
 Checkpoints: ``state_dict()`` holds the inner and outer optimizer state, the global copy, the error
 feedback, the step counters and the byte counters. It is *per worker* and does not include the model:
 save ``model.state_dict()`` too and load both to resume bit-identically. Not while a sync is in flight.
@@ -115,6 +125,7 @@ from meshrun.errors import StateError, UsageError
 from meshrun.system import tensorfiles
 from meshrun.system.statedir import make_dir
 from meshrun.train.compress import CODECS
+from meshrun.train.sites import SiteGroups
 
 AUTO = "auto"
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp4", "int2")
@@ -191,6 +202,8 @@ class DiLoCo:
             default 1 when F > 1 (0 when H / F is 1), else 0.
         mixing: alpha in [0, 1), the weight of the local parameters in the merge (default 0).
         check_state: after each sync, compare a digest of the synced global state over the group.
+        sites: ``meshrun.train.sites.groups()``: one replica per site, synced shard by shard (see
+            "Sites" in the module docstring); instead of ``process_group``.
         snapshot_dir: an existing directory on this node where it keeps its snapshot for resuming
             after a restart; "auto": ``$MESHRUN_OUTPUT_DIR/diloco-snapshots`` (created; the project's
             directory on the node, which ``meshrun train`` sets and keeps for the project's next job)
@@ -214,6 +227,7 @@ class DiLoCo:
         mixing: float = 0.0,
         check_state: bool = True,
         snapshot_dir: str | os.PathLike | None = AUTO,
+        sites: SiteGroups | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"model={type(model).__name__} is not a torch.nn.Module", "pass the model being trained")
@@ -258,6 +272,16 @@ class DiLoCo:
                 "process_group was given but torch.distributed is not initialized",
                 "call torch.distributed.init_process_group() first, or drop process_group",
             )
+        if sites is not None:
+            if process_group is not None:
+                raise UsageError("both sites and process_group were given", "pass one: sites replaces process_group")
+            if not sites.hierarchical:
+                raise UsageError(
+                    f"sites={sites.layout.sites} are not two or more sites of equal size",
+                    "give every site as many ranks, or drop sites= (DiLoCo then averages over every rank)",
+                )
+            process_group = sites.world
+        self._sites = sites
         self.process_group = process_group
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if self._distributed else 1
@@ -423,6 +447,8 @@ class DiLoCo:
 
     def _start_average(self, flat: torch.Tensor, bucket: list[int]) -> tuple[Any, Callable[[], torch.Tensor], int]:
         """Start averaging ``flat`` as configured: (handle or None, read the result, bytes contributed)."""
+        if self._sites is not None:
+            return self._start_site_average(flat, bucket)
         world, group = self.world_size, self.process_group
         if self._codec is None:
             wire = flat if self.compression == "none" else (flat / world).to(_WIRE_DTYPE[self.compression])
@@ -449,6 +475,53 @@ class DiLoCo:
             return (total / world).to(flat.dtype)
 
         return work, average, payload.numel()
+
+    def _start_site_average(self, flat: torch.Tensor, bucket: list[int]) -> tuple[Any, Callable[[], torch.Tensor], int]:
+        """Site mode: this rank's shard of ``flat`` averaged across sites; reading it all-gathers the site."""
+        g = self._sites
+        assert g is not None
+        sites, n, i, numel = g.num_sites, g.local_size, g.local_rank, flat.numel()
+        chunk = -(-numel // n)
+        lo, hi = min(i * chunk, numel), min((i + 1) * chunk, numel)
+        if self._codec is not None:
+            assert self._error_feedback is not None
+            ef = torch.cat([self._error_feedback[j].to(flat.dtype).reshape(-1) for j in bucket])
+            shard = flat[lo:hi] + ef[lo:hi]
+            payload, approx = self._codec.encode(shard)
+            ef[lo:hi] = shard - approx  # the residual of what this rank sent; the rest is others' to send
+            offset = 0
+            for j in bucket:
+                e = self._error_feedback[j]
+                e.copy_(ef[offset : offset + e.numel()].view_as(e))
+                offset += e.numel()
+            gathered = [torch.empty_like(payload) for _ in range(sites)]
+            work = dist.all_gather(gathered, payload, group=g.cross, async_op=True)
+
+            def shard_average() -> torch.Tensor:
+                total = torch.zeros(hi - lo, dtype=torch.float32, device=flat.device)
+                for part in gathered:  # fixed site order: identical on every rank
+                    total += self._codec.decode(part, hi - lo)
+                return (total / sites).to(flat.dtype)
+
+            sent = payload.numel()
+        else:
+            shard = flat[lo:hi].clone()
+            wire = shard if self.compression == "none" else (shard / sites).to(_WIRE_DTYPE[self.compression])
+            work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=g.cross, async_op=True)
+
+            def shard_average() -> torch.Tensor:
+                return wire / sites if self.compression == "none" else wire.to(flat.dtype)
+
+            sent = wire.numel() * wire.element_size()
+
+        def average() -> torch.Tensor:
+            mine = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+            mine[: hi - lo] = shard_average()
+            out = torch.empty(chunk * n, dtype=flat.dtype, device=flat.device)
+            dist.all_gather_into_tensor(out, mine, group=g.local)  # on the site's own network
+            return out[:numel]
+
+        return work, average, sent
 
     @torch.no_grad()
     def _merge(self, alpha: float) -> None:

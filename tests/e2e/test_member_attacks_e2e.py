@@ -31,6 +31,7 @@ def mesh(tmp_path_factory):
         [DatacenterSpec("hq", nodes=2), DatacenterSpec("dc1"), DatacenterSpec("dc2"), DatacenterSpec("dc3")],
         "hq-a",
         ("dc1-a", "dc2-a", "dc3-a"),
+        init_args=("--network", "acme-llm"),  # a name a scanner must not learn
     ) as m:
         yield m
 
@@ -457,3 +458,43 @@ def test_a_member_cannot_send_into_the_coordinators_lan(mesh):
         assert arrivals() == 0
     finally:
         dc3.run("ip", "route", "del", f"{lan_ip}/32", check=False)
+
+
+SCAN = """
+import json, socket, ssl, sys
+host, port = sys.argv[1], int(sys.argv[2])
+ctx = ssl.create_default_context()
+ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # a scanner takes whatever certificate it gets
+out = {}
+for path in ("/", "/v1/hello", "/v1/join"):
+    with socket.create_connection((host, port), 5) as raw, ctx.wrap_socket(raw) as s:
+        out["cert"] = s.getpeercert(binary_form=True).hex()
+        s.sendall(f"GET {path} HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        out[path] = data.decode(errors="replace")
+print(json.dumps(out))
+"""
+
+
+def test_an_internet_scanner_learns_nothing_that_names_the_network(mesh):
+    """Finding 6 (last part): the public TLS port's certificate and answers carry no network name."""
+    from cryptography import x509
+
+    net = network(mesh)
+    public = str(mesh.coordinator.public_ip)
+    res = subprocess.run(
+        ["ip", "netns", "exec", mesh.world.inet, mesh.python, "-c", SCAN, public, str(net["listen_port"])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    got = json.loads(res.stdout)
+    cert = x509.load_der_x509_certificate(bytes.fromhex(got["cert"]))
+    assert cert.subject.rfc4514_string() == "CN=meshrun" and cert.issuer == cert.subject
+    assert net["name"].encode() not in bytes.fromhex(got["cert"])
+    for path in ("/", "/v1/hello", "/v1/join"):
+        assert re.match(r"HTTP/1\.[01] 4\d\d ", got[path]), (path, got[path][:200])
+        assert net["name"] not in got[path] and net["coordinator_ip"] not in got[path], (path, got[path])
