@@ -115,6 +115,17 @@ def render(res: dict) -> str:
     names = [n["name"] for n in res.get("nodes", [])]
     pairs = res.get("pairs", [])
     lines: list[str] = []
+    by_site = res.get("sites") or {}
+    if by_site:
+        lines += [
+            f"sites: {len(by_site)} ("
+            + "; ".join(f"{site}: {', '.join(nodes)}" for site, nodes in by_site.items())
+            + ")"
+            + (
+                "" if res.get("hierarchical") or len(by_site) < 2 else " of different sizes: no hierarchical all-reduce"
+            ),
+            "",
+        ]
     if pairs:
         st = res.get("settings", {})
         bw = matrix(names, pairs, "mbit_s")
@@ -143,20 +154,37 @@ def render(res: dict) -> str:
         path = matrix(names, pairs, "path")
         cells = [["-" if i == j else str(path[i][j] or "?") for j in range(len(names))] for i in range(len(names))]
         lines += [""] + _table("path", names, cells)
+        site_bw = matrix(names, pairs, "site_mbit_s")
+        if any(v is not None for row in site_bw for v in row):
+            cells = [
+                [
+                    "-" if i == j else (f"{site_bw[i][j]:.0f}" if site_bw[i][j] is not None else "")
+                    for j in range(len(names))
+                ]
+                for i in range(len(names))
+            ]
+            lines += [""] + _table("TCP bandwidth on the site network (pairs in one site), Mbit/s", names, cells)
     ar = res.get("allreduce", {})
     rows = ar.get("results", [])
     if rows:
+        hier = any("hier_time_s" in r for r in rows)
         lines += [
             "",
-            f"all-reduce ({ar.get('backend')}, {res.get('world_size')} ranks, sum float32)",
+            f"all-reduce ({ar.get('backend')}, {res.get('world_size')} ranks, sum float32"
+            + ("; hier = reduce-scatter in each site, shards across sites, all-gather)" if hier else ")"),
             f"  {'size':>6} {'iters':>5} {'time(ms)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} "
-            f"{'busbw(Mbit/s)':>14}",
+            f"{'busbw(Mbit/s)':>14}" + (f" {'hier(ms)':>10} {'hier speedup':>12}" if hier else ""),
         ]
         for r in rows:
+            extra = ""
+            if "hier_time_s" in r:
+                extra = f" {r['hier_time_s'] * 1e3:>10.2f} {r['time_s'] / r['hier_time_s']:>11.2f}x"
+            wrong = not (r.get("correct", True) and r.get("hier_correct", True))
             lines.append(
                 f"  {human_size(r['size']):>6} {r['iters']:>5} {r['time_s'] * 1e3:>10.2f} "
                 f"{r['algbw_GBps']:>12.4f} {r['busbw_GBps']:>12.4f} {r['busbw_GBps'] * 8e3:>14.1f}"
-                + ("" if r.get("correct", True) else "  WRONG RESULT")
+                + extra
+                + ("  WRONG RESULT" if wrong else "")
             )
     flagged = res.get("flagged", [])
     if flagged:

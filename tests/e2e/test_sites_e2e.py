@@ -187,3 +187,34 @@ def test_site_mode_diloco_ends_on_one_model_and_only_the_shards_cross_the_wan(me
         expected = r["syncs"] * pseudo_gradient  # the two halves, one per node
         # WireGuard, IP and TCP headers add ~6%; ACKs, the rendezvous and the job's logs a little more.
         assert 0.95 * expected <= wan_out <= 1.3 * expected, (dc, wan_out, expected)
+
+
+def test_bench_shows_the_sites_the_site_network_and_the_hierarchical_all_reduce(mesh):
+    wait_private_pair(mesh, "dc2-a", "dc2-b")
+    res = mesh.meshrun(
+        mesh.coordinator,
+        "bench",
+        "--json",
+        "--sizes",
+        "1M",
+        "--duration",
+        "0.5",
+        "--streams",
+        "1",
+        "--iters",
+        "2",
+        check=False,
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(res.stdout)
+    dc2_site = f"lan-{mesh.world.gateway_public_ip('dc2')}"
+    assert data["sites"] == {"fra": ["dc1-a", "dc1-b"], dc2_site: ["dc2-a", "dc2-b"]} and data["hierarchical"]
+    pairs = {(p["src"], p["dst"]): p for p in data["pairs"]}
+    assert len(pairs) == 12
+    for (a, b), p in pairs.items():
+        same = a[:3] == b[:3]
+        assert p["scope"] == ("site" if same else "cross-site"), p
+        assert (p.get("site_mbit_s", 0) > 0) == same, p  # intra-site pairs measured on the LAN too
+    (row,) = data["allreduce"]["results"]
+    assert row["correct"] and row["hier_correct"] and row["hier_time_s"] > 0

@@ -216,3 +216,22 @@ def test_heat_map_marks_relayed_pairs_and_keeps_every_label_inside():
             assert sum("relayed" in t.get_text() for t in ax.texts) == 2
     finally:
         plt.close(fig)
+
+
+def test_render_shows_the_sites_the_site_network_and_the_hierarchical_all_reduce():
+    raw = _raw()
+    raw["sites"] = {"fra": ["gpu-a", "gpu-b"], "gpu-c": ["gpu-c"]}
+    raw["hierarchical"] = False
+    for p in raw["pairs"]:
+        if {p["src"], p["dst"]} == {"gpu-a", "gpu-b"}:
+            p.update(scope="site", site_mbit_s=9400.0, site_rtt_ms=0.1)
+    raw["allreduce"]["results"][0].update(hier_time_s=0.004, hier_correct=True)
+    text = bench.render(bench.summarize(raw))
+    assert text.splitlines()[0] == (
+        "sites: 2 (fra: gpu-a, gpu-b; gpu-c: gpu-c) of different sizes: no hierarchical all-reduce"
+    )
+    site = text[text.index("TCP bandwidth on the site network") :].splitlines()
+    assert site[2].split() == ["gpu-a", "-", "9400"] and site[3].split() == ["gpu-b", "9400", "-"]
+    assert "hier(ms) hier speedup" in text and "4.00        2.50x" in text
+    raw["allreduce"]["results"][0]["hier_correct"] = False
+    assert "WRONG RESULT" in bench.render(bench.summarize(raw))
