@@ -3,7 +3,9 @@
 Builds a NAT'd multi-datacenter world in network namespaces (meshrun.lab.testbed), shows plain
 torchrun failing across the NAT, then runs the real `meshrun init`, `join`, `status` and
 `train` inside it, and tears everything down. Needs root and the examples/ directory of a
-meshrun checkout (the bundled DDP example it trains).
+meshrun checkout (the bundled DDP example it trains). With `sites`, two datacenters of two nodes
+each join with `--site` and train examples/sites_diloco.py: DDP inside each site on its LAN,
+DiLoCo across the sites, and the bytes that crossed each datacenter's gateway are shown.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def _indent(text: str) -> str:
 def negative_control(world: World, out) -> str:
     """Plain torchrun between two datacenters: rendezvous at A's public IP (1:1 NAT forwards it),
     no --local-addr, no interface pinning. Returns the line that shows why it failed."""
-    a, b = world.nodes[1], world.nodes[2]
+    a = world.nodes[1]
+    b = next(n for n in world.nodes[2:] if n.dc != a.dc)  # another datacenter: across the NAT
     script = EXAMPLES / "ddp_train.py"
     common = [
         sys.executable,
@@ -108,26 +111,37 @@ def negative_control(world: World, out) -> str:
     return f"failed after {took:.0f} s (exit codes {codes}): {reason[:240]}"
 
 
-def run(nodes: int = 3, out=print) -> int:
-    """Run the demo; returns the exit code (0 when the job trained across every datacenter)."""
+SITE_NODES = 2  # nodes per datacenter with --sites
+
+
+def run(nodes: int = 3, out=print, sites: bool = False) -> int:
+    """Run the demo; returns the exit code (0 when the job trained across every datacenter).
+
+    `nodes`: training datacenters (one node each); with `sites`, two datacenters of SITE_NODES nodes.
+    """
     if os.geteuid() != 0:
         raise HostError("meshrun demo builds network namespaces and needs root", "run it with sudo")
     if not 2 <= nodes <= 8:
         raise UsageError(f"--nodes {nodes} is outside 2..8", "e.g. meshrun demo --nodes 3")
-    if not (EXAMPLES / "ddp_train.py").is_file():
-        raise UsageError(
-            f"the bundled example {EXAMPLES / 'ddp_train.py'} is missing",
-            "run the demo from a meshrun checkout (pip install -e .)",
-        )
+    example = "sites_diloco.py" if sites else "ddp_train.py"
+    for name in {"ddp_train.py", example}:
+        if not (EXAMPLES / name).is_file():
+            raise UsageError(
+                f"the bundled example {EXAMPLES / name} is missing",
+                "run the demo from a meshrun checkout (pip install -e .)",
+            )
     total = 6
     t_start = time.monotonic()
-    dcs = [DatacenterSpec("hq")] + [DatacenterSpec(f"dc{i}") for i in range(1, nodes + 1)]
+    if sites:
+        dcs = [DatacenterSpec("hq")] + [DatacenterSpec(f"dc{i}", nodes=SITE_NODES) for i in (1, 2)]
+    else:
+        dcs = [DatacenterSpec("hq")] + [DatacenterSpec(f"dc{i}") for i in range(1, nodes + 1)]
     with World(dcs, prefix="demo") as world:
         _say(
             out,
             1,
             total,
-            f"Building {nodes + 1} datacenters behind NAT in network namespaces (every one reuses 172.31.32.0/20)",
+            f"Building {len(dcs)} datacenters behind NAT in network namespaces (every one reuses 172.31.32.0/20)",
         )
         world.up()
         out(_indent(world.describe()))
@@ -148,7 +162,7 @@ def run(nodes: int = 3, out=print) -> int:
         _say(out, 4, total, f"meshrun join on {', '.join(n.name for n in workers)}")
         for n in workers:
             t0 = time.monotonic()
-            res = mesh.join(n)
+            res = mesh.join(n, *(["--site", n.dc] if sites else []))
             out(f"    {n.name}: {res.stdout.strip()}  ({time.monotonic() - t0:.1f} s)")
         for n in workers:
             for m in workers:
@@ -159,20 +173,14 @@ def run(nodes: int = 3, out=print) -> int:
         _say(out, 5, total, f"meshrun status on {coord.name}")
         out(_indent(mesh.meshrun(coord, "status").stdout))
 
-        _say(out, 6, total, f"meshrun train ddp_train.py on {len(workers)} datacenters (gloo over the overlay)")
-        argv = [
-            mesh.python,
-            "-m",
-            "meshrun",
-            "train",
-            "--state-dir",
-            str(mesh.state_dir(coord)),
-            "ddp_train.py",
-            "--epochs",
-            "5",
-            "--steps-per-epoch",
-            "20",
-        ]
+        if sites:
+            _say(out, 6, total, f"meshrun train {example}: DDP inside each site on its LAN, DiLoCo across the sites")
+            args = ["--steps", "40", "--sync-every", "10"]
+            before = {dc.name: world.gateway_counters(dc.name) for dc in dcs[1:]}
+        else:
+            _say(out, 6, total, f"meshrun train {example} on {len(workers)} datacenters (gloo over the overlay)")
+            args = ["--epochs", "5", "--steps-per-epoch", "20"]
+        argv = [mesh.python, "-m", "meshrun", "train", "--state-dir", str(mesh.state_dir(coord)), example, *args]
         proc = coord.popen(*argv, cwd=EXAMPLES, stdout=procs.PIPE, stderr=procs.STDOUT, text=True)
         checksums = {}
         for line in proc.stdout:
@@ -184,6 +192,11 @@ def run(nodes: int = 3, out=print) -> int:
                 checksums[m.group(1)] = m.group(2)
             out("    " + line)
         code = proc.wait()
+        if sites:
+            for dc in dcs[1:]:
+                after = world.gateway_counters(dc.name)
+                sent = after["forward_out_bytes"] - before[dc.name]["forward_out_bytes"]
+                out(f"    {dc.name}: {sent / 2**20:.1f} MiB left the datacenter (the DDP gradients stayed on its LAN)")
         if code == 0 and len(set(checksums.values())) == 1 and len(checksums) == len(workers):
             out(f"    all {len(checksums)} ranks ended with identical parameters")
         elif code == 0:

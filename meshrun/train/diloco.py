@@ -125,7 +125,7 @@ from meshrun.errors import StateError, UsageError
 from meshrun.system import tensorfiles
 from meshrun.system.statedir import make_dir
 from meshrun.train.compress import CODECS
-from meshrun.train.sites import SiteGroups
+from meshrun.train.sites import SiteGroups, all_gather_single
 
 AUTO = "auto"
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp4", "int2")
@@ -518,7 +518,7 @@ class DiLoCo:
             mine = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
             mine[: hi - lo] = shard_average()
             out = torch.empty(chunk * n, dtype=flat.dtype, device=flat.device)
-            dist.all_gather_into_tensor(out, mine, group=g.local)  # on the site's own network
+            all_gather_single(out, mine, group=g.local)  # on the site's own network
             return out[:numel]
 
         return work, average, sent

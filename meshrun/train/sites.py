@@ -46,6 +46,10 @@ from meshrun.errors import UsageError
 
 __all__ = ["SiteGroups", "SiteLayout", "all_reduce", "groups"]
 
+# torch 2.13 renamed the single-tensor collectives and warns on the old names; older torch has only those.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 ENV_SITE = "MESHRUN_SITE"
 ENV_SITE_IFNAME = "MESHRUN_SITE_IFNAME"
 ENV_NODE = "MESHRUN_NODE_NAME"
@@ -208,9 +212,9 @@ def all_reduce(tensor: torch.Tensor, g: SiteGroups, op: str = "sum") -> torch.Te
         pad = (-flat.numel()) % n
         buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.clone()
         shard = buf.new_empty(buf.numel() // n)
-        dist.reduce_scatter_tensor(shard, buf, op=dist.ReduceOp.SUM, group=g.local)
+        reduce_scatter_single(shard, buf, op=dist.ReduceOp.SUM, group=g.local)
         dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=g.cross)
-        dist.all_gather_into_tensor(buf, shard, group=g.local)
+        all_gather_single(buf, shard, group=g.local)
         with torch.no_grad():
             tensor.copy_(buf[: flat.numel()].view_as(tensor))
     if op == "avg":

@@ -114,7 +114,7 @@ ALLOWED = {
     "mesh": {"mesh", "system", "core"},
     "jobs": {"jobs", "mesh", "system", "core"},
     "train": {"train", "system", "core"},
-    "bench": {"bench", "jobs", "mesh", "system", "core"},
+    "bench": {"bench", "train", "jobs", "mesh", "system", "core"},
     "lab": {"lab", "system", "core"},
     "cli": {"cli", "lab", "bench", "train", "jobs", "mesh", "system", "core"},
 }
