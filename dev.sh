@@ -4,6 +4,7 @@
 #   ./dev.sh demo      install what is needed, then run `meshrun demo`
 #   ./dev.sh test      install what is needed (incl. test deps), then run the whole test suite
 #   ./dev.sh install   only install
+#   ./dev.sh gpu-check on a GPU machine: NCCL over meshrun in namespaces (world, site, cross-site groups)
 # Python deps go to ./.venv; torch is pinned first (an unpinned torch pulls GBs of CUDA wheels).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -85,5 +86,6 @@ case "${1:-}" in
         .venv/bin/ruff check .
         .venv/bin/ruff format --check .
         exec .venv/bin/python -m pytest -q -ra tests "$@" ;;
-  *) echo "usage: ./dev.sh demo|test|install" >&2; exit 2 ;;
+  gpu-check) install_system; install_python; exec .venv/bin/python -m meshrun.lab.gpucheck ;;
+  *) echo "usage: ./dev.sh demo|test|install|gpu-check" >&2; exit 2 ;;
 esac
