@@ -87,7 +87,7 @@ def main() -> int:
     summary = (
         f"sites: intra-site all-reduce {a.intra_mib} MiB on the site network {intra:.1f}x the overlay "
         f"({'met' if intra >= TARGET_INTRA else 'MISSED'} >= {TARGET_INTRA}x; {rng('intra_site_network')} vs "
-        f"{rng('intra_overlay')}); cross-site {a.cross_mib} MiB hierarchical {cross:.2f}x the flat ring "
+        f"{rng('intra_overlay')}); cross-site {a.cross_mib} MiB hierarchical {cross:.3f}x the flat ring "
         f"({'met' if cross >= TARGET_CROSS else 'MISSED'} >= {TARGET_CROSS}x; {rng('cross_hierarchical')} vs "
         f"{rng('cross_flat')}); identical results: {got['identical']}; {a.rounds} rounds, "
         f"{a.node_rate_mbit} Mbit/s per node [{time.monotonic() - t_start:.0f} s]"
