@@ -61,9 +61,9 @@ class FakeMesh:
         self.coord = svc
         return svc
 
-    def _enrol(self, tok, name, private_key, candidates) -> dict:
+    def _enrol(self, tok, name, private_key, candidates, source: str = "198.51.100.200") -> dict:
         body = node.join_request(tok, name, private_key, tok.coordinator_key, candidates)
-        resp = self.coord.enrolment.handle(Request("POST", "/v1/join", "198.51.100.200", body))
+        resp = self.coord.enrolment.handle(Request("POST", "/v1/join", source, body))
         assert resp.status == 200, resp.body
         return resp.body
 
@@ -79,7 +79,8 @@ class FakeMesh:
             start=False,
             mtu=1420,
             device=device,
-            enrol_with=self._enrol,
+            # From the node's own public address: the enrolment API limits joins per source.
+            enrol_with=lambda *a: self._enrol(*a, source=public.rsplit(":", 1)[0]),
             abandon_with=lambda *a: None,
             site=site,
         )

@@ -138,7 +138,7 @@ class CoordinatorService:
         self.looping = True
         while not self.stop_event.is_set():
             # Pairs still waiting for their first look (a mass start): the next slice at once.
-            pause = BACKLOG_PAUSE if self.pairs.backlog else self.interval
+            pause = BACKLOG_PAUSE if self.pairs.behind else self.interval
             if self.publish_held:
                 pause = min(pause, max(0.0, PUBLISH_GAP - (time.monotonic() - self.published_at)))
             self.wake.wait(pause)
@@ -190,7 +190,7 @@ class CoordinatorService:
             self.paths_moved = True
         # Paths are part of what agents receive: a new version wakes every long-poll. While a backlog is
         # sliced (ticks every BACKLOG_PAUSE) that is at most once per interval, not after every slice.
-        if self.paths_moved and (not self.pairs.backlog or time.monotonic() - self.published_at >= self.interval):
+        if self.paths_moved and (not self.pairs.behind or time.monotonic() - self.published_at >= self.interval):
             v = self.db.bump_version()
             self.paths_moved = False
         if changed or v != self.roster.version or self.db.recently_removed(REMOVED_GRACE_S + 5):

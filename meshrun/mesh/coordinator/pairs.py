@@ -16,6 +16,7 @@ restarted coordinator carries a full report), so a working pair is never judged 
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import sys
 import threading
@@ -29,10 +30,14 @@ from meshrun.system.statedir import StateDir
 log = logging.getLogger("meshrun.mesh.coordinator.pairs")
 
 Key = tuple[str, str]
-# Pairs first looked at per update beyond the urgent ones. A mass start (1000 members judged at once
-# after a coordinator restart: 499,500 pairs) otherwise holds the loop for one ~10 s tick; in
-# slices the loop ticks again at once (`backlog`) and syncs are served between the slices.
-BULK_PER_UPDATE = 20_000
+# Pairs looked at per update, all kinds together. A mass start (1000 members judged at once after a
+# coordinator restart: 499,500 pairs) or a storm of handshake changes would otherwise hold the loop
+# for one ~10 s tick; in slices the loop ticks again at once (`behind`) and syncs are served between
+# them. What does not fit is carried to the next update, oldest first.
+STEP_BUDGET = 20_000
+# While newly judged pairs wait, at most this share of the budget goes to urgent pairs (a changed
+# handshake, a timer): a busy mesh cannot starve a joiner's first look, nor the reverse.
+URGENT_SHARE = 0.75
 
 
 def _judgeable(m: Member) -> bool:
@@ -67,8 +72,9 @@ class PairDriver:
         self.heap: list[tuple[float, Key]] = []
         self.booked: dict[Key, float] = {}  # pair -> due time of its live heap entry (one per pair)
         self.changed: set[Key] = set()  # pairs whose mode changed, until take_changes()
-        self.backlog: set[Key] = set()  # pairs of newly judged nodes not looked at yet (see BULK_PER_UPDATE)
-        self.bulk_per_update = BULK_PER_UPDATE
+        self.backlog: set[Key] = set()  # pairs of newly judged nodes not looked at yet (see STEP_BUDGET)
+        self.carried: dict[Key, None] = {}  # urgent pairs over the last update's budget, oldest first
+        self.budget = STEP_BUDGET
         self.steps = 0  # pairpaths.initial/step calls so far (the work; tests count it)
         self._pruned = False
 
@@ -143,23 +149,20 @@ class PairDriver:
             drop = self._refresh(members)
         with self.lock:
             pending, self.pending = self.pending, set()
-            work, self.dirty = self.dirty, set()
+            dirty, self.dirty = self.dirty, set()
+        # Urgent, in order: carried from the last update, a handshake changed, a timer came.
+        urgent = self.carried
+        urgent.update(dict.fromkeys(sorted(dirty)))
         while self.heap and self.heap[0][0] <= now:
             due, key = heapq.heappop(self.heap)
             if self.booked.get(key) == due:  # else a stale entry: the pair was booked again
                 del self.booked[key]
-                work.add(key)
-        # Urgent (a handshake changed, a timer came) are all stepped; a newly judged node's pairs join
-        # the backlog, of which at most bulk_per_update go each update.
+                urgent[key] = None
+        # A newly judged node's pairs join the backlog.
         for name in pending:
             self._judge(name, self.backlog)
-        self.backlog -= work
-        if len(self.backlog) <= self.bulk_per_update:
-            work |= self.backlog
-            self.backlog = set()
-        else:
-            for _ in range(self.bulk_per_update):
-                work.add(self.backlog.pop())
+        self.backlog.difference_update(urgent)
+        work = self._take(urgent)
         created = changed = False
         writes: dict[Key, pairpaths.PairState] = {}
         for key in work:
@@ -205,9 +208,10 @@ class PairDriver:
                 self.pairs = {k: st for k, st in self.pairs.items() if k[0] in live and k[1] in live}
                 drop += sorted(stale)
         partners = set(self.members) | set(live)
-        if drop and self.backlog:
+        if drop and (self.backlog or self.carried):
             gone = set(drop)
             self.backlog = {k for k in self.backlog if k[0] not in gone and k[1] not in gone}
+            self.carried = {k: None for k in self.carried if k[0] not in gone and k[1] not in gone}
         for name in drop:
             self.judged.discard(name)
             for other in partners:
@@ -253,6 +257,28 @@ class PairDriver:
             return
         self.booked[key] = due
         heapq.heappush(self.heap, (due, key))
+
+    def _take(self, urgent: dict[Key, None]) -> list[Key]:
+        """This update's pairs, at most `budget`: urgent ones oldest first (up to URGENT_SHARE of the
+        budget while the backlog waits), the backlog in the rest. The urgent ones left over are carried."""
+        cap = self.budget
+        if self.backlog and len(urgent) + len(self.backlog) > cap:
+            cap = max(1, int(cap * URGENT_SHARE))
+        it = iter(urgent)
+        work = list(itertools.islice(it, cap))
+        self.carried = dict.fromkeys(it)
+        room = self.budget - len(work)
+        if len(self.backlog) <= room:
+            work += self.backlog
+            self.backlog = set()
+        else:
+            work += [self.backlog.pop() for _ in range(room)]
+        return work
+
+    @property
+    def behind(self) -> bool:
+        """Pairs wait for a look that did not fit in the last update's budget: tick again soon."""
+        return bool(self.backlog or self.carried)
 
     def take_changes(self) -> set[Key]:
         """The pairs whose mode changed (or that were created) since the last call."""

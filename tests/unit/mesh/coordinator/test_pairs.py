@@ -257,28 +257,76 @@ def test_the_coordinator_loop_steps_no_pair_without_news_and_one_for_one_handsha
     assert stepped == [("n1", "n3")]
 
 
-def test_a_mass_start_is_judged_in_slices_and_urgent_pairs_do_not_wait(db):
-    """60 nodes judged at once (1769 new pairs) with a slice of 500: four updates create every pair, each
-    creating at most 500 besides the urgent steps (a changed handshake is stepped in the first)."""
+def steps_per_update(drv: PairDriver, members: list[Member] | None, t0: float, limit: int = 100) -> list[int]:
+    """Update `drv` once a second from t0 (the first with `members`) until nothing waits; the pairs stepped by each."""
+    sizes = []
+    for t in range(limit):
+        before = drv.steps
+        drv.update(members if t == 0 else None, t0 + t)
+        sizes.append(drv.steps - before)
+        if not drv.behind:
+            return sizes
+    raise AssertionError(f"still behind after {limit} updates: {sizes}")
+
+
+def recording_steps(monkeypatch) -> list[tuple[str, str]]:
+    """Every pair stepped from now on (pairpaths.step calls), in order."""
+    stepped: list[tuple[str, str]] = []
+    real = pairpaths.step
+    monkeypatch.setattr(
+        pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(st, a, b, hs, now)
+    )
+    return stepped
+
+
+def test_a_mass_start_is_judged_within_the_budget_and_an_urgent_pair_goes_first(db, monkeypatch):
+    """60 nodes judged at once (1769 new pairs) with a budget of 500: no update looks at more than 500
+    pairs, the one pair with news (n0-n1) is stepped in the first, and every pair ends created and verified."""
     drv = PairDriver(db)
-    drv.bulk_per_update = 500
+    drv.budget = 500
     members = [node(i) for i in range(60)]
     report_all(drv, members[:2], int(T0))
     drv.update(members[:2], T0)  # one pair, created and verified
     drv.update(None, T0 + 1)
     assert len(drv.pairs) == 1
+    stepped = recording_steps(monkeypatch)
     report_all(drv, members, int(T0) + 2)  # everyone's first report at once; n0-n1 has news
-    sizes = []
-    for t in range(2, 10):
-        before = drv.steps
-        drv.update(members if t == 2 else None, T0 + t)
-        sizes.append(drv.steps - before)
-        if not drv.backlog:
-            break
+    sizes = steps_per_update(drv, members, T0 + 2)
+    assert stepped[0] == ("n0", "n1")
+    assert len(sizes) > 4 and max(sizes) == 500 and sum(sizes) >= 1769, sizes
     assert len(drv.pairs) == 60 * 59 // 2 and all(st.verified for st in drv.pairs.values())
-    # The urgent n0-n1 + a slice; then last update's new pairs (looked at once more) + a slice each.
-    assert sizes == [1 + 500, 500 + 500, 500 + 500, 500 + 269], sizes
     assert drv.pairs == db.pairs()
+
+
+def test_a_storm_of_handshake_changes_is_carried_over_in_order(db, monkeypatch):
+    """Every one of 780 pairs has news at once, the budget is 100: each update steps at most 100, the
+    pairs left over go first in the next update (oldest first), so a later change waits its turn."""
+    drv, members = meshed(db, 40)
+    drv.budget = 100
+    stepped = recording_steps(monkeypatch)
+    report_all(drv, members, int(T0) + 10, full=False)
+    drv.update(None, T0 + 10)
+    assert len(stepped) == 100 and drv.behind
+    first = stepped[0]
+    drv.report(first[0], {members[int(first[1][1:])].public_key: int(T0) + 11}, full=False)  # news again
+    sizes = [100] + steps_per_update(drv, None, T0 + 11)
+    assert max(sizes) == 100 and sum(sizes) == 781, sizes
+    assert sorted(stepped[:780]) == sorted(drv.pairs) and stepped[780] == first  # the newer change came last
+    assert not drv.behind and drv.pairs == db.pairs()
+
+
+def test_a_restart_with_every_member_reporting_at_once_stays_within_the_budget(db):
+    """A coordinator restart: 60 members, 1770 stored pairs, every agent's full report arriving together.
+    Each update looks at no more than its budget, and every pair comes back as it was."""
+    drv, members = meshed(db, 60)
+    before = dict(drv.pairs)
+    again = PairDriver(db)
+    again.budget = 200
+    report_all(again, members, int(T0) + 20)
+    sizes = steps_per_update(again, members, T0 + 20)
+    assert max(sizes) == 200 and sum(sizes) >= 1770, sizes
+    assert {k: st.mode for k, st in again.pairs.items()} == {k: st.mode for k, st in before.items()}
+    assert all(st.verified for st in again.pairs.values())
 
 
 def test_a_sliced_backlog_is_announced_once_per_interval_and_no_path_is_lost(tmp_path):
@@ -287,13 +335,13 @@ def test_a_sliced_backlog_is_announced_once_per_interval_and_no_path_is_lost(tmp
     all reach the agents with the version that finally announces them."""
     mesh = FakeMesh(tmp_path)
     coord = mesh.coord
-    coord.pairs.bulk_per_update = 5
+    coord.pairs.budget = 5
     nodes = seen_nodes(mesh, 8)
     mesh.sync()  # the coordinator sees endpoints; agents' first reports
     coord.interval = 3600  # from here on "within one interval"
     coord.published_at = time.monotonic()
     versions = []
-    while coord.pairs.backlog or not versions:
+    while coord.pairs.behind or not versions:
         coord.tick()
         versions.append(coord.roster.version)
     assert len(versions) >= 4 and len(set(versions[:-1])) == 1, versions  # held back while slicing
@@ -350,3 +398,38 @@ def test_a_join_recorded_while_a_tick_applies_peers_is_applied_by_the_next_tick(
     coord.apply_peers = real_apply
     coord.tick()
     assert any(p.public_key == late[0].key for p in mesh.coord_device.peers())
+
+
+def test_no_coordinator_tick_exceeds_its_budget_in_a_mass_join_or_after_a_restart(tmp_path):
+    """The real coordinator service and agents on FakeDevices, the pair budget set to 20: 16 nodes
+    joining together (120 pairs), then a coordinator restart with every agent reporting again. No tick
+    looks at more than 20 pairs, the loop is told to come back at once while pairs wait, and in the end
+    every node sees every other on the path the coordinator decided."""
+    mesh = FakeMesh(tmp_path)
+    mesh.coord.pairs.budget = 20
+    nodes = seen_nodes(mesh, 16)
+
+    def until_steady(coord) -> list[int]:
+        sizes = []
+        for _ in range(60):
+            before = coord.pairs.steps
+            mesh.sync()
+            sizes.append(coord.pairs.steps - before)
+            if len(sizes) > 2 and not coord.pairs.behind and sizes[-1] == 0:
+                return sizes
+        raise AssertionError(f"not steady after 60 ticks: {sizes}")
+
+    sizes = until_steady(mesh.coord)
+    assert max(sizes) == 20 and len(mesh.coord.pairs.pairs) == 120, sizes
+    before = {k: st.mode for k, st in mesh.coord.pairs.pairs.items()}
+    coord = mesh.new_coordinator()
+    coord.pairs.budget = 20
+    for n in nodes:
+        mesh.see(n)
+    sizes = until_steady(coord)
+    assert max(sizes) == 20, sizes
+    assert {k: st.mode for k, st in coord.pairs.pairs.items()} == before
+    for a in nodes:
+        for b in nodes:
+            if a is not b:
+                assert mesh.member_seen_by(a, b).path == coord.pairs.mode(a.name, b.name).mode, (a.name, b.name)
