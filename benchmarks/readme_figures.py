@@ -106,20 +106,27 @@ def relay_vs_direct(d: dict) -> tuple[str, str]:
 
 
 def coordinator_load(d: dict) -> tuple[str, str]:
+    def secs(x: dict | None) -> str:
+        return "-" if not isinstance(x, dict) else "never" if x["median"] == float("inf") else f"{x['median']:.2f} s"
+
     parts = []
     for s in d["sizes"]:
-        cpu, p99, join = s.get("cpu_share"), s.get("sync_p99_ms"), s.get("join_visible_max_s")
+        cpu, p99 = s.get("cpu_share"), s.get("sync_p99_ms")
         if isinstance(cpu, dict):
-            joined = "never" if join["median"] == float("inf") else f"{join['median']:.2f} s"
-            parts.append(
+            text = (
                 f"{s['members']}: {100 * cpu['median']:.1f}% "
                 f"({100 * cpu['min']:.1f}-{100 * cpu['max']:.1f}) of a core, "
                 f"p99 sync {p99['median']:.0f} ms ({p99['min']:.0f}-{p99['max']:.0f}), a join seen by all in "
-                f"{joined} ({s['rounds']} rounds)"
+                f"{secs(s.get('join_visible_p99_s') or s.get('join_visible_max_s'))}"
             )
+            if "restart_steady_s" in s:
+                text += f", steady {secs(s['restart_steady_s'])} after a restart"
+            parts.append(f"{text} ({s['rounds']} rounds)")
         else:
             parts.append(f"{s['members']}: {100 * cpu:.1f}% of a core, p99 sync {p99:.0f} ms (1 run)")
-    return "coordinator, real loop, simulated agents (per member count, medians)", "; ".join(parts)
+    device = d.get("device", "fake")
+    where = "a real WireGuard interface" if device == "wireguard" else "the in-memory device"
+    return f"coordinator, real loop on {where}, simulated agents (per member count, medians)", "; ".join(parts)
 
 
 def preflight_time(d: dict) -> tuple[str, str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 from meshrun.core.keys import is_public_key
 
@@ -25,7 +25,13 @@ class _Wire:
     """A data shape that travels as JSON."""
 
     def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}  # type: ignore[call-overload]
+        # Shallow (the fields are scalars and tuples of strings): dataclasses.asdict deep-copies, and the
+        # coordinator builds a thousand of these per member-list version.
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -44,11 +45,13 @@ def coordinator_load_run(tmp_path_factory):
             stdout=f,
             stderr=subprocess.STDOUT,
             cwd=REPO_ROOT,
+            start_new_session=True,  # its own process group: the run inside its namespace goes with it
         )
     yield proc, out
     if proc.poll() is None:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        subprocess.run(["ip", "netns", "del", f"mrload{proc.pid}"], check=False, capture_output=True)
     path.unlink(missing_ok=True)
 
 
@@ -93,6 +96,10 @@ def test_coordinator_load_runs_at_a_tiny_size(coordinator_load_run):
     data = json.loads((RESULTS / "smoke_coordinator_load.json").read_text())
     assert data["summary"] in out.read_text() and data["sizes"][0]["members"] == 10
     assert data["sizes"][0]["errors"] == 0  # no agent refused: a join storm stays under the sync rate limit
+    run = data["sizes"][0]["runs"][0]
+    # The coordinator ran on a real interface holding a peer per member, and came back after its restart.
+    assert run["device"] in ("wireguard-go", "kernel") and run["peers_on_device"] == 10, run
+    assert run["storm_joins"] == 100 and run["restart_steady_s"] is not None, run
 
 
 def test_diloco_wan_runs_at_a_tiny_size(tmp_path):

@@ -48,6 +48,20 @@ def _handshakes(node) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split() for line in out.splitlines() if line.strip())}
 
 
+def _settled_handshakes(*nodes, timeout: float = 40) -> dict[str, dict[str, int]]:
+    """Each node's handshakes once none moved for 6 s: a pair's first handshakes can cross, and WireGuard
+    then completes one more after its 5 s retry (seen in CI: a snapshot taken between the two read as a
+    re-created peer)."""
+    deadline = time.monotonic() + timeout
+    last = {n.name: _handshakes(n) for n in nodes}
+    while True:
+        time.sleep(6)
+        now = {n.name: _handshakes(n) for n in nodes}
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 def _log_since(path: Path, when: float) -> list[str]:
     """The lines of a daemon log written at or after unix time `when` (its lines start with a timestamp)."""
     out = []
@@ -93,7 +107,7 @@ def test_coordinator_sigkill_and_restart_keeps_tunnels_and_state(fresh_mesh):
     assert coord_pid and all(agents.values())
 
     node2, node3 = world.node("dc2-a"), world.node("dc3-a")
-    handshakes = {n.name: _handshakes(n) for n in (node2, node3)}
+    handshakes = _settled_handshakes(node2, node3)
     pinger = node2.popen(
         "ping", "-i", "0.2", "-c", "75", "-W", "1", ip3, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
