@@ -100,6 +100,10 @@ def test_coordinator_load_runs_at_a_tiny_size(coordinator_load_run):
     # The coordinator ran on a real interface holding a peer per member, and came back after its restart.
     assert run["device"] in ("wireguard-go", "kernel") and run["peers_on_device"] == 10, run
     assert run["storm_joins"] == 100 and run["restart_steady_s"] is not None, run
+    # Every join was answered to every original agent, as the coordinator saw it, and the driver's own
+    # CPU (near a core, the agents' figures carry its lag) was measured.
+    assert run["join_answered_p99_s"] is not None and 0 <= run["join_answered_p50_s"] <= run["join_visible_p99_s"]
+    assert 0 < run["driver_cpu_share"] and 0 < run["driver_storm_cpu_share"], run
 
 
 def test_diloco_wan_runs_at_a_tiny_size(tmp_path):
