@@ -29,6 +29,22 @@ from meshrun.system.transport import MAX_JSON, Handler, Response, answer, body_l
 log = logging.getLogger("meshrun.system.frontdoor")
 
 HEAD_LIMIT = 16 * 1024  # request line + headers
+EOF_NOISE = "returning true from eof_received() has no effect when using ssl"
+
+
+class _DropEofNoise(logging.Filter):
+    """Drops asyncio's warning, logged for every client that closes first, that the stream protocol's
+    eof_received() returned true under TLS: the protocol was made for the plain TCP connection that
+    `start_tls` upgrades (counting and refusing run before any cryptography), and the warning means
+    nothing for it. Unfiltered, it was a daemon.log line per enrolment."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != EOF_NOISE
+
+
+_ASYNCIO_LOG = logging.getLogger("asyncio")
+if not any(isinstance(f, _DropEofNoise) for f in _ASYNCIO_LOG.filters):
+    _ASYNCIO_LOG.addFilter(_DropEofNoise())
 
 
 class FrontDoor:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import socket
 import ssl
+import sys
 import threading
 import time
 
@@ -122,3 +124,51 @@ def test_oversized_and_broken_requests_get_an_answer_not_a_crash(door):
     status, body = tls_post(door.addr, "127.0.0.2", {"x": "y" * (300 * 1024)})
     assert status == 413
     assert tls_post(door.addr, "127.0.0.2", {"a": 4})[0] == 200
+
+
+def _close_notify_after_request(addr) -> None:
+    """A client that sends a whole request, then its TLS close_notify before reading: the server sees
+    the end of the stream while the connection is still up (what many clients do after a request)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    raw = socket.create_connection(addr, timeout=5)
+    tls = ctx.wrap_socket(raw)
+    body = b"{}"
+    tls.sendall(b"POST /x HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n" + body)
+    try:
+        tls.unwrap()
+    except (OSError, ssl.SSLError):
+        pass
+    time.sleep(0.3)
+    raw.close()
+
+
+def test_a_client_closing_first_leaves_no_warning_in_the_log(door, caplog, monkeypatch):
+    from meshrun.system import frontdoor
+
+    noise = [f for f in logging.getLogger("asyncio").filters if isinstance(f, frontdoor._DropEofNoise)]
+    assert noise, "the filter is installed when the module is imported"
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+
+    # The filter drops exactly that message and nothing else asyncio says.
+    drop = frontdoor._DropEofNoise()
+    record = logging.LogRecord("asyncio", logging.WARNING, __file__, 1, frontdoor.EOF_NOISE, None, None)
+    other = logging.LogRecord("asyncio", logging.WARNING, __file__, 1, "Task was destroyed", None, None)
+    assert not drop.filter(record) and drop.filter(other)
+
+    with caplog.at_level(logging.WARNING):
+        if sys.version_info >= (3, 11):
+            # Negative control: without the filter, asyncio's warning is what such a client leaves
+            # (Python 3.10's asyncio does not log it at all).
+            monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])
+            _close_notify_after_request(door.addr)
+            time.sleep(0.3)
+            assert frontdoor.EOF_NOISE in warnings()
+            caplog.clear()
+            monkeypatch.undo()
+        for _ in range(3):
+            _close_notify_after_request(door.addr)
+        time.sleep(0.3)
+        assert warnings() == []
