@@ -8,7 +8,9 @@
 # Python deps go to ./.venv; torch is pinned first (an unpinned torch pulls GBs of CUDA wheels).
 set -euo pipefail
 cd "$(dirname "$0")"
-APT_PKGS=(iproute2 iptables nftables wireguard-tools wireguard-go iputils-ping iperf3 procps util-linux)
+# git: `meshrun train` lists what a git work tree ships with it (meshrun.system.archive), and the archive
+# tests build repositories with submodules.
+APT_PKGS=(iproute2 iptables nftables wireguard-tools wireguard-go iputils-ping iperf3 procps util-linux git)
 # The tests' VM (tests/vm.py): Debian's kernel (WireGuard and netem as modules) under QEMU, booted by
 # virtme-ng (a test dependency in pyproject.toml); mke2fs -d (e2fsprogs) builds its Python image; a
 # modular kernel needs an initramfs, which virtme-ng builds around a static busybox (busybox-static).

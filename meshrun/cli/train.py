@@ -152,8 +152,12 @@ def train(
         submission.exec_local(p)
     spec = submission.job_spec(options, cwd)
     if options.get("dry_run"):
+        from meshrun.core import termtext
+
+        # The pre-flight table and the commands carry what nodes reported (versions, GPU names, errors,
+        # file names, interpreter paths): nothing in them may rewrite this terminal.
         for line in submission.dry_run(app.state, spec):
-            app.echo(line)
+            app.echo(termtext.clean(line))
         return
     submission.check(app.state, spec)
     job = control.submit(app.state, spec)
@@ -361,17 +365,22 @@ def pull(
     job: JobArg,
     path: Annotated[str, typer.Argument(help="A file or directory, relative to the job's working directory.")],
     node: Annotated[Optional[str], typer.Option(help="Only from this node [every node of the job].")] = None,
-    dest: Annotated[Path, typer.Option(help="Where to put the files: DEST/NODE/PATH.")] = Path("."),
+    dest: Annotated[
+        Optional[Path], typer.Option(help="Where to put the files: DEST/NODE/PATH. [./meshrun-pulled/JOB]")
+    ] = None,
     max_mb: Annotated[int, typer.Option(help="Most MiB to fetch from each node.")] = 1024,
     state_dir: StateOpt = None,
 ) -> None:
     """Fetch files a job wrote on its nodes (checkpoints, logs) to this machine, over the overlay.
 
     \b
-    The job's working directory on each node is its project's, kept after the job. Examples:
-      meshrun pull JOB checkpoints/last.pt               # ./NODE/checkpoints/last.pt per node
+    The job's working directory on each node is its project's, kept after the job; each node has its
+    own (a file only rank 0 saved is on rank 0's node). The code sync never ships ./meshrun-pulled.
+    Examples:
+      meshrun pull JOB checkpoints/last.pt     # ./meshrun-pulled/JOB/NODE/checkpoints/last.pt per node
       meshrun pull JOB runs --node gpu-a --dest ./results
     """
+    from meshrun.core import termtext
     from meshrun.jobs import outputs
 
     app = Application.for_command(state_dir)
@@ -381,8 +390,8 @@ def pull(
         raise UsageError(f"--max-mb {max_mb} is less than 1", "e.g. --max-mb 1024")
     results = outputs.pull(app.state, job, path, dest, node=node, max_mb=max_mb)
     for r in results:
-        if r.error:
-            app.echo(f"{r.node}: {r.error}", err=True)
+        if r.error:  # the node's words: nothing in them may rewrite this terminal
+            app.echo(termtext.clean(f"{r.node}: {r.error}"), err=True)
         else:
             app.echo(f"{r.node}: {r.files} file(s) in {r.dest}")
     if any(r.error for r in results):

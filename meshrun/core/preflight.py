@@ -5,7 +5,8 @@ Python and torch versions, torch's build (CUDA/ROCm/CPU), NCCL's version, distri
 GPUs; plus free disk in the job directory, the hash of the code as unpacked there, and its clock.
 `compare` turns the reports into findings: BLOCK for what breaks collectives or the job (torch minor
 version, NCCL major, a backend missing, code that differs, no disk, a clock beyond the job-control
-window), WARN for what only costs speed or surprises (GPU model or count, Python patch, clock skew).
+window), WARN for what only costs speed or surprises (GPU model or count, Python patch, clock skew, files
+other than Python source that only the coordinator's copy has, such as a log redirected into it).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from meshrun.core import codeset
+from meshrun.core import codeset, termtext
 
 BLOCK, WARN = "block", "warn"
 DISK_BLOCK = 100 << 20  # less free space than this in the job directory: the job cannot even unpack
 DISK_WARN = 1 << 30
 CLOCK_WARN_S = 5.0
 CLOCK_BLOCK_S = 240.0  # job-control MACs are refused past 300 s of skew (meshrun.core.auth)
+CODE_SUFFIXES = (".py",)  # a node lacking one of these blocks; lacking any other file only warns
 
 
 @dataclass
@@ -75,6 +77,18 @@ def _odd_ones(reports: list[EnvReport], key) -> tuple[object, list[EnvReport]]:
     top = max(counts.values())
     usual = next(v for v in values if counts[v] == top)
     return usual, [r for r in reports if key(r) != usual]
+
+
+def _only_data_missing(reference: dict[str, str], other: dict[str, str]) -> bool:
+    """Does `other` differ from `reference` only by lacking files that are not Python source?
+
+    With --no-sync the reference is the coordinator's live directory, which holds what the operator wrote
+    there and no node has: `meshrun train --no-sync train.py > train.log` would refuse every node.
+    Code that differs, or is missing, or extra files on the node still block.
+    """
+    if set(other) - set(reference) or any(reference[n] != h for n, h in other.items() if n in reference):
+        return False
+    return all(not n.endswith(CODE_SUFFIXES) for n in set(reference) - set(other))
 
 
 def compare(
@@ -223,20 +237,28 @@ def compare(
                 )
             )
         if code_hash is not None and r.code_hash is not None and r.code_hash != code_hash:
-            diffs = (
-                codeset.differences(reference_files, r.code_files)
-                if reference_files is not None and r.code_files is not None
-                else []
-            )
-            out.append(
-                Finding(
-                    BLOCK,
-                    (r.node,),
-                    f"its copy of the code differs from {whose}"
-                    + (f": {codeset.describe_differences(diffs)}" if diffs else ""),
-                    "drop --no-sync so meshrun ships the code, or copy the same code there",
+            known = reference_files is not None and r.code_files is not None
+            diffs = codeset.differences(reference_files, r.code_files) if known else []
+            if known and _only_data_missing(reference_files, r.code_files):
+                out.append(
+                    Finding(
+                        WARN,
+                        (r.node,),
+                        f"its copy lacks files {whose} has: {codeset.describe_differences(diffs)}",
+                        "nothing to do if the job does not read them (a log written into the directory); "
+                        "else copy them there, or drop --no-sync",
+                    )
                 )
-            )
+            else:
+                out.append(
+                    Finding(
+                        BLOCK,
+                        (r.node,),
+                        f"its copy of the code differs from {whose}"
+                        + (f": {codeset.describe_differences(diffs)}" if diffs else ""),
+                        "drop --no-sync so meshrun ships the code, or copy the same code there",
+                    )
+                )
         if r.clock_offset_s is not None and abs(r.clock_offset_s) >= CLOCK_WARN_S:
             level = BLOCK if abs(r.clock_offset_s) >= CLOCK_BLOCK_S else WARN
             out.append(
@@ -283,8 +305,13 @@ def table(reports: list[EnvReport], findings: list[Finding]) -> list[str]:
         ]
         for r in reports
     ]
+    # What nodes reported is theirs to write: cells are cleaned before they are measured, so that the
+    # columns line up and no escape sequence reaches the operator's terminal.
+    rows = [[termtext.clean(v) for v in row] for row in rows]
     widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in [cols] + rows]
     for f in sorted(findings, key=lambda f: (f.level != BLOCK, f.nodes)):
-        lines.append(f"{'BLOCK' if f.level == BLOCK else 'warn '} {', '.join(f.nodes)}: {f.what}; {f.fix}")
+        lines.append(
+            termtext.clean(f"{'BLOCK' if f.level == BLOCK else 'warn '} {', '.join(f.nodes)}: {f.what}; {f.fix}")
+        )
     return lines

@@ -24,7 +24,7 @@ from meshrun.system import archive, joblogs
 from meshrun.system.projects import check_project
 from meshrun.system.statedir import StateDir, remove_tree
 
-__all__ = ["Pulled", "pull", "prune", "remove_project"]
+__all__ = ["Pulled", "default_dest", "pull", "prune", "remove_project"]
 
 log = logging.getLogger("meshrun.jobs.outputs")
 
@@ -54,11 +54,19 @@ def _shares(state: StateDir, job_id: str, names: list[str]) -> list[RemoteShare 
     return out
 
 
+def default_dest(job_id: str) -> Path:
+    """Where `meshrun pull` puts a job's files unless told: ./meshrun-pulled/JOB, a directory the code
+    sync never ships (pull is usually run from the project, whose next job would carry them otherwise)."""
+    return Path(archive.PULLED_DIR) / job_id
+
+
 def pull(
-    state: StateDir, job_id: str, path: str, dest: Path, node: str | None = None, max_mb: int = 1024
+    state: StateDir, job_id: str, path: str, dest: Path | None = None, node: str | None = None, max_mb: int = 1024
 ) -> list[Pulled]:
     """Fetch `path` (relative to the job's working directory) from each of the job's nodes (or `node`)
-    into dest/<node>/path; one Pulled per node. UsageError for a node that was not in the job."""
+    into dest/<node>/path (dest: `default_dest`); one Pulled per node. UsageError for a node that was
+    not in the job."""
+    dest = default_dest(job_id) if dest is None else dest
     rec = control.record(state, job_id)
     names = list(rec.nodes)
     if node is not None:

@@ -2,9 +2,11 @@
 
 `select_files` decides what a project ships, as SkyPilot's workdir sync does: in a git work tree
 what git would track (`git ls-files --cached --others --exclude-standard`: .gitignore,
-.git/info/exclude and the user's global excludes), and everywhere a `.meshrunignore` at the
+.git/info/exclude and the user's global excludes), submodules and nested repositories included (each
+listed by its own git, with its own ignore rules), and everywhere a `.meshrunignore` at the
 project's root (gitignore syntax, meshrun.core.ignore); never caches and virtualenvs
-(`ALWAYS_IGNORED`), meshrun's own state directories, or symbolic links. `pack` reads each file once,
+(`ALWAYS_IGNORED`), meshrun's own state directories, files `meshrun pull` brought back
+(`PULLED_DIR` at the root), or symbolic links. `pack` reads each file once,
 through a descriptor opened without following symbolic links at any component (a link swapped in
 between the listing and the read is refused, not followed), and hashes exactly the bytes it packs:
 the pre-flight's reference is what was shipped. `unpack_into` lays a shipment over a node's
@@ -34,6 +36,7 @@ from meshrun.system.statedir import disk_use
 __all__ = [
     "ALWAYS_IGNORED",
     "IGNORE_FILE",
+    "PULLED_DIR",
     "Selection",
     "Packed",
     "select_files",
@@ -57,6 +60,9 @@ ALWAYS_IGNORED = {
     ".ipynb_checkpoints",
 }
 IGNORE_FILE = ".meshrunignore"
+# Where `meshrun pull` puts what it fetches by default, under the project it is run from: never shipped
+# back (checkpoints pulled from the nodes would otherwise travel with the next job).
+PULLED_DIR = "meshrun-pulled"
 HASH_MAX_FILES = 5000
 HASH_MAX_BYTES = 200 * 1024 * 1024
 DU_MAX_ENTRIES = 20000  # how far `select_files` counts an ignored directory's size
@@ -139,6 +145,30 @@ def _git_list(directory: Path, *extra: str) -> list[str]:
     return [p for p in res.stdout.split("\0") if p]
 
 
+def _git_tree(root: Path, prefix: str = "") -> tuple[list[str], list[tuple[str, bool]]]:
+    """(files git would track, entries its ignore rules leave out as (rel, is_dir)) under root/prefix,
+    recursing into submodules and nested repositories: the parent's git lists one of those as a single
+    entry and never its files, which a user expects to be shipped."""
+    here = root / prefix if prefix else root
+    pre = f"{prefix}/" if prefix else ""
+    files: list[str] = []
+    ignored = [
+        (pre + rel.rstrip("/"), rel.endswith("/"))
+        for rel in _git_list(here, "--others", "--ignored", "--exclude-standard", "--directory")
+    ]
+    for rel in _git_list(here, "--cached", "--others", "--exclude-standard"):
+        rel = pre + rel.rstrip("/")
+        path = root / rel
+        if path.is_dir() and not path.is_symlink():
+            if (path / ".git").exists():  # an initialised submodule or a nested repository: its own listing
+                sub_files, sub_ignored = _git_tree(root, rel)
+                files += sub_files
+                ignored += sub_ignored
+            continue  # an empty (uninitialised) submodule: nothing to ship
+        files.append(rel)
+    return files, ignored
+
+
 def _read_rules(path: Path, base: str) -> ignore.IgnoreRules:
     try:
         return ignore.parse(path.read_text(encoding="utf-8", errors="replace"), base)
@@ -177,13 +207,17 @@ def select_files(directory: Path | str, exclude: Iterable[Path | str] = (), use_
     def keep_dir(rel: str, path: Path) -> bool:
         return not (path.name in ALWAYS_IGNORED or path in excluded or _is_state_dir(path))
 
+    if (root / PULLED_DIR).is_dir() and not (root / PULLED_DIR).is_symlink():
+        ignored.append((PULLED_DIR, True))  # named in the summary, as what the ignore rules leave out
+
     if use_git and _git_root(root):
         sel.rules = "git's ignore rules" + (f" and {IGNORE_FILE}" if matcher.rules else "")
-        candidates = _git_list(root, "--cached", "--others", "--exclude-standard")
-        for rel in _git_list(root, "--others", "--ignored", "--exclude-standard", "--directory"):
-            ignored.append((rel.rstrip("/"), rel.endswith("/")))
+        candidates, left_out = _git_tree(root)
+        ignored += [(rel, is_dir) for rel, is_dir in left_out if rel != PULLED_DIR]
         dir_ok: dict[str, bool] = {}
         for rel in sorted(set(candidates)):
+            if rel.startswith(f"{PULLED_DIR}/"):
+                continue
             parent = rel.rpartition("/")[0]
             if parent and parent not in dir_ok:
                 dir_ok[parent] = all(keep_dir(p, root / p) for p in _ancestors(parent))
@@ -214,7 +248,7 @@ def select_files(directory: Path | str, exclude: Iterable[Path | str] = (), use_
                 path = here / d
                 if path.is_symlink():
                     sel.links.append(rel)
-                elif not keep_dir(rel, path):
+                elif not keep_dir(rel, path) or rel == PULLED_DIR:
                     continue
                 elif matcher.ignored(rel, is_dir=True):
                     ignored.append((rel, True))
@@ -223,6 +257,8 @@ def select_files(directory: Path | str, exclude: Iterable[Path | str] = (), use_
             dirs[:] = keep
             for n in sorted(names):
                 rel = f"{base}/{n}" if base else n
+                if n in ALWAYS_IGNORED:  # a submodule's `.git` file, pointing at its repository
+                    continue
                 if matcher.ignored(rel):
                     ignored.append((rel, False))
                 else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshrun.core import preflight
+from meshrun.core import codeset, preflight
 from meshrun.core.preflight import BLOCK, WARN, EnvReport, blocking, compare, table
 
 GIB = 1 << 30
@@ -125,3 +125,51 @@ def test_clock_offset_discounts_the_remote_s_work_from_the_round_trip():
     assert abs(preflight.clock_offset(sent, received, remote_time) - 3.0) > 9
     # a remote that claims more work than the round trip cannot make the network negative
     assert preflight.clock_offset(sent, sent + 1.0, sent + 1.0, remote_took=5.0) == pytest.approx(0.0)
+
+
+def _copy(files: dict[str, str], name: str) -> EnvReport:
+    """A node whose --no-sync copy of the code holds `files` ({name: content hash})."""
+    return node(name, code_hash=codeset.digest(files), code_files=files)
+
+
+COORDINATOR = {"train.py": "aa" * 32, "model.py": "bb" * 32, "train.log": "cc" * 32, "nohup.out": "dd" * 32}
+
+
+def test_files_only_the_coordinator_has_that_are_not_code_warn_naming_them():
+    # `meshrun train --no-sync train.py > train.log`: the log exists only in the coordinator's copy
+    nodes = {"train.py": "aa" * 32, "model.py": "bb" * 32}
+    found = compare([_copy(nodes, "a"), _copy(nodes, "b")], codeset.digest(COORDINATOR), reference_files=COORDINATOR)
+    assert not blocking(found), found
+    assert [(f.level, f.nodes) for f in found] == [(WARN, ("a",)), (WARN, ("b",))]
+    assert "nohup.out (missing), train.log (missing)" in found[0].what and found[0].fix
+
+
+@pytest.mark.parametrize(
+    "theirs, named",
+    [
+        ({"train.py": "ee" * 32, "model.py": "bb" * 32}, "train.log (missing), train.py"),  # code differs
+        ({"train.py": "aa" * 32}, "model.py (missing)"),  # code missing
+        ({"train.py": "aa" * 32, "model.py": "bb" * 32, "old.py": "ff" * 32}, "old.py (extra)"),  # code extra
+    ],
+)
+def test_a_code_difference_blocks_naming_the_files(theirs, named):
+    found = compare(
+        [_copy(COORDINATOR, "a"), _copy(theirs, "b")], codeset.digest(COORDINATOR), reference_files=COORDINATOR
+    )
+    block = [f for f in found if f.level == BLOCK]
+    assert [f.nodes for f in block] == [("b",)], found
+    assert block[0].what.startswith("its copy of the code differs from the coordinator's: ") and named in block[0].what
+
+
+def test_the_table_removes_escape_sequences_a_node_reported_and_keeps_its_columns():
+    evil = "\x1b[2J\x1b]0;pwned\x07\x1b[1A\r"
+    odd = node("b", torch=f"2.12.0+cpu{evil}", gpus=1, gpu_names=[f"H100{evil}"], error="")
+    files = {f"x{evil}.py": "ee" * 32}
+    odd.code_hash, odd.code_files = codeset.digest(files), files
+    reference = {"train.py": "aa" * 32}
+    lines = table([node("a"), odd], compare([node("a"), odd], codeset.digest(reference), reference_files=reference))
+    assert not any(c in line for line in lines for c in "\x1b\x07\r"), lines
+    # cleaned before measured: the columns line up
+    assert lines[0].index("TORCH") == lines[1].index("2.13.0+cpu") == lines[2].index("2.12.0+cpu")
+    assert lines[0].index("FREE") == lines[1].index("51200 MiB") == lines[2].index("51200 MiB")
+    assert any(line.startswith("BLOCK b: its copy of the code differs") and "x.py (extra)" in line for line in lines)

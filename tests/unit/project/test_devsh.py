@@ -57,3 +57,12 @@ def test_an_account_with_sudo_gets_dev_sh_run_again_through_sudo(fake_sudo):
     # root never goes through sudo (a fresh root shell has none): here it gets the usage line.
     res = _as([], fake_sudo)
     assert res.returncode == 2 and "sudo called" not in res.stdout and "usage: ./dev.sh" in res.stderr
+
+
+def test_dev_sh_installs_git_which_the_code_sync_and_its_tests_need():
+    # meshrun.system.archive lists a git work tree's files with git; tests/unit/system/test_archive.py builds
+    # repositories and submodules (a fresh Debian 12 has no git)
+    line = re.search(r"^APT_PKGS=\((.*)\)$", (REPO / "dev.sh").read_text(), re.M).group(1)
+    assert "git" in line.split()
+    first = (REPO / "README.md").read_text().split("\n## ", 1)[0]
+    assert re.search(r"system packages with apt-get \([^)]*\bgit\b", first), "the README's list names git"

@@ -122,6 +122,60 @@ def test_the_dry_run_summary_names_an_ignored_200_mb_directory(tmp_path):
     assert any(line.startswith("not shipped: data/ 191.0 MiB (2 files)") for line in lines), lines
 
 
+@pytest.mark.skipif(not HAVE_GIT, reason="git is not installed")
+def test_submodules_and_nested_repositories_ship_with_their_own_ignore_rules(tmp_path):
+    lib = tmp_path / "lib"  # a library the project vendors as a submodule
+    lib.mkdir()
+    (lib / "util.py").write_text("def f():\n    return 1\n")
+    (lib / ".gitignore").write_text("*.bin\n")
+    git(lib, "init", "-q")
+    git(lib, "add", ".")
+    git(lib, "commit", "-qm", "lib")
+    root = _project(tmp_path / "proj")
+    (root / ".gitignore").write_text("data/\n*.log\n")
+    git(root, "init", "-q")
+    git(root, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "vendor/lib")
+    (root / "vendor" / "lib" / "weights.bin").write_bytes(b"\0" * 10)  # ignored by the submodule's .gitignore
+    (root / "vendor" / "lib" / "new.py").write_text("n = 1\n")  # untracked there: shipped, as at the top
+    nested = root / "tools"  # a repository cloned into the project, not registered as a submodule
+    nested.mkdir()
+    (nested / "fetch.py").write_text("t = 1\n")
+    git(nested, "init", "-q")
+    sel = archive.select_files(root)
+    assert sel.names == [
+        ".gitignore",
+        ".gitmodules",
+        "pkg/m.py",
+        "tools/fetch.py",
+        "train.py",
+        "vendor/lib/.gitignore",
+        "vendor/lib/new.py",
+        "vendor/lib/util.py",
+    ]
+    assert "vendor/lib/weights.bin" in {e.name for e in sel.ignored}
+    assert archive.select_files(root, use_git=False).names == sel.names  # the same without a git binary
+
+
+@pytest.mark.parametrize("use_git", [True, False])
+def test_files_pulled_back_into_the_project_are_never_shipped_and_say_so(tmp_path, use_git):
+    if use_git and not HAVE_GIT:
+        pytest.skip("git is not installed")
+    root = _project(tmp_path / "proj")
+    if use_git:
+        git(root, "init", "-q")
+    pulled = root / archive.PULLED_DIR / "job-1" / "gpu-a" / "checkpoints"
+    pulled.mkdir(parents=True)
+    (pulled / "last.pt").write_bytes(b"\0" * 1000)
+    (root / "pkg" / archive.PULLED_DIR).mkdir()  # only the project's own is meshrun's
+    (root / "pkg" / archive.PULLED_DIR / "x.py").write_text("x = 2\n")
+    sel = archive.select_files(root, use_git=use_git)
+    assert not any(n.startswith(archive.PULLED_DIR) for n in sel.names)
+    assert "pkg/meshrun-pulled/x.py" in sel.names
+    assert any(
+        line.startswith("not shipped: ") and "meshrun-pulled/ 1000 B (1 files)" in line for line in sel.summary()
+    )
+
+
 def test_pack_hashes_exactly_the_bytes_it_packs_and_unpack_reproduces_them(tmp_path):
     root = _project(tmp_path / "proj")
     sel = archive.select_files(root)
