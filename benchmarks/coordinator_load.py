@@ -19,11 +19,12 @@ coordinator's device reports no handshakes (with `--device fake` each peer's han
 
 Agents are asyncio tasks in the driver process. Each binds its own 127.1.x.y, which the server maps to
 that member's overlay IP (the overlay API identifies callers by source address). Each sends what
-agent.py sends: candidates, its MTU, `version`, `delta`, and its handshake report with every other
-member, with real public keys: complete on the first sync, then the peers whose handshake changed
-since its last sync (each pair's WireGuard session rekeys every 120 s, so a sync after `wait` s
-reports about n * wait / 120 of them, each with a new handshake time): the pair driver advances
-exactly those pairs.
+the agent sends: candidates, its MTU, `version`, `delta`, and its handshake report, built by the
+agent's own `meshrun.core.peers.handshake_report` over simulated handshakes with real public keys
+(every pair's WireGuard session rekeys about every 120 s; a new member's peer has no handshake at
+an agent's first sync after the join and one by the next): complete on the first sync, then only
+the peers the coordinator has not heard of or whose tunnel went stale or fresh again. The pair
+driver advances exactly those pairs.
 
 Per size: (1) steady state: coordinator CPU share over --window seconds, CPU per loop tick (mean,
 p99, measured inside the loop thread), p99 latency of a non-waiting sync (wait=0) sent by --probes
@@ -351,30 +352,47 @@ class Agents:
 
     def __init__(self, port: int, keys: list[str], wait: float) -> None:
         self.port, self.keys, self.wait = port, keys, wait
-        self.live = 0  # agents 0..live-1 are members (others: not joined yet)
+        self.members: list[int] = []  # the agents that are members (joined), in join order
         self.version: dict[int, int] = {}
         self.last_sync: dict[int, float] = {}
+        self.handshakes: dict[int, dict[str, int]] = {}  # agent -> {peer key: its simulated latest handshake}
+        self.told: dict[int, dict[str, bool]] = {}  # agent -> {peer key: fresh} as the coordinator acknowledged
         self.synced: dict[int, float] = {}  # agent -> when its last sync was answered 200
         self.got: dict[int, list[tuple[int, float]]] = {}  # agent -> [(version, when received)]
         self.errors = 0
         self.gone: set[int] = set()
         self.stop = False
 
-    def body(self, i: int, version: int, wait: float, full: bool) -> bytes:
-        now = int(time.time())
-        if full:
-            report = {k: now for j, k in enumerate(self.keys[: self.live]) if j != i}
-        else:
-            # O(what changed), not O(members): on 2 cores this driver shares the CPU with the coordinator.
-            since = time.monotonic() - self.last_sync.get(i, time.monotonic())
-            count = min(self.live - 1, max(0, round((self.live - 1) * since / REKEY_S)))
-            picked = random.sample(range(self.live - 1), count)
-            report = {self.keys[j + (j >= i)]: now for j in picked}  # skipping itself
+    def body(self, i: int, version: int, wait: float, full: bool) -> tuple[bytes, dict[str, bool]]:
+        """Agent i's sync request, and what it tells of each peer's liveness (kept once answered 200).
+
+        The handshakes are simulated (every tunnel rekeys about every REKEY_S; a new member's peer has
+        no handshake at its first sync and one by the next), the report is what the real agent sends:
+        `meshrun.core.peers.handshake_report`, which reports a peer only when the coordinator has not
+        heard of it or it went stale or fresh again."""
+        from meshrun.core.peers import handshake_report
+
+        wall = time.time()
+        now = int(wall)
+        hs = self.handshakes.setdefault(i, {})
+        since = time.monotonic() - self.last_sync.get(i, time.monotonic())
+        peers = [self.keys[j] for j in self.members if j != i and j not in self.gone]
+        for k in peers:  # a new member: no handshake at first sight, one by the next sync
+            if k not in hs:
+                hs[k] = 0 if self.last_sync.get(i) is not None else now
+            elif hs[k] == 0:
+                hs[k] = now
+        # WireGuard rekeys each tunnel every REKEY_S: about this many since the last sync.
+        count = min(len(peers), max(0, round(len(peers) * since / REKEY_S)))
+        for k in random.sample(peers, count):
+            hs[k] = now
+        report = handshake_report(hs, self.told.get(i, {}), full, wall)
         self.last_sync[i] = time.monotonic()
-        return json.dumps(
+        body = json.dumps(
             {
                 "candidates": CANDIDATES,
-                "peers": report,
+                "peers": report.peers,
+                "stale": list(report.stale),
                 "full": full,
                 "mtu": 1420,
                 "version": version,
@@ -382,6 +400,8 @@ class Agents:
                 "delta": True,
             }
         ).encode()
+        stale = set(report.stale)
+        return body, {k: k not in stale for k in report.peers}
 
     async def agent(self, i: int, start_delay: float) -> None:
         await asyncio.sleep(start_delay)
@@ -390,7 +410,8 @@ class Agents:
         while not self.stop:
             v = self.version.get(i, 0)
             try:
-                status, nv, _, asked = await post_sync(self.port, src, self.body(i, v, 0 if full else self.wait, full))
+                body, told = self.body(i, v, 0 if full else self.wait, full)
+                status, nv, _, asked = await post_sync(self.port, src, body)
             except OSError:
                 self.errors += 1
                 await asyncio.sleep(0.5)
@@ -402,6 +423,7 @@ class Agents:
                 self.errors += 1
                 await asyncio.sleep(0.5)
                 continue
+            self.told.setdefault(i, {}).update(told)
             full = asked  # a restarted coordinator asks each agent for its full report once
             self.synced[i] = time.monotonic()
             if nv != v:
@@ -488,15 +510,18 @@ class Server:
 
 
 async def storm(srv: Server, agents: Agents, tasks: list, n: int) -> list[dict]:
-    """STORM_JOINS joins in STORM_S, each through the TLS enrolment API from its own address; each
-    joiner starts its agent once enrolled. Returns {joined, at, version} per join."""
+    """STORM_JOINS joins in STORM_S, each through the TLS enrolment API from its own address, each sent
+    at its own time (STORM_S / STORM_JOINS apart, whether or not earlier ones were answered: nodes join
+    independently); each joiner starts its agent once enrolled. Returns {joined, at, version} per join."""
     from meshrun.core.token import parse_token
     from meshrun.mesh.node.setup import join_request
 
     tok = parse_token(srv.hello["token"])
     gap = STORM_S / STORM_JOINS
-    joins = []
-    for j, private in enumerate(srv.hello["storm_private"]):
+    start = time.monotonic()
+
+    async def one(j: int, private: str) -> dict:
+        await asyncio.sleep(max(0.0, start + j * gap - time.monotonic()))
         t0 = time.monotonic()
         i = n + j
         body = join_request(tok, f"n{i}", private, tok.coordinator_key, CANDIDATES)
@@ -504,12 +529,14 @@ async def storm(srv: Server, agents: Agents, tasks: list, n: int) -> list[dict]:
         if status != 200:
             raise SystemExit(f"join of n{i} refused ({status}): {answer}")
         answered = time.monotonic() - t0
-        version = (await srv.ask(f"joined n{i}"))["version"]
-        joins.append({"joined": j, "at": t0, "version": version, "answer_s": answered})
-        agents.live = i + 1
+        agents.members.append(i)
         tasks.append(asyncio.create_task(agents.agent(i, 0)))
-        await asyncio.sleep(max(0.0, gap - (time.monotonic() - t0)))
-    return joins
+        return {"joined": j, "at": t0, "answer_s": answered}
+
+    joins = await asyncio.gather(*(one(j, p) for j, p in enumerate(srv.hello["storm_private"])))
+    for j in joins:  # the member-list version that holds each (asked once all are in: one at a time)
+        j["version"] = (await srv.ask(f"joined n{n + j['joined']}"))["version"]
+    return list(joins)
 
 
 async def one_size(n: int, args) -> dict:
@@ -518,7 +545,7 @@ async def one_size(n: int, args) -> dict:
     srv = Server(n, args.device)
     port, pid, wg_pid = srv.hello["port"], srv.proc.pid, srv.hello["wg_pid"]
     agents = Agents(port, srv.hello["keys"], SYNC_WAIT)
-    agents.live = n
+    agents.members = list(range(n))
     t_setup = time.monotonic()
     tasks = [asyncio.create_task(agents.agent(i, random.uniform(0, 5))) for i in range(n)]
     # Every agent has made its first (complete) report and the pairs are judged (the first judging of
@@ -558,7 +585,7 @@ async def one_size(n: int, args) -> dict:
     removal_s = max(seen) - rem["at"] if len(seen) == len(others) else float("inf")
 
     # A coordinator restart: back to steady state when no pair waits and every live agent has synced since.
-    live = [i for i in range(agents.live) if i != victim]
+    live = [i for i in agents.members if i != victim]
     rs = await srv.ask("restart")
     restart_s = float("inf")
     while time.monotonic() - rs["at"] < RESTART_LIMIT_S:

@@ -54,13 +54,18 @@ def same_site(a: Member, b: Member) -> bool:
     return bool(ha and ha == hb and private_candidate(a) and private_candidate(b))
 
 
-def initial(a: Member, b: Member, handshake: int, now: float) -> PairState:
+def _fresh(handshake: int, now: float, fresh: bool | None) -> bool:
+    # `fresh` given: the nodes' own word (each reports when its tunnel goes stale or comes back, so
+    # an old handshake time may still be a live tunnel); else judged from the time alone.
+    return (bool(handshake) and now - handshake < STALE_S) if fresh is None else fresh
+
+
+def initial(a: Member, b: Member, handshake: int, now: float, fresh: bool | None = None) -> PairState:
     """First state of a pair. A pair that already has a fresh handshake (e.g. after a coordinator
     restart without saved pair state) keeps its working tunnel instead of being probed again."""
     if same_site(a, b):
         return PairState(PRIVATE, now)
-    fresh = bool(handshake) and now - handshake < STALE_S
-    return PairState(PUBLIC, now, verified=fresh)
+    return PairState(PUBLIC, now, verified=_fresh(handshake, now, fresh))
 
 
 def _since(handshake: int, since: float) -> bool:
@@ -68,9 +73,10 @@ def _since(handshake: int, since: float) -> bool:
     return handshake >= int(since)
 
 
-def step(state: PairState, a: Member, b: Member, handshake: int, now: float) -> PairState:
-    """Next state of pair (a, b) given the newest handshake either side reports (unix s, 0 = none)."""
-    fresh = bool(handshake) and now - handshake < STALE_S
+def step(state: PairState, a: Member, b: Member, handshake: int, now: float, fresh: bool | None = None) -> PairState:
+    """Next state of pair (a, b) given the newest handshake either side reports (unix s, 0 = none) and,
+    where the nodes say so, whether the tunnel is fresh (None: a handshake in the last STALE_S)."""
+    fresh = _fresh(handshake, now, fresh)
     if state.mode == RELAYED:
         # The direct entry kept trying; a handshake after we relayed means direct works now.
         return PairState(PUBLIC, now) if fresh and handshake > int(state.since) else state
@@ -82,15 +88,19 @@ def step(state: PairState, a: Member, b: Member, handshake: int, now: float) -> 
     return PairState(PUBLIC, now) if state.mode == PRIVATE else PairState(RELAYED, now)
 
 
-def next_due(state: PairState, handshake: int) -> float | None:
+def next_due(state: PairState, handshake: int, fresh: bool | None = None) -> float | None:
     """When `step` may next change `state` by time alone, with `handshake` as the newest one reported
-    (None: only a new handshake can change it). Before this time, `step` with the same handshake
-    returns `state` unchanged, so a driver need not look at the pair until then or until its
-    handshake changes.
+    (None: only a new report can change it). Before this time, `step` with the same inputs returns
+    `state` unchanged, so a driver need not look at the pair until then or until a report changes.
+
+    With `fresh` given (the nodes report their tunnels going stale), a verified fresh pair has no
+    timer at all: a mesh of n nodes keeps no n(n-1)/2 timers running.
     """
     if state.mode == RELAYED:
         return None  # waits for a handshake after `since`
     if state.verified:
+        if fresh is not None:
+            return None if fresh else state.since
         # Stale at handshake + STALE_S; a verified pair without any handshake falls back at once.
         return float(handshake) + STALE_S if handshake else state.since
     return state.since + ATTEMPT_S  # the attempt window closes

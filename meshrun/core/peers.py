@@ -62,6 +62,44 @@ class PeerDiff:
         return bool(self.add or self.update or self.remove)
 
 
+@dataclass(frozen=True)
+class HandshakeReport:
+    """What an agent tells the coordinator about its peers' handshakes in one sync.
+
+    `peers` {public key: latest handshake (unix s, 0 = none)} holds only the peers whose liveness the
+    coordinator does not know yet; `stale` names those among them whose handshake is not fresh."""
+
+    peers: dict[str, int]
+    stale: tuple[str, ...]
+
+
+def is_fresh(handshake: int, now: float) -> bool:
+    """A handshake in the last HANDSHAKE_FRESH_S: the tunnel works."""
+    return bool(handshake) and now - handshake < HANDSHAKE_FRESH_S
+
+
+def handshake_report(
+    handshakes: Mapping[str, int], told: Mapping[str, bool], full: bool, now: float
+) -> HandshakeReport:
+    """The peers to report, given {key: latest handshake} now and `told` {key: fresh} as last acknowledged.
+
+    A peer is reported when the coordinator has not heard of it (a new peer, or one re-created for a
+    new path, whose key the caller dropped from `told`: its next handshake proves the path) or when it
+    went from fresh to stale or back (all peers when a full report is asked for). A tunnel that stays
+    fresh is not reported again when WireGuard rekeys it every 120 s: in a mesh of n nodes that was
+    n(n-1)/120 reports a second that changed nothing, the coordinator's whole steady-state load.
+    Judged with this node's clock, the one its handshake times come from (no skew)."""
+    out: dict[str, int] = {}
+    stale: list[str] = []
+    for key, hs in handshakes.items():
+        fresh = is_fresh(hs, now)
+        if full or told.get(key) != fresh:
+            out[key] = hs
+            if not fresh:
+                stale.append(key)
+    return HandshakeReport(out, tuple(stale))
+
+
 def desired_for_node(
     my_key: str, members: Sequence[Member], hold: frozenset[str] | set[str] = frozenset()
 ) -> list[PeerSpec]:

@@ -99,9 +99,10 @@ class OverlayAPI:
     def sync(self, caller: Member, body: dict) -> Response:
         """Heartbeat in, member list out; waits (long-poll) while nothing changed.
 
-        The heartbeat's `peers` is {peer public key: latest handshake} for the peers whose
-        handshake changed since the agent's last report (the first report after either side
-        restarted is complete: the answer asks for it with "report": "full"). An answer to a
+        The heartbeat's `peers` is {peer public key: latest handshake} for the peers whose liveness
+        the coordinator does not know yet, `stale` the keys among them whose tunnel is not fresh
+        (meshrun.core.peers.handshake_report; the first report after either side restarted is
+        complete: the answer asks for it with "report": "full"). An answer to a
         long-poll that timed out without a change is just {"version", "unchanged": true}.
 
         An agent that sends "delta": true with the version it holds gets {"version", "since",
@@ -117,6 +118,13 @@ class OverlayAPI:
             if not isinstance(report, dict) or len(report) > 100_000:
                 raise ValueError("peers must be an object")
             delta = {str(k): int(v["handshake"] if isinstance(v, dict) else v) for k, v in report.items()}
+            if any(v < 0 for v in delta.values()):
+                raise ValueError("a handshake time is negative")
+            stale = body.get("stale")  # absent: an older agent, whose reports are judged by time
+            if stale is not None:
+                if not isinstance(stale, list):
+                    raise ValueError("stale must be a list")
+                stale = {str(k) for k in stale} & delta.keys()
             mtu = body.get("mtu")
             if mtu is not None and (isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 9000):
                 raise ValueError("mtu must be an integer in 576..9000")
@@ -125,7 +133,7 @@ class OverlayAPI:
                 raise ValueError("site must be a name")
         except (ValueError, TypeError, KeyError, OverflowError):
             return Response.error(400, UsageError("malformed sync request", "use the meshrun agent"))
-        owed = self.pairs.report(caller.name, delta, full=bool(body.get("full")))
+        owed = self.pairs.report(caller.name, delta, full=bool(body.get("full")), stale=stale)
         heard = (caller.overlay_ip, caller.public_key)
         if owed or self.heard.get(heard) != (candidates, mtu, site):
             self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu, site=site)

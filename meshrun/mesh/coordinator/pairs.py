@@ -1,11 +1,15 @@
 """The pair driver: every node pair's path (private, public, relayed), advanced from what nodes report.
 
-Each agent reports, with its heartbeat, the latest handshake it has with each peer. A pair's state
-(`meshrun.core.pairpaths`) changes only when its inputs do or when time makes it: so the driver looks
-at a pair only when a node's report changed that pair's handshake, when a node became judgeable
-(new member, first report since start, an endpoint and candidates known), or when the pair's next
-due time (`pairpaths.next_due`) came, kept in a heap. A tick with nothing new steps no pair at all, and
-the work grows with the change, not with the n(n-1)/2 pairs of the mesh.
+Each agent reports, with its heartbeat, the latest handshake of each peer whose liveness the
+coordinator does not know yet, and which of those are stale (`meshrun.core.peers.handshake_report`):
+a tunnel that stays fresh is reported once, not at every 120 s rekey. A pair is fresh while a node
+that last called it fresh is still heard from; both ends calling it stale (or one end going silent
+after calling it fresh) make it stale. A pair's state (`meshrun.core.pairpaths`) changes only when its
+inputs do or when time makes it: so the driver looks at a pair only when a node's report changed
+it, when a node became judgeable (new member, first report since start, an endpoint and candidates
+known), or when the pair's next due time (`pairpaths.next_due`: only unproven paths have one) came,
+kept in a heap. A tick with nothing new steps no pair at all, and the work grows with the change,
+not with the n(n-1)/2 pairs of the mesh.
 
 States live in the coordinator's SQLite database, one row per pair, written when it changes (an old
 pairpaths.json is imported once and removed). Reports are not persisted: after a coordinator restart a
@@ -20,6 +24,7 @@ import itertools
 import logging
 import sys
 import threading
+import time
 
 from meshrun.core import pairpaths
 from meshrun.core.model import Member
@@ -59,7 +64,11 @@ class PairDriver:
     def __init__(self, db: CoordinatorDB, state: StateDir | None = None) -> None:
         self.db = db
         self.lock = threading.Lock()  # reports, dirty and pending
-        self.reports: dict[str, dict[str, int]] = {}  # node name -> {peer key: latest handshake}, since start
+        # node name -> {peer key: latest handshake as the node last called it fresh, or -(handshake + 1)
+        # as it last called it stale} since start: one int each (a million at 1000 members).
+        self.reports: dict[str, dict[str, int]] = {}
+        self.heard: dict[str, float] = {}  # node name -> unix time of its last report
+        self.timed: set[str] = set()  # nodes that do not say what is stale (older agents): judged by time
         self.pairs: dict[Key, pairpaths.PairState] = db.pairs()
         if state is not None:
             self._import_paths_json(state)
@@ -97,11 +106,18 @@ class PairDriver:
         state.remove("pairpaths.json")
 
     # inputs ----------------------------------------------------------------
-    def report(self, node: str, delta: dict[str, int], full: bool) -> bool:
-        """Record `node`'s handshakes {peer key: unix s}; True while a full report is still owed
-        (the node's pairs are judged only once one arrived since this coordinator started).
-        Each pair whose handshake changed is looked at in the next update; no other is."""
+    def report(self, node: str, delta: dict[str, int], full: bool, stale: set[str] | None = None) -> bool:
+        """Record `node`'s handshakes {peer key: unix s} and which of them it calls stale (None: a node
+        that does not say; judged by time); True while a full report is still owed (the node's pairs
+        are judged only once one arrived since this coordinator started). Each pair whose handshake
+        or liveness changed is looked at in the next update; no other is."""
         names = self.names
+        self.heard[node] = time.time()
+        if stale is None:
+            self.timed.add(node)
+        else:
+            self.timed.discard(node)
+            delta = {k: (v if k not in stale else -v - 1) for k, v in delta.items()}
         # Keys of members this driver does not know yet are kept only up to UNKNOWN_SLACK per node (a
         # join the loop has not seen), so a member that reports invented keys cannot grow our memory.
         unknown = [k for k in delta if k not in names]
@@ -132,9 +148,23 @@ class PairDriver:
                     self.dirty.add(pairpaths.pair_key(node, other))
             return node not in self.reports
 
-    def handshake(self, a: Member, b: Member) -> int:
-        """The newest handshake between a and b that either of them reported."""
-        return max(self.reports.get(a.name, {}).get(b.public_key, 0), self.reports.get(b.name, {}).get(a.public_key, 0))
+    def handshake(self, a: Member, b: Member, now: float) -> tuple[int, bool | None]:
+        """(the newest handshake between a and b that either reported, whether the tunnel is fresh):
+        fresh while one end that last called it fresh has been heard from within STALE_S; None when
+        neither end says (older agents: pairpaths judges by the handshake's time, and keeps timers)."""
+        newest, fresh, said = 0, False, False
+        for x, y in ((a, b), (b, a)):
+            v = self.reports.get(x.name, {}).get(y.public_key)
+            if v is None:
+                continue
+            hs = v if v >= 0 else -v - 1
+            newest = max(newest, hs)
+            if x.name in self.timed:
+                fresh = fresh or (bool(hs) and now - hs < pairpaths.STALE_S)
+            else:
+                said = True
+                fresh = fresh or (v > 0 and now - self.heard.get(x.name, 0.0) < pairpaths.STALE_S)
+        return newest, fresh if said else None
 
     # the loop ----------------------------------------------------------------
     def update(self, members: list[Member] | None, now: float) -> bool:
@@ -169,15 +199,15 @@ class PairDriver:
             if key[0] not in self.judged or key[1] not in self.judged:
                 continue  # kept as it is until both nodes are judged again
             a, b = self.members[key[0]], self.members[key[1]]
-            hs = self.handshake(a, b)
+            hs, fresh = self.handshake(a, b, now)
             old = self.pairs.get(key)
             self.steps += 1
             if old is None:
-                st = pairpaths.initial(a, b, hs, now)
+                st = pairpaths.initial(a, b, hs, now, fresh)
                 created = True
                 self.changed.add(key)
             else:
-                st = pairpaths.step(old, a, b, hs, now)
+                st = pairpaths.step(old, a, b, hs, now, fresh)
                 if st.mode != old.mode:
                     log.info("path %s <-> %s: %s -> %s", a.name, b.name, old.mode, st.mode)
                     changed = True
@@ -190,7 +220,7 @@ class PairDriver:
                 # pair every tick did. An unchanged state stays so until next_due or new inputs.
                 self._book(key, now)
             else:
-                self._book(key, pairpaths.next_due(st, hs))
+                self._book(key, pairpaths.next_due(st, hs, fresh))
         if writes or drop:
             self.db.save_pairs(writes, drop)
         return created or changed
@@ -222,6 +252,8 @@ class PairDriver:
         with self.lock:
             for name in drop:
                 self.reports.pop(name, None)
+                self.heard.pop(name, None)
+                self.timed.discard(name)
                 self.pending.discard(name)
             for name, m in live.items():
                 old = self.members.get(name)

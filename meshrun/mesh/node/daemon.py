@@ -119,7 +119,7 @@ class AgentService:
         self.ready = False
         self.removed = False
         self.path_changed_at = 0.0
-        self.reported: dict[str, int] = {}  # handshakes the coordinator has acknowledged
+        self.told: dict[str, bool] = {}  # {peer key: fresh} as the coordinator acknowledged it
         self.full_report = True
         self.hold_windows: dict[tuple[str, str, str], float] = {}
         self.apply_lock = threading.Lock()  # the sync loop and the hold-release timer both apply
@@ -178,18 +178,18 @@ class AgentService:
             apply_members(self.device, self.state, self.rec, self.network, self.members)
 
     def heartbeat(self, current: list[peers.PeerState]) -> dict:
-        """Candidates plus {peer key: latest handshake} for peers whose handshake changed since the
-        last report the coordinator acknowledged (all of them when it asked for a full report)."""
+        """Candidates plus {peer key: latest handshake} for the peers whose liveness the coordinator
+        does not know (`peers.handshake_report`; all of them when it asked for a full report), and
+        which of those are stale."""
         port = self.network.listen_port
         cands = list(self.rec.get("advertised", [])) + [f"{a}:{port}" for a in self.addresses(self.network.interface)]
-        now = {p.public_key: p.latest_handshake for p in current}
-        if self.full_report:
-            delta = now
-        else:
-            delta = {k: hs for k, hs in now.items() if self.reported.get(k) != hs}
+        report = peers.handshake_report(
+            {p.public_key: p.latest_handshake for p in current}, self.told, self.full_report, time.time()
+        )
         return {
             "candidates": cands[:16],
-            "peers": delta,
+            "peers": report.peers,
+            "stale": list(report.stale),
             "full": self.full_report,
             "mtu": int(self.rec.get("mtu") or self.network.mtu),
             "site": str(self.rec.get("site") or ""),
@@ -213,7 +213,8 @@ class AgentService:
         """One long-poll: report, receive the member list, apply what changed."""
         body = dict(self.heartbeat(self.device.peers()), version=self.version, wait=wait, delta=True)
         answer = self.call("POST", "/v1/sync", body, wait + 15)
-        self.reported.update(body["peers"])
+        stale = set(body["stale"])
+        self.told.update((k, k not in stale) for k in body["peers"])
         self.full_report = answer.get("report") == "full"
         try:
             version = int(answer["version"])
@@ -253,6 +254,8 @@ class AgentService:
         )
         if recreate:
             self.path_changed_at = time.time()
+            for key in recreate:  # the new path is proven by its next handshake: report it
+                self.told.pop(key, None)
             log.info(
                 "path changed for %s", ", ".join(f"{m.name}->{m.path}" for m in members if m.public_key in recreate)
             )

@@ -233,3 +233,22 @@ def test_route_mtus_fit_the_smaller_peers_with_wireguard_padding():
     # 1220 rounds down to 1216: a 1217..1220-byte packet would be padded to 1232 with our MTU of 1420.
     assert route_mtus(me.public_key, 1420, [me, small, same, old]) == {"10.213.0.2": 1216}
     assert route_mtus(small.public_key, 1220, [me, small, same, old]) == {}  # larger peers: no route
+
+
+def test_a_handshake_report_holds_news_of_liveness_only():
+    from meshrun.core.peers import HANDSHAKE_FRESH_S, handshake_report
+
+    now = 1_700_000_000.0
+    told: dict[str, bool] = {}
+    first = handshake_report({"a": int(now) - 5, "b": 0}, told, False, now)
+    assert first.peers == {"a": int(now) - 5, "b": 0} and first.stale == ("b",)  # never told: both
+    told.update(a=True, b=False)
+    # WireGuard rekeyed "a" (a newer handshake, still fresh): nothing to tell.
+    assert handshake_report({"a": int(now) + 115, "b": 0}, told, False, now + 120).peers == {}
+    # "b" came up, "a" went stale (its last handshake aged past the limit): both reported, "a" as stale.
+    later = now + 120 + HANDSHAKE_FRESH_S
+    r = handshake_report({"a": int(now) + 115, "b": int(later) - 1}, told, False, later)
+    assert r.peers == {"a": int(now) + 115, "b": int(later) - 1} and r.stale == ("a",)
+    # A full report holds every peer; a peer dropped from `told` (re-created for a new path) is told again.
+    assert handshake_report({"a": 1, "b": 2}, {"a": False, "b": False}, True, later).peers == {"a": 1, "b": 2}
+    assert handshake_report({"a": int(later)}, {}, False, later).peers == {"a": int(later)}

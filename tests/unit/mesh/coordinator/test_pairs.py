@@ -66,11 +66,7 @@ def test_a_tick_with_no_input_change_steps_no_pair(db):
 
 def test_a_handshake_report_advances_only_its_own_pair(db, monkeypatch):
     drv, members = meshed(db)
-    stepped = []
-    real = pairpaths.step
-    monkeypatch.setattr(
-        pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(st, a, b, hs, now)
-    )
+    stepped = recording_steps(monkeypatch)
     drv.report("n1", {key(4): int(T0) + 30}, full=False)
     drv.report("n2", {key(3): int(T0)}, full=False)  # the same handshake as before: no news
     drv.update(None, T0 + 31)
@@ -230,7 +226,7 @@ def seen_nodes(mesh: FakeMesh, count: int) -> list:
     return nodes
 
 
-def test_the_coordinator_loop_steps_no_pair_without_news_and_one_for_one_handshake(tmp_path, monkeypatch):
+def test_the_coordinator_loop_steps_no_pair_for_rekeys_and_one_for_a_tunnel_gone_stale(tmp_path, monkeypatch):
     mesh = FakeMesh(tmp_path)
     nodes = seen_nodes(mesh, 4)
     for _ in range(3):
@@ -246,15 +242,19 @@ def test_the_coordinator_loop_steps_no_pair_without_news_and_one_for_one_handsha
     for _ in range(3):
         mesh.sync()  # agents report nothing new, the coordinator ticks
     assert mesh.coord.pairs.steps == before
-    stepped = []
-    real = pairpaths.step
-    monkeypatch.setattr(
-        pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(st, a, b, hs, now)
-    )
-    mesh.handshake(nodes[1], nodes[3], when=t + 1)
+    stepped = recording_steps(monkeypatch)
+    for i, a in enumerate(nodes):  # WireGuard rekeys every tunnel (every 120 s): nothing to report
+        for b in nodes[i + 1 :]:
+            mesh.handshake(a, b, when=t + 120)
+    mesh.sync()
+    mesh.coord.tick()
+    assert stepped == []
+    # One tunnel's last handshake ages past STALE_S: both ends say so, and only that pair is stepped.
+    mesh.handshake(nodes[1], nodes[3], when=int(time.time() - pairpaths.STALE_S - 1))
     mesh.sync()
     mesh.coord.tick()
     assert stepped == [("n1", "n3")]
+    assert mesh.coord.pairs.mode("n1", "n3").mode == pairpaths.RELAYED
 
 
 def steps_per_update(drv: PairDriver, members: list[Member] | None, t0: float, limit: int = 100) -> list[int]:
@@ -273,9 +273,12 @@ def recording_steps(monkeypatch) -> list[tuple[str, str]]:
     """Every pair stepped from now on (pairpaths.step calls), in order."""
     stepped: list[tuple[str, str]] = []
     real = pairpaths.step
-    monkeypatch.setattr(
-        pairpaths, "step", lambda st, a, b, hs, now: stepped.append((a.name, b.name)) or real(st, a, b, hs, now)
-    )
+
+    def step(st, a, b, hs, now, fresh=None):
+        stepped.append((a.name, b.name))
+        return real(st, a, b, hs, now, fresh)
+
+    monkeypatch.setattr(pairpaths, "step", step)
     return stepped
 
 
@@ -433,3 +436,41 @@ def test_no_coordinator_tick_exceeds_its_budget_in_a_mass_join_or_after_a_restar
         for b in nodes:
             if a is not b:
                 assert mesh.member_seen_by(a, b).path == coord.pairs.mode(a.name, b.name).mode, (a.name, b.name)
+
+
+def test_a_fresh_tunnel_needs_no_reports_and_no_timer_while_its_nodes_are_heard(db, monkeypatch):
+    """Agents that say what is stale: a verified pair has no timer; it stays fresh without any new
+    handshake report for as long as its nodes are heard from, and falls back once both ends call it
+    stale, or once one end calls it stale while the other has gone silent."""
+    clock = [T0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    drv = PairDriver(db)
+    members = [node(i) for i in range(4)]
+    for m in members:
+        drv.report(m.name, {o.public_key: int(T0) for o in members if o is not m}, full=True, stale=set())
+    drv.update(members, T0)
+    drv.update(None, T0 + 1)
+    assert all(st.verified for st in drv.pairs.values()) and not drv.booked  # no timer per pair
+    for t in range(60, 3600, 60):  # an hour of syncs that report nothing new
+        clock[0] = T0 + t
+        for m in members:
+            drv.report(m.name, {}, full=False, stale=set())
+        drv.update(None, T0 + t)
+    before = drv.steps
+    assert all(st.verified for st in drv.pairs.values()) and not drv.booked
+    # n0 says n1 is stale; n1 last said fresh and is still heard: the pair waits for n1's word.
+    now = T0 + 3600
+    clock[0] = now
+    drv.report("n0", {key(1): int(T0)}, full=False, stale={key(1)})
+    drv.update(None, now)
+    assert drv.mode("n0", "n1").mode == pairpaths.PUBLIC and drv.steps == before + 1
+    drv.report("n1", {key(0): int(T0)}, full=False, stale={key(0)})
+    drv.update(None, now)
+    assert drv.mode("n0", "n1").mode == pairpaths.RELAYED
+    # n2 calls n3 stale while n3 has not been heard for longer than STALE_S (its machine is gone).
+    clock[0] = now + pairpaths.STALE_S + 20
+    drv.report("n2", {key(3): int(T0)}, full=False, stale={key(3)})
+    drv.update(None, clock[0])
+    assert drv.mode("n2", "n3").mode == pairpaths.RELAYED
+    # No other pair was stepped: n0-n1 at each end's report and once more after it changed, n2-n3 once.
+    assert drv.steps == before + 4
