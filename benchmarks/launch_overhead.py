@@ -5,7 +5,7 @@
 
 A script that exits at once is run (a) with `meshrun train` on the coordinator (wait for the
 agents, ship the code, start each node's share through its agent, stream output, collect
-exit codes) and (b) by hand: `meshrun.launch.plan`'s per-node torchrun argv + environment,
+exit codes) and (b) by hand: `meshrun.core.launch.plan`'s per-node torchrun argv + environment,
 started in every node at the same moment with node.popen, at the coordinator's store for `--local`
 shares (`meshrun local-store start`). Rounds alternate (a)/(b); each round gives one paired difference
 (a) - (b), reported as min/median/max: when their spread is larger than the median, say so rather than

@@ -2,7 +2,7 @@
 FakeDevice, talking through their API handlers directly (no sockets, no root, no kernel).
 
 `FakeMesh(tmp_path)` runs the real `meshrun.mesh.coordinator.setup.init` (start=False) and
-`meshrun.mesh.node.join` (start=False); an agent's calls reach the coordinator's overlay handler
+`meshrun.mesh.node.setup.join` (start=False); an agent's calls reach the coordinator's overlay handler
 with the agent's overlay IP as the source address, as WireGuard would deliver them.
 `handshake(a, b)` stands in for WireGuard: both ends record a handshake and the coordinator sees
 each node's endpoint. Time is the real clock; tests that need another `now` pass it explicitly.

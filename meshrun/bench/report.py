@@ -1,10 +1,10 @@
 """`meshrun bench`: pairwise RTT / TCP bandwidth / path, then an all-reduce sweep, across the mesh.
 
-`run` launches ``python -m meshrun.bench.worker`` on every node through `meshrun train`'s own
-machinery (runner.Train: agents, torchrun, the coordinator's rendezvous store, NCCL/Gloo
-pinned to the overlay), so the numbers describe the path training takes. Rank 0 prints one
-result line; this module picks it up, flags slow pairs and renders it. Everything except
-`run` and `plot` is pure.
+`run` (meshrun.bench.run) launches ``python -m meshrun.bench.worker`` on every node through
+`meshrun train`'s own machinery (a job submitted through meshrun.jobs.control: agents, torchrun, the
+coordinator's rendezvous store, NCCL/Gloo pinned to the overlay), so the numbers describe the path
+training takes. Rank 0 prints one result line; meshrun.bench.run picks it up and this module flags
+slow pairs and renders it. Everything here except `plot` is pure.
 """
 
 from __future__ import annotations

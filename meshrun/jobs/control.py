@@ -77,9 +77,9 @@ class JobControl:
         self.server = transport.AdminServer(str(state / ADMIN_SOCKET), self.handle)
         self.server.start("admin")
         self.stop = threading.Event()
-        self.known: dict[str, str] = {r.job_id: r.state for r in list_jobs(state)}
+        self.known: dict[str, JobState] = {r.job_id: r.state for r in list_jobs(state)}
         for job_id, st in self.known.items():
-            if st == "lost":
+            if st is JobState.LOST:
                 log.warning("job %s: its supervisor is gone; it cannot be resumed", job_id)
         threading.Thread(target=self._watch, name="jobs", daemon=True).start()
 

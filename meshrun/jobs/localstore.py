@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 
-from meshrun.errors import MeshrunError, StateError
+from meshrun.errors import MeshrunError, NetworkError, StateError
 from meshrun.mesh import member
 from meshrun.system import host, procs, tcpstore
 from meshrun.system.statedir import StateDir
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         procs.notify_error(
             exc
             if isinstance(exc, MeshrunError)
-            else MeshrunError(
+            else NetworkError(
                 f"cannot host the local rendezvous store: {exc}", "free the port, or check the overlay interface"
             )
         )

@@ -12,7 +12,7 @@ the job belongs to the mesh, not to the terminal that asked for it, and not to t
   with that node's job key; the coordinator's own share, if it trains, in a local process);
 - follows every share's output by offset into logs/<node>.log (what `meshrun logs` and
   `meshrun train` print), and declares a node lost when its agent stops answering for LOST_AFTER_S;
-- stops the job when meshrun.core.jobspec.Outcome says so (a fixed-size job's first failure or lost
+- stops the job when meshrun.core.outcome.Outcome says so (a fixed-size job's first failure or lost
   node; an elastic job below MIN), starts a share on a node that becomes ready while an elastic
   job runs below MAX, and records the verdict in job.json;
 - cancels every share on SIGTERM (`meshrun cancel`, Ctrl-C in `meshrun train`).
@@ -119,7 +119,7 @@ class Supervisor:
         except Exception as exc:  # noqa: BLE001 -- whatever stops the launch must end the job, not orphan it
             if not isinstance(exc, MeshrunError):
                 log.exception("the launch of %s failed", self.job_id)
-                exc = MeshrunError(
+                exc = LaunchError(
                     f"internal error ({type(exc).__name__}: {exc})",
                     f"please report it with {self.dir / 'supervisor.out'}",
                 )

@@ -1,8 +1,8 @@
 """Reliability: crashes and restarts of the coordinator and agents, concurrent joins, bad state on disk,
-a full disk, losing a node in the middle of training, and `meshrun service install`.
+a full disk, and losing a node in the middle of training.
 
-The end-to-end tests run real meshrun in NAT'd network namespaces (meshrun.lab.testbed); the service tests
-only render and write unit files.
+Every test runs real meshrun in NAT'd network namespaces (meshrun.lab.testbed); the systemd unit files
+(`meshrun service install`) are tested in tests/unit/mesh/test_systemd.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""meshrun.status.render: exact text for fixed status dicts (pure)."""
+"""meshrun.mesh.status.render: exact text for fixed status dicts (pure)."""
 
 from __future__ import annotations
 

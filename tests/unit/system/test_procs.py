@@ -15,19 +15,22 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.errors import MeshrunError, StateError
+from meshrun.errors import MeshrunError, StateError, UsageError
 from meshrun.system import procs
 
 # A daemon stand-in: takes the lock, says ready (or fails), then waits for SIGTERM.
 DAEMON = textwrap.dedent("""
     import signal, sys, time
     from pathlib import Path
-    from meshrun.errors import MeshrunError
+    from meshrun.errors import MeshrunError, UsageError
     from meshrun.system import procs
     mode, lock_path = sys.argv[1], Path(sys.argv[2])
     if mode == "fail":
         procs.notify_error(MeshrunError("port 51821 is taken", "free it"))
         sys.exit(3)
+    if mode == "usage":
+        procs.notify_error(UsageError("--port 70000 is not a port", "give a port in 1-65535"))
+        sys.exit(2)
     if mode == "silent":
         time.sleep(60)
     if mode == "exit":
@@ -73,6 +76,16 @@ def test_the_childs_own_error_reaches_the_caller(script, tmp_path):
     with pytest.raises(MeshrunError) as exc:
         spawn(script, tmp_path, "fail")
     assert str(exc.value) == "port 51821 is taken; free it"
+
+
+def test_the_childs_usage_error_reaches_the_caller_as_a_usage_error(script, tmp_path):
+    """A daemon's UsageError crosses the readiness pipe with its class, so the CLI exits 2, not 1."""
+    with pytest.raises(UsageError) as exc:
+        spawn(script, tmp_path, "usage")
+    assert type(exc.value) is UsageError
+    assert exc.value.exit_code == 2
+    assert str(exc.value) == "--port 70000 is not a port; give a port in 1-65535"
+    assert exc.value.status is None  # no HTTP answer carried it
 
 
 def test_exit_before_ready_and_silence_past_the_deadline(script, tmp_path):

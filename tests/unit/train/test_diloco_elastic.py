@@ -8,7 +8,7 @@ which must resume from their snapshots, losing at most the outer step in flight.
 a peer and end with the same parameters as the others (checksums from the log).
 
 No namespaces: the torchrun agents are the ones `meshrun train --nnodes MIN:MAX` runs, with meshrun's
-rendezvous backend; the test under `meshrun train` in the namespace world is tests/test_diloco_e2e.py.
+rendezvous backend; the test under `meshrun train` in the namespace world is tests/e2e/test_diloco_e2e.py.
 """
 
 from __future__ import annotations
