@@ -1,10 +1,12 @@
 """Which transport and interface the collectives of a meshrun job use: the world group, the site group
 and the cross-site groups, each in turn (run by `./dev.sh gpu-check`, or by hand under `meshrun train`).
 
-Between the groups every rank prints ``== GROUP ==`` markers; with NCCL (one GPU per rank, chosen by the
-node's position in ``--gpu-order``) and ``NCCL_DEBUG=INFO`` the lines NCCL logs after a marker belong to
-that group's communicator (NCCL creates it at its first collective). Without a GPU the same runs on gloo.
-Each group's all-reduce result is checked; the last line of every rank is ``nccl_check rank=R ok``.
+Between the groups every rank prints ``== GROUP ==`` markers; with NCCL (the node's GPU from ``--gpu-map``,
+else its local rank's) and ``NCCL_DEBUG=INFO`` the lines NCCL logs after a marker belong to that group's
+communicator (NCCL creates it at its first collective). ``--hostid-per-node`` sets ``NCCL_HOSTID`` to
+the node's name (nodes that are namespaces of one machine, possibly on one GPU). Without a GPU the same
+runs on gloo. Each group's all-reduce result is checked; the last line of every rank is
+``nccl_check rank=R ok``.
 """
 
 from __future__ import annotations
@@ -20,19 +22,27 @@ from meshrun.train import sites
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gpu-order", default="", help="node names, comma-separated: node i uses GPU i")
+    p.add_argument("--gpu-map", default="", help="NODE=GPU pairs, comma-separated [the local rank's GPU]")
+    p.add_argument("--hostid-per-node", action="store_true", help="NCCL_HOSTID = the node's name")
     p.add_argument("--mib", type=int, default=16)
     a = p.parse_args()
     cuda = torch.cuda.is_available()
+    node = os.environ.get("MESHRUN_NODE_NAME", "")
     if cuda:
-        order = [n for n in a.gpu_order.split(",") if n]
-        node = os.environ.get("MESHRUN_NODE_NAME", "")
-        gpu = order.index(node) if node in order else int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(gpu)
+        gpu_of = dict(pair.split("=", 1) for pair in a.gpu_map.split(",") if "=" in pair)
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(int(gpu_of[node]) if node in gpu_of else local % torch.cuda.device_count())
+        if a.hostid_per_node and node:
+            # NCCL tells hosts apart by host name and boot id, which namespaces share; read at NCCL's init.
+            os.environ["NCCL_HOSTID"] = node
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    print(f"backend={dist.get_backend()} device={device} interface={os.environ.get('MESHRUN_INTERFACE')}", flush=True)
+    print(
+        f"backend={dist.get_backend()} device={device} interface={os.environ.get('MESHRUN_INTERFACE')} "
+        f"hostid={os.environ.get('NCCL_HOSTID', '-')}",
+        flush=True,
+    )
 
     def check(name: str, fn, expected: float) -> None:
         dist.barrier()
@@ -49,7 +59,8 @@ def main() -> None:
     check("world group", lambda t: dist.all_reduce(t), float(world))
     g = sites.groups()
     print(
-        f"site={g.site} site_ifname={os.environ.get('MESHRUN_SITE_IFNAME', '-')} local={g.local_rank}/{g.local_size}",
+        f"site={g.site} site_ifname={os.environ.get('MESHRUN_SITE_IFNAME', '-')} local={g.local_rank}/{g.local_size} "
+        f"site_net={g.local_net or 'default'}",
         flush=True,
     )
     check("site group", lambda t: dist.all_reduce(t, group=g.local), float(g.local_size))

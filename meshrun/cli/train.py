@@ -58,6 +58,14 @@ def train(
     skip_preflight: Annotated[
         bool, typer.Option("--skip-preflight", help="Start even if the nodes' environments disagree.")
     ] = False,
+    site_fabric: Annotated[
+        bool,
+        typer.Option(
+            "--site-fabric",
+            help="Let NCCL use InfiniBand/RoCE in meshrun.train.sites' site groups (every other NCCL "
+            "communicator stays on the overlay's sockets).",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print each node's command and environment, run nothing.")
     ] = False,
@@ -129,6 +137,7 @@ def train(
         "with_coordinator": with_coordinator,
         "detach": detach,
         "skip_preflight": skip_preflight,
+        "site_fabric": site_fabric,
         "project": project,
     }
     from_file = (

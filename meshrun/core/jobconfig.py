@@ -47,6 +47,7 @@ KEYS: dict[str, tuple[str, Any, str, str]] = {
     ),
     "no_sync": ("no_sync", lambda v: isinstance(v, bool), "true or false", "no_sync = false"),
     "with_coordinator": ("with_coordinator", lambda v: isinstance(v, bool), "true or false", "with_coordinator = true"),
+    "site_fabric": ("site_fabric", lambda v: isinstance(v, bool), "true or false", "site_fabric = true"),
     "sync_limit": ("sync_limit_mb", _is_int, "an integer (MiB)", "sync_limit = 50"),
     "job_id": ("job_id", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'job_id = "exp7"'),
     "project": ("project", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'project = "charlm"'),
@@ -60,7 +61,7 @@ KEYS: dict[str, tuple[str, Any, str, str]] = {
 }
 
 
-FLAGS = ("no_sync", "dry_run", "module", "with_coordinator", "detach", "skip_preflight")
+FLAGS = ("no_sync", "dry_run", "module", "with_coordinator", "detach", "skip_preflight", "site_fabric")
 
 
 def _shown(value: Any) -> str:

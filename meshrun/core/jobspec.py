@@ -76,6 +76,7 @@ class JobSpec:
     rdzv_timeout: int = 900
     with_coordinator: bool = False  # the coordinator takes a share too
     skip_preflight: bool = False  # start even if the nodes' environments disagree
+    site_fabric: bool = False  # NCCL may use InfiniBand/RoCE inside a site (meshrun.core.launch.worker_env)
     # Where the job runs on each member: <state>/projects/<project>/work, kept between jobs, so the
     # next job of the same project finds what this one wrote (checkpoints). [the code directory's name]
     project: str = ""
@@ -116,6 +117,7 @@ class JobSpec:
             python=self.python or "python3",
             rdzv_timeout=self.rdzv_timeout,
             module=self.module,
+            site_fabric=self.site_fabric,
         )
 
     def bounds(self, available: int) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """Pure training-launch planning: nodes + options -> per-node torchrun argv and environment.
 
-Nothing here starts a process or opens a socket (the agent's job runner does that). Every
-node runs torch's own elastic launcher (``python -m torch.distributed.run``, i.e. torchrun)
+Nothing here starts a process or opens a socket (each node's share, meshrun.jobs.share, does
+that). Every node runs torch's own elastic launcher (``python -m torch.distributed.run``, i.e. torchrun)
 with the c10d rendezvous pointed at the store the coordinator hosts on its overlay IP, so
 every node passes ``is_host=0``, and announces its own overlay IP with ``--local-addr``
 (without it a node announces its hostname, which other datacenters cannot resolve or reach).
@@ -33,6 +33,8 @@ MONITOR_INTERVAL = "0.5"
 NCCL_SOCKET_NTHREADS = 4
 NCCL_NSOCKS_PERTHREAD = 4
 NCCL_MAX_SOCKETS = 64
+# Set to "1" for `meshrun train --site-fabric`: meshrun.train.sites then asks NCCL for the fabric in site groups.
+ENV_SITE_FABRIC = "MESHRUN_SITE_FABRIC"
 # Variables a job may not set, and why: they would take a store off the overlay.
 PROTECTED_ENV = {
     # torchrun then has rank 0's worker host a second TCPStore, bound to the wildcard (every interface).
@@ -66,6 +68,7 @@ class TrainOptions:
     python: str = "python3"  # interpreter on the node
     rdzv_timeout: int = 900  # seconds -> --rdzv-conf join_timeout
     module: bool = False  # script is a module name (python -m)
+    site_fabric: bool = False  # NCCL may load InfiniBand/RoCE for site groups (see worker_env)
 
 
 @dataclass(frozen=True)
@@ -99,17 +102,26 @@ def parse_nnodes(value: str) -> tuple[int, int]:
 
 
 def worker_env(
-    interface: str, node_name: str, user_env: Mapping[str, str], overlay_ip: str = "", site: Placement | None = None
+    interface: str,
+    node_name: str,
+    user_env: Mapping[str, str],
+    overlay_ip: str = "",
+    site: Placement | None = None,
+    site_fabric: bool = False,
 ) -> dict[str, str]:
     """The variables meshrun sets for one node's torchrun and workers.
 
-    Pins Gloo and NCCL to the overlay interface, disables
-    InfiniBand (an overlay carries sockets only) and opens several TCP streams per peer.
+    Pins Gloo and NCCL to the overlay interface, makes NCCL's socket transport the process-wide
+    default (``NCCL_NET=Socket``: an overlay carries sockets only), disables InfiniBand and opens several
+    TCP streams per peer. With `site_fabric` (``meshrun train --site-fabric``) InfiniBand is not disabled
+    and ``MESHRUN_SITE_FABRIC=1`` tells meshrun.train.sites to ask for it in the site group only;
+    ``NCCL_NET=Socket`` stays the default, so every other communicator still never tries it.
     Every variable in `user_env` is included and wins over meshrun's defaults, except
     ``MESHRUN_NODE_NAME``, ``MESHRUN_OVERLAY_IP`` and ``MESHRUN_INTERFACE``, which are always the node's
-    name, address and overlay interface, and, with `site`, ``MESHRUN_SITE``, ``MESHRUN_SITE_RANK``,
-    ``MESHRUN_NUM_SITES`` and ``MESHRUN_SITE_ADDR`` (the node's address on the site network, when the
-    job has another node in its site): what meshrun.train.sites groups ranks by.
+    name, address and overlay interface, ``MESHRUN_SITE_FABRIC`` (set by `site_fabric` only), and, with
+    `site`, ``MESHRUN_SITE``, ``MESHRUN_SITE_RANK``, ``MESHRUN_NUM_SITES`` and ``MESHRUN_SITE_ADDR`` (the
+    node's address on the site network, when the job has another node in its site): what
+    meshrun.train.sites groups ranks by.
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is not set: torchrun's agent already defaults it to 1
     for its workers in torch 2.13, so a hung collective on a dead peer tears the worker down.
     """
@@ -126,8 +138,8 @@ def worker_env(
         # Set on CPU nodes too: a GPU the agent could not count must still not pick the wrong interface.
         "NCCL_SOCKET_IFNAME": "=" + interface,
         # The overlay carries TCP/UDP only; don't let NCCL try IB/RoCE (or a vendor net plugin
-        # such as EFA) between datacenters, where those fabrics do not reach.
-        "NCCL_IB_DISABLE": "1",
+        # such as EFA) between datacenters, where those fabrics do not reach. NCCL reads NCCL_NET at
+        # every communicator's creation and it wins over the communicator's own config.netName.
         "NCCL_NET": "Socket",
         "NCCL_SOCKET_NTHREADS": str(NCCL_SOCKET_NTHREADS),
         "NCCL_NSOCKS_PERTHREAD": str(NCCL_NSOCKS_PERTHREAD),
@@ -144,7 +156,13 @@ def worker_env(
                 continue
             if n > 0 and n * int(env[mine]) > NCCL_MAX_SOCKETS:
                 env[mine] = str(max(1, NCCL_MAX_SOCKETS // n))
+    if not site_fabric:
+        # NCCL reads it once per process: with it no communicator, the site group's included, can use IB.
+        env["NCCL_IB_DISABLE"] = "1"
     env.update(user_env)
+    env.pop(ENV_SITE_FABRIC, None)  # meshrun's to set: it must agree with NCCL_IB_DISABLE above
+    if site_fabric:
+        env[ENV_SITE_FABRIC] = "1"
     env["MESHRUN_NODE_NAME"] = node_name
     env["MESHRUN_OVERLAY_IP"] = overlay_ip
     env["MESHRUN_INTERFACE"] = interface
@@ -260,5 +278,6 @@ def plan(
             *worker,
             *opts.script_args,
         )
-        out.append(NodeLaunch(n.name, argv, worker_env(opts.interface, n.name, user_env, n.overlay_ip, n.site)))
+        env = worker_env(opts.interface, n.name, user_env, n.overlay_ip, n.site, opts.site_fabric)
+        out.append(NodeLaunch(n.name, argv, env))
     return out

@@ -98,6 +98,7 @@ def resumed(state: StateDir, job_id: str) -> tuple[dict, Path]:
             "rdzv_timeout",
             "with_coordinator",
             "skip_preflight",
+            "site_fabric",
         )
     }
     fields["env"] = dict(old.env)
@@ -167,7 +168,8 @@ def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
 
 def local_launch(state: StateDir, spec: JobSpec) -> launch.NodeLaunch:
     """`meshrun train --local`: this node's torchrun command (every other node runs the same; they meet at
-    the coordinator's store for --local shares, `meshrun local-store start`)."""
+    the coordinator's store for --local shares, `meshrun local-store start`). Its workers get
+    ``MESHRUN_SITE`` when the node joined with ``--site`` and no other site variable (see README's Sites)."""
     rec, network = member.load(state)
     if not spec.nnodes:
         raise UsageError(
@@ -178,6 +180,10 @@ def local_launch(state: StateDir, spec: JobSpec) -> launch.NodeLaunch:
     opts = replace(opts, python=spec.python or sys.executable)
     me = launch.NodeInfo(rec["name"], rec["overlay_ip"], host.visible_gpus())
     (p,) = launch.plan([me], opts, spec.env, local=True)
+    site = str(rec.get("site") or "")
+    if site and "MESHRUN_SITE" not in p.env:
+        # A --local share sees no other node: the site it joined with is all it knows (no rank, count, address).
+        p = launch.NodeLaunch(p.node, p.argv, {**p.env, "MESHRUN_SITE": site})
     return p
 
 

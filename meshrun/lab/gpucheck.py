@@ -1,11 +1,13 @@
 """`./dev.sh gpu-check`: what NCCL does over meshrun on this machine, in one command.
 
 Builds NAT'd datacenters in network namespaces (meshrun.lab.testbed) on this one machine: a coordinator
-and two sites (two nodes each with 4 GPUs or more, else one), joined with `meshrun join --site`; runs
-examples/nccl_check.py under `meshrun train` with ``NCCL_DEBUG=INFO`` (each node on its own GPU), and
+and two sites of two nodes, joined with `meshrun join --site`; runs examples/nccl_check.py under
+`meshrun train` with ``NCCL_DEBUG=INFO`` (one rank per node, node i on GPU i % the GPU count), and
 prints, for the world group, the site group and the cross-site groups, the transports and interfaces
-NCCL reported. With fewer than two GPUs NCCL cannot run (one GPU per rank): the same check runs on
-gloo and says that NCCL was not exercised. Needs root.
+NCCL reported. Each node's ranks set ``NCCL_HOSTID`` to the node's name: the namespaces share one
+host name and boot id, which is what NCCL tells hosts apart by, so without it NCCL would refuse two
+ranks on one GPU and use shared memory or NVLink between "nodes" instead of the overlay. Without a GPU
+the same check runs on gloo and says that NCCL was not exercised. Needs root.
 
     sudo .venv/bin/python -m meshrun.lab.gpucheck
 """
@@ -16,6 +18,7 @@ import os
 import re
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshrun.errors import HostError, MeshrunError
@@ -25,6 +28,42 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MARK = re.compile(r"^\[(\S+) r(\d+)\] == (.+) ==$")
 # What NCCL says about its transport (NCCL_DEBUG=INFO, INIT and NET subsystems).
 NCCL_LINE = re.compile(r"NCCL INFO (NET/\S+ : Using .*|Channel \d+/\d+ : .* via \S+|Using network \S+|NET/IB.*)")
+SITES, NODES_PER_SITE = 2, 2
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    """How the check runs here: the backend, each node's GPU, and what it tells the user first ("" nothing)."""
+
+    backend: str  # "nccl" or "gloo"
+    gpu_of: dict[str, int]  # node name -> its GPU (empty on gloo)
+    message: str = ""
+
+    def train_args(self) -> list[str]:
+        """`meshrun train`'s options and script for this plan (run from examples/)."""
+        args = ["--nproc-per-node", "1", "--env", "NCCL_DEBUG=INFO", "--env", "NCCL_DEBUG_SUBSYS=INIT,NET"]
+        if self.backend == "gloo":
+            return args + ["--env", "CUDA_VISIBLE_DEVICES=", "nccl_check.py"]
+        gpus = ",".join(f"{node}={gpu}" for node, gpu in self.gpu_of.items())
+        return args + ["nccl_check.py", "--gpu-map", gpus, "--hostid-per-node"]
+
+
+def check_plan(gpus: int, nodes: list[str]) -> CheckPlan:
+    """NCCL with node i on GPU i % `gpus` (several nodes may share one), or gloo when there is no GPU. Pure."""
+    if gpus < 1:
+        return CheckPlan(
+            "gloo",
+            {},
+            "meshrun gpu-check: this machine has no GPU: the check runs on gloo (CPU) instead, and NCCL is NOT "
+            "exercised",
+        )
+    gpu_of = {node: i % gpus for i, node in enumerate(nodes)}
+    shared = len(nodes) > gpus
+    note = (
+        f"meshrun gpu-check: {len(nodes)} nodes share {gpus} GPU(s) (node i on GPU i % {gpus}); each node's "
+        "NCCL_HOSTID is its name, so NCCL treats them as separate hosts"
+    )
+    return CheckPlan("nccl", gpu_of, note if shared else "")
 
 
 def gpu_count() -> int:
@@ -61,35 +100,18 @@ def run(out=print) -> int:
     if os.geteuid() != 0:
         raise HostError("the GPU check builds network namespaces and needs root", "run it with sudo")
     gpus = gpu_count()
-    per_site = 2 if gpus >= 4 else 1
-    nccl = gpus >= 2
-    if not nccl:
-        out(
-            f"meshrun gpu-check: NCCL needs one GPU per rank and this machine has {gpus}: the check runs on gloo "
-            "(CPU) instead, and NCCL is NOT exercised"
-        )
-    dcs = [DatacenterSpec("hq")] + [DatacenterSpec(f"s{i}", nodes=per_site) for i in (1, 2)]
+    dcs = [DatacenterSpec("hq")] + [DatacenterSpec(f"s{i}", nodes=NODES_PER_SITE) for i in range(1, SITES + 1)]
     with World(dcs, prefix="gpuchk") as world:
         world.up()
         mesh = Mesh(world, "hq-a")
         mesh.init()
         nodes = [n for n in world.nodes if n.dc != "hq"]
+        plan = check_plan(gpus, [n.name for n in nodes])
+        if plan.message:
+            out(plan.message)
         for n in nodes:
             mesh.join(n, "--site", n.dc)
-        env = ["--env", "NCCL_DEBUG=INFO", "--env", "NCCL_DEBUG_SUBSYS=INIT,NET"]
-        if not nccl:
-            env += ["--env", "CUDA_VISIBLE_DEVICES="]
-        res = mesh.meshrun(
-            "hq-a",
-            "train",
-            *env,
-            "nccl_check.py",
-            "--gpu-order",
-            ",".join(n.name for n in nodes),
-            cwd=EXAMPLES,
-            timeout=600,
-            check=False,
-        )
+        res = mesh.meshrun("hq-a", "train", *plan.train_args(), cwd=EXAMPLES, timeout=600, check=False)
     text = res.stdout + res.stderr
     for line in text.splitlines():
         if "backend=" in line or "site=" in line or ": ok" in line or "WRONG" in line:

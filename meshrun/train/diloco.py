@@ -88,7 +88,9 @@ i takes shard i of the pseudo-gradient, averages it with the other sites' shard 
 collective per local rank, all at once: every node's WAN uplink carries 1/n of the model), and the site
 all-gathers the averaged shards on its own network. The average is over sites, not ranks. Compression
 applies to the shards (error feedback per shard, on the rank that sends it). Needs two or more sites of
-equal size (``g.hierarchical``); the state check and the start compare every rank of the job.
+equal size (``g.hierarchical``); the state check and the start compare every rank of the job. DDP inside
+a site; FSDP: not yet (every rank must hold the whole model: sharded parameters, DTensor or FSDP's, are
+refused with UsageError, in every mode).
 
 Checkpoints: ``state_dict()`` holds the inner and outer optimizer state, the global copy, the error
 feedback, the step counters and the byte counters. It is *per worker* and does not include the model:
@@ -112,6 +114,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +164,27 @@ def _check_float(name: str, value: Any, lo: float, hi: float, hi_open: bool) -> 
     return float(value)
 
 
+def sharding(model: nn.Module) -> str:
+    """What shards `model`'s parameters across ranks, in words ("" when every rank holds them whole).
+
+    FSDP (``fully_shard``'s DTensor parameters, ``FullyShardedDataParallel`` and its flat parameters) and
+    tensor parallelism (DTensor). Looked up in the modules already imported: a model cannot hold a type
+    that was never imported.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    wrapper = getattr(fsdp, "FullyShardedDataParallel", None)
+    for name, m in model.named_modules():
+        if wrapper is not None and isinstance(m, wrapper):
+            return f"module {name or 'model'!r} is FullyShardedDataParallel"
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    for name, p in model.named_parameters():
+        if dtensor is not None and isinstance(p, dtensor):
+            return f"parameter {name!r} is a DTensor (FSDP's fully_shard or tensor parallelism)"
+        if getattr(p, "_is_flat_param", False):
+            return f"parameter {name!r} is FSDP's flat parameter"
+    return ""
+
+
 def _balanced_fragments(sizes: list[int], n: int) -> list[list[int]]:
     """Indices of ``sizes`` in ``n`` groups of about equal total: largest first onto the lightest."""
     load = [0] * n
@@ -188,7 +212,7 @@ class DiLoCo:
     """Optimizer wrapper: local inner steps, an averaged outer Nesterov step per fragment every ``sync_every``.
 
     Args:
-        model: the bare module being trained (not wrapped in DistributedDataParallel).
+        model: the bare module being trained (not wrapped in DistributedDataParallel, not sharded by FSDP).
         inner_optimizer: a ``torch.optim.Optimizer`` over (some of) ``model``'s parameters; only
             those parameters are synchronized (the others never change locally).
         sync_every: inner steps between two syncs of the same fragment (H >= 1; a multiple of ``fragments``).
@@ -235,6 +259,12 @@ class DiLoCo:
             raise UsageError(
                 "model is wrapped in DistributedDataParallel, which all-reduces every step",
                 "pass the bare module (model.module); DiLoCo does the synchronization",
+            )
+        sharded = sharding(model)
+        if sharded:
+            raise UsageError(
+                f"{sharded}: DiLoCo needs every rank to hold the whole model, FSDP is not supported yet",
+                "use DistributedDataParallel instead (inside a site: process_group=g.local) and pass the bare module",
             )
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise UsageError(

@@ -22,9 +22,18 @@ Use it from a script that `meshrun train` runs, after ``torch.distributed.init_p
 one form a site of their own per node, ``MESHRUN_NODE_NAME`` or the host name). With gloo, the site's groups
 bind to ``MESHRUN_SITE_IFNAME`` (the node's interface on the site network) when it is set, the
 cross-site groups to the overlay (``GLOO_SOCKET_IFNAME``, which `meshrun train` pins to it). gloo reads
-the interface when a group is made, so the choice is per group. NCCL reads its transport settings once
-per process: the groups made here use whatever the process was launched with (the overlay's socket
-transport under `meshrun train`); a per-group NCCL transport is not done yet.
+the interface when a group is made, so the choice is per group.
+
+NCCL: `meshrun train` makes the overlay's socket transport every communicator's default
+(``NCCL_NET=Socket``, ``NCCL_SOCKET_IFNAME==meshrun0``). With ``meshrun train --site-fabric``
+(``MESHRUN_SITE_FABRIC=1``, InfiniBand not disabled) the site group of a site that spans two nodes or
+more asks for NCCL's InfiniBand/RoCE transport (``config.net_name = "IB"``, `fabric=` to name another)
+and the cross-site groups for ``"Socket"``. NCCL lets ``NCCL_NET`` win over a communicator's
+``config.netName`` (src/init.cc, envConfigOverride) and reads it when each communicator is created, so
+``NCCL_NET`` is lifted from this process's environment while the site group's communicator is created,
+and that communicator is created here (one small all-reduce) rather than at its first use. The socket
+transport's interface (``NCCL_SOCKET_IFNAME``) and ``NCCL_IB_DISABLE`` are read once per process: the
+site group cannot use sockets on the site network, only the fabric. Not run on a GPU yet.
 
 Sites of different sizes have no one-to-one shard owners: ``all_reduce`` then falls back to the
 flat all-reduce over the job's group (correct, not faster), and ``SiteGroups.hierarchical`` says so.
@@ -34,7 +43,8 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +54,7 @@ import torch.distributed as dist
 
 from meshrun.errors import UsageError
 
-__all__ = ["SiteGroups", "SiteLayout", "all_reduce", "groups"]
+__all__ = ["NcclNets", "SiteGroups", "SiteLayout", "all_reduce", "groups", "nccl_nets"]
 
 # torch 2.13 renamed the single-tensor collectives and warns on the old names; older torch has only those.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -53,7 +63,11 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 ENV_SITE = "MESHRUN_SITE"
 ENV_SITE_IFNAME = "MESHRUN_SITE_IFNAME"
 ENV_NODE = "MESHRUN_NODE_NAME"
+ENV_SITE_FABRIC = "MESHRUN_SITE_FABRIC"  # meshrun.core.launch sets it for `meshrun train --site-fabric`
+FABRIC_NET = "IB"  # NCCL's InfiniBand/RoCE transport, by the name NCCL_NET takes
+SOCKET_NET = "Socket"
 _OPS = ("sum", "avg")
+_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,44 @@ class SiteLayout:
 
 
 @dataclass(frozen=True)
+class NcclNets:
+    """The NCCL network the site group and the cross-site groups ask for (None: the process-wide ``NCCL_NET``).
+
+    `warning`: why the fabric was asked for and is not used ("" otherwise).
+    """
+
+    local: str | None = None
+    cross: str | None = None
+    warning: str = ""
+
+
+def nccl_nets(
+    backend: str, env: Mapping[str, str], has_net_name: bool, site_nodes: int, fabric: str = FABRIC_NET
+) -> NcclNets:
+    """Which NCCL network each of ``groups()``' groups names. Pure.
+
+    The fabric only with the nccl backend, ``MESHRUN_SITE_FABRIC=1``, InfiniBand not disabled, a torch
+    that exposes ``ProcessGroupNCCL.Options().config.net_name`` (`has_net_name`) and a site of two nodes
+    or more (`site_nodes`: a site on one node needs no network, and naming one its node lacks would fail);
+    the cross-site groups then name the socket transport. Anything else: the process-wide default.
+    """
+    if backend != "nccl" or env.get(ENV_SITE_FABRIC) != "1":
+        return NcclNets()
+    default = f"NCCL_NET={env['NCCL_NET']}" if env.get("NCCL_NET") else "NCCL's default network"
+    if env.get("NCCL_IB_DISABLE", "0") not in ("", "0"):
+        return NcclNets(
+            warning=f"{ENV_SITE_FABRIC}=1 but NCCL_IB_DISABLE={env['NCCL_IB_DISABLE']}: the site group "
+            f"stays on {default}; drop NCCL_IB_DISABLE from --env, the job file and the agent's environment"
+        )
+    if not has_net_name:
+        return NcclNets(
+            warning=f"{ENV_SITE_FABRIC}=1 but this torch has no ProcessGroupNCCL.Options().config.net_name "
+            f"(torch 2.1+ built with NCCL 2.17+ has it): the site group stays on {default}"
+        )
+    return NcclNets(local=fabric if site_nodes > 1 else None, cross=SOCKET_NET)
+
+
+@dataclass(frozen=True)
 class SiteGroups:
     """This rank's site and the groups ``all_reduce`` uses (from ``groups()``).
 
@@ -117,6 +169,7 @@ class SiteGroups:
     local: Any
     cross: Any
     world: Any = None
+    local_net: str | None = None  # the NCCL network the site group named (None: the process-wide default)
 
     @property
     def hierarchical(self) -> bool:
@@ -145,39 +198,93 @@ def _gloo_interface(ifname: str | None):
             os.environ["GLOO_SOCKET_IFNAME"] = old
 
 
-def groups(site: str | None = None, *, site_ifname: str | None = None, world: Any = None) -> SiteGroups:
+def _torch_has_net_name() -> bool:
+    """Whether this torch lets an NCCL group name its network (``ProcessGroupNCCL.Options().config.net_name``)."""
+    options = getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)
+    if options is None or not hasattr(options, "config"):  # config: only in builds with NCCL 2.17+
+        return False
+    return hasattr(type(options().config), "net_name")  # the class's property: its getter is not called
+
+
+def _nccl_options(net: str | None) -> Any:
+    """``ProcessGroupNCCL.Options`` naming `net`, or None (the process-wide default)."""
+    if net is None:
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.net_name = net
+    return opts
+
+
+@contextmanager
+def _nccl_net_lifted(lift: bool):
+    """NCCL_NET out of the environment meanwhile: NCCL would let it win over the group's config.netName.
+
+    NCCL reads it while a communicator is created, on the thread that creates it (this one).
+    """
+    old = os.environ.pop("NCCL_NET", None) if lift else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ["NCCL_NET"] = old
+
+
+def _warn_once(message: str) -> None:
+    if message and message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"meshrun.train.sites: {message}", RuntimeWarning, stacklevel=3)
+
+
+def groups(
+    site: str | None = None, *, site_ifname: str | None = None, world: Any = None, fabric: str = FABRIC_NET
+) -> SiteGroups:
     """Make this job's site groups: collective, every rank of `world` (default: the default group) calls it.
 
     `site`: this rank's site (default ``MESHRUN_SITE``, else one site per node). `site_ifname`: the
     interface gloo binds the site group to (default ``MESHRUN_SITE_IFNAME``; unset: the process's default,
-    the overlay under `meshrun train`). UsageError when torch.distributed is not initialized.
+    the overlay under `meshrun train`). `fabric`: the NCCL network the site group names under
+    ``meshrun train --site-fabric`` (see the module docstring; NCCL_NET's names: "IB", or a plugin's).
+    With NCCL, call it after ``torch.cuda.set_device``. UsageError when torch.distributed is not initialized.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise UsageError(
             "meshrun.train.sites.groups() needs torch.distributed", "call torch.distributed.init_process_group first"
         )
     mine = site or _default_site()
+    node = os.environ.get(ENV_NODE) or platform.node()
     names: list[Any] = [None] * dist.get_world_size(world)
-    dist.all_gather_object(names, mine, group=world)
+    dist.all_gather_object(names, (mine, node), group=world)
     # Ranks of `world` as the group sees them; new_group takes global ranks.
     ranks = [dist.get_global_rank(world, r) if world is not None else r for r in range(len(names))]
-    layout = SiteLayout.of([str(n) for n in names])
+    layout = SiteLayout.of([str(n[0]) for n in names])
     me = dist.get_rank(world)
+    backend = str(dist.get_backend(world))
     ifname = site_ifname if site_ifname is not None else os.environ.get(ENV_SITE_IFNAME)
-    if dist.get_backend(world) != "gloo":
-        ifname = None  # NCCL's transport is per process (see the module docstring)
+    if backend != "gloo":
+        ifname = None  # NCCL's socket interface is per process (see the module docstring)
+    site_nodes = len({names[r][1] for r in layout.ranks[layout.site_index(me)]})
+    nets = NcclNets()
+    if backend == "nccl":
+        nets = nccl_nets(backend, os.environ, _torch_has_net_name(), site_nodes, fabric)
+        _warn_once(nets.warning)
     local = None
     for site_ranks in layout.ranks:  # every rank makes every group, in one order (new_group is collective)
         mine_here = me in site_ranks
-        with _gloo_interface(ifname if mine_here else None):
-            g = dist.new_group([ranks[r] for r in site_ranks])
+        net = nets.local if mine_here else None
+        with _gloo_interface(ifname if mine_here else None), _nccl_net_lifted(net is not None):
+            g = dist.new_group([ranks[r] for r in site_ranks], pg_options=_nccl_options(net))
+            if net is not None:
+                # torch creates an NCCL communicator at the group's first collective (or above, when the
+                # default group is bound to a device): make it now, while NCCL_NET is lifted.
+                dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=g)
         if mine_here:
             local = g
     cross = None
     if len(layout.sites) > 1:
         for owners in layout.cross_groups():
-            g = dist.new_group([ranks[r] for r in owners])
-            if me in owners:
+            mine_here = me in owners
+            g = dist.new_group([ranks[r] for r in owners], pg_options=_nccl_options(nets.cross if mine_here else None))
+            if mine_here:
                 cross = g
     i = layout.site_index(me)
     return SiteGroups(
@@ -191,6 +298,7 @@ def groups(site: str | None = None, *, site_ifname: str | None = None, world: An
         local=local,
         cross=cross,
         world=world,
+        local_net=nets.local,
     )
 
 

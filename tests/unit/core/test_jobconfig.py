@@ -56,6 +56,17 @@ def test_command_line_wins_and_env_merges():
     assert got["script"] == "a.py" and got["script_args"] == ["--x"] and got["no_sync"] is True
 
 
+def test_site_fabric_from_the_job_file_or_the_command_line_reaches_the_launch_options(tmp_path):
+    from_file = jobconfig.merge(jobconfig.parse('script = "a.py"\nsite_fabric = true\n'), NOTHING)
+    from_cli = jobconfig.merge(jobconfig.parse('script = "a.py"\n'), dict(NOTHING, site_fabric=True))
+    neither = jobconfig.merge(jobconfig.parse('script = "a.py"\n'), dict(NOTHING, site_fabric=False))
+    assert from_file["site_fabric"] is True and from_cli["site_fabric"] is True and neither["site_fabric"] is False
+    spec = job_spec(from_file, tmp_path)
+    assert spec.site_fabric and JobSpec.from_dict(spec.to_dict()).site_fabric
+    with pytest.raises(UsageError, match="site_fabric = 'yes' must be true or false"):
+        jobconfig.parse('site_fabric = "yes"')
+
+
 def test_a_script_on_the_command_line_brings_its_own_args():
     got = jobconfig.merge(
         jobconfig.parse('script = "a.py"\nargs = ["--x"]\n'), dict(NOTHING, script="b.py", script_args=[])

@@ -53,6 +53,8 @@ def test_launch_options_are_the_spec_on_this_network():
     assert spec.launch_options(NET, 29401, shipped=False).script == "src/train.py"
     module = JobSpec("m", "pkg.train", module=True).launch_options(NET, 29401, shipped=True)
     assert module.script == "pkg.train" and module.module and module.python == "python3"
+    assert not shipped.site_fabric
+    assert JobSpec("f", "t.py", site_fabric=True).launch_options(NET, 29401, shipped=True).site_fabric
 
 
 def test_bounds_and_elasticity():

@@ -122,6 +122,34 @@ def test_every_worker_learns_its_site_and_the_user_cannot_rename_it():
     assert "MESHRUN_SITE" not in launch.plan(NODES[:1], opts())[0].env  # planned without sites: none set
 
 
+SITE_NODES = [
+    NodeInfo("fra-a", "10.77.0.2", 8, Placement("fra", 0, 2, "10.1.0.2")),
+    NodeInfo("fra-b", "10.77.0.3", 8, Placement("fra", 0, 2, "10.1.0.3")),
+    NodeInfo("ams-a", "10.77.0.4", 8, Placement("ams", 1, 2, "")),
+]
+
+
+def test_a_job_with_sites_keeps_nccl_on_the_overlay_sockets_and_infiniband_off():
+    for p in launch.plan(SITE_NODES, opts()):
+        assert p.env["NCCL_NET"] == "Socket" and p.env["NCCL_SOCKET_IFNAME"] == "=meshrun0"
+        assert p.env["NCCL_IB_DISABLE"] == "1"
+        assert "MESHRUN_SITE_FABRIC" not in p.env
+    # MESHRUN_SITE_FABRIC is meshrun's: without --site-fabric InfiniBand is off, so a user's 1 would break groups.
+    (p,) = launch.plan(SITE_NODES[:1], opts(), {"MESHRUN_SITE_FABRIC": "1"})
+    assert "MESHRUN_SITE_FABRIC" not in p.env and p.env["NCCL_IB_DISABLE"] == "1"
+
+
+def test_site_fabric_lets_nccl_load_infiniband_but_keeps_sockets_the_process_wide_default():
+    for p in launch.plan(SITE_NODES, opts(site_fabric=True)):
+        # NCCL_NET wins over a communicator's own choice: only meshrun.train.sites lifts it, for the site group.
+        assert p.env["NCCL_NET"] == "Socket" and p.env["NCCL_SOCKET_IFNAME"] == "=meshrun0"
+        assert "NCCL_IB_DISABLE" not in p.env
+        assert p.env["MESHRUN_SITE_FABRIC"] == "1" and p.env["MESHRUN_SITE"] in ("fra", "ams")
+    # The user's own NCCL_IB_DISABLE still wins (meshrun.train.sites then warns and stays on sockets).
+    (p,) = launch.plan(SITE_NODES[:1], opts(site_fabric=True), {"NCCL_IB_DISABLE": "1"})
+    assert p.env["NCCL_IB_DISABLE"] == "1" and p.env["MESHRUN_SITE_FABRIC"] == "1"
+
+
 def test_user_socket_threads_keep_the_product_within_64():
     env = launch.worker_env("meshrun0", "n", {"NCCL_SOCKET_NTHREADS": "16"})
     assert env["NCCL_SOCKET_NTHREADS"] == "16"

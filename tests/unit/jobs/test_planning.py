@@ -7,6 +7,7 @@ import pytest
 from meshrun.core.jobspec import JobSpec
 from meshrun.core.model import Network
 from meshrun.errors import UsageError
+from meshrun.jobs import submission
 from meshrun.jobs.planning import code_dir, plan
 
 NET = Network(
@@ -50,3 +51,15 @@ def test_a_missing_script_is_named_with_the_jobs_directory(tree):
     with pytest.raises(UsageError, match=f"script 'nope.py' not found in {tree / 'code'}"):
         code_dir(JobSpec("j1", "nope.py", cwd=str(tree / "code")))
     assert code_dir(JobSpec("j1", "pkg.mod", cwd=str(tree / "code"), module=True)) == tree / "code"
+
+
+@pytest.mark.parametrize(
+    "site, user, expected", [("fra", {}, "fra"), ("", {}, None), ("fra", {"MESHRUN_SITE": "x"}, "x")]
+)
+def test_a_local_share_gets_the_site_its_node_joined_with_and_nothing_else(monkeypatch, site, user, expected):
+    rec = {"name": "n1", "overlay_ip": "10.213.0.2", "site": site}
+    monkeypatch.setattr(submission.member, "load", lambda state: (rec, NET))
+    monkeypatch.setattr(submission.host, "visible_gpus", lambda: 0)
+    p = submission.local_launch(None, JobSpec("j1", "train.py", nnodes="2", env=user))
+    assert p.env.get("MESHRUN_SITE") == expected
+    assert not {"MESHRUN_SITE_RANK", "MESHRUN_NUM_SITES", "MESHRUN_SITE_ADDR"} & set(p.env)

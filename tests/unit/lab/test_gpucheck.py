@@ -1,8 +1,42 @@
-"""meshrun.lab.gpucheck's reading of a job's output: NCCL's transport lines, by the group they came after."""
+"""meshrun.lab.gpucheck: which backend and GPUs the check uses, and its reading of a job's output (NCCL's
+transport lines, by the group they came after)."""
 
 from __future__ import annotations
 
-from meshrun.lab.gpucheck import summarize
+from meshrun.lab.gpucheck import check_plan, summarize
+
+NODES = ["s1-a", "s1-b", "s2-a", "s2-b"]
+
+
+def test_one_gpu_runs_nccl_with_every_node_on_it_as_a_host_of_its_own():
+    plan = check_plan(1, NODES)
+    assert plan.backend == "nccl" and plan.gpu_of == dict.fromkeys(NODES, 0)
+    assert "4 nodes share 1 GPU(s)" in plan.message and "NCCL_HOSTID" in plan.message
+    args = plan.train_args()
+    assert args[args.index("--nproc-per-node") + 1] == "1"  # a node reports the machine's GPUs: not one rank each
+    assert args[args.index("nccl_check.py") :] == [
+        "nccl_check.py",
+        "--gpu-map",
+        "s1-a=0,s1-b=0,s2-a=0,s2-b=0",
+        "--hostid-per-node",
+    ]
+    assert "CUDA_VISIBLE_DEVICES=" not in args
+
+
+def test_several_gpus_are_dealt_round_robin_and_hosts_stay_apart():
+    assert check_plan(3, NODES).gpu_of == {"s1-a": 0, "s1-b": 1, "s2-a": 2, "s2-b": 0}
+    four = check_plan(4, NODES)
+    assert four.gpu_of == {"s1-a": 0, "s1-b": 1, "s2-a": 2, "s2-b": 3} and four.message == ""
+    assert "--hostid-per-node" in four.train_args()  # else NCCL would use NVLink/SHM, not the overlay
+
+
+def test_no_gpu_falls_back_to_gloo_and_says_nccl_was_not_exercised():
+    plan = check_plan(0, NODES)
+    assert plan.backend == "gloo" and plan.gpu_of == {}
+    assert "no GPU" in plan.message and "NCCL is NOT exercised" in plan.message
+    args = plan.train_args()
+    assert "CUDA_VISIBLE_DEVICES=" in args and args[-1] == "nccl_check.py"
+
 
 OUTPUT = """\
 [s1-a r0] backend=nccl device=cuda:0 interface=meshrun0

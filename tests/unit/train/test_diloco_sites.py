@@ -20,7 +20,7 @@ from torch import nn
 
 from meshrun.errors import UsageError
 from meshrun.train import sites
-from meshrun.train.diloco import DiLoCo, state_digest
+from meshrun.train.diloco import DiLoCo, sharding, state_digest
 
 STEPS, H = 12, 4
 
@@ -84,6 +84,15 @@ def _refusals(rank: int) -> list[str]:
             DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), H, **kw)
         except UsageError as exc:
             out.append(str(exc))
+    # FSDP inside the site (the real fully_shard, on gloo over the site group): refused, naming the fix.
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = fully_shard(_mlp(), mesh=DeviceMesh.from_group(even.local, "cpu"))
+    try:
+        DiLoCo(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1), H, sites=even)
+    except UsageError as exc:
+        out.append(str(exc))
     return out
 
 
@@ -136,8 +145,28 @@ def test_data_parallel_inside_sites_and_diloco_across_them_train_one_model(world
     assert last < first
 
 
-def test_site_mode_refuses_uneven_sites_and_a_second_group(world4):
+def test_site_mode_refuses_uneven_sites_a_second_group_and_fsdp_shards(world4):
     for res in world4:
-        assert len(res["refusals"]) == 2
+        assert len(res["refusals"]) == 3
         assert "are not two or more sites of equal size" in res["refusals"][0]
         assert "both sites and process_group were given" in res["refusals"][1]
+        assert "parameter '0.weight' is a DTensor" in res["refusals"][2]
+        assert "FSDP is not supported yet; use DistributedDataParallel instead" in res["refusals"][2]
+
+
+def test_fsdp_flat_parameters_and_wrappers_are_refused_before_any_collective():
+    model = _mlp()
+    assert sharding(model) == ""
+    model[0].weight._is_flat_param = True  # the mark FSDP's FlatParameter carries
+    assert sharding(model) == "parameter '0.weight' is FSDP's flat parameter"
+    with pytest.raises(UsageError, match="FSDP's flat parameter: DiLoCo needs every rank to hold the whole model"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), H)
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class FakeFSDP(FullyShardedDataParallel):  # an instance without FSDP's constructor (no process group here)
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+
+    wrapped = nn.Sequential(FakeFSDP())
+    assert sharding(wrapped) == "module '0' is FullyShardedDataParallel"

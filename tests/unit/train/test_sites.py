@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from meshrun.errors import UsageError
 from meshrun.train import sites
-from meshrun.train.sites import SiteLayout
+from meshrun.train.sites import NcclNets, SiteLayout
 
 
 def test_a_layout_orders_sites_by_their_first_rank_and_pairs_equal_local_ranks():
@@ -47,6 +47,7 @@ def test_a_bad_layout_or_op_is_refused_with_the_fix():
 def _check(g: sites.SiteGroups, rank: int, world: int) -> dict:
     """Hierarchical vs flat on tensors whose sums are exact, random floats, a non-contiguous view, avg."""
     out = {"hierarchical": g.hierarchical, "site": g.site, "site_rank": g.site_rank, "num_sites": g.num_sites}
+    out["local_net"] = g.local_net
     out["local"] = (g.local_rank, g.local_size)
     out["cross_size"] = dist.get_world_size(g.cross) if g.cross is not None else 0
     exact = torch.arange(1001, dtype=torch.float32) + 1000 * rank  # odd length: the padding path
@@ -89,6 +90,7 @@ def _entry(rank: int, world: int, store_path: str, out_dir: str) -> None:
         for name, site_of in LAYOUTS.items():
             results[name] = _check(sites.groups(site_of(rank), site_ifname="lo"), rank, world)
         os.environ["MESHRUN_SITE"] = "from-env" if rank < 2 else "other"
+        os.environ["MESHRUN_SITE_FABRIC"] = "1"  # NCCL's only: gloo groups name no network
         results["from_env"] = _check(sites.groups(), rank, world)
         assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"  # restored after the site groups were made
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -124,3 +126,50 @@ def test_uneven_sites_and_a_single_site_fall_back_to_the_flat_all_reduce(world4)
     for res in world4:
         assert not res["uneven"]["hierarchical"] and res["uneven"]["cross_size"] == 0
         assert not res["one_site"]["hierarchical"] and res["one_site"]["num_sites"] == 1
+
+
+FABRIC = {"MESHRUN_SITE_FABRIC": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "=meshrun0"}
+
+
+def test_only_nccl_under_site_fabric_names_the_fabric_for_the_site_group_and_sockets_across(world4):
+    assert sites.nccl_nets("nccl", FABRIC, True, site_nodes=2) == NcclNets(local="IB", cross="Socket")
+    assert sites.nccl_nets("nccl", FABRIC, True, site_nodes=2, fabric="Libfabric").local == "Libfabric"
+    # A job that does not ask, or gloo (whose site group binds to the site interface instead): nothing named.
+    assert sites.nccl_nets("nccl", {"NCCL_NET": "Socket"}, True, site_nodes=2) == NcclNets()
+    assert sites.nccl_nets("nccl", {**FABRIC, "MESHRUN_SITE_FABRIC": "0"}, True, site_nodes=2) == NcclNets()
+    assert sites.nccl_nets("gloo", FABRIC, True, site_nodes=2) == NcclNets()
+    assert all(res["from_env"]["local_net"] is None for res in world4)  # gloo with MESHRUN_SITE_FABRIC=1
+
+
+def test_a_site_inside_one_node_keeps_the_default_network_for_its_group():
+    assert sites.nccl_nets("nccl", FABRIC, True, site_nodes=1) == NcclNets(local=None, cross="Socket")
+
+
+def test_without_the_torch_field_or_with_infiniband_disabled_the_site_group_stays_on_sockets_with_a_warning():
+    old_torch = sites.nccl_nets("nccl", FABRIC, False, site_nodes=2)
+    assert (old_torch.local, old_torch.cross) == (None, None)
+    assert "no ProcessGroupNCCL.Options().config.net_name" in old_torch.warning
+    assert "stays on NCCL_NET=Socket" in old_torch.warning
+    ib_off = sites.nccl_nets("nccl", {**FABRIC, "NCCL_IB_DISABLE": "1"}, True, site_nodes=2)
+    assert (ib_off.local, ib_off.cross) == (None, None)
+    assert "NCCL_IB_DISABLE=1" in ib_off.warning and "drop NCCL_IB_DISABLE" in ib_off.warning
+    assert sites.nccl_nets("nccl", {**FABRIC, "NCCL_IB_DISABLE": "0"}, True, site_nodes=2).local == "IB"
+
+
+def test_this_cpu_torch_cannot_name_an_nccl_network_and_the_warning_comes_once(monkeypatch):
+    if not hasattr(dist, "ProcessGroupNCCL"):  # the CPU build: no NCCL, so the fabric path cannot run here
+        assert not sites._torch_has_net_name()
+    monkeypatch.setattr(sites, "_warned", set())
+    with pytest.warns(RuntimeWarning) as caught:
+        sites._warn_once("no fabric")
+        sites._warn_once("no fabric")
+    assert [str(w.message) for w in caught] == ["meshrun.train.sites: no fabric"]
+
+
+def test_nccl_net_is_lifted_only_while_the_site_group_is_made(monkeypatch):
+    monkeypatch.setenv("NCCL_NET", "Socket")
+    with sites._nccl_net_lifted(True):
+        assert "NCCL_NET" not in os.environ  # NCCL would let it win over the group's config.netName
+    assert os.environ["NCCL_NET"] == "Socket"
+    with sites._nccl_net_lifted(False):
+        assert os.environ["NCCL_NET"] == "Socket"
