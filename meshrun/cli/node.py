@@ -82,13 +82,17 @@ def join(
 
 def read_token(arg: str | None, token_file: Path | None) -> str:
     """The join token from the argument (`-`: stdin), --token-file or $MESHRUN_TOKEN (UsageError when none,
-    or more than one, is given)."""
+    or more than one, is given).
+
+    $MESHRUN_TOKEN leaves this process's environment as it is read (whichever source the token came from):
+    the agent daemon started from here, and every job's processes it starts, would inherit it."""
     import os
     import sys
 
     from meshrun.errors import UsageError
     from meshrun.system.statedir import read_user_file
 
+    env = os.environ.pop("MESHRUN_TOKEN", "").strip()
     given = [w for w, v in (("the argument", arg), ("--token-file", token_file)) if v is not None]
     if len(given) > 1:
         raise UsageError("the token was given both as an argument and with --token-file", "give it once")
@@ -101,7 +105,6 @@ def read_token(arg: str | None, token_file: Path | None) -> str:
         return text
     if arg is not None:
         return arg
-    env = os.environ.get("MESHRUN_TOKEN", "").strip()
     if env:
         return env
     raise UsageError("no join token given", "meshrun join - < token, --token-file FILE, or MESHRUN_TOKEN=...")

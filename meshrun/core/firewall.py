@@ -9,9 +9,10 @@ Two kinds:
   to that cgroup's sockets from an overlay address outside the set `nodes` is dropped before it
   reaches the socket. One table per job and node (`job_table`), so removing it is one command and the
   host's own tables are never touched.
-- The **forward guard**: a member that forwards overlay traffic (the coordinator relays pairs) forwards
-  only overlay-to-overlay; a packet from a member for any other interface (the coordinator's LAN or
-  VPC) is dropped, whatever the host's FORWARD policy.
+- The **forward guard**, on every member: a member that forwards overlay traffic (the coordinator relays
+  pairs; a node whose host forwards, as Docker and Kubernetes hosts do) forwards only overlay-to-overlay;
+  a packet from a member for any other interface (that host's LAN or VPC) is dropped, whatever the host's
+  FORWARD policy.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ __all__ = [
     "add_allowed",
     "check_interface",
     "delete_guard",
+    "forward_chain",
+    "forward_chains",
     "forward_guard",
+    "forward_unguard",
     "inet_tables",
     "is_job_table",
     "job_guard",
@@ -171,22 +175,51 @@ def delete_guard(table: str) -> str:
     return f"delete table inet {_check_table(table)}\n"
 
 
+def forward_chain(interface: str) -> str:
+    """The forward guard's chain for `interface` (one per guarded interface, all in FORWARD_TABLE)."""
+    return f"guard_{check_interface(interface)}"
+
+
 def forward_guard(interface: str) -> str:
     """The script that (re)creates the forward guard for `interface`: packets that arrive on it and would
     leave on any other interface are dropped; overlay-to-overlay forwarding (relayed pairs) and everything
-    else the host forwards are left alone. UsageError for a bad interface name."""
+    else the host forwards are left alone. Every member installs it for its overlay interface: a node whose
+    host forwards (a Docker or Kubernetes host) must not route a member into its LAN either. The guards of
+    several interfaces (members of several networks on one host) live side by side, a chain each.
+    UsageError for a bad interface name."""
     iface = check_interface(interface)
+    chain = forward_chain(iface)
     return "\n".join(
         [
             f"table inet {FORWARD_TABLE} {{}}",
-            f"delete table inet {FORWARD_TABLE}",
-            f"table inet {FORWARD_TABLE} {{",
-            '  comment "meshrun: members reach other members only, never other networks of this host"',
-            "  chain forward {",
-            "    type filter hook forward priority filter - 1; policy accept;",
-            f'    iifname "{iface}" oifname != "{iface}" drop',
-            "  }",
-            "}",
+            # The one chain an older meshrun made for the whole host: replaced by the chain per interface.
+            f"add chain inet {FORWARD_TABLE} forward",
+            f"flush chain inet {FORWARD_TABLE} forward",
+            f"delete chain inet {FORWARD_TABLE} forward",
+            f"add chain inet {FORWARD_TABLE} {chain} {{ type filter hook forward priority filter - 1; "
+            f'policy accept; comment "meshrun: what arrives on {iface} leaves only on {iface}"; }}',
+            f"flush chain inet {FORWARD_TABLE} {chain}",
+            f'add rule inet {FORWARD_TABLE} {chain} iifname "{iface}" oifname != "{iface}" drop',
             "",
         ]
     )
+
+
+def forward_unguard(interface: str) -> str:
+    """The script that deletes `interface`'s forward guard (no error when there is none); the table stays,
+    see forward_chains."""
+    chain = forward_chain(interface)
+    return "\n".join(
+        [
+            f"table inet {FORWARD_TABLE} {{}}",
+            f"add chain inet {FORWARD_TABLE} {chain}",
+            f"flush chain inet {FORWARD_TABLE} {chain}",
+            f"delete chain inet {FORWARD_TABLE} {chain}",
+            "",
+        ]
+    )
+
+
+def forward_chains(listing: str) -> list[str]:
+    """The chains in `nft list table inet FORWARD_TABLE`'s output (none left: the table can go)."""
+    return [m.group(1) for m in re.finditer(r"^\s*chain (\S+) \{", listing, re.M)]

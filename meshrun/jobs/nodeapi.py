@@ -1,10 +1,11 @@
 """A node's job API: the coordinator starts, follows and cancels this node's shares here.
 
-It listens on the node's overlay IP with the socket bound to the WireGuard device, answers only
-the coordinator's overlay address, and only requests that carry a valid MAC under this node's
-job key (meshrun.core.auth: derived from the coordinator's and this node's WireGuard keys, so only
-root on the coordinator, holding its private key, can sign), checked before the body is read; a
-captured request cannot be replayed. Uploads are streamed to disk with a cap; connections are
+It listens on the node's overlay IP with the socket bound to the WireGuard device, accepts
+connections only from the coordinator's overlay address (any other is closed as it is accepted), and
+answers only requests that carry a valid MAC under this node's job key (meshrun.core.auth: derived
+from the coordinator's and this node's WireGuard keys, so only root on the coordinator, holding its
+private key, can sign), checked before the body is read; a captured request cannot be replayed.
+Request heads are capped (transport.MAX_HEAD), uploads streamed to disk with a cap; connections are
 bounded.
 
   GET  /v1/health                 name, GPUs, Python, running shares
@@ -230,7 +231,9 @@ class JobServer:
         self.api = api
         uploads = StateDir(api.state / "uploads")
         uploads.create()
-        # Only the coordinator may talk here: a few connections per job it follows, a bounded total.
+        # Only the coordinator may talk here: a connection from any other address is closed as it is
+        # accepted (no thread, not a byte read), so no member can hold the coordinator's slots; then a
+        # few connections per job it follows, a bounded total.
         self.server = JSONServer(
             (overlay_ip, api.network.api_port),
             api.handle,
@@ -240,6 +243,7 @@ class JobServer:
             max_conns=MAX_CONNS,
             max_per_source=MAX_CONNS,
             upload_dir=str(uploads.path),
+            allow_source={api.network.coordinator_ip},
         )
         self.server.start("jobs")
 
@@ -253,6 +257,10 @@ def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
     """The node's job API (an agent extension): shares under <state>/jobs, served on its overlay IP."""
     key = member.job_key(state, network.coordinator_public_key)
     firewall.sweep()
+    try:  # an interface brought up by an older meshrun has no forward guard yet (a new one got it with it)
+        firewall.install_forward_guard(network.interface)
+    except MeshrunError as exc:
+        log.warning("no forward guard on %s: %s", network.interface, exc)
     # Pre-flight reports import torch once (a second or two): do it now, not while a job waits.
     threading.Thread(target=host.environment, args=(sys.executable,), name="preflight-warm", daemon=True).start()
     try:

@@ -25,9 +25,14 @@ def device_for(state: StateDir, network: Network, rec: dict | None = None) -> Wi
 
 
 def bring_up(device: Device, state: StateDir, network: Network, address: str, mtu: int | None = None) -> str:
-    """Create and configure the interface from state; returns the backend. On failure it is removed."""
+    """Create and configure the interface from state; returns the backend. On failure it is removed.
+
+    The forward guard comes before the interface is up, with a key or an address: whatever this host
+    forwards (Docker and Kubernetes hosts turn IP forwarding on), a member's packet that arrives on the
+    interface never leaves on another one."""
     device.create()
     try:
+        device.guard_forwarding()
         device.configure(
             state / "private.key", network.listen_port, f"{address}/{network.prefixlen}", mtu or network.mtu
         )

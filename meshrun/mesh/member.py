@@ -6,7 +6,7 @@ from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
 from meshrun.errors import StateError
 from meshrun.mesh import iface, process
-from meshrun.system import firewall, net
+from meshrun.system import net
 from meshrun.system.statedir import StateDir
 
 
@@ -36,9 +36,7 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
         raise StateError(f"{state.path} holds a meshrun {rec.get('role')}, not a {role}", f"use {other} there")
     net.require_admin()
     process.stop(state)
-    iface.device_for(state, network, rec).delete()
-    if role == "coordinator":
-        firewall.remove_forward_guard()
+    iface.device_for(state, network, rec).delete()  # and its forward guard (every member has one)
     if purge:
         state.delete()
     return network.interface

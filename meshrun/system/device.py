@@ -25,7 +25,7 @@ from meshrun.core import versions
 from meshrun.core.peers import PeerDiff, PeerState, wg_set_args
 from meshrun.core.wgconf import parse_dump
 from meshrun.errors import MeshrunError, NetworkError
-from meshrun.system import net, procs
+from meshrun.system import firewall, net, procs
 from meshrun.system.cmd import run
 
 log = logging.getLogger("meshrun.system.device")
@@ -73,6 +73,10 @@ class Device(Protocol):
 
     def nudge(self, overlay_ips: list[str]) -> None:
         """Send one datagram towards each overlay IP, so WireGuard handshakes with its peer now."""
+
+    def guard_forwarding(self) -> None:
+        """Drop what arrives on this interface for any other one, even where the host forwards (every
+        member, before the interface comes up; meshrun.system.firewall.install_forward_guard)."""
 
     def enable_forwarding(self) -> None:
         """Forward overlay packets between peers (the coordinator relays)."""
@@ -187,6 +191,9 @@ class WireGuardDevice:
                 with contextlib.suppress(OSError):
                     s.sendto(b"", (ip, 9))
 
+    def guard_forwarding(self) -> None:
+        firewall.install_forward_guard(self.name)
+
     def enable_forwarding(self) -> None:
         net.enable_forwarding(self.name)
 
@@ -212,6 +219,7 @@ class WireGuardDevice:
             run(["ip", "link", "del", "dev", self.name])
         if self.pid:
             self._stop_wireguard_go(self.pid)
+        firewall.remove_forward_guard(self.name)  # the interface's guard goes with it
 
     def _stop_wireguard_go(self, pid: int) -> None:
         try:
@@ -244,8 +252,9 @@ def widen_socket_buffers(pid: int, size: int = SOCKET_BUFFER, only_grow: bool = 
     """Give wireguard-go's UDP sockets `size`-byte buffers, as newer wireguard-go does itself.
 
     With the 208 KiB default a scheduling hiccup at a few hundred Mbit/s overflows the receive
-    buffer, and every dropped datagram costs an inner TCP retransmit (benchmarks/wan_tuning.py:
-    180-783 drops per two 256 MiB all-reduces at 200 Mbit/s, none with 7 MiB). A descriptor copied
+    buffer, and every dropped datagram costs an inner TCP retransmit (benchmarks/wan_tuning.py with
+    wireguard-go 0.0.20220316, benchmarks/results/archive/wan_tuning.json: 180-783 drops per two 256 MiB
+    all-reduces at 200 Mbit/s, none with 7 MiB). A descriptor copied
     with pidfd_getfd is the same socket, so setsockopt on the copy changes wireguard-go's socket.
     Call it after the listen port is set and the link is up (wireguard-go binds new sockets then).
     Returns (rcvbuf, sndbuf) per socket as the kernel reports them (twice the size asked for);

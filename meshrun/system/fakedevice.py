@@ -28,6 +28,8 @@ class FakeDevice:
         self.mtu: int | None = None
         self.route_mtus: dict[str, int] = {}
         self.forwarding = False
+        self.guarded = False  # guard_forwarding() was called (and delete() not since)
+        self.guarded_before_up: bool | None = None  # whether the guard was there when configure() ran
         self._peers: dict[str, PeerState] = {}
         self.applied: list[PeerDiff] = []
         self.nudged: list[str] = []
@@ -47,6 +49,7 @@ class FakeDevice:
         self.present = True
 
     def configure(self, key_path: Path, listen_port: int, address: str, mtu: int) -> None:
+        self.guarded_before_up = self.guarded
         self.config = {"key_path": Path(key_path), "listen_port": listen_port, "address": address}
         self.mtu = mtu
 
@@ -89,6 +92,9 @@ class FakeDevice:
     def nudge(self, overlay_ips: list[str]) -> None:
         self.nudged.extend(overlay_ips)
 
+    def guard_forwarding(self) -> None:
+        self.guarded = True
+
     def enable_forwarding(self) -> None:
         self.forwarding = True
 
@@ -97,6 +103,7 @@ class FakeDevice:
 
     def delete(self) -> None:
         self.present = False
+        self.guarded = False
         self._peers.clear()
 
     # what a test does to it --------------------------------------------------

@@ -119,9 +119,12 @@ class FakeFirewall:
         self.calls.append(("install_forward_guard", interface))
         self.forward = interface
 
-    def remove_forward_guard(self) -> None:
+    def remove_forward_guard(self, interface: str | None = None) -> None:
+        if interface is not None:
+            rules.forward_unguard(interface)
         self.calls.append(("remove_forward_guard",))
-        self.forward = None
+        if interface is None or interface == self.forward:
+            self.forward = None
 
     def available(self) -> str | None:
         return None

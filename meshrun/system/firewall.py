@@ -312,18 +312,27 @@ def remove_job_cgroups(tables: Iterable[str]) -> None:
 def install_forward_guard(interface: str) -> None:
     """Drop whatever a member sends through this host to a non-overlay interface; overlay-to-overlay stays.
 
-    Call it before turning forwarding on for `interface` (meshrun.system.net.enable_forwarding does);
-    calling it again replaces the guard. HostError without nft, CommandError when nft refuses.
+    Every member calls it before its interface comes up (meshrun.mesh.iface.bring_up), the coordinator
+    again before turning forwarding on (meshrun.system.net.enable_forwarding); calling it again replaces
+    the guard for `interface` and leaves other interfaces' guards alone. HostError without nft,
+    CommandError when nft refuses.
     """
     if shutil.which("nft") is None:
         raise HostError(
-            "`nft` is not installed: meshrun keeps relayed member traffic off this host's other networks with nftables",
+            "`nft` is not installed: meshrun keeps members' traffic off this host's other networks with nftables",
             "install it: apt-get install nftables",
         )
     _nft(rules.forward_guard(interface))
 
 
-def remove_forward_guard() -> None:
-    """Delete the forward guard (when the member stops forwarding or leaves); no error if it is gone."""
-    if shutil.which("nft") is not None:
-        _delete_table(rules.FORWARD_TABLE)
+def remove_forward_guard(interface: str | None = None) -> None:
+    """Delete `interface`'s forward guard (None: every interface's), and the table once no guard is left in
+    it (when the member leaves); no error if it is gone."""
+    if shutil.which("nft") is None:
+        return
+    if interface is not None:
+        run(["nft", "-f", "-"], input=rules.forward_unguard(interface), check=False, quiet=True)
+        listing = run(["nft", "list", "table", "inet", rules.FORWARD_TABLE], check=False, quiet=True)
+        if listing.returncode != 0 or rules.forward_chains(listing.stdout):
+            return
+    _delete_table(rules.FORWARD_TABLE)

@@ -27,7 +27,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO
@@ -40,6 +40,11 @@ log = logging.getLogger("meshrun.system.transport")
 
 MAX_JSON = 256 * 1024
 TIMEOUT = 15
+# A request's head (request line and headers): at most MAX_HEAD bytes, all of it within HEAD_TIMEOUT
+# seconds, else 431 or closed. http.server alone allows 100 headers of 64 KiB each, read one slow byte
+# at a time for ever: 6 MiB and a thread per connection before any check could run.
+MAX_HEAD = 16 * 1024
+HEAD_TIMEOUT = 10.0
 
 
 @dataclass
@@ -76,10 +81,88 @@ class Response:
 Handler = Callable[[Request], Response]
 
 
+class _HeadTooLarge(Exception):
+    pass
+
+
+class _HeadReader:
+    """The connection's reader while the request head comes in: a line at a time, at most `limit` bytes in
+    all (then _HeadTooLarge), all within `seconds` (then TimeoutError, which http.server answers by
+    closing). Each wait for bytes is at most one recv() with the time that is left."""
+
+    def __init__(self, rfile, sock: socket.socket, limit: int, seconds: float) -> None:
+        self.rfile, self.sock = rfile, sock
+        self.left = limit
+        self.deadline = time.monotonic() + seconds
+
+    def readline(self, size: int = -1) -> bytes:
+        out = bytearray()
+        while size < 0 or len(out) < size:
+            wait = self.deadline - time.monotonic()
+            if wait <= 0:
+                raise TimeoutError("the request head did not arrive in time")
+            self.sock.settimeout(wait)
+            buffered = self.rfile.peek(1)  # what is buffered, or one recv() when nothing is
+            if not buffered:
+                break  # the client closed
+            newline = buffered.find(b"\n")
+            take = len(buffered) if newline < 0 else newline + 1
+            if size >= 0:
+                take = min(take, size - len(out))
+            if take > self.left:
+                raise _HeadTooLarge
+            out += self.rfile.read(take)
+            self.left -= take
+            if out.endswith(b"\n"):
+                break
+        return bytes(out)
+
+    def close(self) -> None:  # the handler's finish() closes whatever reader it holds
+        self.rfile.close()
+
+
 class _RequestHandler(BaseHTTPRequestHandler):
     server_version = "meshrun"
     sys_version = ""
     protocol_version = "HTTP/1.0"
+
+    def setup(self) -> None:
+        super().setup()
+        srv = self.server
+        self._timeout = self.connection.gettimeout()
+        self._body_rfile = self.rfile
+        self.rfile = _HeadReader(  # type: ignore[assignment]
+            self.rfile,
+            self.connection,
+            getattr(srv, "max_head", MAX_HEAD),
+            getattr(srv, "head_timeout", HEAD_TIMEOUT),
+        )
+
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()  # reads the headers through the _HeadReader
+        finally:
+            self.rfile = self._body_rfile  # the body is read as it always was
+            self.connection.settimeout(self._timeout)
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        except _HeadTooLarge:
+            self.close_connection = True
+            self.rfile = self._body_rfile
+            self.connection.settimeout(self._timeout)
+            srv = self.server
+            if hasattr(srv, "refused_heads"):
+                srv.refused_heads += 1
+            limit = getattr(srv, "max_head", MAX_HEAD)
+            who = srv.client_id(self.request, self.client_address)
+            log.warning("refused a request from %s: its head is over %d bytes", who, limit)
+            self.request_version = getattr(self, "request_version", None) or "HTTP/1.0"
+            self.requestline = getattr(self, "requestline", "")
+            self.command = getattr(self, "command", None)
+            with contextlib.suppress(OSError):
+                self._send(Response.error(431, f"request head over {limit} bytes (request line and headers)"))
 
     def log_message(self, fmt: str, *args) -> None:  # route through logging, never stderr
         log.debug("%s %s", self.server.client_id(self.request, self.client_address), fmt % args)
@@ -215,8 +298,12 @@ class JSONServer(ThreadingHTTPServer):
     """Threaded plain-HTTP server, bound to `device` if given (the overlay APIs: WireGuard already
     encrypted and authenticated the traffic). The public TLS port is meshrun.system.frontdoor.
 
-    Bounded: at most `max_conns` connections (a thread each) and `max_per_source` from one address;
-    past either a new connection is closed at once. `gate(request head)` runs before the body is
+    Bounded: with `allow_source` (a set of addresses, or a function of the address) a connection from
+    any other address is closed as it is accepted; then at most `max_conns` connections (a thread
+    each) and `max_per_source` from one address; past either a new connection is closed at once (all
+    three counted in `refused`, the first also in `filtered`). A request head (request line and
+    headers) over `max_head` bytes is answered 431 (counted in `refused_heads`), one not complete
+    within `head_timeout` seconds is closed. `gate(request head)` runs before the body is
     read: it returns a refusal, or admits the request (and may set `expect_sha256`, the hash its MAC
     covers, checked once the body is in). Binary bodies (application/octet-stream) may be up to
     `max_body`, streamed to a spooled file in `upload_dir` when it is given; JSON bodies are capped
@@ -239,6 +326,9 @@ class JSONServer(ThreadingHTTPServer):
         max_conns: int = 1024,
         max_per_source: int = 16,
         upload_dir: str | None = None,
+        allow_source: Callable[[str], bool] | Collection[str] | None = None,
+        max_head: int = MAX_HEAD,
+        head_timeout: float = HEAD_TIMEOUT,
     ) -> None:
         self.handler = handler
         self.device = device
@@ -246,14 +336,28 @@ class JSONServer(ThreadingHTTPServer):
         self.gate = gate
         self.max_conns, self.max_per_source = max_conns, max_per_source
         self.upload_dir = upload_dir
+        if allow_source is None or callable(allow_source):
+            self.allow_source = allow_source
+        else:
+            allowed = frozenset(allow_source)
+            self.allow_source = allowed.__contains__
+        self.max_head, self.head_timeout = max_head, head_timeout
         self.active = 0
         self.per_source: collections.Counter[str] = collections.Counter()
-        self.refused = 0  # connections closed at a cap (for tests and the log)
+        self.refused = 0  # connections closed at accept: filtered or at a cap (for tests and the log)
+        self.filtered = 0  # of those, from an address `allow_source` refuses
+        self.refused_heads = 0  # requests whose head was too large (431)
         self._count = threading.Lock()
         super().__init__(addr, _RequestHandler)
 
     def process_request(self, request, client_address) -> None:
         ip = str(client_address[0]) if isinstance(client_address, tuple) else "local"
+        if self.allow_source is not None and not self.allow_source(ip):
+            with self._count:
+                self.refused += 1
+                self.filtered += 1
+            self.shutdown_request(request)  # not a byte read, no thread: nothing to spend on a stranger
+            return
         with self._count:
             if self.active >= self.max_conns or self.per_source[ip] >= self.max_per_source:
                 self.refused += 1

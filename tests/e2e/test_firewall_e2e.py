@@ -2,7 +2,7 @@
 sockets (and nothing else on the host changes), the forward guard keeps member traffic off other networks.
 
 Plain namespaces joined by a bridge stand in for the overlay here (the guard keys on an interface name and
-overlay addresses); tests/test_member_attacks_e2e.py runs the same guards under real jobs on WireGuard.
+overlay addresses); tests/e2e/test_member_attacks_e2e.py runs the same guards under real jobs on WireGuard.
 The guard is made twice: as a member whose cgroup v2 hierarchy is at /sys/fs/cgroup, and with this host's
 own mounts (on a hybrid v1/v2 host the hierarchy is elsewhere and nft needs the module's bind-mount trick).
 Every namespace, cgroup and table made here is removed, and every process killed by its PID, whatever fails.

@@ -108,11 +108,13 @@ class EnrolmentAPI:
             return Response.error(400, UsageError("malformed join request", "use the meshrun client to join"))
         if network_name != self.network.name:
             log.warning("refused join of %s from %s: token for network %r", name, req.client_ip, network_name)
+            # Only what the caller sent is named: the network's own name is for its members, not for
+            # whoever holds no token of it.
             return Response.error(
                 403,
                 TokenError(
-                    f"this token is for network {network_name!r} but this coordinator runs {self.network.name!r}",
-                    "use a token created on this coordinator",
+                    f"this token is for network {network_name!r}, which this coordinator does not run",
+                    "use a token created on this coordinator (`meshrun token create` there)",
                 ),
             )
         if public_key == self.network.coordinator_public_key:

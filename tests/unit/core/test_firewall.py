@@ -55,8 +55,31 @@ def test_only_inet_tables_are_listed():
 
 def test_the_forward_guard_keeps_member_traffic_on_the_overlay():
     script = firewall.forward_guard("meshrun0")
-    assert 'iifname "meshrun0" oifname != "meshrun0" drop' in script
+    assert 'add rule inet meshrun_forward guard_meshrun0 iifname "meshrun0" oifname != "meshrun0" drop' in script
     assert "hook forward" in script and "policy accept" in script
+    assert "delete table" not in script  # another interface's guard (a member of another network) stays
+
+
+def test_each_interface_has_its_own_forward_guard_and_removing_one_leaves_the_others():
+    assert firewall.forward_chain("meshrun0") == "guard_meshrun0"
+    assert firewall.forward_chain("wg-b.1") == "guard_wg-b.1"
+    script = firewall.forward_unguard("meshrun0")
+    assert "delete chain inet meshrun_forward guard_meshrun0" in script and "guard_wg" not in script
+    assert "table" in script.splitlines()[0] and "add chain inet meshrun_forward guard_meshrun0" in script
+    listing = (
+        "table inet meshrun_forward {\n\tchain guard_wg-b.1 {\n\t\ttype filter hook forward priority filter - 1;"
+        ' policy accept;\n\t\tiifname "wg-b.1" oifname != "wg-b.1" drop\n\t}\n}\n'
+    )
+    assert firewall.forward_chains(listing) == ["guard_wg-b.1"]
+    assert firewall.forward_chains("table inet meshrun_forward {\n}\n") == []
+
+
+def test_a_guard_made_by_an_older_meshrun_is_replaced():
+    """Older releases kept one chain, `forward`, for the whole host: installing a guard takes it away."""
+    lines = firewall.forward_guard("meshrun0").splitlines()
+    assert lines.index("delete chain inet meshrun_forward forward") < lines.index(
+        "flush chain inet meshrun_forward guard_meshrun0"
+    )
 
 
 @pytest.mark.parametrize(
@@ -69,6 +92,7 @@ def test_the_forward_guard_keeps_member_traffic_on_the_overlay():
         lambda: firewall.forward_guard(""),
         lambda: firewall.forward_guard("meshrun0 accept"),
         lambda: firewall.forward_guard("a-very-long-interface-name"),
+        lambda: firewall.forward_unguard("meshrun0; flush ruleset"),
         lambda: firewall.job_table("job; flush ruleset", "n"),  # job id charset
         lambda: firewall.job_table("", "n"),
         lambda: firewall.job_table("j", 'n" drop'),
@@ -123,7 +147,9 @@ def test_the_fake_firewall_follows_the_protocol_and_checks_like_the_real_one():
     with pytest.raises(UsageError):
         fw.JobGuard("exp7", "dc1-a", "meshrun0").create(["not-an-ip"])
     fw.install_forward_guard("meshrun0")
-    fw.remove_forward_guard()
+    fw.remove_forward_guard("wg1")  # another interface's: this one's guard stays
+    assert fw.forward == "meshrun0"
+    fw.remove_forward_guard("meshrun0")
     assert [c[0] for c in fw.calls] == [
         "create",
         "join",
@@ -134,6 +160,7 @@ def test_the_fake_firewall_follows_the_protocol_and_checks_like_the_real_one():
         "remove",
         "allow",
         "install_forward_guard",
+        "remove_forward_guard",
         "remove_forward_guard",
     ]
     assert fw.allowed == [("exp7", "dc1-a", ["10.213.0.5"])] and fw.forward is None and fw.available() is None

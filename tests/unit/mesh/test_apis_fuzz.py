@@ -656,3 +656,62 @@ def test_a_failed_join_gives_its_name_back_only_with_its_key(coord):
     assert resp.status == 200 and resp.body == {"released": True}
     assert coord.svc.db.member_by_name("flaky") is None
     check_db(coord)
+
+
+def test_the_job_server_accepts_connections_from_the_coordinator_only(job_server, monkeypatch):
+    """A member's connections to a node's job API are closed as they are accepted (no thread, no byte read):
+    however many it holds, the coordinator's requests are served."""
+
+    class LoopbackServer(JSONServer):  # the real server, on loopback instead of the WireGuard device
+        def __init__(self, addr, handler, device=None, **kw):
+            super().__init__(("127.0.0.1", 0), handler, None, **kw)
+
+    monkeypatch.setattr(jobs, "JSONServer", LoopbackServer)
+    job_server.network.coordinator_ip = "127.0.0.2"
+    server = jobs.JobServer(job_server, "127.0.0.1")
+    port = server.server.server_address[1]
+    member = []
+    try:
+        for _ in range(jobs.MAX_CONNS + 10):  # more than the job API's every slot
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"GET /v1/health HTTP/1.0\r\n")  # and a head that never ends
+            member.append(s)
+        for s in member:
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(64) == b""  # closed, unanswered
+        assert server.server.filtered == jobs.MAX_CONNS + 10 and server.server.active == 0
+        with socket.socket() as s:
+            s.bind(("127.0.0.2", 0))
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
+            header = auth.sign(JOB_KEY, "GET", "/v1/health", b"", time.time())
+            s.sendall(f"GET /v1/health HTTP/1.0\r\nAuthorization: {header}\r\n\r\n".encode())
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.0 200") and b'"name": "dc2-a"' in reply
+    finally:
+        for s in member:
+            s.close()
+        server.close()
+
+
+def test_a_join_for_another_network_learns_nothing_of_this_one(coord):
+    """A well-formed join without a valid token: the answer names what the caller sent, never this network."""
+    priv = keys.generate_private_key()
+    body = {
+        "token_id": "tok0000000",
+        "secret": coord.secret_b64,
+        "name": "scanner",
+        "network": "guess",
+        "public_key": keys.public_key(priv),
+        "candidates": [],
+    }
+    resp = dispatch(coord.svc.enrolment.handle, Request("POST", "/v1/join", "203.0.113.9", body))
+    assert resp.status == 403 and resp.body["kind"] == "TokenError", resp.body
+    assert resp.body["error"] == "this token is for network 'guess', which this coordinator does not run"
+    assert resp.body["fix"] == "use a token created on this coordinator (`meshrun token create` there)"
+    assert "fuzz" not in json.dumps(resp.body)  # the network's name

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
+import time
 
 import pytest
 
 from meshrun.core import keys
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, TokenError, UsageError
 from meshrun.system.frontdoor import FrontDoor
-from meshrun.system.transport import MAX_JSON, JSONServer, Request, Response, call, server_tls_context, stream
+from meshrun.system.transport import MAX_HEAD, MAX_JSON, JSONServer, Request, Response, call, server_tls_context, stream
 
 
 class Recorder:
@@ -290,6 +292,121 @@ class TestStream:
             assert next(gen) == {"i": 0}
             gen.close()
             assert closed.wait(10)
+        finally:
+            srv.shutdown()
+            srv.server_close()
+
+
+def _wait(predicate, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _connect_from(source: str, port: int) -> socket.socket:
+    """A TCP connection to the server from loopback address `source` (127.0.0.0/8 is all ours)."""
+    s = socket.socket()
+    s.settimeout(5)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def _closed_unanswered(s: socket.socket) -> bool:
+    """True when the server closed `s` without a byte of answer."""
+    try:
+        return s.recv(64) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _get_from(source: str, port: int) -> int:
+    with _connect_from(source, port) as s:
+        s.sendall(b"GET /echo HTTP/1.0\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    return int(reply.split()[1])
+
+
+class TestConnectionCaps:
+    @pytest.mark.parametrize("allow", [{"127.0.0.2"}, lambda ip: ip == "127.0.0.2"])
+    def test_a_source_the_filter_refuses_is_closed_at_accept_unread(self, handler, allow):
+        srv = _serve(handler, allow_source=allow)
+        try:
+            threads = threading.active_count()
+            held = [_connect_from("127.0.0.1", port_of(srv)) for _ in range(20)]
+            for s in held:
+                s.sendall(b"GET /echo HTTP/1.0\r\n")  # a head that never ends, as a slow client's
+            assert all(_closed_unanswered(s) for s in held)
+            assert srv.refused == srv.filtered == 20 and srv.active == 0
+            assert threading.active_count() <= threads  # no thread was started for any of them
+            assert _get_from("127.0.0.2", port_of(srv)) == 200
+            assert [r.client_ip for r in handler.requests] == ["127.0.0.2"]
+        finally:
+            for s in held:
+                s.close()
+            srv.shutdown()
+            srv.server_close()
+
+    def test_a_source_past_its_cap_is_closed_others_still_served(self, handler):
+        srv = _serve(handler, max_conns=4, max_per_source=2)
+        held = []
+        try:
+            held = [_connect_from("127.0.0.1", port_of(srv)) for _ in range(2)]
+            assert _wait(lambda: srv.active == 2)
+            extra = _connect_from("127.0.0.1", port_of(srv))
+            held.append(extra)
+            assert _closed_unanswered(extra) and srv.refused == 1 and srv.filtered == 0
+            assert _get_from("127.0.0.2", port_of(srv)) == 200  # another source has slots left
+            assert _wait(lambda: srv.active == 2)  # its thread gave its slot back
+            held += [_connect_from("127.0.0.3", port_of(srv)) for _ in range(2)]
+            assert _wait(lambda: srv.active == 4)
+            last = _connect_from("127.0.0.4", port_of(srv))
+            held.append(last)
+            assert _closed_unanswered(last) and srv.refused == 2  # the total cap
+        finally:
+            for s in held:
+                s.close()
+            srv.shutdown()
+            srv.server_close()
+
+    def test_a_head_over_max_head_is_431_and_never_reaches_the_handler(self, plain_server, handler):
+        # Each header line is far below http.server's 64 KiB, and 40 of them below its 100: 40 KiB in all.
+        filler = b"".join(b"X-Fill-%d: %s\r\n" % (i, b"a" * 1000) for i in range(40))
+        status, body = raw_http(port_of(plain_server), b"GET /echo HTTP/1.0\r\n" + filler + b"\r\n")
+        assert status == 431 and body["error"] == f"request head over {MAX_HEAD} bytes (request line and headers)"
+        status, _ = raw_http(port_of(plain_server), b"GET /" + b"a" * (MAX_HEAD + 10) + b" HTTP/1.0\r\n\r\n")
+        assert status == 431  # a request line alone over the cap
+        assert handler.requests == [] and plain_server.refused_heads == 2
+        # A head just under the cap is served.
+        small = filler[: MAX_HEAD - 200]
+        small = small[: small.rindex(b"\r\n") + 2]
+        status, _ = raw_http(port_of(plain_server), b"GET /echo HTTP/1.0\r\n" + small + b"\r\n")
+        assert status == 200 and len(handler.requests) == 1
+
+    def test_a_head_that_trickles_in_is_cut_off_at_head_timeout(self, handler):
+        srv = _serve(handler, head_timeout=0.5)
+        try:
+            with _connect_from("127.0.0.1", port_of(srv)) as s:
+                start = time.monotonic()
+                closed = False
+                for byte in b"GET /echo HTTP/1.0\r\nX-Slow: " + b"a" * 100:  # a byte every 50 ms: 5 s
+                    try:
+                        s.sendall(bytes([byte]))
+                    except OSError:
+                        closed = True
+                        break
+                    time.sleep(0.05)
+                    if select.select([s], [], [], 0)[0] and _closed_unanswered(s):
+                        closed = True
+                        break
+                assert closed and time.monotonic() - start < 3
+            assert handler.requests == [] and _wait(lambda: srv.active == 0)
+            assert call("127.0.0.1", port_of(srv), "GET", "/echo")["method"] == "GET"  # a prompt client is served
         finally:
             srv.shutdown()
             srv.server_close()
