@@ -8,7 +8,7 @@ agents long-polling on loopback.
 Everything runs in a network namespace of its own (loopback only). The coordinator is meshrun's
 `CoordinatorService` in a separate process (so its CPU is measured alone, /proc/PID/stat, the `wg` and
 `ip` commands it runs included): its overlay API (the real sync handler, long-poll, member-list deltas
-and CoordinatorDB) served by meshrun's JSONServer on 127.0.0.1, its enrolment API behind the real TLS
+and CoordinatorDB) served by meshrun's LongPollServer on 127.0.0.1, its enrolment API behind the real TLS
 front door, and its real once-a-second loop (`_loop` -> `tick`: read the device, advance the pair
 driver, publish, apply peers) on a real WireGuard interface (`--device wireguard`, the default:
 kernel WireGuard where the kernel has it, else wireguard-go, as `meshrun init` picks) holding a peer
@@ -92,8 +92,9 @@ def server(args) -> int:
     from meshrun.system.coordinatordb import CoordinatorDB
     from meshrun.system.fakedevice import FakeDevice
     from meshrun.system.frontdoor import FrontDoor
+    from meshrun.system.longpoll import LongPollServer
     from meshrun.system.statedir import StateDir, remove_tree
-    from meshrun.system.transport import JSONServer, server_tls_context
+    from meshrun.system.transport import Wait, server_tls_context
 
     tmp = Path(tempfile.mkdtemp(prefix="meshrun-load-"))
     state = StateDir(tmp / "state")
@@ -160,6 +161,23 @@ def server(args) -> int:
     tick_cpu: list[tuple[float, float]] = []
     cur: dict = {}
     joined: dict[str, int] = {}  # name -> the member-list version that holds it
+    kick: list = [None]  # the overlay server's kick, once it runs
+    publishes: list[tuple[int, float]] = []  # (version, monotonic time) of every publish
+    enrol_s: list[float] = []  # the enrolment handler's own time per join (TLS and queueing left out)
+
+    # The device read on its own (`wg show IFACE dump` and its parse, as each tick does it): wall seconds,
+    # the command's own CPU included.
+    reads: list[tuple[float, float]] = []
+    real_peers = device.peers
+
+    def timed_peers():
+        t0 = time.monotonic()
+        out = real_peers()
+        if threading.current_thread().name == "loop":
+            reads.append((t0, time.monotonic() - t0))
+        return out
+
+    device.peers = timed_peers
 
     def start_service() -> CoordinatorService:
         svc = CoordinatorService(state, device=device)
@@ -174,13 +192,18 @@ def server(args) -> int:
         real_enrolment = svc.enrolment.handle
 
         def enrolment(req):  # the joiner's loopback source stands for its overlay address from here on
+            t0 = time.monotonic()
             resp = real_enrolment(req)
+            enrol_s.append(time.monotonic() - t0)
             if resp.status == 200:
                 mapping[req.client_ip] = resp.body["member"]["overlay_ip"]
                 joined[resp.body["member"]["name"]] = svc.db.version()
             return resp
 
         svc.enrolment.handle = enrolment
+        svc.roster.listeners.append(lambda: publishes.append((svc.roster.version, time.monotonic())))
+        if kick[0] is not None:  # a restarted service: the server polls its long-polls on its publishes
+            svc.roster.listeners.append(kick[0])
         svc.apply_peers()
         cur["svc"] = svc
         cur["loop"] = threading.Thread(target=svc._loop, name="loop", daemon=True)
@@ -200,15 +223,21 @@ def server(args) -> int:
     # visibility of a join on the coordinator's side, without the driver's own event-loop lag.
     answered: dict[str, list[tuple[int, float]]] = {}
 
-    def handle(req):
-        src = req.client_ip
-        req.client_ip = mapping.get(src, src)
-        resp = cur["svc"].overlay.handle(req)
-        if resp.status == 200 and isinstance(resp.body, dict) and "version" in resp.body:
+    def record(src: str, resp):
+        if resp is not None and resp.status == 200 and isinstance(resp.body, dict) and "version" in resp.body:
             got = answered.setdefault(src, [])
             if not got or got[-1][0] != resp.body["version"]:
                 got.append((resp.body["version"], time.monotonic()))
         return resp
+
+    def handle(req):
+        src = req.client_ip
+        req.client_ip = mapping.get(src, src)
+        resp = cur["svc"].overlay.handle(req)
+        if isinstance(resp, Wait):  # a long-poll: its answer comes from a later poll
+            poll = resp.poll
+            return Wait(resp.deadline, lambda expired: record(src, poll(expired)))
+        return record(src, resp)
 
     def first_answered(version: int, agents: int) -> float | None:
         """When the last of agents 0..agents-1 was first answered with `version` or newer (None: one never was)."""
@@ -228,9 +257,16 @@ def server(args) -> int:
     start_service()
     first_apply_s = time.monotonic() - t_apply
     # The daemon's own bounds: a benchmark with laxer ones would measure a coordinator nobody runs.
-    srv = JSONServer(
-        ("127.0.0.1", 0), handle, gate=gate, max_conns=OVERLAY_MAX_CONNS, max_per_source=OVERLAY_PER_SOURCE
+    srv = LongPollServer(
+        ("127.0.0.1", 0),
+        handle,
+        gate=gate,
+        max_conns=OVERLAY_MAX_CONNS,
+        max_per_source=OVERLAY_PER_SOURCE,
+        inline=True,
     )
+    kick[0] = srv.kick
+    cur["svc"].roster.listeners.append(srv.kick)
     srv.start("overlay")
     front = FrontDoor(
         ("127.0.0.1", 0),
@@ -268,7 +304,7 @@ def server(args) -> int:
                 continue
             if cmd[0] == "ticks":  # CPU per tick since a monotonic time
                 since = float(cmd[1])
-                say(ticks=[c for t, c in tick_cpu if t >= since])
+                say(ticks=[c for t, c in tick_cpu if t >= since], reads=[c for t, c in reads if t >= since])
             elif cmd[0] == "joined":  # the version that holds a member that joined
                 say(version=joined.get(cmd[1]))
             elif cmd[0] == "remove":
@@ -288,7 +324,13 @@ def server(args) -> int:
                 say(restarted=True, at=t0)
             elif cmd[0] == "answered":  # per version given, when every one of the first N agents was answered it
                 agents = int(cmd[2])
-                say(answered=[first_answered(int(v), agents) for v in cmd[1].split(",")])
+                versions = [int(v) for v in cmd[1].split(",")]
+                say(
+                    enrol_s=enrol_s,
+                    answered=[first_answered(v, agents) for v in versions],
+                    # and when a version holding it was first published (the loop's share of the delay)
+                    published=[next((t for pv, t in publishes if pv >= v), None) for v in versions],
+                )
             elif cmd[0] == "behind":  # pairs still waiting for a look (after a restart)
                 say(behind=cur["svc"].pairs.behind, ticks=cur["svc"].tick_count)
     finally:
@@ -304,21 +346,50 @@ def server(args) -> int:
 # --------------------------------------------------------------------------- agents
 
 
-async def post_sync(port: int, src: str, body: bytes) -> tuple[int, int, float, bool]:
-    """One POST /v1/sync from `src`; returns (status, version, seconds, whether a full report is asked for)."""
-    t0 = time.monotonic()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(src, 0), limit=1 << 24)
-    writer.write(
-        b"POST /v1/sync HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
-        b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
-    )
-    await writer.drain()
-    data = await reader.read()  # HTTP/1.0 answer: read to EOF
-    writer.close()
-    status = int(data[9:12]) if data[:5] == b"HTTP/" else 0
-    head = data.find(b"\r\n\r\n")
-    m = VERSION_RE.search(data, head)
-    return status, int(m.group(1)) if m else -1, time.monotonic() - t0, FULL_RE.search(data, head) is not None
+CONTENT_LENGTH_RE = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
+
+
+class KeptConnection:
+    """One agent's kept-alive connection to the overlay API, as the agent's `transport.Session` keeps it:
+    a connection the server closed while idle is opened again and the request sent once more."""
+
+    def __init__(self, port: int, src: str) -> None:
+        self.port, self.src = port, src
+        self.rw: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    def close(self) -> None:
+        if self.rw is not None:
+            self.rw[1].close()
+            self.rw = None
+
+    async def sync(self, body: bytes) -> tuple[int, int, float, bool]:
+        """One POST /v1/sync; (status, version, seconds, whether a full report is asked for)."""
+        t0 = time.monotonic()
+        for again in (False, True):
+            reused = self.rw is not None
+            if self.rw is None:
+                self.rw = await asyncio.open_connection("127.0.0.1", self.port, local_addr=(self.src, 0), limit=1 << 24)
+            reader, writer = self.rw
+            try:
+                writer.write(
+                    b"POST /v1/sync HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
+                await writer.drain()
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = CONTENT_LENGTH_RE.search(head)
+                data = await reader.readexactly(int(length.group(1))) if length else await reader.read()
+                if not length or b"connection: close" in head.lower() or head.startswith(b"HTTP/1.0"):
+                    self.close()
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                self.close()
+                if reused and not again:
+                    continue
+                raise OSError("the overlay API closed the connection") from None
+            status = int(head[9:12]) if head[:5] == b"HTTP/" else 0
+            m = VERSION_RE.search(data)
+            return status, int(m.group(1)) if m else -1, time.monotonic() - t0, FULL_RE.search(data) is not None
+        raise AssertionError("unreachable")
 
 
 async def post_join(port: int, src: str, body: dict, fingerprint: str) -> tuple[int, dict]:
@@ -356,6 +427,8 @@ class Agents:
         self.version: dict[int, int] = {}
         self.last_sync: dict[int, float] = {}
         self.handshakes: dict[int, dict[str, int]] = {}  # agent -> {peer key: its simulated latest handshake}
+        self.seen: dict[int, int] = {}  # agent -> how much of `members` it has looked at
+        self.pending: dict[int, list[str]] = {}  # agent -> peers with no handshake yet (they get one next sync)
         self.told: dict[int, dict[str, bool]] = {}  # agent -> {peer key: fresh} as the coordinator acknowledged
         self.synced: dict[int, float] = {}  # agent -> when its last sync was answered 200
         self.got: dict[int, list[tuple[int, float]]] = {}  # agent -> [(version, when received)]
@@ -366,27 +439,32 @@ class Agents:
     def body(self, i: int, version: int, wait: float, full: bool) -> tuple[bytes, dict[str, bool]]:
         """Agent i's sync request, and what it tells of each peer's liveness (kept once answered 200).
 
-        The handshakes are simulated (every tunnel rekeys about every REKEY_S; a new member's peer has
-        no handshake at its first sync and one by the next), the report is what the real agent sends:
-        `meshrun.core.peers.handshake_report`, which reports a peer only when the coordinator has not
-        heard of it or it went stale or fresh again."""
+        The report is what the real agent sends, `meshrun.core.peers.handshake_report`, over simulated
+        handshakes: a new member's peer has none at the agent's first sync after the join and one by the
+        next. WireGuard rekeys every tunnel that carries traffic (keepalives included) every 120 s
+        (REKEY_AFTER_TIME), so no tunnel ever goes stale here and a rekey changes nothing the function
+        reports: it is given the peers that can change its answer (new ones, and those that got their
+        first handshake), which keeps this driver O(changes) per sync, as the agent's report is."""
         from meshrun.core.peers import handshake_report
 
         wall = time.time()
         now = int(wall)
         hs = self.handshakes.setdefault(i, {})
-        since = time.monotonic() - self.last_sync.get(i, time.monotonic())
-        peers = [self.keys[j] for j in self.members if j != i and j not in self.gone]
-        for k in peers:  # a new member: no handshake at first sight, one by the next sync
-            if k not in hs:
-                hs[k] = 0 if self.last_sync.get(i) is not None else now
-            elif hs[k] == 0:
-                hs[k] = now
-        # WireGuard rekeys each tunnel every REKEY_S: about this many since the last sync.
-        count = min(len(peers), max(0, round(len(peers) * since / REKEY_S)))
-        for k in random.sample(peers, count):
-            hs[k] = now
-        report = handshake_report(hs, self.told.get(i, {}), full, wall)
+        if full:
+            changed = {self.keys[j]: now for j in self.members if j != i and j not in self.gone}
+            hs.update(changed)
+            self.pending[i] = []
+        else:
+            # Peers that got their first handshake since the last sync, then members new to this agent.
+            changed = {k: now for k in self.pending.get(i, [])}
+            hs.update(changed)
+            fresh_members = [self.keys[j] for j in self.members[self.seen.get(i, 0) :] if j != i]
+            new = [k for k in fresh_members if k not in hs]
+            for k in new:
+                hs[k] = changed[k] = 0
+            self.pending[i] = new
+        self.seen[i] = len(self.members)
+        report = handshake_report(changed, self.told.get(i, {}), full, wall)
         self.last_sync[i] = time.monotonic()
         body = json.dumps(
             {
@@ -405,19 +483,20 @@ class Agents:
 
     async def agent(self, i: int, start_delay: float) -> None:
         await asyncio.sleep(start_delay)
-        src = loop_ip(i)
+        conn = KeptConnection(self.port, loop_ip(i))
         full = True
         while not self.stop:
             v = self.version.get(i, 0)
             try:
                 body, told = self.body(i, v, 0 if full else self.wait, full)
-                status, nv, _, asked = await post_sync(self.port, src, body)
+                status, nv, _, asked = await conn.sync(body)
             except OSError:
                 self.errors += 1
                 await asyncio.sleep(0.5)
                 continue
             if status == 410:
                 self.gone.add(i)
+                conn.close()
                 return
             if status != 200:
                 self.errors += 1
@@ -441,7 +520,9 @@ class Agents:
 
 
 async def probe(port: int, agents: Agents, srcs: list[int], seconds: float, out: list[float]) -> None:
-    """Non-waiting syncs (wait=0) from `srcs`, once a second each, for `seconds`."""
+    """Non-waiting syncs (wait=0) from `srcs`, once a second each, for `seconds`, each source on its own
+    kept-alive connection beside its agent's long-poll."""
+    conns = {i: KeptConnection(port, loop_ip(i)) for i in srcs}
     end = time.monotonic() + seconds
     while time.monotonic() < end:
 
@@ -457,7 +538,7 @@ async def probe(port: int, agents: Agents, srcs: list[int], seconds: float, out:
                         "mtu": 1420,
                     }
                 ).encode()
-                status, _, secs, _ = await post_sync(port, loop_ip(i), body)
+                status, _, secs, _ = await conns[i].sync(body)
                 if status == 200:
                     out.append(secs)
             except OSError:
@@ -465,6 +546,8 @@ async def probe(port: int, agents: Agents, srcs: list[int], seconds: float, out:
 
         await asyncio.gather(*(one(i) for i in srcs))
         await asyncio.sleep(1.0)
+    for c in conns.values():
+        c.close()
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -563,7 +646,8 @@ async def one_size(n: int, args) -> dict:
     c0, w0, d0, t0 = cpu_seconds(pid), cpu_seconds(wg_pid), driver_cpu(), time.monotonic()
     await probe(port, agents, random.sample(range(n), min(args.probes, n)), args.window, probes)
     c1, w1, d1, t1 = cpu_seconds(pid), cpu_seconds(wg_pid), driver_cpu(), time.monotonic()
-    ticks = (await srv.ask(f"ticks {t0}"))["ticks"]
+    window = await srv.ask(f"ticks {t0}")
+    ticks, reads = window["ticks"], window["reads"]
 
     c2, d2, t2 = cpu_seconds(pid), driver_cpu(), time.monotonic()
     joins = await storm(srv, agents, tasks, n)
@@ -596,8 +680,13 @@ async def one_size(n: int, args) -> dict:
             break
 
     # Asked last: walking every agent's answers costs the coordinator CPU the phases above must not see.
-    at_server = (await srv.ask(f"answered {','.join(str(j['version']) for j in joins)} {n}"))["answered"]
+    asked = await srv.ask(f"answered {','.join(str(j['version']) for j in joins)} {n}")
+    at_server = asked["answered"]
     visible_server = [float("inf") if t is None else t - j["at"] for j, t in zip(joins, at_server)]
+    # Where the time goes, per join: its enrolment answered, a version holding it published, then every
+    # agent answered with it.
+    to_publish = [None if t is None else t - j["at"] for j, t in zip(joins, asked["published"])]
+    fan_out = [None if a is None or p is None else a - p for a, p in zip(at_server, asked["published"])]
 
     agents.stop = True
     for t in tasks:
@@ -619,6 +708,9 @@ async def one_size(n: int, args) -> dict:
         "ticks": len(ticks),
         "tick_cpu_ms_mean": 1e3 * statistics.fmean(ticks) if ticks else None,
         "tick_cpu_ms_p99": 1e3 * pct(ticks, 0.99) if ticks else None,
+        # One device read per tick: `wg show dump` of every peer and its parse (wall time, the command's CPU in it).
+        "device_read_ms_mean": 1e3 * statistics.fmean(reads) if reads else None,
+        "device_read_ms_max": 1e3 * max(reads) if reads else None,
         "probe_syncs": len(probes),
         "sync_p50_ms": 1e3 * (pct(probes, 0.5) or 0),
         "sync_p99_ms": 1e3 * (pct(probes, 0.99) or 0),
@@ -629,6 +721,12 @@ async def one_size(n: int, args) -> dict:
         # The same, as the coordinator answered (no driver lag): when the driver's own CPU share nears a
         # core, the agents' figures above include its event loop's lag.
         "join_answered_p50_s": pct(visible_server, 0.5),
+        "enrol_handler_p50_s": pct(asked["enrol_s"], 0.5),
+        "enrol_handler_max_s": max(asked["enrol_s"]) if asked["enrol_s"] else None,
+        "join_to_publish_p50_s": pct([x for x in to_publish if x is not None], 0.5),
+        "join_to_publish_p99_s": pct([x for x in to_publish if x is not None], 0.99),
+        "publish_to_all_answered_p50_s": pct([x for x in fan_out if x is not None], 0.5),
+        "publish_to_all_answered_p99_s": pct([x for x in fan_out if x is not None], 0.99),
         "join_answered_p99_s": finite(pct(visible_server, 0.99)),
         "driver_cpu_share": (d1 - d0) / (t1 - t0),
         "driver_storm_cpu_share": (d3 - d2) / (t3 - t2),
@@ -739,7 +837,7 @@ def main() -> int:
 
     keys = ("cpu_share", "sync_p99_ms", "tick_cpu_ms_mean", "join_visible_p50_s", "join_visible_max_s")
     more = ("join_visible_p99_s", "removal_visible_s", "restart_steady_s", "join_answered_p99_s")
-    more += ("driver_cpu_share", "driver_storm_cpu_share")
+    more += ("driver_cpu_share", "driver_storm_cpu_share", "device_read_ms_mean")
     rows = [
         {
             "members": n,
@@ -777,7 +875,8 @@ def main() -> int:
         f"coordinator answered p99 {secs(med['join_answered_p99_s'])}; the driver's own CPU "
         f"{med['driver_cpu_share']:.0%} of a core steady, {med['driver_storm_cpu_share']:.0%} in the storm); "
         f"removal {secs(med['removal_visible_s'])} ({verdict(ok_removal)} < 2 s); restart back to steady state "
-        f"{secs(med['restart_steady_s'])} ({verdict(ok_restart)} < 30 s); per tick: {growth}; "
+        f"{secs(med['restart_steady_s'])} ({verdict(ok_restart)} < 30 s); per tick: {growth}; device read "
+        f"{med['device_read_ms_mean']:.1f} ms a tick at {big['members']} peers; "
         f"{describe_fits(growth_fit)}; device {big['runs'][0]['device']}; errors "
         f"{sum(r['errors'] for r in rows)} [{time.monotonic() - t_start:.0f} s]"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable
 
@@ -66,17 +67,24 @@ def coordinator_address(net: ipaddress.IPv4Network) -> ipaddress.IPv4Address:
     return net.network_address + 1
 
 
+@functools.lru_cache(maxsize=1 << 17)  # an address is parsed once, not at every join (a join lists them all)
+def _v4_int(address: str) -> int:
+    a, b, c, d = (int(x) for x in address.split("."))
+    return a << 24 | b << 16 | c << 8 | d
+
+
 def allocate(net: ipaddress.IPv4Network, taken: Iterable[str]) -> ipaddress.IPv4Address:
     """Return the lowest host address of `net` not in `taken`.
 
     `taken` must include every address ever handed out (removed members too), so that an
     address is never reused for another node: stale peers elsewhere might still route it.
     """
-    used = {ipaddress.ip_address(a) for a in taken}
-    used.add(coordinator_address(net))
-    for host in net.hosts():
+    used = {_v4_int(a) for a in taken}  # ints: parsing a thousand addresses was most of a join's cost
+    used.add(int(coordinator_address(net)))
+    first, last = int(net.network_address) + 1, int(net.broadcast_address) - 1
+    for host in range(first, last + 1):
         if host not in used:
-            return host
+            return ipaddress.IPv4Address(host)
     raise NetworkError(
         f"overlay range {net} has no free address left ({net.num_addresses - 2} hosts)",
         "create a new network with a larger --cidr",

@@ -55,14 +55,16 @@ def sync_peers(
     recreate: frozenset[str] = frozenset(),
     current: Sequence[peers.PeerState] | None = None,
     route_mtus: Mapping[str, int] | None = None,
+    quick_file: bool = True,
 ) -> peers.PeerDiff:
     """Make the interface's peers match `desired` with the minimal diff, and rewrite the wg-quick file.
 
     `current` is the device's peer list if the caller just read it. Peers in `recreate` are
     removed and added again (their path changed: a fresh handshake proves the new one). The
     wg-quick file (0600: it embeds the private key) is rewritten when peers changed or it is
-    missing. With `route_mtus` ({overlay IP: MTU}, peers.route_mtus), exactly those peers get a
-    /32 route with their smaller MTU. Returns the diff applied.
+    missing, unless `quick_file` is False (the caller writes it later: write_quick_file). With
+    `route_mtus` ({overlay IP: MTU}, peers.route_mtus), exactly those peers get a /32 route with
+    their smaller MTU. Returns the diff applied.
     """
     d = peers.diff(device.peers() if current is None else current, desired, time.time(), recreate)
     if d:
@@ -70,14 +72,19 @@ def sync_peers(
         device.apply(d)
     if route_mtus is not None:
         device.set_route_mtus(route_mtus)
-    conf = f"{network.interface}.conf"
-    if d or not (state / conf).exists():
-        key = state.read("private.key").decode().strip()
-        state.write(
-            conf,
-            render_quick(
-                key, f"{address}/{network.prefixlen}", network.listen_port, mtu, list(desired), comment=comment
-            ),
-            secret=True,
-        )
+    if quick_file and (d or not (state / f"{network.interface}.conf").exists()):
+        write_quick_file(state, network, desired, address=address, mtu=mtu, comment=comment)
     return d
+
+
+def write_quick_file(
+    state: StateDir, network: Network, desired: Sequence[peers.PeerSpec], *, address: str, mtu: int, comment: str
+) -> None:
+    """The wg-quick file for these peers (0600: it embeds the private key), for an operator to read or
+    `wg-quick up` by hand."""
+    key = state.read("private.key").decode().strip()
+    state.write(
+        f"{network.interface}.conf",
+        render_quick(key, f"{address}/{network.prefixlen}", network.listen_port, mtu, list(desired), comment=comment),
+        secret=True,
+    )

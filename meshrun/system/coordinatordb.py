@@ -126,6 +126,11 @@ class CoordinatorDB:
         # transactions from interleaving on it.
         self._lock = threading.RLock()
         self.removals = 0  # members removed through this object (in-memory views check it)
+        self._commits = 0  # write transactions committed through this object
+        # The live member list as last read, and the _stamp() it was read at: the coordinator's loop, its
+        # interface sync and its roster all ask for it after a change (1000 rows parsed three times a join).
+        self._members: tuple[tuple[int, int], list[Member]] | None = None
+        self._member_rows: dict[tuple, Member] = {}  # row -> Member as last built (a join changes one row)
         if not self.path.exists():
             raise StateError(f"{self.path} is missing", "run `meshrun init` on the coordinator first")
         self._open()
@@ -198,6 +203,7 @@ class CoordinatorDB:
                     self.conn.execute("ROLLBACK")
                     raise
                 self.conn.execute("COMMIT")
+                self._commits += 1
             except sqlite3.OperationalError as exc:  # disk full, read-only, locked too long
                 with contextlib.suppress(sqlite3.Error):
                     self.conn.execute("ROLLBACK")
@@ -375,10 +381,24 @@ class CoordinatorDB:
         r = c.execute(f"SELECT {self._COLS} FROM members WHERE {where}", args).fetchone()
         return self._row_member(r) if r else None
 
+    def _stamp(self) -> tuple[int, int]:
+        """Changes whenever the database may have: a commit through this object, or through any other
+        connection (SQLite's data_version: `meshrun remove` runs in another process)."""
+        return self._commits, self.conn.execute("PRAGMA data_version").fetchone()[0]
+
     @_locked
     def members(self) -> list[Member]:
-        rows = self.conn.execute(f"SELECT {self._COLS} FROM members WHERE removed_at IS NULL ORDER BY id").fetchall()
-        return [self._row_member(r) for r in rows]
+        """The live members in the order they joined (a new list each call; the members are shared)."""
+        stamp = self._stamp()
+        if self._members is None or self._members[0] != stamp:
+            rows = self.conn.execute(
+                f"SELECT {self._COLS} FROM members WHERE removed_at IS NULL ORDER BY id"
+            ).fetchall()
+            prev = self._member_rows
+            built = {r: prev.get(r) or self._row_member(r) for r in rows}
+            self._member_rows = built
+            self._members = (stamp, list(built.values()))
+        return list(self._members[1])
 
     @_locked
     def member_by_ip(self, ip: str) -> Member | None:

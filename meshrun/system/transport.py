@@ -45,6 +45,9 @@ TIMEOUT = 15
 # at a time for ever: 6 MiB and a thread per connection before any check could run.
 MAX_HEAD = 16 * 1024
 HEAD_TIMEOUT = 10.0
+# A kept-alive connection (servers made with keep_alive=True) may sit this long between a response and
+# the first byte of its next request; then it is closed (the client's Session opens a new one).
+IDLE_TIMEOUT = 60.0
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Request:
     body_sha256: str = ""  # SHA-256 of the body as read (raw or upload)
     expect_sha256: str = ""  # set by a server's gate: the hash the request's MAC covers
     gated: bool = False  # the server's gate already admitted the request
+    deferrable: bool = False  # the server takes a Wait for an answer (meshrun.system.longpoll)
 
     def sha256(self) -> str:
         """The body's SHA-256 (computed from `raw` when the server did not stream it)."""
@@ -76,6 +80,19 @@ class Response:
     def error(cls, status: int, err: MeshrunError | str) -> Response:
         """An error answer: the error as meshrun.errors.to_wire writes it (a bare text: a CoordinatorError)."""
         return cls(status, errors.to_wire(err if isinstance(err, MeshrunError) else CoordinatorError(err)))
+
+
+@dataclass
+class Wait:
+    """A handler's answer that is not ready yet, to a request that is `deferrable`.
+
+    `poll(expired)` returns the Response once there is one (None: not yet). The server calls it whenever
+    it is kicked (something the answer depends on may have changed) and once `deadline`
+    (time.monotonic()) has passed, with expired=True, when it must answer. It runs on the server's event
+    loop: it must not block."""
+
+    deadline: float
+    poll: Callable[[bool], Response | None]
 
 
 Handler = Callable[[Request], Response]
@@ -128,15 +145,13 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        srv = self.server
         self._timeout = self.connection.gettimeout()
         self._body_rfile = self.rfile
-        self.rfile = _HeadReader(  # type: ignore[assignment]
-            self.rfile,
-            self.connection,
-            getattr(srv, "max_head", MAX_HEAD),
-            getattr(srv, "head_timeout", HEAD_TIMEOUT),
-        )
+        self._served = 0  # requests served on this connection
+        if getattr(self.server, "keep_alive", False):
+            # HTTP/1.1: the connection stays open after a response unless the client says close
+            # (Content-Length on every answer; a stream or a refusal closes it).
+            self.protocol_version = "HTTP/1.1"
 
     def parse_request(self) -> bool:
         try:
@@ -146,6 +161,25 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self.connection.settimeout(self._timeout)
 
     def handle_one_request(self) -> None:
+        srv = self.server
+        if self._served:
+            # A later request on a kept-alive connection: it may start up to IDLE_TIMEOUT from now; its
+            # head then has the same limits as a first one.
+            try:
+                self.connection.settimeout(getattr(srv, "idle_timeout", IDLE_TIMEOUT))
+                more = self._body_rfile.peek(1)
+            except OSError:
+                more = b""
+            if not more:
+                self.close_connection = True
+                return
+        self._served += 1
+        self.rfile = _HeadReader(  # type: ignore[assignment]
+            self._body_rfile,
+            self.connection,
+            getattr(srv, "max_head", MAX_HEAD),
+            getattr(srv, "head_timeout", HEAD_TIMEOUT),
+        )
         try:
             super().handle_one_request()
         except _HeadTooLarge:
@@ -176,6 +210,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
             head = Request(self.command, self.path, client, headers=headers)
             refused = srv.gate(head)
             if refused is not None:
+                self.close_connection = True  # its body is not read: the connection cannot carry another
                 self._send(refused)
                 self._drain()
                 return
@@ -185,6 +220,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
         binary = headers.get("Content-Type", "") == "application/octet-stream"
         length = body_length(self.headers.get("Content-Length", "0"), srv.max_body if binary else MAX_JSON)
         if isinstance(length, Response):
+            self.close_connection = True
             self._send(length)
             self._drain()
             return
@@ -238,8 +274,11 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
     def _send(self, resp: Response) -> None:
         if resp.stream is not None:
+            self.close_connection = True  # no length: the end of the stream is the end of the connection
             self.send_response(resp.status)
             self.send_header("Content-Type", "application/x-ndjson")
+            if self.protocol_version >= "HTTP/1.1":
+                self.send_header("Connection", "close")
             self.end_headers()
             try:
                 for item in resp.stream:
@@ -303,7 +342,9 @@ class JSONServer(ThreadingHTTPServer):
     each) and `max_per_source` from one address; past either a new connection is closed at once (all
     three counted in `refused`, the first also in `filtered`). A request head (request line and
     headers) over `max_head` bytes is answered 431 (counted in `refused_heads`), one not complete
-    within `head_timeout` seconds is closed. `gate(request head)` runs before the body is
+    within `head_timeout` seconds is closed. With `keep_alive` a connection carries one request after
+    another (HTTP/1.1; the agents' long-polls: no TCP handshake and no new thread per sync) and is closed
+    when idle for `idle_timeout` seconds. `gate(request head)` runs before the body is
     read: it returns a refusal, or admits the request (and may set `expect_sha256`, the hash its MAC
     covers, checked once the body is in). Binary bodies (application/octet-stream) may be up to
     `max_body`, streamed to a spooled file in `upload_dir` when it is given; JSON bodies are capped
@@ -329,8 +370,11 @@ class JSONServer(ThreadingHTTPServer):
         allow_source: Callable[[str], bool] | Collection[str] | None = None,
         max_head: int = MAX_HEAD,
         head_timeout: float = HEAD_TIMEOUT,
+        keep_alive: bool = False,
+        idle_timeout: float = IDLE_TIMEOUT,
     ) -> None:
         self.handler = handler
+        self.keep_alive, self.idle_timeout = keep_alive, idle_timeout
         self.device = device
         self.max_body = max_body
         self.gate = gate
@@ -638,6 +682,60 @@ def _json_answer(status: int, payload: bytes, where: str) -> dict:
     if not isinstance(data, dict):
         raise CoordinatorError(f"{where} sent an unexpected answer", "check that both sides run the same meshrun")
     return data
+
+
+class Session:
+    """JSON requests to one server over one kept-alive connection (a server made with keep_alive=True).
+
+    The agent long-polls its coordinator through one: no TCP handshake, and no new server thread, per
+    sync (a thousand agents reconnecting at once after a new member-list version queued for seconds
+    behind the server's accept-and-start-a-thread loop). A connection the server closed while it sat
+    idle is replaced and the request sent once more on a new one; any other failure raises as `call`
+    does. Thread-safe (one request at a time)."""
+
+    # The server closed an idle kept-alive connection before it read the request: safe to send again.
+    _GONE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.conn: http.client.HTTPConnection | None = None
+        self.lock = threading.Lock()
+        self.connects = 0  # connections opened so far (tests: one for many requests)
+
+    def call(self, method: str, path: str, body: object = None, *, timeout: float = TIMEOUT) -> dict:
+        """One request on the kept connection; the JSON answer, or the error class the server named."""
+        where = f"{self.host}:{self.port}"
+        with self.lock:
+            for again in (False, True):
+                reused = self.conn is not None
+                if self.conn is None:
+                    self.conn = _connect(self.host, self.port, timeout, None)
+                    self.connects += 1
+                conn = self.conn
+                conn.timeout = timeout
+                if conn.sock is not None:
+                    conn.sock.settimeout(timeout)
+                try:
+                    _send(conn, method, path, body, None, None)
+                    resp = conn.getresponse()
+                    payload = resp.read(16 * 1024 * 1024)
+                    if resp.will_close:
+                        self.close()
+                    return _json_answer(resp.status, payload, where)
+                except (OSError, http.client.HTTPException) as exc:
+                    self.close()
+                    if reused and not again and isinstance(exc, self._GONE):
+                        continue
+                    raise CoordinatorError(
+                        f"connection to {where} failed during {method} {path} ({exc})",
+                        "retry; if it persists check the daemon log on that machine",
+                    ) from None
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 def stream(

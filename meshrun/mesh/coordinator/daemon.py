@@ -32,19 +32,23 @@ from meshrun.mesh.coordinator.roster import Roster
 from meshrun.mesh.process import ExtensionFactory
 from meshrun.system.device import Device
 from meshrun.system.frontdoor import FrontDoor
+from meshrun.system.longpoll import LongPollServer
 from meshrun.system.statedir import StateDir
-from meshrun.system.transport import JSONServer, server_tls_context
+from meshrun.system.transport import server_tls_context
 
 log = logging.getLogger("meshrun.mesh.coordinator.daemon")
 
 REMOVED_GRACE_S = 5.0  # a removed node's pending long-poll is answered 410 within this
 OBSERVE_INTERVAL = 1.0
 BACKLOG_PAUSE = 0.05  # between two slices of a pair backlog: the API threads get the GIL
-OVERLAY_MAX_CONNS = 4096  # threads of the overlay API at most (1000 members long-polling fit)
+OVERLAY_MAX_CONNS = 4096  # connections to the overlay API at most (1000 members long-polling fit)
 OVERLAY_PER_SOURCE = 8
 # A new version wakes every member's long-poll and each comes back at once: at most this often, so a
 # join storm costs members a few syncs a second (under the overlay's per-member rate limit), not one per join.
 PUBLISH_GAP = 0.25
+# The wg-quick file (for an operator; the interface itself is set by `wg set`) is rewritten at most this
+# often: rendering a thousand peers costs 25 ms, once per join in a join storm.
+QUICK_FILE_GAP = 2.0
 
 
 class CoordinatorService:
@@ -71,6 +75,8 @@ class CoordinatorService:
         self.paths_moved = False  # pair paths changed, not yet published (see tick)
         self.published_at = 0.0  # monotonic time of the last roster.publish
         self.publish_held = False  # a version applied to the interface, held back by PUBLISH_GAP
+        self.quick_written_at = 0.0  # monotonic time the wg-quick file was last written
+        self.quick_stale = False  # peers changed since; written by a later tick (QUICK_FILE_GAP)
         private = state.read("private.key").decode().strip()
         self.enrolment = EnrolmentAPI(
             self.db, self.network, self.roster, lambda pub: keys.shared_secret(private, pub), self._enrolled
@@ -88,14 +94,18 @@ class CoordinatorService:
                 tls = server_tls_context(str(self.state / "tls.crt"), str(self.state / "tls.key"))
                 self.front = FrontDoor(("0.0.0.0", self.network.listen_port), self.enrolment.handle, tls)
                 # Bounded: a long-poll per member and a few more (doctor, status); beyond, closed at once.
-                self.overlay_server = JSONServer(
+                # One event loop holds them all (each agent long-polls over one kept-alive connection,
+                # transport.Session); a publish polls the waiting ones.
+                self.overlay_server = LongPollServer(
                     (self.network.coordinator_ip, self.network.api_port),
                     self.overlay.handle,
                     device=self.network.interface,
                     gate=self.overlay.gate,
                     max_conns=OVERLAY_MAX_CONNS,
                     max_per_source=OVERLAY_PER_SOURCE,
+                    inline=True,  # the sync handler holds a lock only briefly (the database's: rarely)
                 )
+                self.roster.listeners.append(self.overlay_server.kick)
             except OSError as exc:
                 raise NetworkError(
                     f"cannot listen on TCP port {self.network.listen_port} or {self.network.api_port}: {exc.strerror}",
@@ -121,7 +131,6 @@ class CoordinatorService:
                     ext.close()
                 self.front.shutdown()
                 self.overlay_server.shutdown()
-                self.overlay_server.server_close()
                 self.roster.wake_all()
         log.info("coordinator stopped (the interface stays up; `meshrun down` removes it)")
 
@@ -154,15 +163,16 @@ class CoordinatorService:
                 self.ticks.notify_all()
 
     def _enrolled(self, member: Member) -> None:
-        """A join was recorded: wait (briefly) for a tick, so the new peer is on the interface before
-        the node's first handshake arrives."""
+        """A join was recorded: its peer goes on the interface now (one `wg set`, in the enrolment's own
+        thread), so the node's first handshake is answered; the loop, woken, announces it to the members.
+        (Waiting here for a tick held an enrolment worker for up to a tick under load: a storm of joins
+        queued behind four workers until some were cut off.)"""
         if not self.looping:  # no loop thread (tests drive the service by hand): tick here
             self.tick()
             return
-        with self.ticks:
-            target = self.tick_count + 1
-            self.wake.set()
-            self.ticks.wait_for(lambda: self.tick_count >= target or self.stop_event.is_set(), timeout=5)
+        with self.apply_lock:
+            self.device.apply(peers.PeerDiff(add=tuple(peers.desired_for_coordinator([member]))))
+        self.wake.set()
 
     # the loop ----------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
@@ -193,6 +203,8 @@ class CoordinatorService:
         if self.paths_moved and (not self.pairs.behind or time.monotonic() - self.published_at >= self.interval):
             v = self.db.bump_version()
             self.paths_moved = False
+        if self.quick_stale and time.monotonic() - self.quick_written_at >= QUICK_FILE_GAP:
+            self.apply_peers(current)  # nothing left to change on the interface: this writes the file
         if changed or v != self.roster.version or self.db.recently_removed(REMOVED_GRACE_S + 5):
             self.apply_peers(current)
             # In a burst of joins the peers are on the interface now (each joiner's handshake works) and
@@ -210,18 +222,33 @@ class CoordinatorService:
     def apply_peers(self, current=None) -> None:
         with self.apply_lock:
             members = self.db.members()
+            desired = self.desired_peers(members)
+            comment = f"meshrun network {self.network.name} (coordinator); managed by meshrun"
             # Relayed packets leave here too: they must fit the small-MTU nodes' hops as well.
-            iface.sync_peers(
+            d = iface.sync_peers(
                 self.device,
                 self.state,
                 self.network,
-                self.desired_peers(members),
+                desired,
                 address=self.network.coordinator_ip,
                 mtu=self.network.mtu,
                 route_mtus=peers.route_mtus(self._own_key(members), self.network.mtu, members),
-                comment=f"meshrun network {self.network.name} (coordinator); managed by meshrun",
+                comment=comment,
                 current=current,
+                quick_file=False,
             )
+            quick = self.state / f"{self.network.interface}.conf"
+            self.quick_stale = self.quick_stale or bool(d) or not quick.exists()
+            if self.quick_stale and (time.monotonic() - self.quick_written_at >= QUICK_FILE_GAP or not quick.exists()):
+                iface.write_quick_file(
+                    self.state,
+                    self.network,
+                    desired,
+                    address=self.network.coordinator_ip,
+                    mtu=self.network.mtu,
+                    comment=comment,
+                )
+                self.quick_written_at, self.quick_stale = time.monotonic(), False
 
     @staticmethod
     def _own_key(members: list[Member]) -> str:

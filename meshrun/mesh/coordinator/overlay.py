@@ -23,7 +23,7 @@ from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.system import probe
 from meshrun.system.coordinatordb import CoordinatorDB
-from meshrun.system.transport import Request, Response
+from meshrun.system.transport import Request, Response, Wait
 
 log = logging.getLogger("meshrun.mesh.coordinator.overlay")
 
@@ -87,7 +87,8 @@ class OverlayAPI:
         if caller is None:  # removed between the gate and now
             return _gone()
         if req.method == "POST" and req.path == "/v1/sync":
-            return self.sync(caller, req.body if isinstance(req.body, dict) else {})
+            resp = self.sync(caller, req.body if isinstance(req.body, dict) else {})
+            return resp if isinstance(resp, Response) or req.deferrable else self._block(resp)
         if req.method == "GET" and req.path == "/v1/members":
             return Response(200, {"network": self.network.to_dict(), "members": self.roster.payload(caller)})
         if req.method == "GET" and req.path == "/v1/time":
@@ -96,8 +97,8 @@ class OverlayAPI:
             return self.probe_udp(caller)
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
 
-    def sync(self, caller: Member, body: dict) -> Response:
-        """Heartbeat in, member list out; waits (long-poll) while nothing changed.
+    def sync(self, caller: Member, body: dict) -> Response | Wait:
+        """Heartbeat in, member list out; a Wait (long-poll) while nothing changed.
 
         The heartbeat's `peers` is {peer public key: latest handshake} for the peers whose liveness
         the coordinator does not know yet, `stale` the keys among them whose tunnel is not fresh
@@ -139,26 +140,35 @@ class OverlayAPI:
             self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu, site=site)
             self.heard[heard] = (candidates, mtu, site)
         deltas = bool(body.get("delta")) and known > 0  # the agent applies deltas (meshrun >= this one)
+        extra = {"report": "full"} if owed else {}
         # A node that owes a full report is answered at once, so its pairs are judged again soon.
         deadline = time.monotonic() + (0 if owed else wait)
-        seen, news = known, None
-        while True:
-            version = self.roster.wait(seen, max(deadline - time.monotonic(), 0.0), self.stop)
-            if version == seen or not deltas:
-                break
-            news = self.roster.delta(caller, known)
-            if news is None or news["changed"] or news["removed"] or time.monotonic() >= deadline:
-                break
-            # The new version changes nothing this caller sees (another pair's path): a thousand agents
-            # need not all come back for it; keep waiting.
-            seen, news = version, None
+        seen = [known]  # the newest version this caller need not hear of
+
+        def poll(expired: bool) -> Response | None:
+            version = self.roster.version
+            if version == seen[0] and not expired:
+                return None
+            news = self.roster.delta(caller, known) if deltas and version != known else None
+            if news is not None and not (news["changed"] or news["removed"]) and not expired:
+                # The new version changes nothing this caller sees (another pair's path): a thousand
+                # agents need not all come back for it; keep waiting.
+                seen[0] = version
+                return None
+            return self._answer(caller, known, version, deltas, news, extra)
+
+        first = poll(time.monotonic() >= deadline)
+        return first if first is not None else Wait(deadline, poll)
+
+    def _answer(
+        self, caller: Member, known: int, version: int, deltas: bool, news: dict | None, extra: dict
+    ) -> Response:
+        """A sync's answer once the wait is over: `version` as unchanged, a delta or the full list."""
         if self.roster.member_by_ip(caller.overlay_ip) is None:  # removed while it waited
             return _gone()
-        extra = {"report": "full"} if owed else {}
         if version == known:
             return Response(200, {"version": version, "unchanged": True, **extra})
         if deltas:
-            news = news or self.roster.delta(caller, known)
             if news is not None and not (news["changed"] or news["removed"]):
                 return Response(200, {"version": version, "unchanged": True, **extra})
             if news is not None:
@@ -174,6 +184,15 @@ class OverlayAPI:
                 **extra,
             },
         )
+
+    def _block(self, wait: Wait) -> Response:
+        """Answer a Wait in this thread (a caller that cannot take one: tests, in-process agents)."""
+        while True:
+            seen = self.roster.version
+            resp = wait.poll(time.monotonic() >= wait.deadline or self.stop.is_set())
+            if resp is not None:
+                return resp
+            self.roster.wait(seen, max(0.0, wait.deadline - time.monotonic()), self.stop)
 
     def probe_udp(self, caller: Member) -> Response:
         """Send PROBE_COUNT datagrams from an ephemeral port to the caller's observed endpoint."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from meshrun.core import memberlist, pairpaths
 from meshrun.core.model import Member, Network
@@ -32,6 +32,9 @@ class Roster:
         self._published = {m.public_key: memberlist.signature(m) for m, _ in base}
         # In memory: after a restart, every agent behind the current version gets the full list once.
         self.history = memberlist.History(v, history)
+        # Called (in the publishing thread) after each publish and wake_all: servers holding long-polls
+        # poll them (meshrun.system.longpoll.LongPollServer.kick). Threads waiting in wait() are notified too.
+        self.listeners: list[Callable[[], None]] = []
 
     def _base(self, fresh: bool = True) -> tuple[int, list[tuple[Member, dict]], dict[str, int], dict[str, Member]]:
         """(database version, [(member, its dict)], {public key: index}, {overlay IP: member}): built once
@@ -45,11 +48,17 @@ class Roster:
         v, removals = self.db.version(), self.db.removals
         if cache is None or cache[0] != v:
             self._removals = removals
+            # A member unchanged since the last build keeps its dict (a join changes one member of 1000;
+            # the database hands back the same Member object for an unchanged row, so identity tells).
+            known = {id(m): (m, d) for m, d in cache[1]} if cache is not None else {}
             base = []
             for m in self.db.members():
-                d = m.to_dict()
-                if m.is_coordinator:
-                    d["endpoint"] = self.network.endpoints[0]
+                old = known.get(id(m))
+                d = old[1] if old is not None and old[0] is m else None
+                if d is None:
+                    d = m.to_dict()
+                    if m.is_coordinator:
+                        d["endpoint"] = self.network.endpoints[0]
                 base.append((m, d))
             cache = self._cache = (
                 v,
@@ -88,10 +97,14 @@ class Roster:
             self._published = now
             self.version = max(self.version, version)
             self.cond.notify_all()
+        for listener in self.listeners:
+            listener()
 
     def wake_all(self) -> None:
         with self.cond:
             self.cond.notify_all()
+        for listener in self.listeners:
+            listener()
 
     def wait(self, known: int, timeout: float, stop: threading.Event) -> int:
         """Wait up to `timeout` s for a version other than `known` (or `stop`); return the current one."""

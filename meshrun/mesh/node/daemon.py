@@ -112,6 +112,7 @@ class AgentService:
         self.state = state
         self.rec, self.network = member.load(state)
         self.device = device or iface.device_for(state, self.network, self.rec)
+        self.session: transport.Session | None = None
         self.call = call or self._call_coordinator
         self.addresses = addresses
         self.stop_event = threading.Event()
@@ -128,7 +129,10 @@ class AgentService:
         self.running: list[Extension] = []
 
     def _call_coordinator(self, method: str, path: str, body: dict, timeout: float) -> dict:
-        return transport.call(self.network.coordinator_ip, self.network.api_port, method, path, body, timeout=timeout)
+        # One kept-alive connection for every long-poll (the overlay API keeps it open between syncs).
+        if self.session is None:
+            self.session = transport.Session(self.network.coordinator_ip, self.network.api_port)
+        return self.session.call(method, path, body, timeout=timeout)
 
     def run(self) -> None:
         with process.running(self.state):
@@ -145,6 +149,8 @@ class AgentService:
             finally:
                 for ext in self.running:
                     ext.close()
+                if self.session is not None:
+                    self.session.close()
         log.info("agent stopped")
 
     def _loop(self) -> None:

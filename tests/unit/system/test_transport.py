@@ -13,7 +13,17 @@ import pytest
 from meshrun.core import keys
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, TokenError, UsageError
 from meshrun.system.frontdoor import FrontDoor
-from meshrun.system.transport import MAX_HEAD, MAX_JSON, JSONServer, Request, Response, call, server_tls_context, stream
+from meshrun.system.transport import (
+    MAX_HEAD,
+    MAX_JSON,
+    JSONServer,
+    Request,
+    Response,
+    Session,
+    call,
+    server_tls_context,
+    stream,
+)
 
 
 class Recorder:
@@ -410,3 +420,57 @@ class TestConnectionCaps:
         finally:
             srv.shutdown()
             srv.server_close()
+
+
+class TestKeepAlive:
+    """Servers made with keep_alive=True and the client's Session: one connection for many requests."""
+
+    @pytest.fixture
+    def counted(self, handler):
+        """A keep-alive server that counts the connections it accepted (and the threads it started)."""
+        srv = _serve(handler, keep_alive=True, idle_timeout=0.5, gate=lambda r: refuse if r.path == "/refuse" else None)
+        accepted = []
+        real = srv.process_request
+
+        def process_request(request, client_address):
+            accepted.append(client_address)
+            real(request, client_address)
+
+        srv.process_request = process_request
+        refuse = Response.error(403, "not you")
+        yield srv, accepted
+        srv.shutdown()
+        srv.server_close()
+
+    def test_many_requests_ride_one_connection(self, counted):
+        srv, accepted = counted
+        s = Session("127.0.0.1", port_of(srv))
+        for i in range(5):
+            assert s.call("POST", "/echo", {"i": i})["body"] == {"i": i}
+        assert len(accepted) == 1 and s.connects == 1
+        s.close()
+
+    def test_a_connection_closed_while_idle_is_replaced_and_the_request_sent_again(self, counted):
+        srv, accepted = counted
+        s = Session("127.0.0.1", port_of(srv))
+        assert s.call("POST", "/echo", {"i": 1})["body"] == {"i": 1}
+        time.sleep(1.0)  # past idle_timeout: the server closed it
+        assert s.call("POST", "/echo", {"i": 2})["body"] == {"i": 2}
+        assert len(accepted) == 2 and s.connects == 2
+        s.close()
+
+    def test_a_refusal_or_a_stream_ends_the_connection(self, counted, handler):
+        srv, accepted = counted
+        s = Session("127.0.0.1", port_of(srv))
+        with pytest.raises(MeshrunError):
+            s.call("POST", "/refuse", {"x": 1})  # the gate refused it: its body was never read
+        assert s.call("POST", "/echo", {"i": 3})["body"] == {"i": 3}
+        assert len(accepted) == 2
+        assert [x["i"] for x in stream("127.0.0.1", port_of(srv), "/stream", {})] == [0, 1, 2]
+        s.close()
+
+    def test_a_plain_server_closes_after_each_answer_and_a_session_still_works(self, plain_server):
+        s = Session("127.0.0.1", port_of(plain_server))
+        for i in range(3):
+            assert s.call("POST", "/echo", {"i": i})["body"] == {"i": i}
+        assert s.connects == 3
