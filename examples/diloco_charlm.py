@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a tiny character-level GRU language model with DiLoCo (or a DDP / no-communication baseline).
+"""Train a tiny character-level GRU language model with DiLoCo, DeMo, or a DDP / no-communication baseline.
 
 Run alone (world size 1, no process group):
     python examples/diloco_charlm.py --steps 200
@@ -9,6 +9,11 @@ Run with several workers (each trains on its own shard of the corpus):
         --sync-every 50 --fragments 2 --compression fp4          # Streaming DiLoCo, 4-bit
     torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode ddp
     torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode local
+    torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode diloco \
+        --compression sparse-int2 --density 0.03125 --outer-momentum 0 --error-decay 0.95   # SparseLoCo
+    torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode demo --lr 1e-3
+Under `meshrun train --compression auto|none|low|medium|high` leave --sync-every, --fragments,
+--compression and --density out: DiLoCo then takes the job's preset (MESHRUN_DILOCO_*).
 Over meshrun (`meshrun train diloco_charlm.py ...`, elastic with `--nnodes MIN:MAX`) the same script
 resumes by itself after torchrun restarts the workers: DiLoCo recovers the newest synced state
 (node-local snapshots under $MESHRUN_OUTPUT_DIR/diloco-snapshots, a joiner gets it from a peer), and the loop goes on
@@ -24,6 +29,12 @@ steps; 100 cost 9-12 %) with w * N / B under 5 % of --sync-every * T, and --frag
 
 --mode local is the same workers with no communication at all (each trains alone on its shard;
 the process group exists only for the rendezvous): the wall-time floor DiLoCo is compared with.
+--mode demo is data parallelism with meshrun.train.demo.DeMo in place of DDP's all-reduce (--lr is
+its signum step; --demo-compression, --demo-density).
+
+The corpus is split three ways: the first 80 % trains, the next 10 % is the *tuning* split (choose
+hyperparameters on tune_loss) and the last 10 % the *test* split, never tuned on (test_loss, also
+printed as val_loss).
 
 Rank 0 prints one line per sync (diloco) or per --sync-every steps (ddp, local):
     outer_step 3 step=150 train_loss=0.4321 bytes_sent=123456
@@ -32,10 +43,11 @@ Rank 0 prints one line per sync (diloco) or per --sync-every steps (ddp, local):
 resumed (every rank: ``resumed rank=1 world_size=3 sync=3 step=150 source_rank=0 received=yes``), every rank
 ``param_checksum rank=R sync=N digest=HEX`` at the end (a 64-bit digest of the final global
 parameters: equal on every worker), and rank 0, at the end (stable, key=value, parseable):
-    final val_loss=1.9876 bytes_sent=123456 wall_s=12.3 mode=diloco world_size=2 steps=100 ...
-bytes_sent is the payload this worker contributed to collectives: for DiLoCo the counter of
-meshrun.train.diloco.DiLoCo; for DDP 4 bytes * parameters * steps (its fp32 gradient all-reduce).
-val_loss is on the held-out last 10 % of the corpus, with the synchronized (global) model.
+    final val_loss=1.9876 bytes_sent=123456 tune_loss=1.9901 test_loss=1.9876 wall_s=12.3 mode=diloco ...
+bytes_sent is the payload this worker contributed to collectives: for DiLoCo and DeMo their counters;
+for DDP 4 bytes * parameters * steps (its fp32 gradient all-reduce). comm_blocked_s is the time
+rank 0 waited on sync collectives (DiLoCo, DeMo), sync_s its time in DiLoCo's sync code. The
+losses are on the held-out splits, with the synchronized (global) model.
 """
 
 from __future__ import annotations
@@ -52,10 +64,12 @@ import torch.distributed as dist
 from torch import nn
 
 try:
-    from meshrun.train.diloco import COMPRESSIONS, DiLoCo, state_digest
+    from meshrun.train.demo import VALUE_FORMATS, DeMo
+    from meshrun.train.diloco import AUTO, COMPRESSIONS, DiLoCo, default_backend, state_digest
 except ImportError:  # run from a checkout without installing meshrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from meshrun.train.diloco import COMPRESSIONS, DiLoCo, state_digest
+    from meshrun.train.demo import VALUE_FORMATS, DeMo
+    from meshrun.train.diloco import AUTO, COMPRESSIONS, DiLoCo, default_backend, state_digest
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 
@@ -76,16 +90,24 @@ class CharGRU(nn.Module):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["diloco", "ddp", "local"], default="diloco")
+    p.add_argument("--mode", choices=["diloco", "ddp", "local", "demo"], default="diloco")
     p.add_argument("--steps", type=int, default=300, help="inner (optimizer) steps per worker")
     p.add_argument(
         "--sync-every",
         type=int,
-        default=20,
-        help="DiLoCo H: inner steps between two syncs of a fragment; the log interval of ddp/local",
+        default=None,
+        help="DiLoCo H: inner steps between two syncs of a fragment [the job's preset, else 100]; "
+        "the log interval of ddp/local/demo [20]",
     )
-    p.add_argument("--compression", choices=COMPRESSIONS, default="none")
-    p.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments (1: plain DiLoCo)")
+    p.add_argument("--compression", choices=COMPRESSIONS, default=None, help="[the job's preset, else none]")
+    p.add_argument("--fragments", type=int, default=None, help="Streaming DiLoCo fragments [the job's preset, else 1]")
+    p.add_argument(
+        "--density", type=float, default=None, help="sparse formats' share of each chunk [the job's preset, else 1/64]"
+    )
+    p.add_argument("--error-decay", type=float, default=1.0, help="DiLoCo error feedback decay (SparseLoCo: 0.95)")
+    p.add_argument("--demo-compression", choices=VALUE_FORMATS, default="int2", help="DeMo's value format")
+    p.add_argument("--demo-density", type=float, default=1 / 32, help="DeMo's share of each 64-element chunk")
+    p.add_argument("--demo-decay", type=float, default=0.999, help="DeMo's momentum decay")
     p.add_argument(
         "--overlap", type=int, default=None, help="inner steps a fragment's sync overlaps [DiLoCo's default]"
     )
@@ -115,8 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "CPU-only testbed [0: no padding]",
     )
     args = p.parse_args(argv)
-    for name in ("steps", "sync_every", "batch_size", "seq_len", "hidden", "val_batches"):
-        if getattr(args, name) < 1:
+    for name in ("steps", "sync_every", "fragments", "batch_size", "seq_len", "hidden", "val_batches"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     if args.threads < 0:
         p.error(f"--threads={args.threads} must be 0 (automatic) or more")
@@ -125,14 +147,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_corpus(path: Path) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Encode the text as character ids; returns (train ids, validation ids, vocabulary size)."""
+def load_corpus(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Encode the text as character ids; returns (train 80 %, tuning 10 %, test 10 %, vocabulary size)."""
     text = path.read_text(encoding="utf-8")
     vocab = sorted(set(text))
     index = {c: i for i, c in enumerate(vocab)}
     ids = torch.tensor([index[c] for c in text], dtype=torch.long)
-    cut = int(len(ids) * 0.9)
-    return ids[:cut], ids[cut:], len(vocab)
+    a, b = int(len(ids) * 0.8), int(len(ids) * 0.9)
+    return ids[:a], ids[a:b], ids[b:], len(vocab)
 
 
 def batches(shard: torch.Tensor, batch: int, seq: int, gen: torch.Generator, device: torch.device):
@@ -170,9 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     else:  # share the CPU cores between the local workers instead of oversubscribing them
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo")
+        # gloo everywhere in a --mixed-accelerators job (CUDA, ROCm and CPU workers together), else nccl on GPUs
+        dist.init_process_group(default_backend())
 
-    train, val, vocab = load_corpus(args.data)
+    train, tune, test, vocab = load_corpus(args.data)
     shard_len = len(train) // world
     shard = train[rank * shard_len : (rank + 1) * shard_len]  # each worker sees only its own shard
 
@@ -186,14 +209,16 @@ def main(argv: list[str] | None = None) -> None:
         opt = DiLoCo(
             model,
             inner,
-            sync_every=args.sync_every,
+            sync_every=AUTO if args.sync_every is None else args.sync_every,
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
-            compression=args.compression,
-            fragments=args.fragments,
+            compression=AUTO if args.compression is None else args.compression,
+            fragments=AUTO if args.fragments is None else args.fragments,
             overlap=args.overlap,
             mixing=args.mixing,
             check_state=not args.no_check_state,
+            density=AUTO if args.density is None else args.density,
+            error_decay=args.error_decay,
         )
         if opt.resumed:
             r = opt.resumed
@@ -204,23 +229,42 @@ def main(argv: list[str] | None = None) -> None:
             )
     elif args.mode == "ddp" and world > 1:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
+    elif args.mode == "demo":
+        opt = DeMo(
+            model.parameters(),
+            lr=args.lr,
+            momentum_decay=args.demo_decay,
+            density=args.demo_density,
+            compression=args.demo_compression,
+        )
+    log_every = args.sync_every or 20
     first = opt.step_count + 1 if isinstance(opt, DiLoCo) else 1
     # A resumed worker must not replay the batches of the steps before it: the stream depends on `first`.
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1 + 1_000_003 * (first - 1))
     data = batches(shard, args.batch_size, args.seq_len, gen, device)
 
     def bytes_sent(steps: int) -> int:
-        if isinstance(opt, DiLoCo):
+        if isinstance(opt, (DiLoCo, DeMo)):
             return opt.bytes_sent_total
         return 4 * numel * steps if args.mode == "ddp" and world > 1 else 0
 
     if rank == 0:
-        extra = (
-            f" fragments={opt.fragments} overlap={opt.overlap} mixing={opt.mixing}" if isinstance(opt, DiLoCo) else ""
-        )
+        if isinstance(opt, DiLoCo):
+            extra = (
+                f" sync_every={opt.sync_every} compression={opt.compression} fragments={opt.fragments} "
+                f"overlap={opt.overlap} mixing={opt.mixing} density={opt.density:.6g} "
+                f"preset={opt.preset or '-'}"
+            )
+        elif isinstance(opt, DeMo):
+            extra = (
+                f" demo_compression={opt.compression} demo_density={opt.density:.6g} "
+                f"per_step={opt.payload_bytes_per_step}"
+            )
+        else:
+            extra = ""
         print(
-            f"start mode={args.mode} world_size={world} params={numel} steps={args.steps} first_step={first} "
-            f"sync_every={args.sync_every} compression={args.compression}{extra} device={device.type}",
+            f"start mode={args.mode} world_size={world} params={numel} steps={args.steps} first_step={first}"
+            f"{extra} device={device.type}",
             flush=True,
         )
     t0 = time.perf_counter()
@@ -239,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             report = opt.sync_count != syncs
             label = f"outer_step {opt.sync_count} step={step}"
         else:
-            report = step % args.sync_every == 0 or step == args.steps
+            report = step % log_every == 0 or step == args.steps
             label = f"train step={step}"
         if report and rank == 0:
             print(f"{label} train_loss={window_loss / window_n:.4f} bytes_sent={bytes_sent(step)}", flush=True)
@@ -255,18 +299,22 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter() - t0
 
     if rank == 0:
-        val_loss = validate(model, val, args.val_batches, args.batch_size, args.seq_len, device)
+        tune_loss = validate(model, tune, args.val_batches, args.batch_size, args.seq_len, device)
+        test_loss = validate(model, test, args.val_batches, args.batch_size, args.seq_len, device)
         extra = ""
         if isinstance(opt, DiLoCo):
             extra = (
-                f" sync_every={args.sync_every} compression={args.compression} fragments={opt.fragments} "
-                f"syncs={opt.sync_count}"
+                f" sync_every={opt.sync_every} compression={opt.compression} fragments={opt.fragments} "
+                f"syncs={opt.sync_count} comm_blocked_s={opt.comm_blocked_s:.4f} sync_s={opt.sync_s:.4f}"
             )
+        elif isinstance(opt, DeMo):
+            extra = f" comm_blocked_s={opt.comm_blocked_s:.4f} per_step={opt.payload_bytes_per_step}"
         ddp_bytes = 4 * numel * args.steps if world > 1 else 0
         print(
-            f"final val_loss={val_loss:.4f} bytes_sent={bytes_sent(args.steps)} wall_s={wall:.1f} "
+            f"final val_loss={test_loss:.4f} bytes_sent={bytes_sent(args.steps)} tune_loss={tune_loss:.4f} "
+            f"test_loss={test_loss:.4f} wall_s={wall:.3f} "
             f"mode={args.mode} world_size={world} steps={args.steps}{extra} ddp_bytes={ddp_bytes} "
-            f"ppl={math.exp(val_loss):.2f}",
+            f"ppl={math.exp(test_loss):.2f}",
             flush=True,
         )
     if world > 1:

@@ -4,6 +4,8 @@
 machinery (agents, torchrun, the coordinator's rendezvous store, NCCL/Gloo pinned to the
 overlay), so the numbers describe the path training takes. Rank 0 prints one result line;
 `run` picks it up, adds each pair's path as the coordinator decided it, and flags slow pairs.
+The result is kept in the coordinator's state directory (meshrun.jobs.submission.BENCH_RESULT, with
+"measured_at"): `meshrun train --compression auto` chooses its DiLoCo preset from it.
 """
 
 from __future__ import annotations
@@ -108,4 +110,6 @@ def run(
         pair["path"] = labels.get(frozenset((pair["src"], pair["dst"])), "unknown")
     res = summarize(cap.result)
     res["elapsed_s"] = round(time.monotonic() - t0, 2)
+    res["measured_at"] = time.time()
+    state.write_json(submission.BENCH_RESULT, res)
     return res

@@ -66,6 +66,28 @@ def train(
             "communicator stays on the overlay's sockets).",
         ),
     ] = False,
+    compression: Annotated[
+        Optional[str],
+        typer.Option(
+            help="DiLoCo preset for the script's DiLoCo (H, fragments, format through MESHRUN_DILOCO_*): "
+            "auto|none|low|medium|high; auto picks from the latest `meshrun bench` and --model-size.",
+        ),
+    ] = None,
+    model_size: Annotated[
+        Optional[str], typer.Option(help="Parameters of the model, e.g. 1.3B or 350M (for --compression auto).")
+    ] = None,
+    step_time: Annotated[
+        Optional[float],
+        typer.Option(help="Seconds per training step, for --compression auto [1.0, assumed]."),
+    ] = None,
+    mixed_accelerators: Annotated[
+        bool,
+        typer.Option(
+            "--mixed-accelerators",
+            help="CUDA, ROCm and CPU nodes in one job whose collectives run over gloo (DiLoCo): the pre-flight "
+            "only warns when torch builds differ.",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print each node's command and environment, run nothing.")
     ] = False,
@@ -104,6 +126,8 @@ def train(
       meshrun train --dry-run train.py                # also shows what is shipped and what is not
       meshrun train --resume JOB                      # again, where JOB left its checkpoints
       meshrun train --local --nnodes 2 --job-id exp7 train.py     # on each node, e.g. from a batch job
+      meshrun train --compression auto --model-size 350M diloco.py   # DiLoCo H/format from the link
+      meshrun train --mixed-accelerators diloco.py    # CUDA, ROCm and CPU nodes; collectives over gloo
     The script's directory is shipped (what git would track, minus .meshrunignore) into the
     project's directory on every node, which is kept between jobs: a checkpoint written there is
     found by the next job of the same project ($MESHRUN_OUTPUT_DIR; `meshrun pull` fetches files).
@@ -139,6 +163,10 @@ def train(
         "skip_preflight": skip_preflight,
         "site_fabric": site_fabric,
         "project": project,
+        "compression": compression,
+        "model_size": model_size,
+        "step_time": step_time,
+        "mixed_accelerators": mixed_accelerators,
     }
     from_file = (
         jobconfig.parse(read_user_file(config, "job file", "--config"), f"job file {str(config)!r}") if config else {}
@@ -154,7 +182,11 @@ def train(
     options = jobconfig.merge(from_file, cli)
     if local:
         options["job_id"] = submission.local_job_id(options.get("job_id"))
-        p = submission.local_launch(app.state, submission.job_spec(options, cwd))
+        spec = submission.job_spec(options, cwd)
+        choice = submission.choose_compression(app.state, spec, spec.bounds(1)[1])
+        if choice is not None:
+            app.echo(f"meshrun: {choice.line()}", err=True)
+        p = submission.local_launch(app.state, spec)
         if options.get("dry_run"):
             app.echo(p.shell())
             return
@@ -168,7 +200,10 @@ def train(
         for line in submission.dry_run(app.state, spec):
             app.echo(termtext.clean(line))
         return
-    submission.check(app.state, spec)
+    _, shares = submission.check(app.state, spec)
+    choice = submission.choose_compression(app.state, spec, min(spec.bounds(len(shares))[1], len(shares)))
+    if choice is not None:
+        app.echo(f"meshrun: {choice.line()}", err=True)
     job = control.submit(app.state, spec)
     if options.get("detach"):
         app.echo(job)

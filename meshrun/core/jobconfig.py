@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from meshrun.core import presets
 from meshrun.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -48,6 +49,30 @@ KEYS: dict[str, tuple[str, Any, str, str]] = {
     "no_sync": ("no_sync", lambda v: isinstance(v, bool), "true or false", "no_sync = false"),
     "with_coordinator": ("with_coordinator", lambda v: isinstance(v, bool), "true or false", "with_coordinator = true"),
     "site_fabric": ("site_fabric", lambda v: isinstance(v, bool), "true or false", "site_fabric = true"),
+    "compression": (
+        "compression",
+        lambda v: v in presets.CHOICES,
+        f"one of {', '.join(repr(c) for c in presets.CHOICES)}",
+        'compression = "auto"',
+    ),
+    "model_size": (
+        "model_size",
+        lambda v: (isinstance(v, str) and v != "") or (_is_int(v) and v > 0),
+        'a parameter count (1300000000, or "1.3B", "350M")',
+        'model_size = "1.3B"',
+    ),
+    "step_time": (
+        "step_time",
+        lambda v: (_is_int(v) or isinstance(v, float)) and v > 0,
+        "a positive number (seconds per inner step)",
+        "step_time = 0.8",
+    ),
+    "mixed_accelerators": (
+        "mixed_accelerators",
+        lambda v: isinstance(v, bool),
+        "true or false",
+        "mixed_accelerators = true",
+    ),
     "sync_limit": ("sync_limit_mb", _is_int, "an integer (MiB)", "sync_limit = 50"),
     "job_id": ("job_id", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'job_id = "exp7"'),
     "project": ("project", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'project = "charlm"'),
@@ -61,7 +86,16 @@ KEYS: dict[str, tuple[str, Any, str, str]] = {
 }
 
 
-FLAGS = ("no_sync", "dry_run", "module", "with_coordinator", "detach", "skip_preflight", "site_fabric")
+FLAGS = (
+    "no_sync",
+    "dry_run",
+    "module",
+    "with_coordinator",
+    "detach",
+    "skip_preflight",
+    "site_fabric",
+    "mixed_accelerators",
+)
 
 
 def _shown(value: Any) -> str:
@@ -90,6 +124,8 @@ def parse(text: str, source: str = "job file") -> dict[str, Any]:
             value = {str(k): str(v) for k, v in value.items()}
         elif key in ("args", "nodes"):
             value = list(value)
+        elif key == "model_size":
+            value = presets.parse_model_size(value)
         out[field] = value
     return out
 

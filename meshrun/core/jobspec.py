@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from meshrun.core import presets
 from meshrun.core.codeset import PROJECT_RE
 from meshrun.core.launch import TrainOptions, parse_nnodes
 from meshrun.core.model import Network
@@ -80,6 +81,15 @@ class JobSpec:
     # Where the job runs on each member: <state>/projects/<project>/work, kept between jobs, so the
     # next job of the same project finds what this one wrote (checkpoints). [the code directory's name]
     project: str = ""
+    # DiLoCo preset asked for (meshrun.core.presets.CHOICES), None: none; `preset` is what it came to
+    # (presets.Choice as a dict, decided when the job is submitted: `auto` reads the latest `meshrun bench`).
+    compression: str | None = None
+    model_size: int | None = None  # parameters, for compression = "auto"
+    step_time: float | None = None  # seconds per inner step, for compression = "auto"
+    preset: dict | None = None
+    # CUDA, ROCm and CPU workers in one job whose collectives run over gloo on CPU tensors (DiLoCo):
+    # the pre-flight then only warns when torch builds differ.
+    mixed_accelerators: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +107,18 @@ class JobSpec:
             parse_nnodes(spec.nnodes)
         if spec.project and not PROJECT_RE.match(spec.project):
             raise ValueError(f"project {spec.project!r} is not a valid project name")
+        if spec.compression is not None and spec.compression not in presets.CHOICES:
+            raise ValueError(f"compression {spec.compression!r} is not one of {', '.join(presets.CHOICES)}")
+        if spec.preset is not None:
+            presets.Preset.from_dict(spec.preset["preset"])  # raises KeyError/TypeError/ValueError if malformed
         return spec
+
+    @property
+    def preset_env(self) -> dict[str, str]:
+        """The DiLoCo preset's variables for the workers (empty without a preset)."""
+        if not self.preset or not self.preset.get("preset"):
+            return {}
+        return presets.Preset.from_dict(self.preset["preset"]).env()
 
     def launch_options(self, network: Network, store_port: int, shipped: bool) -> TrainOptions:
         """The torchrun options of this job on `network`, its rendezvous store at `store_port` (the one place
@@ -118,6 +139,8 @@ class JobSpec:
             rdzv_timeout=self.rdzv_timeout,
             module=self.module,
             site_fabric=self.site_fabric,
+            job_env=tuple(sorted(self.preset_env.items())),
+            mixed_accelerators=self.mixed_accelerators,
         )
 
     def bounds(self, available: int) -> tuple[int, int]:

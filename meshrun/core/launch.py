@@ -35,6 +35,8 @@ NCCL_NSOCKS_PERTHREAD = 4
 NCCL_MAX_SOCKETS = 64
 # Set to "1" for `meshrun train --site-fabric`: meshrun.train.sites then asks NCCL for the fabric in site groups.
 ENV_SITE_FABRIC = "MESHRUN_SITE_FABRIC"
+# Set to "1" for `meshrun train --mixed-accelerators` (meshrun.core.presets.ENV_MIXED): scripts use gloo.
+ENV_MIXED = "MESHRUN_MIXED_ACCELERATORS"
 # Variables a job may not set, and why: they would take a store off the overlay.
 PROTECTED_ENV = {
     # torchrun then has rank 0's worker host a second TCPStore, bound to the wildcard (every interface).
@@ -69,6 +71,8 @@ class TrainOptions:
     rdzv_timeout: int = 900  # seconds -> --rdzv-conf join_timeout
     module: bool = False  # script is a module name (python -m)
     site_fabric: bool = False  # NCCL may load InfiniBand/RoCE for site groups (see worker_env)
+    job_env: tuple[tuple[str, str], ...] = ()  # meshrun's variables for this job (a DiLoCo preset); the user's win
+    mixed_accelerators: bool = False  # MESHRUN_MIXED_ACCELERATORS=1: every worker runs its collectives on gloo
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,8 @@ def worker_env(
     overlay_ip: str = "",
     site: Placement | None = None,
     site_fabric: bool = False,
+    job_env: Mapping[str, str] | None = None,
+    mixed_accelerators: bool = False,
 ) -> dict[str, str]:
     """The variables meshrun sets for one node's torchrun and workers.
 
@@ -121,7 +127,9 @@ def worker_env(
     name, address and overlay interface, ``MESHRUN_SITE_FABRIC`` (set by `site_fabric` only), and, with
     `site`, ``MESHRUN_SITE``, ``MESHRUN_SITE_RANK``, ``MESHRUN_NUM_SITES`` and ``MESHRUN_SITE_ADDR`` (the
     node's address on the site network, when the job has another node in its site): what
-    meshrun.train.sites groups ranks by.
+    meshrun.train.sites groups ranks by. `job_env` (a DiLoCo preset's ``MESHRUN_DILOCO_*``) comes before
+    `user_env`, so the user's own values win; ``MESHRUN_MIXED_ACCELERATORS`` is ``1`` exactly when
+    `mixed_accelerators` (the pre-flight let the job's torch builds differ on that condition).
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is not set: torchrun's agent already defaults it to 1
     for its workers in torch 2.13, so a hung collective on a dead peer tears the worker down.
     """
@@ -159,10 +167,14 @@ def worker_env(
     if not site_fabric:
         # NCCL reads it once per process: with it no communicator, the site group's included, can use IB.
         env["NCCL_IB_DISABLE"] = "1"
+    env.update(job_env or {})
     env.update(user_env)
     env.pop(ENV_SITE_FABRIC, None)  # meshrun's to set: it must agree with NCCL_IB_DISABLE above
     if site_fabric:
         env[ENV_SITE_FABRIC] = "1"
+    env.pop(ENV_MIXED, None)  # meshrun's to set: it must agree with what the pre-flight allowed
+    if mixed_accelerators:
+        env[ENV_MIXED] = "1"
     env["MESHRUN_NODE_NAME"] = node_name
     env["MESHRUN_OVERLAY_IP"] = overlay_ip
     env["MESHRUN_INTERFACE"] = interface
@@ -278,6 +290,15 @@ def plan(
             *worker,
             *opts.script_args,
         )
-        env = worker_env(opts.interface, n.name, user_env, n.overlay_ip, n.site, opts.site_fabric)
+        env = worker_env(
+            opts.interface,
+            n.name,
+            user_env,
+            n.overlay_ip,
+            n.site,
+            opts.site_fabric,
+            job_env=dict(opts.job_env),
+            mixed_accelerators=opts.mixed_accelerators,
+        )
         out.append(NodeLaunch(n.name, argv, env))
     return out

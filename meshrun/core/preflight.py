@@ -7,6 +7,10 @@ GPUs; plus free disk in the job directory, the hash of the code as unpacked ther
 version, NCCL major, a backend missing, code that differs, no disk, a clock beyond the job-control
 window), WARN for what only costs speed or surprises (GPU model or count, Python patch, clock skew, files
 other than Python source that only the coordinator's copy has, such as a log redirected into it).
+
+A job declared `--mixed-accelerators` (its collectives run over gloo on CPU tensors, as DiLoCo's outer
+sync does) may mix CUDA, ROCm and CPU builds of torch: a differing build only warns, and every node
+must have gloo instead. The torch minor version must still match: gloo's wire format is torch's.
 """
 
 from __future__ import annotations
@@ -96,12 +100,14 @@ def compare(
     code_hash: str | None = None,
     nproc_auto: bool = True,
     reference_files: dict[str, str] | None = None,
+    mixed_accelerators: bool = False,
 ) -> list[Finding]:
     """Findings for a job's nodes: BLOCK ones stop the job, WARN ones are shown.
 
     `code_hash` is the digest of the coordinator's code (what was shipped, or its own copy of a
     --no-sync directory) and `reference_files` the manifest behind it; None: the nodes are compared
-    among themselves (the copy most of them hold is the reference).
+    among themselves (the copy most of them hold is the reference). `mixed_accelerators`: the job
+    declared that its collectives run over gloo on CPU tensors, so CUDA, ROCm and CPU builds may mix.
     """
     out: list[Finding] = []
     for r in reports:
@@ -139,14 +145,27 @@ def compare(
             )
         usual, odd = _odd_ones(have, lambda r: r.build.split(" ")[0])
         for r in odd:
-            out.append(
-                Finding(
-                    BLOCK,
-                    (r.node,),
-                    f"a {r.build} build of torch where the others have {usual}",
-                    "use the same torch build everywhere (one backend: nccl on GPUs, gloo on CPUs)",
+            if mixed_accelerators:
+                out.append(
+                    Finding(
+                        WARN,
+                        (r.node,),
+                        f"a {r.build} build of torch where the others have {usual}: allowed, the job "
+                        "declared --mixed-accelerators",
+                        "every collective of the job must run over gloo on CPU tensors "
+                        "(meshrun.train.diloco.default_backend(); DiLoCo syncs through CPU memory)",
+                    )
                 )
-            )
+            else:
+                out.append(
+                    Finding(
+                        BLOCK,
+                        (r.node,),
+                        f"a {r.build} build of torch where the others have {usual}",
+                        "use the same torch build everywhere (one backend: nccl on GPUs, gloo on CPUs), or, for "
+                        "a DiLoCo job whose syncs run over gloo, declare it with --mixed-accelerators",
+                    )
+                )
         nccl = [r for r in have if r.cuda]
         if nccl:
             usual, odd = _odd_ones(nccl, lambda r: _major(r.nccl))
@@ -160,13 +179,16 @@ def compare(
                     )
                 )
         for r in have:
-            if not r.gloo and not r.cuda:
+            if not r.gloo and (mixed_accelerators or not r.cuda):
                 out.append(
                     Finding(
                         BLOCK,
                         (r.node,),
-                        "torch has no gloo backend and no CUDA",
-                        "install a torch build with distributed support",
+                        "torch has no gloo backend" + ("" if mixed_accelerators else " and no CUDA"),
+                        "install a torch build with distributed support"
+                        + (
+                            " (a --mixed-accelerators job runs its collectives over gloo)" if mixed_accelerators else ""
+                        ),
                     )
                 )
         for r in have:

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from meshrun.core import codeset, launch, preflight
+from meshrun.core import codeset, launch, preflight, presets
 from meshrun.core.jobspec import JobSpec, check_job_id
 from meshrun.core.model import Network
-from meshrun.errors import LaunchError, UsageError
+from meshrun.errors import LaunchError, StateError, UsageError
 from meshrun.jobs.planning import ask_health, candidates, check_environments, code_dir, placements, plan
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
@@ -27,6 +27,9 @@ from meshrun.system.projects import check_project
 from meshrun.system.statedir import StateDir
 
 FORWARD_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
+# The latest `meshrun bench` result (its --json, plus "measured_at"), kept in the coordinator's state
+# directory by meshrun.bench.run; `--compression auto` chooses from it.
+BENCH_RESULT = "bench-latest.json"
 
 
 def job_spec(options: dict, cwd: Path) -> JobSpec:
@@ -43,6 +46,13 @@ def job_spec(options: dict, cwd: Path) -> JobSpec:
     fields["cwd"] = str(cwd)
     if fields.get("project"):
         check_project(fields["project"])
+    if fields.get("compression") is not None:
+        presets.check_choice(fields["compression"])
+    if fields.get("model_size") is not None:
+        fields["model_size"] = presets.parse_model_size(fields["model_size"])
+    step = fields.get("step_time")
+    if step is not None and not (isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0):
+        raise UsageError(f"--step-time {step!r} is not a positive number of seconds", "e.g. --step-time 0.8")
     spec = JobSpec(**fields)
     if not spec.project:
         where = Path(cwd) if spec.no_sync or spec.module else (Path(cwd) / spec.script).parent
@@ -99,11 +109,37 @@ def resumed(state: StateDir, job_id: str) -> tuple[dict, Path]:
             "with_coordinator",
             "skip_preflight",
             "site_fabric",
+            "compression",
+            "model_size",
+            "step_time",
+            "mixed_accelerators",
         )
     }
     fields["env"] = dict(old.env)
     fields["project"] = old.project or old.job_id
     return fields, Path(old.cwd)
+
+
+def measured_link(state: StateDir) -> presets.Link | None:
+    """The cross-site bandwidth of the latest `meshrun bench` on this member (BENCH_RESULT), or None."""
+    if not (state / BENCH_RESULT).exists():
+        return None
+    try:
+        return presets.link_from_bench(state.read_json(BENCH_RESULT))
+    except StateError:
+        return None  # unreadable: as if there were none, and auto says so
+
+
+def choose_compression(state: StateDir, spec: JobSpec, workers: int) -> presets.Choice | None:
+    """Decide `spec.compression` (None: nothing asked) for `workers` DiLoCo workers and record it in
+    `spec.preset`; `auto` reads the latest `meshrun bench` result kept in `state`."""
+    if spec.compression is None:
+        spec.preset = None
+        return None
+    link = measured_link(state) if spec.compression == "auto" else None
+    choice = presets.decide(spec.compression, link, spec.model_size, workers, spec.step_time)
+    spec.preset = choice.to_dict()
+    return choice
 
 
 def check(state: StateDir, spec: JobSpec) -> tuple[Network, list]:
@@ -145,6 +181,9 @@ def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
         f"# runs in project {spec.project!r}: <state>/projects/{spec.project}/work on every node "
         "($MESHRUN_OUTPUT_DIR, kept for the next job of the project)"
     )
+    choice = choose_compression(state, spec, len(shares))
+    if choice is not None:
+        lines.append(f"# {choice.line()}")
     if not spec.skip_preflight and answering:
         # Nothing is shipped by a dry run: only --no-sync's copies can be compared.
         reports, here = check_environments(spec, answering, healths, spec.job_id, spec.project)
@@ -153,6 +192,7 @@ def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
             codeset.digest(here) if here is not None else None,
             spec.nproc_per_node is None,
             reference_files=here,
+            mixed_accelerators=spec.mixed_accelerators,
         )
         lines += ["# pre-flight", *(f"#   {line}" for line in preflight.table(reports, findings))]
     lines.append(

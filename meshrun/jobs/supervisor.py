@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from meshrun.core import codeset, launch, preflight, topology
+from meshrun.core import codeset, launch, preflight, presets, topology
 from meshrun.core.jobspec import EXIT_CANCELLED, JobRecord, JobSpec, JobState, ShareEnd
 from meshrun.core.outcome import Outcome
 from meshrun.errors import LaunchError, MeshrunError
@@ -181,6 +181,8 @@ class Supervisor:
         )
         self.outcome = Outcome(self.spec.elastic, lo if self.spec.nnodes else len(plans))
         self._each(plans, lambda p: self._start(by_name[p.node], p))
+        if self.spec.preset:
+            self.say(presets.Choice.from_dict(self.spec.preset).line())
         self.record.state, self.record.started = JobState.RUNNING, time.time()
         self.record.nodes = [p.node for p in plans]
         self.record.ranks = sum(nproc(p) for p in plans)
@@ -202,6 +204,7 @@ class Supervisor:
             codeset.digest(reference) if reference is not None else None,
             self.spec.nproc_per_node is None,
             reference_files=reference,
+            mixed_accelerators=self.spec.mixed_accelerators,
         )
         took = f"{time.monotonic() - t0:.2f} s"
         if not findings:

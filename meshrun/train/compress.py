@@ -1,4 +1,5 @@
-"""Wire formats for DiLoCo's pseudo-gradients that are averaged by ``all_gather``: int8, FP4, int2.
+"""Wire formats for DiLoCo's pseudo-gradients that are averaged by ``all_gather``: int8, FP8, FP4, int2,
+and sparse top-k; and the orthonormal DCT that DeMo (meshrun.train.demo) compresses momentum in.
 
 Each format turns a 1-D float tensor into one ``uint8`` payload (block scales first, then the
 packed codes) and back. A worker ``all_gather``s its payload, decodes every worker's contribution
@@ -7,6 +8,12 @@ every worker gets bit-identical results (see ``meshrun.train.diloco``, which add
 
 - ``int8``: one fp32 scale per ``INT8_CHUNK`` (2048) elements, ``scale = absmax / 127``, round to
   nearest: ``n + 4 * ceil(n / 2048)`` bytes, error at most ``scale / 2`` per element.
+- ``fp8``: FP8 E4M3 (``torch.float8_e4m3fn``: 1 sign, 4 exponent, 3 mantissa bits, largest 448; what
+  torchft sends its outer gradients in), one bf16 scale per ``FP8_BLOCK`` (128) elements,
+  ``scale = absmax / 448``: ``n + 2 * ceil(n / 128)`` bytes (1.016 per element), relative error
+  at most 2^-4 per element above the block's subnormal range. torchft keeps one fp32 scale per row
+  and no error feedback (a reduce-scatter in fp8); here the block is fixed (rows of a pseudo-gradient
+  can be 10^5 long, one outlier would flatten the rest) and the residual is fed back.
 - ``fp4``: FP4 E2M1 (the element type of the OCP MX and NVIDIA NVFP4 formats: 1 sign, 2 exponent,
   1 mantissa bit; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), two codes per byte, one bf16 scale per
   ``FP4_BLOCK`` (128) elements, ``scale = absmax / 6``, round to the nearest grid value:
@@ -22,6 +29,13 @@ every worker gets bit-identical results (see ``meshrun.train.diloco``, which add
   ``INT2_BLOCK`` (128): ``ceil(n / 4) + 2 * ceil(n / 128)`` bytes (0.266 per element). Usable
   only with error feedback, which carries what the clamp and the coarse grid leave out to the
   next sync (as MuLoCo, arXiv 2505.23725, and SparseLoCo, arXiv 2508.15706, do with 2 bits).
+- ``sparse-int2`` / ``sparse-fp4`` (SparseLoCo, arXiv 2508.15706): the input is cut into chunks
+  of ``SPARSE_CHUNK`` (256) elements and only the ``k = round(density * 256)`` largest magnitudes
+  of each chunk are sent: their positions in the chunk as one byte each (hence 256), then their
+  values in int2 or fp4 (blocks of 128 values, as above). ``ceil(n / 256) * k`` index bytes plus
+  the values' payload: at density 1/64 (k = 4) and int2, 0.0198 bytes per element, 13x less than
+  dense int2. Everything not sent stays in the error feedback. SparseLoCo chunks 2-D tensors in
+  64x64 tiles and packs 12-bit indices; flat chunks of 256 keep indices to a byte.
 
 An all-zero block decodes to zeros. Non-finite input reaches the scale, so the
 receiver's finite check catches a diverged worker instead of averaging garbage.
@@ -37,6 +51,10 @@ import torch
 INT8_CHUNK = 2048  # elements per int8 scale: 4 bytes of scale per 2048 bytes of payload (0.2 %)
 FP4_BLOCK = 128  # elements per fp4 scale: 2 bytes of scale per 64 bytes of codes (3 %)
 INT2_BLOCK = 128  # elements per int2 scale: 2 bytes of scale per 32 bytes of codes (6 %)
+FP8_BLOCK = 128  # elements per fp8 scale: 2 bytes of scale per 128 bytes of codes (1.6 %)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+SPARSE_CHUNK = 256  # elements per top-k chunk: a position inside it fits one byte
+DEFAULT_DENSITY = 1 / 64  # sparse formats: share of each chunk sent (k = 4 of 256)
 _E2M1 = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_GRID = torch.tensor([-v for v in reversed(_E2M1)] + [0.0] + list(_E2M1))  # 15 values, codes 0..14
 INT2_GRID = torch.tensor([-1.5, -0.5, 0.5, 1.5])
@@ -132,6 +150,39 @@ def dequantize_int2(packed: torch.Tensor, scales: torch.Tensor, n: int, block: i
     return dequantize_grid(packed, scales, n, INT2_GRID, 2, block)
 
 
+def quantize_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 1-D float tensor to FP8 E4M3 (``torch.float8_e4m3fn``) with one bf16 scale per ``block``.
+
+    Returns ``(codes, scales)``: float8 codes of ``x``'s length and bf16 scales (``absmax / 448``).
+    Each element is within 2^-4 of its magnitude of ``dequantize_fp8``'s result (round to nearest
+    even on the 3-bit mantissa), or within ``scale * 2^-10`` in the block's subnormal range.
+    """
+    rows = _blocks(x, block)
+    scales = (rows.abs().amax(dim=1) / FP8_MAX).to(torch.bfloat16)
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+    # The bf16 scale can round below absmax / 448: clamp so the block's largest element stays finite
+    # (some torch builds do not saturate the cast: beyond 448 it gives NaN).
+    codes = (rows / safe[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(-1)[: x.numel()], scales
+
+
+def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Invert ``quantize_fp8``: fp32 tensor of ``n`` elements."""
+    return (_blocks(codes.float(), block) * scales.float()[:, None]).view(-1)[:n]
+
+
+def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """The orthonormal DCT-II matrix ``D`` (n x n): coefficients ``c = D @ x``, and back ``x = D.T @ c``.
+
+    ``D[k, i] = s_k cos(pi (2i + 1) k / 2n)`` with ``s_0 = sqrt(1/n)``, ``s_k = sqrt(2/n)``: scipy's
+    ``dct(type=2, norm="ortho")``. Built in float64, then cast, so every process gets the same bits.
+    """
+    i = torch.arange(n, dtype=torch.float64)
+    d = torch.cos(math.pi * (2 * i[None, :] + 1) * i[:, None] / (2 * n)) * math.sqrt(2 / n)
+    d[0] /= math.sqrt(2)
+    return d.to(dtype=dtype, device=device)
+
+
 class GatherCodec:
     """A pseudo-gradient format averaged by ``all_gather``: one uint8 payload per worker.
 
@@ -141,10 +192,16 @@ class GatherCodec:
     """
 
     def __init__(
-        self, quantize: Callable, dequantize: Callable, block: int, scale_dtype: torch.dtype, bits: int
+        self,
+        quantize: Callable,
+        dequantize: Callable,
+        block: int,
+        scale_dtype: torch.dtype,
+        bits: int,
+        code_dtype: torch.dtype = torch.uint8,
     ) -> None:
         self.quantize, self.dequantize = quantize, dequantize
-        self.block, self.scale_dtype, self.bits = block, scale_dtype, bits
+        self.block, self.scale_dtype, self.bits, self.code_dtype = block, scale_dtype, bits, code_dtype
         self.scale_size = torch.tensor([], dtype=scale_dtype).element_size()
 
     def _head(self, n: int) -> int:
@@ -161,14 +218,66 @@ class GatherCodec:
 
     def decode(self, payload: torch.Tensor, n: int) -> torch.Tensor:
         head = self._head(n)
-        codes = payload[head:].view(torch.int8) if self.bits == 8 else payload[head:]
+        codes = payload[head:].view(self.code_dtype)
         return self.dequantize(codes, payload[:head].view(self.scale_dtype), n, self.block)
+
+
+class SparseCodec:
+    """Top-k per chunk (SparseLoCo's sparsifier), values in a ``GatherCodec``: one uint8 payload per worker.
+
+    Same interface as ``GatherCodec``. The payload is the positions (one byte each, chunk by chunk, in
+    ascending order) followed by the values' payload. ``k = round(density * chunk)``, at least 1.
+    """
+
+    def __init__(self, values: GatherCodec, density: float, chunk: int = SPARSE_CHUNK) -> None:
+        if not 1 <= chunk <= 256:
+            raise ValueError(f"chunk {chunk} does not fit one-byte positions (1..256)")
+        self.values, self.chunk, self.density = values, chunk, density
+        self.k = min(chunk, max(1, round(density * chunk)))
+
+    def _rows(self, n: int) -> int:
+        return max(1, math.ceil(n / self.chunk))
+
+    def payload_bytes(self, n: int) -> int:
+        sent = self._rows(n) * self.k
+        return sent + self.values.payload_bytes(sent)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = _blocks(x, self.chunk)
+        # Sorted positions: the payload is canonical (the same selection always gives the same bytes).
+        idx = rows.abs().topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        payload, approx = self.values.encode(rows.gather(1, idx).reshape(-1))
+        dense = torch.zeros_like(rows).scatter_(1, idx, approx.view_as(idx).to(rows.dtype))
+        return torch.cat([idx.to(torch.uint8).view(-1), payload]), dense.view(-1)[: x.numel()]
+
+    def decode(self, payload: torch.Tensor, n: int) -> torch.Tensor:
+        m = self._rows(n)
+        sent = m * self.k
+        idx = payload[:sent].long().view(m, self.k)
+        values = self.values.decode(payload[sent:], sent).view(m, self.k)
+        dense = torch.zeros(m, self.chunk, dtype=torch.float32, device=payload.device)
+        return dense.scatter_(1, idx, values).view(-1)[:n]
 
 
 CODECS = {
     "int8": GatherCodec(
-        quantize_int8, lambda q, s, n, block: dequantize_int8(q, s, block), INT8_CHUNK, torch.float32, 8
+        quantize_int8,
+        lambda q, s, n, block: dequantize_int8(q, s, block),
+        INT8_CHUNK,
+        torch.float32,
+        8,
+        code_dtype=torch.int8,
     ),
+    "fp8": GatherCodec(quantize_fp8, dequantize_fp8, FP8_BLOCK, torch.bfloat16, 8, code_dtype=torch.float8_e4m3fn),
     "fp4": GatherCodec(quantize_fp4, dequantize_fp4, FP4_BLOCK, torch.bfloat16, 4),
     "int2": GatherCodec(quantize_int2, dequantize_int2, INT2_BLOCK, torch.bfloat16, 2),
 }
+SPARSE = {"sparse-fp4": "fp4", "sparse-int2": "int2"}  # sparse format -> the format of its values
+
+
+def make_codec(name: str, density: float = DEFAULT_DENSITY) -> GatherCodec | SparseCodec | None:
+    """The all_gather codec of format ``name`` (``density``: the sparse formats' share); None for the
+    formats that are all-reduced ("none", "fp16", "bf16")."""
+    if name in SPARSE:
+        return SparseCodec(CODECS[SPARSE[name]], density)
+    return CODECS.get(name)

@@ -40,11 +40,17 @@ Compression (the pseudo-gradient only; floating-point buffers travel in their ow
   to zero); a pseudo-gradient that overflows anyway raises ``UsageError`` after the reduce instead
   of writing ``inf`` into the global copy. bf16 has fp32's range but 8 mantissa bits (fp16 has 11).
   No error feedback for these two: their rounding error is relative and unbiased.
-- ``"int8"`` (1.002 bytes per element), ``"fp4"`` (FP4 E2M1 with a bf16 scale per 128 elements,
-  0.516 bytes per element) and ``"int2"`` (four levels times the block's RMS, 0.266 bytes per
-  element): see ``meshrun.train.compress``. All three keep *error feedback*: this worker's residual
-  ``x - dequant(quant(x))`` is added to its next pseudo-gradient, so the quantization error does not
-  accumulate over syncs (the cumulative error stays within one rounding error). They are averaged
+- ``"int8"`` (1.002 bytes per element), ``"fp8"`` (E4M3 with a bf16 scale per 128 elements, 1.016
+  bytes), ``"fp4"`` (FP4 E2M1 with a bf16 scale per 128 elements, 0.516 bytes per element),
+  ``"int2"`` (four levels times the block's RMS, 0.266 bytes per element) and the sparse formats
+  ``"sparse-int2"`` / ``"sparse-fp4"`` (SparseLoCo, arXiv 2508.15706: the ``density`` share of the
+  largest elements of every 256-element chunk, their positions as one byte each, their values in
+  int2 / fp4; 0.0198 bytes per element at the default density 1/64): see ``meshrun.train.compress``.
+  All of them keep *error feedback*: this worker's residual ``x - dequant(quant(x))`` (for the
+  sparse formats: everything not sent) is added to its next pseudo-gradient, so the error does not
+  accumulate over syncs (the cumulative error stays within one rounding error). ``error_decay``
+  (beta, default 1) scales the carried residual first: SparseLoCo's ``e = beta * e + delta``, with
+  beta = 0.95 and no outer momentum, lets the decayed residual play the outer momentum. They are averaged
   by ``all_gather``: summing 8-, 4- or 2-bit codes in an ``all_reduce`` overflows, and the fixes
   that keep ``all_reduce`` cost the saving (reduce in int32) or the precision (a shared scale with
   ``levels // world_size`` levels per worker). Each worker dequantizes the ``world_size``
@@ -58,7 +64,22 @@ collectives per sync (pseudo-gradient, scales, floating-point buffers), plus the
 it sends at construction (a broadcast or a recovery, see below). That is the figure to compare
 with DDP, which contributes ``4 * numel`` bytes of fp32 gradients *every step*
 (``ddp_equivalent_bytes``); it is not the per-link traffic of the algorithm the backend picks.
-The state check's 8-byte digests are not counted.
+The state check's 8-byte digests are not counted. ``comm_blocked_s`` is the time this worker spent
+waiting for its syncs' collectives (what overlap hides; ``last_sync_blocked_s`` for the last sync),
+``sync_s`` all the time in sync code (forming and encoding the pseudo-gradient, waiting, decoding,
+the outer step, the snapshot).
+
+Presets (``meshrun train --compression auto|none|low|medium|high``, meshrun.core.presets): the job's
+workers get ``MESHRUN_DILOCO_SYNC_EVERY``, ``MESHRUN_DILOCO_FRAGMENTS``, ``MESHRUN_DILOCO_COMPRESSION``
+and ``MESHRUN_DILOCO_DENSITY``; every argument left at "auto" (``sync_every``, ``fragments``,
+``compression``, ``density``) takes the variable's value, else its default (H = DEFAULT_SYNC_EVERY,
+1 fragment, "none", 1/64). An explicit argument always wins. ``preset`` names the job's preset.
+
+Mixed accelerators (``meshrun train --mixed-accelerators``): CUDA, ROCm and CPU workers in one job.
+Every worker then creates a gloo group (``default_backend()``); with a gloo group and parameters on
+an accelerator, DiLoCo keeps the global copy, the outer momentum and the error feedback in CPU memory,
+forms the pseudo-gradient there and runs the outer step there, so all workers compute the same
+bits whatever their device; the model itself stays on the accelerator.
 
 State check (``check_state=True``): after every sync each worker hashes the fragment's global
 parameters and outer momentum (64-bit BLAKE2b of the raw bytes: bit-exact, about 0.75 GB/s on one
@@ -115,6 +136,7 @@ import hashlib
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,14 +146,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun.core import presets
 from meshrun.errors import StateError, UsageError
 from meshrun.system import tensorfiles
 from meshrun.system.statedir import make_dir
-from meshrun.train.compress import CODECS
+from meshrun.train.compress import DEFAULT_DENSITY, make_codec
 from meshrun.train.sites import SiteGroups, all_gather_single
 
 AUTO = "auto"
-COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp4", "int2")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp8", "fp4", "int2", "sparse-fp4", "sparse-int2")
+DEFAULT_SYNC_EVERY = 100  # H when neither the script nor the job's preset gives one (the paper's low end)
 BUCKET_NUMEL = 1 << 24  # elements per collective (64 MiB of fp32); bounds the temporary memory
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _STATE_FORMAT = "meshrun.train.diloco/1"
@@ -162,6 +186,56 @@ def _check_float(name: str, value: Any, lo: float, hi: float, hi_open: bool) -> 
         interval = f"[{lo}, {hi})" if hi_open else f"({lo}, {hi}]"
         raise UsageError(f"{name}={value!r} is outside {interval}", f"pass a finite number in {interval} as {name}")
     return float(value)
+
+
+def preset_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The DiLoCo settings the job's preset put in the environment (``meshrun train --compression``).
+
+    Keys among sync_every, fragments, compression, density, for the variables that are set
+    (meshrun.core.presets names them). Raises ``UsageError`` naming a variable whose value is invalid.
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for key, var in (("sync_every", presets.ENV_SYNC_EVERY), ("fragments", presets.ENV_FRAGMENTS)):
+        if env.get(var):
+            try:
+                out[key] = int(env[var])
+            except ValueError:
+                out[key] = None
+            if out[key] is None or out[key] < 1:
+                raise UsageError(f"{var}={env[var]!r} is not an integer >= 1", f"unset {var}, or set it to e.g. 50")
+    if env.get(presets.ENV_COMPRESSION):
+        if env[presets.ENV_COMPRESSION] not in COMPRESSIONS:
+            raise UsageError(
+                f"{presets.ENV_COMPRESSION}={env[presets.ENV_COMPRESSION]!r} is not a DiLoCo compression",
+                f"set it to one of {', '.join(COMPRESSIONS)}",
+            )
+        out["compression"] = env[presets.ENV_COMPRESSION]
+    if env.get(presets.ENV_DENSITY):
+        try:
+            density = float(env[presets.ENV_DENSITY])
+        except ValueError:
+            density = math.nan
+        if not 0 < density <= 1:
+            raise UsageError(
+                f"{presets.ENV_DENSITY}={env[presets.ENV_DENSITY]!r} is not in (0, 1]", "set it to e.g. 0.015625"
+            )
+        out["density"] = density
+    return out
+
+
+def mixed_accelerators() -> bool:
+    """Whether this job mixes accelerators (``meshrun train --mixed-accelerators``): collectives must run on gloo."""
+    return os.environ.get(presets.ENV_MIXED) == "1"
+
+
+def default_backend() -> str:
+    """The process-group backend for this worker: gloo in a mixed-accelerator job or without CUDA, else nccl.
+
+    Every worker of a job must pick the same one: in a ``--mixed-accelerators`` job a CUDA worker
+    uses gloo too (DiLoCo then stages its syncs through CPU memory, see the module docstring).
+    """
+    return "gloo" if mixed_accelerators() or not torch.cuda.is_available() else "nccl"
 
 
 def sharding(model: nn.Module) -> str:
@@ -241,17 +315,19 @@ class DiLoCo:
         self,
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
-        sync_every: int,
+        sync_every: int | str = AUTO,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
-        compression: str = "none",
+        compression: str = AUTO,
         process_group: Any = None,
-        fragments: int = 1,
+        fragments: int | str = AUTO,
         overlap: int | None = None,
         mixing: float = 0.0,
         check_state: bool = True,
         snapshot_dir: str | os.PathLike | None = AUTO,
         sites: SiteGroups | None = None,
+        density: float | str = AUTO,
+        error_decay: float = 1.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"model={type(model).__name__} is not a torch.nn.Module", "pass the model being trained")
@@ -271,6 +347,13 @@ class DiLoCo:
                 f"inner_optimizer={type(inner_optimizer).__name__} is not a torch.optim.Optimizer",
                 "pass e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)",
             )
+        preset = preset_from_env()
+        self.preset = os.environ.get(presets.ENV_PRESET, "") if preset else ""
+        # An explicit argument wins over the job's preset, which wins over the default.
+        sync_every = preset.get("sync_every", DEFAULT_SYNC_EVERY) if sync_every == AUTO else sync_every
+        compression = preset.get("compression", "none") if compression == AUTO else compression
+        fragments = preset.get("fragments", 1) if fragments == AUTO else fragments
+        density = preset.get("density", DEFAULT_DENSITY) if density == AUTO else density
         self.sync_every = _check_int("sync_every", sync_every, 1)
         self.outer_lr = _check_float("outer_lr", outer_lr, 0.0, math.inf, hi_open=False)
         self.outer_momentum = _check_float("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
@@ -280,7 +363,9 @@ class DiLoCo:
                 f"use one of {', '.join(repr(c) for c in COMPRESSIONS)}",
             )
         self.compression = compression
-        self._codec = CODECS.get(compression)
+        self.density = _check_float("density", density, 0.0, 1.0, hi_open=False)
+        self.error_decay = _check_float("error_decay", error_decay, 0.0, 1.0, hi_open=False)
+        self._codec = make_codec(compression, self.density)
         self.fragments = _check_int("fragments", fragments, 1)
         if self.sync_every % self.fragments:
             raise UsageError(
@@ -352,21 +437,37 @@ class DiLoCo:
         self._params = [p for _, p in named]
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
         self._fragment_indices = _balanced_fragments([p.numel() for p in self._params], self.fragments)
+        # Where syncs happen: the parameters' device, except that a gloo group with accelerator parameters
+        # (a --mixed-accelerators job) syncs through CPU memory, and keeps the global copy and the outer
+        # step there, so that a CUDA, a ROCm and a CPU worker compute the same outer step bit for bit.
+        self._comm_device = self._params[0].device
+        if (
+            sites is None
+            and self._distributed
+            and self._comm_device.type != "cpu"
+            and dist.get_backend(process_group) == "gloo"
+        ):
+            self._comm_device = torch.device("cpu")
 
-        # Global copy in the parameter's dtype and device (see module docstring).
-        self._global = [p.detach().clone() for p in self._params]
+        # Global copy in the parameter's dtype, on the sync device (see module docstring).
+        self._global = [p.detach().to(self._comm_device, copy=True) for p in self._params]
         self.outer_optimizer = torch.optim.SGD(
             self._global, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0
         )
         self._make_momentum()
         self._error_feedback: list[torch.Tensor] | None = None
         if self._codec is not None:
-            self._error_feedback = [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
+            self._error_feedback = [
+                torch.zeros_like(g, dtype=torch.float32, device=self._comm_device) for g in self._global
+            ]
 
         self.step_count = 0  # inner steps taken
         self.sync_count = 0  # syncs merged (one per fragment sync, sync_now or finish)
         self.last_sync_bytes = 0
         self.bytes_sent_total = 0
+        self.comm_blocked_s = 0.0  # seconds this worker waited on its syncs' collectives (what overlap hides)
+        self.sync_s = 0.0  # seconds in sync code: forming, encoding, waiting, decoding, outer step, snapshot
+        self.last_sync_blocked_s = 0.0
         self._inflight: _InFlight | None = None
         self._clean: set[int] = set()  # fragments whose local part equals the global copy
         self._pending_check: tuple[int, Any, list[torch.Tensor]] | None = None  # sync, handle, digests
@@ -458,21 +559,26 @@ class DiLoCo:
 
         Floating-point buffers ride along with fragment 0.
         """
+        started = time.perf_counter()
         indices = sorted(i for f in fragments for i in self._fragment_indices[f])
         parts = []
         nbytes = 0
+        dev = self._comm_device
         for bucket in self._make_buckets(indices):
             dtype = self._compute_dtype(self._params[bucket[0]])
-            flat = torch.cat([(self._global[i].to(dtype) - self._params[i].to(dtype)).reshape(-1) for i in bucket])
+            flat = torch.cat(
+                [(self._global[i].to(dtype) - self._params[i].to(device=dev, dtype=dtype)).reshape(-1) for i in bucket]
+            )
             work, finish, sent = self._start_average(flat, bucket)
             parts.append((bucket, work, finish))
             nbytes += sent
         buffer_part = None
         if 0 in fragments and self._buffers and self.world_size > 1:
             # Buffers are averaged in their own dtype (no outer optimizer, no compression).
-            flat = torch.cat([b.detach().reshape(-1) for b in self._buffers])
+            flat = torch.cat([b.detach().to(dev).reshape(-1) for b in self._buffers])
             buffer_part = (dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True), flat)
             nbytes += flat.numel() * flat.element_size()
+        self.sync_s += time.perf_counter() - started
         return _InFlight(fragments, indices, due, parts, buffer_part, nbytes if self.world_size > 1 else 0)
 
     def _start_average(self, flat: torch.Tensor, bucket: list[int]) -> tuple[Any, Callable[[], torch.Tensor], int]:
@@ -487,7 +593,8 @@ class DiLoCo:
                 return work, lambda: wire / world, wire.numel() * wire.element_size()
             return work, lambda: wire.to(flat.dtype), wire.numel() * wire.element_size()
         assert self._error_feedback is not None
-        flat += torch.cat([self._error_feedback[i].to(flat.dtype).reshape(-1) for i in bucket])
+        carried = torch.cat([self._error_feedback[i].to(flat.dtype).reshape(-1) for i in bucket])
+        flat += carried if self.error_decay == 1 else self.error_decay * carried
         payload, approx = self._codec.encode(flat)
         residual = flat - approx
         offset = 0
@@ -516,7 +623,7 @@ class DiLoCo:
         if self._codec is not None:
             assert self._error_feedback is not None
             ef = torch.cat([self._error_feedback[j].to(flat.dtype).reshape(-1) for j in bucket])
-            shard = flat[lo:hi] + ef[lo:hi]
+            shard = flat[lo:hi] + (ef[lo:hi] if self.error_decay == 1 else self.error_decay * ef[lo:hi])
             payload, approx = self._codec.encode(shard)
             ef[lo:hi] = shard - approx  # the residual of what this rank sent; the rest is others' to send
             offset = 0
@@ -558,10 +665,10 @@ class DiLoCo:
         """Wait for the sync in flight, outer-step its fragment, mix it into the model (collective)."""
         job, self._inflight = self._inflight, None
         assert job is not None
+        started, blocked = time.perf_counter(), self.comm_blocked_s
         self._check_digests()
         for bucket, work, read in job.parts:
-            if work is not None:
-                work.wait()
+            self._wait(work)
             avg = read()
             if not bool(torch.isfinite(avg).all()):
                 raise UsageError(
@@ -578,15 +685,15 @@ class DiLoCo:
         self.outer_optimizer.zero_grad(set_to_none=True)
         for i in job.indices:
             p, g = self._params[i], self._global[i]
-            p.copy_(g if alpha == 0 else torch.lerp(g, p, alpha))
+            p.copy_(g if alpha == 0 else torch.lerp(g.to(p.device), p, alpha))
         if job.buffer_part is not None:
             work, flat = job.buffer_part
-            work.wait()
+            self._wait(work)
             flat /= self.world_size
             offset = 0
             for b in self._buffers:
                 avg = flat[offset : offset + b.numel()].view_as(b)
-                b.copy_(avg if alpha == 0 else torch.lerp(avg, b, alpha))
+                b.copy_(avg if alpha == 0 else torch.lerp(avg.to(b.device), b, alpha))
                 offset += b.numel()
         if alpha == 0:
             self._clean.update(job.fragments)
@@ -599,6 +706,16 @@ class DiLoCo:
             self._pending_check = (self.sync_count, *self._start_gather([digest]))
         if self.snapshot_path is not None:
             self._write_snapshot()
+        self.last_sync_blocked_s = self.comm_blocked_s - blocked
+        self.sync_s += time.perf_counter() - started
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective (None: nothing was sent), counting the time in ``comm_blocked_s``."""
+        if work is None:
+            return
+        t = time.perf_counter()
+        work.wait()
+        self.comm_blocked_s += time.perf_counter() - t
 
     # ----------------------------------------------------------------- state check
     def _shared_tensors(self, indices: list[int]) -> list[torch.Tensor]:
@@ -630,7 +747,7 @@ class DiLoCo:
             return
         sync, work, out = self._pending_check
         self._pending_check = None
-        work.wait()
+        self._wait(work)
         digests = [int(t[0]) for t in out]
         majority = max(digests, key=lambda d: (digests.count(d), -digests.index(d)))
         odd = [r for r, d in enumerate(digests) if d != majority]
@@ -645,7 +762,7 @@ class DiLoCo:
 
     def _start_gather(self, values: list[int]) -> tuple[Any, list[torch.Tensor]]:
         """Start an ``all_gather`` of a few int64 values: (handle, one tensor per rank once done)."""
-        mine = torch.tensor(values, dtype=torch.int64, device=self._params[0].device)
+        mine = torch.tensor(values, dtype=torch.int64, device=self._comm_device)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         return dist.all_gather(out, mine, group=self.process_group, async_op=True), out
 
@@ -685,7 +802,7 @@ class DiLoCo:
         if path is None or not path.exists():
             return None
         try:
-            snap = tensorfiles.load(path, map_location=self._params[0].device)
+            snap = tensorfiles.load(path, map_location=self._comm_device)
         except StateError as exc:
             raise StateError(
                 f"cannot read the DiLoCo snapshot: {exc.message}",
@@ -733,7 +850,7 @@ class DiLoCo:
         receivers = [r for r, row in enumerate(table) if (row[0], row[2]) != (newest, table[src][2])]
         group = self.process_group
         if self.rank in receivers:
-            shared = [torch.empty_like(t) for t in self._snapshot_tensors()]
+            shared = [torch.empty_like(t, device=self._comm_device) for t in self._snapshot_tensors()]
             for t in shared:
                 dist.recv(t, src=self._global_rank(src), group=group)
         else:
@@ -742,7 +859,7 @@ class DiLoCo:
         if self.rank == src:
             for r in receivers:
                 for t in shared:
-                    dist.send(t.contiguous(), dst=self._global_rank(r), group=group)
+                    dist.send(t.to(self._comm_device).contiguous(), dst=self._global_rank(r), group=group)
                     self.bytes_sent_total += t.numel() * t.element_size()
         self._adopt(shared, table[src][1], newest, snap if snap is not None and snap["sync_count"] == newest else None)
         self.resumed = {"sync_count": newest, "step_count": self.step_count, "source_rank": src, "receivers": receivers}
@@ -751,7 +868,10 @@ class DiLoCo:
 
     def _broadcast_model(self) -> None:
         for t in list(self.model.parameters()) + list(self.model.buffers()):
-            dist.broadcast(t.data, src=self._global_rank(0), group=self.process_group)
+            staged = t.data if t.device == self._comm_device else t.data.to(self._comm_device)
+            dist.broadcast(staged, src=self._global_rank(0), group=self.process_group)
+            if staged is not t.data:
+                t.data.copy_(staged)
             if self.rank == 0:
                 self.bytes_sent_total += t.numel() * t.element_size() * (self.world_size - 1)
         for g, p in zip(self._global, self._params):
@@ -822,6 +942,7 @@ class DiLoCo:
         return {
             "format": _STATE_FORMAT,
             "compression": self.compression,
+            "density": self.density,
             "sync_every": self.sync_every,
             "fragments": self.fragments,
             "world_size": self.world_size,
@@ -896,6 +1017,8 @@ class DiLoCo:
         return (
             f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
             f"outer_momentum={self.outer_momentum}, compression={self.compression!r}, "
+            + (f"density={self.density}, " if self.compression.startswith("sparse-") else "")
+            + f"error_decay={self.error_decay}, "
             f"fragments={self.fragments}, overlap={self.overlap}, mixing={self.mixing}, "
             f"world_size={self.world_size}, params={self.numel})"
         )

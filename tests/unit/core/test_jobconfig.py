@@ -102,3 +102,37 @@ def test_missing_file_and_missing_script(tmp_path):
         jobconfig.merge({}, NOTHING)
     with pytest.raises(UsageError, match="unknown option '--bogus'"):
         jobconfig.merge({}, dict(NOTHING, script="--bogus"))
+
+
+def test_compression_model_size_and_mixed_accelerators_from_the_job_file(tmp_path):
+    text = 'script = "a.py"\ncompression = "auto"\nmodel_size = "1.3B"\nstep_time = 0.8\nmixed_accelerators = true\n'
+    got = jobconfig.merge(jobconfig.parse(text), NOTHING)
+    assert (got["compression"], got["model_size"], got["step_time"]) == ("auto", 1_300_000_000, 0.8)
+    spec = job_spec(got, tmp_path)
+    assert spec.mixed_accelerators and spec.model_size == 1_300_000_000
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    cli = jobconfig.merge(jobconfig.parse(text), dict(NOTHING, compression="low", model_size="350M"))
+    assert job_spec(cli, tmp_path).compression == "low" and job_spec(cli, tmp_path).model_size == 350_000_000
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('compression = "max"', "compression = 'max' must be one of 'auto', 'none', 'low', 'medium', 'high'"),
+        ("model_size = -3", "model_size = -3 must be a parameter count"),
+        ('model_size = "lots"', "--model-size 'lots' is not a parameter count"),
+        ("step_time = 0", "step_time = 0 must be a positive number"),
+        ('mixed_accelerators = "yes"', "mixed_accelerators = 'yes' must be true or false"),
+    ],
+)
+def test_bad_compression_keys_name_the_value(text, words):
+    with pytest.raises(UsageError) as exc:
+        jobconfig.parse(text)
+    assert words in exc.value.message and exc.value.fix
+
+
+def test_a_bad_compression_on_the_command_line_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="--compression 'max' is not a preset"):
+        job_spec(dict(NOTHING, script="a.py", compression="max"), tmp_path)
+    with pytest.raises(UsageError, match="--step-time -1"):
+        job_spec(dict(NOTHING, script="a.py", step_time=-1), tmp_path)

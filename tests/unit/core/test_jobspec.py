@@ -75,3 +75,19 @@ def test_states_records_and_share_ends():
     assert ShareEnd.from_dict({"code": 0}).ok
     assert not ShareEnd.from_dict({"code": 0, "cancelled": True}).ok
     assert not ShareEnd.from_dict({"code": None, "signal": "SIGKILL"}).ok
+
+
+def test_a_preset_and_mixed_accelerators_reach_the_launch_options():
+    from meshrun.core import presets
+
+    choice = presets.decide("high", None, None, 3)
+    spec = JobSpec("d", "t.py", compression="high", preset=choice.to_dict(), mixed_accelerators=True)
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    opts = spec.launch_options(NET, 29401, shipped=True)
+    assert dict(opts.job_env) == presets.PRESETS["high"].env() and opts.mixed_accelerators
+    plain = JobSpec("d", "t.py").launch_options(NET, 29401, shipped=True)
+    assert plain.job_env == () and not plain.mixed_accelerators
+    with pytest.raises(ValueError, match="compression 'max'"):
+        JobSpec.from_dict({"job_id": "a", "script": "t.py", "compression": "max"})
+    with pytest.raises((KeyError, TypeError, ValueError)):
+        JobSpec.from_dict({"job_id": "a", "script": "t.py", "preset": {"asked": "auto", "preset": {"name": "x"}}})

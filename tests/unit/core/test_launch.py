@@ -308,3 +308,21 @@ def test_a_job_cannot_take_a_store_off_the_overlay():
     """TORCH_DISABLE_SHARE_RDZV_TCP_STORE would make rank 0 host a store on every interface: refused."""
     with pytest.raises(UsageError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE cannot be set for a meshrun job"):
         launch.plan(NODES, opts(), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+
+
+def test_a_diloco_preset_reaches_every_worker_and_the_user_may_override_it():
+    from meshrun.core import presets
+
+    preset = presets.PRESETS["medium"].env()
+    env = launch.worker_env("meshrun0", "a", {"MESHRUN_DILOCO_SYNC_EVERY": "20"}, job_env=preset)
+    assert env["MESHRUN_DILOCO_COMPRESSION"] == "fp4" and env["MESHRUN_DILOCO_FRAGMENTS"] == "2"
+    assert env["MESHRUN_DILOCO_SYNC_EVERY"] == "20"  # the user's --env wins over the preset
+    assert not any(k.startswith("MESHRUN_DILOCO_") for k in launch.worker_env("meshrun0", "a", {}))
+
+
+def test_mixed_accelerators_is_meshrun_s_to_set():
+    assert launch.worker_env("meshrun0", "a", {}, mixed_accelerators=True)["MESHRUN_MIXED_ACCELERATORS"] == "1"
+    # a job that did not declare it cannot claim it (the pre-flight judged it without), nor can one drop it
+    assert "MESHRUN_MIXED_ACCELERATORS" not in launch.worker_env("meshrun0", "a", {"MESHRUN_MIXED_ACCELERATORS": "1"})
+    forced = launch.worker_env("meshrun0", "a", {"MESHRUN_MIXED_ACCELERATORS": "0"}, mixed_accelerators=True)
+    assert forced["MESHRUN_MIXED_ACCELERATORS"] == "1"

@@ -173,3 +173,33 @@ def test_the_table_removes_escape_sequences_a_node_reported_and_keeps_its_column
     assert lines[0].index("TORCH") == lines[1].index("2.13.0+cpu") == lines[2].index("2.12.0+cpu")
     assert lines[0].index("FREE") == lines[1].index("51200 MiB") == lines[2].index("51200 MiB")
     assert any(line.startswith("BLOCK b: its copy of the code differs") and "x.py (extra)" in line for line in lines)
+
+
+# --------------------------------------------------------------------------- mixed accelerators
+def rocm(name: str, **kw) -> EnvReport:
+    return node(name, **{"torch": "2.13.0+rocm6.2", "hip": "6.2", "gpus": 8, "gpu_names": ["AMD MI300X"] * 8, **kw})
+
+
+def test_a_job_declared_mixed_only_warns_when_builds_differ():
+    reports = [node("a"), cuda("b"), rocm("c")]
+    plain = compare(reports, "c0de", nproc_auto=False)
+    assert blocking(plain)
+    block = [f for f in plain if f.level == BLOCK]
+    assert {f.nodes for f in block} == {("b",), ("c",)}
+    assert all("--mixed-accelerators" in f.fix for f in block)  # the fix names the way out
+    mixed = compare(reports, "c0de", nproc_auto=False, mixed_accelerators=True)
+    assert not blocking(mixed), mixed
+    warned = {f.nodes: f for f in mixed if "build of torch" in f.what}
+    assert set(warned) == {("b",), ("c",)} and all(f.level == WARN for f in warned.values())
+    assert "a CUDA 12.8 build of torch where the others have CPU: allowed" in warned[("b",)].what
+    assert "gloo" in warned[("c",)].fix
+
+
+def test_a_mixed_job_still_needs_one_torch_version_and_gloo_everywhere():
+    version = compare([node("a"), node("b"), cuda("c", torch="2.12.0+cu128")], "c0de", mixed_accelerators=True)
+    assert (BLOCK, ("c",)) in {(f.level, f.nodes) for f in version}
+    no_gloo = compare([node("a"), cuda("b", gloo=False)], "c0de", nproc_auto=False, mixed_accelerators=True)
+    block = [f for f in no_gloo if f.level == BLOCK]
+    assert [f.nodes for f in block] == [("b",)] and block[0].what == "torch has no gloo backend"
+    # a plain CUDA job does not need gloo on its GPU nodes
+    assert not blocking(compare([cuda("a", gloo=False), cuda("b", gloo=False)], "c0de"))

@@ -1,0 +1,66 @@
+"""benchmarks/diloco_wan.py --smoke: every variant (DDP, no communication, DeMo-DDP, DiLoCo fp8/fp4/int2, streaming,
+SparseLoCo) through both phases, tuning on loopback and a measured round over meshrun, at a tiny size.
+
+The numbers mean nothing at this size; what is checked is that the benchmark still runs against the current
+meshrun and example script, that its result has what the generated tables read (tuning record without test
+loss, held-out loss, blocked time, the baseline's noise verdict), and that every DiLoCo variant's workers end on
+the same model. The result goes to a temporary file, never to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from support import REPO_ROOT
+
+
+def test_diloco_wan_smoke_runs_every_variant_and_its_result_renders(tmp_path):
+    out = tmp_path / "diloco.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "diloco_wan.py"), "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    report = json.loads(out.read_text())
+    assert report["format"] == 2 and report["summary"] in proc.stdout
+    assert report["environment"]["wireguard"]["sha256"], report["environment"]
+    results = report["results"]
+    expected = {"ddp", "local", "demo_ddp", "diloco_fp8", "diloco_fp4", "streaming_fp4", "diloco_int2", "sparse_int2"}
+    assert set(results) == expected and not [v for v, r in results.items() if "error" in r]
+    # phase 1 chose each DiLoCo variant's H among 2 and 4 on the tuning split, and kept no test loss
+    tuning = report["tuning"]
+    assert {v for v in tuning["runs"]} == {"diloco_fp8", "diloco_fp4", "streaming_fp4", "diloco_int2", "sparse_int2"}
+    for runs in tuning["runs"].values():
+        assert len(runs) == 2 and all("tune_loss" in r and "test_loss" not in r for r in runs)
+    for variant in tuning["runs"]:
+        assert (
+            tuning["chosen"][variant]["sync_every"] in (2, 4)
+            and results[variant]["params"] == tuning["chosen"][variant]
+        )
+    for variant in ("diloco_fp8", "diloco_fp4", "streaming_fp4", "diloco_int2", "sparse_int2"):
+        r = results[variant]
+        assert len(r["param_checksums"]) == 1, (variant, r["param_checksums"])  # both workers, one model
+        assert r["blocked_share"] is not None and 0 <= r["blocked_share"] < 1 and r["test_loss"] > 0
+    assert results["sparse_int2"]["payload_bytes_per_worker"] < results["diloco_int2"]["payload_bytes_per_worker"]
+    assert results["demo_ddp"]["payload_bytes_per_worker"] < results["ddp"]["payload_bytes_per_worker"] / 20
+    # one round: the baseline's spread is unknown, so no wall verdict, and the report says so
+    assert report["baseline_noise"]["refused"] and "one round" in report["baseline_noise"]["why"]
+    assert "NO WALL VERDICT" in proc.stdout
+    comps = report["comparison"]
+    assert set(comps) == expected - {"ddp", "local"}
+    assert all(c["targets"]["wall"]["met"] is None and c["targets"]["bytes"]["met"] is not None for c in comps.values())
+    # the generated tables read it
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import readme_figures
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    table = readme_figures.diloco_table(report)
+    assert all(f"| {v} |" in table for v in comps) and "held-out loss vs DDP" in table
