@@ -1,5 +1,5 @@
-"""benchmarks/diloco_wan.py --smoke: every variant (DDP, no communication, DeMo-DDP, DiLoCo fp8/fp4/int2, streaming,
-SparseLoCo) through both phases, tuning on loopback and a measured round over meshrun, at a tiny size.
+"""benchmarks/diloco_wan.py --smoke: DDP, no communication, DeMo-DDP, DiLoCo int2 and SparseLoCo through both phases,
+tuning on loopback and a measured round over meshrun, at a tiny size (the other codecs take the same path).
 
 The numbers mean nothing at this size; what is checked is that the benchmark still runs against the current
 meshrun and example script, that its result has what the generated tables read (tuning record without test
@@ -32,11 +32,11 @@ def test_diloco_wan_smoke_runs_every_variant_and_its_result_renders(tmp_path):
     assert report["format"] == 2 and report["summary"] in proc.stdout
     assert report["environment"]["wireguard"]["sha256"], report["environment"]
     results = report["results"]
-    expected = {"ddp", "local", "demo_ddp", "diloco_fp8", "diloco_fp4", "streaming_fp4", "diloco_int2", "sparse_int2"}
+    expected = {"ddp", "local", "demo_ddp", "diloco_int2", "sparse_int2"}
     assert set(results) == expected and not [v for v, r in results.items() if "error" in r]
     # phase 1 chose each DiLoCo variant's H among 2 and 4 on the tuning split, and kept no test loss
     tuning = report["tuning"]
-    assert {v for v in tuning["runs"]} == {"diloco_fp8", "diloco_fp4", "streaming_fp4", "diloco_int2", "sparse_int2"}
+    assert {v for v in tuning["runs"]} == {"diloco_int2", "sparse_int2"}
     for runs in tuning["runs"].values():
         assert len(runs) == 2 and all("tune_loss" in r and "test_loss" not in r for r in runs)
     for variant in tuning["runs"]:
@@ -44,7 +44,7 @@ def test_diloco_wan_smoke_runs_every_variant_and_its_result_renders(tmp_path):
             tuning["chosen"][variant]["sync_every"] in (2, 4)
             and results[variant]["params"] == tuning["chosen"][variant]
         )
-    for variant in ("diloco_fp8", "diloco_fp4", "streaming_fp4", "diloco_int2", "sparse_int2"):
+    for variant in ("diloco_int2", "sparse_int2"):
         r = results[variant]
         assert len(r["param_checksums"]) == 1, (variant, r["param_checksums"])  # both workers, one model
         assert r["blocked_share"] is not None and 0 <= r["blocked_share"] < 1 and r["test_loss"] > 0
