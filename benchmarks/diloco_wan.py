@@ -162,9 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run before it is cancelled")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"result file [{DEFAULT_JSON.relative_to(REPO)}]")
     p.add_argument("--rounds", type=int, default=3, help="measured rounds of every variant, alternating order")
-    p.add_argument(
-        "--smoke", action="store_true", help="five variants at a tiny size, 1 round: checks the code"
-    )
+    p.add_argument("--smoke", action="store_true", help="five variants at a tiny size, 1 round: checks the code")
     p.add_argument(
         "--local",
         action="store_true",
