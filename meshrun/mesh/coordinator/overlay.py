@@ -230,10 +230,16 @@ class OverlayAPI:
     def relay_down(self, caller: Member, body: dict) -> Response:
         """The caller cannot reach these relayed peers through their relay: each pair gets another one
         at once (the loop is woken), and both ends hear of it with their next answer."""
-        peers = body.get("peers")
-        if not isinstance(peers, list) or not all(isinstance(k, str) for k in peers) or len(peers) > 256:
+        peers, via = body.get("peers"), body.get("via", {})
+        if (
+            not isinstance(peers, list)
+            or not all(isinstance(k, str) for k in peers)
+            or len(peers) > 256
+            or not isinstance(via, dict)
+            or not all(isinstance(v, str) for v in via.values())
+        ):
             return Response.error(400, UsageError("malformed relay-down report", "use the meshrun agent"))
-        rerouted = self.pairs.relay_failed(caller.name, peers)
+        rerouted = self.pairs.relay_failed(caller.name, peers, via=via)
         if rerouted:
             self.on_news()
         return Response(200, {"rerouted": rerouted})

@@ -180,9 +180,13 @@ class PairDriver:
                     self.rtt_count[node] = self.rtt_count.get(node, 0) + 1
                 self.rtt[pair] = float(ms)
 
-    def relay_failed(self, node: str, keys: list[str], now: float | None = None) -> int:
-        """`node` found these relayed peers unreachable through their relay: each pair gets another relay
-        at the next update, and that relay is avoided for it for AVOID_S. Returns the pairs rerouted."""
+    def relay_failed(
+        self, node: str, keys: list[str], now: float | None = None, via: dict[str, str] | None = None
+    ) -> int:
+        """`node` found these relayed peers unreachable through their relay (`via`: {peer key: the relay's
+        key it tried, "" for the coordinator}): each pair gets another relay at the next update, and that
+        relay is avoided for it for AVOID_S. A report about a relay the pair no longer has (the other end
+        reported first) changes nothing. Returns the pairs rerouted."""
         now = time.time() if now is None else now
         count = 0
         with self.lock:
@@ -192,6 +196,10 @@ class PairDriver:
                 st = self.pairs.get(pair) if pair else None
                 if st is None or st.mode != pairpaths.RELAYED:
                     continue
+                if via is not None and key in via:
+                    tried = self.names.get(via[key], "") if via[key] else relays.COORDINATOR
+                    if self._relay_name(tried) != st.relay:
+                        continue
                 log.info("relay %s failed %s <-> %s", st.relay or "(coordinator)", pair[0], pair[1])
                 self.avoid.setdefault(pair, {})[st.relay] = now + AVOID_S
                 self.reroute.add(pair)

@@ -10,6 +10,7 @@ retries with backoff; the data path never depends on the coordinator being up.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import signal
 import threading
@@ -348,8 +349,11 @@ class AgentService:
         self.state.write_json("relaying.json", {"pairs": [[by_ip.get(a, a), by_ip.get(b, b)] for a, b in wanted]})
 
     def _probe_loop(self, step, every: float) -> None:
-        """Run `step` every `every` seconds until the agent stops (relay checks; round trips)."""
-        while not self.stop_event.wait(every):
+        """Run `step` every `every` seconds (from start to start: a slow step does not stretch the
+        cadence) until the agent stops (relay checks; round trips)."""
+        due = time.monotonic() + every
+        while not self.stop_event.wait(max(0.0, due - time.monotonic())):
+            due = max(due + every, time.monotonic())
             try:
                 step()
             except Exception:  # the agent's job is the sync loop: a probe failure must not end it
@@ -361,9 +365,12 @@ class AgentService:
         members = self.members
         relayed = {m.public_key: m for m in members if m.path == "relayed"}
         self.misses = {k: v for k, v in self.misses.items() if k in relayed}
+        # All at once: a dead relay makes every try wait its whole timeout.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(1, len(relayed)))) as pool:
+            answered = dict(zip(relayed, pool.map(lambda m: self.probe(m.overlay_ip), relayed.values())))
         down = []
-        for key, m in relayed.items():
-            if self.probe(m.overlay_ip) is not None:
+        for key in relayed:
+            if answered[key] is not None:
                 self.misses.pop(key, None)
                 continue
             self.misses[key] = self.misses.get(key, 0) + 1
@@ -373,7 +380,9 @@ class AgentService:
             names = ", ".join(relayed[k].name for k in down)
             log.warning("relayed peers unreachable through their relay: %s; asking for another relay", names)
             try:
-                self.call_now("POST", "/v1/relay-down", {"peers": down}, 5)
+                # With the relay each end tried: a report about a relay the pair already left changes nothing.
+                via = {k: relayed[k].via for k in down}
+                self.call_now("POST", "/v1/relay-down", {"peers": down, "via": via}, 5)
                 for key in down:
                     self.misses[key] = 0
             except MeshrunError as exc:

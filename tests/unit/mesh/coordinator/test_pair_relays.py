@@ -170,3 +170,14 @@ def test_a_node_that_joined_with_no_relay_refuses_to_forward(tmp_path):
     c.agent.sync_once(wait=0)
     c.agent._relay([[a.ip, b.ip]])  # as if a coordinator asked anyway
     assert c.device.relayed == []
+
+
+def test_a_report_about_a_relay_the_pair_already_left_changes_nothing(db):
+    drv, _ = world(db)
+    assert drv.relay_failed("n0", [key(1)], now=T0 + 20, via={key(1): key(2)}) == 1  # n0 tried n2
+    drv.update(None, T0 + 20)
+    assert drv.mode("n0", "n1").relay == "n3"
+    # n1's report about n2 arrives late: n3 is not blamed for it.
+    assert drv.relay_failed("n1", [key(0)], now=T0 + 21, via={key(0): key(2)}) == 0
+    drv.update(None, T0 + 21)
+    assert drv.mode("n0", "n1").relay == "n3"
