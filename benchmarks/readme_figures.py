@@ -152,15 +152,24 @@ def launch_overhead(d: dict) -> tuple[str, str]:
 
 
 def relay_vs_direct(d: dict) -> tuple[str, str]:
-    if "runs_MiBps" in d:
-        r, dd = d["runs_MiBps"]["relayed"], d["runs_MiBps"]["direct"]
-        rate = f"{d['rate_mbit']} Mbit/s links" if d.get("rate_mbit") else "unshaped links, CPU-bound"
-    else:
-        r, dd, rate = d["relayed_algbw_MiBps"], d["direct_algbw_MiBps"], "unshaped links, CPU-bound"
-    ratio = statistics.median(r) / statistics.median(dd)
+    runs = d["runs_MiBps"]
+    direct = runs["direct"]
+    if "peer_relayed" in runs:
+        peer, coord = runs["peer_relayed"], runs["coordinator_relayed_2_pairs"]
+        med = statistics.median(direct)
+        return (
+            "relayed pair (both behind symmetric NAT) vs direct pair, all-reduce bandwidth",
+            f"relayed by a member: {statistics.median(peer) / med:.2f} of direct ({_spread(peer, '{:.1f}')} MiB/s); "
+            f"by the coordinator relaying two pairs at once: {statistics.median(coord) / med:.2f} "
+            f"({_spread(coord, '{:.1f}')} MiB/s); direct {_spread(direct, '{:.1f}')} MiB/s; {d['rate_mbit']} Mbit/s "
+            f"links, the relaying member's {d['relay_mbit']} Mbit/s",
+        )
+    r = runs["relayed"]
+    ratio = statistics.median(r) / statistics.median(direct)
     return (
         "relayed pair (both behind symmetric NAT) vs direct pair, all-reduce bandwidth",
-        f"{ratio:.2f} of direct (relayed {_spread(r, '{:.1f}')} MiB/s, direct {_spread(dd, '{:.1f}')} MiB/s; {rate})",
+        f"{ratio:.2f} of direct (relayed through the coordinator {_spread(r, '{:.1f}')} MiB/s, direct "
+        f"{_spread(direct, '{:.1f}')} MiB/s; {d['rate_mbit']} Mbit/s links)",
     )
 
 

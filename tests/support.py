@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.core.model import Network
+
 TESTS = Path(__file__).resolve().parent
 REPO_ROOT = TESTS.parent
 EXAMPLES = REPO_ROOT / "examples"
@@ -110,3 +112,17 @@ def python310() -> str | None:
         if ok:
             return py
     return None
+
+
+# A network description for unit tests of job planning and submission (nothing listens there).
+JOB_NETWORK = Network(
+    name="t",
+    cidr="10.213.0.0/16",
+    interface="meshrun0",
+    listen_port=51820,
+    mtu=1420,
+    coordinator_ip="10.213.0.1",
+    coordinator_public_key="A" * 43 + "=",
+    endpoints=("192.0.2.1:51820",),
+    fingerprint="0" * 64,
+)

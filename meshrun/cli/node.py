@@ -50,6 +50,13 @@ def join(
         Optional[str],
         typer.Option(help="The site this node is in: nodes that share a private network (a datacenter, a fabric)."),
     ] = None,
+    relay: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--relay/--no-relay",
+            help="May relay pairs of other members that cannot connect directly [default: yes].",
+        ),
+    ] = None,
     foreground: Annotated[bool, typer.Option(help="Run the agent in this process (for systemd).")] = False,
     state_dir: StateOpt = None,
 ) -> None:
@@ -68,7 +75,9 @@ def join(
 
     app = Application.for_command(state_dir)
     text = read_token(token, token_file)
-    res = node.join(text, app.state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu, site=site)
+    res = node.join(
+        text, app.state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu, site=site, relay=relay
+    )
     verb = "resumed" if res.resumed else "joined"
     app.echo(
         f"{verb} {res.network.name} as {res.name} at {res.overlay_ip} on {res.network.interface} "

@@ -179,10 +179,13 @@ def _coordinator(f: dict) -> Check:
     c = f.get("coordinator") or {}
     if c.get("reachable"):
         return Check("coordinator", OK, f"{c['ip']} answers over the overlay (an API call took {c['rtt_ms']:.0f} ms)")
+    sync = f.get("sync") or {}
+    since = f" for {_age(int(f['now'] - sync['failing_since']))}" if sync.get("failing_since") and f.get("now") else ""
     return Check(
         "coordinator",
         FAIL,
-        f"{c.get('ip')} does not answer over the overlay: {c.get('error') or 'timeout'}",
+        f"{c.get('ip')} does not answer over the overlay{since}: {c.get('error') or 'timeout'}; the agent keeps "
+        "every tunnel, path and relay as last known and retries (joins, removals and path changes wait)",
         "check the coordinator runs (`meshrun status` there) and that UDP "
         f"{f.get('listen_port', 51820)} reaches it from here",
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from meshrun.errors import UsageError
 
@@ -180,29 +180,36 @@ def forward_chain(interface: str) -> str:
     return f"guard_{check_interface(interface)}"
 
 
-def forward_guard(interface: str) -> str:
+def forward_guard(interface: str, relayed: Sequence[tuple[str, str]] = ()) -> str:
     """The script that (re)creates the forward guard for `interface`: packets that arrive on it and would
-    leave on any other interface are dropped; overlay-to-overlay forwarding (relayed pairs) and everything
-    else the host forwards are left alone. Every member installs it for its overlay interface: a node whose
-    host forwards (a Docker or Kubernetes host) must not route a member into its LAN either. The guards of
-    several interfaces (members of several networks on one host) live side by side, a chain each.
-    UsageError for a bad interface name."""
+    leave on any other interface are dropped, and of overlay-to-overlay forwarding only the pairs this member
+    relays (`relayed`: (overlay IP, overlay IP), both directions) pass; everything else the host forwards is
+    left alone. Every member installs it for its overlay interface: a node whose host forwards (a Docker or
+    Kubernetes host) must not route a member into its LAN, nor relay for members it was not asked to. The
+    guards of several interfaces (members of several networks on one host) live side by side, a chain each.
+    UsageError for a bad interface name or address."""
     iface = check_interface(interface)
     chain = forward_chain(iface)
-    return "\n".join(
-        [
-            f"table inet {FORWARD_TABLE} {{}}",
-            # The one chain an older meshrun made for the whole host: replaced by the chain per interface.
-            f"add chain inet {FORWARD_TABLE} forward",
-            f"flush chain inet {FORWARD_TABLE} forward",
-            f"delete chain inet {FORWARD_TABLE} forward",
-            f"add chain inet {FORWARD_TABLE} {chain} {{ type filter hook forward priority filter - 1; "
-            f'policy accept; comment "meshrun: what arrives on {iface} leaves only on {iface}"; }}',
-            f"flush chain inet {FORWARD_TABLE} {chain}",
-            f'add rule inet {FORWARD_TABLE} {chain} iifname "{iface}" oifname != "{iface}" drop',
-            "",
-        ]
-    )
+    pairs = sorted({tuple(_addresses((a,)) + _addresses((b,))) for a, b in relayed})
+    allowed = sorted({f"{a} . {b}" for a, b in pairs} | {f"{b} . {a}" for a, b in pairs})
+    lines = [
+        f"table inet {FORWARD_TABLE} {{}}",
+        # The one chain an older meshrun made for the whole host: replaced by the chain per interface.
+        f"add chain inet {FORWARD_TABLE} forward",
+        f"flush chain inet {FORWARD_TABLE} forward",
+        f"delete chain inet {FORWARD_TABLE} forward",
+        f"add chain inet {FORWARD_TABLE} {chain} {{ type filter hook forward priority filter - 1; "
+        f'policy accept; comment "meshrun: what arrives on {iface} leaves only on {iface}, for pairs it relays"; }}',
+        f"flush chain inet {FORWARD_TABLE} {chain}",
+        f'add rule inet {FORWARD_TABLE} {chain} iifname "{iface}" oifname != "{iface}" drop',
+    ]
+    if allowed:
+        lines.append(
+            f'add rule inet {FORWARD_TABLE} {chain} iifname "{iface}" oifname "{iface}" '
+            f"ip saddr . ip daddr {{ {', '.join(allowed)} }} accept"
+        )
+    lines += [f'add rule inet {FORWARD_TABLE} {chain} iifname "{iface}" oifname "{iface}" drop', ""]
+    return "\n".join(lines)
 
 
 def forward_unguard(interface: str) -> str:

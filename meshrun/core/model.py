@@ -87,6 +87,8 @@ class Member(_Wire):
     path: str = ""  # for the receiving node: private | public | relayed | ""
     mtu: int = 0  # the member's overlay MTU as it reported it (0 = unknown)
     site: str = ""  # the site it joined with (`meshrun join --site`), "" if none
+    relay: bool = True  # may relay other members' pairs (`meshrun join --no-relay`: not)
+    via: str = ""  # for the receiving node, a relayed peer's relay: its public key ("" = the coordinator)
 
     @classmethod
     def from_dict(cls, d: dict) -> Member:
@@ -105,6 +107,8 @@ class Member(_Wire):
             path=_choice(d, "path", ("", "private", "public", "relayed")),
             mtu=_int(d, "mtu", 0, 9000, required=False),
             site=_str(d, "site", SITE_RE) if d.get("site") else "",
+            relay=bool(d.get("relay", True)),
+            via=_key(d, "via") if d.get("via") else "",
         )
 
 

@@ -31,6 +31,13 @@ class PairState:
     mode: str
     since: float  # when this mode was chosen
     verified: bool = False  # a handshake newer than `since` was seen
+    relay: str = ""  # a relayed pair's relay: a member's name ("" = the coordinator); see core/relays
+
+
+def direct(state: PairState | None) -> bool:
+    """A pair whose own tunnel works (private or public, proven by a handshake): one end can relay for
+    the other (a relayed pair never relays: no relay to a relay)."""
+    return state is not None and state.mode != RELAYED and state.verified
 
 
 def host_of(endpoint: str | None) -> str | None:

@@ -107,25 +107,37 @@ def desired_for_node(
 
     The coordinator's own entry carries its public endpoint from the token. A peer whose path
     is `relayed` keeps its entry (endpoint, keepalive: WireGuard keeps trying direct) but no
-    allowed IPs; its address is routed through the coordinator's entry instead. Peers in `hold`
-    (see `handshake_holds`) get their endpoint but no keepalive yet, so nothing starts a handshake.
+    allowed IPs; its address is routed through its relay's entry instead (`via`, see relay_of), the
+    coordinator's when it has none. Peers in `hold` (see `handshake_holds`) get their endpoint but no
+    keepalive yet, so nothing starts a handshake.
     """
     out = []
-    relayed = [f"{m.overlay_ip}/32" for m in members if m.path == "relayed" and m.public_key != my_key]
+    through: dict[str, list[str]] = {}  # relay's key -> the relayed peers' /32s routed through it
+    for m in members:
+        if m.path == "relayed" and m.public_key != my_key:
+            through.setdefault(relay_of(my_key, m, members).public_key, []).append(f"{m.overlay_ip}/32")
     for m in members:
         if m.public_key == my_key:
             continue
-        if m.is_coordinator:
-            ips = (f"{m.overlay_ip}/32", *relayed)
-        elif m.path == "relayed":
-            ips = ()
+        if m.path == "relayed":
+            ips: tuple[str, ...] = (*through.get(m.public_key, ()),)
         else:
-            ips = (f"{m.overlay_ip}/32",)
+            ips = (f"{m.overlay_ip}/32", *through.get(m.public_key, ()))
         # No keepalive until there is an endpoint: wireguard-go would try to handshake at once,
         # fail for want of an address, and then hold off every attempt for 5 s (REKEY_TIMEOUT).
         keepalive = KEEPALIVE if m.endpoint and m.public_key not in hold else 0
         out.append(PeerSpec(m.public_key, ips, m.endpoint, keepalive, m.name))
     return out
+
+
+def relay_of(my_key: str, peer: Member, members: Sequence[Member]) -> Member:
+    """The member whose tunnel carries this node's traffic for a relayed `peer`: the relay the coordinator
+    named (`peer.via`) while this node reaches it directly, else the coordinator."""
+    if peer.via and peer.via != my_key:
+        relay = next((m for m in members if m.public_key == peer.via), None)
+        if relay is not None and relay.path != "relayed" and relay.public_key != peer.public_key:
+            return relay
+    return next((m for m in members if m.is_coordinator), peer)
 
 
 def handshake_holds(
@@ -176,8 +188,15 @@ def route_mtus(my_key: str, my_mtu: int, members: Sequence[Member]) -> dict[str,
     """
     out = {}
     for m in members:
-        if m.public_key != my_key and 0 < m.mtu < my_mtu:
-            out[m.overlay_ip] = m.mtu - m.mtu % WG_PAD
+        if m.public_key == my_key:
+            continue
+        mtu = m.mtu or my_mtu
+        if m.path == "relayed":
+            # The relay takes the packet out of one tunnel and into another: it must fit both hops.
+            relay = relay_of(my_key, m, members)
+            mtu = min(mtu, relay.mtu or my_mtu)
+        if 0 < mtu < my_mtu:
+            out[m.overlay_ip] = mtu - mtu % WG_PAD
     return out
 
 

@@ -60,6 +60,8 @@ def gather(state: StateDir, shell_env) -> dict:
         "peers": [
             {k: p[k] for k in ("name", "overlay_ip", "endpoint", "path", "handshake_age_s")} for p in st["peers"]
         ],
+        "sync": st.get("sync") or {},
+        "now": time.time(),
         "shell_env": _watched(dict(shell_env)),
         "daemon_env": _watched(procs.environ(pid) if pid else None),
     }

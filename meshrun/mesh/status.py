@@ -69,9 +69,14 @@ def gather(state: StateDir, measure: bool = True) -> dict:
     for p in current:
         m = by_key.get(p.public_key)
         ip = m.overlay_ip if m else (p.allowed_ips[0].split("/")[0] if p.allowed_ips else "")
+        relay = None
+        if m is not None and m.path == pairpaths.RELAYED:
+            via = by_key.get(m.via) if m.via else None
+            relay = via.name if via is not None and via.path != pairpaths.RELAYED else "coordinator"
         rows.append(
             {
                 "name": m.name if m else "?",
+                "relay": relay,
                 "site": sites.get(m.name, "") if m else "",
                 "overlay_ip": ip,
                 "public_key": p.public_key,
@@ -109,6 +114,17 @@ def gather(state: StateDir, measure: bool = True) -> dict:
     }
     if rec.get("role") == "coordinator":
         out["pairs"] = _pairs(state, members)
+    else:
+        relaying = state.read_json("relaying.json") if (state / "relaying.json").exists() else {}
+        out["relaying"] = relaying.get("pairs", [])
+        sync = state.read_json("sync.json") if (state / "sync.json").exists() else {}
+        out["sync"] = sync
+        if sync.get("failing_since"):
+            out["warnings"].append(
+                f"the coordinator has not answered for {_age(now - int(sync['failing_since']))} "
+                f"({sync.get('error', '?')}); tunnels, paths and relays stay as last known, retrying every "
+                f"{sync.get('retry_s', '?')} s; joins, removals and path changes wait"
+            )
     return out
 
 
@@ -139,6 +155,7 @@ def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
                     "a": a,
                     "b": b,
                     "path": pairpaths.LABELS.get(v.mode, "?") if v else "probing",
+                    "relay": (v.relay or "coordinator") if v and v.mode == pairpaths.RELAYED else None,
                     "verified": bool(v and v.verified),
                 }
             )
@@ -233,7 +250,7 @@ def render(st: dict, full: bool = False) -> str:
             r["name"],
             r.get("site") or "-",
             r["overlay_ip"],
-            r.get("path", "-"),
+            r.get("path", "-") + (f" by {r['relay']}" if r.get("relay") else ""),
             r["endpoint"] or "-",
             _age(r["handshake_age_s"]),
             "-" if r.get("latency_ms") is None else f"{r['latency_ms']:.2f} ms",
@@ -243,6 +260,10 @@ def render(st: dict, full: bool = False) -> str:
         for r in shown
     ]
     lines += _table(cols, rows)
+    if st.get("relaying"):
+        shown_pairs = ", ".join(f"{a} <-> {b}" for a, b in st["relaying"][:8])
+        more = f" and {len(st['relaying']) - 8} more" if len(st["relaying"]) > 8 else ""
+        lines.append(f"this node relays {len(st['relaying'])} pairs: {shown_pairs}{more}")
     if not rows:
         lines.append("(no peers yet)")
     elif any(r.get("latency_ms") is not None for r in shown):
@@ -260,7 +281,12 @@ def render(st: dict, full: bool = False) -> str:
         lines += _table(
             ["A", "B", "PATH", "VERIFIED"],
             [
-                [p["a"], p["b"], p["path"], "yes" if p["verified"] else "-" if p["path"] == "probing" else "no"]
+                [
+                    p["a"],
+                    p["b"],
+                    p["path"] + (f" by {p['relay']}" if p.get("relay") else ""),
+                    "yes" if p["verified"] else "-" if p["path"] == "probing" else "no",
+                ]
                 for p in pairs_shown
             ],
         )

@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS members(
   last_seen REAL,
   removed_at REAL,
   mtu INTEGER NOT NULL DEFAULT 0,            -- the member's overlay MTU as its agent reports it
-  site TEXT NOT NULL DEFAULT '');           -- the site its agent reports (`meshrun join --site`)
+  site TEXT NOT NULL DEFAULT '',            -- the site its agent reports (`meshrun join --site`)
+  relay INTEGER NOT NULL DEFAULT 1);        -- may relay others' pairs (`meshrun join --no-relay`: 0)
 CREATE UNIQUE INDEX IF NOT EXISTS members_active_name ON members(name) WHERE removed_at IS NULL;
 CREATE TABLE IF NOT EXISTS tokens(
   id TEXT PRIMARY KEY,
@@ -56,6 +57,7 @@ CREATE TABLE IF NOT EXISTS pairs(           -- the coordinator's path for each n
   mode TEXT NOT NULL,
   since REAL NOT NULL,
   verified INTEGER NOT NULL,
+  relay TEXT NOT NULL DEFAULT '',           -- a relayed pair's relay (a member's name; '' = the coordinator)
   PRIMARY KEY(a, b)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS pairs_b ON pairs(b);
 CREATE TABLE IF NOT EXISTS removals(        -- every key ever removed, and when: removal is final
@@ -183,6 +185,10 @@ class CoordinatorDB:
             self.conn.execute("ALTER TABLE members ADD COLUMN mtu INTEGER NOT NULL DEFAULT 0")
         if "site" not in cols:
             self.conn.execute("ALTER TABLE members ADD COLUMN site TEXT NOT NULL DEFAULT ''")
+        if "relay" not in cols:
+            self.conn.execute("ALTER TABLE members ADD COLUMN relay INTEGER NOT NULL DEFAULT 1")
+        if "relay" not in {r[1] for r in self.conn.execute("PRAGMA table_info(pairs)")}:
+            self.conn.execute("ALTER TABLE pairs ADD COLUMN relay TEXT NOT NULL DEFAULT ''")
         self.conn.execute(
             "INSERT OR IGNORE INTO removals(public_key, name, removed_at) "
             "SELECT public_key, name, removed_at FROM members WHERE removed_at IS NOT NULL"
@@ -369,12 +375,21 @@ class CoordinatorDB:
             self._bump(c)
             return Member(name, public_key, ip, None, tuple(candidates)), True
 
-    _COLS = "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake, mtu, site"
+    _COLS = "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake, mtu, site, relay"
 
     @staticmethod
     def _row_member(r) -> Member:
         return Member(
-            r[0], r[1], r[2], r[3], tuple(json.loads(r[4])), bool(r[5]), r[6], mtu=int(r[7] or 0), site=r[8] or ""
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            tuple(json.loads(r[4])),
+            bool(r[5]),
+            r[6],
+            mtu=int(r[7] or 0),
+            site=r[8] or "",
+            relay=bool(r[9]),
         )
 
     def _member_where(self, c, where: str, args: tuple) -> Member | None:
@@ -460,31 +475,36 @@ class CoordinatorDB:
         touch: bool = False,
         mtu: int | None = None,
         site: str | None = None,
+        relay: bool | None = None,
     ) -> None:
-        """Record a member's self-reported candidates (overlay MTU, site); bump the version if they changed.
+        """Record a member's self-reported candidates (overlay MTU, site, whether it may relay); bump the
+        version if they changed.
 
         Writes only when the candidates or MTU changed, on the member's first sync ever, or with
         `touch` (the coordinator passes it on a member's first sync since the daemon started,
         so last_seen says when it last reconnected): an idle network's heartbeats cost no
-        disk write (and no fsync). `mtu` or `site` None (an agent that does not report it) keeps the stored one.
+        disk write (and no fsync). `mtu`, `site` or `relay` None (an agent that does not report it) keeps the
+        stored one.
         """
         new = json.dumps(candidates)
         with self._lock:
             old = self.conn.execute(
-                "SELECT candidates, last_seen, mtu, site FROM members WHERE overlay_ip=? AND removed_at IS NULL",
+                "SELECT candidates, last_seen, mtu, site, relay FROM members WHERE overlay_ip=? AND removed_at IS NULL",
                 (ip,),
             ).fetchone()
         if old is None:
             return
         mtu = old[2] if mtu is None else mtu
         site = old[3] if site is None else site
-        changed = old[0] != new or old[2] != mtu or old[3] != site
+        relay_int = old[4] if relay is None else int(relay)
+        changed = old[0] != new or old[2] != mtu or old[3] != site or old[4] != relay_int
         if not changed and old[1] is not None and not touch:
             return
         with self.tx() as c:
             c.execute(
-                "UPDATE members SET candidates=?, mtu=?, site=?, last_seen=? WHERE overlay_ip=? AND removed_at IS NULL",
-                (new, mtu, site, time.time() if now is None else now, ip),
+                "UPDATE members SET candidates=?, mtu=?, site=?, relay=?, last_seen=? "
+                "WHERE overlay_ip=? AND removed_at IS NULL",
+                (new, mtu, site, relay_int, time.time() if now is None else now, ip),
             )
             if changed:
                 self._bump(c)
@@ -526,10 +546,10 @@ class CoordinatorDB:
     def pairs(self) -> dict[tuple[str, str], PairState]:
         """Every stored pair path {(a, b): state}, a < b (none in a database from before the table)."""
         try:
-            rows = self.conn.execute("SELECT a, b, mode, since, verified FROM pairs").fetchall()
+            rows = self.conn.execute("SELECT a, b, mode, since, verified, relay FROM pairs").fetchall()
         except sqlite3.OperationalError:  # read-only open of a database made by an older meshrun
             return {}
-        return {(r[0], r[1]): PairState(r[2], float(r[3]), bool(r[4])) for r in rows}
+        return {(r[0], r[1]): PairState(r[2], float(r[3]), bool(r[4]), r[5] or "") for r in rows}
 
     def save_pairs(self, states: Mapping[tuple[str, str], PairState], drop: Iterable[str] = ()) -> None:
         """Write the pairs whose state changed and delete every pair of the nodes in `drop` (removed
@@ -538,7 +558,8 @@ class CoordinatorDB:
             for name in drop:
                 c.execute("DELETE FROM pairs WHERE a=? OR b=?", (name, name))
             c.executemany(
-                "INSERT INTO pairs(a, b, mode, since, verified) VALUES(?,?,?,?,?) ON CONFLICT(a, b) "
-                "DO UPDATE SET mode=excluded.mode, since=excluded.since, verified=excluded.verified",
-                [(a, b, st.mode, st.since, int(st.verified)) for (a, b), st in states.items()],
+                "INSERT INTO pairs(a, b, mode, since, verified, relay) VALUES(?,?,?,?,?,?) ON CONFLICT(a, b) "
+                "DO UPDATE SET mode=excluded.mode, since=excluded.since, verified=excluded.verified, "
+                "relay=excluded.relay",
+                [(a, b, st.mode, st.since, int(st.verified), st.relay) for (a, b), st in states.items()],
             )

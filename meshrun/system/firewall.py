@@ -27,7 +27,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from meshrun.core import firewall as rules
@@ -309,12 +309,12 @@ def remove_job_cgroups(tables: Iterable[str]) -> None:
             _remove_cgroup(root / rules.CGROUP_PARENT / table)
 
 
-def install_forward_guard(interface: str) -> None:
+def install_forward_guard(interface: str, relayed: Sequence[tuple[str, str]] = ()) -> None:
     """Drop whatever a member sends through this host to a non-overlay interface; overlay-to-overlay stays.
 
-    Every member calls it before its interface comes up (meshrun.mesh.iface.bring_up), the coordinator
-    again before turning forwarding on (meshrun.system.net.enable_forwarding); calling it again replaces
-    the guard for `interface` and leaves other interfaces' guards alone. HostError without nft,
+    Every member calls it before its interface comes up (meshrun.mesh.iface.bring_up), and a relay again
+    with the pairs it relays (`relayed`, overlay IP pairs: meshrun.system.net.enable_forwarding); calling it
+    again replaces the guard for `interface` and leaves other interfaces' guards alone. HostError without nft,
     CommandError when nft refuses.
     """
     if shutil.which("nft") is None:
@@ -322,7 +322,7 @@ def install_forward_guard(interface: str) -> None:
             "`nft` is not installed: meshrun keeps members' traffic off this host's other networks with nftables",
             "install it: apt-get install nftables",
         )
-    _nft(rules.forward_guard(interface))
+    _nft(rules.forward_guard(interface, relayed))
 
 
 def remove_forward_guard(interface: str | None = None) -> None:

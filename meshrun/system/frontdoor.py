@@ -18,12 +18,10 @@ import asyncio
 import collections
 import json
 import logging
-import socket
 import ssl
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
+from meshrun.system.loopserver import LoopServer
 from meshrun.system.transport import MAX_JSON, Handler, Response, answer, body_length, make_request
 
 log = logging.getLogger("meshrun.system.frontdoor")
@@ -47,7 +45,7 @@ if not any(isinstance(f, _DropEofNoise) for f in _ASYNCIO_LOG.filters):
     _ASYNCIO_LOG.addFilter(_DropEofNoise())
 
 
-class FrontDoor:
+class FrontDoor(LoopServer):
     """A TLS HTTP server on `addr` for `handler`; `start()` runs it on its own thread."""
 
     def __init__(
@@ -63,49 +61,15 @@ class FrontDoor:
         workers: int = 4,
         max_body: int = MAX_JSON,
     ) -> None:
+        super().__init__(addr, head_limit=HEAD_LIMIT, workers=workers, pool_name="frontdoor")
         self.handler = handler
         self.ssl_context = ssl_context
         self.max_conns, self.max_per_source = max_conns, max_per_source
         self.handshake_s, self.request_s = handshake_s, request_s
         self.max_body = max_body
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontdoor")
         self.active = 0
         self.per_source: collections.Counter[str] = collections.Counter()
         self.refused = 0  # connections closed at the cap (for tests and the log)
-        # Bind here, in the caller's thread: a port in use is the caller's error, not a thread's.
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(addr)
-        self.sock.listen(1024)
-        self.server_address = self.sock.getsockname()
-        self.loop = asyncio.new_event_loop()
-        self._server: asyncio.AbstractServer | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self, name: str = "frontdoor") -> threading.Thread:
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self._server = self.loop.run_until_complete(
-                asyncio.start_server(self._connection, sock=self.sock, limit=HEAD_LIMIT)
-            )
-            ready.set()
-            self.loop.run_forever()
-
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
-        ready.wait(10)
-        return self._thread
-
-    def shutdown(self) -> None:
-        if self._server is not None:
-            self.loop.call_soon_threadsafe(self._server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        if self._thread is not None:
-            self._thread.join(5)
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.sock.close()
 
     # ------------------------------------------------------------------ one connection
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import logging
-import socket
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
+from meshrun.system.loopserver import LoopServer
 from meshrun.system.transport import (
     HEAD_TIMEOUT,
     IDLE_TIMEOUT,
@@ -50,7 +47,7 @@ __all__ = ["LongPollServer"]
 log = logging.getLogger("meshrun.system.longpoll")
 
 
-class LongPollServer:
+class LongPollServer(LoopServer):
     """A plain-HTTP server on `addr` (bound to `device` if given) for `handler`; `start()` runs it on its
     own thread, `kick()` (any thread) polls every waiting request, `shutdown()` stops it."""
 
@@ -70,67 +67,18 @@ class LongPollServer:
         idle_timeout: float = IDLE_TIMEOUT,
         request_timeout: float = TIMEOUT,
     ) -> None:
+        super().__init__(addr, device=device, head_limit=max_head, workers=workers, pool_name="longpoll")
         self.handler, self.gate = handler, gate
         self.max_conns, self.max_per_source = max_conns, max_per_source
         self.max_head, self.head_timeout, self.idle_timeout = max_head, head_timeout, idle_timeout
         self.request_timeout = request_timeout
         self.inline = inline
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="longpoll")
         self.active = 0
         self.per_source: collections.Counter[str] = collections.Counter()
         self.refused = 0  # connections closed at a cap (tests, the log)
         self.refused_heads = 0  # requests whose head was too large (431)
         self.waiting: dict[asyncio.Future, Wait] = {}  # requests waiting for an answer
-        self._tasks: set[asyncio.Task] = set()  # one per open connection
         self._kicked = False
-        # Bind here, in the caller's thread: a port in use is the caller's error, not a thread's.
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if device:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, device.encode())
-        self.sock.bind(addr)
-        self.sock.listen(1024)
-        self.server_address = self.sock.getsockname()
-        self.loop = asyncio.new_event_loop()
-        self._server: asyncio.AbstractServer | None = None
-        self._thread: threading.Thread | None = None
-
-    # lifecycle -------------------------------------------------------------
-    def start(self, name: str = "longpoll") -> threading.Thread:
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self._server = self.loop.run_until_complete(
-                asyncio.start_server(self._connection, sock=self.sock, limit=self.max_head)
-            )
-            ready.set()
-            self.loop.run_forever()
-
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
-        ready.wait(10)
-        return self._thread
-
-    def shutdown(self) -> None:
-        """Stop listening, close every connection (waiting requests get no answer), stop the loop."""
-        if self._thread is not None and self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(self._close_all(), self.loop).result(5)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
-        if not self.loop.is_running():
-            self.loop.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.sock.close()
-
-    async def _close_all(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     def kick(self) -> None:
         """Poll every waiting request soon (thread-safe; kicks before the poll ran count once)."""
@@ -185,19 +133,13 @@ class LongPollServer:
             return
         self.active += 1
         self.per_source[ip] += 1
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
         try:
             first = True
             while await self._one(reader, writer, ip, first):
                 first = False
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.debug("connection from %s closed: %s", ip, exc.__class__.__name__)
-        except asyncio.CancelledError:  # shutdown
-            pass
         finally:
-            self._tasks.discard(task)  # type: ignore[arg-type]
             self.active -= 1
             self.per_source[ip] -= 1
             if not self.per_source[ip]:

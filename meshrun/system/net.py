@@ -10,7 +10,7 @@ import os
 import secrets
 import shutil
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from meshrun.core import netparse
@@ -78,8 +78,9 @@ def default_route_address() -> str | None:
     return found[0][1] if found else None
 
 
-def enable_forwarding(iface: str) -> None:
-    """Let the coordinator forward overlay packets between peers (relayed pairs), and only those.
+def enable_forwarding(iface: str, relayed: Sequence[tuple[str, str]] = ()) -> None:
+    """Let a relay (the coordinator, or a member chosen for some pairs) forward overlay packets between the
+    peers of the pairs it relays (`relayed`: overlay IP pairs, both directions), and only those.
 
     Only packets that arrive on `iface` are forwarded (per-interface switch, not the global
     ip_forward); redirects are off because in and out interface are the same. The forward guard
@@ -87,7 +88,7 @@ def enable_forwarding(iface: str) -> None:
     reach the coordinator's LAN or VPC through it, whatever the host's FORWARD policy. If the FORWARD
     chain drops by default (Docker hosts), one rule accepts wg-to-wg traffic.
     """
-    firewall.install_forward_guard(iface)  # before forwarding is on: nothing slips through
+    firewall.install_forward_guard(iface, relayed)  # before forwarding is on: nothing slips through
     for key, value in (("forwarding", "1"), ("send_redirects", "0")):
         run(["sysctl", "-q", "-w", f"net.ipv4.conf.{iface}.{key}={value}"])
     if shutil.which("iptables") is None:

@@ -262,10 +262,20 @@ def test_the_forward_guard_keeps_member_traffic_on_the_overlay(lan):
         assert not reaches("10.98.0.2") and not reaches("10.97.0.3")
         in_ns(n, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
         assert reaches("10.98.0.2") and reaches("10.97.0.3")
-        in_ns(n, sys.executable, "-c", "from meshrun.system.firewall import install_forward_guard as g; g('ov0')")
+
+        def guard(*pairs: tuple[str, str]) -> None:
+            code = f"from meshrun.system.firewall import install_forward_guard as g; g('ov0', {list(pairs)!r})"
+            in_ns(n, sys.executable, "-c", code)
+
+        guard()  # a member that relays nothing forwards nothing
         assert rules.FORWARD_TABLE in tables(n)
         assert not reaches("10.98.0.2")  # overlay -> the host's LAN: dropped
+        assert not reaches("10.97.0.3")  # overlay -> overlay, for a pair it was not given: dropped
+        guard(("10.99.0.3", "10.97.0.3"))  # another pair
+        assert not reaches("10.97.0.3")
+        guard(("10.97.0.3", "10.99.0.2"))  # A's pair with B: relayed here, both ways
         assert reaches("10.97.0.3")  # overlay -> overlay (a relayed pair): forwarded
+        assert not reaches("10.98.0.2")
         assert in_ns(l_ns, "ping", "-c", "1", "-W", "1", "10.98.0.1").returncode == 0  # the host's own LAN works
         in_ns(n, sys.executable, "-c", "from meshrun.system.firewall import remove_forward_guard as g; g()")
         assert "meshrun" not in tables(n)

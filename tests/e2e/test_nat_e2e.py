@@ -1,17 +1,30 @@
-"""End-to-end NAT traversal: relays for symmetric NAT pairs, same-site private paths, small-MTU hops."""
+"""End-to-end NAT traversal: peer relays for symmetric-NAT pairs (their failover, the mesh without its
+coordinator), same-site private paths, small-MTU hops."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import re
+import sqlite3
 import threading
 import time
 
-from support import TESTS
+import pytest
+from support import TESTS, joined_mesh
 
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 
 SCRIPTS = TESTS / "scripts"
+RELAY_WORLD = [
+    DatacenterSpec("hq"),
+    DatacenterSpec("dca"),
+    DatacenterSpec("dcb"),
+    DatacenterSpec("dcc", nat="symmetric"),
+    DatacenterSpec("dcd", nat="symmetric"),
+]
+RELAY_NODES = ["dca-a", "dcb-a", "dcc-a", "dcd-a"]
 
 
 def wait_pairs(mesh: Mesh, names: list[str], timeout: float = 60) -> None:
@@ -33,34 +46,25 @@ def wait_pairs(mesh: Mesh, names: list[str], timeout: float = 60) -> None:
     assert not errors, errors
 
 
-def test_symmetric_pair_is_relayed_others_direct(world_factory):
-    """4 datacenters, two behind symmetric NAT: all 12 ordered pairs ping; only the pair of
-    symmetric-NAT nodes is relayed through the coordinator, every other pair is direct."""
-    world = world_factory(
-        [
-            DatacenterSpec("hq"),
-            DatacenterSpec("dca"),
-            DatacenterSpec("dcb"),
-            DatacenterSpec("dcc", nat="symmetric"),
-            DatacenterSpec("dcd", nat="symmetric"),
-        ]
-    )
-    mesh = Mesh(world, "hq-a")
-    mesh.init()
-    nodes = ["dca-a", "dcb-a", "dcc-a", "dcd-a"]
-    for n in nodes:
-        mesh.join(n)
-    wait_pairs(mesh, nodes, timeout=60)
-    deadline = time.monotonic() + 30
-    while True:
-        pairs = {(p["a"], p["b"]): p for p in mesh.status("hq-a")["pairs"]}
-        if len(pairs) == 6 and all(p["verified"] or p["path"] == "relayed" for p in pairs.values()):
-            break
-        assert time.monotonic() < deadline, pairs
-        time.sleep(1)
-    for (a, b), p in pairs.items():
-        want = "relayed" if {a, b} == {"dcc-a", "dcd-a"} else "direct (public)"
-        assert p["path"] == want, (a, b, p)
+@pytest.fixture(scope="module")
+def symmetric(tmp_path_factory):
+    """hq (the coordinator), dca and dcb (one-to-one NAT: reachable members), dcc and dcd (symmetric NAT:
+    never direct with each other), all joined; shared by the tests below in this order (the relay tests
+    cut links and put them back)."""
+    with joined_mesh(tmp_path_factory, RELAY_WORLD, "hq-a", RELAY_NODES) as m:
+        yield m
+
+
+def test_symmetric_pair_is_relayed_by_a_member_others_direct(symmetric):
+    """All 12 ordered pairs ping; only the pair of symmetric-NAT nodes is relayed, by a member (a
+    reachable one with direct tunnels to both), not the coordinator; every other pair is direct."""
+    mesh = symmetric
+    wait_pairs(mesh, RELAY_NODES, timeout=60)
+    pairs = settled(mesh)
+    for key, p in pairs.items():
+        want = "relayed" if key == frozenset(("dcc-a", "dcd-a")) else "direct (public)"
+        assert p["path"] == want, (key, p)
+    assert pairs[frozenset(("dcc-a", "dcd-a"))]["relay"] in ("dca-a", "dcb-a")
     peers = {p["name"]: p for p in mesh.status("dcc-a")["peers"]}
     assert peers["dcd-a"]["path"] == "relayed"
     assert peers["dca-a"]["path"] == "direct (public)"
@@ -69,6 +73,170 @@ def test_symmetric_pair_is_relayed_others_direct(world_factory):
     assert re.match(
         r"dcd-a \(10\.213\.0\.\d+\) relayed: rtt min/avg/max [\d.]+/[\d.]+/[\d.]+ ms \(3/3 answered\)", out
     ), out
+
+
+def settled(mesh, timeout: float = 90) -> dict:
+    """The coordinator's pairs once every pair is decided: verified direct, or relayed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pairs = {frozenset((p["a"], p["b"])): p for p in mesh.status("hq-a")["pairs"]}
+        if len(pairs) == 6 and all(p["verified"] or p["path"] == "relayed" for p in pairs.values()):
+            return pairs
+        assert time.monotonic() < deadline, pairs
+        time.sleep(1)
+
+
+def cut(node, restore: bool = False) -> None:
+    """The node loses its uplink (everything in and out of its one interface dropped), or gets it back.
+    (Not `ip link set down`: that also takes the node's default route, which `up` does not bring back.)"""
+    op = "-D" if restore else "-I"
+    for chain, way in (("INPUT", "-i"), ("OUTPUT", "-o")):
+        node.run("iptables", op, chain, way, "eth0", "-j", "DROP", check=not restore)
+
+
+def relay_of(mesh, a: str, b: str) -> str | None:
+    """The pair's relay as the coordinator's database has it now ("coordinator" for itself; None: not
+    relayed), read directly: `meshrun status` also measures every peer, slowly when one is gone."""
+    a, b = sorted((a, b))
+    path = mesh.state_dir(mesh.coordinator) / "coordinator.db"
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)) as db:
+        row = db.execute("SELECT mode, relay FROM pairs WHERE a=? AND b=?", (a, b)).fetchone()
+    if row is None or row[0] != "relayed":
+        return None
+    return row[1] or "coordinator"
+
+
+def test_a_peer_relay_that_loses_its_uplink_hands_the_pair_on_within_10_s_mid_transfer(symmetric):
+    """Both ends and the relay say who relays; the relay loses its uplink 4 s into a 64 MiB transfer: the
+    pair is on another relay within 10 s, and the transfer completes intact."""
+    mesh = symmetric
+    pairs = settled(mesh)
+    cd = pairs[frozenset(("dcc-a", "dcd-a"))]
+    assert cd["path"] == "relayed" and cd["relay"] in ("dca-a", "dcb-a"), cd  # a member, not the coordinator
+    relay = cd["relay"]
+    other = "dcb-a" if relay == "dca-a" else "dca-a"
+    for p in pairs.values():
+        if p is not cd:
+            assert p["path"] == "direct (public)" and p["verified"], p
+    # Both ends name the relay; the relay knows what it forwards.
+    for me, peer in (("dcc-a", "dcd-a"), ("dcd-a", "dcc-a")):
+        row = {r["name"]: r for r in mesh.status(me)["peers"]}[peer]
+        assert row["path"] == "relayed" and row["relay"] == relay, row
+    assert sorted(map(sorted, mesh.status(relay)["relaying"])) == [["dcc-a", "dcd-a"]]
+    assert mesh.status(other)["relaying"] == []
+    d_ip = mesh.overlay_ip("dcd-a")
+    mesh.wait_ping("dcc-a", d_ip, timeout=30)
+
+    # 64 MiB from dcc-a to dcd-a at about 4 MiB/s; 4 s in, the relay loses its uplink.
+    world = mesh.world
+    recv = world.node("dcd-a").popen(
+        mesh.python, str(SCRIPTS / "tcp_transfer.py"), "recv", d_ip, "39001", stdout=-1, stderr=-1, text=True
+    )
+    time.sleep(1)
+    send = world.node("dcc-a").popen(
+        mesh.python,
+        str(SCRIPTS / "tcp_transfer.py"),
+        "send",
+        d_ip,
+        "39001",
+        str(64 << 20),
+        "4",
+        "7",
+        stdout=-1,
+        stderr=-1,
+        text=True,
+    )
+    try:
+        time.sleep(4)
+        assert send.poll() is None, "the transfer ended before the relay was cut"
+        cut_at = time.monotonic()
+        cut(world.node(relay))
+        moved = None
+        while time.monotonic() - cut_at < 30:
+            now_relay = relay_of(mesh, "dcc-a", "dcd-a")
+            if now_relay not in (relay, None):
+                moved = time.monotonic() - cut_at
+                break
+            time.sleep(0.25)
+        assert moved is not None, "the pair kept its dead relay"
+        assert moved < 10, f"the pair took {moved:.1f} s to move to another relay"
+        back = mesh.wait_ping("dcc-a", d_ip, timeout=20) + moved
+        sent = json.loads(send.communicate(timeout=120)[0].strip().splitlines()[-1])
+        got = json.loads(recv.communicate(timeout=60)[0].strip().splitlines()[-1])
+    finally:
+        for p in (send, recv):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        cut(world.node(relay), restore=True)
+    assert got["bytes"] == sent["bytes"] == 64 << 20 and got["sha256"] == sent["sha256"]
+    print(
+        f"relay {relay} cut: pair on {relay_of(mesh, 'dcc-a', 'dcd-a')} after {moved:.1f} s, pings after {back:.1f} s"
+    )
+    assert relay_of(mesh, "dcc-a", "dcd-a") in (other, "coordinator")
+
+
+def test_with_the_coordinator_cut_off_for_60_s_direct_and_relayed_pairs_keep_a_job_running(symmetric):
+    """The coordinator's uplink is down for 60 s while a gloo job runs over direct pairs and a peer-relayed one:
+    the agents keep everything as last known and say so, the job finishes, they hear from it again after."""
+    mesh = symmetric
+    pairs = settled(mesh)
+    relay = pairs[frozenset(("dcc-a", "dcd-a"))]["relay"]
+    assert relay in ("dca-a", "dcb-a")
+    ranks = ["dca-a", "dcc-a", "dcd-a"]  # dcc-a <-> dcd-a is peer-relayed, the rest direct
+    master = mesh.overlay_ip(ranks[0])
+    procs = []
+    for r, name in enumerate(ranks):
+        env = {
+            "MASTER_ADDR": master,
+            "MASTER_PORT": "29533",
+            "RANK": str(r),
+            "WORLD_SIZE": "3",
+            "GLOO_SOCKET_IFNAME": "meshrun0",
+        }
+        procs.append(
+            mesh.world.node(name).popen(
+                mesh.python,
+                str(SCRIPTS / "steady_allreduce.py"),
+                "--iters",
+                "180",
+                "--gap",
+                "0.5",
+                env=env,
+                stdout=-1,
+                stderr=-1,
+                text=True,
+            )
+        )
+    hq = mesh.world.node("hq-a")
+    try:
+        time.sleep(8)  # connected and running
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+        cut(hq)
+        cut_at = time.monotonic()
+        time.sleep(30)
+        # The agents say so, and keep every tunnel as it was.
+        st = mesh.status("dcc-a")
+        assert any("the coordinator has not answered" in w for w in st["warnings"]), st["warnings"]
+        assert {r["name"]: r for r in st["peers"]}["dcd-a"]["relay"] == relay
+        time.sleep(max(0.0, 60 - (time.monotonic() - cut_at)))
+        assert all(p.poll() is None for p in procs), "a rank stopped while the coordinator was away"
+        cut(hq, restore=True)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        cut(hq, restore=True)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-2000:] for o in outs]
+    final = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert final["done"] == 180, final
+    # Once the coordinator is back, the agents hear from it again.
+    deadline = time.monotonic() + 60
+    while any("the coordinator has not answered" in w for w in mesh.status("dcc-a")["warnings"]):
+        assert time.monotonic() < deadline, "the agent never heard from the coordinator again"
+        time.sleep(1)
 
 
 def test_same_site_nodes_talk_privately(fresh_mesh):

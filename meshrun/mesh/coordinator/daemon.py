@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from meshrun.core import keys, peers
+from meshrun.core import keys, peers, relays
 from meshrun.core.model import Member
 from meshrun.errors import MeshrunError, NetworkError
 from meshrun.mesh import iface, process
@@ -81,7 +81,7 @@ class CoordinatorService:
         self.enrolment = EnrolmentAPI(
             self.db, self.network, self.roster, lambda pub: keys.shared_secret(private, pub), self._enrolled
         )
-        self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event)
+        self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event, self.wake.set)
         self.extensions = list(extensions)
 
     # lifecycle -------------------------------------------------------------
@@ -89,7 +89,7 @@ class CoordinatorService:
         with process.running(self.state):
             try:
                 self._ensure_interface()
-                self.device.enable_forwarding()  # relayed pairs are forwarded wg -> wg here
+                self._allow_relayed()  # the pairs the coordinator relays are forwarded wg -> wg here
                 self.apply_peers()
                 tls = server_tls_context(str(self.state / "tls.crt"), str(self.state / "tls.key"))
                 self.front = FrontDoor(("0.0.0.0", self.network.listen_port), self.enrolment.handle, tls)
@@ -216,8 +216,20 @@ class CoordinatorService:
             if self.publish_held:
                 return
             # Pair changes go out with the version that announces them (held back ones stay queued).
-            self.roster.publish(v, () if self.paths_moved else self.pairs.take_changes())
+            if self.paths_moved:
+                self.roster.publish(v)
+            else:
+                moved = self.pairs.take_relay_changes()
+                if relays.COORDINATOR in moved:
+                    self._allow_relayed()
+                self.roster.publish(v, self.pairs.take_changes(), moved)
             self.published_at = time.monotonic()
+
+    def _allow_relayed(self) -> None:
+        """Forwarding on, for exactly the pairs this coordinator relays (the forward guard's allow-list)."""
+        ips = {m.name: m.overlay_ip for m in self.db.members()}
+        pairs = [(ips[a], ips[b]) for a, b in self.pairs.relaying(relays.COORDINATOR) if a in ips and b in ips]
+        self.device.enable_forwarding(pairs)
 
     def apply_peers(self, current=None) -> None:
         with self.apply_lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from meshrun.core.model import SITE_RE, Member, Network, parse_endpoint, split_endpoint
 from meshrun.core.ratelimit import RateLimiter
@@ -45,9 +46,16 @@ class OverlayAPI:
     """Handler of the overlay port (member-facing)."""
 
     def __init__(
-        self, db: CoordinatorDB, network: Network, roster: Roster, pairs: PairDriver, stop: threading.Event
+        self,
+        db: CoordinatorDB,
+        network: Network,
+        roster: Roster,
+        pairs: PairDriver,
+        stop: threading.Event,
+        on_news: Callable[[], None] = lambda: None,
     ) -> None:
         self.db = db
+        self.on_news = on_news  # a report the loop should act on now (a relay that failed)
         self.network = network
         self.roster = roster
         self.pairs = pairs
@@ -56,8 +64,9 @@ class OverlayAPI:
         self.probed: dict[str, float] = {}  # member name -> monotonic time of its last UDP probe
         # (overlay IP, public key) -> (candidates, mtu) as last handed to db.heartbeat: an unchanged
         # heartbeat needs no database access (and no wait for its lock) at all.
-        self.heard: dict[tuple[str, str], tuple[list[str], int | None, str | None]] = {}
+        self.heard: dict[tuple[str, str], tuple[list[str], int | None, str | None, bool | None]] = {}
         self.limiter = RateLimiter(SYNC_BURST, SYNC_PER_S)
+        self.relayed_once: set[str] = set()  # members that were relays since start (told when they stop)
 
     def gate(self, req: Request) -> Response | None:
         """Before the body is read: members only (by WireGuard source address), at most SYNC_BURST
@@ -93,6 +102,8 @@ class OverlayAPI:
             return Response(200, {"network": self.network.to_dict(), "members": self.roster.payload(caller)})
         if req.method == "GET" and req.path == "/v1/time":
             return Response(200, {"time": time.time()})
+        if req.method == "POST" and req.path == "/v1/relay-down":
+            return self.relay_down(caller, req.body if isinstance(req.body, dict) else {})
         if req.method == "POST" and req.path == "/v1/probe-udp":
             return self.probe_udp(caller)
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
@@ -132,13 +143,24 @@ class OverlayAPI:
             site = body.get("site")
             if site is not None and not (isinstance(site, str) and (site == "" or SITE_RE.match(site))):
                 raise ValueError("site must be a name")
+            relay = body.get("relay")
+            if relay is not None and not isinstance(relay, bool):
+                raise ValueError("relay must be true or false")
+            rtt = body.get("rtt", {})
+            if not isinstance(rtt, dict) or len(rtt) > 64:
+                raise ValueError("rtt must be an object of at most 64 round trips")
+            rtt_ms = {str(k): float(v) for k, v in rtt.items()}
+            if not all(0.0 <= v < 60_000.0 for v in rtt_ms.values()):
+                raise ValueError("a round trip is out of range")
         except (ValueError, TypeError, KeyError, OverflowError):
             return Response.error(400, UsageError("malformed sync request", "use the meshrun agent"))
         owed = self.pairs.report(caller.name, delta, full=bool(body.get("full")), stale=stale)
+        if rtt_ms:
+            self.pairs.report_rtt(caller.name, rtt_ms)
         heard = (caller.overlay_ip, caller.public_key)
-        if owed or self.heard.get(heard) != (candidates, mtu, site):
-            self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu, site=site)
-            self.heard[heard] = (candidates, mtu, site)
+        if owed or self.heard.get(heard) != (candidates, mtu, site, relay):
+            self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu, site=site, relay=relay)
+            self.heard[heard] = (candidates, mtu, site, relay)
         deltas = bool(body.get("delta")) and known > 0  # the agent applies deltas (meshrun >= this one)
         extra = {"report": "full"} if owed else {}
         # A node that owes a full report is answered at once, so its pairs are judged again soon.
@@ -172,7 +194,7 @@ class OverlayAPI:
             if news is not None and not (news["changed"] or news["removed"]):
                 return Response(200, {"version": version, "unchanged": True, **extra})
             if news is not None:
-                return Response(200, {"version": version, **news, **extra})
+                return Response(200, {"version": version, **news, **self._relaying(caller, bool(extra)), **extra})
         # The list as published with `version` (not re-read from the database: a thousand agents
         # fetching it at once queued on the database lock ahead of the loop).
         return Response(
@@ -181,9 +203,20 @@ class OverlayAPI:
                 "version": version,
                 "network": self.network.to_dict(),
                 "members": self.roster.payload(caller, fresh=False),
+                **self._relaying(caller, bool(extra)),
                 **extra,
             },
         )
+
+    def _relaying(self, caller: Member, first: bool) -> dict:
+        """{"relaying": [[ip, ip], ...]}: the pairs the caller relays (its forwarding allow-list), with every
+        answer that is not "unchanged"; {} for a member that relays nothing and never did since this
+        coordinator started (most of them), except in its `first` answer since then."""
+        pairs = self.roster.relaying(caller)
+        if pairs or first or caller.name in self.relayed_once:
+            self.relayed_once.add(caller.name)
+            return {"relaying": pairs}
+        return {}
 
     def _block(self, wait: Wait) -> Response:
         """Answer a Wait in this thread (a caller that cannot take one: tests, in-process agents)."""
@@ -193,6 +226,23 @@ class OverlayAPI:
             if resp is not None:
                 return resp
             self.roster.wait(seen, max(0.0, wait.deadline - time.monotonic()), self.stop)
+
+    def relay_down(self, caller: Member, body: dict) -> Response:
+        """The caller cannot reach these relayed peers through their relay: each pair gets another one
+        at once (the loop is woken), and both ends hear of it with their next answer."""
+        peers, via = body.get("peers"), body.get("via", {})
+        if (
+            not isinstance(peers, list)
+            or not all(isinstance(k, str) for k in peers)
+            or len(peers) > 256
+            or not isinstance(via, dict)
+            or not all(isinstance(v, str) for v in via.values())
+        ):
+            return Response.error(400, UsageError("malformed relay-down report", "use the meshrun agent"))
+        rerouted = self.pairs.relay_failed(caller.name, peers, via=via)
+        if rerouted:
+            self.on_news()
+        return Response(200, {"rerouted": rerouted})
 
     def probe_udp(self, caller: Member) -> Response:
         """Send PROBE_COUNT datagrams from an ephemeral port to the caller's observed endpoint."""

@@ -19,6 +19,7 @@ restarted coordinator carries a full report), so a working pair is never judged 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -26,7 +27,7 @@ import sys
 import threading
 import time
 
-from meshrun.core import pairpaths
+from meshrun.core import pairpaths, relays
 from meshrun.core.model import Member
 from meshrun.errors import StateError
 from meshrun.system.coordinatordb import CoordinatorDB
@@ -52,6 +53,8 @@ def _judgeable(m: Member) -> bool:
 
 
 UNKNOWN_SLACK = 64  # handshake reports about keys not (yet) members, kept per node at most
+AVOID_S = 120.0  # a relay that failed a pair is not chosen for it again for this long
+RTT_PER_NODE = 64  # round trips kept per reporting node at most (agents measure up to 16 relays)
 
 
 class PairDriver:
@@ -85,6 +88,20 @@ class PairDriver:
         self.carried: dict[Key, None] = {}  # urgent pairs over the last update's budget, oldest first
         self.budget = STEP_BUDGET
         self.steps = 0  # pairpaths.initial/step calls so far (the work; tests count it)
+        # Relays (core/relays): which pairs each relay carries ("" = the coordinator), round trips the
+        # agents measured {pair of names: ms}, relays that failed a pair {pair: {relay: until}}, pairs to
+        # route again (their relay failed or lost its tunnels), relays whose pairs changed (to be told).
+        self.by_relay: dict[str, set[Key]] = {}
+        for key, st in self.pairs.items():
+            if st.mode == pairpaths.RELAYED:
+                self.by_relay.setdefault(st.relay, set()).add(key)
+        self.rtt: dict[Key, float] = {}
+        self.rtt_count: dict[str, int] = {}
+        self.avoid: dict[Key, dict[str, float]] = {}
+        self.reroute: set[Key] = set()
+        self.relays_changed: set[str] = set()
+        self._relays_gone: set[str] = set()  # relays removed or opted out since the last update
+        self.coordinator = next((m.name for m in db.members() if m.is_coordinator), "")
         self._pruned = False
 
     def _import_paths_json(self, state: StateDir) -> None:
@@ -148,6 +165,105 @@ class PairDriver:
                     self.dirty.add(pairpaths.pair_key(node, other))
             return node not in self.reports
 
+    def report_rtt(self, node: str, rtt_ms: dict[str, float]) -> None:
+        """Record round trips `node` measured {peer key: ms} (to the relays it could use, the coordinator
+        included); at most RTT_PER_NODE per node, keys of non-members ignored."""
+        with self.lock:
+            for key, ms in rtt_ms.items():
+                other = self.names.get(key)
+                if other is None or other == node:
+                    continue
+                pair = pairpaths.pair_key(node, self._relay_name(other))
+                if pair not in self.rtt:
+                    if self.rtt_count.get(node, 0) >= RTT_PER_NODE:
+                        continue
+                    self.rtt_count[node] = self.rtt_count.get(node, 0) + 1
+                self.rtt[pair] = float(ms)
+
+    def relay_failed(
+        self, node: str, keys: list[str], now: float | None = None, via: dict[str, str] | None = None
+    ) -> int:
+        """`node` found these relayed peers unreachable through their relay (`via`: {peer key: the relay's
+        key it tried, "" for the coordinator}): each pair gets another relay at the next update, and that
+        relay is avoided for it for AVOID_S. A report about a relay the pair no longer has (the other end
+        reported first) changes nothing. Returns the pairs rerouted."""
+        now = time.time() if now is None else now
+        count = 0
+        with self.lock:
+            for key in keys[:256]:
+                other = self.names.get(key)
+                pair = pairpaths.pair_key(node, other) if other else None
+                st = self.pairs.get(pair) if pair else None
+                if st is None or st.mode != pairpaths.RELAYED:
+                    continue
+                if via is not None and key in via:
+                    tried = self.names.get(via[key], "") if via[key] else relays.COORDINATOR
+                    if self._relay_name(tried) != st.relay:
+                        continue
+                log.info("relay %s failed %s <-> %s", st.relay or "(coordinator)", pair[0], pair[1])
+                self.avoid.setdefault(pair, {})[st.relay] = now + AVOID_S
+                self.reroute.add(pair)
+                count += 1
+        return count
+
+    def relaying(self, relay: str) -> list[Key]:
+        """The pairs `relay` ("" = the coordinator) carries, sorted."""
+        return sorted(self.by_relay.get(relay, ()))
+
+    def _relay_name(self, name: str) -> str:
+        return relays.COORDINATOR if name == self.coordinator else name
+
+    def _rtt(self, x: str, y: str) -> float | None:
+        return self.rtt.get(pairpaths.pair_key(x, y))
+
+    def _direct(self, x: str, y: str) -> bool:
+        return pairpaths.direct(self.pairs.get(pairpaths.pair_key(x, y)))
+
+    def _relay_usable(self, key: Key, relay: str, now: float) -> bool:
+        if self.avoid.get(key, {}).get(relay, 0.0) > now:
+            return False
+        if relay == relays.COORDINATOR:
+            return True
+        m = self.members.get(relay)
+        return m is not None and m.relay and self._direct(key[0], relay) and self._direct(relay, key[1])
+
+    def _choose_relay(self, key: Key, now: float) -> str:
+        avoid = self.avoid.get(key, {})
+        for r in [r for r, until in avoid.items() if until <= now]:
+            del avoid[r]
+        if not avoid:
+            self.avoid.pop(key, None)
+        load = {r: len(ks) - (key in ks) for r, ks in self.by_relay.items()}
+        candidates = [relays.Candidate(m.name, m.relay) for m in self.members.values() if m.name in self.judged]
+        return relays.choose(key[0], key[1], candidates, self._direct, self._rtt, load, avoid)
+
+    def _set_relay(self, key: Key, st: pairpaths.PairState, now: float) -> pairpaths.PairState:
+        """`st` with a usable relay if it is relayed (the one it had, if still usable), the index kept."""
+        old = self.pairs.get(key)
+        old_relay = old.relay if old is not None and old.mode == pairpaths.RELAYED else None
+        if st.mode != pairpaths.RELAYED:
+            relay = None
+        elif old_relay is not None and key not in self.reroute and self._relay_usable(key, old_relay, now):
+            relay = old_relay
+        else:
+            relay = self._choose_relay(key, now)
+        self.reroute.discard(key)
+        if relay != old_relay:
+            if old_relay is not None:
+                self.by_relay.get(old_relay, set()).discard(key)
+                self.relays_changed.add(old_relay)
+            if relay is not None:
+                self.by_relay.setdefault(relay, set()).add(key)
+                self.relays_changed.add(relay)
+                log.info("pair %s <-> %s relayed by %s", key[0], key[1], relay or "the coordinator")
+            self.changed.add(key)  # both ends route through the new relay
+        return dataclasses.replace(st, relay=relay or "") if st.relay != (relay or "") else st
+
+    def take_relay_changes(self) -> set[str]:
+        """The relays ("" = the coordinator) whose set of pairs changed since the last call."""
+        out, self.relays_changed = self.relays_changed, set()
+        return out
+
     def handshake(self, a: Member, b: Member, now: float) -> tuple[int, bool | None]:
         """(the newest handshake between a and b that either reported, whether the tunnel is fresh):
         fresh while one end that last called it fresh has been heard from within STALE_S; None when
@@ -191,8 +307,15 @@ class PairDriver:
         # A newly judged node's pairs join the backlog.
         for name in pending:
             self._judge(name, self.backlog)
+        # Relayed pairs whose relay failed them, or lost a tunnel to one of them (or left), go first.
+        with self.lock:
+            reroute = set(self.reroute)
+        for relay in drop:
+            reroute |= self.by_relay.get(relay, set())
+        urgent = dict.fromkeys(sorted(reroute)) | urgent
         self.backlog.difference_update(urgent)
         work = self._take(urgent)
+        moved: set[str] = set()  # nodes one of whose pairs changed state: the pairs they relay are checked
         created = changed = False
         writes: dict[Key, pairpaths.PairState] = {}
         for key in work:
@@ -212,6 +335,11 @@ class PairDriver:
                     log.info("path %s <-> %s: %s -> %s", a.name, b.name, old.mode, st.mode)
                     changed = True
                     self.changed.add(key)
+            st = self._set_relay(key, st, now)
+            if old is None or st.relay != old.relay:
+                changed = True
+            if pairpaths.direct(st) != pairpaths.direct(old):
+                moved.update(key)
             if st != old:
                 self.pairs[key] = st
                 writes[key] = st
@@ -221,6 +349,18 @@ class PairDriver:
                 self._book(key, now)
             else:
                 self._book(key, pairpaths.next_due(st, hs, fresh))
+        # A relay whose tunnel with one end of a pair it carries stopped being direct (or that may no
+        # longer relay) hands that pair to another at once.
+        for relay in sorted(moved | self._relays_gone):
+            for key in sorted(self.by_relay.get(relay, ())):
+                st = self.pairs.get(key)
+                if st is not None and not self._relay_usable(key, relay, now):
+                    self.reroute.add(key)
+                    new = self._set_relay(key, st, now)
+                    if new != st:
+                        self.pairs[key] = writes[key] = new
+                        changed = True
+        self._relays_gone = set()
         if writes or drop:
             self.db.save_pairs(writes, drop)
         return created or changed
@@ -244,6 +384,8 @@ class PairDriver:
             self.carried = {k: None for k in self.carried if k[0] not in gone and k[1] not in gone}
         for name in drop:
             self.judged.discard(name)
+            if name in self.by_relay:
+                self._relays_gone.add(name)
             for other in partners:
                 key = pairpaths.pair_key(name, other)
                 if self.pairs.pop(key, None) is not None:
@@ -259,6 +401,8 @@ class PairDriver:
                 old = self.members.get(name)
                 if old is None or old.public_key != m.public_key or _judgeable(old) != _judgeable(m):
                     self.pending.add(name)
+                if old is not None and old.relay and not m.relay and name in self.by_relay:
+                    self._relays_gone.add(name)  # it opted out of relaying: its pairs move
         self.members = live
         self.names = {m.public_key: m.name for m in members}
         with self.lock:  # keys of members that are gone (or never were) leave the reports too

@@ -27,6 +27,7 @@ class Roster:
         # (database version, [(member, its dict)], {public key: index}, {overlay IP: member})
         self._cache: tuple[int, list[tuple[Member, dict]], dict[str, int], dict[str, Member]] | None = None
         self._removals = 0  # db.removals when the cache was built
+        self._by_name: dict[str, Member] = {}  # the cached list's members by name
         v, base, _, _ = self._base()
         self.version = v
         self._published = {m.public_key: memberlist.signature(m) for m, _ in base}
@@ -66,6 +67,7 @@ class Roster:
                 {m.public_key: i for i, (m, _) in enumerate(base)},
                 {m.overlay_ip: m for m, _ in base},
             )
+            self._by_name = {m.name: m for m, _ in base}
         return cache
 
     def member_by_ip(self, ip: str) -> Member | None:
@@ -76,10 +78,10 @@ class Roster:
         m = cache[3].get(ip) if cache is not None and self._removals == self.db.removals else None
         return m if m is not None else self.db.member_by_ip(ip)
 
-    def publish(self, version: int, pair_changes: Iterable[tuple[str, str]] = ()) -> None:
+    def publish(self, version: int, pair_changes: Iterable[tuple[str, str]] = (), relays: Iterable[str] = ()) -> None:
         """Announce `version`: record what changed since the last one
         (members compared with what was published then; `pair_changes`: node pairs whose path
-        changed) and return every pending long-poll."""
+        changed; `relays`: members whose set of relayed pairs changed) and return every pending long-poll."""
         with self.cond:
             # Exactly `version`, the one the caller applied, never the database's: a join recorded after
             # the caller read its members is announced by the next publish, whose tick applies it too.
@@ -93,6 +95,9 @@ class Roster:
                 if a in key_of and b in key_of:
                     touched.setdefault(a, set()).add(key_of[b])
                     touched.setdefault(b, set()).add(key_of[a])
+            for r in relays:  # a relay hears of it through its own entry (and its answer's `relaying`)
+                if r in key_of:
+                    touched.setdefault(r, set()).add(key_of[r])
             self.history.record(version, changed, removed, touched)
             self._published = now
             self.version = max(self.version, version)
@@ -121,7 +126,20 @@ class Roster:
         st = None
         if caller is not None and not m.is_coordinator and m.name != caller.name and not caller.is_coordinator:
             st = self.pairs.mode(caller.name, m.name)
-        return dict(d, path=st.mode, endpoint=pairpaths.endpoint_for(st.mode, m)) if st is not None else d
+        if st is None:
+            return d
+        out = dict(d, path=st.mode, endpoint=pairpaths.endpoint_for(st.mode, m))
+        if st.mode == pairpaths.RELAYED and st.relay:
+            relay = self._by_name.get(st.relay)
+            if relay is not None:  # else the coordinator relays until the relay is known again
+                out["via"] = relay.public_key
+        return out
+
+    def relaying(self, caller: Member) -> list[list[str]]:
+        """The pairs `caller` relays, as [[overlay IP, overlay IP], ...] (its forwarding allow-list)."""
+        name = "" if caller.is_coordinator else caller.name
+        ips = {m.name: m.overlay_ip for m, _ in self._base(fresh=False)[1]}
+        return [[ips[a], ips[b]] for a, b in self.pairs.relaying(name) if a in ips and b in ips]
 
     def payload(self, caller: Member | None = None, fresh: bool = True) -> list[dict]:
         """The member list as `caller` should see it: per peer the endpoint to dial and the path.

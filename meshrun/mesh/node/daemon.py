@@ -10,18 +10,20 @@ retries with backoff; the data path never depends on the coordinator being up.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-from meshrun.core import memberlist, peers
+from meshrun.core import memberlist, peers, relays
 from meshrun.core.model import Member, Network
 from meshrun.errors import CoordinatorError, MeshrunError, StateError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh.process import Extension, ExtensionFactory
 from meshrun.system import net, transport
+from meshrun.system import probe as probe_mod
 from meshrun.system.device import Device
 from meshrun.system.statedir import StateDir
 
@@ -30,6 +32,9 @@ log = logging.getLogger("meshrun.mesh.node.daemon")
 SYNC_WAIT = 20.0
 FAST_WAIT = 2.0  # long-poll while a path is unproven
 PROBE_WINDOW_S = 10.0  # = paths.ATTEMPT_S: how long a new path gets to handshake
+RELAY_CHECK_S = 1.0  # every relayed peer is tried through its relay this often (one TCP SYN)
+RELAY_FAILS = 3  # consecutive misses before the relay is reported down (a new one within 10 s)
+RTT_EVERY_S = 30.0  # round trips to the possible relays measured this often
 
 # (method, path, body, timeout) -> the coordinator's JSON answer
 CoordinatorCall = Callable[[str, str, dict, float], dict]
@@ -98,7 +103,9 @@ class AgentService:
 
     `device` is the WireGuard interface (a FakeDevice in tests), `call` reaches the coordinator's
     overlay API (in tests: its handler, in-process), `addresses` lists this machine's addresses,
-    `extensions` start what runs beside the mesh once the interface is up (the job API).
+    `extensions` start what runs beside the mesh once the interface is up (the job API), `probe(overlay
+    IP)` is one round trip to a member over the overlay in seconds, None when it did not answer (a TCP
+    handshake to its API port: relay health and the round trips the relay choice uses).
     """
 
     def __init__(
@@ -108,12 +115,21 @@ class AgentService:
         call: CoordinatorCall | None = None,
         addresses: Callable[[str], list[str]] = net.local_addresses,
         extensions: Sequence[ExtensionFactory] = (),
+        probe: Callable[[str], float | None] | None = None,
     ) -> None:
         self.state = state
         self.rec, self.network = member.load(state)
         self.device = device or iface.device_for(state, self.network, self.rec)
         self.session: transport.Session | None = None
         self.call = call or self._call_coordinator
+        # A call beside the long-poll (which holds the session): a relay found down is reported at once.
+        self.call_now = call or self._call_once
+        self.probe = probe or (lambda ip: probe_mod.tcp_rtt(ip, self.network.api_port, timeout=1.0))
+        self.relaying: list[list[str]] | None = None  # the pairs this node relays, as last applied
+        self.rtt: dict[str, float] = {}  # {peer key: rtt bucket} measured, not yet acknowledged
+        self.rtt_told: dict[str, float] = {}  # {peer key: rtt bucket} the coordinator acknowledged
+        self.misses: dict[str, int] = {}  # relayed peer key -> consecutive failed tries through its relay
+        self._synced_state: dict | None = None  # sync.json as last written
         self.addresses = addresses
         self.stop_event = threading.Event()
         self.version, self.members = member.load_members(state)
@@ -127,6 +143,9 @@ class AgentService:
         self.release_timer: threading.Timer | None = None
         self.extensions = list(extensions)
         self.running: list[Extension] = []
+
+    def _call_once(self, method: str, path: str, body: dict, timeout: float) -> dict:
+        return transport.call(self.network.coordinator_ip, self.network.api_port, method, path, body, timeout=timeout)
 
     def _call_coordinator(self, method: str, path: str, body: dict, timeout: float) -> dict:
         # One kept-alive connection for every long-poll (the overlay API keeps it open between syncs).
@@ -144,6 +163,10 @@ class AgentService:
                     self.running.append(start(self.state, self.network, self.rec))
                 except MeshrunError as exc:
                     log.warning("%s", exc)
+            # Beside the sync loop: relayed peers tried every second (a dead relay is reported within
+            # seconds), round trips to possible relays measured every half minute (slow: one at a time).
+            for step, every in ((self.check_relays, RELAY_CHECK_S), (self.measure_rtt, RTT_EVERY_S)):
+                threading.Thread(target=self._probe_loop, args=(step, every), name=step.__name__, daemon=True).start()
             try:
                 self._loop()
             finally:
@@ -153,12 +176,27 @@ class AgentService:
                     self.session.close()
         log.info("agent stopped")
 
+    def _sync_state(self, failing_since: float | None, error: str = "", retry_s: float = 0.0) -> None:
+        """What `meshrun status` and `doctor` say of the coordinator (sync.json): written on a change only."""
+        state = {"failing_since": failing_since, "error": error, "retry_s": retry_s} if failing_since else {}
+        if state != self._synced_state:
+            self._synced_state = state
+            try:
+                self.state.write_json("sync.json", state)
+            except MeshrunError as exc:
+                log.warning("could not record the sync state: %s", exc)
+
     def _loop(self) -> None:
         backoff = 0.5
+        failing_since: float | None = None
         while not self.stop_event.is_set():
             try:
                 self.sync_once(wait=self.wait_time() if self.ready else 0)
                 backoff = 0.5
+                if failing_since is not None:
+                    log.info("the coordinator answers again after %.0f s", time.time() - failing_since)
+                failing_since = None
+                self._sync_state(None)
             except MeshrunError as exc:
                 if exc.status == 410:
                     log.warning("this node was removed from the network; taking the interface down")
@@ -170,6 +208,9 @@ class AgentService:
                     self.stop_event.wait(2)
                     continue
                 log.warning("sync failed: %s (tunnels stay up; retrying in %.1f s)", exc, backoff)
+                failing_since = failing_since or time.time()
+                # The wait grows to 10 s: recorded once it stops changing, not at every retry.
+                self._sync_state(failing_since, str(exc).split(";")[0][:200], min(backoff * 2, 10.0))
                 self.stop_event.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
 
@@ -196,6 +237,8 @@ class AgentService:
             "candidates": cands[:16],
             "peers": report.peers,
             "stale": list(report.stale),
+            "relay": bool(self.rec.get("relay", True)),
+            "rtt": {k: v for k, v in list(self.rtt.items()) if self.rtt_told.get(k) != v},
             "full": self.full_report,
             "mtu": int(self.rec.get("mtu") or self.network.mtu),
             "site": str(self.rec.get("site") or ""),
@@ -221,6 +264,7 @@ class AgentService:
         answer = self.call("POST", "/v1/sync", body, wait + 15)
         stale = set(body["stale"])
         self.told.update((k, k not in stale) for k in body["peers"])
+        self.rtt_told.update(body["rtt"])
         self.full_report = answer.get("report") == "full"
         try:
             version = int(answer["version"])
@@ -272,6 +316,8 @@ class AgentService:
             member.save_members(self.state, version, members)
         self.version, self.members = version, members
         self._apply(members, recreate)
+        if "relaying" in answer:
+            self._relay(answer["relaying"])
         if not self.ready:
             self.ready = True
             process.ready()
@@ -282,6 +328,75 @@ class AgentService:
                 self.network.interface,
                 len(members),
             )
+
+    def _relay(self, pairs: list) -> None:
+        """Forward exactly these pairs ([[overlay IP, overlay IP], ...]) between this node's tunnels."""
+        wanted = sorted([str(a), str(b)] for a, b in pairs)
+        if wanted == self.relaying:
+            return
+        if wanted and not self.rec.get("relay", True):
+            log.warning("the coordinator asked this node to relay, but it joined with --no-relay: not relaying")
+            wanted = []
+        try:
+            self.device.enable_forwarding([(a, b) for a, b in wanted])
+        except MeshrunError as exc:
+            log.warning("could not set up relaying for %d pairs: %s", len(wanted), exc)
+            return
+        if wanted or self.relaying:
+            log.info("relaying %d pairs: %s", len(wanted), ", ".join(f"{a}<->{b}" for a, b in wanted[:8]))
+        self.relaying = wanted
+        by_ip = {m.overlay_ip: m.name for m in self.members}
+        self.state.write_json("relaying.json", {"pairs": [[by_ip.get(a, a), by_ip.get(b, b)] for a, b in wanted]})
+
+    def _probe_loop(self, step, every: float) -> None:
+        """Run `step` every `every` seconds (from start to start: a slow step does not stretch the
+        cadence) until the agent stops (relay checks; round trips)."""
+        due = time.monotonic() + every
+        while not self.stop_event.wait(max(0.0, due - time.monotonic())):
+            due = max(due + every, time.monotonic())
+            try:
+                step()
+            except Exception:  # the agent's job is the sync loop: a probe failure must not end it
+                log.exception("%s failed", step.__name__)
+
+    def check_relays(self) -> list[str]:
+        """Try every relayed peer through its relay once; report the ones that missed RELAY_FAILS times in
+        a row (the coordinator gives those pairs another relay). Returns the keys reported."""
+        members = self.members
+        relayed = {m.public_key: m for m in members if m.path == "relayed"}
+        self.misses = {k: v for k, v in self.misses.items() if k in relayed}
+        # All at once: a dead relay makes every try wait its whole timeout.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(1, len(relayed)))) as pool:
+            answered = dict(zip(relayed, pool.map(lambda m: self.probe(m.overlay_ip), relayed.values())))
+        down = []
+        for key in relayed:
+            if answered[key] is not None:
+                self.misses.pop(key, None)
+                continue
+            self.misses[key] = self.misses.get(key, 0) + 1
+            if self.misses[key] >= RELAY_FAILS:
+                down.append(key)
+        if down:
+            names = ", ".join(relayed[k].name for k in down)
+            log.warning("relayed peers unreachable through their relay: %s; asking for another relay", names)
+            try:
+                # With the relay each end tried: a report about a relay the pair already left changes nothing.
+                via = {k: relayed[k].via for k in down}
+                self.call_now("POST", "/v1/relay-down", {"peers": down, "via": via}, 5)
+                for key in down:
+                    self.misses[key] = 0
+            except MeshrunError as exc:
+                log.warning("could not report it: %s", exc)
+        return down
+
+    def measure_rtt(self) -> None:
+        """Round trips to the members this node could be relayed by (relays.probe_targets), median of 3,
+        kept as buckets; the next sync reports those that changed."""
+        for m in relays.probe_targets(self.rec["public_key"], self.members):
+            tries = [self.probe(m.overlay_ip) for _ in range(3)]
+            ok = sorted(t for t in tries if t is not None)
+            if ok:
+                self.rtt[m.public_key] = relays.rtt_bucket(1e3 * ok[len(ok) // 2])
 
     def _apply(self, members: list[Member], recreate: frozenset[str] = frozenset()) -> None:
         """apply_members with handshake holds; a timer applies again when the holds are up."""

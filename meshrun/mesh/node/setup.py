@@ -140,11 +140,14 @@ def join(
     enrol_with: Enrol = enrol,
     abandon_with: Abandon = abandon,
     site: str | None = None,
+    relay: bool | None = None,
 ) -> JoinResult:
     """Enrol this machine and bring up its interface; start the agent unless start=False.
 
     `site`: the site this node is in (its agent reports it; jobs group their ranks by it, see
-    meshrun.core.topology). Run again on an enrolled node, it resumes with the same key and address. On failure
+    meshrun.core.topology). `relay` False: this node never relays other members' pairs (`--no-relay`;
+    by default any member with direct tunnels to both ends of a pair may, see meshrun.core.relays).
+    Run again on an enrolled node, it resumes with the same key and address. On failure
     nothing is left: no interface, no daemon, no state files (the coordinator keeps a
     reservation it frees for the same name on the next try). Tests pass a FakeDevice (whose
     caller needs no privileges) and an in-process `enrol_with`.
@@ -153,7 +156,7 @@ def join(
     if site is not None:
         check_name(site, "--site")
     if state.exists:
-        return resume(state, tok, start, site=site)
+        return resume(state, tok, start, site=site, relay=relay)
     name = check_name(name) if name else default_node_name(platform.node())
     if mtu is not None:
         check_mtu(mtu)
@@ -173,7 +176,7 @@ def join(
     private_key = keys.generate_private_key()
     answer = enrol_with(tok, name, private_key, advertised)
     try:
-        return _install(answer, state, private_key, advertised, mtu, device, start, site or "")
+        return _install(answer, state, private_key, advertised, mtu, device, start, site or "", relay is not False)
     except BaseException:
         with contextlib.suppress(Exception):  # the name is free again at once, not after the grace
             abandon_with(tok, name, private_key)
@@ -189,6 +192,7 @@ def _install(
     device: Device | None,
     start: bool,
     site: str = "",
+    relay: bool = True,
 ) -> JoinResult:
     """After enrolment: write the state, bring up the interface, apply the peers, start the agent; on
     failure nothing is left here (the caller gives the enrolment back)."""
@@ -226,6 +230,7 @@ def _install(
             "mtu": mtu,
             "underlay_mtu": underlay,
             "site": site,
+            "relay": relay,
         }
         backend = iface.bring_up(device, state, network, me.overlay_ip, mtu)
         record.update(backend=backend, wg_pid=device.pid)
@@ -246,9 +251,11 @@ def _install(
     return JoinResult(me.name, me.overlay_ip, network, backend, False, daemon_pid, mtu, device.warning())
 
 
-def resume(state: StateDir, tok: JoinToken | None, start: bool = True, site: str | None = None) -> JoinResult:
-    """Bring an enrolled node back (same key, same address): interface and agent; `site` (if given) becomes
-    its site, which its agent reports from its next start (UsageError while the agent runs with another)."""
+def resume(
+    state: StateDir, tok: JoinToken | None, start: bool = True, site: str | None = None, relay: bool | None = None
+) -> JoinResult:
+    """Bring an enrolled node back (same key, same address): interface and agent; `site` and `relay` (if
+    given) take effect from the agent's next start (UsageError while the agent runs with others)."""
     rec, network = member.load(state)
     if rec.get("role") != "node":
         raise StateError(
@@ -268,6 +275,14 @@ def resume(state: StateDir, tok: JoinToken | None, start: bool = True, site: str
                 "run `meshrun leave` (the node keeps its keys and address), then this `meshrun join` again",
             )
         rec["site"] = site
+        state.write_json("member.json", rec)
+    if relay is not None and relay != rec.get("relay", True):
+        if pid is not None:
+            raise UsageError(
+                f"--{'' if relay else 'no-'}relay: this node's agent is running with the other setting",
+                "run `meshrun leave` (the node keeps its keys and address), then this `meshrun join` again",
+            )
+        rec["relay"] = relay
         state.write_json("member.json", rec)
     if pid is None and start:
         pid = process.spawn(state, timeout=READY_TIMEOUT)

@@ -7,27 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import JOB_NETWORK as NET
 from typer.testing import CliRunner
 
 from meshrun.cli import app
 from meshrun.core import presets
 from meshrun.core.jobspec import JobSpec
-from meshrun.core.model import Network
 from meshrun.core.preflight import EnvReport
 from meshrun.jobs import submission
 from meshrun.system.statedir import StateDir
-
-NET = Network(
-    name="t",
-    cidr="10.213.0.0/16",
-    interface="meshrun0",
-    listen_port=51820,
-    mtu=1420,
-    coordinator_ip="10.213.0.1",
-    coordinator_public_key="A" * 43 + "=",
-    endpoints=("192.0.2.1:51820",),
-    fingerprint="0" * 64,
-)
 
 
 class FakeShare:

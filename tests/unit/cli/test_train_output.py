@@ -6,24 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import JOB_NETWORK as NET
 from typer.testing import CliRunner
 
 from meshrun.cli import app
-from meshrun.core.model import Network
 from meshrun.core.preflight import EnvReport
 from meshrun.jobs import outputs, submission
 
-NET = Network(
-    name="t",
-    cidr="10.213.0.0/16",
-    interface="meshrun0",
-    listen_port=51820,
-    mtu=1420,
-    coordinator_ip="10.213.0.1",
-    coordinator_public_key="A" * 43 + "=",
-    endpoints=("192.0.2.1:51820",),
-    fingerprint="0" * 64,
-)
 # A node that clears the screen, sets the window title and moves the cursor to forge a line of its own.
 EVIL = "\x1b[2J\x1b]0;pwned\x07\x1b[1A\rforged"
 

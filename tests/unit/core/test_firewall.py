@@ -60,6 +60,21 @@ def test_the_forward_guard_keeps_member_traffic_on_the_overlay():
     assert "delete table" not in script  # another interface's guard (a member of another network) stays
 
 
+def test_a_relay_forwards_only_the_pairs_it_was_given_both_ways():
+    nothing = firewall.forward_guard("meshrun0")
+    assert nothing.rstrip().splitlines()[-1] == (
+        'add rule inet meshrun_forward guard_meshrun0 iifname "meshrun0" oifname "meshrun0" drop'
+    )
+    script = firewall.forward_guard("meshrun0", [("10.213.0.3", "10.213.0.2")])
+    rules = [line for line in script.splitlines() if line.startswith("add rule")]
+    assert rules == [
+        'add rule inet meshrun_forward guard_meshrun0 iifname "meshrun0" oifname != "meshrun0" drop',
+        'add rule inet meshrun_forward guard_meshrun0 iifname "meshrun0" oifname "meshrun0" '
+        "ip saddr . ip daddr { 10.213.0.2 . 10.213.0.3, 10.213.0.3 . 10.213.0.2 } accept",
+        'add rule inet meshrun_forward guard_meshrun0 iifname "meshrun0" oifname "meshrun0" drop',
+    ]
+
+
 def test_each_interface_has_its_own_forward_guard_and_removing_one_leaves_the_others():
     assert firewall.forward_chain("meshrun0") == "guard_meshrun0"
     assert firewall.forward_chain("wg-b.1") == "guard_wg-b.1"
@@ -92,6 +107,7 @@ def test_a_guard_made_by_an_older_meshrun_is_replaced():
         lambda: firewall.forward_guard(""),
         lambda: firewall.forward_guard("meshrun0 accept"),
         lambda: firewall.forward_guard("a-very-long-interface-name"),
+        lambda: firewall.forward_guard("meshrun0", [("10.213.0.2", "10.213.0.3 } accept; flush ruleset")]),
         lambda: firewall.forward_unguard("meshrun0; flush ruleset"),
         lambda: firewall.job_table("job; flush ruleset", "n"),  # job id charset
         lambda: firewall.job_table("", "n"),

@@ -168,6 +168,8 @@ class TestMember:
             "path": "",
             "mtu": 0,
             "site": "",
+            "relay": True,
+            "via": "",
         }
 
     @pytest.mark.parametrize(

@@ -252,3 +252,24 @@ def test_a_handshake_report_holds_news_of_liveness_only():
     # A full report holds every peer; a peer dropped from `told` (re-created for a new path) is told again.
     assert handshake_report({"a": 1, "b": 2}, {"a": False, "b": False}, True, later).peers == {"a": 1, "b": 2}
     assert handshake_report({"a": int(later)}, {}, False, later).peers == {"a": int(later)}
+
+
+def test_a_relayed_peer_is_routed_through_its_relay_and_its_mtu_fits_both_hops():
+    from meshrun.core.peers import desired_for_node, route_mtus
+
+    def m(i, **kw):
+        return Member(f"n{i}", f"{i:042d}A=", f"10.213.0.{i + 1}", f"198.51.100.{i}:51820", (), **kw)
+
+    coord = m(0, is_coordinator=True)
+    me, relay, far, other = m(1), m(2, path="public", mtu=1380), m(3, path="relayed", mtu=1420), m(4, path="relayed")
+    far = Member(**{**far.__dict__, "via": relay.public_key})
+    specs = {s.name: s for s in desired_for_node(me.public_key, [coord, me, relay, far, other])}
+    assert specs["n2"].allowed_ips == ("10.213.0.3/32", "10.213.0.4/32")  # the relay carries n3
+    assert specs["n3"].allowed_ips == () and specs["n3"].keepalive  # its own entry keeps trying direct
+    assert specs["n0"].allowed_ips == ("10.213.0.1/32", "10.213.0.5/32")  # no relay named: the coordinator
+    # n3's packets cross the relay's 1380-byte tunnel too.
+    assert route_mtus(me.public_key, 1420, [coord, me, relay, far, other]) == {"10.213.0.3": 1376, "10.213.0.4": 1376}
+    # A relay this node itself reaches only through a relay is not used: the coordinator carries n3.
+    indirect = Member(**{**relay.__dict__, "path": "relayed"})
+    specs = {s.name: s for s in desired_for_node(me.public_key, [coord, me, indirect, far])}
+    assert "10.213.0.4/32" in specs["n0"].allowed_ips and specs["n2"].allowed_ips == ()

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from support import JOB_NETWORK as NET
 
 from meshrun.core.jobspec import JobSpec
-from meshrun.core.model import Network
 from meshrun.errors import UsageError
 from meshrun.jobs import submission
 from meshrun.jobs.planning import code_dir, plan
 
-NET = Network(
-    name="t",
-    cidr="10.213.0.0/16",
-    interface="meshrun0",
-    listen_port=51820,
-    mtu=1420,
-    coordinator_ip="10.213.0.1",
-    coordinator_public_key="A" * 43 + "=",
-    endpoints=("192.0.2.1:51820",),
-    fingerprint="0" * 64,
-)
 READY = [("n1", "10.213.0.2", {"gpus": 0, "python": "/opt/py/bin/python"})]
 
 

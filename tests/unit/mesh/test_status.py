@@ -144,3 +144,17 @@ def test_a_large_mesh_shows_counts_and_the_worst_few_and_all_rows_on_request():
     assert names[:2] == ["n17", "n4"] and len(names) == 5  # the worst first, five of them
     full = render(st, full=True)
     assert sum(bool(re.match(r"n\d+ ", line)) for line in full.splitlines()) == 30 and "worst" not in full
+
+
+def test_render_names_the_relay_what_this_node_relays_and_a_silent_coordinator():
+    st = copy.deepcopy(STATUS)
+    st["peers"][1]["relay"] = "gpu-c"
+    st["relaying"] = [["gpu-d", "gpu-e"]]
+    st["warnings"] = ["the coordinator has not answered for 45s (timed out); tunnels, paths and relays stay"]
+    text = render(st)
+    assert re.search(r"^gpu-b +dc2 +10\.213\.0\.3 +relayed by gpu-c +- ", text, re.M)
+    assert "this node relays 1 pairs: gpu-d <-> gpu-e" in text
+    assert "warning: the coordinator has not answered for 45s" in text
+    pairs = copy.deepcopy(STATUS)
+    pairs["pairs"] = [{"a": "gpu-b", "b": "gpu-f", "path": "relayed", "relay": "coordinator", "verified": False}]
+    assert re.search(r"^gpu-b +gpu-f +relayed by coordinator +no$", render(pairs), re.M)

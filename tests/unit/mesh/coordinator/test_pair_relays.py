@@ -1,0 +1,183 @@
+"""Peer relays in the coordinator: the pair driver names a relay for every relayed pair, moves the pair when
+the relay fails or can no longer reach an end, and the roster tells both ends and the relay.
+
+PairDriver runs on a real CoordinatorDB; the last tests run the real service and agents on FakeDevices
+(tests/fakemesh.py), so what reaches each device is checked."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fakemesh import FakeMesh
+
+from meshrun.core import pairpaths
+from meshrun.core.model import Member
+from meshrun.mesh.coordinator.pairs import PairDriver
+from meshrun.system.coordinatordb import CoordinatorDB
+
+T0 = 1_700_000_000.0
+
+
+def key(i: int) -> str:
+    return f"{i:042d}A="
+
+
+def node(i: int, relay: bool = True) -> Member:
+    return Member(
+        f"n{i}", key(i), f"10.213.0.{i + 2}", f"198.51.100.{100 + i}:{40000 + i}", ("172.31.40.46:51820",), relay=relay
+    )
+
+
+@pytest.fixture
+def db(tmp_path):
+    d = CoordinatorDB.create(tmp_path / "coordinator.db")
+    yield d
+    d.close()
+
+
+def world(db, n: int = 5, cut: tuple[int, int] = (0, 1), relay=lambda i: True):
+    """n nodes, every pair with a fresh handshake except `cut` (two nodes behind symmetric NAT)."""
+    drv = PairDriver(db)
+    members = [node(i, relay(i)) for i in range(n)]
+    for m in members:
+        seen = {o.public_key: int(T0) for o in members if o is not m}
+        for x in cut:
+            if m.name == f"n{x}":
+                seen[key(cut[1] if x == cut[0] else cut[0])] = 0
+        drv.report(m.name, seen, full=True, stale={k for k, v in seen.items() if not v})
+    drv.update(members, T0)
+    drv.update(None, T0 + 1)
+    drv.update(None, T0 + pairpaths.ATTEMPT_S + 1)  # the cut pair's attempt window closed: relayed
+    return drv, members
+
+
+def test_a_relayed_pair_gets_a_member_relay_that_reaches_both_ends(db):
+    drv, _ = world(db)
+    st = drv.mode("n0", "n1")
+    assert st.mode == pairpaths.RELAYED and st.relay == "n2"  # unmeasured: the first name of n2..n4
+    assert drv.relaying("n2") == [("n0", "n1")] and drv.take_relay_changes() == {"n2"}
+    assert db.pairs()[("n0", "n1")].relay == "n2"  # stored: a restarted coordinator keeps it
+    assert PairDriver(db).relaying("n2") == [("n0", "n1")]
+
+
+def test_the_relay_with_the_shortest_measured_round_trips_wins(db, monkeypatch):
+    drv, _ = world(db)
+    drv.reroute.add(("n0", "n1"))  # choose again with what the agents measured
+    drv.report_rtt("n0", {key(2): 80.0, key(3): 9.0, key(4): 30.0})
+    drv.report_rtt("n1", {key(2): 80.0, key(3): 12.0, key(4): 30.0})
+    drv.update(None, T0 + 20)
+    assert drv.mode("n0", "n1").relay == "n3"
+
+
+def test_a_member_that_opted_out_is_never_chosen_and_with_none_left_the_coordinator_relays(db):
+    drv, _ = world(db, relay=lambda i: i == 4)
+    assert drv.mode("n0", "n1").relay == "n4"
+    drv, _ = world(CoordinatorDB.create(db.path.parent / "b.db"), relay=lambda i: False)
+    assert drv.mode("n0", "n1").relay == ""  # the coordinator
+
+
+def test_a_failed_relay_hands_the_pair_to_another_and_is_avoided_for_it(db):
+    drv, _ = world(db)
+    drv.take_relay_changes()
+    assert drv.relay_failed("n0", [key(1)], now=T0 + 20) == 1
+    assert drv.update(None, T0 + 20)  # the ends must hear of it
+    assert drv.mode("n0", "n1").relay == "n3"
+    assert drv.take_relay_changes() == {"n2", "n3"} and ("n0", "n1") in drv.take_changes()
+    drv.relay_failed("n1", [key(0)], now=T0 + 21)
+    drv.update(None, T0 + 21)
+    assert drv.mode("n0", "n1").relay == "n4"
+    drv.relay_failed("n1", [key(0)], now=T0 + 22)
+    drv.update(None, T0 + 22)
+    assert drv.mode("n0", "n1").relay == ""  # every member failed it: the coordinator
+    # A report about a pair that is not relayed changes nothing.
+    assert drv.relay_failed("n2", [key(3)], now=T0 + 23) == 0
+
+
+def test_a_relay_that_loses_its_tunnel_to_an_end_or_leaves_hands_its_pairs_on(db):
+    drv, members = world(db)
+    assert drv.mode("n0", "n1").relay == "n2"
+    # n2's tunnel with n1 goes stale (both ends say so): n2 no longer reaches n1 directly.
+    drv.report("n2", {key(1): int(T0)}, full=False, stale={key(1)})
+    drv.report("n1", {key(2): int(T0)}, full=False, stale={key(2)})
+    drv.update(None, T0 + 200)
+    # That pair is relayed now (by n3), and n0 <-> n1 moves on, to the relay with no pair yet (n4).
+    assert drv.mode("n1", "n2").mode == pairpaths.RELAYED and drv.mode("n1", "n2").relay == "n3"
+    assert drv.mode("n0", "n1").relay == "n4"
+    # n4 is removed from the network: its pair moves in the same update, to the one relay left.
+    drv.update([m for m in members if m.name != "n4"], T0 + 201)
+    assert drv.mode("n0", "n1").relay == "n3"
+    assert not drv.by_relay.get("n4")
+
+
+def test_a_pair_that_goes_direct_again_leaves_its_relay(db):
+    drv, _ = world(db)
+    drv.report("n0", {key(1): int(T0 + 30)}, full=False, stale=set())
+    drv.update(None, T0 + 31)
+    assert drv.mode("n0", "n1").mode == pairpaths.PUBLIC and drv.relaying("n2") == []
+    assert "n2" in drv.take_relay_changes()
+
+
+# ------------------------------------------------------------------------------------- the whole mesh
+def _nodes(mesh: FakeMesh, names: str):
+    nodes = [mesh.join(x, f"198.51.100.{i + 2}:40000") for i, x in enumerate(names)]
+    for n in nodes:
+        mesh.see(n)
+    for _ in range(3):
+        mesh.sync()
+    return nodes
+
+
+def test_both_ends_route_through_the_relay_and_only_the_relay_forwards_the_pair(tmp_path):
+    mesh = FakeMesh(tmp_path)
+    a, b, c = _nodes(mesh, "abc")
+    t = int(time.time())
+    mesh.handshake(a, c, when=t)
+    mesh.handshake(b, c, when=t)
+    mesh.sync()
+    mesh.sync()
+    mesh.coord.tick(now=time.time() + pairpaths.ATTEMPT_S + 1)  # a <-> b never handshook: relayed
+    mesh.sync()
+    assert mesh.coord.pairs.mode("a", "b") == pairpaths.PairState(
+        pairpaths.RELAYED, mesh.coord.pairs.mode("a", "b").since, False, "c"
+    )
+    # a sends b's traffic into its tunnel with c, b sends a's likewise; their own entries keep trying direct.
+    assert f"{b.ip}/32" in mesh.peer(a, c).allowed_ips and mesh.peer(a, b).allowed_ips == ()
+    assert f"{a.ip}/32" in mesh.peer(b, c).allowed_ips and mesh.peer(b, a).allowed_ips == ()
+    assert mesh.member_seen_by(a, b).via == c.key
+    # c forwards exactly that pair; nobody else forwards anything (the coordinator included).
+    assert c.device.relayed == [tuple(sorted((a.ip, b.ip)))] and c.device.forwarding
+    assert a.device.relayed == [] and b.device.relayed == []
+    assert mesh.coord_device.relayed == []
+
+    # c's agent stops forwarding (its machine is gone, say): a notices through its probe and reports it.
+    a.agent.probe = lambda ip: None if ip == b.ip else 0.001
+    for _ in range(3):
+        a.agent.check_relays()
+    mesh.sync()
+    assert mesh.coord.pairs.mode("a", "b").relay == ""  # only the coordinator is left
+    to_coordinator = next(p for p in a.device.peers() if p.public_key == mesh.network.coordinator_public_key)
+    assert f"{b.ip}/32" in to_coordinator.allowed_ips and f"{b.ip}/32" not in mesh.peer(a, c).allowed_ips
+    assert mesh.coord_device.relayed == [tuple(sorted((a.ip, b.ip)))]
+    mesh.sync()
+    assert c.device.relayed == []  # told it relays nothing any more
+
+
+def test_a_node_that_joined_with_no_relay_refuses_to_forward(tmp_path):
+    mesh = FakeMesh(tmp_path)
+    a, b, c = _nodes(mesh, "abc")
+    c.agent.rec["relay"] = False
+    c.agent.sync_once(wait=0)
+    c.agent._relay([[a.ip, b.ip]])  # as if a coordinator asked anyway
+    assert c.device.relayed == []
+
+
+def test_a_report_about_a_relay_the_pair_already_left_changes_nothing(db):
+    drv, _ = world(db)
+    assert drv.relay_failed("n0", [key(1)], now=T0 + 20, via={key(1): key(2)}) == 1  # n0 tried n2
+    drv.update(None, T0 + 20)
+    assert drv.mode("n0", "n1").relay == "n3"
+    # n1's report about n2 arrives late: n3 is not blamed for it.
+    assert drv.relay_failed("n1", [key(0)], now=T0 + 21, via={key(0): key(2)}) == 0
+    drv.update(None, T0 + 21)
+    assert drv.mode("n0", "n1").relay == "n3"
