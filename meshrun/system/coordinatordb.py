@@ -198,9 +198,16 @@ class CoordinatorDB:
         self.conn.close()
 
     @contextlib.contextmanager
-    def tx(self):
-        """A write transaction (BEGIN IMMEDIATE); rolled back on any exception."""
+    def tx(self, durable: bool = True):
+        """A write transaction (BEGIN IMMEDIATE); rolled back on any exception.
+
+        Not `durable`: committed without an fsync of its own (WAL, synchronous=NORMAL): a crash of the process
+        loses nothing, a power cut may take it back, and the next durable commit makes it durable too. For what
+        the coordinator can learn again from its members (pair paths, last seen times, handshakes): a join storm
+        wrote a thousand pair rows a tick, each commit an fsync that every enrolment queued behind."""
         with self._lock:
+            if not durable:
+                self.conn.execute("PRAGMA synchronous=NORMAL")
             try:
                 self.conn.execute("BEGIN IMMEDIATE")
                 try:
@@ -217,6 +224,9 @@ class CoordinatorDB:
                     f"cannot write {self.path}: {exc}; the previous version is unchanged",
                     "free disk space or fix permissions, then run the command again",
                 ) from None
+            finally:
+                if not durable:
+                    self.conn.execute("PRAGMA synchronous=FULL")
 
     # meta ------------------------------------------------------------------
     def set_meta(self, **values: str) -> None:
@@ -500,7 +510,7 @@ class CoordinatorDB:
         changed = old[0] != new or old[2] != mtu or old[3] != site or old[4] != relay_int
         if not changed and old[1] is not None and not touch:
             return
-        with self.tx() as c:
+        with self.tx(durable=changed) as c:
             c.execute(
                 "UPDATE members SET candidates=?, mtu=?, site=?, relay=?, last_seen=? "
                 "WHERE overlay_ip=? AND removed_at IS NULL",
@@ -533,7 +543,7 @@ class CoordinatorDB:
             updates.append((endpoint, hs, key))
         if not updates:
             return False
-        with self.tx() as c:
+        with self.tx(durable=changed) as c:  # a new version must never be lost (versions never repeat)
             c.executemany(
                 "UPDATE members SET endpoint=COALESCE(?, endpoint), last_handshake=? WHERE public_key=?", updates
             )
@@ -553,8 +563,9 @@ class CoordinatorDB:
 
     def save_pairs(self, states: Mapping[tuple[str, str], PairState], drop: Iterable[str] = ()) -> None:
         """Write the pairs whose state changed and delete every pair of the nodes in `drop` (removed
-        members), in one transaction: one row per pair, so a change costs its own rows only."""
-        with self.tx() as c:
+        members), in one transaction: one row per pair, so a change costs its own rows only. Not durable (see
+        tx): after a power cut the members' next reports decide the paths again."""
+        with self.tx(durable=bool(drop)) as c:
             for name in drop:
                 c.execute("DELETE FROM pairs WHERE a=? OR b=?", (name, name))
             c.executemany(

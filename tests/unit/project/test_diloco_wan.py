@@ -124,7 +124,7 @@ def test_the_verdicts_bytes_held_out_loss_blocked_time_and_wall():
 def test_smoke_mode_is_tiny_and_validates_h():
     args = dw.parse_args(["--smoke"])
     assert (args.steps, args.workers, args.rounds) == (4, 2, 1) and args.tune_h == [2, 4]
-    assert set(args.variants) >= {"demo_ddp", "diloco_fp8", "sparse_int2"}
+    assert set(args.variants) >= {"ddp", "local", "demo_ddp", "diloco_int2", "sparse_int2"}
     with pytest.raises(SystemExit):
         dw.parse_args(["--tune-h", "25,50"])  # 25 is odd: 2 fragments cannot split it
 
