@@ -162,6 +162,7 @@ def server(args) -> int:
     cur: dict = {}
     joined: dict[str, int] = {}  # name -> the member-list version that holds it
     kick: list = [None]  # the overlay server's kick, once it runs
+    end_waits: list = [None]  # and its end_waits (a restart ends the waits the old service holds)
     publishes: list[tuple[int, float]] = []  # (version, monotonic time) of every publish
     enrol_s: list[float] = []  # the enrolment handler's own time per join (TLS and queueing left out)
 
@@ -265,7 +266,7 @@ def server(args) -> int:
         max_per_source=OVERLAY_PER_SOURCE,
         inline=True,
     )
-    kick[0] = srv.kick
+    kick[0], end_waits[0] = srv.kick, srv.end_waits
     cur["svc"].roster.listeners.append(srv.kick)
     srv.start("overlay")
     front = FrontDoor(
@@ -321,6 +322,10 @@ def server(args) -> int:
                 cur["loop"].join(30)
                 old.roster.wake_all()
                 start_service()
+                # The agents' long-polls held by the old service end now: a real daemon's exit closes them
+                # and its agents retry 0.5 s later (mesh/node/daemon.py), so the real figure is up to 0.5 s
+                # longer; held to their deadlines here, a restart read as up to the 20 s long-poll wait.
+                end_waits[0]()
                 say(restarted=True, at=t0)
             elif cmd[0] == "answered":  # per version given, when every one of the first N agents was answered it
                 agents = int(cmd[2])

@@ -89,7 +89,20 @@ class LongPollServer(LoopServer):
             except RuntimeError:  # the loop is closed: nothing waits any more
                 pass
 
+    def end_waits(self) -> None:
+        """Answer every waiting request soon as if its wait had run out (thread-safe): the handler that
+        holds them was replaced (a service restarted in the same process) and its waits would otherwise
+        be held to their deadlines on the old one."""
+        try:
+            self.loop.call_soon_threadsafe(self._expire_all)
+        except RuntimeError:  # the loop is closed: nothing waits any more
+            pass
+
     # waiting requests --------------------------------------------------------
+    def _expire_all(self) -> None:
+        for fut, wait in list(self.waiting.items()):
+            self._poll(fut, wait, expired=True)
+
     def _poll_all(self) -> None:
         self._kicked = False
         for fut, wait in list(self.waiting.items()):

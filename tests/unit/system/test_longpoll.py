@@ -100,6 +100,28 @@ def test_a_wait_that_runs_out_is_answered_unchanged(board):
     assert got == {"version": 0, "unchanged": True} and 0.35 < time.monotonic() - t0 < 3
 
 
+def test_end_waits_answers_every_held_request_unchanged_at_once(board):
+    b, port = board
+    results: list[dict] = []
+
+    def waiter() -> None:
+        results.append(Session("127.0.0.1", port).call("POST", "/wait", {"known": 0, "wait": 30}, timeout=35))
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while len(b.server.waiting) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(b.server.waiting) == 2 and results == []
+    t0 = time.monotonic()
+    b.server.end_waits()
+    for t in threads:
+        t.join(5)
+    assert results == [{"version": 0, "unchanged": True}] * 2 and time.monotonic() - t0 < 3
+    assert not b.server.waiting
+
+
 def test_a_thousand_waiters_on_one_thread_all_answered_by_one_kick(board):
     b, port = board
     srv = b.server
