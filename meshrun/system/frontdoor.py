@@ -15,7 +15,6 @@ functions as meshrun.system.transport's servers.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import ssl
@@ -61,26 +60,26 @@ class FrontDoor(LoopServer):
         workers: int = 4,
         max_body: int = MAX_JSON,
     ) -> None:
-        super().__init__(addr, head_limit=HEAD_LIMIT, workers=workers, pool_name="frontdoor")
+        super().__init__(
+            addr,
+            head_limit=HEAD_LIMIT,
+            workers=workers,
+            pool_name="frontdoor",
+            max_conns=max_conns,
+            max_per_source=max_per_source,
+        )
         self.handler = handler
         self.ssl_context = ssl_context
-        self.max_conns, self.max_per_source = max_conns, max_per_source
         self.handshake_s, self.request_s = handshake_s, request_s
         self.max_body = max_body
-        self.active = 0
-        self.per_source: collections.Counter[str] = collections.Counter()
-        self.refused = 0  # connections closed at the cap (for tests and the log)
 
     # ------------------------------------------------------------------ one connection
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername") or ("?", 0)
         ip = peer[0]
-        if self.active >= self.max_conns or self.per_source[ip] >= self.max_per_source:
-            self.refused += 1
+        if not self._admit(ip):
             writer.transport.abort()  # before the TLS handshake: an attacker's cheapest move costs us least
             return
-        self.active += 1
-        self.per_source[ip] += 1
         transport = writer.transport
         answered = False
         try:
@@ -107,10 +106,7 @@ class FrontDoor(LoopServer):
         ) as exc:
             log.debug("connection from %s dropped: %s", ip, exc.__class__.__name__)
         finally:
-            self.active -= 1
-            self.per_source[ip] -= 1
-            if not self.per_source[ip]:
-                del self.per_source[ip]
+            self._release(ip)
             # A clean close lets the answer reach the client; anything else is dropped at once, so a
             # misbehaving peer cannot keep a TLS shutdown pending.
             if answered:

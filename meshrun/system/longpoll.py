@@ -20,7 +20,6 @@ connection idle for `idle_timeout` seconds is closed.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import time
@@ -67,15 +66,19 @@ class LongPollServer(LoopServer):
         idle_timeout: float = IDLE_TIMEOUT,
         request_timeout: float = TIMEOUT,
     ) -> None:
-        super().__init__(addr, device=device, head_limit=max_head, workers=workers, pool_name="longpoll")
+        super().__init__(
+            addr,
+            device=device,
+            head_limit=max_head,
+            workers=workers,
+            pool_name="longpoll",
+            max_conns=max_conns,
+            max_per_source=max_per_source,
+        )
         self.handler, self.gate = handler, gate
-        self.max_conns, self.max_per_source = max_conns, max_per_source
         self.max_head, self.head_timeout, self.idle_timeout = max_head, head_timeout, idle_timeout
         self.request_timeout = request_timeout
         self.inline = inline
-        self.active = 0
-        self.per_source: collections.Counter[str] = collections.Counter()
-        self.refused = 0  # connections closed at a cap (tests, the log)
         self.refused_heads = 0  # requests whose head was too large (431)
         self.waiting: dict[asyncio.Future, Wait] = {}  # requests waiting for an answer
         self._kicked = False
@@ -140,12 +143,9 @@ class LongPollServer(LoopServer):
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername") or ("?", 0)
         ip = str(peer[0])
-        if self.active >= self.max_conns or self.per_source[ip] >= self.max_per_source:
-            self.refused += 1
+        if not self._admit(ip):
             writer.transport.abort()  # no read, no task beyond this one
             return
-        self.active += 1
-        self.per_source[ip] += 1
         try:
             first = True
             while await self._one(reader, writer, ip, first):
@@ -153,10 +153,7 @@ class LongPollServer(LoopServer):
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.debug("connection from %s closed: %s", ip, exc.__class__.__name__)
         finally:
-            self.active -= 1
-            self.per_source[ip] -= 1
-            if not self.per_source[ip]:
-                del self.per_source[ip]
+            self._release(ip)
             if not self.loop.is_closed():
                 writer.transport.abort()
 

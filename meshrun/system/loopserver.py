@@ -11,6 +11,7 @@ them (their handlers get no answer out), then stops the loop. Subclasses impleme
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 import threading
@@ -23,9 +24,21 @@ class LoopServer:
     """Listening socket, event loop, thread and worker pool; `_connection` is the subclass's."""
 
     def __init__(
-        self, addr: tuple[str, int], *, device: str | None = None, head_limit: int, workers: int, pool_name: str
+        self,
+        addr: tuple[str, int],
+        *,
+        device: str | None = None,
+        head_limit: int,
+        workers: int,
+        pool_name: str,
+        max_conns: int,
+        max_per_source: int,
     ) -> None:
         self.head_limit = head_limit
+        self.max_conns, self.max_per_source = max_conns, max_per_source
+        self.active = 0
+        self.per_source: collections.Counter[str] = collections.Counter()
+        self.refused = 0  # connections closed at a cap (tests, the log)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=pool_name)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -41,6 +54,22 @@ class LoopServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError
+
+    def _admit(self, ip: str) -> bool:
+        """Count a new connection from `ip`, or refuse it (False) at `max_conns` or `max_per_source`: the
+        caller then closes it unread. An admitted connection is given back with `_release(ip)`."""
+        if self.active >= self.max_conns or self.per_source[ip] >= self.max_per_source:
+            self.refused += 1
+            return False
+        self.active += 1
+        self.per_source[ip] += 1
+        return True
+
+    def _release(self, ip: str) -> None:
+        self.active -= 1
+        self.per_source[ip] -= 1
+        if not self.per_source[ip]:
+            del self.per_source[ip]
 
     async def _tracked(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
