@@ -97,19 +97,16 @@ class LongPollServer(LoopServer):
         holds them was replaced (a service restarted in the same process) and its waits would otherwise
         be held to their deadlines on the old one."""
         try:
-            self.loop.call_soon_threadsafe(self._expire_all)
+            self.loop.call_soon_threadsafe(self._poll_all, True)
         except RuntimeError:  # the loop is closed: nothing waits any more
             pass
 
     # waiting requests --------------------------------------------------------
-    def _expire_all(self) -> None:
+    def _poll_all(self, expired: bool = False) -> None:
+        if not expired:
+            self._kicked = False
         for fut, wait in list(self.waiting.items()):
-            self._poll(fut, wait, expired=True)
-
-    def _poll_all(self) -> None:
-        self._kicked = False
-        for fut, wait in list(self.waiting.items()):
-            self._poll(fut, wait, expired=False)
+            self._poll(fut, wait, expired=expired)
 
     def _poll(self, fut: asyncio.Future, wait: Wait, expired: bool) -> None:
         if fut.done():
