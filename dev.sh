@@ -10,7 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 # git: `meshrun train` lists what a git work tree ships with it (meshrun.system.archive), and the archive
 # tests build repositories with submodules.
-APT_PKGS=(iproute2 iptables nftables wireguard-tools wireguard-go iputils-ping iperf3 procps util-linux git)
+# etcd-server: the replicated state of several coordinators (`meshrun coordinator add`); Debian starts its own
+# etcd service on 127.0.0.1 when the package is installed: meshrun never uses it, and dev.sh stops it.
+APT_PKGS=(iproute2 iptables nftables wireguard-tools wireguard-go iputils-ping iperf3 procps util-linux git etcd-server)
 # The tests' VM (tests/vm.py): Debian's kernel (WireGuard and netem as modules) under QEMU, booted by
 # virtme-ng (a test dependency in pyproject.toml); mke2fs -d (e2fsprogs) builds its Python image; a
 # modular kernel needs an initramfs, which virtme-ng builds around a static busybox (busybox-static).
@@ -46,6 +48,15 @@ fast_wireguard_go() {
   apt_install -t bookworm-backports wireguard-go
 }
 
+# The etcd-server package enables and starts etcd.service (client port 2379 on 127.0.0.1). meshrun runs its own
+# members, on overlay addresses only; a second etcd nobody uses is one more listener: stopped and disabled.
+quiet_distro_etcd() {
+  if command -v systemctl >/dev/null && systemctl is-enabled etcd >/dev/null 2>&1; then
+    echo "dev.sh: disabling the distribution's etcd.service (meshrun runs its own etcd members)" >&2
+    systemctl disable --now etcd >/dev/null 2>&1 || true
+  fi
+}
+
 install_system() {
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     echo "dev.sh: not root or no apt-get: skipping system packages (${APT_PKGS[*]})" >&2
@@ -58,6 +69,7 @@ install_system() {
     echo "dev.sh: apt-get install ${missing[*]}" >&2
     apt-get update -qq
     apt_install "${missing[@]}"
+    quiet_distro_etcd
   fi
   fast_wireguard_go
 }

@@ -383,6 +383,22 @@ def sites(d: dict) -> tuple[str, str]:
     )
 
 
+def ha_failover(d: dict) -> tuple[str, str]:
+    c, n, idle, busy = d["coordinator_loss_s"], d["node_loss_s"], d["idle"], d["job_running"]
+
+    def s(x: dict, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+        return f"{fmt.format(x['median'] * scale)} ({fmt.format(x['min'] * scale)}-{fmt.format(x['max'] * scale)})"
+
+    return (
+        "3 coordinators (state in etcd), an elastic DiLoCo job on 3 nodes behind symmetric NAT (every pair "
+        "relayed): the coordinator that started it lost, then a node; and the replicated store's steady cost",
+        f"progress again {s(c)} s after the coordinator's loss, {s(n)} s after the node's ({c['n']} rounds; the "
+        f"job ended on one model every round); etcd at rest {s(idle['etcd_cpu_share'], 100)}% of a core for three "
+        f"members, {s(idle['etcd_bytes_per_s'], 1 / 1024)} KiB/s on the overlay; with the job running "
+        f"{s(busy['etcd_cpu_share'], 100)}%, {s(busy['etcd_bytes_per_s'], 1 / 1024)} KiB/s",
+    )
+
+
 ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("wan_efficiency", wan_efficiency, "benchmarks/wan_efficiency.py"),
     ("time_to_mesh", time_to_mesh, "benchmarks/time_to_mesh.py"),
@@ -392,6 +408,7 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("relay_vs_direct", relay_vs_direct, "benchmarks/relay_vs_direct.py"),
     ("diloco_wan", diloco_wan, "benchmarks/diloco_wan.py"),
     ("sites", sites, "benchmarks/sites.py"),
+    ("ha_failover", ha_failover, "benchmarks/ha_failover.py"),
 ]
 
 

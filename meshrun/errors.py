@@ -21,6 +21,7 @@ __all__ = [
     "CoordinatorError",
     "LaunchError",
     "AuthError",
+    "ControlStateError",
     "to_wire",
     "from_wire",
 ]
@@ -88,6 +89,11 @@ class AuthError(MeshrunError):
     without proof that the node holds its private key."""
 
 
+class ControlStateError(MeshrunError):
+    """The replicated control state (etcd) cannot be read or written: no majority of its members answers,
+    a write's outcome is unknown, or etcd refused the request."""
+
+
 _BY_NAME = {
     c.__name__: c
     for c in (
@@ -101,13 +107,16 @@ _BY_NAME = {
         CoordinatorError,
         LaunchError,
         AuthError,
+        ControlStateError,
     )
 }
 
 
 def to_wire(err: MeshrunError) -> dict:
-    """The error as JSON-able data: message, fix and its class name."""
-    return {"error": err.message, "fix": err.fix, "kind": type(err).__name__}
+    """The error as JSON-able data: message, fix and its class name (for a subclass defined elsewhere, such as
+    meshrun.system.etcd.Compacted, the nearest class of this module's: the class the receiver can raise)."""
+    kind = next((c.__name__ for c in type(err).__mro__ if _BY_NAME.get(c.__name__) is c), "MeshrunError")
+    return {"error": err.message, "fix": err.fix, "kind": kind}
 
 
 def from_wire(data: object, default: type[MeshrunError] = CoordinatorError, status: int | None = None) -> MeshrunError:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import secrets
 import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -66,6 +69,54 @@ def joined_mesh(
         yield mesh
     finally:
         world.down()
+
+
+class TrainJob:
+    """`meshrun train ARGS` on a mesh's node (the coordinator by default), in examples/, its output collected
+    line by line; a project of its own (DiLoCo resumes from the snapshots an earlier job of the project left)."""
+
+    def __init__(self, mesh, *args: str, on=None) -> None:
+        project = f"job-{secrets.token_hex(3)}"
+        self.proc = mesh.meshrun_popen(
+            on or mesh.coordinator,
+            "train",
+            "--project",
+            project,
+            *args,
+            cwd=EXAMPLES,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(
+            target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True
+        )
+        self.reader.start()
+
+    def _read(self) -> None:
+        self.lines.extend(iter(self.proc.stdout.readline, ""))
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text, re.M):
+            assert self.proc.poll() is None and time.monotonic() < deadline, (
+                f"no {pattern!r} within {timeout} s:\n{self.text[-4000:]}"
+            )
+            time.sleep(0.5)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.reader.join(10)
 
 
 def json_strategy(max_text: int = 40, max_list: int = 5, max_key: int = 12, max_dict: int = 6, max_leaves: int = 20):

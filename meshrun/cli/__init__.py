@@ -3,7 +3,16 @@
 `app` is the typer root with every command registered; `main` is the console entry point.
 """
 
-from meshrun.cli import bench, demo, network, node, service, status, train  # noqa: F401  (register commands)
+from meshrun.cli import (  # noqa: F401  (register commands)
+    bench,
+    coordinator,
+    demo,
+    network,
+    node,
+    service,
+    status,
+    train,
+)
 from meshrun.cli.app import root as app
 
 

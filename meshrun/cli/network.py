@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from meshrun.cli.app import Application, JsonOpt, StateOpt, handled, root
+from meshrun.errors import UsageError
 
 token_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke join tokens (on the coordinator).")
 root.add_typer(token_app, name="token")
@@ -100,11 +101,22 @@ def down(
     """
     from meshrun.jobs import control
     from meshrun.mesh import member
+    from meshrun.mesh.coordinator import ha
 
     app = Application.for_command(state_dir)
-    for rec in control.list_jobs(app.state) if app.state.exists else []:
+    replicated = app.state.exists and ha.replicated(app.state.read_json("member.json"))
+    if replicated and purge:
+        raise UsageError(
+            "this coordinator is one of several: its etcd member would be left in their cluster",
+            "first `meshrun coordinator remove NAME` on another coordinator, then `meshrun leave --purge` here",
+        )
+    # With several coordinators the others carry the jobs on (a standby takes each over); alone, the jobs'
+    # overlay goes away with this coordinator.
+    for rec in control.list_jobs(app.state) if app.state.exists and not replicated else []:
         if not rec.final and control.cancel(app.state, rec.job_id):
             app.echo(f"cancelled job {rec.job_id} (the overlay it runs on is going away)")
+    if replicated:
+        ha.stop_member(app.state)
     iface = member.take_down(app.state, "coordinator", purge=purge)
     app.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
 

@@ -78,6 +78,8 @@ def _age(s: float) -> str:
 def judge(f: dict) -> list[Check]:
     """Every check for the facts `f` (see meshrun.mesh.doctor.gather for the keys)."""
     out = [_daemon(f), _interface(f), _backend(f)]
+    if f.get("control"):
+        out.append(_control(f))
     if f.get("interface", {}).get("up"):
         out.append(_mtu(f))
         if f["role"] == "node":
@@ -99,6 +101,45 @@ def _daemon(f: dict) -> Check:
         FAIL,
         f"the {what} is not running: peers are not kept in sync and no job can start here",
         "meshrun up (or: systemctl start meshrun, if you installed the service)",
+    )
+
+
+def _control(f: dict) -> Check:
+    """Several coordinators: does etcd have a majority (quorum), and who leads?"""
+    c = f["control"]
+    rows = c.get("coordinators") or []
+    if not c.get("etcd_pid"):
+        return Check(
+            "control",
+            FAIL,
+            "this coordinator's etcd member is not running: its copy of the network's state is not served",
+            "meshrun up (the daemon starts it again); its log is <state>/etcd/etcd.log",
+        )
+    total = len(rows)
+    ok = [r for r in rows if r.get("etcd") == "ok"]
+    need = total // 2 + 1
+    leader = next((r["name"] for r in rows if r.get("role") == "leader"), None)
+    down = [r["name"] for r in rows if r.get("etcd") != "ok"]
+    if total and len(ok) >= need:
+        if not down:
+            return Check("control", OK, f"etcd: {len(ok)} of {total} coordinators answer; {leader or '?'} leads")
+        return Check(
+            "control",
+            WARN,
+            f"etcd: {len(ok)} of {total} coordinators answer ({', '.join(down)} not): still a majority, but one more "
+            "loss stops enrolment, path changes and job takeovers",
+            f"bring {', '.join(down)} back (`meshrun up` there), or take it out: `meshrun coordinator remove "
+            f"{down[0]}` (here)",
+        )
+    return Check(
+        "control",
+        FAIL,
+        f"etcd has no majority: {len(ok)} of {total or '?'} coordinators answer, {need if total else '?'} are needed "
+        f"({', '.join(down) or 'the others'} do not). Nothing can change: no joins, removals, path changes, jobs "
+        "or takeovers; tunnels and running jobs go on as they are",
+        f"bring back {', '.join(down) or 'the other coordinators'} (`meshrun up` there, their etcd data is in "
+        "<state>/etcd/); if they are gone for good, this coordinator's data can seed a new cluster: stop it, run "
+        "etcd once with --force-new-cluster on <state>/etcd/data (see docs/ha.md), then `meshrun up`",
     )
 
 

@@ -120,10 +120,13 @@ class JobSpec:
             return {}
         return presets.Preset.from_dict(self.preset["preset"]).env()
 
-    def launch_options(self, network: Network, store_port: int, shipped: bool) -> TrainOptions:
+    def launch_options(
+        self, network: Network, store_port: int, shipped: bool, coordinators: tuple[str, ...] = ()
+    ) -> TrainOptions:
         """The torchrun options of this job on `network`, its rendezvous store at `store_port` (the one place
         a spec becomes launch options). `shipped`: the script's directory is the job's working directory,
-        so the script is named by its file name."""
+        so the script is named by its file name. `coordinators` ("IP:PORT" each): several coordinators keep
+        the rendezvous instead of a store."""
         script = Path(self.script).name if shipped and not self.module else self.script
         return TrainOptions(
             script=script,
@@ -141,6 +144,7 @@ class JobSpec:
             site_fabric=self.site_fabric,
             job_env=tuple(sorted(self.preset_env.items())),
             mixed_accelerators=self.mixed_accelerators,
+            rdzv_coordinators=tuple(coordinators),
         )
 
     def bounds(self, available: int) -> tuple[int, int]:

@@ -1,6 +1,7 @@
-"""Key material: WireGuard X25519 keys and the coordinator's self-signed TLS identity.
+"""Key material: WireGuard X25519 keys, the coordinator's self-signed TLS identity, and the small X.509 CA
+the coordinators' etcd members trust.
 
-Keys are made here, on the machine that uses them; only public keys ever leave it.
+Keys are made here, on the machine that uses them; only public keys (and certificate requests) ever leave it.
 WireGuard keys use WireGuard's own format: standard base64 of the 32 raw bytes.
 """
 
@@ -10,12 +11,13 @@ import base64
 import binascii
 import datetime
 import hashlib
+import ipaddress
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from meshrun.errors import UsageError
 
@@ -112,3 +114,180 @@ def cert_fingerprint(cert: bytes) -> str:
     if cert.lstrip().startswith(b"-----BEGIN"):
         cert = x509.load_pem_x509_certificate(cert).public_bytes(serialization.Encoding.DER)
     return hashlib.sha256(cert).hexdigest()
+
+
+# --------------------------------------------------------------------------- the etcd members' CA
+#
+# etcd checks chains, not fingerprints: every member and every client presents a certificate signed by one
+# CA, and a member's certificate carries its overlay address as an IP SAN (etcd matches a peer's address
+# against it). Each machine makes its own key and sends only a CSR; the CA's key signs it.
+
+_PEM = serialization.Encoding.PEM
+_SKEW = datetime.timedelta(minutes=5)  # not-before in the past: a signer's clock a little ahead of a member's
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> str:
+    return key.private_bytes(_PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+
+
+def _cn(common_name: str) -> x509.Name:
+    if not common_name or len(common_name) > 64:  # X.509's upper bound for a common name
+        raise UsageError(f"the common name {common_name!r} must be 1 to 64 characters", "pass a member's name")
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def new_ca(common_name: str, days: int = 3650) -> tuple[str, str]:
+    """Return (certificate PEM, private key PEM) of a new self-signed CA (EC P-256) valid for `days` days.
+
+    It may sign leaf certificates only (path length 0). Its key signs every member's CSR (`sign_csr`); keep
+    it where only the coordinators can read it.
+    """
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _cn(common_name)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _SKEW)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ski, critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(_PEM).decode(), _key_pem(key)
+
+
+def new_csr(common_name: str, ip: str) -> tuple[str, str]:
+    """Return (private key PEM, CSR PEM): a fresh EC P-256 key and its request for a certificate whose only
+    subject alternative name is the IP address `ip` (no loopback is added: etcd listens on `ip` alone).
+
+    UsageError for an `ip` that is not an IP address.
+    """
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        raise UsageError(f"{ip!r} is not an IP address", "pass the member's overlay address, e.g. 10.7.0.2") from None
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(_cn(common_name))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(addr)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return _key_pem(key), csr.public_bytes(_PEM).decode()
+
+
+def _load_cert(pem: str | bytes) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(pem.encode() if isinstance(pem, str) else pem)
+
+
+def _load_key(pem: str | bytes):
+    return serialization.load_pem_private_key(pem.encode() if isinstance(pem, str) else pem, password=None)
+
+
+def _public_der(public_key) -> bytes:
+    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def sign_csr(ca_cert_pem: str, ca_key_pem: str, csr_pem: str, days: int = 3650) -> str:
+    """Return the PEM certificate the CA issues for `csr_pem`: the CSR's subject and subject alternative
+    names, good for both TLS ends (serverAuth and clientAuth: an etcd member is a server to its clients and
+    a client to its peers), not a CA, valid for `days` days but never past the CA itself.
+
+    ValueError for a CSR whose signature does not verify or that names no IP address, and for a CA key that
+    is not the CA certificate's or a CA certificate that is not a CA.
+    """
+    ca_cert, ca_key = _load_cert(ca_cert_pem), _load_key(ca_key_pem)
+    csr = x509.load_pem_x509_csr(csr_pem.encode() if isinstance(csr_pem, str) else csr_pem)
+    if _public_der(ca_cert.public_key()) != _public_der(ca_key.public_key()):
+        raise ValueError("the CA key does not belong to the CA certificate")
+    try:
+        if not ca_cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            raise ValueError("the CA certificate is not a CA (basicConstraints CA:FALSE)")
+    except x509.ExtensionNotFound:
+        raise ValueError("the CA certificate is not a CA (no basicConstraints)") from None
+    if not csr.is_signature_valid:
+        raise ValueError("the certificate request's signature does not verify")
+    try:
+        san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        san = None
+    if san is None or not san.get_values_for_type(x509.IPAddress):
+        raise ValueError("the certificate request names no IP address (subject alternative name)")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    not_after = min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(csr.subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(csr.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _SKEW)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=True,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(san, critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(csr.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert.public_bytes(_PEM).decode()
+
+
+def cert_ips(cert_pem: str) -> list[str]:
+    """The IP addresses among the certificate's subject alternative names, in its order ([] for none)."""
+    try:
+        san = _load_cert(cert_pem).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [str(a) for a in san.get_values_for_type(x509.IPAddress)]
+
+
+def cert_matches_key(cert_pem: str, key_pem: str) -> bool:
+    """True when the private key `key_pem` is the one for the certificate's public key.
+
+    ValueError when either PEM cannot be read (the message names which, never its content).
+    """
+    try:
+        cert = _load_cert(cert_pem)
+    except ValueError:
+        raise ValueError("the certificate is not a PEM X.509 certificate") from None
+    try:
+        key = _load_key(key_pem)
+    except (ValueError, TypeError):
+        raise ValueError("the private key is not an unencrypted PEM private key") from None
+    return _public_der(cert.public_key()) == _public_der(key.public_key())

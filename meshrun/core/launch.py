@@ -73,6 +73,9 @@ class TrainOptions:
     site_fabric: bool = False  # NCCL may load InfiniBand/RoCE for site groups (see worker_env)
     job_env: tuple[tuple[str, str], ...] = ()  # meshrun's variables for this job (a DiLoCo preset); the user's win
     mixed_accelerators: bool = False  # MESHRUN_MIXED_ACCELERATORS=1: every worker runs its collectives on gloo
+    # With several coordinators: every coordinator's overlay "IP:API port"; the rendezvous is kept at them, in
+    # etcd (meshrun.jobs.rdzv_backend), not in a store on one machine. Empty: the store at rdzv_host:rdzv_port.
+    rdzv_coordinators: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,8 @@ def plan(
     # is_host=0: the coordinator hosts the store; torch's guess (hostname match) is wrong on overlays.
     # join_timeout: the c10d handler's rendezvous deadline (the generic "timeout" key is etcd/static only).
     rdzv_conf = f"is_host=0,join_timeout={opts.rdzv_timeout}"
+    if opts.rdzv_coordinators:  # '+' between them: torchrun splits --rdzv-conf at commas
+        rdzv_conf += f",coordinators={'+'.join(opts.rdzv_coordinators)}"
     out = []
     for n in list(nodes)[:hi]:
         nproc = opts.nproc_per_node if opts.nproc_per_node is not None else (n.gpus if n.gpus > 0 else 1)

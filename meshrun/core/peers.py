@@ -200,12 +200,23 @@ def route_mtus(my_key: str, my_mtu: int, members: Sequence[Member]) -> dict[str,
     return out
 
 
-def desired_for_coordinator(members: Sequence[Member]) -> list[PeerSpec]:
-    """Peers for the coordinator: every node, no endpoint (nodes dial in; WireGuard roams).
+def desired_for_coordinator(members: Sequence[Member], my_key: str = "") -> list[PeerSpec]:
+    """Peers for a coordinator: every node, no endpoint (nodes dial in; WireGuard roams); and every other
+    coordinator at the public endpoint it advertises, with a keepalive (coordinators dial each other);
+    without `my_key`, no coordinator.
 
-    The coordinator sends no keepalives: each node's own keepalive holds its NAT mapping open."""
-    # No keepalive here (see desired_for_node): nodes keep their NAT mappings open themselves.
-    return [PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), None, 0, m.name) for m in members if not m.is_coordinator]
+    A coordinator sends nodes no keepalives: each node's own keepalive holds its NAT mapping open."""
+    out = []
+    for m in members:
+        if m.public_key == my_key:
+            continue
+        if m.is_coordinator:
+            if m.endpoint and my_key:  # another coordinator, known by the endpoint it advertises
+                out.append(PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), m.endpoint, KEEPALIVE, m.name))
+            continue
+        # No keepalive here (see desired_for_node): nodes keep their NAT mappings open themselves.
+        out.append(PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), None, 0, m.name))
+    return out
 
 
 def diff(

@@ -3,7 +3,9 @@
 Format: ``mr1.`` + base64url(JSON payload + 4-byte SHA-256 checksum). The payload holds the
 network name, the coordinator's endpoint(s), the SHA-256 fingerprint of its TLS
 certificate, the coordinator's WireGuard public key (a joining node proves with it that it holds
-its own private key), a token id and a 32-byte secret. The coordinator stores only
+its own private key), a token id and a 32-byte secret; with several coordinators also every other
+coordinator's endpoint, fingerprint and key ("c"), tried in turn when the first does not answer (a
+meshrun that predates them reads the first coordinator only). The coordinator stores only
 ``hash_secret(secret)``; nodes prove possession of the secret over TLS pinned by the
 fingerprint. The checksum lets a garbled or truncated token fail with a precise message
 instead of a confusing network error.
@@ -42,6 +44,11 @@ class JoinToken:
     token_id: str
     secret: bytes
     coordinator_key: str = ""  # the coordinator's WireGuard public key ("" in tokens of older meshruns)
+    others: tuple[tuple[str, str, str], ...] = ()  # every other coordinator: (endpoint, fingerprint, key)
+
+    def coordinators(self) -> list[tuple[str, str, str]]:
+        """(endpoint, TLS fingerprint, WireGuard key) of each coordinator to try, in order."""
+        return [(ep, self.fingerprint, self.coordinator_key) for ep in self.endpoints] + list(self.others)
 
     def encode(self) -> str:
         """Return the token string (``mr1.…``)."""
@@ -54,6 +61,8 @@ class JoinToken:
         }
         if self.coordinator_key:
             fields["k"] = self.coordinator_key
+        if self.others:
+            fields["c"] = [list(o) for o in self.others]
         payload = json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
         blob = payload + hashlib.sha256(payload).digest()[:4]
         return PREFIX + base64.urlsafe_b64encode(blob).decode().rstrip("=")
@@ -63,11 +72,17 @@ class JoinToken:
 
 
 def new_token(
-    network: str, endpoints: list[str] | tuple[str, ...], fingerprint: str, coordinator_key: str = ""
+    network: str,
+    endpoints: list[str] | tuple[str, ...],
+    fingerprint: str,
+    coordinator_key: str = "",
+    others: tuple[tuple[str, str, str], ...] = (),
 ) -> JoinToken:
     """Make a token with a fresh random id and 32-byte secret."""
     token_id = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(10))
-    return JoinToken(network, tuple(endpoints), fingerprint, token_id, secrets.token_bytes(32), coordinator_key)
+    return JoinToken(
+        network, tuple(endpoints), fingerprint, token_id, secrets.token_bytes(32), coordinator_key, tuple(others)
+    )
 
 
 def hash_secret(secret: bytes) -> str:
@@ -121,9 +136,25 @@ def parse_token(value: str) -> JoinToken:
         secret_b64 = data["s"]
         secret = base64.urlsafe_b64decode(secret_b64 + "=" * (-len(secret_b64) % 4))
         ckey = data.get("k", "")
-        if not isinstance(ckey, str):
+        others = data.get("c", [])
+        if (
+            not isinstance(ckey, str)
+            or not isinstance(others, list)
+            or len(others) > 16
+            or not all(isinstance(o, list) and len(o) == 3 and all(isinstance(x, str) for x in o) for o in others)
+        ):
             raise ValueError("wrong field types")
-        tok = JoinToken(data["n"], tuple(parse_endpoint(e) for e in data["e"]), data["f"], data["i"], secret, ckey)
+        if any(not _FP_RE.match(f) or not _KEY_RE.match(k) for _, f, k in others):
+            raise ValueError("a coordinator's fingerprint or key is malformed")
+        tok = JoinToken(
+            data["n"],
+            tuple(parse_endpoint(e) for e in data["e"]),
+            data["f"],
+            data["i"],
+            secret,
+            ckey,
+            tuple((parse_endpoint(e), f, k) for e, f, k in others),
+        )
     except (ValueError, KeyError, TypeError, binascii.Error):
         raise TokenError("the join token's contents are malformed", _FIX_COPY) from None
     if (

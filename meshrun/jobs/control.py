@@ -7,6 +7,11 @@ in a session of its own, so the job outlives the terminal and the daemon. Everyt
 on the job's files and its supervisor's lock, so it also works while the daemon is down:
 `meshrun jobs` reads job.json, `meshrun logs` replays and follows logs/<node>.log, `meshrun cancel`
 signals the supervisor that holds the job's lock.
+
+With several coordinators (meshrun.mesh.coordinator.ha) a job is also recorded in etcd
+(meshrun.system.etcdjobs) when it is submitted, and every coordinator's job control starts a standby
+supervisor for every live job it does not run yet (`_watch`), so each keeps its own copy of the job's
+logs and any can take it over. `meshrun cancel` then asks through the store (the owner acts on it).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from dataclasses import replace
 from meshrun.core.jobspec import EXIT_LOST, JobRecord, JobSpec, JobState, check_job_id
 from meshrun.core.model import Network
 from meshrun.core.termtext import LINE_RE, line_matches
-from meshrun.errors import StateError, UsageError
+from meshrun.errors import MeshrunError, StateError, UsageError
 from meshrun.jobs.supervisor import EVENTS
-from meshrun.system import joblogs, procs, transport
+from meshrun.mesh.coordinator import ha
+from meshrun.system import etcdjobs, joblogs, procs, transport
+from meshrun.system.etcdjobs import JobReplica
 from meshrun.system.statedir import StateDir
 
 log = logging.getLogger("meshrun.jobs.control")
@@ -74,6 +81,7 @@ class JobControl:
     def __init__(self, state: StateDir, network: Network) -> None:
         self.state = state
         self.network = network
+        self.rec = state.read_json("member.json")
         self.server = transport.AdminServer(str(state / ADMIN_SOCKET), self.handle)
         self.server.start("admin")
         self.stop = threading.Event()
@@ -102,6 +110,11 @@ class JobControl:
 
     def _watch(self) -> None:
         while not self.stop.wait(WATCH_EVERY_S):
+            if ha.replicated(self.rec):
+                try:
+                    self._stand_by()
+                except MeshrunError as exc:
+                    log.warning("cannot follow the replicated jobs: %s", exc)
             try:
                 for r in list_jobs(self.state):
                     if self.known.get(r.job_id) != r.state:
@@ -109,6 +122,33 @@ class JobControl:
                         log.info("job %s %s%s", r.job_id, r.state, f": {r.message}" if r.message else "")
             except StateError as exc:
                 log.warning("cannot read the jobs: %s", exc)
+
+    def _stand_by(self) -> None:
+        """A standby supervisor here for every live replicated job that has none (jobs submitted elsewhere,
+        or while this coordinator was down)."""
+        client = ha.client_for(self.state)
+        try:
+            for job_id in etcdjobs.job_ids(client):
+                d = joblogs.job_dir(self.state, job_id)
+                if (d / "job.json").exists() and (record(self.state, job_id).final or _lock(self.state, job_id).held()):
+                    continue
+                replica = JobReplica(client, job_id, str(self.rec["name"]))
+                rec = replica.record()
+                spec = replica.spec()
+                if rec is None or spec is None or rec.final:
+                    continue
+                d.create()
+                d.write_json("spec.json", spec)
+                d.write_json("job.json", rec.to_dict())
+                pid = procs.spawn_daemon(
+                    [sys.executable, "-m", "meshrun.jobs.supervisor", str(self.state.path), job_id, "--standby"],
+                    d / "supervisor.out",
+                    timeout=60,
+                    what=f"job {job_id}'s standby supervisor",
+                )
+                log.info("job %s: standby supervisor started (pid %d)", job_id, pid)
+        finally:
+            client.close()
 
 
 def start_job_control(state: StateDir, network: Network, rec: dict) -> JobControl:
@@ -121,6 +161,13 @@ def start(state: StateDir, spec: JobSpec) -> str:
     d = _dir(state, spec.job_id)
     if (d / "spec.json").exists():
         raise UsageError(f"job {spec.job_id!r} exists already", "pick another --job-id")
+    rec = state.read_json("member.json")
+    if ha.replicated(rec):  # first in the store: a job id is unique across coordinators
+        client = ha.client_for(state)
+        try:
+            JobReplica(client, spec.job_id, str(rec["name"])).create(spec.to_dict(), JobRecord(spec.job_id))
+        finally:
+            client.close()
     d.create()
     d.write_json("spec.json", spec.to_dict())
     d.write_json("job.json", JobRecord(spec.job_id).to_dict())
@@ -149,6 +196,18 @@ def cancel(state: StateDir, job_id: str, wait: bool = True) -> bool:
     pid = lock.holder()
     if rec.final or pid is None:
         return False
+    if ha.replicated(state.read_json("member.json")):  # the job's owner (on any coordinator) cancels it
+        client = ha.client_for(state)
+        try:
+            JobReplica(client, job_id, "").request_cancel()
+        finally:
+            client.close()
+        if not wait:
+            return True
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not record(state, job_id).final:
+            time.sleep(0.5)
+        return True
     if wait:
         return lock.stop(timeout=90)
     return procs.signal_pid(pid, 15)

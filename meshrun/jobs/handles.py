@@ -49,6 +49,9 @@ class ShareHandle(Protocol):
     def allow(self, job_id: str, ips: list[str]) -> None:
         """While it runs: a node joined the (elastic) job and may reach its ports too."""
 
+    def restart(self, job_id: str, started_before: float) -> None:
+        """End its workers started before then: its torchrun restarts them into a new rendezvous round."""
+
     def output(self, job_id: str, offset: int) -> dict:
         """Its output from `offset`: {"lines", "offset", "done", "status"} (a long-poll)."""
 
@@ -100,6 +103,9 @@ class RemoteShare:
 
     def allow(self, job_id: str, ips: list[str]) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/allow", {"ips": ips}, timeout=15)
+
+    def restart(self, job_id: str, started_before: float) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/restart", {"before": started_before}, timeout=15)
 
     def output(self, job_id: str, offset: int) -> dict:
         return self._call(
@@ -165,6 +171,9 @@ class LocalShare:
 
     def allow(self, job_id: str, ips: list[str]) -> None:
         firewall.allow(job_id, self.name, ips)
+
+    def restart(self, job_id: str, started_before: float) -> None:
+        shares.restart_workers(self.dir, started_before)
 
     def output(self, job_id: str, offset: int) -> dict:
         return shares.share_output(self.dir, offset, OUTPUT_WAIT_S)

@@ -13,6 +13,7 @@ does not know which nodes such a job has). It is therefore not started unless th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -38,7 +39,8 @@ def _coordinator(state: StateDir):
             f"{state.path} belongs to a node; the local store runs on the coordinator",
             "run `meshrun local-store start` on the coordinator",
         )
-    return network
+    # With several coordinators, this one's own address (the network's names the first one).
+    return dataclasses.replace(network, coordinator_ip=str(rec.get("overlay_ip") or network.coordinator_ip))
 
 
 def start(state: StateDir, max_mb: int = DEFAULT_MAX_MB) -> int:

@@ -1,10 +1,13 @@
 """A node's job API: the coordinator starts, follows and cancels this node's shares here.
 
 It listens on the node's overlay IP with the socket bound to the WireGuard device, accepts
-connections only from the coordinator's overlay address (any other is closed as it is accepted), and
-answers only requests that carry a valid MAC under this node's job key (meshrun.core.auth: derived
-from the coordinator's and this node's WireGuard keys, so only root on the coordinator, holding its
-private key, can sign), checked before the body is read; a captured request cannot be replayed.
+connections only from the coordinators' overlay addresses (any other is closed as it is accepted), and
+answers only requests that carry a valid MAC under the job key this node shares with that coordinator
+(meshrun.core.auth: derived from the coordinator's and this node's WireGuard keys, so only root on a
+coordinator, holding its private key, can sign), checked before the body is read; a captured request
+cannot be replayed. With several coordinators (meshrun.mesh.coordinator.ha) any of them may drive a
+job here (the one that took over a job whose first coordinator is gone included): which they are
+comes from the member list the agent keeps (peers.json).
 Request heads are capped (transport.MAX_HEAD), uploads streamed to disk with a cap; connections are
 bounded.
 
@@ -16,9 +19,13 @@ bounded.
   POST /v1/jobs/ID/output         {offset, wait}: output lines from `offset`, then the share's end
   POST /v1/jobs/ID/cancel         stop the share
   POST /v1/jobs/ID/allow          {ips}: more nodes may reach the job's ports (an elastic job grew)
+  POST /v1/jobs/ID/restart        {before}: end the workers started before then: torchrun restarts them and
+                                  they rendezvous again (an elastic job lost a node)
   POST /v1/jobs/ID/pull           {path, max_bytes}: files from the job's working directory (tar.gz)
   POST /v1/jobs/ID/prune          delete the job's directory here (not while its share runs)
   POST /v1/projects/P/remove      delete project P's directory here (not while a job runs in it)
+  POST /v1/coordinator/prepare    `meshrun coordinator add`: make this node's etcd key and TLS identity
+  POST /v1/coordinator/promote    {ca, cert, cluster, ...}: start its etcd member; the agent restarts as a coordinator
 
 Shares run in their own processes, so they outlive an agent restart; the API finds them again
 through their job directories.
@@ -28,7 +35,9 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -40,9 +49,10 @@ from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.core.model import Network
 from meshrun.errors import AuthError, LaunchError, MeshrunError, NetworkError, UsageError
 from meshrun.jobs import workdir
-from meshrun.jobs.share import cancel_share, share_output, share_running, start_share
+from meshrun.jobs.share import cancel_share, restart_workers, share_output, share_running, start_share
 from meshrun.mesh import member
-from meshrun.system import firewall, host, joblogs
+from meshrun.mesh.coordinator import ha
+from meshrun.system import firewall, host, joblogs, procs
 from meshrun.system.projects import ProjectDir, check_project
 from meshrun.system.statedir import StateDir, remove_tree
 from meshrun.system.transport import JSONServer, Request, Response
@@ -53,42 +63,98 @@ MAX_CODE = 200 * 1024 * 1024
 MAX_CONNS = 64
 OUTPUT_WAIT_MAX = 10.0
 ROUTE = re.compile(
-    r"^/v1/jobs/([^/?]+)/(code|preflight|start|output|cancel|allow|pull|prune)"
+    r"^/v1/jobs/([^/?]+)/(code|preflight|start|output|cancel|allow|restart|pull|prune)"
     r"(?:\?project=([^&/]+))?$"
 )
 PROJECT_ROUTE = re.compile(r"^/v1/projects/([^/?]+)/remove$")
 
 
+class Coordinators:
+    """Which overlay addresses may drive jobs here, and the job key shared with each: the coordinators in the
+    member list the agent keeps (peers.json, read again when it changes), the network's first coordinator
+    until there is one."""
+
+    def __init__(self, state: StateDir, network: Network) -> None:
+        self.state, self.network = state, network
+        self.stamp: float | None = None
+        self.keys: dict[str, str] = {network.coordinator_ip: network.coordinator_public_key}  # IP -> public key
+        self.verifiers: dict[str, auth.Verifier] = {}  # public key -> its verifier (it remembers nonces)
+        self.lock = threading.Lock()
+
+    def _refresh(self) -> None:
+        try:
+            stamp = (self.state / "peers.json").stat().st_mtime
+        except OSError:
+            return
+        if stamp == self.stamp:
+            return
+        self.stamp = stamp
+        try:
+            _, members = member.load_members(self.state)
+        except MeshrunError as exc:
+            log.warning("cannot read the member list: %s", exc)
+            return
+        coords = {m.overlay_ip: m.public_key for m in members if m.is_coordinator}
+        self.keys = coords or {self.network.coordinator_ip: self.network.coordinator_public_key}
+
+    def allowed(self, ip: str) -> bool:
+        with self.lock:
+            self._refresh()
+            return ip in self.keys
+
+    def verifier(self, ip: str) -> auth.Verifier | None:
+        with self.lock:
+            self._refresh()
+            pub = self.keys.get(ip)
+            if pub is None:
+                return None
+            if pub not in self.verifiers:
+                self.verifiers[pub] = auth.Verifier(member.job_key(self.state, pub))
+            return self.verifiers[pub]
+
+
 class JobAPI:
-    """The job API's handler for node `name`: shares under `jobs_dir`, requests checked with `key`."""
+    """The job API's handler for node `name`: shares under `jobs_dir`, requests checked with the job key of the
+    coordinator that sends them (`key`: one key, for the network's first coordinator only; or a Coordinators)."""
 
     def __init__(
         self,
         state: StateDir,
         network: Network,
         name: str,
-        key: bytes,
+        key: bytes | Coordinators,
         gpus: int = 0,
         start=start_share,
         guards=firewall,
+        promoted=None,
     ) -> None:
         self.network = network
         self.firewall = guards  # meshrun.system.firewall; tests pass a FakeFirewall
         self.name = name
         self.state = state
         self.jobs_dir = joblogs.jobs_root(state)
-        self.verifier = auth.Verifier(key)
+        if isinstance(key, Coordinators):
+            self.coordinators: Coordinators | None = key
+            self.verifier = None
+        else:
+            self.coordinators = None
+            self.verifier = auth.Verifier(key)
+        self.promoted = promoted  # called once this node is a coordinator (the agent restarts in that role)
         self.gpus = gpus
         self.start = start  # tests pass a stand-in that runs nothing
 
     def gate(self, req: Request) -> Response | None:
         """Before the body is read: only the coordinator's overlay address, only with a fresh MAC under
         this node's job key (the body's hash it covers is checked once the body is in)."""
-        if req.client_ip != self.network.coordinator_ip:
-            log.warning("refused job request %s %s from %s: not the coordinator", req.method, req.path, req.client_ip)
-            return Response.error(403, f"{req.client_ip} is not the coordinator")
+        if self.coordinators is not None:
+            verifier = self.coordinators.verifier(req.client_ip)
+        else:
+            verifier = self.verifier if req.client_ip == self.network.coordinator_ip else None
+        if verifier is None:
+            log.warning("refused job request %s %s from %s: not a coordinator", req.method, req.path, req.client_ip)
+            return Response.error(403, f"{req.client_ip} is not a coordinator")
         try:
-            req.expect_sha256 = self.verifier.head(req.headers.get("Authorization"), req.method, req.path, time.time())
+            req.expect_sha256 = verifier.head(req.headers.get("Authorization"), req.method, req.path, time.time())
         except AuthError as exc:
             log.warning("refused job request %s %s from %s: %s", req.method, req.path, req.client_ip, exc.message)
             return Response.error(401, exc)
@@ -113,6 +179,19 @@ class JobAPI:
                     "jobs": [j for j in joblogs.job_ids(self.jobs_dir) if share_running(StateDir(self.jobs_dir / j))],
                 },
             )
+        if req.method == "POST" and req.path == "/v1/coordinator/prepare":
+            if any(share_running(StateDir(self.jobs_dir / j)) for j in joblogs.job_ids(self.jobs_dir)):
+                return Response.error(
+                    409, LaunchError(f"{self.name} runs a job's share", "wait for its jobs to end, or cancel them")
+                )
+            log.info("a coordinator asked this node to become a coordinator: making its etcd key")
+            return Response(200, ha.prepare(self.state))
+        if req.method == "POST" and req.path == "/v1/coordinator/promote":
+            body = req.body if isinstance(req.body, dict) else {}
+            ha.promote(self.state, body)
+            if self.promoted is not None:
+                self.promoted()
+            return Response(200, {"promoted": True})
         m = PROJECT_ROUTE.match(req.path)
         if m and req.method == "POST":
             removed = ProjectDir(self.state, check_project(m.group(1))).remove()
@@ -155,6 +234,14 @@ class JobAPI:
             self.firewall.allow(job_id, self.name, [str(ip) for ip in ips])
             log.info("job %s: %s may reach its ports too", job_id, ", ".join(map(str, ips)))
             return Response(200, {"allowed": len(ips)})
+        if action == "restart":
+            try:
+                before = float(body["before"])
+            except (KeyError, TypeError, ValueError):
+                return Response.error(400, UsageError("malformed restart request", "use `meshrun train`"))
+            n = restart_workers(job_dir, before)
+            log.info("job %s: %d worker process(es) ended to re-form the group", job_id, n)
+            return Response(200, {"signalled": n})
         if action == "pull":
             return self._pull(job_id, job_dir, body)
         if action == "prune":
@@ -243,7 +330,7 @@ class JobServer:
             max_conns=MAX_CONNS,
             max_per_source=MAX_CONNS,
             upload_dir=str(uploads.path),
-            allow_source={api.network.coordinator_ip},
+            allow_source=api.coordinators.allowed if api.coordinators is not None else {api.network.coordinator_ip},
         )
         self.server.start("jobs")
 
@@ -253,9 +340,19 @@ class JobServer:
         self.server.server_close()
 
 
+def _restart_later(delay: float = 0.5) -> None:
+    """Stop this agent a moment from now (after the answer went out): it comes back in its new role."""
+
+    def stop() -> None:
+        time.sleep(delay)
+        procs.signal_pid(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop, name="restart", daemon=True).start()
+
+
 def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
     """The node's job API (an agent extension): shares under <state>/jobs, served on its overlay IP."""
-    key = member.job_key(state, network.coordinator_public_key)
+    coordinators = Coordinators(state, network)
     firewall.sweep()
     try:  # an interface brought up by an older meshrun has no forward guard yet (a new one got it with it)
         firewall.install_forward_guard(network.interface)
@@ -264,7 +361,8 @@ def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
     # Pre-flight reports import torch once (a second or two): do it now, not while a job waits.
     threading.Thread(target=host.environment, args=(sys.executable,), name="preflight-warm", daemon=True).start()
     try:
-        return JobServer(JobAPI(state, network, rec["name"], key, gpus=host.visible_gpus()), rec["overlay_ip"])
+        api = JobAPI(state, network, rec["name"], coordinators, gpus=host.visible_gpus(), promoted=_restart_later)
+        return JobServer(api, rec["overlay_ip"])
     except OSError as exc:
         raise NetworkError(
             f"job API unavailable: cannot listen on {rec['overlay_ip']}:{network.api_port}: {exc.strerror}",

@@ -139,12 +139,13 @@ def plan(
     store_port: int,
     local: bool = False,
     sites: dict[str, topology.Placement] | None = None,
+    coordinators: tuple[str, ...] = (),
 ) -> list[launch.NodeLaunch]:
     """Every ready node's torchrun command and environment for `spec` (ready: name, overlay IP, health).
 
     `sites`: every node's site within the job (`placements`); None: the ready nodes', each a site of its own.
     """
-    opts = spec.launch_options(network, store_port, shipped=not spec.no_sync)
+    opts = spec.launch_options(network, store_port, shipped=not spec.no_sync, coordinators=coordinators)
     if sites is None:
         sites = topology.placement([name for name, _, _ in ready], {})
     infos = [launch.NodeInfo(name, ip, int(h.get("gpus", 0) or 0), sites.get(name)) for name, ip, h in ready]

@@ -216,6 +216,26 @@ def cancel_share(job_dir: StateDir) -> bool:
     return procs.DaemonLock(job_dir / "share.lock").stop(timeout=30)
 
 
+def restart_workers(job_dir: StateDir, started_before: float) -> int:
+    """End this share's workers that started before `started_before` (unix s), so its torchrun restarts them
+    and they rendezvous again; returns how many were signalled (0: none that old, or no share runs).
+
+    For an elastic job that lost a node: the survivors' collectives would otherwise wait for the lost
+    machine until torch's process-group timeout (30 minutes for gloo), because packets to a machine that is
+    gone are simply dropped. Workers torchrun already restarted after the loss (a refused connection tells it
+    at once when only processes died) are younger and left alone. It takes one of the job's --max-restarts."""
+    share = procs.DaemonLock(job_dir / "share.lock").holder()
+    if share is None:
+        return 0
+    signalled = 0
+    for agent in procs.children(share):  # torchrun
+        for pid in procs.descendants(agent):
+            born = procs.started_at(pid)
+            if pid != agent and born is not None and born < started_before and procs.signal_pid(pid, signal.SIGTERM):
+                signalled += 1
+    return signalled
+
+
 def share_output(job_dir: StateDir, offset: int, wait: float) -> dict:
     """Output lines from `offset` (waiting up to `wait` s for some); once the share has ended and
     everything was read, its status too."""

@@ -16,6 +16,15 @@ the job belongs to the mesh, not to the terminal that asked for it, and not to t
   node; an elastic job below MIN), starts a share on a node that becomes ready while an elastic
   job runs below MAX, and records the verdict in job.json;
 - cancels every share on SIGTERM (`meshrun cancel`, Ctrl-C in `meshrun train`).
+
+With several coordinators (meshrun.mesh.coordinator.ha) the job is replicated (meshrun.system.etcdjobs) and
+every coordinator runs a supervisor for it: the one it was submitted to owns it, the others stand by
+(`--standby`, started by each coordinator's job control). There is no store here then: the nodes' torchrun
+rendezvous at any coordinator, in etcd (meshrun.jobs.rdzv_backend). A standby follows every share's output
+into its own logs/ and copies the owner's lines, so `meshrun logs` shows the whole job on any coordinator;
+when the owner's lease runs out (its machine is gone) the first standby to claim the job drives it from
+where it is: the shares kept running on their nodes, their output waited there. SIGTERM then only stops
+this supervisor (another takes over); `meshrun cancel` cancels through the store.
 """
 
 from __future__ import annotations
@@ -34,9 +43,10 @@ from meshrun.errors import LaunchError, MeshrunError
 from meshrun.jobs.handles import LocalShare, RemoteShare
 from meshrun.jobs.planning import ask_health, candidates, check_environments, nproc, pack, placements, plan
 from meshrun.mesh import member
-from meshrun.mesh.coordinator import admin
-from meshrun.system import joblogs, procs, tcpstore
+from meshrun.mesh.coordinator import admin, ha
+from meshrun.system import etcdjobs, joblogs, procs, tcpstore
 from meshrun.system.archive import Packed
+from meshrun.system.etcdjobs import JobReplica
 from meshrun.system.firewall import JobGuard
 from meshrun.system.statedir import StateDir
 
@@ -52,22 +62,28 @@ FAIL_GRACE_S = 3.0
 ELASTIC_GRACE_S = 10.0
 SCALE_UP_EVERY_S = 5.0
 STORE_PORTS = 100  # how many ports from rdzv_port up a job's store may take
+OUTPUT_DRAIN_S = 15.0  # a standby copies what the shares printed last for at most this long after the end
 EVENTS = "_meshrun"  # the supervisor's own lines, among the nodes' logs
 
 
 class Supervisor:
-    """One job, from waiting for its nodes to its verdict."""
+    """One job, from waiting for its nodes to its verdict (or, `standby`, a copy of it on another coordinator)."""
 
-    def __init__(self, state: StateDir, job_id: str) -> None:
+    def __init__(self, state: StateDir, job_id: str, standby: bool = False) -> None:
         self.state = state
         self.dir = joblogs.job_dir(state, job_id)
         self.spec = JobSpec.from_dict(self.dir.read_json("spec.json"))
         self.job_id = job_id
+        self.standby = standby
+        self.rec, _ = member.load(state)
+        # With several coordinators the job is replicated: ownership, record, lines and rendezvous in etcd.
+        self.replica = (
+            JobReplica(ha.client_for(state), job_id, str(self.rec["name"])) if ha.replicated(self.rec) else None
+        )
         db, self.network = admin.open_db(state, readonly=True)
         self.members = db.members()
         self.pairs = db.pairs()  # which members proved a private path: sites (meshrun.core.topology)
         db.close()
-        self.rec, _ = member.load(state)
         self.record = JobRecord(
             job_id,
             created=self.dir.read_json("job.json").get("created", time.time())
@@ -90,26 +106,58 @@ class Supervisor:
         self.allowed: list[str] = []  # the overlay addresses of the job's nodes
         self.packed: Packed | None = None  # the code as shipped (elastic additions get the same)
         self.sites: dict | None = None  # every candidate's site within the job, numbered once at the start
+        self.leaving = threading.Event()  # a replicated job's supervisor stops (SIGTERM), the job goes on
 
     # ------------------------------------------------------------------ bookkeeping
+    @property
+    def owning(self) -> bool:
+        return self.replica is None or self.replica.owning
+
     def say(self, text: str) -> None:
-        """A line of the supervisor's own, shown by `meshrun train`/`logs` and kept in the daemon log."""
+        """A line of the supervisor's own, shown by `meshrun train`/`logs` and kept in the daemon log (a standby's
+        go to its daemon log only: the owner's lines reach its logs through the store)."""
         log.info("job %s: %s", self.job_id, text)
-        self.events.write(f"{int(time.time() * 1000)} meshrun: {text}")
+        if not self.owning:
+            return
+        line = f"{int(time.time() * 1000)} meshrun: {text}"
+        self.events.write(line)
+        if self.replica is not None:
+            try:
+                self.replica.event(line)
+            except MeshrunError as exc:
+                log.warning("job %s: line not replicated: %s", self.job_id, exc)
 
     def save(self) -> None:
         self.dir.write_json("job.json", self.record.to_dict())
+        if self.replica is not None and self.owning:
+            try:
+                self.replica.save(self.record)
+            except MeshrunError as exc:
+                log.warning("job %s: record not replicated: %s", self.job_id, exc)
 
     def candidates(self) -> list[RemoteShare | LocalShare]:
+        if self.replica is not None and (self.spec.with_coordinator or self.rec.get("train")):
+            raise LaunchError(
+                "with several coordinators a job runs on nodes only (a coordinator's own share would end with it)",
+                "leave out --with-coordinator, or run `meshrun coordinator remove` until one coordinator is left",
+            )
         return candidates(self.state, self.spec, self.network, self.members, self.rec)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> None:
         try:
-            self._run()
+            if self.replica is not None and (self.standby or not self.replica.own()):
+                procs.notify_ready()
+                self._standby()
+            else:
+                self._run()
         finally:
             if self.guard is not None:
                 self.guard.remove()
+            if self.replica is not None:
+                if self.replica.owning and self.record.final:
+                    _quietly(etcdjobs.forget_rendezvous, self.replica.client, self.job_id)
+                self.replica.release()
 
     def _run(self) -> None:
         self.save()
@@ -139,6 +187,8 @@ class Supervisor:
         self._supervise()
 
     def _host_store(self):
+        if self.replica is not None:  # the nodes rendezvous at the coordinators, in etcd: nothing to host here
+            return None, self.network.api_port
         # rdzv_port itself is the coordinator's store for `meshrun train --local` shares.
         for port in range(self.network.rdzv_port + 1, self.network.rdzv_port + STORE_PORTS):
             try:
@@ -166,18 +216,28 @@ class Supervisor:
                 f"to project {self.project!r} on every node"
             )
             self._each([s for s, _ in ready], lambda s: s.ship(self.job_id, self.project, self.packed.blob))
+            if self.replica is not None and not self.replica.put_code(self.packed.blob):
+                self.say("the code is too large to replicate: a coordinator that takes this job over cannot ship it")
         if not self.spec.skip_preflight:
             self._preflight(ready)
         # Every port of the job, its store here included, answers only the job's nodes: the guard is there
         # before anything listens. The store comes after the pre-flight: hosting it imports torch, a refusal
         # should not wait for that.
         self.allowed = sorted({s.overlay_ip for s, _ in ready})
-        self.guard = JobGuard(self.job_id, f"{self.rec['name']}/store", self.network.interface).create(self.allowed)
-        self.guard.join()
+        if self.replica is not None:
+            self.replica.allow(self.allowed)  # who may use the job's rendezvous at the coordinators
+        else:
+            self.guard = JobGuard(self.job_id, f"{self.rec['name']}/store", self.network.interface).create(self.allowed)
+            self.guard.join()
         self.store, self.store_port = self._host_store()
         self.sites = placements(self.candidates(), topology.assign(self.members, self.pairs))
         plans = plan(
-            self.spec, self.network, [(s.name, s.overlay_ip, h) for s, h in ready], self.store_port, sites=self.sites
+            self.spec,
+            self.network,
+            [(s.name, s.overlay_ip, h) for s, h in ready],
+            self.store_port,
+            sites=self.sites,
+            coordinators=self._coordinators(),
         )
         self.outcome = Outcome(self.spec.elastic, lo if self.spec.nnodes else len(plans))
         self._each(plans, lambda p: self._start(by_name[p.node], p))
@@ -285,6 +345,7 @@ class Supervisor:
                         with self.lock:
                             self.outcome.lost[s.name] = time.time()
                         self.say(f"lost {s.name}: no answer from its agent for {LOST_AFTER_S:.0f} s ({exc.message})")
+                        self._regroup(s.name, time.time() - (time.monotonic() - last_ok))
                         return
                     time.sleep(1)
                     continue
@@ -303,6 +364,8 @@ class Supervisor:
     def _supervise(self) -> None:
         next_scale = time.monotonic() + SCALE_UP_EVERY_S
         while True:
+            if self.replica is not None and not self.cancel_event.is_set() and self._cancel_asked():
+                self.cancel_event.set()
             with self.lock:
                 if self.cancel_event.is_set():
                     self.outcome.cancelled = True
@@ -321,6 +384,20 @@ class Supervisor:
         self.record.ended = time.time()
         self.say(message)
         self.save()
+
+    def _regroup(self, lost: str, heard: float) -> None:
+        """An elastic job lost `lost` (last heard at `heard`, unix s) and goes on: the others' workers started
+        before then are restarted, so the group re-forms without it now. A machine that vanished answers
+        nothing, and their collectives would wait for it until torch's timeout (30 minutes for gloo)."""
+        with self.lock:
+            if not self.spec.elastic or not self.owning or self.aborting or self.outcome.stop_reason():
+                return
+            running = [self.shares[n] for n in self.outcome.running() if n != lost]
+        if not running:
+            return
+        self.say(f"re-forming the group without {lost}: restarting the workers on {', '.join(s.name for s in running)}")
+        for s in running:
+            threading.Thread(target=_quietly, args=(s.restart, self.job_id, heard), daemon=True).start()
 
     def _abort(self, reason: str) -> None:
         """Stop every running share: at once when cancelled or below MIN, after FAIL_GRACE_S on a failure."""
@@ -342,8 +419,95 @@ class Supervisor:
         threading.Thread(target=stop, daemon=True).start()
 
     def cancel(self) -> None:
-        """SIGTERM: cancel the job everywhere (the loop notices and stops the shares)."""
+        """SIGTERM: cancel the job everywhere (the loop notices and stops the shares). A replicated job's
+        supervisor only stops (its coordinator is going down): another coordinator takes the job over."""
+        if self.replica is not None:
+            self.leaving.set()
+            return
         self.cancel_event.set()
+
+    # ------------------------------------------------------------------ several coordinators
+    def _coordinators(self) -> tuple[str, ...]:
+        """Where the nodes rendezvous (every coordinator's overlay API), none for a lone coordinator's store."""
+        if self.replica is None:
+            return ()
+        db, _ = admin.open_db(self.state, readonly=True)
+        try:
+            return tuple(f"{c.overlay_ip}:{self.network.api_port}" for c in db.coordinators())
+        finally:
+            db.close()
+
+    def _cancel_asked(self) -> bool:
+        try:
+            return self.replica.cancel_requested()
+        except MeshrunError:
+            return False
+
+    def _standby(self) -> None:
+        """Another coordinator owns the job: keep a copy of its output and its owner's lines here, and take it
+        over when the owner is gone. Returns once the job ended (or this coordinator stops)."""
+        log.info("job %s: standing by (its owner is another coordinator)", self.job_id)
+        mark = b""
+        while not self.leaving.is_set():
+            try:
+                record = self.replica.record()
+                for key, line in self.replica.events(mark):
+                    self.events.write(line)
+                    mark = key
+                owner = self.replica.owner()
+            except MeshrunError as exc:
+                log.warning("job %s: cannot read its record (%s); trying again", self.job_id, exc)
+                self.leaving.wait(1.0)
+                continue
+            if record is not None:
+                self.record = record
+                self.dir.write_json("job.json", record.to_dict())
+                self._follow_nodes(record.nodes)
+                if record.final:
+                    for t in self.followers:
+                        t.join(OUTPUT_DRAIN_S)
+                    return
+            if owner is None and self.replica.own():
+                self._take_over(record)
+                return
+            self.leaving.wait(1.0)
+
+    def _follow_nodes(self, nodes: list[str]) -> None:
+        """Follow the shares of `nodes` not followed yet (a standby; an elastic job grows)."""
+        if self.outcome is None:
+            lo, _ = self.spec.bounds(len(nodes))
+            self.outcome = Outcome(self.spec.elastic, lo if self.spec.nnodes else len(nodes))
+        by_name = {s.name: s for s in self.candidates()}
+        for name in nodes:
+            if name in self.shares or name not in by_name:
+                continue
+            s = by_name[name]
+            with self.lock:
+                self.shares[name] = s
+                self.outcome.shares[name] = None
+            if s.overlay_ip not in self.allowed:
+                self.allowed.append(s.overlay_ip)
+            t = threading.Thread(target=self._follow, args=(s,), name=f"follow-{name}", daemon=True)
+            self.followers.append(t)
+            t.start()
+
+    def _take_over(self, record) -> None:
+        """This standby owns the job now: it drives it from where it is."""
+        gone = "its coordinator"
+        if record is None or record.state is JobState.STARTING:
+            self.record.state, self.record.exit_code = JobState.FAILED, 1
+            self.record.message = f"job {self.job_id} failed: {gone} was lost before the job started; submit it again"
+            self.record.ended = time.time()
+            self.say(self.record.message)
+            self.save()
+            return
+        self.say(f"coordinator {self.rec['name']} took the job over ({gone} is gone); the shares kept running")
+        self.store_port = self.network.api_port
+        blob = self.replica.code()
+        if blob is not None:
+            self.packed = Packed(blob=blob, manifest={}, bytes=len(blob))
+        self.sites = placements(self.candidates(), topology.assign(self.members, self.pairs))
+        self._supervise()
 
     def _scale_up(self) -> None:
         """An elastic job below MAX takes a node that became ready (torchrun re-forms the group)."""
@@ -358,7 +522,13 @@ class Supervisor:
             if h is None:
                 continue
             (p,) = plan(
-                self.spec, self.network, [(s.name, s.overlay_ip, h)], self.store_port, local=True, sites=self.sites
+                self.spec,
+                self.network,
+                [(s.name, s.overlay_ip, h)],
+                self.store_port,
+                local=True,
+                sites=self.sites,
+                coordinators=self._coordinators(),
             )
             try:
                 if self.packed is not None:  # the code the job started with, not what the directory holds now
@@ -381,6 +551,8 @@ class Supervisor:
         self.allowed.append(ip)
         if self.guard is not None:
             self.guard.allow([ip])
+        if self.replica is not None:
+            self.replica.allow(self.allowed)
         with self.lock:
             running = [self.shares[n] for n in self.outcome.running()]
         for s in running:
@@ -396,8 +568,10 @@ def _quietly(fn, *args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    standby = "--standby" in args
+    args = [a for a in args if a != "--standby"]
     if len(args) != 2:
-        sys.stderr.write("usage: python -m meshrun.jobs.supervisor STATE_DIR JOB_ID\n")
+        sys.stderr.write("usage: python -m meshrun.jobs.supervisor STATE_DIR JOB_ID [--standby]\n")
         return 2
     state, job_id = StateDir(args[0]), args[1]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -405,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         lock = procs.DaemonLock(joblogs.job_dir(state, job_id) / "supervisor.lock").acquire(
             f"job {job_id}'s supervisor"
         )
-        sup = Supervisor(state, job_id)
+        sup = Supervisor(state, job_id, standby=standby)
     except MeshrunError as exc:
         procs.notify_error(exc)
         return 1

@@ -683,6 +683,27 @@ class World:
             counts[f"lan_{way}_bytes"] = int(stats.get(way, {}).get("bytes", 0))
         return counts
 
+    # ----- losing a machine -----
+
+    def lose(self, name: str) -> float:
+        """Node `name`'s machine is gone, as a preempted VM or a dead host is: every process in it is killed at
+        once (SIGKILL, no chance to say goodbye) and its namespace deleted, so its gateway's LAN has nobody
+        there. Returns the monotonic time of the loss. The node stays in `nodes`; nothing of it answers."""
+        n = self.node(name)
+        pids = [p for p in _pids_in(n.netns) if p != os.getpid()]
+        for p in pids:
+            procs.signal_pid(p, signal.SIGKILL)
+        at = time.monotonic()
+        deadline = at + 5
+        while time.monotonic() < deadline and any(procs.alive(p) for p in pids):
+            time.sleep(0.02)
+        proc = self._anchors.pop(n.anchor_pid, None)
+        if proc is not None:
+            _reap(proc)
+        sh(["ip", "netns", "del", n.netns], check=False)
+        self._say(f"lost {name}: {len(pids)} process(es) killed, namespace {n.netns} deleted")
+        return at
+
     # ----- tearing down -----
 
     def detach(self) -> None:

@@ -18,6 +18,7 @@ from meshrun.core.model import split_endpoint
 from meshrun.errors import MeshrunError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh import status as mstatus
+from meshrun.mesh.coordinator import ha
 from meshrun.system import host, joblogs, net, probe, procs, transport
 from meshrun.system.device import USERSPACE
 from meshrun.system.statedir import StateDir, disk_use
@@ -43,7 +44,9 @@ def gather(state: StateDir, shell_env) -> dict:
     device = iface.device_for(state, network, rec)
     link = net.link(network.interface)
     backend = device.backend() if link["exists"] else None
-    coordinator = next((p for p in st["peers"] if p["overlay_ip"] == network.coordinator_ip), None)
+    # A node's coordinator is the one its agent syncs with (several coordinators: any of them).
+    coordinator_ip = st.get("coordinator") or network.coordinator_ip
+    coordinator = next((p for p in st["peers"] if p["overlay_ip"] == coordinator_ip), None)
     f = {
         "role": rec["role"],
         "name": rec["name"],
@@ -69,14 +72,16 @@ def gather(state: StateDir, shell_env) -> dict:
         v = device.userspace_version()
         f["backend"].update(version=".".join(map(str, v)) if v else None, warning=device.warning())
     if link["up"]:
-        f["mtu_probe"] = _probe_mtu(st, link["mtu"], network.coordinator_ip if rec["role"] == "node" else None)
+        f["mtu_probe"] = _probe_mtu(st, link["mtu"], coordinator_ip if rec["role"] == "node" else None)
         if rec["role"] == "node":
-            f["coordinator"], f["clock_offset_s"] = _ask_coordinator(network)
+            f["coordinator"], f["clock_offset_s"] = _ask_coordinator(network, coordinator_ip)
             f["udp_probe"] = (
-                _probe_udp(network)
+                _probe_udp(network, coordinator_ip)
                 if f["coordinator"]["reachable"]
                 else {"error": "the coordinator does not answer over the overlay"}
             )
+    if rec["role"] == "coordinator" and ha.replicated(rec):
+        f["control"] = {"coordinators": st.get("coordinators") or [], "etcd_pid": ha.etcd_pid(state)}
     python = _job_python(pid)
     jobs = joblogs.jobs_root(state).path
     f["jobs_dir"] = str(jobs)
@@ -108,12 +113,12 @@ def _probe_mtu(st: dict, size: int, target: str | None) -> dict:
     return out
 
 
-def _ask_coordinator(network) -> tuple[dict, float | None]:
+def _ask_coordinator(network, ip: str) -> tuple[dict, float | None]:
     """Reachability over the overlay, the round trip, and the clock offset (ours minus the coordinator's)."""
-    out = {"ip": network.coordinator_ip}
+    out = {"ip": ip}
     t0 = time.time()
     try:
-        answer = transport.call(network.coordinator_ip, network.api_port, "GET", "/v1/time", timeout=5)
+        answer = transport.call(ip, network.api_port, "GET", "/v1/time", timeout=5)
     except MeshrunError as exc:
         return dict(out, reachable=False, error=exc.message), None
     t1 = time.time()
@@ -121,13 +126,13 @@ def _ask_coordinator(network) -> tuple[dict, float | None]:
     return out, -preflight.clock_offset(t0, t1, float(answer["time"]))
 
 
-def _probe_udp(network) -> dict:
+def _probe_udp(network, ip: str) -> dict:
     """Ask the coordinator to send datagrams to our observed endpoint; count those that arrive."""
     host_, _ = split_endpoint(network.endpoints[0])
     try:
         source = net.resolve(host_)
         with net.udp_arrivals(source, network.listen_port) as arrived:
-            answer = transport.call(network.coordinator_ip, network.api_port, "POST", "/v1/probe-udp", {}, timeout=5)
+            answer = transport.call(ip, network.api_port, "POST", "/v1/probe-udp", {}, timeout=5)
             deadline = time.monotonic() + UDP_WAIT_S
             while arrived() < int(answer["sent"]) and time.monotonic() < deadline:
                 time.sleep(0.1)

@@ -17,7 +17,8 @@ def serve(
     node_extensions: Sequence[ExtensionFactory] = (),
     coordinator_extensions: Sequence[ExtensionFactory] = (),
 ) -> None:
-    """Set up the daemon's log and run its service until SIGTERM/SIGINT.
+    """Set up the daemon's log and run its service until SIGTERM/SIGINT (or its role changed: then the service
+    of its new role).
 
     `foreground` (systemd, `--foreground`) also logs to stderr; `node_extensions` run beside a
     node's agent and `coordinator_extensions` beside the coordinator (the caller, which knows the
@@ -26,15 +27,20 @@ def serve(
     and re-raised.
     """
     process.setup_logging(state, foreground)
-    try:
-        rec, _ = member.load(state)
-        if rec["role"] == "coordinator":
-            from meshrun.mesh.coordinator.daemon import CoordinatorService
+    while True:
+        try:
+            rec, _ = member.load(state)
+            if rec["role"] == "coordinator":
+                from meshrun.mesh.coordinator.daemon import CoordinatorService
 
-            svc = CoordinatorService(state, extensions=coordinator_extensions)
-        else:
-            svc = AgentService(state, extensions=node_extensions)
-    except MeshrunError as err:
-        process.failed(err)
-        raise
-    svc.run()
+                svc = CoordinatorService(state, extensions=coordinator_extensions)
+            else:
+                svc = AgentService(state, extensions=node_extensions)
+        except MeshrunError as err:
+            process.failed(err)
+            raise
+        svc.run()
+        # A node made a coordinator (`meshrun coordinator add`), or a coordinator made a node again (`remove`),
+        # stops its service after rewriting member.json: the daemon goes on in its new role, same process.
+        if not svc.role_changed:
+            return

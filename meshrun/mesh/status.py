@@ -11,10 +11,12 @@ from collections import Counter
 
 from meshrun.core import pairpaths, topology
 from meshrun.core.model import Member
-from meshrun.errors import UsageError
+from meshrun.errors import ControlStateError, MeshrunError, UsageError
 from meshrun.mesh import iface, member, process
+from meshrun.mesh.coordinator import admin, ha
+from meshrun.mesh.coordinator.leader import leader_name
 from meshrun.system import probe
-from meshrun.system.coordinatordb import CoordinatorDB
+from meshrun.system.etcdstate import K_LEADER
 from meshrun.system.statedir import StateDir
 
 
@@ -33,8 +35,67 @@ def path_label(m: Member | None, endpoint: str | None, allowed_ips: tuple[str, .
 
 def _members(state: StateDir, rec: dict) -> list[Member]:
     if rec.get("role") == "coordinator":
-        return CoordinatorDB(state / "coordinator.db", readonly=True).members()
+        db, _ = admin.open_db(state, readonly=True)
+        try:
+            return db.members()
+        finally:
+            db.close()
     return member.load_members(state)[1]
+
+
+def coordinators(state: StateDir) -> list[dict]:
+    """Every coordinator (on a coordinator): name, overlay IP, endpoint, its etcd member's health ("ok",
+    "unreachable", "learner"...) and role ("leader" of meshrun's control loop, "follower"); one row for a
+    lone coordinator, whose state is its SQLite file."""
+    rec, network = member.load(state)
+    if rec.get("role") != "coordinator":
+        raise UsageError(f"{state.path} belongs to a node", "run `meshrun coordinator list` on a coordinator")
+    if not ha.replicated(rec):
+        return [
+            {
+                "name": rec["name"],
+                "overlay_ip": rec["overlay_ip"],
+                "endpoint": network.endpoints[0],
+                "etcd": "-",
+                "role": "only (state in SQLite)",
+            }
+        ]
+    client = ha.client_for(state, timeout=2.0)
+    try:
+        try:
+            db, _ = admin.open_db(state, readonly=True)
+            coords = db.coordinators()
+            db.close()
+            kv = client.get(K_LEADER)
+            leader = leader_name(kv.value if kv is not None else None)
+        except MeshrunError:  # no majority: what this coordinator last knew of the others
+            coords, leader = [], None
+        if not coords:
+            urls = (rec.get("control") or {}).get("endpoints") or []
+            return [
+                {"name": "?", "overlay_ip": "?", "endpoint": "?", "etcd": _etcd_health(client, u), "role": "?"}
+                for u in urls
+            ]
+        return [
+            {
+                "name": c.name,
+                "overlay_ip": c.overlay_ip,
+                "endpoint": c.endpoint,
+                "etcd": _etcd_health(client, c.etcd_client),
+                "role": "leader" if c.name == leader else "follower",
+            }
+            for c in coords
+        ]
+    finally:
+        client.close()
+
+
+def _etcd_health(client, url: str) -> str:
+    try:
+        st = client.status(url)
+    except ControlStateError:
+        return "unreachable"
+    return "ok" if st.get("leader") else "no leader"
 
 
 RTT_SAMPLES = 9
@@ -57,14 +118,18 @@ def rtt_ms(ip: str, port: int, samples: int = RTT_SAMPLES, timeout: float = 1.0)
 def gather(state: StateDir, measure: bool = True) -> dict:
     """Collect status as a JSON-able dict (no secrets: public keys only)."""
     rec, network = member.load(state)
-    members = _members(state, rec)
+    unreadable = ""
+    try:
+        members = _members(state, rec)
+        # The coordinator knows every pair's path, so it also infers sites; a node shows what members joined with.
+        sites = _sites(state, members) if rec.get("role") == "coordinator" else {m.name: m.site for m in members}
+    except ControlStateError as exc:  # several coordinators, and etcd has no majority
+        members, sites, unreadable = [], {}, exc.message
     by_key = {m.public_key: m for m in members}
     device = iface.device_for(state, network, rec)
     up = device.exists()
     current = device.peers() if up else []
     now = int(time.time())
-    # The coordinator knows every pair's path, so it also infers sites; a node shows what members joined with.
-    sites = _sites(state, members) if rec.get("role") == "coordinator" else {m.name: m.site for m in members}
     rows = []
     for p in current:
         m = by_key.get(p.public_key)
@@ -76,6 +141,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         rows.append(
             {
                 "name": m.name if m else "?",
+                "coordinator": bool(m and m.is_coordinator),
                 "relay": relay,
                 "site": sites.get(m.name, "") if m else "",
                 "overlay_ip": ip,
@@ -112,9 +178,15 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         "peers": rows,
         "warnings": [w for w in [device.warning() if up else None] if w],
     }
+    if unreadable:
+        out["warnings"].append(
+            f"the replicated state cannot be read ({unreadable}); `meshrun doctor` says why and what to do"
+        )
     if rec.get("role") == "coordinator":
-        out["pairs"] = _pairs(state, members)
+        out["pairs"] = _pairs(state, members) if not unreadable else []
+        out["coordinators"] = coordinators(state) if ha.replicated(rec) else []
     else:
+        out["coordinator"] = (state.read_json("sync.json") if (state / "sync.json").exists() else {}).get("coordinator")
         relaying = state.read_json("relaying.json") if (state / "relaying.json").exists() else {}
         out["relaying"] = relaying.get("pairs", [])
         sync = state.read_json("sync.json") if (state / "sync.json").exists() else {}
@@ -130,7 +202,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
 
 def _sites(state: StateDir, members: list[Member]) -> dict[str, str]:
     """{member: site name} as jobs group them (meshrun.core.topology), from the coordinator's database."""
-    db = CoordinatorDB(state / "coordinator.db", readonly=True)
+    db, _ = admin.open_db(state, readonly=True)
     try:
         return {name: site.name for name, site in topology.assign(members, db.pairs()).items()}
     finally:
@@ -140,7 +212,7 @@ def _sites(state: StateDir, members: list[Member]) -> dict[str, str]:
 def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
     """Every pair of nodes, with its path as the coordinator decided it (its database, written by its
     daemon), or "probing" while no path is decided yet."""
-    db = CoordinatorDB(state / "coordinator.db", readonly=True)
+    db, _ = admin.open_db(state, readonly=True)
     try:
         decided = db.pairs()
     finally:
@@ -227,6 +299,10 @@ def render(st: dict, full: bool = False) -> str:
     ]
     if st.get("removed"):
         head.append("this node was REMOVED from the network by the coordinator")
+    coords = [r for r in st["peers"] if r.get("coordinator")]
+    if st["role"] == "node" and len(coords) > 1 and st.get("coordinator"):
+        name = next((r["name"] for r in coords if r["overlay_ip"] == st["coordinator"]), st["coordinator"])
+        head.append(f"{len(coords)} coordinators; this node syncs with {name} ({st['coordinator']})")
     head += [f"warning: {w}" for w in st.get("warnings", [])]
     cols = ["NAME", "SITE", "OVERLAY IP", "PATH", "ENDPOINT", "HANDSHAKE", "RTT", "RX", "TX"]
     shown = st["peers"]
@@ -268,6 +344,12 @@ def render(st: dict, full: bool = False) -> str:
         lines.append("(no peers yet)")
     elif any(r.get("latency_ms") is not None for r in shown):
         lines.append(f"RTT: {st.get('latency', RTT_LABEL)}")
+    if st.get("coordinators"):
+        lines += ["", "coordinators (state replicated in etcd):"]
+        lines += _table(
+            ["NAME", "OVERLAY IP", "ENDPOINT", "ETCD", "ROLE"],
+            [[c["name"], c["overlay_ip"], c["endpoint"], c["etcd"], c["role"]] for c in st["coordinators"]],
+        )
     pairs_shown = st.get("pairs") or []
     if pairs_shown:
         lines += ["", "node pairs:"]

@@ -30,6 +30,7 @@ PACKAGES = {
     "nft": "nftables",
     "ping": "iputils-ping",
     "iperf3": "iperf3",
+    "etcd": "etcd-server",
 }
 # What to do about a failure, by a phrase of its stderr (first match wins).
 FIXES = (

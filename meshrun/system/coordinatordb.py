@@ -104,6 +104,26 @@ class TokenInfo:
         }
 
 
+@dataclass(frozen=True)
+class CoordinatorInfo:
+    """A coordinator's public face, as join tokens carry it, and its etcd URLs (none for a lone coordinator)."""
+
+    name: str
+    public_key: str  # its WireGuard key (a joining node proves its own key with it)
+    overlay_ip: str
+    endpoint: str  # public host:port: enrolment over TLS (TCP) and WireGuard (UDP)
+    fingerprint: str  # SHA-256 of its TLS certificate
+    etcd_client: str = ""  # https://overlay_ip:port of its etcd member
+    etcd_peer: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CoordinatorInfo:
+        return cls(**{k: str(d.get(k) or "") for k in cls.__dataclass_fields__})
+
+
 def _locked(fn):
     @wraps(fn)
     def inner(self, *a, **kw):
@@ -574,3 +594,130 @@ class CoordinatorDB:
                 "relay=excluded.relay",
                 [(a, b, st.mode, st.since, int(st.verified), st.relay) for (a, b), st in states.items()],
             )
+
+    # moving between SQLite and etcd ------------------------------------------
+    def coordinators(self) -> list[CoordinatorInfo]:
+        """The one coordinator of a network kept in SQLite (its description is the network's)."""
+        from meshrun.core.model import Network
+
+        net = Network.from_dict(json.loads(self.meta("network") or "null"))
+        me = next((m for m in self.members() if m.is_coordinator), None)
+        return [
+            CoordinatorInfo(
+                me.name if me else "coordinator",
+                net.coordinator_public_key,
+                net.coordinator_ip,
+                net.endpoints[0],
+                net.fingerprint,
+            )
+        ]
+
+    @_locked
+    def dump(self) -> dict:
+        """Every record (members removed or not, tokens, removals, pairs, meta): what a move to etcd writes
+        (meshrun.system.etcdstate.EtcdCoordinatorDB.load) and `load` reads back."""
+        cols = [
+            "id", "name", "public_key", "overlay_ip", "candidates", "endpoint", "last_handshake", "is_coordinator",
+            "token_id", "joined_at", "last_seen", "removed_at", "mtu", "site", "relay",
+        ]  # fmt: skip
+        members = []
+        for r in self.conn.execute(f"SELECT {', '.join(cols)} FROM members ORDER BY id"):
+            row = dict(zip(cols, r))
+            row["candidates"] = json.loads(row["candidates"])
+            row["is_coordinator"], row["relay"] = bool(row["is_coordinator"]), bool(row["relay"])
+            members.append(row)
+        tcols = ["id", "secret_hash", "created_at", "expires_at", "max_uses", "uses", "revoked_at"]
+        tokens = [dict(zip(tcols, r)) for r in self.conn.execute(f"SELECT {', '.join(tcols)} FROM tokens")]
+        removals = [
+            {"public_key": r[0], "name": r[1], "removed_at": r[2]}
+            for r in self.conn.execute("SELECT public_key, name, removed_at FROM removals")
+        ]
+        meta = {r[0]: r[1] for r in self.conn.execute("SELECT key, value FROM meta") if r[0] != "version"}
+        pairs = [
+            {"a": a, "b": b, "mode": st.mode, "since": st.since, "verified": st.verified, "relay": st.relay}
+            for (a, b), st in sorted(self.pairs().items())
+        ]
+        return {
+            "meta": meta,
+            "version": self.version(),
+            "members": members,
+            "tokens": tokens,
+            "removals": removals,
+            "pairs": pairs,
+            "coordinators": [],
+        }
+
+    def load(self, dump: dict) -> None:
+        """Write a dump (from `dump`, or from etcd's EtcdCoordinatorDB.dump) into this new, empty database."""
+        with self.tx() as c:
+            if c.execute("SELECT COUNT(*) FROM members").fetchone()[0]:
+                raise StateError(f"{self.path} already holds members", "load into a new database only")
+            for k, v in dump["meta"].items():
+                c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (k, str(v)))
+            c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('version', ?)", (str(int(dump["version"]) + 1),))
+            for r in dump["members"]:
+                c.execute(
+                    "INSERT INTO members(id, name, public_key, overlay_ip, candidates, endpoint, last_handshake, "
+                    "is_coordinator, token_id, joined_at, last_seen, removed_at, mtu, site, relay) "
+                    "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        *(r[k] for k in ("id", "name", "public_key", "overlay_ip")),
+                        json.dumps(r["candidates"]),
+                        *(r[k] for k in ("endpoint", "last_handshake")),
+                        int(r["is_coordinator"]),
+                        *(r[k] for k in ("token_id", "joined_at", "last_seen", "removed_at", "mtu", "site")),
+                        int(r["relay"]),
+                    ),
+                )
+            for r in dump["tokens"]:
+                c.execute(
+                    "INSERT INTO tokens(id, secret_hash, created_at, expires_at, max_uses, uses, revoked_at) "
+                    "VALUES(?,?,?,?,?,?,?)",
+                    (
+                        r["id"],
+                        r["secret_hash"],
+                        r["created_at"],
+                        r["expires_at"],
+                        r["max_uses"],
+                        r["uses"],
+                        r["revoked_at"],
+                    ),
+                )
+            for r in dump["removals"]:
+                c.execute(
+                    "INSERT OR REPLACE INTO removals(public_key, name, removed_at) VALUES(?,?,?)",
+                    (r["public_key"], r["name"], r["removed_at"]),
+                )
+            for r in dump["pairs"]:
+                c.execute(
+                    "INSERT INTO pairs(a, b, mode, since, verified, relay) VALUES(?,?,?,?,?,?)",
+                    (r["a"], r["b"], r["mode"], r["since"], int(r["verified"]), r.get("relay", "")),
+                )
+
+
+def retire(path: Path | str) -> Path:
+    """Move a database aside once its state lives elsewhere (etcd): renamed with the time, never read again
+    (a backup of the moment it moved); its WAL files go. Returns the new name."""
+    path = Path(path)
+    aside = path.with_name(f"{path.name}.moved-to-etcd-{int(time.time())}")
+    path.rename(aside)
+    for extra in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            path.with_name(path.name + extra).unlink()
+    return aside
+
+
+def build(path: Path | str, dump: dict) -> None:
+    """A new database at `path` holding `dump` (CoordinatorDB.dump or EtcdCoordinatorDB.dump): written beside
+    it and renamed into place, so `path` is either absent or complete."""
+    path = Path(path)
+    fresh = path.with_name(path.name + ".new")
+    for p in (fresh, fresh.with_name(fresh.name + "-wal"), fresh.with_name(fresh.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    db = CoordinatorDB.create(fresh)
+    try:
+        db.load(dump)
+    finally:
+        db.close()
+    fresh.rename(path)

@@ -61,6 +61,7 @@ class LongPollServer(LoopServer):
         max_per_source: int = 8,
         workers: int = 4,
         inline: bool = False,
+        offload=None,
         max_head: int = MAX_HEAD,
         head_timeout: float = HEAD_TIMEOUT,
         idle_timeout: float = IDLE_TIMEOUT,
@@ -79,6 +80,9 @@ class LongPollServer(LoopServer):
         self.max_head, self.head_timeout, self.idle_timeout = max_head, head_timeout, idle_timeout
         self.request_timeout = request_timeout
         self.inline = inline
+        # inline, but these requests (offload(req) true) go to the pool: a handler that waits on another
+        # machine (the replicated store) must not hold every long-poll's loop while it does.
+        self.offload = offload
         self.refused_heads = 0  # requests whose head was too large (431)
         self.waiting: dict[asyncio.Future, Wait] = {}  # requests waiting for an answer
         self._kicked = False
@@ -193,7 +197,7 @@ class LongPollServer(LoopServer):
         req = make_request(method, path, ip, headers, raw)
         if isinstance(req, Request):
             req.gated, req.deferrable = self.gate is not None, True
-            resp = await self._call(answer, self.handler, req)
+            resp = await self._call(answer, self.handler, req, pool=self.offload is not None and self.offload(req))
             if isinstance(resp, Wait):
                 resp = await self._wait(resp)
         else:
@@ -201,9 +205,9 @@ class LongPollServer(LoopServer):
         await self._write(writer, resp, keep)
         return keep
 
-    async def _call(self, fn, *args):
+    async def _call(self, fn, *args, pool: bool = False):
         """fn(*args) on the loop thread (`inline`: the handler never waits long for a lock), else in the pool."""
-        if self.inline:
+        if self.inline and not pool:
             return fn(*args)
         return await self.loop.run_in_executor(self.pool, fn, *args)
 

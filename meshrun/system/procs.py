@@ -85,6 +85,24 @@ def start_time(pid: int) -> str | None:
     return st[19] if st else None
 
 
+def started_at(pid: int) -> float | None:
+    """When the process started, in unix seconds (boot time plus its start in clock ticks), or None."""
+    st = _stat(pid)
+    if st is None:
+        return None
+    try:
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return boot + int(st[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of `pid`."""
+    return sorted(p for p, (ppid, _) in _proc_table().items() if ppid == pid)
+
+
 def _proc_table() -> dict[int, tuple[int, str]]:
     """pid -> (ppid, start time) for every process we can see."""
     table = {}

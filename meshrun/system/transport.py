@@ -737,6 +737,15 @@ class Session:
             self.conn.close()
             self.conn = None
 
+    def abort(self) -> None:
+        """From another thread: end the request in flight now (it raises CoordinatorError), as a server that
+        went away would, but at once (the agent's coordinator stopped answering its probes)."""
+        conn = self.conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
 
 def stream(
     host: str, port: int, path: str, body: object, *, timeout: float = 60, key: bytes | None = None

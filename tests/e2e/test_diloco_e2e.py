@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import re
-import secrets
-import subprocess
 import time
 
 import pytest
-from support import REPO_ROOT, joined_mesh
-
-from meshrun.lab.testbed import Mesh
+from support import REPO_ROOT, TrainJob, joined_mesh
 
 EXAMPLES = REPO_ROOT / "examples"
 FINAL = re.compile(
@@ -117,53 +113,6 @@ def four(tmp_path_factory):
         yield m
 
 
-class Job:
-    """`meshrun train` in the coordinator, its output collected line by line."""
-
-    def __init__(self, mesh: Mesh, *args: str) -> None:
-        import threading
-
-        # A project of its own: DiLoCo resumes from the snapshots an earlier job of the project left.
-        project = f"diloco-{secrets.token_hex(3)}"
-        self.proc = mesh.meshrun_popen(
-            mesh.coordinator,
-            "train",
-            "--project",
-            project,
-            *args,
-            cwd=EXAMPLES,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.reader = threading.Thread(
-            target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True
-        )
-        self.reader.start()
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.text, re.M):
-            assert self.proc.poll() is None and time.monotonic() < deadline, (
-                f"no {pattern!r} within {timeout} s:\n{self.text[-4000:]}"
-            )
-            time.sleep(0.5)
-
-    def finish(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.reader.join(10)
-
-
 def _outer_steps(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"\] outer_step (\d+) ", text)]
 
@@ -175,7 +124,7 @@ def test_an_elastic_diloco_job_loses_a_node_and_finishes_on_two_losing_at_most_o
     from meshrun.system.procs import descendants
 
     agent = four.status("dc4-a")["daemon_pid"]
-    job = Job(four, *ELASTIC)
+    job = TrainJob(four, *ELASTIC)
     try:
         job.wait_for(r"\] outer_step 4 ", 180)
         for pid in descendants(agent):  # the node is gone: agent, share, workers
@@ -202,7 +151,7 @@ def test_a_node_that_joins_an_elastic_diloco_job_ends_identical(four):
     assert four.meshrun("dc4-a", "leave").returncode == 0  # down when the job starts
     # Steps padded to 0.1 s: unpadded, the 240 steps left after outer step 3 take ~8 s, and on a loaded
     # 2-core CI machine the job could finish before the returning node's agent was up (seen once in CI).
-    job = Job(four, *ELASTIC, "--step-time", "0.1")
+    job = TrainJob(four, *ELASTIC, "--step-time", "0.1")
     try:
         job.wait_for(r"\] outer_step 3 ", 240)
         four.meshrun("dc4-a", "up")  # back: the job takes it

@@ -13,18 +13,27 @@ from meshrun.core import topology
 from meshrun.core.model import Member, Network
 from meshrun.core.token import looks_like_token, new_token, parse_duration, parse_token
 from meshrun.errors import StateError, UsageError
+from meshrun.mesh.coordinator import ha
 from meshrun.mesh.coordinator.setup import DEFAULT_TTL, check_token_uses
 from meshrun.system.coordinatordb import CoordinatorDB
 from meshrun.system.statedir import StateDir
 
 
-def open_db(state: StateDir, readonly: bool = False) -> tuple[CoordinatorDB, Network]:
-    """The coordinator's database and network; StateError on a node's or a missing state directory."""
+def open_db(state: StateDir, readonly: bool = False, follow: bool = False) -> tuple[CoordinatorDB, Network]:
+    """The coordinator's state and network; StateError on a node's or a missing state directory.
+
+    The state is the SQLite database of a lone coordinator, or, with several coordinators, the replicated
+    state in etcd (an EtcdCoordinatorDB, the same methods: meshrun.mesh.coordinator.ha); `follow` keeps it
+    current with a watch (the daemon), else it is read as the command runs."""
     if not state.exists:
         raise StateError(f"no meshrun state in {state.path}", "run `meshrun init` first, or pass --state-dir")
-    if state.read_json("member.json").get("role") != "coordinator":
+    rec = state.read_json("member.json")
+    if rec.get("role") != "coordinator":
         raise StateError(f"{state.path} belongs to a node, not the coordinator", "run this command on the coordinator")
-    db = CoordinatorDB(state / "coordinator.db", readonly=readonly)
+    if ha.replicated(rec):
+        db = ha.open_state(state, rec, follow=follow, readonly=readonly)
+    else:
+        db = CoordinatorDB(state / "coordinator.db", readonly=readonly)
     try:
         network = Network.from_dict(json.loads(db.meta("network") or "null"))
     except (ValueError, TypeError) as exc:
@@ -40,9 +49,18 @@ def create_token(state: StateDir, ttl: str = DEFAULT_TTL, uses: int | None = Non
     seconds = parse_duration(ttl)
     check_token_uses(uses)
     db, network = open_db(state)
-    tok = new_token(network.name, network.endpoints, network.fingerprint, network.coordinator_public_key)
-    db.add_token(tok.token_id, tok.secret, seconds, uses)
-    return tok.encode()
+    try:
+        rec = state.read_json("member.json")
+        coords = db.coordinators()
+        # This coordinator first (the node tries them in order), then every other one: the token still works
+        # when this one is gone.
+        me = next((c for c in coords if c.name == rec.get("name")), coords[0])
+        others = tuple((c.endpoint, c.fingerprint, c.public_key) for c in coords if c is not me)
+        tok = new_token(network.name, (me.endpoint,), me.fingerprint, me.public_key, others)
+        db.add_token(tok.token_id, tok.secret, seconds, uses)
+        return tok.encode()
+    finally:
+        db.close()
 
 
 def list_tokens(state: StateDir) -> list[dict]:

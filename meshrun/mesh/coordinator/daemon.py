@@ -10,10 +10,17 @@ The loop (`tick`) reads the device's peers every second: the endpoint WireGuard 
 node is its public (server-reflexive) address, which other nodes need; it advances the pair paths
 whose inputs changed or whose time came (mesh/coordinator/pairs), publishes a new member-list
 version when anything changed (agents receive the delta: mesh/coordinator/roster) and applies the peers.
+
+With several coordinators (meshrun.mesh.coordinator.ha) every one runs this service on the replicated state
+in etcd, answers enrolment and sync, and keeps its own interface in step; the one that leads
+(meshrun.mesh.coordinator.leader) also observes endpoints, advances the pair paths and bumps versions, while
+the others follow its decisions from the store (PairDriver.follow) and forward their agents' reports to it
+(meshrun.mesh.coordinator.forward). A change in the store wakes the loop at once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -21,16 +28,22 @@ import time
 from collections.abc import Sequence
 
 from meshrun.core import keys, peers, relays
-from meshrun.core.model import Member
-from meshrun.errors import MeshrunError, NetworkError
+from meshrun.core.model import Member, Network
+from meshrun.errors import ControlStateError, MeshrunError, NetworkError
 from meshrun.mesh import iface, process
+from meshrun.mesh.coordinator import ha
 from meshrun.mesh.coordinator.admin import open_db
 from meshrun.mesh.coordinator.enrolment import EnrolmentAPI
+from meshrun.mesh.coordinator.forward import Reports
+from meshrun.mesh.coordinator.leader import Leadership
 from meshrun.mesh.coordinator.overlay import OverlayAPI
 from meshrun.mesh.coordinator.pairs import PairDriver
+from meshrun.mesh.coordinator.rendezvous import RendezvousService
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.mesh.process import ExtensionFactory
+from meshrun.system import etcdjobs, transport
 from meshrun.system.device import Device
+from meshrun.system.etcdjobs import EtcdKV
 from meshrun.system.frontdoor import FrontDoor
 from meshrun.system.longpoll import LongPollServer
 from meshrun.system.statedir import StateDir
@@ -49,21 +62,50 @@ PUBLISH_GAP = 0.25
 # The wg-quick file (for an operator; the interface itself is set by `wg set`) is rewritten at most this
 # often: rendering a thousand peers costs 25 ms, once per join in a join storm.
 QUICK_FILE_GAP = 2.0
+ALLOWED_TTL_S = 1.0  # a job's rendezvous members, as read from etcd, are trusted this long
 
 
 class CoordinatorService:
     """The coordinator daemon. `run()` blocks until SIGTERM/SIGINT; `tick()` is one loop round."""
 
     def __init__(
-        self, state: StateDir, device: Device | None = None, extensions: Sequence[ExtensionFactory] = ()
+        self,
+        state: StateDir,
+        device: Device | None = None,
+        extensions: Sequence[ExtensionFactory] = (),
+        db=None,
+        forward_with=None,
+        guard_etcd=ha.guard_etcd,
     ) -> None:
+        """`db`, `forward_with` (leader's IP, batch -> answer) and `guard_etcd` (name, network, IPs) are for tests:
+        a replicated state on a fake etcd, the leader's handler in-process, no nftables."""
+        self.guard_etcd = guard_etcd
         self.state = state
-        self.db, self.network = open_db(state)
         self.member = state.read_json("member.json")
+        self.ha = ha.replicated(self.member)
+        if db is None:
+            if self.ha:  # its etcd member runs before the state is read (after a reboot it is started here)
+                ha.ensure_member(state, self.member, _network_of(self.member), ha.control_ips(self.member))
+            db, _ = open_db(state, follow=self.ha)
+        self.db = db
+        self.network = _network_from_db(db)
+        self.name = str(self.member.get("name") or "coordinator")
+        self.ip = str(self.member.get("overlay_ip") or self.network.coordinator_ip)
+        self.public_key = str(self.member.get("public_key") or self.network.coordinator_public_key)
         self.device = device or iface.device_for(state, self.network, self.member)
         self.stop_event = threading.Event()
         self.apply_lock = threading.Lock()
-        self.pairs = PairDriver(self.db, state)
+        self.pairs = PairDriver(self.db, state, me=self.name if self.ha else None)
+        # One coordinator leads by itself; several elect one (an etcd key with a lease).
+        self.leadership = Leadership(self.db.client, self.name) if self.ha else None
+        self.leading = not self.ha
+        self.restart_as: str | None = None  # the daemon comes back in this role (another coordinator demoted it)
+        self.role_changed = False  # run() returned after member.json got another role (meshrun.mesh.run)
+        self.registry: tuple = ()  # the coordinators as last applied (guard, etcd endpoints)
+        self.forward_with = forward_with
+        self.reports = Reports(
+            self.pairs, lambda: self.leading, self._leader_ip, self._send_forward if self.ha else None
+        )
         self.roster = Roster(self.db, self.network, self.pairs)
         self.wake = threading.Event()  # a join asks the loop for a tick now
         self.ticks = threading.Condition()
@@ -79,10 +121,22 @@ class CoordinatorService:
         self.quick_stale = False  # peers changed since; written by a later tick (QUICK_FILE_GAP)
         private = state.read("private.key").decode().strip()
         self.enrolment = EnrolmentAPI(
-            self.db, self.network, self.roster, lambda pub: keys.shared_secret(private, pub), self._enrolled
+            self.db, self.network, self.roster, lambda pub: keys.shared_secret(private, pub), self._enrolled, self.ip
         )
-        self.overlay = OverlayAPI(self.db, self.network, self.roster, self.pairs, self.stop_event, self.wake.set)
+        self.overlay = OverlayAPI(
+            self.db,
+            self.network,
+            self.roster,
+            self.reports,
+            self.stop_event,
+            self.wake.set,
+            forward=self._take_forward if self.ha else None,
+            demote=self._demote if self.ha else None,
+            rendezvous=self._rendezvous().serve if self.ha else None,
+        )
         self.extensions = list(extensions)
+        if self.ha:
+            self.db.listeners.append(self.wake.set)  # another coordinator changed the state: look now
 
     # lifecycle -------------------------------------------------------------
     def run(self) -> None:
@@ -97,13 +151,15 @@ class CoordinatorService:
                 # One event loop holds them all (each agent long-polls over one kept-alive connection,
                 # transport.Session); a publish polls the waiting ones.
                 self.overlay_server = LongPollServer(
-                    (self.network.coordinator_ip, self.network.api_port),
+                    (self.ip, self.network.api_port),
                     self.overlay.handle,
                     device=self.network.interface,
                     gate=self.overlay.gate,
                     max_conns=OVERLAY_MAX_CONNS,
                     max_per_source=OVERLAY_PER_SOURCE,
                     inline=True,  # the sync handler holds a lock only briefly (the database's: rarely)
+                    # ... but a rendezvous or a forwarded batch may wait on etcd: not on the loop.
+                    offload=lambda req: req.path != "/v1/sync",
                 )
                 self.roster.listeners.append(self.overlay_server.kick)
             except OSError as exc:
@@ -113,16 +169,19 @@ class CoordinatorService:
                 ) from None
             self.front.start("enrolment")
             self.overlay_server.start("overlay-api")
+            self.reports.start()
             signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
             signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
             running = [start(self.state, self.network, self.member) for start in self.extensions]
             process.ready()
             log.info(
-                "coordinator of %s up: enrolment on :%d/tcp, overlay API on %s:%d",
+                "coordinator %s of %s up: enrolment on :%d/tcp, overlay API on %s:%d%s",
+                self.name,
                 self.network.name,
                 self.network.listen_port,
-                self.network.coordinator_ip,
+                self.ip,
                 self.network.api_port,
+                ", state in etcd" if self.ha else "",
             )
             try:
                 self._loop()
@@ -132,13 +191,21 @@ class CoordinatorService:
                 self.front.shutdown()
                 self.overlay_server.shutdown()
                 self.roster.wake_all()
+                self.reports.close()
+                if self.leadership is not None:
+                    self.leadership.resign()  # another coordinator leads at once, not after the lease
+                if self.ha:
+                    self.db.close()
+                if self.restart_as == "node":
+                    ha.demote(self.state)
+                    self.role_changed = True
         log.info("coordinator stopped (the interface stays up; `meshrun down` removes it)")
 
     def _ensure_interface(self) -> None:
         if self.device.exists():
             return
         log.info("interface %s is missing (reboot?); recreating it from state", self.network.interface)
-        backend = iface.bring_up(self.device, self.state, self.network, self.network.coordinator_ip)
+        backend = iface.bring_up(self.device, self.state, self.network, self.ip)
         self.state.write_json("member.json", dict(self.member, backend=backend, wg_pid=self.device.pid))
 
     def _loop(self) -> None:
@@ -156,6 +223,8 @@ class CoordinatorService:
                 return
             try:
                 self.tick()
+            except ControlStateError as exc:  # etcd without a majority: the tunnels stay, agents keep theirs
+                log.warning("tick failed: %s", exc)
             except Exception:
                 log.exception("tick failed; the next one runs in %.0f s", self.interval)
             with self.ticks:
@@ -171,7 +240,7 @@ class CoordinatorService:
             self.tick()
             return
         with self.apply_lock:
-            self.device.apply(peers.PeerDiff(add=tuple(peers.desired_for_coordinator([member]))))
+            self.device.apply(peers.PeerDiff(add=tuple(peers.desired_for_coordinator([member], self.public_key))))
         self.wake.set()
 
     # the loop ----------------------------------------------------------------
@@ -179,12 +248,17 @@ class CoordinatorService:
         """One observation round: WireGuard's endpoints into the DB, pair paths, peers onto the interface.
 
         `now` (unix seconds) is the clock the pair paths are advanced with (tests move it on)."""
+        if self.ha:
+            self._lead()
+            self._follow_registry()
         try:
             current = self.device.peers()
         except MeshrunError as exc:
             log.warning("cannot read %s: %s", self.network.interface, exc)
             return
-        changed = self.db.observe({p.public_key: (p.endpoint, p.latest_handshake) for p in current})
+        changed = False
+        if self.leading:  # endpoints as the leader's WireGuard sees them (one view, not three that differ)
+            changed = self.db.observe({p.public_key: (p.endpoint, p.latest_handshake) for p in current})
         # Members are read again only when the version moved (a join, a removal, a new endpoint or
         # candidates): a quiet tick costs the device read and one comparison per peer, nothing per pair.
         members = None
@@ -196,7 +270,9 @@ class CoordinatorService:
             for gone in sorted(self.known - names):
                 log.info("%s was removed from the network; every member drops it", gone)
             self.known = names
-        if self.pairs.update(members, time.time() if now is None else now):
+        if not self.leading:
+            self.pairs.follow(members)  # the leader's decisions, from the store
+        elif self.pairs.update(members, time.time() if now is None else now):
             self.paths_moved = True
         # Paths are part of what agents receive: a new version wakes every long-poll. While a backlog is
         # sliced (ticks every BACKLOG_PAUSE) that is at most once per interval, not after every slice.
@@ -220,31 +296,123 @@ class CoordinatorService:
                 self.roster.publish(v)
             else:
                 moved = self.pairs.take_relay_changes()
-                if relays.COORDINATOR in moved:
+                if relays.COORDINATOR in moved or self.name in moved:
                     self._allow_relayed()
                 self.roster.publish(v, self.pairs.take_changes(), moved)
             self.published_at = time.monotonic()
 
     def _allow_relayed(self) -> None:
-        """Forwarding on, for exactly the pairs this coordinator relays (the forward guard's allow-list)."""
+        """Forwarding on, for exactly the pairs this coordinator relays (the forward guard's allow-list): those
+        relayed by "the coordinator" on the first one, and those relayed by its name on any."""
         ips = {m.name: m.overlay_ip for m in self.db.members()}
-        pairs = [(ips[a], ips[b]) for a, b in self.pairs.relaying(relays.COORDINATOR) if a in ips and b in ips]
+        mine = set(self.pairs.relaying(self.name)) if self.ha else set()
+        if self.public_key == self.network.coordinator_public_key:
+            mine |= set(self.pairs.relaying(relays.COORDINATOR))
+        pairs = [(ips[a], ips[b]) for a, b in sorted(mine) if a in ips and b in ips]
         self.device.enable_forwarding(pairs)
+
+    # several coordinators -----------------------------------------------------
+    def _lead(self) -> None:
+        """Take or keep the lead (once a tick); a coordinator that starts or stops leading starts its pair
+        driver over (the new leader hears every agent's full report; a follower follows the store)."""
+        assert self.leadership is not None
+        was = self.leading
+        self.leading = self.leadership.step()
+        self.db.fence = self.leadership.fence if self.leading else None
+        if self.leading != was:
+            self.pairs.restart(self.db)
+            self.paths_moved = False
+            self.members_version = -1  # the driver starts with no member list: hand it the current one
+            if self.leading:
+                self.pairs.relays_changed.update(self.pairs.by_relay)  # every relay hears its pairs again
+
+    def _rendezvous(self) -> RendezvousService:
+        """Jobs' torchrun rendezvous, in etcd: any coordinator answers the job's nodes (and only them). Who may
+        is read from the job's record at most once a second per job (two reads a request otherwise)."""
+        client = self.db.client
+        seen: dict[str, tuple[float, list[str] | None]] = {}
+
+        def read(job_id: str) -> list[str] | None:
+            allowed = etcdjobs.job_allowed(client, job_id)
+            if len(seen) > 1024:
+                seen.clear()
+            seen[job_id] = (time.monotonic(), allowed)
+            return allowed
+
+        def members_of(job_id: str):
+            at, allowed = seen.get(job_id, (0.0, None))
+            if time.monotonic() - at >= ALLOWED_TTL_S:
+                allowed = read(job_id)
+            if allowed is None:
+                return None
+
+            class Fresh(list):  # a node admitted a moment ago (an elastic job grew) is looked up again
+                def __contains__(self, ip) -> bool:
+                    return list.__contains__(self, ip) or ip in (read(job_id) or ())
+
+            return Fresh(allowed)
+
+        return RendezvousService(EtcdKV(client), members_of)
+
+    def _leader_ip(self) -> str | None:
+        name = self.leadership.leader if self.leadership is not None else None
+        m = self.db.member_by_name(name) if name else None
+        return m.overlay_ip if m is not None else None
+
+    def _send_forward(self, leader_ip: str, batch: dict) -> dict:
+        if self.forward_with is not None:
+            return self.forward_with(leader_ip, batch)
+        return transport.call(leader_ip, self.network.api_port, "POST", "/v1/forward", batch, timeout=5)
+
+    def _take_forward(self, batch: dict) -> dict:
+        if not self.leading:
+            raise ValueError("this coordinator does not lead now")
+        out = self.reports.take(batch)
+        if out["rerouted"]:
+            self.wake.set()
+        return out
+
+    def _demote(self) -> None:
+        """Another coordinator took this one out of the cluster: stop, and come back as a node."""
+        self.restart_as = "node"
+        self.stop_event.set()
+        self.wake.set()
+
+    def _follow_registry(self) -> None:
+        """The coordinators as the store lists them: this etcd member's guard admits exactly their overlay
+        addresses, and the etcd client knows every member's URL (it fails over between them)."""
+        coords = self.db.coordinators()
+        now = tuple(sorted((c.name, c.overlay_ip, c.etcd_client) for c in coords))
+        if now == self.registry:
+            return
+        ips = sorted({c.overlay_ip for c in coords} | {self.ip})
+        try:
+            self.guard_etcd(self.name, self.network, ips)
+        except MeshrunError as exc:
+            log.warning("could not update the etcd member's guard: %s", exc)
+            return
+        own = ha.own_urls(self.member)[0]
+        urls = sorted((c.etcd_client for c in coords if c.etcd_client), key=lambda u: u != own)  # own member first
+        if urls:
+            self.db.client.set_endpoints(urls)
+            ha.save_endpoints(self.state, urls)
+        self.registry = now
+        log.info("coordinators: %s", ", ".join(f"{c.name} ({c.overlay_ip})" for c in coords))
 
     def apply_peers(self, current=None) -> None:
         with self.apply_lock:
             members = self.db.members()
             desired = self.desired_peers(members)
-            comment = f"meshrun network {self.network.name} (coordinator); managed by meshrun"
+            comment = f"meshrun network {self.network.name} (coordinator {self.name}); managed by meshrun"
             # Relayed packets leave here too: they must fit the small-MTU nodes' hops as well.
             d = iface.sync_peers(
                 self.device,
                 self.state,
                 self.network,
                 desired,
-                address=self.network.coordinator_ip,
+                address=self.ip,
                 mtu=self.network.mtu,
-                route_mtus=peers.route_mtus(self._own_key(members), self.network.mtu, members),
+                route_mtus=peers.route_mtus(self.public_key, self.network.mtu, members),
                 comment=comment,
                 current=current,
                 quick_file=False,
@@ -256,19 +424,28 @@ class CoordinatorService:
                     self.state,
                     self.network,
                     desired,
-                    address=self.network.coordinator_ip,
+                    address=self.ip,
                     mtu=self.network.mtu,
                     comment=comment,
                 )
                 self.quick_written_at, self.quick_stale = time.monotonic(), False
-
-    @staticmethod
-    def _own_key(members: list[Member]) -> str:
-        return next((m.public_key for m in members if m.is_coordinator), "")
 
     def desired_peers(self, members: list[Member] | None = None) -> list[peers.PeerSpec]:
         """Every member, plus members removed in the last REMOVED_GRACE_S: the coordinator stays
         reachable for a moment so the removed node's pending long-poll gets its 410 and its agent
         takes the interface down. Other nodes drop a removed member at once."""
         members = self.db.members() if members is None else members
-        return peers.desired_for_coordinator(members + self.db.recently_removed(REMOVED_GRACE_S))
+        return peers.desired_for_coordinator(members + self.db.recently_removed(REMOVED_GRACE_S), self.public_key)
+
+
+def _network_of(rec: dict) -> Network:
+    return Network.from_dict(rec["network"])
+
+
+def _network_from_db(db) -> Network:
+    try:
+        return Network.from_dict(json.loads(db.meta("network") or "null"))
+    except (ValueError, TypeError) as exc:
+        raise NetworkError(
+            f"the state holds a corrupt network description ({exc})", "restore it from a backup"
+        ) from None

@@ -38,7 +38,9 @@ class EnrolmentAPI:
         roster: Roster,
         shared_with: Callable[[str], bytes],
         on_enrolled: Callable[[Member], None],
+        own_ip: str = "",
     ) -> None:
+        self.own_ip = own_ip  # this coordinator's overlay address (several coordinators: not the network's)
         self.db = db
         self.shared_with = shared_with  # public key -> the X25519 secret the coordinator shares with it
         self.network = network
@@ -117,8 +119,10 @@ class EnrolmentAPI:
                     "use a token created on this coordinator (`meshrun token create` there)",
                 ),
             )
-        if public_key == self.network.coordinator_public_key:
-            return Response.error(400, UsageError("the node presented the coordinator's own key", "join from a node"))
+        if public_key == self.network.coordinator_public_key or any(
+            m.is_coordinator and m.public_key == public_key for m in self.db.members()
+        ):
+            return Response.error(400, UsageError("the node presented a coordinator's own key", "join from a node"))
         try:
             auth.check_enrol_proof(
                 self.shared_with(public_key),
@@ -142,5 +146,12 @@ class EnrolmentAPI:
         )
         self.on_enrolled(member)
         return Response(
-            200, {"member": member.to_dict(), "network": self.network.to_dict(), "members": self.roster.payload(member)}
+            200,
+            {
+                "member": member.to_dict(),
+                "network": self.network.to_dict(),
+                "members": self.roster.payload(member),
+                # Where the new agent syncs first: this coordinator answers (with several, the first may be gone).
+                "coordinator_ip": self.own_ip or self.network.coordinator_ip,
+            },
         )

@@ -8,6 +8,13 @@ GET /v1/time answers the coordinator's clock, POST /v1/probe-udp sends a few dat
 ephemeral port to the caller's observed endpoint (the caller counts what arrives: is its WireGuard
 port reachable from outside?). The probe only ever targets the caller's own endpoint, at most
 once per PROBE_INTERVAL_S per member, so it cannot be turned on anyone else.
+
+With several coordinators (meshrun.mesh.coordinator.ha) three more, each for its own callers:
+POST /v1/forward takes another coordinator's batch of agents' reports (the leader's pair driver decides
+paths: meshrun.mesh.coordinator.forward), POST /v1/coordinators/demote tells this coordinator that another
+took it out of the cluster (`meshrun coordinator remove`), both from coordinators only; POST /v1/rdzv/JOB is
+a job's torchrun rendezvous, kept in the replicated store (meshrun.mesh.coordinator.rendezvous), from the
+job's nodes only.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from collections.abc import Callable
 
 from meshrun.core.model import SITE_RE, Member, Network, parse_endpoint, split_endpoint
 from meshrun.core.ratelimit import RateLimiter
-from meshrun.errors import StateError, UsageError
+from meshrun.errors import CoordinatorError, StateError, UsageError
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.system import probe
@@ -31,6 +38,8 @@ log = logging.getLogger("meshrun.mesh.coordinator.overlay")
 SYNC_WAIT_MAX = 25.0
 SYNC_BURST = 20
 SYNC_PER_S = 5.0
+RDZV_BURST = 100
+RDZV_PER_S = 50.0
 PROBE_COUNT = 3
 PROBE_INTERVAL_S = 2.0
 PROBE_PAYLOAD = b"meshrun doctor: is this port reachable from outside?"
@@ -53,7 +62,13 @@ class OverlayAPI:
         pairs: PairDriver,
         stop: threading.Event,
         on_news: Callable[[], None] = lambda: None,
+        forward: Callable[[dict], dict] | None = None,
+        demote: Callable[[], None] | None = None,
+        rendezvous: Callable[[Request], Response] | None = None,
     ) -> None:
+        self.forward = forward  # the leader takes a follower's reports (Reports.take); None: one coordinator
+        self.demote = demote  # another coordinator took this one out of the cluster
+        self.rendezvous = rendezvous  # a job's rendezvous (RendezvousService.serve), with several coordinators
         self.db = db
         self.on_news = on_news  # a report the loop should act on now (a relay that failed)
         self.network = network
@@ -66,6 +81,9 @@ class OverlayAPI:
         # heartbeat needs no database access (and no wait for its lock) at all.
         self.heard: dict[tuple[str, str], tuple[list[str], int | None, str | None, bool | None]] = {}
         self.limiter = RateLimiter(SYNC_BURST, SYNC_PER_S)
+        # A job's rendezvous has its own budget: torchrun's agent polls its store during a round (31 requests
+        # for two agents to form a world) and must not eat into its agent's syncs, nor be starved by them.
+        self.rdzv_limiter = RateLimiter(RDZV_BURST, RDZV_PER_S)
         self.relayed_once: set[str] = set()  # members that were relays since start (told when they stop)
 
     def gate(self, req: Request) -> Response | None:
@@ -77,7 +95,8 @@ class OverlayAPI:
                 return _gone()
             log.warning("refused %s %s from %s: not a member", req.method, req.path, req.client_ip)
             return Response.error(403, f"{req.client_ip} is not a member of this network")
-        if not self.limiter.allow(req.client_ip):
+        limiter = self.rdzv_limiter if req.path.startswith("/v1/rdzv/") else self.limiter
+        if not limiter.allow(req.client_ip):
             return Response.error(
                 429,
                 UsageError(
@@ -106,6 +125,27 @@ class OverlayAPI:
             return self.relay_down(caller, req.body if isinstance(req.body, dict) else {})
         if req.method == "POST" and req.path == "/v1/probe-udp":
             return self.probe_udp(caller)
+        body = req.body if isinstance(req.body, dict) else {}
+        if req.path.startswith("/v1/rdzv/") and self.rendezvous is not None:
+            return self.rendezvous(req)
+        if req.method == "POST" and req.path in ("/v1/forward", "/v1/coordinators/demote"):
+            if not caller.is_coordinator:
+                log.warning("refused %s from %s: not a coordinator", req.path, caller.name)
+                return Response.error(403, f"{caller.name} is not a coordinator")
+            if req.path == "/v1/forward":
+                if self.forward is None:
+                    return Response.error(
+                        409, CoordinatorError("this coordinator does not lead", "send it to the leader")
+                    )
+                try:
+                    return Response(200, self.forward(body))
+                except (ValueError, TypeError, KeyError) as exc:
+                    return Response.error(400, UsageError(f"malformed forwarded reports ({exc})", "use meshrun"))
+            if self.demote is None:
+                return Response.error(409, UsageError("this is the only coordinator", "nothing to do"))
+            log.warning("%s took this coordinator out of the cluster: becoming a node again", caller.name)
+            self.demote()
+            return Response(200, {"demoted": True})
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
 
     def sync(self, caller: Member, body: dict) -> Response | Wait:

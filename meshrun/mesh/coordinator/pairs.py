@@ -15,6 +15,12 @@ States live in the coordinator's SQLite database, one row per pair, written when
 pairpaths.json is imported once and removed). Reports are not persisted: after a coordinator restart a
 pair is left as it was until both its nodes have reported again (each agent's first sync with a
 restarted coordinator carries a full report), so a working pair is never judged stale for want of news.
+
+With several coordinators only the leading one drives the pairs (`update`); the others `follow` what it
+wrote into the replicated store, and a coordinator that starts or stops leading starts over (`restart`).
+"The coordinator" as a relay ("") is the first coordinator, as every member resolves it; a pair the leader
+hands to "the coordinator" goes to the leader by name (`me`) when that is another one, and every
+coordinator is a usable relay for every pair (each node has a tunnel with each) unless it failed the pair.
 """
 
 from __future__ import annotations
@@ -64,8 +70,9 @@ class PairDriver:
     `mode` anywhere (a read of one dict entry).
     """
 
-    def __init__(self, db: CoordinatorDB, state: StateDir | None = None) -> None:
+    def __init__(self, db: CoordinatorDB, state: StateDir | None = None, me: str | None = None) -> None:
         self.db = db
+        self.me = me  # this coordinator's name when there are several (it relays what "the coordinator" would)
         self.lock = threading.Lock()  # reports, dirty and pending
         # node name -> {peer key: latest handshake as the node last called it fresh, or -(handshake + 1)
         # as it last called it stale} since start: one int each (a million at 1000 members).
@@ -103,6 +110,37 @@ class PairDriver:
         self._relays_gone: set[str] = set()  # relays removed or opted out since the last update
         self.coordinator = next((m.name for m in db.members() if m.is_coordinator), "")
         self._pruned = False
+
+    def restart(self, db: CoordinatorDB) -> None:
+        """Start over from the stored pairs, knowing no report (leading starts, or stops)."""
+        self.__init__(db, None, self.me)  # type: ignore[misc]
+
+    def follow(self, members: list[Member] | None) -> None:
+        """Not leading: take the pairs the leader wrote since the last call from the store (its mirror), noting
+        which changed and which relays' sets changed, as `update` would for the next publish."""
+        if members is not None:
+            self.members = {m.name: m for m in members}
+            self.names = {m.public_key: m.name for m in members}
+        take = getattr(self.db, "take_pair_changes", None)
+        if take is None:
+            return
+        for key, st in take().items():
+            old = self.pairs.get(key)
+            if st is None:
+                self.pairs.pop(key, None)
+            else:
+                self.pairs[key] = st
+            old_relay = old.relay if old is not None and old.mode == pairpaths.RELAYED else None
+            new_relay = st.relay if st is not None and st.mode == pairpaths.RELAYED else None
+            if old_relay != new_relay:
+                if old_relay is not None:
+                    self.by_relay.get(old_relay, set()).discard(key)
+                    self.relays_changed.add(old_relay)
+                if new_relay is not None:
+                    self.by_relay.setdefault(new_relay, set()).add(key)
+                    self.relays_changed.add(new_relay)
+            if st is not None and (old is None or old.mode != st.mode or old_relay != new_relay):
+                self.changed.add(key)
 
     def _import_paths_json(self, state: StateDir) -> None:
         """Pair states were kept in pairpaths.json before they moved into the database: import it once."""
@@ -225,6 +263,8 @@ class PairDriver:
         if relay == relays.COORDINATOR:
             return True
         m = self.members.get(relay)
+        if m is not None and m.is_coordinator:
+            return True  # every node keeps a tunnel with every coordinator
         return m is not None and m.relay and self._direct(key[0], relay) and self._direct(relay, key[1])
 
     def _choose_relay(self, key: Key, now: float) -> str:
@@ -235,7 +275,13 @@ class PairDriver:
             self.avoid.pop(key, None)
         load = {r: len(ks) - (key in ks) for r, ks in self.by_relay.items()}
         candidates = [relays.Candidate(m.name, m.relay) for m in self.members.values() if m.name in self.judged]
-        return relays.choose(key[0], key[1], candidates, self._direct, self._rtt, load, avoid)
+        if self.me and self.me in avoid:  # the leader failed this pair as "the coordinator" it stands for
+            avoid = {**avoid, relays.COORDINATOR: avoid[self.me]}
+        relay = relays.choose(key[0], key[1], candidates, self._direct, self._rtt, load, avoid)
+        if relay == relays.COORDINATOR and self.me and self.me != self.coordinator:
+            # The first coordinator ("") may be the one that is gone: the leader relays, by name.
+            return self.me
+        return relay
 
     def _set_relay(self, key: Key, st: pairpaths.PairState, now: float) -> pairpaths.PairState:
         """`st` with a usable relay if it is relayed (the one it had, if still usable), the index kept."""

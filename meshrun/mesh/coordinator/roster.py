@@ -58,8 +58,8 @@ class Roster:
                 d = old[1] if old is not None and old[0] is m else None
                 if d is None:
                     d = m.to_dict()
-                    if m.is_coordinator:
-                        d["endpoint"] = self.network.endpoints[0]
+                    if m.is_coordinator:  # a node dials it at its public endpoint (the first one's: the network's)
+                        d["endpoint"] = m.endpoint or self.network.endpoints[0]
                 base.append((m, d))
             cache = self._cache = (
                 v,

@@ -1,6 +1,7 @@
 """The node agent: keeps this node's peers in sync with the coordinator, and serves the job API.
 
-The agent long-polls POST /v1/sync on the coordinator's overlay IP: the coordinator answers
+The agent long-polls POST /v1/sync on a coordinator's overlay IP (with several coordinators, the one
+that last answered; one that does not answer is left for the next at once): the coordinator answers
 at once when the member list changed since the version the agent holds, else after up to
 25 s; the answer is the full list or only what changed since that version (a delta). Each
 request carries the node's heartbeat (its candidate addresses and its view of
@@ -35,6 +36,11 @@ PROBE_WINDOW_S = 10.0  # = paths.ATTEMPT_S: how long a new path gets to handshak
 RELAY_CHECK_S = 1.0  # every relayed peer is tried through its relay this often (one TCP SYN)
 RELAY_FAILS = 3  # consecutive misses before the relay is reported down (a new one within 10 s)
 RTT_EVERY_S = 30.0  # round trips to the possible relays measured this often
+# With several coordinators the one this agent syncs with is tried this often (a TCP handshake to its API
+# port), and left for the next after COORDINATOR_FAILS misses in a row: a machine that is gone answers
+# nothing, and a long-poll to it would only end at its timeout (35 s).
+COORDINATOR_CHECK_S = 2.0
+COORDINATOR_FAILS = 3
 
 # (method, path, body, timeout) -> the coordinator's JSON answer
 CoordinatorCall = Callable[[str, str, dict, float], dict]
@@ -143,15 +149,53 @@ class AgentService:
         self.release_timer: threading.Timer | None = None
         self.extensions = list(extensions)
         self.running: list[Extension] = []
+        # The coordinator this agent syncs with now: the one it last synced with (sync.json), else the one that
+        # enrolled it, else the network's first.
+        last = state.read_json("sync.json").get("coordinator") if (state / "sync.json").exists() else None
+        self.coordinator_ip = str(last or self.rec.get("sync_with") or self.network.coordinator_ip)
+        self.coordinator_misses = 0  # consecutive probes it did not answer
+        self.role_changed = False  # run() returned because this node became a coordinator (meshrun.mesh.run)
+
+    def coordinator_ips(self) -> list[str]:
+        """Every coordinator's overlay address, the one this agent syncs with first."""
+        ips = [m.overlay_ip for m in self.members if m.is_coordinator] or [self.network.coordinator_ip]
+        return sorted(ips, key=lambda ip: (ip != self.coordinator_ip, ips.index(ip)))
+
+    def _failover(self, exc: CoordinatorError) -> None:
+        """The coordinator did not answer (no status: nothing came back): the next one, at once."""
+        ips = self.coordinator_ips()
+        if exc.status or len(ips) < 2:
+            return
+        nxt = ips[1]
+        log.warning("coordinator %s does not answer (%s); syncing with %s", self.coordinator_ip, exc.message, nxt)
+        self.coordinator_ip = nxt
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
     def _call_once(self, method: str, path: str, body: dict, timeout: float) -> dict:
-        return transport.call(self.network.coordinator_ip, self.network.api_port, method, path, body, timeout=timeout)
+        ips = self.coordinator_ips()
+        for ip in ips:
+            try:
+                return transport.call(ip, self.network.api_port, method, path, body, timeout=timeout)
+            except CoordinatorError as exc:
+                if exc.status or ip == ips[-1]:
+                    raise
+        raise AssertionError("unreachable")
 
     def _call_coordinator(self, method: str, path: str, body: dict, timeout: float) -> dict:
         # One kept-alive connection for every long-poll (the overlay API keeps it open between syncs).
-        if self.session is None:
-            self.session = transport.Session(self.network.coordinator_ip, self.network.api_port)
-        return self.session.call(method, path, body, timeout=timeout)
+        if self.session is None or self.session.host != self.coordinator_ip:
+            if self.session is not None:
+                self.session.close()
+            self.session = transport.Session(self.coordinator_ip, self.network.api_port)
+        session = self.session
+        try:
+            return session.call(method, path, body, timeout=timeout)
+        except CoordinatorError as exc:
+            if session.host == self.coordinator_ip:  # else the probe thread moved on already (and ended this call)
+                self._failover(exc)
+            raise
 
     def run(self) -> None:
         with process.running(self.state):
@@ -165,7 +209,11 @@ class AgentService:
                     log.warning("%s", exc)
             # Beside the sync loop: relayed peers tried every second (a dead relay is reported within
             # seconds), round trips to possible relays measured every half minute (slow: one at a time).
-            for step, every in ((self.check_relays, RELAY_CHECK_S), (self.measure_rtt, RTT_EVERY_S)):
+            for step, every in (
+                (self.check_relays, RELAY_CHECK_S),
+                (self.measure_rtt, RTT_EVERY_S),
+                (self.check_coordinator, COORDINATOR_CHECK_S),
+            ):
                 threading.Thread(target=self._probe_loop, args=(step, every), name=step.__name__, daemon=True).start()
             try:
                 self._loop()
@@ -174,11 +222,14 @@ class AgentService:
                     ext.close()
                 if self.session is not None:
                     self.session.close()
-        log.info("agent stopped")
+        # `meshrun coordinator add` made this node a coordinator (its job API rewrote member.json and stopped us).
+        self.role_changed = self.state.read_json("member.json").get("role") != "node"
+        log.info("agent stopped%s", " (this node is a coordinator now)" if self.role_changed else "")
 
     def _sync_state(self, failing_since: float | None, error: str = "", retry_s: float = 0.0) -> None:
         """What `meshrun status` and `doctor` say of the coordinator (sync.json): written on a change only."""
         state = {"failing_since": failing_since, "error": error, "retry_s": retry_s} if failing_since else {}
+        state["coordinator"] = self.coordinator_ip  # the one it syncs with (several: `meshrun status` names it)
         if state != self._synced_state:
             self._synced_state = state
             try:
@@ -388,6 +439,26 @@ class AgentService:
             except MeshrunError as exc:
                 log.warning("could not report it: %s", exc)
         return down
+
+    def check_coordinator(self) -> bool:
+        """With several coordinators: is the one this agent syncs with there? After COORDINATOR_FAILS misses
+        the long-poll in flight is ended and the next sync goes to the next coordinator. True if it answered."""
+        ips = self.coordinator_ips()
+        if len(ips) < 2:
+            return True
+        ip = ips[0]
+        if self.probe(ip) is not None:
+            self.coordinator_misses = 0
+            return True
+        self.coordinator_misses += 1
+        if self.coordinator_misses >= COORDINATOR_FAILS and ip == self.coordinator_ip:
+            self.coordinator_misses = 0
+            log.warning("coordinator %s does not answer; syncing with %s", ip, ips[1])
+            self.coordinator_ip = ips[1]
+            session = self.session
+            if session is not None:
+                session.abort()  # the long-poll in flight ends now; the loop retries with the next one
+        return False
 
     def measure_rtt(self) -> None:
         """Round trips to the members this node could be relayed by (relays.probe_targets), median of 3,

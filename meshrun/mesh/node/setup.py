@@ -76,18 +76,20 @@ def join_request(
 
 
 def enrol(tok: JoinToken, name: str, private_key: str, candidates: list[str], timeout: float = 15) -> dict:
-    """POST /v1/join to each endpoint in the token until one answers; TLS pinned by fingerprint."""
+    """POST /v1/join to each coordinator in the token until one answers; TLS pinned by that coordinator's
+    fingerprint, the proof of the key made with that coordinator's key (a coordinator that is gone is
+    skipped; one that answers decides)."""
     if not tok.coordinator_key:
         raise TokenError(
             "this join token was made by an older meshrun and lacks the coordinator's key",
             "create a new token on the coordinator (`meshrun token create`)",
         )
-    body = join_request(tok, name, private_key, tok.coordinator_key, candidates)
     tried = []
-    for ep in tok.endpoints:
+    for ep, fingerprint, ckey in tok.coordinators():
         host, port = split_endpoint(ep)
+        body = join_request(tok, name, private_key, ckey, candidates)
         try:
-            return transport.call(host, port, "POST", "/v1/join", body, fingerprint=tok.fingerprint, timeout=timeout)
+            return transport.call(host, port, "POST", "/v1/join", body, fingerprint=fingerprint, timeout=timeout)
         except CoordinatorError as exc:
             if exc.status:  # the coordinator answered: its verdict is final
                 raise
@@ -95,31 +97,31 @@ def enrol(tok: JoinToken, name: str, private_key: str, candidates: list[str], ti
     if len(tried) == 1:
         raise tried[0]
     raise CoordinatorError(
-        "cannot reach the coordinator at any of " + ", ".join(tok.endpoints),
-        "check the addresses and that TCP port is open on the coordinator",
+        "cannot reach any coordinator at " + ", ".join(ep for ep, _, _ in tok.coordinators()),
+        "check the addresses and that TCP port is open on the coordinators",
     )
 
 
 def abandon(tok: JoinToken, name: str, private_key: str, timeout: float = 5) -> None:
     """Tell the coordinator that this enrolment's join failed here, so the name is free again (best effort)."""
     public_key = keys.public_key(private_key)
-    body = {
-        "name": name,
-        "public_key": public_key,
-        "token_id": tok.token_id,
-        "possession": auth.enrol_proof(
-            keys.shared_secret(private_key, tok.coordinator_key),
-            tok.network,
-            name,
-            public_key,
-            f"abandon:{tok.token_id}",
-            time.time(),
-        ),
-    }
-    for ep in tok.endpoints:
+    for ep, fingerprint, ckey in tok.coordinators():
+        body = {
+            "name": name,
+            "public_key": public_key,
+            "token_id": tok.token_id,
+            "possession": auth.enrol_proof(
+                keys.shared_secret(private_key, ckey),
+                tok.network,
+                name,
+                public_key,
+                f"abandon:{tok.token_id}",
+                time.time(),
+            ),
+        }
         host, port = split_endpoint(ep)
         try:
-            transport.call(host, port, "POST", "/v1/join/abandon", body, fingerprint=tok.fingerprint, timeout=timeout)
+            transport.call(host, port, "POST", "/v1/join/abandon", body, fingerprint=fingerprint, timeout=timeout)
             return
         except CoordinatorError:
             continue
@@ -232,6 +234,9 @@ def _install(
             "site": site,
             "relay": relay,
         }
+        sync_with = answer.get("coordinator_ip")
+        if isinstance(sync_with, str) and any(m.overlay_ip == sync_with and m.is_coordinator for m in members):
+            record["sync_with"] = sync_with  # the coordinator that enrolled it: its first sync goes there
         backend = iface.bring_up(device, state, network, me.overlay_ip, mtu)
         record.update(backend=backend, wg_pid=device.pid)
         state.write_json("member.json", record)

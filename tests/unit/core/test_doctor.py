@@ -272,3 +272,40 @@ def test_disk_use_of_jobs_and_projects_is_shown_with_how_to_free_it():
     assert "meshrun jobs --prune" in check.fix and "--prune-project" in check.fix
     empty = next(c for c in doctor.judge(facts(disk_use={"jobs": 0, "projects": {}})) if c.name == "job files")
     assert empty.detail == "jobs 0.0 MiB, 0 project(s) 0.0 MiB" and empty.fix == ""
+
+
+def _control(etcd: list[str], pid: int | None = 4242) -> dict:
+    rows = [
+        {
+            "name": f"c{i}",
+            "overlay_ip": f"10.0.0.{i}",
+            "endpoint": "-",
+            "etcd": e,
+            "role": "leader" if i == 0 else "follower",
+        }
+        for i, e in enumerate(etcd)
+    ]
+    return {"coordinators": rows, "etcd_pid": pid}
+
+
+def test_several_coordinators_with_every_etcd_member_answering_are_ok():
+    c = only(facts(role="coordinator", control=_control(["ok", "ok", "ok"])), "control")
+    assert c.level == OK and "3 of 3" in c.detail and "c0 leads" in c.detail
+
+
+def test_one_coordinator_lost_of_three_warns_naming_it_and_the_way_out():
+    c = only(facts(role="coordinator", control=_control(["ok", "unreachable", "ok"])), "control")
+    assert c.level == WARN and "2 of 3" in c.detail and "c1" in c.detail
+    assert "meshrun coordinator remove c1" in c.fix
+
+
+def test_a_coordinator_without_a_majority_blocks_and_explains_quorum():
+    c = only(facts(role="coordinator", control=_control(["ok", "unreachable", "unreachable"])), "control")
+    assert c.level == FAIL and "no majority" in c.detail and "1 of 3" in c.detail and "2 are needed" in c.detail
+    assert "--force-new-cluster" in c.fix and "c1, c2" in c.fix
+    assert doctor.blocking(doctor.judge(facts(role="coordinator", control=_control(["ok", "unreachable", "x"]))))
+
+
+def test_a_coordinator_whose_etcd_member_is_down_blocks():
+    c = only(facts(role="coordinator", control=_control(["ok", "ok", "ok"], pid=None)), "control")
+    assert c.level == FAIL and "not running" in c.detail

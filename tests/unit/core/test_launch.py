@@ -69,6 +69,14 @@ def test_three_node_plan_exact_argv():
     assert plans[2].argv == expected_argv("10.77.0.4", "1")  # no GPU -> 1 worker
 
 
+def test_several_coordinators_keep_the_rendezvous_and_every_one_is_named():
+    (p,) = launch.plan(NODES[:1], opts(rdzv_coordinators=("10.77.0.1:51821", "10.77.0.9:51821")), local=True)
+    conf = p.argv[p.argv.index("--rdzv-conf") + 1]
+    # '+' between them: torchrun splits --rdzv-conf at commas
+    assert conf == "is_host=0,join_timeout=900,coordinators=10.77.0.1:51821+10.77.0.9:51821"
+    assert p.argv[p.argv.index("--rdzv-backend") + 1] == "meshrun"
+
+
 def test_every_node_is_not_the_store_host_and_announces_its_overlay_ip():
     plans = launch.plan(NODES, opts())
     for p, n in zip(plans, NODES):

@@ -53,6 +53,21 @@ class TestDesired:
     def test_empty(self):
         assert desired_for_node(K_A, []) == [] and desired_for_coordinator([]) == []
 
+    def test_a_coordinator_dials_the_other_coordinators_at_their_endpoints_and_leaves_itself_out(self):
+        other = Member("coord-b", K_C, "10.213.0.9", "198.51.100.7:51820", (), True, 0)
+        founding = Member("coord", K_COORD, "10.213.0.1", None, (), True, 0)  # its row has no endpoint
+        members = [founding, MEMBERS[1], other]
+        assert desired_for_coordinator(members, K_COORD) == [
+            PeerSpec(K_A, ("10.213.0.2/32",), None, 0, "gpu-a"),
+            PeerSpec(K_C, ("10.213.0.9/32",), "198.51.100.7:51820", KEEPALIVE, "coord-b"),
+        ]
+        # on coord-b: the first coordinator once its row carries its endpoint (after `coordinator add`)
+        founding = Member("coord", K_COORD, "10.213.0.1", "203.0.113.1:51820", (), True, 0)
+        assert [(p.name, p.endpoint) for p in desired_for_coordinator([founding, MEMBERS[1], other], K_C)] == [
+            ("coord", "203.0.113.1:51820"),
+            ("gpu-a", None),
+        ]
+
     def test_held_peer_gets_its_endpoint_but_no_keepalive(self):
         spec = desired_for_node(K_B, MEMBERS, hold={K_A})[1]
         assert (spec.public_key, spec.endpoint, spec.keepalive) == (K_A, "198.51.100.2:40000", 0)

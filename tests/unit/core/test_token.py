@@ -239,3 +239,35 @@ class TestDuration:
             r"write it as a number and a unit, e.g. --expire 12h",
         ):
             parse_duration("5y", "--expire")
+
+
+class TestSeveralCoordinators:
+    KEY_B = base64.b64encode(b"b" * 32).decode()
+    KEY_C = base64.b64encode(b"c" * 32).decode()
+
+    def test_every_coordinator_travels_and_is_tried_in_order(self):
+        others = (("198.51.100.7:51820", "cd" * 32, self.KEY_B), ("198.51.100.9:51820", "ef" * 32, self.KEY_C))
+        tok = make(coordinator_key=base64.b64encode(b"a" * 32).decode(), others=others)
+        back = parse_token(tok.encode())
+        assert back == tok
+        assert [c[0] for c in back.coordinators()] == ["203.0.113.1:51820", "198.51.100.7:51820", "198.51.100.9:51820"]
+        assert back.coordinators()[1] == others[0]
+
+    def test_a_token_of_one_coordinator_has_no_others(self):
+        tok = make()
+        assert "c" not in json.loads(base64.urlsafe_b64decode(tok.encode()[4:] + "==")[:-4])
+        assert parse_token(tok.encode()).others == ()
+
+    @pytest.mark.parametrize(
+        "others",
+        [
+            "198.51.100.7:51820",  # not a list
+            [["198.51.100.7:51820", "cd" * 32]],  # two fields
+            [["198.51.100.7:51820", "xx", KEY_B]],  # fingerprint
+            [["198.51.100.7:51820", "cd" * 32, "nokey"]],  # key
+            [["not an endpoint", "cd" * 32, KEY_B]],
+            [["198.51.100.7:51820", "cd" * 32, KEY_B]] * 17,  # too many
+        ],
+    )
+    def test_a_malformed_coordinator_list_is_refused(self, others):
+        assert token_error(raw_token(json.dumps(good_payload(c=others)).encode())) == MALFORMED

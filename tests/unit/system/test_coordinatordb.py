@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import stat
 import threading
+import time
 
 import pytest
 
@@ -39,8 +40,25 @@ def mode(path) -> int:
 # --------------------------------------------------------------------------- CoordinatorDB
 
 
+@pytest.fixture(params=["sqlite", "etcd"])
+def db(request, tmp_path):
+    """The coordinator's state in SQLite (one coordinator) and in etcd (several: a FakeEtcd, the same contract
+    as the real one, tests/etcd_contract.py), held to the same tests."""
+    if request.param == "sqlite":
+        d = CoordinatorDB.create(tmp_path / "coordinator.db")
+    else:
+        from meshrun.system.etcdstate import EtcdCoordinatorDB
+        from meshrun.system.fakeetcd import FakeEtcd
+
+        d = EtcdCoordinatorDB(FakeEtcd())
+    d.add_coordinator("coord", key(0), "10.213.0.1")
+    d.add_token("tok0000001", SECRET, 3600, None, now=NOW)
+    yield d
+    d.close()
+
+
 @pytest.fixture
-def db(tmp_path):
+def sqlite_db(tmp_path):
     d = CoordinatorDB.create(tmp_path / "coordinator.db")
     d.add_coordinator("coord", key(0), "10.213.0.1")
     d.add_token("tok0000001", SECRET, 3600, None, now=NOW)
@@ -74,7 +92,8 @@ class TestDBFile:
         )
         assert path.read_bytes() == junk
 
-    def test_reopen_keeps_everything(self, tmp_path, db):
+    def test_reopen_keeps_everything(self, tmp_path, sqlite_db):
+        db = sqlite_db
         enrol(db, "gpu-a", 1)
         db.set_meta(network='{"x": 1}')
         again = CoordinatorDB(tmp_path / "coordinator.db")
@@ -272,7 +291,7 @@ class TestEnrol:
         assert {m.name for m in db.members()} == {"coord", "n1", "n99", "n2"}
 
     def test_one_token_holds_at_most_half_the_range(self, tmp_path):
-        small = CoordinatorDB.create(tmp_path / "small.db")
+        small = CoordinatorDB.create(tmp_path / "small.db")  # (the etcd twin runs the same admission code)
         small.add_coordinator("coord", key(0), "10.9.0.1")
         small.add_token("tok000000s", SECRET, 3600, None, now=NOW)
         small.add_token("tok000000t", SECRET, 3600, None, now=NOW)
@@ -330,7 +349,8 @@ class _ListQueue(list):
 
 
 class TestConcurrency:
-    def test_threads(self, tmp_path, db):
+    def test_threads(self, tmp_path, sqlite_db):
+        db = sqlite_db
         path = str(tmp_path / "coordinator.db")
         results: list = []
         lock = threading.Lock()
@@ -357,7 +377,8 @@ class TestConcurrency:
         assert sorted(ips, key=lambda s: int(s.rsplit(".", 1)[1])) == [f"10.213.0.{i}" for i in range(2, 18)]
         assert db.tokens()[0].uses == 16
 
-    def test_processes(self, tmp_path, db):
+    def test_processes(self, tmp_path, sqlite_db):
+        db = sqlite_db
         path = str(tmp_path / "coordinator.db")
         ctx = multiprocessing.get_context("spawn")
         q = ctx.Queue()
@@ -409,3 +430,74 @@ def test_a_reported_mtu_and_site_are_stored_and_move_the_version_once(tmp_path):
     db.heartbeat("10.213.0.2", [], site="")  # reported empty: cleared
     assert db.members()[0].site == "" and db.version() == v + 3
     db.close()
+
+
+# ---- several coordinators: each its own EtcdCoordinatorDB (its own mirror) over one etcd
+
+
+def test_coordinators_enrolling_at_once_never_hand_out_one_address(tmp_path):
+    """16 joins through 4 coordinators at once, each coordinator's state a separate mirror of one store: every
+    join gets its own address and the token counts each once (the compares on version, token and sequence)."""
+    from meshrun.system.etcdstate import EtcdCoordinatorDB
+    from meshrun.system.fakeetcd import FakeEtcd
+
+    store = FakeEtcd()
+    first = EtcdCoordinatorDB(store)
+    first.add_coordinator("coord", key(0), "10.213.0.1")
+    first.add_token("tok0000001", SECRET, 3600, None, now=NOW)
+    views = [EtcdCoordinatorDB(store, follow=True) for _ in range(4)]
+    results, errors = [], []
+
+    def run(v, i):
+        try:
+            for j in range(4):
+                m, _ = v.enrol("tok0000001", SECRET, f"c{i}-{j}", key(100 + 10 * i + j), [], CIDR, now=NOW + 1)
+                results.append(m.overlay_ip)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(v, i)) for i, v in enumerate(views)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(results) == 16 and len(set(results)) == 16
+    fresh = EtcdCoordinatorDB(store)
+    assert fresh.tokens()[0].uses == 16 and len(fresh.members()) == 17
+    versions = {v.version() for v in views} | {fresh.version()}
+    for v in views:  # every mirror caught up with the same state
+        deadline = time.monotonic() + 5
+        while v.version() != fresh.version() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert v.version() == fresh.version() and len(v.members()) == 17
+        v.close()
+    assert fresh.version() == max(versions)
+
+
+def test_the_state_moves_from_sqlite_to_etcd_and_back_unchanged(tmp_path, sqlite_db):
+    from meshrun.core.pairpaths import PairState
+    from meshrun.system.etcdstate import EtcdCoordinatorDB
+    from meshrun.system.fakeetcd import FakeEtcd
+
+    db = sqlite_db
+    for i in range(1, 4):
+        enrol(db, f"gpu-{i}", i)
+    db.heartbeat("10.213.0.2", ["172.31.40.1:51820"], now=NOW + 5, mtu=1380, site="fra")
+    db.remove_member("gpu-3", now=NOW + 6)
+    db.save_pairs({("gpu-1", "gpu-2"): PairState("relayed", NOW, True, "coord")})
+    db.set_meta(network='{"x": 1}')
+    etcd = EtcdCoordinatorDB(FakeEtcd())
+    etcd.load(db.dump())
+    assert etcd.members() == db.members()
+    assert etcd.tokens() == db.tokens()
+    assert etcd.pairs() == db.pairs()
+    assert etcd.is_removed_ip("10.213.0.4") and etcd.version() > db.version()
+    assert etcd.meta("network") == '{"x": 1}'
+    with pytest.raises(TokenError, match="was removed"):  # removal stays final in etcd too
+        enrol(etcd, "gpu-3", 9, now=NOW + 7)
+    back = CoordinatorDB.create(tmp_path / "back.db")
+    back.load(etcd.dump())
+    assert back.members() == db.members() and back.tokens() == db.tokens() and back.pairs() == db.pairs()
+    assert back.version() > etcd.version()
+    assert enrol(back, "gpu-4", 4, now=NOW + 8)[0].overlay_ip == "10.213.0.5"  # addresses never reused
+    back.close()

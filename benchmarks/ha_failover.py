@@ -1,0 +1,229 @@
+"""Three coordinators (state in etcd): how long a job stalls when a machine is lost, and what the replicated
+store costs while nothing happens.
+
+Each round builds a fresh world: three public coordinators (dc1-a is the first: it leads, and relays the
+nodes' pairs), three nodes behind symmetric NAT (every node pair relayed). An elastic DiLoCo job (charlm,
+1:3 nodes, an outer step every 20 steps of 0.1 s, so about every 2 s) starts from dc1-a. Once it runs,
+dc1-a's machine is lost (meshrun.lab.testbed.World.lose: every process killed, its namespace deleted); a
+while later a node's machine is lost too. For each loss: the seconds from the loss to the first outer step
+beyond the last one logged before it, as the surviving coordinator dc2-a's copy of the job's logs records
+their arrival. The job must finish, every rank on one model.
+
+Steady state, before the job and (a second window) while it runs: CPU of the three etcd members and of the
+three coordinator daemons (/proc, utime + stime) and the bytes etcd moves on the overlay (client and peer
+ports, counted by iptables on every coordinator's overlay interface as packets arrive: each byte once).
+
+    sudo .venv/bin/python benchmarks/ha_failover.py [--rounds 3] [--window 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from common import need_root, prefix, spread, write_result  # noqa: E402
+
+from meshrun.lab.testbed import DatacenterSpec, Mesh, World  # noqa: E402
+from meshrun.mesh import process  # noqa: E402
+from meshrun.system.statedir import StateDir  # noqa: E402
+
+COORDS = ["dc1-a", "dc2-a", "dc3-a"]
+NODES = ["dc4-a", "dc5-a", "dc6-a"]
+ETCD_PORTS = "2379,2380"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int | None) -> float:
+    if not pid:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+
+
+def pids(mesh: Mesh) -> dict[str, dict[str, int | None]]:
+    out = {}
+    for n in COORDS:
+        state = StateDir(mesh.state_dir(mesh.world.node(n)))
+        etcd = (state / "etcd" / "etcd.pid").read_text().strip() if (state / "etcd" / "etcd.pid").exists() else ""
+        out[n] = {"etcd": int(etcd) if etcd.isdigit() else None, "daemon": process.pid(state)}
+    return out
+
+
+def count_etcd_bytes(mesh: Mesh) -> None:
+    for n in COORDS:
+        node = mesh.world.node(n)
+        for rule in (["--dports", ETCD_PORTS], ["--sports", ETCD_PORTS]):
+            node.run("iptables", "-I", "INPUT", "-i", "meshrun0", "-p", "tcp", "-m", "multiport", *rule)
+
+
+def etcd_bytes(mesh: Mesh) -> int:
+    total = 0
+    for n in COORDS:
+        out = mesh.world.node(n).run("iptables", "-L", "INPUT", "-v", "-x", "-n").stdout
+        total += sum(int(line.split()[1]) for line in out.splitlines() if "multiport" in line and ETCD_PORTS in line)
+    return total
+
+
+def window(mesh: Mesh, seconds: float) -> dict:
+    """CPU (share of one core) of the etcd members and the coordinator daemons, and etcd's bytes a second."""
+    p = pids(mesh)
+    c0 = {n: {k: cpu_s(v) for k, v in d.items()} for n, d in p.items()}
+    b0, t0 = etcd_bytes(mesh), time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    c1 = {n: {k: cpu_s(v) for k, v in d.items()} for n, d in p.items()}
+    b1 = etcd_bytes(mesh)
+    return {
+        "seconds": round(dt, 1),
+        "etcd_cpu_share": sum(c1[n]["etcd"] - c0[n]["etcd"] for n in COORDS) / dt,
+        "daemon_cpu_share": sum(c1[n]["daemon"] - c0[n]["daemon"] for n in COORDS) / dt,
+        "etcd_bytes_per_s": (b1 - b0) / dt,
+    }
+
+
+def steps_seen(state: StateDir, job: str) -> list[tuple[float, str, int]]:
+    """(arrival unix s, node, outer step) of every outer step line in this coordinator's copy of the job's logs."""
+    out = []
+    for path in (state.path / "jobs" / job / "logs").glob("dc*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            m = re.match(r"^(\d+) .*\] outer_step (\d+) ", line)
+            if m:
+                out.append((int(m.group(1)) / 1000, path.stem, int(m.group(2))))
+    return sorted(out)
+
+
+def recovery(state: StateDir, job: str, lost_at: float, timeout: float = 300) -> float:
+    """Seconds from `lost_at` to the first outer step beyond the last logged before it."""
+    before = max((s for t, _, s in steps_seen(state, job) if t <= lost_at), default=0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        after = [t for t, _, s in steps_seen(state, job) if s > before and t > lost_at]
+        if after:
+            return min(after) - lost_at
+        time.sleep(0.5)
+    raise SystemExit(f"no progress within {timeout:.0f} s of the loss")
+
+
+def wait_record(mesh: Mesh, on: str, job: str, timeout: float = 600) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        jobs = json.loads(mesh.meshrun(on, "jobs", "--json", check=False).stdout or "[]")
+        rec = next((j for j in jobs if j["job_id"] == job), {})
+        if rec.get("state") in ("succeeded", "failed", "cancelled", "lost"):
+            return rec
+        time.sleep(3)
+    raise SystemExit(f"job {job} did not end within {timeout:.0f} s")
+
+
+def one_round(r: int, seconds: float) -> dict:
+    specs = [DatacenterSpec(f"dc{i}") for i in (1, 2, 3)] + [
+        DatacenterSpec(f"dc{i}", nat="symmetric") for i in (4, 5, 6)
+    ]
+    job = f"ha{r}"
+    with World(specs, prefix=prefix("ha")) as world:
+        world.up()
+        mesh = Mesh(world, "dc1-a")
+        mesh.init()
+        for n in COORDS[1:] + NODES:
+            mesh.join(n)
+        for n in COORDS[1:]:
+            mesh.meshrun("dc1-a", "coordinator", "add", n, "--endpoint", str(world.node(n).public_ip), timeout=300)
+        count_etcd_bytes(mesh)
+        time.sleep(10)  # the promotions settle (daemons restarted, agents resynced)
+        idle = window(mesh, seconds)
+        args = ["--job-id", job, "--nnodes", "1:3", "--nodes", ",".join(NODES), "--max-restarts", "5"]
+        args += ["--timeout", "120", "--detach", "diloco_charlm.py", "--mode", "diloco", "--steps", "900"]
+        args += ["--sync-every", "20", "--step-time", "0.1", "--compression", "fp4", "--hidden", "32"]
+        args += ["--batch-size", "8", "--seq-len", "32", "--val-batches", "2", "--threads", "1"]
+        mesh.meshrun("dc1-a", "train", "--project", job, *args, cwd=ROOT / "examples", timeout=300)
+        state_b = StateDir(mesh.state_dir(world.node("dc2-a")))
+        deadline = time.monotonic() + 240
+        while max((s for _, _, s in steps_seen(state_b, job)), default=0) < 3:
+            if time.monotonic() > deadline:
+                raise SystemExit("the job made no progress")
+            time.sleep(1)
+        busy = window(mesh, seconds / 2)
+        pairs = {frozenset((p["a"], p["b"])): p for p in mesh.status("dc2-a")["pairs"]}
+        relays_before = sorted({p.get("relay") or "-" for p in pairs.values()})
+        lost = time.time()
+        world.lose("dc1-a")
+        coordinator_s = recovery(state_b, job, lost)
+        print(f"round {r}: progress {coordinator_s:.1f} s after the first coordinator's loss", flush=True)
+        time.sleep(10)
+        lost = time.time()
+        world.lose("dc6-a")
+        node_s = recovery(state_b, job, lost)
+        print(f"round {r}: progress {node_s:.1f} s after a node's loss", flush=True)
+        rec = wait_record(mesh, "dc2-a", job)
+        logs = mesh.meshrun("dc2-a", "logs", job, check=False, timeout=60).stdout
+        digests = set(re.findall(r"param_checksum rank=\d+ sync=45 digest=(\w+)", logs))
+        took_over = re.search(r"coordinator (dc[23]-a) took the job over", logs)
+    return {
+        "coordinator_loss_s": coordinator_s,
+        "node_loss_s": node_s,
+        "job": rec.get("state"),
+        "one_model": len(digests) == 1,
+        "took_over_by": took_over.group(1) if took_over else None,
+        "relays_before": relays_before,
+        "idle": idle,
+        "job_running": busy,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--window", type=float, default=60.0, help="seconds of the idle window (half while the job runs)")
+    ap.add_argument("--name", default="ha_failover")
+    a = ap.parse_args()
+    need_root()
+    t0 = time.monotonic()
+    rounds = [one_round(r, a.window) for r in range(1, a.rounds + 1)]
+    for r in rounds:
+        if r["job"] != "succeeded" or not r["one_model"]:
+            raise SystemExit(f"a round's job did not end on one model: {r}")
+    c = spread([r["coordinator_loss_s"] for r in rounds])
+    n = spread([r["node_loss_s"] for r in rounds])
+    keys = ("etcd_cpu_share", "daemon_cpu_share", "etcd_bytes_per_s")
+    idle = {k: spread([r["idle"][k] for r in rounds]) for k in keys}
+    busy = {k: spread([r["job_running"][k] for r in rounds]) for k in keys}
+    summary = (
+        f"ha_failover: progress again {c['median']:.1f} s ({c['min']:.1f}-{c['max']:.1f}) after the loss of the "
+        f"coordinator that started the job, {n['median']:.1f} s ({n['min']:.1f}-{n['max']:.1f}) after a node's; "
+        f"replicated store at rest: etcd {100 * idle['etcd_cpu_share']['median']:.1f}% of a core for three members, "
+        f"{idle['etcd_bytes_per_s']['median'] / 1024:.1f} KiB/s on the overlay; with a job running "
+        f"{100 * busy['etcd_cpu_share']['median']:.1f}%, {busy['etcd_bytes_per_s']['median'] / 1024:.1f} KiB/s; "
+        f"{a.rounds} rounds [{time.monotonic() - t0:.0f} s]"
+    )
+    write_result(
+        a.name,
+        {
+            "rounds": a.rounds,
+            "window_s": a.window,
+            "runs": rounds,
+            "coordinator_loss_s": c,
+            "node_loss_s": n,
+            "idle": idle,
+            "job_running": busy,
+        },
+        summary,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,577 @@
+"""Several coordinators: the etcd member each one runs, and moving between one coordinator and several.
+
+A network starts with one coordinator and its SQLite database (`meshrun init`). `meshrun coordinator add
+NODE --endpoint HOST` (`add`) turns members into coordinators: the first time, the coordinator it runs on
+starts an etcd member of its own, writes its database into etcd and restarts its daemon on it; then the
+node makes its own etcd key and TLS identity (they never leave it), the CA signs its etcd key's request,
+it joins the etcd cluster and its agent restarts as a coordinator. `meshrun coordinator remove NAME`
+(`remove`) takes one out again; the last one left moves the state back into SQLite.
+
+Each coordinator's etcd member listens on its overlay address only (client ETCD_CLIENT_PORT, peer
+ETCD_PEER_PORT), with client certificates on both (one CA, whose key the coordinators keep in etcd itself
+so that any of them can sign a new member), and runs in a cgroup whose nftables guard admits only the
+coordinators' overlay addresses (meshrun.system.firewall.JobGuard): a member that is no coordinator cannot
+open a connection to it. It is its own process (state/etcd/etcd.pid): it outlives daemon restarts, and the
+daemon starts it again if it is not running (a reboot).
+
+Files under <state>/etcd/: ca.crt, etcd.crt, etcd.key (0600), data/ (etcd's), etcd.log, etcd.pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from meshrun.core import etcdconf, keys
+from meshrun.core.model import Member, Network, parse_endpoint, refuse_ipv6
+from meshrun.errors import ControlStateError, CoordinatorError, MeshrunError, StateError, UsageError
+from meshrun.mesh import member, process
+from meshrun.system import coordinatordb, etcd, net, procs
+from meshrun.system.coordinatordb import CoordinatorDB, CoordinatorInfo
+from meshrun.system.etcd import EtcdClient
+from meshrun.system.etcdstate import PREFIX, EtcdCoordinatorDB, complete
+from meshrun.system.firewall import JobGuard
+from meshrun.system.statedir import StateDir, remove_tree
+
+log = logging.getLogger("meshrun.mesh.coordinator.ha")
+
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
+ETCD_DIR = "etcd"
+ETCD_BINARY = "etcd"  # Debian's etcd-server (dev.sh installs it), found on PATH
+HEALTHY_TIMEOUT_S = 60.0
+K_CA = PREFIX + b"pki/ca"  # {"cert", "key"}: the etcd members' CA, readable by coordinators only
+GUARD_JOB = "etcd"  # the etcd member's cgroup guard is job "etcd" of "<name>/etcd" (meshrun.core.firewall)
+
+
+# --------------------------------------------------------------------------- which state a coordinator uses
+
+
+def replicated(rec: dict) -> bool:
+    """Whether this coordinator's state lives in etcd (member.json "control")."""
+    return (rec.get("control") or {}).get("kind") == "etcd"
+
+
+def control_ips(rec: dict) -> list[str]:
+    """The coordinators' overlay addresses as member.json's etcd endpoints name them (this one's included)."""
+    from urllib.parse import urlsplit
+
+    ips = {urlsplit(str(u)).hostname or "" for u in (rec.get("control") or {}).get("endpoints") or []}
+    return sorted(ip for ip in ips | {str(rec.get("overlay_ip") or "")} if ip)
+
+
+def etcd_dir(state: StateDir) -> StateDir:
+    return StateDir(state / ETCD_DIR)
+
+
+def client_for(state: StateDir, endpoints: list[str] | None = None, timeout: float = 5.0) -> EtcdClient:
+    """An etcd client with this coordinator's certificate, to the endpoints in member.json (or those given)."""
+    d = etcd_dir(state)
+    if endpoints is None:
+        rec = state.read_json("member.json")
+        endpoints = list((rec.get("control") or {}).get("endpoints") or [])
+        own = own_urls(rec)[0] if rec.get("overlay_ip") else ""
+        # This coordinator's own member first: it is gone only with this machine (a watch or a long read on
+        # another member's connection hangs when that machine vanishes, until its idle timeout).
+        endpoints.sort(key=lambda u: u != own)
+    if not endpoints:
+        raise StateError(
+            f"{state / 'member.json'} names no etcd endpoint", "restore it, or run `meshrun coordinator add` again"
+        )
+    return EtcdClient(
+        endpoints, ca=str(d / "ca.crt"), cert=str(d / "etcd.crt"), key=str(d / "etcd.key"), timeout=timeout
+    )
+
+
+def open_state(state: StateDir, rec: dict, follow: bool = False, readonly: bool = False) -> EtcdCoordinatorDB:
+    """This coordinator's view of the replicated state (see meshrun.system.etcdstate)."""
+    client = client_for(state)
+    try:
+        if not complete(client):
+            raise StateError(
+                f"etcd at {', '.join(client.endpoints)} holds no network state",
+                "a `meshrun coordinator add` was interrupted: run it again",
+            )
+        return EtcdCoordinatorDB(client, follow=follow, readonly=readonly, what=f"etcd at {client.endpoint}")
+    except BaseException:
+        client.close()
+        raise
+
+
+# --------------------------------------------------------------------------- the local etcd member
+
+
+def own_urls(rec: dict) -> tuple[str, str]:
+    ip = str(rec["overlay_ip"])
+    return etcdconf.client_url(ip, ETCD_CLIENT_PORT), etcdconf.peer_url(ip, ETCD_PEER_PORT)
+
+
+def etcd_pid(state: StateDir) -> int | None:
+    """The PID of this coordinator's etcd member, if it runs."""
+    d = etcd_dir(state)
+    try:
+        pid = int(d.read("etcd.pid").decode().strip())
+    except (StateError, ValueError, FileNotFoundError):
+        return None
+    args = procs.argv(pid) or []
+    return pid if procs.alive(pid) and any(Path(a).name == "etcd" for a in args[:1]) else None
+
+
+def guard_etcd(name: str, network: Network, coordinator_ips: list[str]) -> JobGuard:
+    """The etcd member's guard: only these overlay addresses may open a connection to it (made or replaced)."""
+    return JobGuard(GUARD_JOB, f"{name}/etcd", network.interface).create(coordinator_ips)
+
+
+def start_member(
+    state: StateDir,
+    rec: dict,
+    network: Network,
+    initial_cluster: dict[str, str],
+    cluster_state: str,
+    coordinator_ips: list[str],
+) -> int:
+    """Start this coordinator's etcd member (guarded, on its overlay address) and wait until it answers."""
+    d = etcd_dir(state)
+    d.create()
+    name = str(rec["name"])
+    guard = guard_etcd(name, network, coordinator_ips)
+    argv = [ETCD_BINARY] + etcdconf.server_argv(
+        name,
+        d / "data",
+        str(rec["overlay_ip"]),
+        ETCD_CLIENT_PORT,
+        ETCD_PEER_PORT,
+        initial_cluster,
+        cluster_state,
+        d.path,
+    )
+    pid = etcd.start_server(argv, d / "etcd.log", cgroup_procs=guard.cgroup / "cgroup.procs")
+    d.write("etcd.pid", f"{pid}\n")
+    client = client_for(state, [own_urls(rec)[0]])
+    try:
+        # A member that joins an existing cluster is a learner until `add` gives it its vote: it serves no reads.
+        etcd.wait_healthy(
+            client, HEALTHY_TIMEOUT_S, log_path=d / "etcd.log", pid=pid, learner=cluster_state == "existing"
+        )
+    except BaseException:
+        etcd.stop_server(pid)
+        raise
+    finally:
+        client.close()
+    log.info("etcd member %s runs (pid %d) on %s", name, pid, own_urls(rec)[0])
+    return pid
+
+
+def ensure_member(state: StateDir, rec: dict, network: Network, coordinator_ips: list[str]) -> None:
+    """At daemon start: this coordinator's etcd member runs (started again from its data after a reboot)."""
+    if etcd_pid(state) is not None:
+        guard_etcd(str(rec["name"]), network, coordinator_ips)  # the set may have changed while we were down
+        return
+    if not (etcd_dir(state) / "data").exists():
+        raise StateError(
+            f"this coordinator's etcd member has no data in {etcd_dir(state) / 'data'}",
+            "remove it with `meshrun coordinator remove` on another coordinator and add it again",
+        )
+    start_member(state, rec, network, {str(rec["name"]): own_urls(rec)[1]}, "existing", coordinator_ips)
+
+
+def stop_member(state: StateDir) -> None:
+    pid = etcd_pid(state)
+    if pid is not None:
+        etcd.stop_server(pid)
+    with contextlib.suppress(MeshrunError):
+        rec = state.read_json("member.json")
+        JobGuard(GUARD_JOB, f"{rec['name']}/etcd", Network.from_dict(rec["network"]).interface).remove()
+
+
+# --------------------------------------------------------------------------- the CA
+
+
+def _ca(db: EtcdCoordinatorDB) -> tuple[str, str]:
+    kv = db.client.get(K_CA)
+    if kv is None:
+        raise ControlStateError("the etcd members' CA is not in etcd", "restore the coordinators' state from a backup")
+    d = json.loads(kv.value)
+    return d["cert"], d["key"]
+
+
+def _issue(ca_cert: str, ca_key: str, name: str, ip: str) -> tuple[str, str]:
+    """A key and a certificate for `ip` (this machine's own key: made here, kept here)."""
+    key_pem, csr = keys.new_csr(name, ip)
+    return key_pem, keys.sign_csr(ca_cert, ca_key, csr)
+
+
+def _write_tls(state: StateDir, ca_cert: str, cert: str, key_pem: str | None = None) -> None:
+    d = etcd_dir(state)
+    d.create()
+    d.write("ca.crt", ca_cert)
+    d.write("etcd.crt", cert)
+    if key_pem is not None:
+        d.write("etcd.key", key_pem, secret=True)
+
+
+# --------------------------------------------------------------------------- one coordinator -> several
+
+
+def coordinator_info(rec: dict, network: Network, endpoint: str, fingerprint: str) -> CoordinatorInfo:
+    client, peer = own_urls(rec)
+    return CoordinatorInfo(
+        str(rec["name"]),
+        str(rec.get("public_key") or network.coordinator_public_key),
+        str(rec["overlay_ip"]),
+        endpoint,
+        fingerprint,
+        client,
+        peer,
+    )
+
+
+def replicate(state: StateDir) -> None:
+    """Move this lone coordinator's SQLite state into an etcd member of its own (the first step of `add`).
+
+    Undone if anything fails: etcd stopped and its files removed, member.json as it was."""
+    rec, network = member.load(state)
+    if replicated(rec):
+        return
+    undo: list = []
+    try:
+        ca_cert, ca_key = keys.new_ca(f"meshrun {network.name} etcd")
+        key_pem, cert = _issue(ca_cert, ca_key, str(rec["name"]), str(rec["overlay_ip"]))
+        _write_tls(state, ca_cert, cert, key_pem)
+        undo.append(lambda: remove_tree(etcd_dir(state).path))
+        rec = dict(rec, public_key=network.coordinator_public_key)
+        pid = start_member(state, rec, network, {str(rec["name"]): own_urls(rec)[1]}, "new", [str(rec["overlay_ip"])])
+        undo.append(lambda: etcd.stop_server(pid))
+        sqlite = CoordinatorDB(state / "coordinator.db", readonly=True)
+        try:
+            dump = sqlite.dump()
+        finally:
+            sqlite.close()
+        client = client_for(state, [own_urls(rec)[0]])
+        db = EtcdCoordinatorDB(client, what=f"etcd at {client.endpoint}")
+        try:
+            client.put(K_CA, json.dumps({"cert": ca_cert, "key": ca_key}).encode())
+            dump["coordinators"] = [coordinator_info(rec, network, network.endpoints[0], network.fingerprint).to_dict()]
+            db.load(dump)
+            # Its row carries its public endpoint from now on: other coordinators dial it there.
+            db.add_coordinator(
+                str(rec["name"]), network.coordinator_public_key, str(rec["overlay_ip"]), network.endpoints[0]
+            )
+        finally:
+            db.close()
+            client.close()
+        old = state.read_json("member.json")
+        undo.append(lambda: state.write_json("member.json", old))
+        state.write_json("member.json", dict(rec, control={"kind": "etcd", "endpoints": [own_urls(rec)[0]]}))
+    except BaseException:
+        for step in reversed(undo):
+            with contextlib.suppress(Exception):
+                step()
+        raise
+    # The SQLite file stays as it was at the move, renamed: a backup, never read again.
+    coordinatordb.retire(state / "coordinator.db")
+    log.info("the network's state moved into etcd (member %s)", rec["name"])
+
+
+def prepare(state: StateDir) -> dict:
+    """On a node about to become a coordinator: make its etcd key and TLS identity here (they stay here),
+    return what the coordinator signs and publishes: {"csr", "fingerprint"}."""
+    rec, _ = member.load(state)
+    if rec.get("role") != "node":
+        raise UsageError(f"{rec.get('name')} is a coordinator already", "pick a node")
+    net.require_tools(ETCD_BINARY)
+    d = etcd_dir(state)
+    d.create()
+    key_pem, csr = keys.new_csr(str(rec["name"]), str(rec["overlay_ip"]))
+    d.write("etcd.key", key_pem, secret=True)
+    cert_pem, tls_key = keys.generate_tls_identity("meshrun")
+    state.write("tls.key", tls_key, secret=True)
+    state.write("tls.crt", cert_pem)
+    return {"csr": csr, "fingerprint": keys.cert_fingerprint(cert_pem)}
+
+
+def promote(state: StateDir, offer: dict) -> None:
+    """On that node: its certificate, the cluster, its etcd member started ("existing"), member.json a
+    coordinator's. The caller (the node's job API) then restarts the daemon, which comes back as a
+    coordinator (meshrun.mesh.run.serve)."""
+    rec, network = member.load(state)
+    if rec.get("role") != "node" or not (etcd_dir(state) / "etcd.key").exists():
+        raise UsageError("this node was not prepared to become a coordinator", "run `meshrun coordinator add` again")
+    try:
+        ca_cert, cert = str(offer["ca"]), str(offer["cert"])
+        cluster = {str(k): str(v) for k, v in dict(offer["cluster"]).items()}
+        endpoints = [str(e) for e in offer["endpoints"]]
+        endpoint = parse_endpoint(str(offer["endpoint"]))
+        ips = [str(ip) for ip in offer["coordinator_ips"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"malformed promotion ({exc})", "run the same meshrun version everywhere") from None
+    if str(rec["overlay_ip"]) not in keys.cert_ips(cert):
+        raise UsageError("the offered certificate is not for this node's overlay address", "run it again")
+    _write_tls(state, ca_cert, cert)
+    start_member(state, rec, network, cluster, "existing", ips)
+    state.write_json(
+        "member.json",
+        dict(
+            rec,
+            role="coordinator",
+            endpoint=endpoint,
+            control={"kind": "etcd", "endpoints": endpoints},
+        ),
+    )
+    log.info("%s is a coordinator now (etcd member started)", rec["name"])
+
+
+def demote(state: StateDir) -> None:
+    """On a coordinator that is taken out: stop its etcd member, forget its data and certificates, become a
+    node again (its daemon restarts as an agent)."""
+    rec, _ = member.load(state)
+    stop_member(state)
+    remove_tree(etcd_dir(state).path)
+    rec = {k: v for k, v in rec.items() if k not in ("control", "endpoint")}
+    state.write_json("member.json", dict(rec, role="node"))
+    state.remove("tls.key", "tls.crt")
+    log.info("%s is a node again", rec["name"])
+
+
+def members_without(db: EtcdCoordinatorDB, name: str) -> list[Member]:
+    return [m for m in db.members() if m.name != name]
+
+
+def check_endpoint(endpoint: str, network: Network) -> str:
+    refuse_ipv6(endpoint)
+    try:
+        return parse_endpoint(endpoint, default_port=network.listen_port)
+    except ValueError as exc:
+        raise UsageError(
+            f"--endpoint {endpoint!r} is not HOST or HOST:PORT ({exc})",
+            "give the address nodes reach that member at, e.g. --endpoint 198.51.100.7",
+        ) from None
+
+
+def wait_daemon(call, timeout: float = 60.0) -> None:
+    """Wait until `call()` (a request to the new coordinator's overlay API) answers (until then its node agent may
+    still answer there, refusing an unsigned request)."""
+    deadline = time.monotonic() + timeout
+    last: MeshrunError | None = None
+    while time.monotonic() < deadline:
+        try:
+            call()
+            return
+        except MeshrunError as exc:
+            last = exc
+            time.sleep(0.5)
+    raise CoordinatorError(
+        f"the new coordinator did not answer within {timeout:.0f} s ({last})",
+        "see its daemon log (meshrun status there)",
+    )
+
+
+# --------------------------------------------------------------------------- the operator's commands
+
+LEARNER_SYNC_S = 60.0  # a new etcd member catches up (a learner) before it gets a vote
+GUARD_SETTLE_S = 2.5  # every coordinator's loop admits a new coordinator's address within a tick or two
+
+
+def _restart_daemon(state: StateDir) -> None:
+    """This coordinator's daemon again, on its new state (its jobs' supervisors are not its children)."""
+    if process.pid(state) is not None:
+        process.stop(state)
+        process.spawn(state)
+
+
+def _node_call(state: StateDir, network: Network, target: Member):
+    """A request to `target`'s job API, signed with the job key this coordinator shares with it."""
+    from meshrun.system import transport
+
+    key = member.job_key(state, target.public_key)
+
+    def call(path: str, body: dict, timeout: float) -> dict:
+        return transport.call(target.overlay_ip, network.api_port, "POST", path, body, key=key, timeout=timeout)
+
+    return call
+
+
+def add(state: StateDir, name: str, endpoint: str, settle: float = GUARD_SETTLE_S) -> CoordinatorInfo:
+    """`meshrun coordinator add NAME --endpoint HOST`, on a coordinator: member NAME becomes a coordinator.
+
+    The first time, this coordinator's state moves into etcd (`replicate`) and its daemon restarts on it.
+    The new member joins etcd as a learner (it has no vote, so a failed start leaves the cluster as it was)
+    and gets its vote once it caught up. UsageError for an unknown member, a coordinator or a bad endpoint;
+    nothing of the new coordinator is left if a step fails."""
+    from meshrun.system import transport
+
+    rec, network = member.load(state)
+    if rec.get("role") != "coordinator":
+        raise StateError(f"{state.path} belongs to a node", "run `meshrun coordinator add` on a coordinator")
+    endpoint = check_endpoint(endpoint, network)
+    net.require_tools(ETCD_BINARY)
+    if not replicated(rec):
+        sqlite = CoordinatorDB(state / "coordinator.db", readonly=True)
+        try:
+            target = sqlite.member_by_name(name)
+        finally:
+            sqlite.close()
+        _check_target(target, name)
+        replicate(state)
+        _restart_daemon(state)
+        rec, network = member.load(state)
+    db = open_state(state, rec)
+    try:
+        target = db.member_by_name(name)
+        _check_target(target, name)
+        assert target is not None
+        call = _node_call(state, network, target)
+        health = call("/v1/coordinator/prepare", {}, 60)
+        ca_cert, ca_key = _ca(db)
+        cert = keys.sign_csr(ca_cert, ca_key, str(health["csr"]))
+        client_url = etcdconf.client_url(target.overlay_ip, ETCD_CLIENT_PORT)
+        peer_url = etcdconf.peer_url(target.overlay_ip, ETCD_PEER_PORT)
+        info = CoordinatorInfo(
+            name, target.public_key, target.overlay_ip, endpoint, str(health["fingerprint"]), client_url, peer_url
+        )
+        coords = [c for c in db.coordinators() if c.name != name]
+        db.put_coordinator(info)  # first: every coordinator's guard admits it (their loops read the registry)
+        ips = [c.overlay_ip for c in coords] + [target.overlay_ip]
+        guard_etcd(str(rec["name"]), network, ips)
+        time.sleep(settle)
+        new = db.client.member_add([peer_url], learner=True)
+        try:
+            cluster = {c.name: c.etcd_peer for c in coords if c.etcd_peer} | {name: peer_url}
+            call(
+                "/v1/coordinator/promote",
+                {
+                    "ca": ca_cert,
+                    "cert": cert,
+                    "cluster": cluster,
+                    "endpoints": [c.etcd_client for c in coords if c.etcd_client] + [client_url],
+                    "endpoint": endpoint,
+                    "coordinator_ips": ips,
+                },
+                HEALTHY_TIMEOUT_S + 30,
+            )
+            _vote(db.client, new.id)
+        except BaseException:
+            with contextlib.suppress(MeshrunError):
+                db.client.member_remove(new.id)
+            with contextlib.suppress(MeshrunError):
+                db.delete_coordinator(name)
+            raise
+        db.add_coordinator(name, target.public_key, target.overlay_ip, endpoint)
+        wait_daemon(
+            lambda: transport.call(target.overlay_ip, network.api_port, "GET", "/v1/time", timeout=3),
+        )
+        save_endpoints(state, [c.etcd_client for c in db.coordinators() if c.etcd_client])
+        return info
+    finally:
+        db.close()
+
+
+def _check_target(target: Member | None, name: str) -> None:
+    if target is None:
+        raise UsageError(f"there is no member named {name!r}", "see the members with `meshrun status`")
+    if target.is_coordinator:
+        raise UsageError(f"{name} is a coordinator already", "see the coordinators with `meshrun coordinator list`")
+
+
+def _vote(client: EtcdClient, member_id: int) -> None:
+    """Give a learner its vote once etcd says it caught up (etcd refuses while it is behind)."""
+    deadline = time.monotonic() + LEARNER_SYNC_S
+    while True:
+        try:
+            client.member_promote(member_id)
+            return
+        except ControlStateError as exc:
+            if time.monotonic() >= deadline:
+                raise ControlStateError(
+                    f"the new etcd member did not catch up within {LEARNER_SYNC_S:.0f} s ({exc.message})",
+                    "check the new coordinator's etcd log (<state>/etcd/etcd.log) and its network",
+                ) from None
+            time.sleep(0.5)
+
+
+def save_endpoints(state: StateDir, endpoints: list[str]) -> None:
+    """member.json's etcd endpoints (where this coordinator's client starts after a restart)."""
+    rec = state.read_json("member.json")
+    control = dict(rec.get("control") or {}, endpoints=sorted(set(endpoints)))
+    if control != rec.get("control"):
+        state.write_json("member.json", dict(rec, control=control))
+
+
+def remove(state: StateDir, name: str) -> str:
+    """`meshrun coordinator remove NAME`, on another coordinator: NAME is a node again (or, when it cannot be
+    reached, a removed member: its machine is gone). The last coordinator left moves the state back into
+    SQLite. Returns what happened to NAME, in words."""
+    from meshrun.system import transport
+
+    rec, network = member.load(state)
+    if rec.get("role") != "coordinator" or not replicated(rec):
+        raise UsageError("this network has one coordinator", "`meshrun coordinator add` makes more first")
+    if name == rec["name"]:
+        raise UsageError(f"{name} is this coordinator", "run `meshrun coordinator remove` on another coordinator")
+    db = open_state(state, rec)
+    try:
+        coords = db.coordinators()
+        info = next((c for c in coords if c.name == name), None)
+        if info is None:
+            names = ", ".join(c.name for c in coords)
+            raise UsageError(f"there is no coordinator named {name!r}", f"the coordinators are: {names}")
+        try:
+            transport.call(info.overlay_ip, network.api_port, "GET", "/v1/time", timeout=5)
+            reachable = True
+        except MeshrunError:
+            reachable = False
+        # The records first, while every member that answers still votes: then the etcd member goes.
+        db.delete_coordinator(name)
+        db.demote_coordinator(info.public_key)
+        if reachable:
+            outcome = f"{name} is a node again"
+        else:
+            db.remove_member(name)
+            outcome = f"{name} did not answer: removed from the network (its key can never rejoin)"
+        left = [c for c in coords if c.name != name]
+        dump = db.dump() if len(left) == 1 else None
+        for m in db.client.members():
+            if info.etcd_peer in m.peer_urls:
+                db.client.member_remove(m.id)
+        # Those left elect a leader among themselves (it may have been the one removed) before anyone writes.
+        etcd.wait_healthy(db.client, HEALTHY_TIMEOUT_S)
+        if reachable:
+            try:
+                transport.call(info.overlay_ip, network.api_port, "POST", "/v1/coordinators/demote", {}, timeout=15)
+            except MeshrunError as exc:
+                outcome = (
+                    f"{name} left the cluster but did not restart as a node ({exc.message}): run `meshrun up` there"
+                )
+        save_endpoints(state, [c.etcd_client for c in left if c.etcd_client])
+        guard_etcd(str(rec["name"]), network, [c.overlay_ip for c in left])
+        if dump is None:
+            return outcome
+    finally:
+        db.close()
+    unreplicate(state, dump, left[0])
+    _restart_daemon(state)
+    return outcome + "; the network's state is back in SQLite on this coordinator"
+
+
+def unreplicate(state: StateDir, dump: dict, me: CoordinatorInfo) -> None:
+    """The last coordinator: the state from etcd into a new SQLite database, its etcd member stopped. The
+    network's description names this coordinator from now on (it may not be the first one)."""
+    net = Network.from_dict(json.loads(dump["meta"]["network"]))
+    net = dataclasses.replace(
+        net,
+        coordinator_ip=me.overlay_ip,
+        coordinator_public_key=me.public_key,
+        endpoints=(me.endpoint,),
+        fingerprint=me.fingerprint,
+    )
+    dump = dict(dump, meta=dict(dump["meta"], network=json.dumps(net.to_dict())))
+    coordinatordb.build(state / "coordinator.db", dump)
+    stop_member(state)
+    remove_tree(etcd_dir(state).path)
+    rec = state.read_json("member.json")
+    state.write_json("member.json", {k: v for k, v in rec.items() if k != "control"})
+    log.info("the network's state moved back into SQLite")

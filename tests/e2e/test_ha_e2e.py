@@ -1,0 +1,313 @@
+"""End-to-end: three coordinators (state in etcd), and a machine lost mid-job: a node, then the coordinator
+that started the job. The elastic DiLoCo job finishes on the nodes left with every rank on one model,
+`meshrun logs` on another coordinator shows all of it, a new node joins through that coordinator, and a
+relayed pair keeps or regains a live relay.
+
+One world for both tests (they run in this order): dc1-a, dc2-a, dc3-a are public machines (1:1 NAT) and
+become the coordinators A, B, C; dc4-a..dc8-a are nodes behind NAT, most of them symmetric, so pairs among
+them are relayed. A machine is lost as a preempted VM is (meshrun.lab.testbed.World.lose): every process
+killed at once and its namespace deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from support import TrainJob
+
+from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.system.statedir import StateDir
+
+A, B, C = "dc1-a", "dc2-a", "dc3-a"
+A_NAME = "coordinator"  # the first coordinator's member name (`meshrun init`); B and C keep their nodes' names
+NATS = {"dc4": "symmetric", "dc5": "symmetric", "dc6": "symmetric", "dc7": "cone", "dc8": "symmetric"}
+
+
+def elastic(job_id: str, nodes: str) -> tuple[str, ...]:
+    """An elastic (1:N) DiLoCo job of charlm on `nodes`, steps padded to 0.1 s: an outer step every 2 s."""
+    return (
+        "--job-id",
+        job_id,
+        "--nnodes",
+        f"1:{len(nodes.split(','))}",
+        "--nodes",
+        nodes,
+        "--max-restarts",
+        "3",
+        "--timeout",
+        "120",
+        "diloco_charlm.py",
+        "--mode",
+        "diloco",
+        "--steps",
+        "300",
+        "--sync-every",
+        "20",
+        "--step-time",
+        "0.1",
+        "--compression",
+        "fp4",
+        "--hidden",
+        "32",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--val-batches",
+        "2",
+        "--threads",
+        "1",
+    )
+
+
+@pytest.fixture(scope="module")
+def ha(tmp_path_factory):
+    from support import netns_unavailable_reason, unique_prefix
+
+    from meshrun.lab.testbed import World
+
+    if netns_unavailable_reason():
+        pytest.skip(netns_unavailable_reason())
+    specs = [DatacenterSpec(f"dc{i}") for i in (1, 2, 3)] + [DatacenterSpec(dc, nat=nat) for dc, nat in NATS.items()]
+    prefix = unique_prefix()
+    world = World(specs, prefix=prefix, workdir=tmp_path_factory.mktemp(prefix))
+    try:
+        world.up()
+        mesh = Mesh(world, A)
+        mesh.init()
+        for n in (B, C, "dc4-a", "dc5-a", "dc6-a"):
+            mesh.join(n)
+        for n in (B, C):
+            out = mesh.meshrun(A, "coordinator", "add", n, "--endpoint", str(world.node(n).public_ip)).stdout
+            assert f"{n} is a coordinator" in out, out
+        yield mesh
+    finally:
+        world.down()
+
+
+def coordinators(mesh: Mesh, on: str) -> dict[str, dict]:
+    return {r["name"]: r for r in json.loads(mesh.meshrun(on, "coordinator", "list", "--json").stdout)}
+
+
+def wait(what: str, check, timeout: float, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as exc:  # a command that fails while the mesh settles: try again
+            last = exc
+        time.sleep(every)
+    raise AssertionError(f"{what} not within {timeout:.0f} s (last: {last!r})")
+
+
+def job_record(mesh: Mesh, on: str, job_id: str) -> dict:
+    jobs = json.loads(mesh.meshrun(on, "jobs", "--json").stdout)
+    return next((j for j in jobs if j["job_id"] == job_id), {})
+
+
+def logs(mesh: Mesh, on: str, job_id: str) -> str:
+    res = mesh.meshrun(on, "logs", job_id, check=False, timeout=60)
+    return res.stdout + res.stderr
+
+
+def pairs(mesh: Mesh, on: str) -> dict[frozenset, dict]:
+    return {frozenset((p["a"], p["b"])): p for p in mesh.status(on)["pairs"]}
+
+
+def digests(text: str, sync: int) -> dict[str, str]:
+    return dict(re.findall(rf"\[(dc\d-a) r\d\] param_checksum rank=\d+ sync={sync} digest=(\w+)", text))
+
+
+def outer_steps(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\] outer_step (\d+) ", text)]
+
+
+def join_through(mesh: Mesh, coordinator: str, node: str) -> None:
+    """A new node joins with a token made on `coordinator` (it names every coordinator, that one first)."""
+    token = mesh.meshrun(coordinator, "token", "create", "--ttl", "10m").stdout.strip().splitlines()[-1]
+    mesh.join(node, token=token)
+    wait(
+        f"{node} in {coordinator}'s member list",
+        lambda: node in {p["name"] for p in mesh.status(coordinator)["peers"]},
+        30,
+    )
+
+
+def test_three_coordinators_replicate_the_state_and_a_lost_node_leaves_the_job_finishing_on_the_rest(ha):
+    mesh = ha
+    rows = coordinators(mesh, B)
+    assert set(rows) == {A_NAME, B, C} and all(r["etcd"] == "ok" for r in rows.values()), rows
+    assert sum(r["role"] == "leader" for r in rows.values()) == 1, rows
+    # The symmetric-NAT nodes cannot reach each other: their pairs are relayed, by a live member.
+    relayed = wait(
+        "dc4-a <-> dc5-a relayed",
+        lambda: (p := pairs(mesh, B).get(frozenset(("dc4-a", "dc5-a")))) and p["path"] == "relayed" and p,
+        90,
+    )
+    job = TrainJob(mesh, *elastic("ha-node", "dc4-a,dc5-a,dc6-a"))
+    try:
+        job.wait_for(r"\] outer_step 3 ", 240)
+        mesh.world.lose("dc5-a")
+        code = job.finish(420)
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    text = job.text
+    assert code == 0, text[-4000:]
+    assert re.search(r"meshrun: job ha-node finished on 2 node\(s\) \(lost dc5-a mid-job", text), text[-3000:]
+    d = digests(text, 15)
+    assert set(d) == {"dc4-a", "dc6-a"} and len(set(d.values())) == 1, d
+    # B kept its own copy of the job, which A ran: the whole output, A's own lines included.
+    on_b = wait(
+        "the job's end in B's logs", lambda: "finished on 2 node(s)" in (t := logs(mesh, B, "ha-node")) and t, 30
+    )
+    assert sorted(set(outer_steps(on_b))) == list(range(1, 16)), on_b[-3000:]
+    assert digests(on_b, 15) == d
+    assert "ha-node on 3 node(s)" in on_b  # A's launch line, through etcd
+    assert job_record(mesh, B, "ha-node")["state"] == "succeeded"
+    # A new node joins through B; the relayed pair that is left keeps a live relay.
+    join_through(mesh, B, "dc7-a")
+    assert relayed["relay"]
+    after = wait(
+        "dc4-a <-> dc6-a relayed",
+        lambda: (p := pairs(mesh, B).get(frozenset(("dc4-a", "dc6-a")))) and p["path"] == "relayed" and p,
+        60,
+    )
+    assert after["relay"] in {A_NAME, B, C, "dc7-a"}, after
+
+
+# Try TCP connections from inside a namespace; print {target: "open" | "refused" | "silent"} as JSON.
+TRY = r"""
+import json, socket, sys
+out = {}
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        out[target] = "open"
+    except ConnectionRefusedError:
+        out[target] = "refused"
+    except OSError:
+        out[target] = "silent"
+print(json.dumps(out))
+"""
+ETCD_PORTS = (2379, 2380)
+
+
+def try_connect(mesh: Mesh, where: str | None, targets: list[str]) -> dict[str, str]:
+    """`TRY` run in node `where`, or in the internet namespace (None)."""
+    from meshrun.lab.testbed import sh
+
+    if where is None:
+        out = sh(["ip", "netns", "exec", mesh.world.inet, mesh.python, "-c", TRY, *targets], timeout=120).stdout
+    else:
+        out = mesh.world.node(where).run(mesh.python, "-c", TRY, *targets, timeout=120).stdout
+    return json.loads(out)
+
+
+def test_etcd_answers_the_coordinators_only_never_a_member_nor_the_internet(ha):
+    """The attacker's side: etcd's client and peer ports on every coordinator, tried from the internet at the
+    coordinators' public addresses, and from a member (a node, inside WireGuard) at their overlay addresses;
+    the negative control is another coordinator, which gets through. Its listeners are bound to the overlay."""
+    mesh = ha
+    coords = [A, B, C]
+    overlay = {n: mesh.overlay_ip(n) for n in coords}
+    for n in coords:
+        bound = mesh.world.node(n).run("ss", "-tlnpH").stdout
+        etcd_lines = [line for line in bound.splitlines() if '"etcd"' in line]
+        assert etcd_lines and all(f"{overlay[n]}:" in line.split()[3] for line in etcd_lines), bound
+    internet = try_connect(mesh, None, [f"{mesh.world.node(n).public_ip}:{p}" for n in coords for p in ETCD_PORTS])
+    assert set(internet.values()) <= {"refused", "silent"}, internet
+    member = try_connect(mesh, "dc4-a", [f"{overlay[n]}:{p}" for n in coords for p in ETCD_PORTS])
+    assert set(member.values()) == {"silent"}, member  # the guard drops a member's SYN: not even a refusal
+    peer = try_connect(mesh, C, [f"{overlay[n]}:{p}" for n in (A, B) for p in ETCD_PORTS])
+    assert set(peer.values()) == {"open"}, peer  # negative control: a coordinator reaches them
+    # ... and a coordinator's overlay API is still open to members (its sync), the guard is etcd's alone.
+    assert try_connect(mesh, "dc4-a", [f"{overlay[B]}:51821"]) == {f"{overlay[B]}:51821": "open"}
+
+
+def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishes_from_another(ha):
+    mesh = ha
+    state_b = StateDir(mesh.state_dir(mesh.world.node(B)))
+    job = TrainJob(mesh, *elastic("ha-coord", "dc4-a,dc6-a"))
+    before = wait(
+        "the pair dc4-a <-> dc6-a relayed",
+        lambda: (p := pairs(mesh, B).get(frozenset(("dc4-a", "dc6-a")))) and p["path"] == "relayed" and p,
+        60,
+    )
+    job.wait_for(r"\] outer_step 4 ", 240)
+    steps_before = max(outer_steps(job.text))
+    lost_at = time.time()
+    mesh.world.lose(A)  # the machine the job was submitted on, with its `meshrun train`
+    job.finish(30)
+
+    def progress() -> float | None:
+        """When B first saw an outer step after the loss beyond the last one before it (mirror timestamps)."""
+        out = []
+        for path in (state_b.path / "jobs" / "ha-coord" / "logs").glob("dc*.log"):
+            for line in path.read_text(errors="replace").splitlines():
+                m = re.match(r"^(\d+) .*\] outer_step (\d+) ", line)
+                if m and int(m.group(2)) > steps_before and int(m.group(1)) / 1000 > lost_at:
+                    out.append(int(m.group(1)) / 1000 - lost_at)
+        return min(out) if out else None
+
+    recovered = wait("progress after the loss", progress, 180)
+    print(f"progress again {recovered:.1f} s after the loss of {A}")
+    rec = wait("the job's end, seen on B", lambda: (r := job_record(mesh, B, "ha-coord")).get("state") in (
+        "succeeded", "failed") and r, 420, every=3)  # fmt: skip
+    text = logs(mesh, B, "ha-coord")
+    assert rec["state"] == "succeeded", text[-4000:]
+    assert re.search(r"coordinator dc[23]-a took the job over", text), text[-3000:]
+    assert sorted(set(outer_steps(text))) == list(range(1, 16)), text[-3000:]
+    d = digests(text, 15)
+    assert set(d) == {"dc4-a", "dc6-a"} and len(set(d.values())) == 1, d
+    # B and C carry on: one leads, A is unreachable, a majority of etcd answers.
+    rows = wait(
+        "a new leader",
+        lambda: (r := coordinators(mesh, B)) and any(x["role"] == "leader" for x in r.values()) and r,
+        30,
+    )
+    assert rows[A_NAME]["etcd"] == "unreachable" and rows[B]["etcd"] == rows[C]["etcd"] == "ok", rows
+    # The relayed pair has a live relay again (not A), and a new node joins through B.
+    after = wait(
+        "dc4-a <-> dc6-a relayed by a live member",
+        lambda: (p := pairs(mesh, B).get(frozenset(("dc4-a", "dc6-a")))) and p["relay"] != A_NAME and p,
+        60,
+    )
+    assert after["path"] == "relayed", (before, after)
+    join_through(mesh, B, "dc8-a")
+    assert mesh.wait_ping("dc8-a", mesh.overlay_ip("dc4-a"), timeout=60) < 60
+
+
+def test_back_to_one_coordinator_with_every_member_kept(ha):
+    """After the loss: the lost coordinator taken out (it no longer answers: it leaves the network), then C (a
+    node again); B is the one coordinator left, its state back in SQLite, and no member was lost."""
+    mesh = ha
+    before = {p["name"] for p in mesh.status(B)["peers"]}
+    out = mesh.meshrun(B, "coordinator", "remove", A_NAME, timeout=120).stdout
+    assert "did not answer: removed from the network" in out, out
+    out = mesh.meshrun(B, "coordinator", "remove", C, timeout=180).stdout
+    assert f"{C} is a node again" in out and "back in SQLite" in out, out
+    rows = json.loads(mesh.meshrun(B, "coordinator", "list", "--json").stdout)
+    assert [(r["name"], r["role"]) for r in rows] == [(B, "only (state in SQLite)")], rows
+    state_b = StateDir(mesh.state_dir(mesh.world.node(B)))
+    assert (state_b / "coordinator.db").exists() and not (state_b / "etcd").exists()
+    wait(f"{C}'s agent", lambda: mesh.status(C)["role"] == "node" and mesh.status(C)["daemon_pid"], 60)
+    wait(
+        "B's peers: every member but the lost one",
+        lambda: {p["name"] for p in mesh.status(B)["peers"]} == before - {A_NAME},
+        30,
+    )
+    for n in ("dc4-a", "dc7-a", "dc8-a", C):  # every member still reaches B over the overlay
+        assert mesh.wait_ping(n, mesh.overlay_ip(B), timeout=60) < 60
+    # A new token (made now) names B alone, and a node joins with it.
+    token = mesh.meshrun(B, "token", "create").stdout.strip().splitlines()[-1]
+    from meshrun.core.token import parse_token
+
+    assert parse_token(token).others == ()
