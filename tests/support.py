@@ -71,6 +71,23 @@ def joined_mesh(
         world.down()
 
 
+# examples/diloco_charlm.py at its smallest, for the jobs end-to-end tests run (a few seconds of CPU a node).
+CHARLM_SMALL = (
+    "--compression",
+    "fp4",
+    "--hidden",
+    "32",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--val-batches",
+    "2",
+    "--threads",
+    "1",
+)
+
+
 class TrainJob:
     """`meshrun train ARGS` on a mesh's node (the coordinator by default), in examples/, its output collected
     line by line; a project of its own (DiLoCo resumes from the snapshots an earlier job of the project left)."""

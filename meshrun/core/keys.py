@@ -84,6 +84,21 @@ def is_public_key(value: object) -> bool:
     return True
 
 
+def _self_signed(key: ec.EllipticCurvePrivateKey, name: x509.Name, days: int) -> x509.CertificateBuilder:
+    """A certificate builder for `key`, issued by itself, valid from five minutes ago (a clock a little
+    behind) for `days` days."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+    )
+
+
 def generate_tls_identity(common_name: str, days: int = 3650) -> tuple[bytes, bytes]:
     """Return (certificate PEM, private key PEM) for a self-signed ECDSA P-256 certificate.
 
@@ -92,17 +107,7 @@ def generate_tls_identity(common_name: str, days: int = 3650) -> tuple[bytes, by
     """
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .sign(key, hashes.SHA256())
-    )
+    cert = _self_signed(key, name, days).sign(key, hashes.SHA256())
     key_pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
@@ -144,16 +149,9 @@ def new_ca(common_name: str, days: int = 3650) -> tuple[str, str]:
     """
     key = ec.generate_private_key(ec.SECP256R1())
     name = _cn(common_name)
-    now = datetime.datetime.now(datetime.timezone.utc)
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _SKEW)
-        .not_valid_after(now + datetime.timedelta(days=days))
+        _self_signed(key, name, days)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(

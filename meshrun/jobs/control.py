@@ -82,6 +82,8 @@ class JobControl:
         self.state = state
         self.network = network
         self.rec = state.read_json("member.json")
+        self.client = None  # the etcd client of the replicated jobs' watch (several coordinators)
+        self.settled: set[str] = set()  # replicated jobs known to have ended
         self.server = transport.AdminServer(str(state / ADMIN_SOCKET), self.handle)
         self.server.start("admin")
         self.stop = threading.Event()
@@ -94,6 +96,8 @@ class JobControl:
     def close(self) -> None:
         self.stop.set()
         self.server.close()
+        if self.client is not None:
+            self.client.close()
         # Running jobs are left alone: they belong to their supervisors.
 
     def handle(self, req: transport.Request) -> transport.Response:
@@ -126,29 +130,35 @@ class JobControl:
     def _stand_by(self) -> None:
         """A standby supervisor here for every live replicated job that has none (jobs submitted elsewhere,
         or while this coordinator was down)."""
-        client = ha.client_for(self.state)
-        try:
-            for job_id in etcdjobs.job_ids(client):
-                d = joblogs.job_dir(self.state, job_id)
-                if (d / "job.json").exists() and (record(self.state, job_id).final or _lock(self.state, job_id).held()):
-                    continue
-                replica = JobReplica(client, job_id, str(self.rec["name"]))
-                rec = replica.record()
-                spec = replica.spec()
-                if rec is None or spec is None or rec.final:
-                    continue
-                d.create()
-                d.write_json("spec.json", spec)
-                d.write_json("job.json", rec.to_dict())
-                pid = procs.spawn_daemon(
-                    [sys.executable, "-m", "meshrun.jobs.supervisor", str(self.state.path), job_id, "--standby"],
-                    d / "supervisor.out",
-                    timeout=60,
-                    what=f"job {job_id}'s standby supervisor",
-                )
-                log.info("job %s: standby supervisor started (pid %d)", job_id, pid)
-        finally:
-            client.close()
+        if self.client is None:
+            self.client = ha.client_for(self.state)
+        client = self.client
+        for job_id in etcdjobs.job_ids(client):
+            if job_id in self.settled:
+                continue
+            d = joblogs.job_dir(self.state, job_id)
+            if _lock(self.state, job_id).held():  # a supervisor runs for it here
+                continue
+            if (d / "job.json").exists() and JobRecord.from_dict(d.read_json("job.json")).final:
+                self.settled.add(job_id)
+                continue
+            replica = JobReplica(client, job_id, str(self.rec["name"]))
+            rec = replica.record()
+            spec = replica.spec()
+            if rec is not None and rec.final:
+                self.settled.add(job_id)
+            if rec is None or spec is None or rec.final:
+                continue
+            d.create()
+            d.write_json("spec.json", spec)
+            d.write_json("job.json", rec.to_dict())
+            pid = procs.spawn_daemon(
+                [sys.executable, "-m", "meshrun.jobs.supervisor", str(self.state.path), job_id, "--standby"],
+                d / "supervisor.out",
+                timeout=60,
+                what=f"job {job_id}'s standby supervisor",
+            )
+            log.info("job %s: standby supervisor started (pid %d)", job_id, pid)
 
 
 def start_job_control(state: StateDir, network: Network, rec: dict) -> JobControl:

@@ -157,6 +157,7 @@ class Supervisor:
             if self.replica is not None:
                 if self.replica.owning and self.record.final:
                     _quietly(etcdjobs.forget_rendezvous, self.replica.client, self.job_id)
+                    _quietly(self.replica.drop_code)
                 self.replica.release()
 
     def _run(self) -> None:
@@ -460,9 +461,11 @@ class Supervisor:
                 self.leaving.wait(1.0)
                 continue
             if record is not None:
-                self.record = record
-                self.dir.write_json("job.json", record.to_dict())
-                self._follow_nodes(record.nodes)
+                if record != self.record:
+                    self.record = record
+                    self.dir.write_json("job.json", record.to_dict())
+                if record.state is not JobState.STARTING:  # its nodes are known once it runs
+                    self._follow_nodes(record.nodes)
                 if record.final:
                     for t in self.followers:
                         t.join(OUTPUT_DRAIN_S)
@@ -477,7 +480,13 @@ class Supervisor:
         if self.outcome is None:
             lo, _ = self.spec.bounds(len(nodes))
             self.outcome = Outcome(self.spec.elastic, lo if self.spec.nnodes else len(nodes))
-        by_name = {s.name: s for s in self.candidates()}
+        if all(name in self.shares for name in nodes):
+            return
+        try:
+            by_name = {s.name: s for s in self.candidates()}
+        except MeshrunError as exc:  # a job this coordinator cannot drive (its own record says why it ended)
+            log.warning("job %s: cannot follow its shares: %s", self.job_id, exc)
+            return
         for name in nodes:
             if name in self.shares or name not in by_name:
                 continue

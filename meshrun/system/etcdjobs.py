@@ -30,6 +30,7 @@ from meshrun.system.etcdstate import PREFIX
 log = logging.getLogger("meshrun.system.etcdjobs")
 
 JOBS = PREFIX + b"jobs/"
+INDEX = PREFIX + b"joblist/"  # one small key per job: listing the jobs never reads their code
 OWNER_TTL_S = 5
 CODE_SLICE = 512 * 1024  # etcd takes requests up to 1.5 MiB (base64 in JSON makes 4/3 of it)
 CODE_LIMIT = 32 * 1024 * 1024  # larger code is not replicated: a job that took over cannot ship it to a new node
@@ -37,9 +38,9 @@ MAX_EVENTS = 10_000
 
 
 def job_ids(client) -> list[str]:
-    """Every job the store knows (its spec), oldest first by id."""
-    kvs, _ = client.get_prefix(JOBS)
-    return sorted({kv.key[len(JOBS) :].split(b"/", 1)[0].decode() for kv in kvs if kv.key.endswith(b"/spec")})
+    """Every job the store knows, by id."""
+    kvs, _ = client.get_prefix(INDEX)
+    return sorted(kv.key[len(INDEX) :].decode() for kv in kvs)
 
 
 def job_allowed(client, job_id: str) -> list[str] | None:
@@ -74,7 +75,11 @@ class JobReplica:
         """The job's spec and first record; UsageError when another coordinator has a job of this id."""
         res = self.client.txn(
             [Compare(self._k("spec"), "CREATE", "EQUAL", 0)],
-            [Put(self._k("spec"), json.dumps(spec).encode()), Put(self._k("record"), _dump(record))],
+            [
+                Put(self._k("spec"), json.dumps(spec).encode()),
+                Put(self._k("record"), _dump(record)),
+                Put(INDEX + self.job_id.encode(), b"1"),
+            ],
         )
         if not res.succeeded:
             raise UsageError(f"job {self.job_id!r} exists already", "pick another --job-id")
@@ -174,6 +179,10 @@ class JobReplica:
         for i in range(0, len(ops), 2):  # two slices a request at most
             self.client.txn([], ops[i : i + 2])
         return True
+
+    def drop_code(self) -> None:
+        """The job ended: its code is not shipped again (the record and the owner's lines stay)."""
+        self.client.delete(self._k("code/"), prefix=True)
 
     def code(self) -> bytes | None:
         kvs, _ = self.client.get_prefix(self._k("code/"))

@@ -6,7 +6,7 @@ import re
 import time
 
 import pytest
-from support import REPO_ROOT, TrainJob, joined_mesh
+from support import CHARLM_SMALL, REPO_ROOT, TrainJob, joined_mesh
 
 EXAMPLES = REPO_ROOT / "examples"
 FINAL = re.compile(
@@ -45,18 +45,9 @@ def test_diloco_charlm_trains_across_two_datacenters(fresh_mesh):
         "20",
         "--sync-every",
         "10",
-        "--compression",
+        *CHARLM_SMALL,
+        "--compression",  # the last one given wins: fp16 (two syncs of exactly 2 bytes a parameter)
         "fp16",
-        "--hidden",
-        "32",
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "32",
-        "--val-batches",
-        "2",
-        "--threads",
-        "1",
         cwd=EXAMPLES,
         check=False,
         timeout=90,
@@ -92,18 +83,7 @@ ELASTIC = (
     "300",
     "--sync-every",
     "20",
-    "--compression",
-    "fp4",
-    "--hidden",
-    "32",
-    "--batch-size",
-    "8",
-    "--seq-len",
-    "32",
-    "--val-batches",
-    "2",
-    "--threads",
-    "1",
+    *CHARLM_SMALL,
 )
 
 

@@ -16,7 +16,7 @@ import re
 import time
 
 import pytest
-from support import TrainJob
+from support import CHARLM_SMALL, TrainJob
 
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 from meshrun.system.statedir import StateDir
@@ -48,18 +48,7 @@ def elastic(job_id: str, nodes: str) -> tuple[str, ...]:
         "20",
         "--step-time",
         "0.1",
-        "--compression",
-        "fp4",
-        "--hidden",
-        "32",
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "32",
-        "--val-batches",
-        "2",
-        "--threads",
-        "1",
+        *CHARLM_SMALL,
     )
 
 
