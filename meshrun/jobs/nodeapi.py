@@ -76,16 +76,17 @@ class Coordinators:
 
     def __init__(self, state: StateDir, network: Network) -> None:
         self.state, self.network = state, network
-        self.stamp: float | None = None
+        self.stamp: tuple[int, int] | None = None
         self.keys: dict[str, str] = {network.coordinator_ip: network.coordinator_public_key}  # IP -> public key
         self.verifiers: dict[str, auth.Verifier] = {}  # public key -> its verifier (it remembers nonces)
         self.lock = threading.Lock()
 
     def _refresh(self) -> None:
         try:
-            stamp = (self.state / "peers.json").stat().st_mtime
+            st = (self.state / "peers.json").stat()
         except OSError:
             return
+        stamp = (st.st_ino, st.st_mtime_ns)  # written atomically (a new file each time): a new inode
         if stamp == self.stamp:
             return
         self.stamp = stamp

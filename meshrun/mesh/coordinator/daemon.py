@@ -63,6 +63,7 @@ PUBLISH_GAP = 0.25
 # often: rendering a thousand peers costs 25 ms, once per join in a join storm.
 QUICK_FILE_GAP = 2.0
 ALLOWED_TTL_S = 1.0  # a job's rendezvous members, as read from etcd, are trusted this long
+ETCD_CHECK_S = 10.0  # the etcd member's process is looked for this often (several coordinators)
 
 
 class CoordinatorService:
@@ -76,23 +77,33 @@ class CoordinatorService:
         db=None,
         forward_with=None,
         guard_etcd=ha.guard_etcd,
+        etcd_member: bool = True,
     ) -> None:
-        """`db`, `forward_with` (leader's IP, batch -> answer) and `guard_etcd` (name, network, IPs) are for tests:
-        a replicated state on a fake etcd, the leader's handler in-process, no nftables."""
+        """`db`, `forward_with` (leader's IP, batch -> answer), `guard_etcd` (name, network, IPs) and `etcd_member`
+        False are for tests: a replicated state on a fake etcd, the leader's handler in-process, no nftables, no
+        etcd process of its own to keep running."""
+        self.etcd_member = etcd_member
         self.guard_etcd = guard_etcd
         self.state = state
         self.member = state.read_json("member.json")
         self.ha = ha.replicated(self.member)
+        self.device: Device | None = device
         if db is None:
-            if self.ha:  # its etcd member runs before the state is read (after a reboot it is started here)
-                ha.ensure_member(state, self.member, _network_of(self.member), ha.control_ips(self.member))
+            if self.ha:
+                # Its etcd member runs before the state is read (after a reboot it is started here), on the
+                # overlay address: the interface comes first (the network as member.json describes it).
+                net = _network_of(self.member)
+                self.device = self.device or iface.device_for(state, net, self.member)
+                self.member = _interface_up(self.device, state, net, str(self.member["overlay_ip"]), self.member)
+                ha.ensure_member(state, self.member, net, ha.control_ips(self.member))
             db, _ = open_db(state, follow=self.ha)
         self.db = db
         self.network = _network_from_db(db)
         self.name = str(self.member.get("name") or "coordinator")
         self.ip = str(self.member.get("overlay_ip") or self.network.coordinator_ip)
         self.public_key = str(self.member.get("public_key") or self.network.coordinator_public_key)
-        self.device = device or iface.device_for(state, self.network, self.member)
+        if self.device is None:
+            self.device = iface.device_for(state, self.network, self.member)
         self.stop_event = threading.Event()
         self.apply_lock = threading.Lock()
         self.pairs = PairDriver(self.db, state, me=self.name if self.ha else None)
@@ -102,6 +113,8 @@ class CoordinatorService:
         self.restart_as: str | None = None  # the daemon comes back in this role (another coordinator demoted it)
         self.role_changed = False  # run() returned after member.json got another role (meshrun.mesh.run)
         self.registry: tuple = ()  # the coordinators as last applied (guard, etcd endpoints)
+        self.etcd_checked = time.monotonic()  # when the etcd member was last looked for (_keep_etcd)
+        self.etcd_restart: threading.Thread | None = None
         self.forward_with = forward_with
         self.reports = Reports(
             self.pairs, lambda: self.leading, self._leader_ip, self._send_forward if self.ha else None
@@ -202,11 +215,7 @@ class CoordinatorService:
         log.info("coordinator stopped (the interface stays up; `meshrun down` removes it)")
 
     def _ensure_interface(self) -> None:
-        if self.device.exists():
-            return
-        log.info("interface %s is missing (reboot?); recreating it from state", self.network.interface)
-        backend = iface.bring_up(self.device, self.state, self.network, self.ip)
-        self.state.write_json("member.json", dict(self.member, backend=backend, wg_pid=self.device.pid))
+        self.member = _interface_up(self.device, self.state, self.network, self.ip, self.member)
 
     def _loop(self) -> None:
         """The one thread that ticks: once a second, or at once when a join asks for it. An error in
@@ -249,6 +258,8 @@ class CoordinatorService:
 
         `now` (unix seconds) is the clock the pair paths are advanced with (tests move it on)."""
         if self.ha:
+            if self.etcd_member:
+                self._keep_etcd()
             self._lead()
             self._follow_registry()
         try:
@@ -378,6 +389,27 @@ class CoordinatorService:
         self.stop_event.set()
         self.wake.set()
 
+    def _keep_etcd(self) -> None:
+        """This coordinator's etcd member runs: checked every ETCD_CHECK_S, started again (from its data, in a
+        thread: it may wait for the others) when it died."""
+        if time.monotonic() - self.etcd_checked < ETCD_CHECK_S:
+            return
+        self.etcd_checked = time.monotonic()
+        if ha.etcd_pid(self.state) is not None or (self.etcd_restart is not None and self.etcd_restart.is_alive()):
+            return
+        log.warning("this coordinator's etcd member is not running: starting it again")
+
+        def restart() -> None:
+            try:
+                ha.ensure_member(
+                    self.state, self.member, self.network, sorted({c[1] for c in self.registry} | {self.ip})
+                )
+            except MeshrunError as exc:
+                log.warning("could not start the etcd member: %s", exc)
+
+        self.etcd_restart = threading.Thread(target=restart, name="etcd-restart", daemon=True)
+        self.etcd_restart.start()
+
     def _follow_registry(self) -> None:
         """The coordinators as the store lists them: this etcd member's guard admits exactly their overlay
         addresses, and the etcd client knows every member's URL (it fails over between them)."""
@@ -436,6 +468,17 @@ class CoordinatorService:
         takes the interface down. Other nodes drop a removed member at once."""
         members = self.db.members() if members is None else members
         return peers.desired_for_coordinator(members + self.db.recently_removed(REMOVED_GRACE_S), self.public_key)
+
+
+def _interface_up(device: Device, state: StateDir, network: Network, ip: str, rec: dict) -> dict:
+    """The interface, recreated from state if it is missing (a reboot, `meshrun down`); the member record."""
+    if device.exists():
+        return rec
+    log.info("interface %s is missing (reboot?); recreating it from state", network.interface)
+    backend = iface.bring_up(device, state, network, ip)
+    rec = dict(rec, backend=backend, wg_pid=device.pid)
+    state.write_json("member.json", rec)
+    return rec
 
 
 def _network_of(rec: dict) -> Network:

@@ -67,7 +67,7 @@ def two(tmp_path):
     def service(state, device):
         svc = CoordinatorService(
             state, device=device, db=EtcdCoordinatorDB(store, follow=True), forward_with=forward,
-            guard_etcd=lambda *a: None,
+            guard_etcd=lambda *a: None, etcd_member=False,
         )  # fmt: skip
         svc.overlay.max_wait = 0.0
         return svc

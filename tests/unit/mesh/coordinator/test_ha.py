@@ -1,0 +1,82 @@
+"""meshrun.mesh.coordinator.ha's pure parts: which addresses a coordinator's etcd guard admits at start, which
+etcd member its client tries first, and the refusals that come before anything is changed."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrun.errors import UsageError
+from meshrun.mesh.coordinator import ha
+from meshrun.system.statedir import StateDir
+
+
+def rec(**over) -> dict:
+    base = {
+        "role": "coordinator",
+        "name": "b",
+        "overlay_ip": "10.213.0.9",
+        "control": {"kind": "etcd", "endpoints": ["https://10.213.0.1:2379", "https://10.213.0.9:2379"]},
+    }
+    return {**base, **over}
+
+
+def test_a_coordinator_is_replicated_only_with_etcd_named_in_its_record():
+    assert ha.replicated(rec()) and not ha.replicated(rec(control=None)) and not ha.replicated({})
+
+
+def test_the_guard_at_start_admits_every_coordinator_named_and_this_one():
+    assert ha.control_ips(rec()) == ["10.213.0.1", "10.213.0.9"]
+    assert ha.control_ips(rec(control={"kind": "etcd", "endpoints": []})) == ["10.213.0.9"]
+
+
+def test_the_client_tries_this_coordinators_own_member_first(tmp_path):
+    state = StateDir(tmp_path)
+    state.create()
+    state.write_json("member.json", rec())
+    from meshrun.core import keys
+
+    ca_cert, ca_key = keys.new_ca("t")
+    key_pem, csr = keys.new_csr("b", "10.213.0.9")
+    d = StateDir(tmp_path / "etcd")
+    d.create()
+    d.write("ca.crt", ca_cert)
+    d.write("etcd.crt", keys.sign_csr(ca_cert, ca_key, csr))
+    d.write("etcd.key", key_pem, secret=True)
+    client = ha.client_for(state)
+    try:
+        assert client.endpoints[0] == "https://10.213.0.9:2379"  # its own: gone only with this machine
+    finally:
+        client.close()
+    ha.save_endpoints(state, ["https://10.213.0.9:2379", "https://10.213.0.5:2379", "https://10.213.0.9:2379"])
+    assert state.read_json("member.json")["control"]["endpoints"] == [
+        "https://10.213.0.5:2379",
+        "https://10.213.0.9:2379",
+    ]
+
+
+@pytest.mark.parametrize("endpoint", ["[2001:db8::1]:51820", "not a host!", "198.51.100.7:99999"])
+def test_a_bad_endpoint_is_refused_naming_it(endpoint):
+    from meshrun.core.model import Network
+
+    net = Network(
+        "t", "10.213.0.0/16", "meshrun0", 51820, 1420, "10.213.0.1", "A" * 43 + "=", ("192.0.2.1:51820",), "0" * 64
+    )
+    with pytest.raises(UsageError, match="--endpoint"):
+        ha.check_endpoint(endpoint, net)
+    assert ha.check_endpoint("198.51.100.7", net) == "198.51.100.7:51820"
+
+
+def test_remove_refuses_this_coordinator_and_a_lone_one(tmp_path):
+    state = StateDir(tmp_path)
+    state.create()
+    from meshrun.core.model import Network
+
+    net = Network(
+        "t", "10.213.0.0/16", "meshrun0", 51820, 1420, "10.213.0.1", "A" * 43 + "=", ("192.0.2.1:51820",), "0" * 64
+    )
+    state.write_json("member.json", rec(network=net.to_dict()))
+    with pytest.raises(UsageError, match="b is this coordinator"):
+        ha.remove(state, "b")
+    state.write_json("member.json", rec(network=net.to_dict(), control=None))
+    with pytest.raises(UsageError, match="this network has one coordinator"):
+        ha.remove(state, "c")
