@@ -24,7 +24,7 @@ FAST_WG_GO=0.0.20230223
 
 if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null && [ "${1:-}" != "" ]; then
   echo "dev.sh: not root: running again through sudo" >&2
-  exec sudo --preserve-env=PYTHON,MESHRUN_TORCH,CI "$0" "$@"
+  exec sudo --preserve-env=PYTHON,MESHRUN_TORCH,MESHRUN_TEST_WORKERS,CI "$0" "$@"
 fi
 
 apt_install() {  # apt_install [-t SUITE] PKG...
@@ -99,7 +99,9 @@ case "${1:-}" in
         # Lint and format first (ruff, configured in pyproject.toml): seconds, and a red CI says why at once.
         .venv/bin/ruff check .
         .venv/bin/ruff format --check .
-        exec .venv/bin/python -m pytest -q -ra tests "$@" ;;
+        # Two test processes (pytest-xdist), a test file each at a time: the end-to-end tests mostly wait on
+        # namespaces, jobs and timers, so two of them fit 2 cores. MESHRUN_TEST_WORKERS=0 runs them one by one.
+        exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-2}" --dist loadfile tests "$@" ;;
   gpu-check) install_system; install_python; exec .venv/bin/python -m meshrun.lab.gpucheck ;;
   *) echo "usage: ./dev.sh demo|test|install|gpu-check" >&2; exit 2 ;;
 esac

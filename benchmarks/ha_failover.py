@@ -129,11 +129,11 @@ def wait_record(mesh: Mesh, on: str, job: str, timeout: float = 600) -> dict:
     raise SystemExit(f"job {job} did not end within {timeout:.0f} s")
 
 
-def one_round(r: int, seconds: float) -> dict:
+def one_round(r: int, seconds: float, steps: int, name: str) -> dict:
     specs = [DatacenterSpec(f"dc{i}") for i in (1, 2, 3)] + [
         DatacenterSpec(f"dc{i}", nat="symmetric") for i in (4, 5, 6)
     ]
-    job = f"ha{r}"
+    job = f"{name.replace('_', '-')}-{r}"
     with World(specs, prefix=prefix("ha")) as world:
         world.up()
         mesh = Mesh(world, "dc1-a")
@@ -146,7 +146,7 @@ def one_round(r: int, seconds: float) -> dict:
         time.sleep(10)  # the promotions settle (daemons restarted, agents resynced)
         idle = window(mesh, seconds)
         args = ["--job-id", job, "--nnodes", "1:3", "--nodes", ",".join(NODES), "--max-restarts", "5"]
-        args += ["--timeout", "120", "--detach", "diloco_charlm.py", "--mode", "diloco", "--steps", "900"]
+        args += ["--timeout", "120", "--detach", "diloco_charlm.py", "--mode", "diloco", "--steps", str(steps)]
         args += ["--sync-every", "20", "--step-time", "0.1", "--compression", "fp4", "--hidden", "32"]
         args += ["--batch-size", "8", "--seq-len", "32", "--val-batches", "2", "--threads", "1"]
         mesh.meshrun("dc1-a", "train", "--project", job, *args, cwd=ROOT / "examples", timeout=300)
@@ -170,7 +170,7 @@ def one_round(r: int, seconds: float) -> dict:
         print(f"round {r}: progress {node_s:.1f} s after a node's loss", flush=True)
         rec = wait_record(mesh, "dc2-a", job)
         logs = mesh.meshrun("dc2-a", "logs", job, check=False, timeout=60).stdout
-        digests = set(re.findall(r"param_checksum rank=\d+ sync=45 digest=(\w+)", logs))
+        digests = set(re.findall(rf"param_checksum rank=\d+ sync={steps // 20} digest=(\w+)", logs))
         took_over = re.search(r"coordinator (dc[23]-a) took the job over", logs)
     return {
         "coordinator_loss_s": coordinator_s,
@@ -188,11 +188,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=float, default=60.0, help="seconds of the idle window (half while the job runs)")
+    ap.add_argument("--steps", type=int, default=900, help="the job's steps (0.1 s each; an outer step every 20)")
     ap.add_argument("--name", default="ha_failover")
     a = ap.parse_args()
     need_root()
     t0 = time.monotonic()
-    rounds = [one_round(r, a.window) for r in range(1, a.rounds + 1)]
+    rounds = [one_round(r, a.window, a.steps, a.name) for r in range(1, a.rounds + 1)]
     for r in rounds:
         if r["job"] != "succeeded" or not r["one_model"]:
             raise SystemExit(f"a round's job did not end on one model: {r}")

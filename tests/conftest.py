@@ -83,7 +83,17 @@ def fresh_mesh(world_factory) -> Callable:
 
 
 def _venv_without_torch(py: str, where: Path) -> Path:
-    """A venv of interpreter `py` at `where` with meshrun and its dependencies but torch."""
+    """A venv of interpreter `py` at `where` with meshrun and its dependencies but torch (made once: test
+    processes running side by side (pytest-xdist) take turns through a lock file beside it)."""
+    import fcntl
+
+    where.parent.mkdir(parents=True, exist_ok=True)
+    with open(where.parent / f".{where.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _make_venv(py, where)
+
+
+def _make_venv(py: str, where: Path) -> Path:
     vpy = where / "bin" / "python"
     if not vpy.exists():
         subprocess.run([py, "-m", "venv", str(where)], check=True, timeout=120)

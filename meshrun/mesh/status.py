@@ -70,10 +70,18 @@ def coordinators(state: StateDir) -> list[dict]:
             leader = leader_name(kv.value if kv is not None else None)
         except MeshrunError:  # no majority: what this coordinator last knew of the others
             coords, leader = [], None
-        if not coords:
+        if not coords:  # named by their overlay addresses (member.json keeps their etcd URLs, not their names)
+            from urllib.parse import urlsplit
+
             urls = (rec.get("control") or {}).get("endpoints") or []
             return [
-                {"name": "?", "overlay_ip": "?", "endpoint": "?", "etcd": _etcd_health(client, u), "role": "?"}
+                {
+                    "name": urlsplit(u).hostname or u,
+                    "overlay_ip": urlsplit(u).hostname or "?",
+                    "endpoint": "?",
+                    "etcd": _etcd_health(client, u),
+                    "role": "?",
+                }
                 for u in urls
             ]
         return [

@@ -19,6 +19,7 @@ import pytest
 from support import CHARLM_SMALL, TrainJob
 
 from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.system import procs
 from meshrun.system.statedir import StateDir
 
 A, B, C = "dc1-a", "dc2-a", "dc3-a"
@@ -272,6 +273,22 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
     assert after["path"] == "relayed", (before, after)
     join_through(mesh, B, "dc8-a")
     assert mesh.wait_ping("dc8-a", mesh.overlay_ip("dc4-a"), timeout=60) < 60
+    # B's doctor names the lost coordinator and the way out; then C's etcd member dies too (by the PID its
+    # coordinator recorded): no majority, and the doctor says so; C's daemon starts its member again.
+    assert "meshrun coordinator remove coordinator" in control_check(mesh, B)["fix"]
+    state_c = StateDir(mesh.state_dir(mesh.world.node(C)))
+    etcd_c = int((state_c / "etcd" / "etcd.pid").read_text())
+    assert procs.signal_pid(etcd_c, 9)
+    lost_quorum = wait(
+        "B's doctor to see no majority", lambda: (c := control_check(mesh, B))["level"] == "FAIL" and c, 30
+    )
+    assert "no majority" in lost_quorum["detail"] and "--force-new-cluster" in lost_quorum["fix"]
+    wait("a majority again", lambda: control_check(mesh, B)["level"] == "warn", 60)
+
+
+def control_check(mesh: Mesh, on: str) -> dict:
+    res = mesh.meshrun(on, "doctor", "--json", check=False, timeout=120)
+    return next(c for c in json.loads(res.stdout)["checks"] if c["name"] == "control")
 
 
 def test_back_to_one_coordinator_with_every_member_kept(ha):
