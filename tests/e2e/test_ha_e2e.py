@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 
 import pytest
@@ -273,17 +274,22 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
     assert after["path"] == "relayed", (before, after)
     join_through(mesh, B, "dc8-a")
     assert mesh.wait_ping("dc8-a", mesh.overlay_ip("dc4-a"), timeout=60) < 60
-    # B's doctor names the lost coordinator and the way out; then C's etcd member dies too (by the PID its
-    # coordinator recorded): no majority, and the doctor says so; C's daemon starts its member again.
+    # B's doctor names the lost coordinator and the way out. Then C's etcd member dies too, with C's daemon
+    # held (SIGSTOP) so that it cannot start it again yet: no majority, and B's doctor says so; C's daemon,
+    # let go, starts its member again and the majority is back. (Every PID is one C's coordinator recorded.)
     assert "meshrun coordinator remove coordinator" in control_check(mesh, B)["fix"]
     state_c = StateDir(mesh.state_dir(mesh.world.node(C)))
-    etcd_c = int((state_c / "etcd" / "etcd.pid").read_text())
-    assert procs.signal_pid(etcd_c, 9)
-    lost_quorum = wait(
-        "B's doctor to see no majority", lambda: (c := control_check(mesh, B))["level"] == "FAIL" and c, 30
-    )
-    assert "no majority" in lost_quorum["detail"] and "--force-new-cluster" in lost_quorum["fix"]
-    wait("a majority again", lambda: control_check(mesh, B)["level"] == "warn", 60)
+    daemon_c = mesh.status(C)["daemon_pid"]
+    assert procs.signal_pid(daemon_c, signal.SIGSTOP)
+    try:
+        assert procs.signal_pid(int((state_c / "etcd" / "etcd.pid").read_text()), signal.SIGKILL)
+        lost_quorum = wait(
+            "B's doctor to see no majority", lambda: (c := control_check(mesh, B))["level"] == "FAIL" and c, 60
+        )
+        assert "no majority" in lost_quorum["detail"] and "--force-new-cluster" in lost_quorum["fix"], lost_quorum
+    finally:
+        procs.signal_pid(daemon_c, signal.SIGCONT)
+    wait("a majority again", lambda: control_check(mesh, B)["level"] == "warn", 90)
 
 
 def control_check(mesh: Mesh, on: str) -> dict:

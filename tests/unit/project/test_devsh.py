@@ -50,7 +50,8 @@ def test_an_account_with_sudo_gets_dev_sh_run_again_through_sudo(fake_sudo):
     res = _as(nobody, fake_sudo, "demo", "--nodes", "2")
     assert res.returncode == 0, res.stderr
     assert (
-        res.stdout.strip() == f"sudo called as uid 65534: --preserve-env=PYTHON,MESHRUN_TORCH,CI {REPO}/dev.sh "
+        res.stdout.strip() == f"sudo called as uid 65534: --preserve-env=PYTHON,MESHRUN_TORCH,MESHRUN_TEST_WORKERS,CI "
+        f"{REPO}/dev.sh "
         "demo --nodes 2"
     )
     assert "running again through sudo" in res.stderr
