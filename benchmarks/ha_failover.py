@@ -1,13 +1,15 @@
 """Three coordinators (state in etcd): how long a job stalls when a machine is lost, and what the replicated
 store costs while nothing happens.
 
-Each round builds a fresh world: three public coordinators (dc1-a is the first: it leads, and relays the
-nodes' pairs), three nodes behind symmetric NAT (every node pair relayed). An elastic DiLoCo job (charlm,
-1:3 nodes, an outer step every 20 steps of 0.1 s, so about every 2 s) starts from dc1-a. Once it runs,
-dc1-a's machine is lost (meshrun.lab.testbed.World.lose: every process killed, its namespace deleted); a
-while later a node's machine is lost too. For each loss: the seconds from the loss to the first outer step
-beyond the last one logged before it, as the surviving coordinator dc2-a's copy of the job's logs records
-their arrival. The job must finish, every rank on one model.
+Each round builds a fresh world: three public coordinators and three nodes behind symmetric NAT (every node
+pair relayed, by a coordinator). An elastic DiLoCo job (charlm, 1:3 nodes, an outer step every 20 steps of
+0.1 s, so about every 2 s) starts from the coordinator that relays the nodes' pairs. Once it runs, that
+machine is lost (meshrun.lab.testbed.World.lose: every process killed, its namespace deleted): the job's
+supervisor, its relay and one etcd member go at once. A while later a node's machine is lost too. For each
+loss: the seconds from the loss to the arrival, in a surviving coordinator's copy of the job's logs, of the
+second outer step beyond the last one that arrived before it (the first may have been on its way at the
+loss). A job that never stalled shows about one outer interval here, which is recorded next to it. The job
+must finish, every rank on one model.
 
 Steady state, before the job and (a second window) while it runs: CPU of the three etcd members and of the
 three coordinator daemons (/proc, utime + stime) and the bytes etcd moves on the overlay (client and peer
@@ -78,6 +80,10 @@ def etcd_bytes(mesh: Mesh) -> int:
     return total
 
 
+def coordinator_rows(mesh: Mesh, on: str) -> list[dict]:
+    return json.loads(mesh.meshrun(on, "coordinator", "list", "--json").stdout)
+
+
 def window(mesh: Mesh, seconds: float) -> dict:
     """CPU (share of one core) of the etcd members and the coordinator daemons, and etcd's bytes a second."""
     p = pids(mesh)
@@ -107,15 +113,32 @@ def steps_seen(state: StateDir, job: str) -> list[tuple[float, str, int]]:
 
 
 def recovery(state: StateDir, job: str, lost_at: float, timeout: float = 300) -> float:
-    """Seconds from `lost_at` to the first outer step beyond the last logged before it."""
+    """Seconds from `lost_at` to the arrival of the second outer step beyond the last that arrived before it."""
     before = max((s for t, _, s in steps_seen(state, job) if t <= lost_at), default=0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        after = [t for t, _, s in steps_seen(state, job) if s > before and t > lost_at]
+        after = [t for t, _, s in steps_seen(state, job) if s >= before + 2 and t > lost_at]
         if after:
             return min(after) - lost_at
         time.sleep(0.5)
     raise SystemExit(f"no progress within {timeout:.0f} s of the loss")
+
+
+def outer_interval(state: StateDir, job: str) -> float:
+    """The median seconds between outer steps' arrivals so far (rank 0's lines: one per step)."""
+    first: dict[int, float] = {}
+    for t, _, s in steps_seen(state, job):
+        first.setdefault(s, t)
+    times = [first[s] for s in sorted(first)]
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return gaps[len(gaps) // 2] if gaps else 0.0
+
+
+def relaying_coordinator(mesh: Mesh) -> str | None:
+    """The coordinator that relays every node pair, or None (the pairs are not relayed by one coordinator)."""
+    pairs = mesh.status(COORDS[0])["pairs"]
+    relays = {p.get("relay") for p in pairs if {p["a"], p["b"]} <= set(NODES)}
+    return relays.pop() if len(relays) == 1 and relays <= set(COORDS) else None
 
 
 def wait_record(mesh: Mesh, on: str, job: str, timeout: float = 600) -> dict:
@@ -145,34 +168,46 @@ def one_round(r: int, seconds: float, steps: int, name: str) -> dict:
         count_etcd_bytes(mesh)
         time.sleep(10)  # the promotions settle (daemons restarted, agents resynced)
         idle = window(mesh, seconds)
+        lose = relaying_coordinator(mesh) or COORDS[0]
+        watch = next(n for n in COORDS if n != lose)
         args = ["--job-id", job, "--nnodes", "1:3", "--nodes", ",".join(NODES), "--max-restarts", "5"]
         args += ["--timeout", "120", "--detach", "diloco_charlm.py", "--mode", "diloco", "--steps", str(steps)]
         args += ["--sync-every", "20", "--step-time", "0.1", "--compression", "fp4", "--hidden", "32"]
         args += ["--batch-size", "8", "--seq-len", "32", "--val-batches", "2", "--threads", "1"]
-        mesh.meshrun("dc1-a", "train", "--project", job, *args, cwd=ROOT / "examples", timeout=300)
-        state_b = StateDir(mesh.state_dir(world.node("dc2-a")))
+        mesh.meshrun(lose, "train", "--project", job, *args, cwd=ROOT / "examples", timeout=300)
+        state_w = StateDir(mesh.state_dir(world.node(watch)))
         deadline = time.monotonic() + 240
-        while max((s for _, _, s in steps_seen(state_b, job)), default=0) < 3:
+        while max((s for _, _, s in steps_seen(state_w, job)), default=0) < 3:
             if time.monotonic() > deadline:
                 raise SystemExit("the job made no progress")
             time.sleep(1)
         busy = window(mesh, seconds / 2)
-        pairs = {frozenset((p["a"], p["b"])): p for p in mesh.status("dc2-a")["pairs"]}
+        pairs = {frozenset((p["a"], p["b"])): p for p in mesh.status(watch)["pairs"]}
         relays_before = sorted({p.get("relay") or "-" for p in pairs.values()})
+        led = next((r["name"] for r in coordinator_rows(mesh, watch) if r["role"] == "leader"), None)
+        interval = outer_interval(state_w, job)
         lost = time.time()
-        world.lose("dc1-a")
-        coordinator_s = recovery(state_b, job, lost)
-        print(f"round {r}: progress {coordinator_s:.1f} s after the first coordinator's loss", flush=True)
+        world.lose(lose)
+        coordinator_s = recovery(state_w, job, lost)
+        print(f"round {r}: progress {coordinator_s:.1f} s after {lose}'s loss (outer interval {interval:.1f} s)")
         time.sleep(10)
         lost = time.time()
-        world.lose("dc6-a")
-        node_s = recovery(state_b, job, lost)
+        world.lose(NODES[-1])
+        node_s = recovery(state_w, job, lost)
         print(f"round {r}: progress {node_s:.1f} s after a node's loss", flush=True)
-        rec = wait_record(mesh, "dc2-a", job)
-        logs = mesh.meshrun("dc2-a", "logs", job, check=False, timeout=60).stdout
+        rec = wait_record(mesh, watch, job)
+        res = mesh.meshrun(watch, "logs", job, check=False, timeout=120)
+        logs = res.stdout + res.stderr
         digests = set(re.findall(rf"param_checksum rank=\d+ sync={steps // 20} digest=(\w+)", logs))
-        took_over = re.search(r"coordinator (dc[23]-a) took the job over", logs)
+        took_over = re.search(r"coordinator (dc\d-a) took the job over", logs)
     return {
+        "lost_coordinator": {
+            "name": lose,
+            "started_the_job": True,
+            "relayed": lose in relays_before,
+            "led": lose == led,
+        },
+        "outer_interval_s": interval,
         "coordinator_loss_s": coordinator_s,
         "node_loss_s": node_s,
         "job": rec.get("state"),
@@ -199,12 +234,17 @@ def main() -> int:
             raise SystemExit(f"a round's job did not end on one model: {r}")
     c = spread([r["coordinator_loss_s"] for r in rounds])
     n = spread([r["node_loss_s"] for r in rounds])
+    iv = spread([r["outer_interval_s"] for r in rounds])
+    relayed = sum(r["lost_coordinator"]["relayed"] for r in rounds)
+    led = sum(r["lost_coordinator"]["led"] for r in rounds)
     keys = ("etcd_cpu_share", "daemon_cpu_share", "etcd_bytes_per_s")
     idle = {k: spread([r["idle"][k] for r in rounds]) for k in keys}
     busy = {k: spread([r["job_running"][k] for r in rounds]) for k in keys}
     summary = (
         f"ha_failover: progress again {c['median']:.1f} s ({c['min']:.1f}-{c['max']:.1f}) after the loss of the "
-        f"coordinator that started the job, {n['median']:.1f} s ({n['min']:.1f}-{n['max']:.1f}) after a node's; "
+        f"coordinator that started the job (it relayed the nodes' pairs in {relayed}/{a.rounds} rounds, led in "
+        f"{led}/{a.rounds}), {n['median']:.1f} s ({n['min']:.1f}-{n['max']:.1f}) after a node's; an outer step "
+        f"every {iv['median']:.1f} s when nothing is lost; "
         f"replicated store at rest: etcd {100 * idle['etcd_cpu_share']['median']:.1f}% of a core for three members, "
         f"{idle['etcd_bytes_per_s']['median'] / 1024:.1f} KiB/s on the overlay; with a job running "
         f"{100 * busy['etcd_cpu_share']['median']:.1f}%, {busy['etcd_bytes_per_s']['median'] / 1024:.1f} KiB/s; "
@@ -218,6 +258,7 @@ def main() -> int:
             "runs": rounds,
             "coordinator_loss_s": c,
             "node_loss_s": n,
+            "outer_interval_s": iv,
             "idle": idle,
             "job_running": busy,
         },

@@ -25,6 +25,7 @@ JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 RDZV_BACKEND = "meshrun"
 # torchrun polls its workers this often (seconds); a failure is noticed within it.
 MONITOR_INTERVAL = "0.5"
+ELASTIC_LAST_CALL_S = 10  # an elastic rendezvous's wait for more nodes once MIN joined (torch's default: 30)
 # Several TCP streams per peer: one TCP stream is capped at window/RTT, so on a high
 # bandwidth-delay-product WAN link (e.g. 10 Gbit/s at 80 ms) a single socket cannot fill
 # the pipe; NCCL stripes each peer connection over NTHREADS x NSOCKS_PERTHREAD sockets.
@@ -257,11 +258,13 @@ def plan(
     (`meshrun train --local`), so fewer nodes than ``nnodes`` is expected.
     """
     user_env = dict(user_env or {})
-    spec, _lo, hi = _validate(nodes, opts, local)
+    spec, lo, hi = _validate(nodes, opts, local)
     endpoint = _rdzv_endpoint(opts.rdzv_host, opts.rdzv_port)
     # is_host=0: the coordinator hosts the store; torch's guess (hostname match) is wrong on overlays.
     # join_timeout: the c10d handler's rendezvous deadline (the generic "timeout" key is etcd/static only).
     rdzv_conf = f"is_host=0,join_timeout={opts.rdzv_timeout}"
+    if lo < hi:  # a group re-formed after a lost node resumes 20 s sooner; meshrun starts every share at once
+        rdzv_conf += f",last_call_timeout={ELASTIC_LAST_CALL_S}"
     if opts.rdzv_coordinators:  # '+' between them: torchrun splits --rdzv-conf at commas
         rdzv_conf += f",coordinators={'+'.join(opts.rdzv_coordinators)}"
     out = []

@@ -342,7 +342,9 @@ class Supervisor:
                 try:
                     ans = s.output(self.job_id, offset)
                 except MeshrunError as exc:
-                    if time.monotonic() - last_ok >= LOST_AFTER_S:
+                    # Only the owner calls a share lost: a standby's copy of the output must not end for good
+                    # because this coordinator was cut off a while (its own interface restarting, say).
+                    if self.owning and time.monotonic() - last_ok >= LOST_AFTER_S:
                         with self.lock:
                             self.outcome.lost[s.name] = time.time()
                         self.say(f"lost {s.name}: no answer from its agent for {LOST_AFTER_S:.0f} s ({exc.message})")

@@ -183,6 +183,11 @@ def test_nnodes_min_max_and_fixed_subset():
     assert plans[0].argv[plans[0].argv.index("--nnodes") + 1] == "2"
     plans = launch.plan(NODES[:2], opts(nnodes="1:4"))  # elastic: MAX may exceed the nodes at hand
     assert len(plans) == 2
+    # An elastic rendezvous waits 10 s (not torch's 30) for more nodes: a group re-formed after a loss.
+    conf = plans[0].argv[plans[0].argv.index("--rdzv-conf") + 1]
+    assert conf.split(",")[-1] == "last_call_timeout=10", conf
+    fixed = launch.plan(NODES, opts(nnodes="2"))[0].argv
+    assert "last_call_timeout" not in fixed[fixed.index("--rdzv-conf") + 1]
     assert launch.plan(NODES, opts(nnodes="2:2"))[0].argv[4] == "2"
 
 
