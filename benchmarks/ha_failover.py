@@ -3,19 +3,20 @@ store costs while nothing happens.
 
 Each round builds a fresh world: three public coordinators and three nodes behind symmetric NAT (every node
 pair relayed, by a coordinator). An elastic DiLoCo job (charlm, 1:3 nodes, an outer step every 20 steps of
-0.1 s, so about every 2 s) starts from the coordinator that relays the nodes' pairs. Once it runs, that
-machine is lost (meshrun.lab.testbed.World.lose: every process killed, its namespace deleted): the job's
-supervisor, its relay and one etcd member go at once. A while later a node's machine is lost too. For each
-loss: the seconds from the loss to the arrival, in a surviving coordinator's copy of the job's logs, of the
-second outer step beyond the last one that arrived before it (the first may have been on its way at the
-loss). A job that never stalled shows about one outer interval here, which is recorded next to it. The job
-must finish, every rank on one model.
+0.1 s, so about every 2 s) starts from the coordinator that is then lost (meshrun.lab.testbed.World.lose:
+every process killed, its namespace deleted), in rounds of two kinds, alternating: `relay`, the coordinator
+that relays the nodes' pairs (the job's supervisor, its relay and an etcd member go at once); `leader`, the
+coordinator that leads (pairs, relays and the leader lease move too). A while later a node's machine is
+lost as well. For each loss: the seconds from the loss to the arrival, in a surviving coordinator's copy of
+the job's logs, of the second outer step beyond the last one that arrived before it (the first may have
+been on its way at the loss). A job that never stalled shows about one outer interval here, which is
+recorded next to it. The job must finish, every rank on one model.
 
 Steady state, before the job and (a second window) while it runs: CPU of the three etcd members and of the
 three coordinator daemons (/proc, utime + stime) and the bytes etcd moves on the overlay (client and peer
 ports, counted by iptables on every coordinator's overlay interface as packets arrive: each byte once).
 
-    sudo .venv/bin/python benchmarks/ha_failover.py [--rounds 3] [--window 60]
+    sudo .venv/bin/python benchmarks/ha_failover.py [--rounds 3] [--window 60] [--lose relay,leader]
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from meshrun.mesh import process  # noqa: E402
 from meshrun.system.statedir import StateDir  # noqa: E402
 
 COORDS = ["dc1-a", "dc2-a", "dc3-a"]
+FIRST = "coordinator"  # dc1-a's member name (`meshrun init`); the others keep their nodes' names
+KINDS = ("relay", "leader")
 NODES = ["dc4-a", "dc5-a", "dc6-a"]
 ETCD_PORTS = "2379,2380"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -134,11 +137,19 @@ def outer_interval(state: StateDir, job: str) -> float:
     return gaps[len(gaps) // 2] if gaps else 0.0
 
 
+def node_of(member: str | None) -> str | None:
+    return COORDS[0] if member in (FIRST, "") else member
+
+
 def relaying_coordinator(mesh: Mesh) -> str | None:
-    """The coordinator that relays every node pair, or None (the pairs are not relayed by one coordinator)."""
+    """The coordinator (its node's name) that relays every node pair, or None (not one coordinator)."""
     pairs = mesh.status(COORDS[0])["pairs"]
-    relays = {p.get("relay") for p in pairs if {p["a"], p["b"]} <= set(NODES)}
+    relays = {node_of(p.get("relay")) for p in pairs if {p["a"], p["b"]} <= set(NODES)}
     return relays.pop() if len(relays) == 1 and relays <= set(COORDS) else None
+
+
+def leading_coordinator(mesh: Mesh) -> str | None:
+    return next((node_of(r["name"]) for r in coordinator_rows(mesh, COORDS[0]) if r["role"] == "leader"), None)
 
 
 def wait_record(mesh: Mesh, on: str, job: str, timeout: float = 600) -> dict:
@@ -152,7 +163,7 @@ def wait_record(mesh: Mesh, on: str, job: str, timeout: float = 600) -> dict:
     raise SystemExit(f"job {job} did not end within {timeout:.0f} s")
 
 
-def one_round(r: int, seconds: float, steps: int, name: str) -> dict:
+def one_round(r: int, kind: str, seconds: float, steps: int, name: str) -> dict:
     specs = [DatacenterSpec(f"dc{i}") for i in (1, 2, 3)] + [
         DatacenterSpec(f"dc{i}", nat="symmetric") for i in (4, 5, 6)
     ]
@@ -168,7 +179,7 @@ def one_round(r: int, seconds: float, steps: int, name: str) -> dict:
         count_etcd_bytes(mesh)
         time.sleep(10)  # the promotions settle (daemons restarted, agents resynced)
         idle = window(mesh, seconds)
-        lose = relaying_coordinator(mesh) or COORDS[0]
+        lose = (relaying_coordinator(mesh) if kind == "relay" else leading_coordinator(mesh)) or COORDS[0]
         watch = next(n for n in COORDS if n != lose)
         args = ["--job-id", job, "--nnodes", "1:3", "--nodes", ",".join(NODES), "--max-restarts", "5"]
         args += ["--timeout", "120", "--detach", "diloco_charlm.py", "--mode", "diloco", "--steps", str(steps)]
@@ -183,13 +194,17 @@ def one_round(r: int, seconds: float, steps: int, name: str) -> dict:
             time.sleep(1)
         busy = window(mesh, seconds / 2)
         pairs = {frozenset((p["a"], p["b"])): p for p in mesh.status(watch)["pairs"]}
-        relays_before = sorted({p.get("relay") or "-" for p in pairs.values()})
-        led = next((r["name"] for r in coordinator_rows(mesh, watch) if r["role"] == "leader"), None)
+        relays_before = sorted({node_of(p.get("relay")) or "-" for p in pairs.values()})
+        led = leading_coordinator(mesh)
         interval = outer_interval(state_w, job)
         lost = time.time()
         world.lose(lose)
         coordinator_s = recovery(state_w, job, lost)
-        print(f"round {r}: progress {coordinator_s:.1f} s after {lose}'s loss (outer interval {interval:.1f} s)")
+        print(
+            f"round {r} ({kind}): progress {coordinator_s:.1f} s after {lose}'s loss "
+            f"(outer step every {interval:.1f} s)",
+            flush=True,
+        )
         time.sleep(10)
         lost = time.time()
         world.lose(NODES[-1])
@@ -199,8 +214,9 @@ def one_round(r: int, seconds: float, steps: int, name: str) -> dict:
         res = mesh.meshrun(watch, "logs", job, check=False, timeout=120)
         logs = res.stdout + res.stderr
         digests = set(re.findall(rf"param_checksum rank=\d+ sync={steps // 20} digest=(\w+)", logs))
-        took_over = re.search(r"coordinator (dc\d-a) took the job over", logs)
+        took_over = re.search(r"coordinator (\S+) took the job over", logs)  # the first is named "coordinator"
     return {
+        "kind": kind,
         "lost_coordinator": {
             "name": lose,
             "started_the_job": True,
@@ -221,39 +237,51 @@ def one_round(r: int, seconds: float, steps: int, name: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each kind of coordinator loss")
+    ap.add_argument("--lose", default=",".join(KINDS), help="the coordinator lost: relay, leader (alternating)")
     ap.add_argument("--window", type=float, default=60.0, help="seconds of the idle window (half while the job runs)")
     ap.add_argument("--steps", type=int, default=900, help="the job's steps (0.1 s each; an outer step every 20)")
     ap.add_argument("--name", default="ha_failover")
     a = ap.parse_args()
+    kinds = [k for k in a.lose.split(",") if k]
+    if not kinds or set(kinds) - set(KINDS):
+        raise SystemExit(f"--lose {a.lose!r}: name relay, leader or both (comma between)")
     need_root()
     t0 = time.monotonic()
-    rounds = [one_round(r, a.window, a.steps, a.name) for r in range(1, a.rounds + 1)]
+    order = [kinds[i % len(kinds)] for i in range(a.rounds * len(kinds))]
+    rounds = [one_round(r, kind, a.window, a.steps, a.name) for r, kind in enumerate(order, 1)]
     for r in rounds:
         if r["job"] != "succeeded" or not r["one_model"]:
             raise SystemExit(f"a round's job did not end on one model: {r}")
-    c = spread([r["coordinator_loss_s"] for r in rounds])
+    c = {k: spread([r["coordinator_loss_s"] for r in rounds if r["kind"] == k]) for k in kinds}
     n = spread([r["node_loss_s"] for r in rounds])
     iv = spread([r["outer_interval_s"] for r in rounds])
-    relayed = sum(r["lost_coordinator"]["relayed"] for r in rounds)
-    led = sum(r["lost_coordinator"]["led"] for r in rounds)
     keys = ("etcd_cpu_share", "daemon_cpu_share", "etcd_bytes_per_s")
     idle = {k: spread([r["idle"][k] for r in rounds]) for k in keys}
     busy = {k: spread([r["job_running"][k] for r in rounds]) for k in keys}
+
+    def roles(kind: str) -> str:
+        runs = [r["lost_coordinator"] for r in rounds if r["kind"] == kind]
+        relayed, led = sum(x["relayed"] for x in runs), sum(x["led"] for x in runs)
+        return f"relayed in {relayed}/{len(runs)}, led in {led}/{len(runs)}"
+
+    losses = "; ".join(
+        f"{c[k]['median']:.1f} s ({c[k]['min']:.1f}-{c[k]['max']:.1f}) after the {k} coordinator's loss ({roles(k)})"
+        for k in kinds
+    )
     summary = (
-        f"ha_failover: progress again {c['median']:.1f} s ({c['min']:.1f}-{c['max']:.1f}) after the loss of the "
-        f"coordinator that started the job (it relayed the nodes' pairs in {relayed}/{a.rounds} rounds, led in "
-        f"{led}/{a.rounds}), {n['median']:.1f} s ({n['min']:.1f}-{n['max']:.1f}) after a node's; an outer step "
-        f"every {iv['median']:.1f} s when nothing is lost; "
-        f"replicated store at rest: etcd {100 * idle['etcd_cpu_share']['median']:.1f}% of a core for three members, "
-        f"{idle['etcd_bytes_per_s']['median'] / 1024:.1f} KiB/s on the overlay; with a job running "
+        f"ha_failover: progress again {losses}; {n['median']:.1f} s ({n['min']:.1f}-{n['max']:.1f}) after a "
+        f"node's; an outer step every {iv['median']:.1f} s when nothing is lost (the lost coordinator started the "
+        f"job); replicated store at rest: etcd {100 * idle['etcd_cpu_share']['median']:.1f}% of a core for three "
+        f"members, {idle['etcd_bytes_per_s']['median'] / 1024:.1f} KiB/s on the overlay; with a job running "
         f"{100 * busy['etcd_cpu_share']['median']:.1f}%, {busy['etcd_bytes_per_s']['median'] / 1024:.1f} KiB/s; "
-        f"{a.rounds} rounds [{time.monotonic() - t0:.0f} s]"
+        f"{len(rounds)} rounds [{time.monotonic() - t0:.0f} s]"
     )
     write_result(
         a.name,
         {
             "rounds": a.rounds,
+            "order": order,
             "window_s": a.window,
             "runs": rounds,
             "coordinator_loss_s": c,

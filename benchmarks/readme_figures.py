@@ -389,17 +389,20 @@ def ha_failover(d: dict) -> tuple[str, str]:
     def s(x: dict, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
         return f"{fmt.format(x['median'] * scale)} ({fmt.format(x['min'] * scale)}-{fmt.format(x['max'] * scale)})"
 
-    lost = [r["lost_coordinator"] for r in d["runs"]]
-    relayed, led = sum(x["relayed"] for x in lost), sum(x["led"] for x in lost)
+    def lost(kind: str) -> str:
+        runs = [r["lost_coordinator"] for r in d["runs"] if r["kind"] == kind]
+        relayed, led = sum(x["relayed"] for x in runs), sum(x["led"] for x in runs)
+        return f"{s(c[kind])} s after the {kind}'s loss ({c[kind]['n']} rounds; it relayed in {relayed}, led in {led})"
+
     return (
         "3 coordinators (state in etcd), an elastic DiLoCo job on 3 nodes behind symmetric NAT (every pair "
-        "relayed): the coordinator that started it lost, then a node; and the replicated store's steady cost",
-        f"progress again {s(c)} s after the coordinator's loss (it relayed the pairs in {relayed} of {c['n']} "
-        f"rounds, led in {led}), {s(n)} s after the node's, against an outer step every "
-        f"{s(d['outer_interval_s'])} s (the job ended on one model every round); etcd at rest "
-        f"{s(idle['etcd_cpu_share'], 100)}% of a core for three members, {s(idle['etcd_bytes_per_s'], 1 / 1024)} "
-        f"KiB/s on the overlay; with the job running {s(busy['etcd_cpu_share'], 100)}%, "
-        f"{s(busy['etcd_bytes_per_s'], 1 / 1024)} KiB/s",
+        "relayed): the coordinator that started it lost (the one relaying its pairs, or the leader), then a node; "
+        "and the replicated store's steady cost",
+        f"progress again {', '.join(lost(k) for k in c)}; {s(n)} s after the node's; an outer step every "
+        f"{s(d['outer_interval_s'])} s when nothing is lost (the job ended on one model every round); etcd at "
+        f"rest {s(idle['etcd_cpu_share'], 100)}% of a core for three members, "
+        f"{s(idle['etcd_bytes_per_s'], 1 / 1024)} KiB/s on the overlay; with the job running "
+        f"{s(busy['etcd_cpu_share'], 100)}%, {s(busy['etcd_bytes_per_s'], 1 / 1024)} KiB/s",
     )
 
 

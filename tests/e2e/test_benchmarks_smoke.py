@@ -29,7 +29,7 @@ CASES = {
     "wan_tuning": ["--variants", "default", "--size", "1M", "--rounds", "1"],
     "preflight_time": ["--nodes", "2", "--rounds", "1"],
     "sites": ["--intra-mib", "1", "--cross-mib", "2", "--rounds", "1"],
-    "ha_failover": ["--rounds", "1", "--window", "3", "--steps", "400"],
+    "ha_failover": ["--rounds", "1", "--lose", "relay", "--window", "3", "--steps", "400"],
 }
 # On loopback and mostly asleep (it waits for long-polls to settle, a join storm to pass): it runs beside the others.
 LOAD_ARGS = ["--sizes", "10", "--window", "3", "--probes", "2", "--rounds", "1", "--name", "smoke_coordinator_load"]

@@ -44,6 +44,7 @@ ETCD_PEER_PORT = 2380
 ETCD_DIR = "etcd"
 ETCD_BINARY = "etcd"  # Debian's etcd-server (dev.sh installs it), found on PATH
 HEALTHY_TIMEOUT_S = 60.0
+MEMBER_REMOVE_S = 60.0  # how long an etcd member removal etcd is slow to confirm is looked at and tried again
 K_CA = PREFIX + b"pki/ca"  # {"cert", "key"}: the etcd members' CA, readable by coordinators only
 GUARD_JOB = "etcd"  # the etcd member's cgroup guard is job "etcd" of "<name>/etcd" (meshrun.core.firewall)
 
@@ -493,6 +494,31 @@ def _vote(client: EtcdClient, member_id: int) -> None:
             time.sleep(0.5)
 
 
+def remove_etcd_member(client, peer_url: str, timeout: float = MEMBER_REMOVE_S) -> None:
+    """Take the etcd member at `peer_url` out of the cluster, and make sure it is out. A removal that got no
+    answer (it may have been applied) or that etcd refused for now (a member that just came back makes the
+    cluster "unhealthy" to etcd for a few seconds) is looked at again and tried again until `timeout`
+    seconds have passed; then the last error is raised."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            for m in client.members():
+                if peer_url in m.peer_urls:
+                    client.member_remove(m.id)
+            if not any(peer_url in m.peer_urls for m in client.members()):
+                return
+        except ControlStateError as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("etcd member %s not removed yet (%s); trying again", peer_url, exc.message)
+        if time.monotonic() >= deadline:
+            raise ControlStateError(
+                f"the etcd member at {peer_url} is still in the cluster after {timeout:.0f} s",
+                "check `meshrun status` on the coordinators (etcd needs a majority), then run the command again",
+            )
+        time.sleep(1.0)
+
+
 def save_endpoints(state: StateDir, endpoints: list[str]) -> None:
     """member.json's etcd endpoints (where this coordinator's client starts after a restart)."""
     rec = state.read_json("member.json")
@@ -534,9 +560,7 @@ def remove(state: StateDir, name: str) -> str:
             outcome = f"{name} did not answer: removed from the network (its key can never rejoin)"
         left = [c for c in coords if c.name != name]
         dump = db.dump() if len(left) == 1 else None
-        for m in db.client.members():
-            if info.etcd_peer in m.peer_urls:
-                db.client.member_remove(m.id)
+        remove_etcd_member(db.client, info.etcd_peer)
         # Those left elect a leader among themselves (it may have been the one removed) before anyone writes.
         etcd.wait_healthy(db.client, HEALTHY_TIMEOUT_S)
         if reachable:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshrun.errors import UsageError
+from meshrun.errors import ControlStateError, UsageError
 from meshrun.mesh.coordinator import ha
+from meshrun.system.etcd import OutcomeUnknown
+from meshrun.system.fakeetcd import FakeEtcd
 from meshrun.system.statedir import StateDir
 
 
@@ -80,3 +82,38 @@ def test_remove_refuses_this_coordinator_and_a_lone_one(tmp_path):
     state.write_json("member.json", rec(network=net.to_dict(), control=None))
     with pytest.raises(UsageError, match="this network has one coordinator"):
         ha.remove(state, "c")
+
+
+class SlowToConfirm(FakeEtcd):
+    """etcd under load: the first removal is applied but its answer times out; another is refused at first
+    ("unhealthy cluster": a member came back moments ago) and applied when tried again."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.tries = mode, 0
+
+    def member_remove(self, member_id: int) -> None:
+        self.tries += 1
+        if self.mode == "unanswered" and self.tries == 1:
+            super().member_remove(member_id)
+            raise OutcomeUnknown("etcd at https://10.77.0.2:2379 did not answer the member remove (timed out)", "-")
+        if self.mode == "unhealthy" and self.tries == 1 or self.mode == "never":
+            raise ControlStateError("etcd at https://10.77.0.2:2379 refused the member remove: unhealthy cluster", "-")
+        super().member_remove(member_id)
+
+
+@pytest.mark.parametrize("mode", ["unanswered", "unhealthy"])
+def test_an_etcd_member_removal_etcd_is_slow_to_confirm_is_made_sure_of(mode):
+    etcd = SlowToConfirm(mode)
+    gone = etcd.member_add(["https://10.77.0.9:2380"])
+    ha.remove_etcd_member(etcd, "https://10.77.0.9:2380", timeout=10)
+    assert gone.id not in {m.id for m in etcd.members()} and len(etcd.members()) == 1
+    assert etcd.tries == (1 if mode == "unanswered" else 2)  # an applied removal is not sent again
+
+
+def test_an_etcd_member_that_cannot_be_removed_is_an_error_after_the_timeout():
+    etcd = SlowToConfirm("never")
+    etcd.member_add(["https://10.77.0.9:2380"])
+    with pytest.raises(ControlStateError, match="unhealthy cluster"):
+        ha.remove_etcd_member(etcd, "https://10.77.0.9:2380", timeout=1.5)
+    assert etcd.tries >= 2
