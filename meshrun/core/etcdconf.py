@@ -62,6 +62,11 @@ def peer_url(ip: str, port: int) -> str:
     return _url(ip, port, "peer")
 
 
+def url_host(url: str) -> str:
+    """The address a member URL (client_url/peer_url) names; "" for a URL without one."""
+    return urlsplit(str(url)).hostname or ""
+
+
 def _name(name: str) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise UsageError(

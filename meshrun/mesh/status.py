@@ -9,7 +9,7 @@ import statistics
 import time
 from collections import Counter
 
-from meshrun.core import pairpaths, topology
+from meshrun.core import etcdconf, pairpaths, topology
 from meshrun.core.model import Member
 from meshrun.errors import ControlStateError, MeshrunError, UsageError
 from meshrun.mesh import iface, member, process
@@ -71,13 +71,11 @@ def coordinators(state: StateDir) -> list[dict]:
         except MeshrunError:  # no majority: what this coordinator last knew of the others
             coords, leader = [], None
         if not coords:  # named by their overlay addresses (member.json keeps their etcd URLs, not their names)
-            from urllib.parse import urlsplit
-
             urls = (rec.get("control") or {}).get("endpoints") or []
             return [
                 {
-                    "name": urlsplit(u).hostname or u,
-                    "overlay_ip": urlsplit(u).hostname or "?",
+                    "name": etcdconf.url_host(u) or u,
+                    "overlay_ip": etcdconf.url_host(u) or "?",
                     "endpoint": "?",
                     "etcd": _etcd_health(client, u),
                     "role": "?",

@@ -59,9 +59,7 @@ def replicated(rec: dict) -> bool:
 
 def control_ips(rec: dict) -> list[str]:
     """The coordinators' overlay addresses as member.json's etcd endpoints name them (this one's included)."""
-    from urllib.parse import urlsplit
-
-    ips = {urlsplit(str(u)).hostname or "" for u in (rec.get("control") or {}).get("endpoints") or []}
+    ips = {etcdconf.url_host(u) for u in (rec.get("control") or {}).get("endpoints") or []}
     return sorted(ip for ip in ips | {str(rec.get("overlay_ip") or "")} if ip)
 
 
@@ -494,7 +492,7 @@ def _vote(client: EtcdClient, member_id: int) -> None:
             time.sleep(0.5)
 
 
-def remove_etcd_member(client, peer_url: str, timeout: float = MEMBER_REMOVE_S) -> None:
+def remove_etcd_member(client: EtcdClient, peer_url: str, timeout: float = MEMBER_REMOVE_S) -> None:
     """Take the etcd member at `peer_url` out of the cluster, and make sure it is out. A removal that got no
     answer (it may have been applied) or that etcd refused for now (a member that just came back makes the
     cluster "unhealthy" to etcd for a few seconds) is looked at again and tried again until `timeout`

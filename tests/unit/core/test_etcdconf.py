@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.core.etcdconf import client_url, peer_url, server_argv
+from meshrun.core.etcdconf import client_url, peer_url, server_argv, url_host
 from meshrun.errors import UsageError
 
 CLUSTER = {
@@ -128,3 +128,9 @@ def test_bad_values_are_usage_errors(kw, needle):
     with pytest.raises(UsageError, match=needle) as err:
         argv(**kw)
     assert err.value.fix
+
+
+def test_the_address_a_member_url_names():
+    assert url_host(client_url("10.77.0.2", 2379)) == "10.77.0.2"
+    assert url_host(peer_url("10.77.0.9", 2380)) == "10.77.0.9"
+    assert url_host("not a url") == ""
