@@ -5,8 +5,8 @@ Two phases, in one run:
 
 1. **Tuning, on the tuning split.** examples/diloco_charlm.py splits its corpus three ways: 80 % trains,
    10 % is the *tuning* split, 10 % the *test* split. Every variant's hyperparameters are chosen on the
-   tuning split's loss only: DDP's AdamW lr; DeMo's signum lr; for each DiLoCo variant, H and the outer
-   (lr, momentum) over a grid, the inner lr being DDP's choice. The rule: the lowest tuning loss, and
+   tuning split's loss only: DDP's AdamW lr; DeMo's signum lr; for each DiLoCo variant, H, the outer
+   (lr, momentum) and the inner lr (DDP's choice or larger) over a grid. The rule: the lowest tuning loss, and
    among the configurations within 0.5 % of it, the one that sends the fewest bytes. The test split's
    loss of a tuning run is never read (it is dropped from the record). The loss does not depend on the
    network (same math, same order), so tuning runs on loopback (``torchrun --standalone``), one run per
@@ -24,7 +24,7 @@ Variants (``--variants``, run in this order):
 - ``demo_ddp``: data parallelism with meshrun.train.demo.DeMo instead of DDP's all-reduce (int2 values)
 - ``diloco_fp8``, ``diloco_fp4``, ``diloco_int2``: DiLoCo with FP8 E4M3 / FP4 E2M1 / 2-bit pseudo-gradients
 - ``streaming_fp4``: Streaming DiLoCo, 2 fragments, overlap 1 step, FP4
-- ``sparse_int2``: SparseLoCo: top 1/64 of each 256-element chunk, 2-bit values, error feedback decay 0.95
+- ``sparse_int2``: SparseLoCo: the largest of every 64 elements (6-bit positions), 2-bit values, error decay 0.95
 - ``diloco_fp16`` (not run by default): fp16 pseudo-gradients, what meshrun shipped before issue 16
 
 What is reported, per variant: bytes on the wire (what its datacenter's gateway forwarded to the internet:
@@ -108,9 +108,11 @@ SMOKE = {
     "hidden": 16,
     "batch_size": 2,
     "seq_len": 8,
+    "val_batches": 1,
     "rounds": 1,
     "tune_h": [2, 4],
     "tune_outer": [(0.8, 0.5)],
+    "tune_inner_lr": ["ddp"],
     "tune_lr": [5e-3],
     "tune_demo_lr": [1e-3],
     "timeout": 240,
@@ -133,20 +135,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=3, help="worker datacenters (one node each)")
     p.add_argument("--rate-mbit", type=int, default=200, help="every datacenter's internet link, both directions")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per worker (a multiple of every H)")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps per worker (a multiple of every H)")
     p.add_argument("--hidden", type=int, default=256, help="GRU width (256: 0.66 M parameters, 2.6 MB fp32)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument(
+        "--val-batches",
+        type=int,
+        default=32,
+        help="batches per held-out loss (32 x 16 windows span the whole tuning / test split: less noise than 8)",
+    )
     p.add_argument(
         "--threads",
         type=int,
         default=1,
         help="torch threads per worker: the simulated nodes share this machine's cores",
     )
-    p.add_argument("--tune-lr", default="3e-3,5e-3,7e-3", help="DDP's AdamW lr grid (DiLoCo's inner lr follows it)")
-    p.add_argument("--tune-demo-lr", default="3e-4,1e-3,3e-3", help="DeMo's signum lr grid")
-    p.add_argument("--tune-h", default="20,50", help="DiLoCo H grid (each divides --steps and is even)")
-    p.add_argument("--tune-outer", default="0.8:0.5,1.0:0", help="DiLoCo outer lr:momentum grid (Nesterov)")
+    p.add_argument("--tune-lr", default="2e-3,3e-3,5e-3", help="DDP's AdamW lr grid (DiLoCo's inner lr follows it)")
+    p.add_argument("--tune-demo-lr", default="1e-3,3e-3,1e-2", help="DeMo's signum lr grid")
+    p.add_argument("--tune-h", default="20", help="DiLoCo H grid (each divides --steps and is even)")
+    p.add_argument("--tune-outer", default="1.0:0,1.3:0", help="DiLoCo outer lr:momentum grid (Nesterov)")
+    p.add_argument(
+        "--tune-inner-lr",
+        default="ddp,5e-3",
+        help="DiLoCo inner AdamW lr grid ('ddp': DDP's choice; a sparse pseudo-gradient wants larger steps)",
+    )
     p.add_argument("--no-tune", action="store_true", help="skip tuning: use --lr, --demo-lr, --sync-every, --outer-*")
     p.add_argument("--lr", type=float, default=5e-3, help="with --no-tune: AdamW lr, DDP and DiLoCo inner alike")
     p.add_argument("--demo-lr", type=float, default=1e-3, help="with --no-tune: DeMo's lr")
@@ -172,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.tune_lr, args.tune_demo_lr = _floats(args.tune_lr), _floats(args.tune_demo_lr)
     args.tune_h, args.tune_outer = [int(h) for h in _floats(args.tune_h)], _pairs(args.tune_outer)
+    inner = [x.strip() for x in args.tune_inner_lr.split(",") if x.strip()]
+    args.tune_inner_lr = [x if x == "ddp" else float(x) for x in inner]
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
@@ -205,7 +220,13 @@ def grid(kind: str | None, args: argparse.Namespace) -> list[dict]:
         return [{"lr": args.demo_lr}] if args.no_tune else [{"lr": lr} for lr in args.tune_demo_lr]
     if args.no_tune:
         return [{"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}]
-    return [{"sync_every": h, "outer_lr": a, "outer_momentum": m} for h in args.tune_h for a, m in args.tune_outer]
+    inner = getattr(args, "tune_inner_lr", None) or ["ddp"]
+    return [
+        {"sync_every": h, "outer_lr": a, "outer_momentum": m, **({} if lr == "ddp" else {"lr": lr})}
+        for h in args.tune_h
+        for a, m in args.tune_outer
+        for lr in inner
+    ]
 
 
 def pick(runs: list[dict], tie: float = TIE) -> dict:
@@ -223,6 +244,7 @@ def script_args(args: argparse.Namespace, variant: str, params: dict) -> list[st
     """The script's arguments for one run of `variant` with `params` (lr, sync_every, outer_lr, outer_momentum)."""
     out = [*VARIANTS[variant][0], "--steps", str(args.steps), "--hidden", str(args.hidden)]
     out += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--threads", str(args.threads)]
+    out += ["--val-batches", str(args.val_batches)]
     for key in ("lr", "sync_every", "outer_lr", "outer_momentum"):
         if key in params:
             out += [f"--{key.replace('_', '-')}", str(params[key])]
@@ -686,8 +708,9 @@ def tune(args: argparse.Namespace) -> dict:
         if kind is None:
             continue
         configs = grid(kind, args)
-        if kind == "outer":
-            configs = [{**c, "lr": inner_lr} for c in configs]
+        if kind == "outer":  # inner lr: the grid's, else DDP's choice
+            configs = [{**c, "lr": c.get("lr", inner_lr)} for c in configs]
+            configs = [c for i, c in enumerate(configs) if c not in configs[:i]]  # "ddp" may repeat a value
         if len(configs) == 1:  # nothing to choose between: no tuning run
             chosen[variant] = configs[0]
             continue

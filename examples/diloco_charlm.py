@@ -10,10 +10,11 @@ Run with several workers (each trains on its own shard of the corpus):
     torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode ddp
     torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode local
     torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode diloco \
-        --compression sparse-int2 --density 0.03125 --outer-momentum 0 --error-decay 0.95   # SparseLoCo
+        --compression sparse-int2 --sync-every 20 --outer-lr 1 --outer-momentum 0 --error-decay 0.95   # SparseLoCo
     torchrun --standalone --nproc-per-node 3 examples/diloco_charlm.py --steps 200 --mode demo --lr 1e-3
 Under `meshrun train --compression auto|none|low|medium|high` leave --sync-every, --fragments,
---compression and --density out: DiLoCo then takes the job's preset (MESHRUN_DILOCO_*).
+--compression, --density, --outer-lr, --outer-momentum and --error-decay out: DiLoCo then takes the job's
+preset (MESHRUN_DILOCO_*).
 Over meshrun (`meshrun train diloco_charlm.py ...`, elastic with `--nnodes MIN:MAX`) the same script
 resumes by itself after torchrun restarts the workers: DiLoCo recovers the newest synced state
 (node-local snapshots under $MESHRUN_OUTPUT_DIR/diloco-snapshots, a joiner gets it from a peer), and the loop goes on
@@ -104,7 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--density", type=float, default=None, help="sparse formats' share of each chunk [the job's preset, else 1/64]"
     )
-    p.add_argument("--error-decay", type=float, default=1.0, help="DiLoCo error feedback decay (SparseLoCo: 0.95)")
+    p.add_argument(
+        "--error-decay",
+        type=float,
+        default=None,
+        help="DiLoCo error feedback decay (SparseLoCo: 0.95) [the job's preset, else 1]",
+    )
     p.add_argument("--demo-compression", choices=VALUE_FORMATS, default="int2", help="DeMo's value format")
     p.add_argument("--demo-density", type=float, default=1 / 32, help="DeMo's share of each 64-element chunk")
     p.add_argument("--demo-decay", type=float, default=0.999, help="DeMo's momentum decay")
@@ -113,8 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--mixing", type=float, default=0.0, help="local weight when merging a fragment")
     p.add_argument("--no-check-state", action="store_true", help="skip the digest comparison after each sync")
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=None, help="[the job's preset, else 0.7]")
+    p.add_argument("--outer-momentum", type=float, default=None, help="[the job's preset, else 0.9]")
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, default=64)
@@ -210,15 +216,15 @@ def main(argv: list[str] | None = None) -> None:
             model,
             inner,
             sync_every=AUTO if args.sync_every is None else args.sync_every,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
+            outer_lr=AUTO if args.outer_lr is None else args.outer_lr,
+            outer_momentum=AUTO if args.outer_momentum is None else args.outer_momentum,
             compression=AUTO if args.compression is None else args.compression,
             fragments=AUTO if args.fragments is None else args.fragments,
             overlap=args.overlap,
             mixing=args.mixing,
             check_state=not args.no_check_state,
             density=AUTO if args.density is None else args.density,
-            error_decay=args.error_decay,
+            error_decay=AUTO if args.error_decay is None else args.error_decay,
         )
         if opt.resumed:
             r = opt.resumed
@@ -252,8 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(opt, DiLoCo):
             extra = (
                 f" sync_every={opt.sync_every} compression={opt.compression} fragments={opt.fragments} "
-                f"overlap={opt.overlap} mixing={opt.mixing} density={opt.density:.6g} "
-                f"preset={opt.preset or '-'}"
+                f"overlap={opt.overlap} mixing={opt.mixing} density={opt.density:.6g} outer_lr={opt.outer_lr:g} "
+                f"outer_momentum={opt.outer_momentum:g} error_decay={opt.error_decay:g} preset={opt.preset or '-'}"
             )
         elif isinstance(opt, DeMo):
             extra = (

@@ -197,6 +197,9 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self.command = getattr(self, "command", None)
             with contextlib.suppress(OSError):
                 self._send(Response.error(431, f"request head over {limit} bytes (request line and headers)"))
+            # The rest of the head is still on its way: closing on it would reset the connection, and the
+            # client could lose the 431 (seen under load: ENOTCONN on the client's shutdown).
+            self._drain()
 
     def log_message(self, fmt: str, *args) -> None:  # route through logging, never stderr
         log.debug("%s %s", self.server.client_id(self.request, self.client_address), fmt % args)

@@ -20,8 +20,9 @@ never averaged. Each step:
 3. their values are encoded (``compression``: "none" fp32, "bf16", "fp8", "fp4" or "int2") and what
    was sent, as the receivers will decode it, is *removed from the local momentum* (the decoupling: the
    rest keeps accumulating until it is large enough to be sent);
-4. every worker ``all_gather``s the positions (one byte each: chunk <= 256) and values, decodes all
-   contributions in rank order, averages them and takes them back by the inverse DCT;
+4. every worker ``all_gather``s the values and the positions (``log2(chunk)`` bits each, packed: 6 at
+   the default chunk of 64), decodes all contributions in rank order, averages them and takes them back
+   by the inverse DCT;
 5. the update is ``-lr * sign(average)`` (``sign=True``, DeMo's signum) or ``-lr * average``, plus
    decoupled weight decay ``p *= 1 - lr * weight_decay`` first.
 
@@ -30,13 +31,13 @@ start identical stay bit-identical on the same kind of device (construction comp
 broadcasts rank 0's parameters when they differ; every ``check_every`` steps the digests are compared
 again and a mismatch raises ``StateError`` naming the ranks). Where this differs from the reference:
 chunks are 1-D runs of the flattened tensor (the reference uses 2-D tiles of matrices, 64 x 64), the
-DCT is one matrix product per chunk, positions are one byte, and the average is a plain mean over
+DCT is one matrix product per chunk, positions are packed bits, and the average is a plain mean over
 workers (the reference's scatter "mean" averages only over the workers that sent a position; after
 ``sign`` both give the same update).
 
-Bytes: a step sends ``ceil(numel / chunk) * k`` positions plus the values; at the defaults (chunk 64,
-density 1/32, bf16 values) 0.094 bytes per parameter, 43x less than DDP's 4 (fp32 gradients);
-with int2 values 0.040 (101x). ``bytes_sent_total`` counts this worker's payload, ``ddp_equivalent_bytes``
+Bytes: a step sends the values plus ``ceil(numel / chunk) * k`` positions; at the defaults (chunk 64,
+density 1/32: 2 of every 64, bf16 values) 0.086 bytes per parameter, 47x less than DDP's 4 (fp32
+gradients); with int2 values 0.032 (126x). ``bytes_sent_total`` counts this worker's payload, ``ddp_equivalent_bytes``
 DDP's for the same steps, ``comm_blocked_s`` the time spent waiting for the all_gather.
 
 Memory: two extra fp32 copies of the model while a step runs (the selected coefficients and the
@@ -56,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.errors import StateError, UsageError
-from meshrun.train.compress import CODECS, dct_matrix
+from meshrun.train.compress import CODECS, dct_matrix, pack_bits, unpack_bits
 from meshrun.train.diloco import state_digest
 
 VALUE_FORMATS = ("none", "bf16", "fp8", "fp4", "int2")
@@ -110,7 +111,7 @@ class DeMo(torch.optim.Optimizer):
         lr: step size (> 0) of the signum update; also scales what enters the momentum.
         momentum_decay: beta in [0, 1) of ``m = beta * m + lr * grad`` (the paper uses 0.999).
         density: share of each chunk's DCT coefficients sent per step, in (0, 1].
-        chunk: elements per DCT chunk, 2..256 (positions are sent as one byte).
+        chunk: elements per DCT chunk, 2..256 (a chunk costs chunk^2 multiply-adds per step).
         compression: the values' format: "none" (fp32), "bf16", "fp8", "fp4" or "int2".
         sign: apply ``sign`` to the averaged update (DeMo's signum); False: use the average itself.
         weight_decay: decoupled weight decay (>= 0).
@@ -149,7 +150,7 @@ class DeMo(torch.optim.Optimizer):
             "chunk",
             isinstance(chunk, int) and not isinstance(chunk, bool) and 2 <= chunk <= 256,
             chunk,
-            "is not an integer in 2..256 (a position must fit one byte)",
+            "is not an integer in 2..256 (the DCT of a chunk costs chunk^2 per step)",
             "64",
         )
         _check(
@@ -176,6 +177,7 @@ class DeMo(torch.optim.Optimizer):
         self.momentum_decay = float(momentum_decay)
         self.density, self.chunk, self.compression = float(density), chunk, compression
         self.k = min(chunk, max(1, round(density * chunk)))
+        self._position_bits = (chunk - 1).bit_length()
         self.sign, self.check_every = bool(sign), check_every
         self.process_group = process_group
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -209,9 +211,9 @@ class DeMo(torch.optim.Optimizer):
 
     @property
     def payload_bytes_per_step(self) -> int:
-        """Bytes this worker contributes per step: positions plus encoded values."""
+        """Bytes this worker contributes per step: encoded values plus packed positions."""
         sent = sum(self._rows) * self.k
-        return sent + self._values.payload_bytes(sent)
+        return self._values.payload_bytes(sent) + math.ceil(sent * self._position_bits / 8)
 
     @property
     def ddp_equivalent_bytes(self) -> int:
@@ -263,7 +265,8 @@ class DeMo(torch.optim.Optimizer):
         idx, values, approx = self._select()
         total_rows = idx.shape[0]
         if self.world_size > 1:
-            mine = torch.cat([idx.view(-1), values]).to(self._comm_device)
+            # Values first: their block scales stay aligned for the receiver's view as bf16 / fp32.
+            mine = torch.cat([values, pack_bits(idx, self._position_bits)]).to(self._comm_device)
             gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
             work = dist.all_gather(gathered, mine, group=self.process_group, async_op=True)
             t = time.perf_counter()
@@ -272,11 +275,12 @@ class DeMo(torch.optim.Optimizer):
             self.last_step_bytes = mine.numel()
             self.bytes_sent_total += mine.numel()
             sent = total_rows * self.k
+            head = self._values.payload_bytes(sent)
             total = torch.zeros(total_rows, self.chunk, dtype=torch.float32, device=self._dct.device)
             for part in gathered:  # fixed rank order: the same sum on every worker
                 part = part.to(self._dct.device)
-                pos = part[:sent].long().view(total_rows, self.k)
-                vals = self._values.decode(part[sent:], sent).view(total_rows, self.k)
+                vals = self._values.decode(part[:head], sent).view(total_rows, self.k)
+                pos = unpack_bits(part[head:], self._position_bits, sent).view(total_rows, self.k)
                 total += torch.zeros_like(total).scatter_(1, pos, vals)
             average = total / self.world_size
         else:

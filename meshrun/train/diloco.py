@@ -44,8 +44,9 @@ Compression (the pseudo-gradient only; floating-point buffers travel in their ow
   bytes), ``"fp4"`` (FP4 E2M1 with a bf16 scale per 128 elements, 0.516 bytes per element),
   ``"int2"`` (four levels times the block's RMS, 0.266 bytes per element) and the sparse formats
   ``"sparse-int2"`` / ``"sparse-fp4"`` (SparseLoCo, arXiv 2508.15706: the ``density`` share of the
-  largest elements of every 256-element chunk, their positions as one byte each, their values in
-  int2 / fp4; 0.0198 bytes per element at the default density 1/64): see ``meshrun.train.compress``.
+  elements, the largest of each chunk (64 elements at the default density 1/64: one of each), their
+  positions in 6 bits, their values in int2 / fp4; 0.0159 bytes per element at 1/64): see
+  ``meshrun.train.compress``.
   All of them keep *error feedback*: this worker's residual ``x - dequant(quant(x))`` (for the
   sparse formats: everything not sent) is added to its next pseudo-gradient, so the error does not
   accumulate over syncs (the cumulative error stays within one rounding error). ``error_decay``
@@ -70,10 +71,12 @@ waiting for its syncs' collectives (what overlap hides; ``last_sync_blocked_s`` 
 the outer step, the snapshot).
 
 Presets (``meshrun train --compression auto|none|low|medium|high``, meshrun.core.presets): the job's
-workers get ``MESHRUN_DILOCO_SYNC_EVERY``, ``MESHRUN_DILOCO_FRAGMENTS``, ``MESHRUN_DILOCO_COMPRESSION``
-and ``MESHRUN_DILOCO_DENSITY``; every argument left at "auto" (``sync_every``, ``fragments``,
-``compression``, ``density``) takes the variable's value, else its default (H = DEFAULT_SYNC_EVERY,
-1 fragment, "none", 1/64). An explicit argument always wins. ``preset`` names the job's preset.
+workers get ``MESHRUN_DILOCO_SYNC_EVERY``, ``MESHRUN_DILOCO_FRAGMENTS``, ``MESHRUN_DILOCO_COMPRESSION``,
+``MESHRUN_DILOCO_DENSITY`` and, where the preset has its own outer step (``high``: SparseLoCo's),
+``MESHRUN_DILOCO_OUTER_LR``, ``MESHRUN_DILOCO_OUTER_MOMENTUM`` and ``MESHRUN_DILOCO_ERROR_DECAY``; every
+argument left at "auto" (``sync_every``, ``fragments``, ``compression``, ``density``, ``outer_lr``,
+``outer_momentum``, ``error_decay``) takes the variable's value, else its default (H = DEFAULT_SYNC_EVERY,
+1 fragment, "none", 1/64, 0.7, 0.9, 1). An explicit argument always wins. ``preset`` names the job's preset.
 
 Mixed accelerators (``meshrun train --mixed-accelerators``): CUDA, ROCm and CPU workers in one job.
 Every worker then creates a gloo group (``default_backend()``); with a gloo group and parameters on
@@ -156,6 +159,8 @@ from meshrun.train.sites import SiteGroups, all_gather_single
 AUTO = "auto"
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp8", "fp4", "int2", "sparse-fp4", "sparse-int2")
 DEFAULT_SYNC_EVERY = 100  # H when neither the script nor the job's preset gives one (the paper's low end)
+DEFAULT_OUTER_LR = 0.7  # the DiLoCo paper's outer Nesterov step
+DEFAULT_OUTER_MOMENTUM = 0.9
 BUCKET_NUMEL = 1 << 24  # elements per collective (64 MiB of fp32); bounds the temporary memory
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _STATE_FORMAT = "meshrun.train.diloco/1"
@@ -191,8 +196,9 @@ def _check_float(name: str, value: Any, lo: float, hi: float, hi_open: bool) -> 
 def preset_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """The DiLoCo settings the job's preset put in the environment (``meshrun train --compression``).
 
-    Keys among sync_every, fragments, compression, density, for the variables that are set
-    (meshrun.core.presets names them). Raises ``UsageError`` naming a variable whose value is invalid.
+    Keys among sync_every, fragments, compression, density, outer_lr, outer_momentum, error_decay, for the
+    variables that are set (meshrun.core.presets names them). Raises ``UsageError`` naming a variable whose
+    value is invalid.
     """
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
@@ -211,16 +217,24 @@ def preset_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
                 f"set it to one of {', '.join(COMPRESSIONS)}",
             )
         out["compression"] = env[presets.ENV_COMPRESSION]
-    if env.get(presets.ENV_DENSITY):
-        try:
-            density = float(env[presets.ENV_DENSITY])
-        except ValueError:
-            density = math.nan
-        if not 0 < density <= 1:
-            raise UsageError(
-                f"{presets.ENV_DENSITY}={env[presets.ENV_DENSITY]!r} is not in (0, 1]", "set it to e.g. 0.015625"
-            )
-        out["density"] = density
+    for key, var, lo, hi, example in (
+        ("density", presets.ENV_DENSITY, 0.0, 1.0, "0.015625"),
+        ("outer_lr", presets.ENV_OUTER_LR, 0.0, 10.0, "0.7"),
+        ("outer_momentum", presets.ENV_OUTER_MOMENTUM, -1.0, 1.0, "0.9"),
+        ("error_decay", presets.ENV_ERROR_DECAY, 0.0, 1.0, "0.95"),
+    ):
+        if env.get(var):
+            try:
+                value = float(env[var])
+            except ValueError:
+                value = math.nan
+            # (lo, hi], except momentum: [0, 1)
+            ok = 0 <= value < 1 if key == "outer_momentum" else lo < value <= hi
+            if not ok:
+                interval = "[0, 1)" if key == "outer_momentum" else f"({lo:g}, {hi:g}]"
+                fix = f"unset {var}, or set it to e.g. {example}"
+                raise UsageError(f"{var}={env[var]!r} is not in {interval}", fix)
+            out[key] = value
     return out
 
 
@@ -290,8 +304,11 @@ class DiLoCo:
         inner_optimizer: a ``torch.optim.Optimizer`` over (some of) ``model``'s parameters; only
             those parameters are synchronized (the others never change locally).
         sync_every: inner steps between two syncs of the same fragment (H >= 1; a multiple of ``fragments``).
-        outer_lr: learning rate of the outer SGD (> 0; the paper uses 0.7).
-        outer_momentum: its momentum in [0, 1); Nesterov when > 0 (the paper uses 0.9).
+        outer_lr: learning rate of the outer SGD (> 0; the paper uses 0.7); "auto": the job's preset, else 0.7.
+        outer_momentum: its momentum in [0, 1); Nesterov when > 0 (the paper uses 0.9); "auto": the job's
+            preset, else 0.9.
+        error_decay: beta in (0, 1], the carried residual's weight (quantized and sparse formats); "auto":
+            the job's preset, else 1.
         compression: pseudo-gradient wire format: "none" (fp32), "fp16", "bf16", "int8", "fp4" or "int2".
         process_group: group to average over; default: the default group if
             ``torch.distributed`` is initialized, else none (world size 1, no communication).
@@ -316,8 +333,8 @@ class DiLoCo:
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         sync_every: int | str = AUTO,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float | str = AUTO,
+        outer_momentum: float | str = AUTO,
         compression: str = AUTO,
         process_group: Any = None,
         fragments: int | str = AUTO,
@@ -327,7 +344,7 @@ class DiLoCo:
         snapshot_dir: str | os.PathLike | None = AUTO,
         sites: SiteGroups | None = None,
         density: float | str = AUTO,
-        error_decay: float = 1.0,
+        error_decay: float | str = AUTO,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UsageError(f"model={type(model).__name__} is not a torch.nn.Module", "pass the model being trained")
@@ -354,6 +371,10 @@ class DiLoCo:
         compression = preset.get("compression", "none") if compression == AUTO else compression
         fragments = preset.get("fragments", 1) if fragments == AUTO else fragments
         density = preset.get("density", DEFAULT_DENSITY) if density == AUTO else density
+        outer_lr = preset.get("outer_lr", DEFAULT_OUTER_LR) if outer_lr == AUTO else outer_lr
+        if outer_momentum == AUTO:
+            outer_momentum = preset.get("outer_momentum", DEFAULT_OUTER_MOMENTUM)
+        error_decay = preset.get("error_decay", 1.0) if error_decay == AUTO else error_decay
         self.sync_every = _check_int("sync_every", sync_every, 1)
         self.outer_lr = _check_float("outer_lr", outer_lr, 0.0, math.inf, hi_open=False)
         self.outer_momentum = _check_float("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)

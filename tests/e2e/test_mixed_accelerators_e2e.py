@@ -104,7 +104,7 @@ def test_a_diloco_job_mixes_builds_with_a_warning_and_a_ddp_job_is_still_refused
             "--compression",
             "high",
             "--env",
-            "MESHRUN_DILOCO_SYNC_EVERY=4",  # the user's value wins over the preset's H = 50
+            "MESHRUN_DILOCO_SYNC_EVERY=4",  # the user's value wins over the preset's H = 20
             "diloco_charlm.py",
             *SCRIPT_ARGS,
         )
@@ -117,9 +117,11 @@ def test_a_diloco_job_mixes_builds_with_a_warning_and_a_ddp_job_is_still_refused
         assert re.search(r"^meshrun: dc3-a +3\.\d+\.\d+ +2\.\d+\.\d+\S* +CUDA 12\.8", res.stderr, re.M), res.stderr
         assert "warning(s), the job goes on" in res.stderr
         # the preset was printed at submission and at the job's start, and reached the DiLoCo helper
-        assert "meshrun: compression high: DiLoCo H=50, sparse-int2" in res.stderr
+        assert "meshrun: compression high: DiLoCo H=20, sparse-int2" in res.stderr
         start = re.search(r"\] start mode=diloco world_size=2 .*$", res.stdout, re.M)
         assert start and "sync_every=4 compression=sparse-int2" in start.group(0) and "preset=high" in start.group(0)
+        # with SparseLoCo's outer step, which the preset carries too
+        assert "outer_lr=1 outer_momentum=0 error_decay=0.95 " in start.group(0), start.group(0)
         # both workers end on the same global model (the state check compared every sync on the way)
         sums = dict(re.findall(r"param_checksum rank=(\d) sync=\d+ digest=([0-9a-f]{16})", res.stdout))
         assert set(sums) == {"0", "1"} and len(set(sums.values())) == 1, res.stdout[-3000:]

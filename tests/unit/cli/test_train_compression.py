@@ -73,7 +73,7 @@ def test_auto_chooses_from_the_latest_bench_result_and_the_model_size(run):
     )
     assert "10M parameters, 2 workers" in small.stdout and "MESHRUN_DILOCO_COMPRESSION=bf16" in small.stdout
     big = invoke("--compression", "auto", "--model-size", "1.3B", "train.py")
-    assert "# compression auto -> high: DiLoCo H=50, sparse-int2" in big.stdout
+    assert "# compression auto -> high: DiLoCo H=20, sparse-int2" in big.stdout
     assert "MESHRUN_DILOCO_DENSITY=0.015625" in big.stdout
 
 

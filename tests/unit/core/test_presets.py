@@ -27,7 +27,10 @@ def test_wire_bytes_follow_the_collective():
     # all_reduce: 2(n-1)/n of the payload leaves each worker; all_gather: (n-1) payloads
     assert Preset("x", 1, 1, "bf16").wire_per_param(4) == pytest.approx(2 * 2 * 3 / 4)
     assert Preset("x", 1, 1, "fp4").wire_per_param(4) == pytest.approx(0.516 * 3)
-    assert Preset("x", 1, 1, "sparse-int2", 1 / 64).payload_per_param() == pytest.approx((1 + 0.25 + 2 / 128) / 64)
+    # one of every 64: a 6-bit position, 2 bits of value, a bf16 scale per 128 values
+    assert Preset("x", 1, 1, "sparse-int2", 1 / 64).payload_per_param() == pytest.approx((0.75 + 0.25 + 2 / 128) / 64)
+    # one of every 1024 (the power of two nearest 1 / density): 10-bit positions
+    assert Preset("x", 1, 1, "sparse-fp4", 1 / 1000).payload_per_param() == pytest.approx((1.25 + 0.5 + 2 / 128) / 1024)
     assert Preset("x", 1, 1, "none").wire_per_param(1) == 0
 
 
@@ -65,7 +68,7 @@ def test_auto_takes_the_least_compression_that_keeps_syncs_under_the_stated_frac
     choice = decide("auto", link, params, 3)
     assert choice.preset == PRESETS[expected], choice.reason
     assert link.what in choice.reason and "3 workers" in choice.reason
-    if expected == "high" and _sync_s("high", params, 3, link) > SYNC_FRACTION * 50:
+    if expected == "high" and _sync_s("high", params, 3, link) > SYNC_FRACTION * PRESETS["high"].sync_every:
         assert "even high" in choice.reason and "expect the syncs to slow training down" in choice.reason
     else:
         assert "at most 5%" in choice.reason and "assumed" in choice.reason
@@ -141,13 +144,24 @@ def test_a_preset_reaches_the_workers_as_variables_and_the_choice_round_trips():
     p = PRESETS["high"]
     assert p.env() == {
         "MESHRUN_DILOCO_PRESET": "high",
-        "MESHRUN_DILOCO_SYNC_EVERY": "50",
+        "MESHRUN_DILOCO_SYNC_EVERY": "20",
         "MESHRUN_DILOCO_FRAGMENTS": "1",
         "MESHRUN_DILOCO_COMPRESSION": "sparse-int2",
         "MESHRUN_DILOCO_DENSITY": "0.015625",
+        # SparseLoCo's outer step: the decayed error feedback plays the momentum
+        "MESHRUN_DILOCO_OUTER_LR": "1.0",
+        "MESHRUN_DILOCO_OUTER_MOMENTUM": "0.0",
+        "MESHRUN_DILOCO_ERROR_DECAY": "0.95",
     }
-    assert "MESHRUN_DILOCO_DENSITY" not in PRESETS["medium"].env()
+    assert not {"MESHRUN_DILOCO_DENSITY", "MESHRUN_DILOCO_OUTER_LR"} & set(PRESETS["medium"].env())
+    assert Preset.from_dict(p.to_dict()) == p
     choice = decide("auto", None, None, 3)
     assert Choice.from_dict(choice.to_dict()) == choice
     assert choice.line().startswith("compression auto -> medium: DiLoCo H=50, 2 fragments, fp4 (no `meshrun bench`")
-    assert decide("high", None, None, 3).line().startswith("compression high: DiLoCo H=50, sparse-int2 (density")
+    assert (
+        decide("high", None, None, 3)
+        .line()
+        .startswith(
+            "compression high: DiLoCo H=20, sparse-int2 (density 1/64), outer lr 1, momentum 0, error decay 0.95 ("
+        )
+    )

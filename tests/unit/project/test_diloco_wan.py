@@ -43,23 +43,28 @@ def test_tuning_keeps_the_lowest_tuning_loss_and_never_reads_the_test_loss():
 
 
 def test_the_tuning_phase_tunes_ddp_first_and_keeps_no_test_loss(monkeypatch):
-    args = dw.parse_args(["--variants", "ddp,local,sparse_int2,demo_ddp", "--tune-lr", "3e-3,7e-3"])
+    args = dw.parse_args(
+        ["--variants", "ddp,local,sparse_int2,demo_ddp", "--tune-lr", "3e-3,7e-3"]
+        + ["--tune-h", "20,30", "--tune-outer", "0.8:0.5,1.0:0", "--tune-inner-lr", "ddp,5e-3,7e-3"]
+    )
     seen = []
 
     def fake_run(target, args, variant, params):
         seen.append((variant, dict(params)))
         loss = {3e-3: 0.5, 7e-3: 0.4}.get(params.get("lr"), 0.3) if variant == "ddp" else 0.3 + params.get("lr", 0)
         if variant == "sparse_int2":
-            loss = 0.3 if params["sync_every"] == 50 and params["outer_momentum"] == 0 else 0.35
+            loss = 0.3 if params["sync_every"] == 30 and params["outer_momentum"] == 0 else 0.35
+            loss -= 0.01 if params["lr"] == 5e-3 else 0
         return {"params": params, "tune_loss": loss, "test_loss": 0.0, "payload_bytes_per_worker": 10, "exit_code": 0}
 
     monkeypatch.setattr(dw, "run_variant", fake_run)
     tuning = dw.tune(args)
     assert seen[0][0] == "ddp" and tuning["chosen"]["ddp"] == {"lr": 7e-3}
-    assert all(p["lr"] == 7e-3 for v, p in seen if v == "sparse_int2")  # inner lr: DDP's choice
-    assert len([v for v, _ in seen if v == "sparse_int2"]) == 4  # H (20, 50) x outer (2)
-    assert tuning["chosen"]["sparse_int2"] == {"sync_every": 50, "outer_lr": 1.0, "outer_momentum": 0.0, "lr": 7e-3}
-    assert tuning["chosen"]["local"] == {"lr": 7e-3} and tuning["chosen"]["demo_ddp"] == {"lr": 3e-4}
+    # inner lr: DDP's choice (7e-3) and 5e-3; the grid's own 7e-3 is the same run as DDP's, run once
+    assert sorted({p["lr"] for v, p in seen if v == "sparse_int2"}) == [5e-3, 7e-3]
+    assert len([v for v, _ in seen if v == "sparse_int2"]) == 8  # H (20, 30) x outer (2) x inner lr (2)
+    assert tuning["chosen"]["sparse_int2"] == {"sync_every": 30, "outer_lr": 1.0, "outer_momentum": 0.0, "lr": 5e-3}
+    assert tuning["chosen"]["local"] == {"lr": 7e-3} and tuning["chosen"]["demo_ddp"] == {"lr": 1e-3}
     assert not any("test_loss" in r for runs in tuning["runs"].values() for r in runs)
 
 
@@ -167,10 +172,25 @@ def test_the_generated_table_reads_the_new_format():
     assert "No wall-time verdict: the no-communication run's rounds spread 29%" in table
     assert "held-out loss vs DDP" in table and "(DDP: 0.3000)" in table
     row = next(line for line in table.splitlines() if line.startswith("| sparse_int2"))
-    assert "| H=50, outer 1/0 | 2570x fewer (5296x payload) | 1.017x | 0.9% of the loop (0.8%-1.1%), 120 ms" in row
+    assert "| H=50, outer 1/0, inner lr 0.005 | 2570x fewer (5296x payload) | 1.017x | 0.9% of the loop" in row
+    assert "(0.8%-1.1%), 120 ms" in row
     assert "1.02x (1.01-1.03) / 1.02x (1.01-1.03)" in row and "bytes met, loss met, blocked met, wall no verdict" in row
     what, result = rf.diloco_wan(d)
     assert result.startswith("sparse_int2: 2570x fewer bytes than DDP, held-out loss 1.017x DDP's, 0.9% of the loop")
+    assert "(every target met)" in result
+    # A variant that meets the loss target heads the line; the one that saves the most bytes follows when it
+    # is another, with the targets it missed.
+    d["comparison"]["sparse_int2"]["targets"]["loss"]["met"] = False
+    d["comparison"]["demo_ddp"] = {
+        "wire_bytes_ratio": 79.0,
+        "payload_bytes_ratio": 126.0,
+        "loss_ratio": 1.014,
+        "blocked_share": 0.157,
+        "targets": {"bytes": {"met": False}, "loss": {"met": True}, "blocked": {"met": False}},
+    }
+    what, result = rf.diloco_wan(d)
+    assert result.startswith("demo_ddp: 79x fewer bytes than DDP, held-out loss 1.014x DDP's, 15.7% of the loop")
+    assert "(missed: bytes, blocked); sparse_int2: 2570x fewer bytes" in result and "(missed: loss)" in result
 
 
 def test_every_measured_run_gets_a_project_of_its_own():

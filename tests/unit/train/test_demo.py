@@ -90,11 +90,12 @@ def test_bytes_per_step_are_positions_and_values() -> None:
     for comp, value_bytes in (("none", lambda n: 4 * n), ("bf16", lambda n: 2 * n), ("int2", None), ("fp8", None)):
         opt = DeMo(model.parameters(), density=1 / 32, compression=comp)
         sent = (16 + 1) * 2
-        expected = sent + (value_bytes(sent) if value_bytes else opt._values.payload_bytes(sent))
+        positions = math.ceil(sent * 6 / 8)  # 6 bits each in a chunk of 64, packed
+        expected = positions + (value_bytes(sent) if value_bytes else opt._values.payload_bytes(sent))
         assert opt.payload_bytes_per_step == expected
     opt = DeMo(model.parameters(), density=1 / 32, compression="int2")
-    assert opt.payload_bytes_per_step == 34 + math.ceil(34 / 4) + 2 and opt.ddp_equivalent_bytes == 0
-    assert 4 * opt.numel / opt.payload_bytes_per_step > 85  # int2 values: ~90-100x fewer bytes than DDP
+    assert opt.payload_bytes_per_step == 26 + math.ceil(34 / 4) + 2 and opt.ddp_equivalent_bytes == 0
+    assert 4 * opt.numel / opt.payload_bytes_per_step > 100  # int2 values: ~110-125x fewer bytes than DDP
 
 
 @pytest.mark.parametrize(

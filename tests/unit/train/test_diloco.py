@@ -33,13 +33,16 @@ from meshrun.train.compress import (
     FP8_BLOCK,
     INT2_BLOCK,
     INT8_CHUNK,
+    SparseCodec,
     dequantize_fp4,
     dequantize_int2,
     dequantize_int8,
     make_codec,
+    pack_bits,
     quantize_fp4,
     quantize_int2,
     quantize_int8,
+    unpack_bits,
 )
 from meshrun.train.diloco import AUTO, DiLoCo, _balanced_fragments, state_digest
 
@@ -955,9 +958,10 @@ def test_every_format_ends_bit_identical_on_every_worker(world: int, world2: lis
         dense = sum(float((exact[k] - start[k]).abs().sum()) for k in start)
         assert 0 < moved < dense, (comp, moved, dense)
         assert res[comp]["last"] == make_codec(comp).payload_bytes(NUMEL)
-    k = 4  # the default density, 1/64 of each 256-element chunk
-    rows = math.ceil(NUMEL / 256)
-    assert res["sparse-int2"]["last"] == rows * k + math.ceil(rows * k / 4) + 2 * math.ceil(rows * k / INT2_BLOCK)
+    sent = math.ceil(NUMEL / 64)  # the default density: the largest of every 64 elements
+    # int2 values (4 a byte), a bf16 scale per 128 values, 6-bit positions
+    expected = math.ceil(sent / 4) + 2 * math.ceil(sent / INT2_BLOCK) + math.ceil(sent * 6 / 8)
+    assert res["sparse-int2"]["last"] == expected
     assert res["sparse-int2"]["last"] < res["int2"]["last"] / 8
 
 
@@ -1109,16 +1113,31 @@ def _single_errors(
     return errors
 
 
+def _biased(t: int, rank: int) -> torch.Tensor:
+    """`_eps_grad` without its outlier: every element a bias of 0.002-0.0035 per sync."""
+    x = _eps_grad(t, rank)
+    x[0] = 0.002
+    return x
+
+
 def test_sparse_error_feedback_sends_every_element_eventually() -> None:
-    # 301 elements in 2 chunks, 4 positions per chunk and sync: the 0.002-0.0035 bias of the 299 small
-    # elements builds up until each is among the 4 largest of its chunk (every ~64 syncs), then it is sent.
-    with_ef, without = _single_errors(400, True), _single_errors(400, False)
+    # 301 elements in 5 chunks of 64, one position per chunk and sync: the 0.002-0.0035 bias of each
+    # element builds up until it is the largest of its chunk (every ~64 syncs), then it is sent.
+    with_ef, without = _single_errors(400, True, stream=_biased), _single_errors(400, False, stream=_biased)
     per_sync = 0.0035
-    bound = 2 * (256 / 4) * per_sync  # at most ~64 syncs' worth waits, plus int2's rounding of it
+    bound = 2 * 64 * per_sync  # at most ~64 syncs' worth waits, plus int2's rounding of it
     assert max(with_ef[-100:]) <= bound, max(with_ef[-100:])
     assert max(with_ef[-100:]) <= 1.2 * max(with_ef[100:300])  # not growing
     # Without feedback the unsent bias is lost for good: the error grows with every sync.
     assert without[-1] > 400 * 0.002 * 0.8 and without[-1] > 3 * max(with_ef[-100:])
+
+
+def test_sparse_error_feedback_is_bounded_beside_a_hot_element() -> None:
+    # Element 0 gets +-1 every sync and wins its chunk until its neighbours' carried bias outgrows it:
+    # they wait longer (up to ~1 / 0.002 syncs), but they are sent, and the error stops growing there.
+    with_ef, without = _single_errors(1200, True), _single_errors(1200, False)
+    assert max(with_ef[-200:]) <= 1.2 * max(with_ef[600:1000]) and max(with_ef) < 2.0
+    assert without[-1] > 1200 * 0.002 * 0.8 > 2 * max(with_ef)
 
 
 def test_error_decay_scales_the_carried_residual() -> None:
@@ -1157,18 +1176,42 @@ def test_fp8_round_trip_error_is_within_half_a_mantissa_step(n: int, scale: floa
     assert bool(((approx - x).abs() <= tol).all())
 
 
-def test_sparse_codec_sends_the_largest_of_each_chunk_with_byte_positions() -> None:
+def test_sparse_codec_sends_the_largest_of_each_chunk() -> None:
     x = torch.zeros(600)
     x[[3, 77, 200, 255]] = torch.tensor([5.0, -4.0, 3.0, -6.0])  # chunk 0's four largest
     x[256 + 10] = 9.0  # chunk 1
     x[512 + 87] = -6.0  # chunk 2 (88 elements: padded)
-    codec = make_codec("sparse-fp4", density=4 / 256)
+    codec = SparseCodec(CODECS["fp4"], density=4 / 256, chunk=256)
     payload, approx = codec.encode(x)
-    assert codec.k == 4 and payload.numel() == codec.payload_bytes(600)
-    assert payload[:4].tolist() == [3, 77, 200, 255] and 10 in payload[4:8].tolist()
+    assert (codec.k, codec.position_bits) == (4, 8) and payload.numel() == codec.payload_bytes(600)
+    # values first (12 fp4 codes and a bf16 scale), then the positions, one byte each at chunk 256
+    assert payload[-12:-8].tolist() == [3, 77, 200, 255] and 10 in payload[-8:-4].tolist()
     assert torch.equal(codec.decode(payload, 600), approx)
     assert set(approx.nonzero().view(-1).tolist()) == {3, 77, 200, 255, 266, 599}
     torch.testing.assert_close(approx[[3, 77, 200, 255, 266, 599]], x[[3, 77, 200, 255, 266, 599]], rtol=0.2, atol=0)
+
+
+def test_sparse_default_sends_one_of_every_64_with_a_6_bit_position() -> None:
+    codec = make_codec("sparse-int2")  # density 1/64
+    assert (codec.chunk, codec.k, codec.position_bits) == (64, 1, 6)
+    x = torch.zeros(64 * 5)  # an odd number of chunks: the values' bf16 scales must still be readable
+    x[[5, 64 + 63, 128, 192 + 30, 256 + 1]] = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0])
+    x[[6, 130]] = 0.5  # smaller than their chunk's largest: not sent
+    payload, approx = codec.encode(x)
+    # 5 int2 values (2 bytes) + one bf16 scale (2 bytes) + 5 x 6 bits of positions (4 bytes)
+    assert payload.numel() == codec.payload_bytes(x.numel()) == 8
+    assert set(approx.nonzero().view(-1).tolist()) == {5, 127, 128, 222, 257}
+    assert torch.equal(codec.decode(payload.clone(), x.numel()), approx)
+    assert make_codec("sparse-int2", 1 / 1000).position_bits == 10  # chunk 1024: the power of two nearest
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 16), n=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_packed_positions_round_trip(bits: int, n: int, seed: int) -> None:
+    values = torch.randint(0, 1 << bits, (n,), generator=torch.Generator().manual_seed(seed))
+    packed = pack_bits(values, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n * bits / 8)
+    assert torch.equal(unpack_bits(packed, bits, n), values)
 
 
 def test_preset_bytes_per_parameter_match_the_codecs() -> None:
@@ -1180,14 +1223,23 @@ def test_preset_bytes_per_parameter_match_the_codecs() -> None:
 
 
 def test_the_jobs_preset_fills_what_the_script_leaves_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var, value in presets.Preset("high", 8, 2, "sparse-int2", 1 / 32).env().items():
+    preset = presets.Preset("high", 8, 2, "sparse-int2", 1 / 32, outer_lr=1.0, outer_momentum=0.0, error_decay=0.95)
+    for var, value in preset.env().items():
         monkeypatch.setenv(var, value)
     model = _mlp(0)
     opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert (opt.sync_every, opt.fragments, opt.compression, opt.density) == (8, 2, "sparse-int2", 1 / 32)
+    assert (opt.outer_lr, opt.outer_momentum, opt.error_decay) == (1.0, 0.0, 0.95)
     assert opt.preset == "high"
-    explicit = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4, compression="fp4")
+    explicit = DiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4, compression="fp4", outer_momentum=0.5
+    )
     assert (explicit.sync_every, explicit.fragments, explicit.compression) == (4, 2, "fp4")
+    assert (explicit.outer_lr, explicit.outer_momentum) == (1.0, 0.5)
+    monkeypatch.setenv(presets.ENV_OUTER_MOMENTUM, "1.5")
+    with pytest.raises(UsageError, match=r"MESHRUN_DILOCO_OUTER_MOMENTUM='1.5' is not in \[0, 1\)"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    monkeypatch.delenv(presets.ENV_OUTER_MOMENTUM)
     monkeypatch.setenv(presets.ENV_COMPRESSION, "int4")
     with pytest.raises(UsageError, match="MESHRUN_DILOCO_COMPRESSION='int4' is not a DiLoCo compression"):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -1200,6 +1252,9 @@ def test_the_jobs_preset_fills_what_the_script_leaves_to_it(monkeypatch: pytest.
 def test_without_a_preset_auto_means_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in (presets.ENV_SYNC_EVERY, presets.ENV_FRAGMENTS, presets.ENV_COMPRESSION, presets.ENV_DENSITY):
         monkeypatch.delenv(var, raising=False)
+    for var in (presets.ENV_OUTER_LR, presets.ENV_OUTER_MOMENTUM, presets.ENV_ERROR_DECAY):
+        monkeypatch.delenv(var, raising=False)
     model = _mlp(0)
     opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=AUTO)
     assert (opt.sync_every, opt.fragments, opt.compression, opt.preset) == (100, 1, "none", "")
+    assert (opt.outer_lr, opt.outer_momentum, opt.error_decay) == (0.7, 0.9, 1.0)
