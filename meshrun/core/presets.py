@@ -62,6 +62,12 @@ def sparse_chunk(density: float) -> int:
     return min(SPARSE_CHUNK_MAX, max(SPARSE_CHUNK_MIN, 1 << max(0, exponent)))
 
 
+def chunk_selection(density: float, chunk: int) -> tuple[int, int]:
+    """What a top-k chunk sends (the sparse formats, and DeMo's DCT chunks): ``(k, position_bits)``, the
+    ``round(density * chunk)`` largest values (at least 1) and the bits that pack one position in the chunk."""
+    return min(chunk, max(1, round(density * chunk))), (chunk - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class Preset:
     """One DiLoCo configuration a job's workers get through the environment."""
@@ -81,8 +87,7 @@ class Preset:
         if self.compression in _SPARSE_VALUE_BITS:
             density = self.density or 0.0
             chunk = sparse_chunk(density)
-            k = max(1, round(density * chunk))  # what is sent per chunk
-            position_bits = (chunk - 1).bit_length()
+            k, position_bits = chunk_selection(density, chunk)
             # per value sent: its position, its bits, a bf16 scale per 128 values
             return k / chunk * ((position_bits + _SPARSE_VALUE_BITS[self.compression]) / 8 + 2 / 128)
         return _PAYLOAD[self.compression]

@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 import torch
 
-from meshrun.core.presets import SPARSE_CHUNK_MAX, sparse_chunk
+from meshrun.core.presets import SPARSE_CHUNK_MAX, chunk_selection, sparse_chunk
 
 INT8_CHUNK = 2048  # elements per int8 scale: 4 bytes of scale per 2048 bytes of payload (0.2 %)
 FP4_BLOCK = 128  # elements per fp4 scale: 2 bytes of scale per 64 bytes of codes (3 %)
@@ -258,8 +258,7 @@ class SparseCodec:
         if not 2 <= chunk <= SPARSE_CHUNK_MAX:
             raise ValueError(f"chunk {chunk} is outside 2..{SPARSE_CHUNK_MAX} (positions up to 16 bits)")
         self.values, self.chunk, self.density = values, chunk, density
-        self.k = min(chunk, max(1, round(density * chunk)))
-        self.position_bits = (chunk - 1).bit_length()
+        self.k, self.position_bits = chunk_selection(density, chunk)
 
     def _rows(self, n: int) -> int:
         return max(1, math.ceil(n / self.chunk))

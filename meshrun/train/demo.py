@@ -56,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshrun.core.presets import chunk_selection
 from meshrun.errors import StateError, UsageError
 from meshrun.train.compress import CODECS, dct_matrix, pack_bits, unpack_bits
 from meshrun.train.diloco import state_digest
@@ -176,8 +177,7 @@ class DeMo(torch.optim.Optimizer):
             )
         self.momentum_decay = float(momentum_decay)
         self.density, self.chunk, self.compression = float(density), chunk, compression
-        self.k = min(chunk, max(1, round(density * chunk)))
-        self._position_bits = (chunk - 1).bit_length()
+        self.k, self._position_bits = chunk_selection(density, chunk)
         self.sign, self.check_every = bool(sign), check_every
         self.process_group = process_group
         self._distributed = dist.is_available() and dist.is_initialized()

@@ -217,21 +217,20 @@ def preset_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
                 f"set it to one of {', '.join(COMPRESSIONS)}",
             )
         out["compression"] = env[presets.ENV_COMPRESSION]
-    for key, var, lo, hi, example in (
-        ("density", presets.ENV_DENSITY, 0.0, 1.0, "0.015625"),
-        ("outer_lr", presets.ENV_OUTER_LR, 0.0, 10.0, "0.7"),
-        ("outer_momentum", presets.ENV_OUTER_MOMENTUM, -1.0, 1.0, "0.9"),
-        ("error_decay", presets.ENV_ERROR_DECAY, 0.0, 1.0, "0.95"),
+    # hi_open: [lo, hi), else (lo, hi], as _check_float
+    for key, var, lo, hi, hi_open, example in (
+        ("density", presets.ENV_DENSITY, 0.0, 1.0, False, "0.015625"),
+        ("outer_lr", presets.ENV_OUTER_LR, 0.0, 10.0, False, "0.7"),
+        ("outer_momentum", presets.ENV_OUTER_MOMENTUM, 0.0, 1.0, True, "0.9"),
+        ("error_decay", presets.ENV_ERROR_DECAY, 0.0, 1.0, False, "0.95"),
     ):
         if env.get(var):
             try:
                 value = float(env[var])
             except ValueError:
                 value = math.nan
-            # (lo, hi], except momentum: [0, 1)
-            ok = 0 <= value < 1 if key == "outer_momentum" else lo < value <= hi
-            if not ok:
-                interval = "[0, 1)" if key == "outer_momentum" else f"({lo:g}, {hi:g}]"
+            if not (lo <= value < hi if hi_open else lo < value <= hi):
+                interval = f"[{lo:g}, {hi:g})" if hi_open else f"({lo:g}, {hi:g}]"
                 fix = f"unset {var}, or set it to e.g. {example}"
                 raise UsageError(f"{var}={env[var]!r} is not in {interval}", fix)
             out[key] = value
