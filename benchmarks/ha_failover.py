@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -115,8 +116,9 @@ def steps_seen(state: StateDir, job: str) -> list[tuple[float, str, int]]:
     return sorted(out)
 
 
-def recovery(state: StateDir, job: str, lost_at: float, timeout: float = 300) -> float:
+def recovery(mesh: Mesh, on: str, job: str, lost_at: float, timeout: float = 300) -> float:
     """Seconds from `lost_at` to the arrival of the second outer step beyond the last that arrived before it."""
+    state = StateDir(mesh.state_dir(mesh.world.node(on)))
     before = max((s for t, _, s in steps_seen(state, job) if t <= lost_at), default=0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -124,7 +126,7 @@ def recovery(state: StateDir, job: str, lost_at: float, timeout: float = 300) ->
         if after:
             return min(after) - lost_at
         time.sleep(0.5)
-    raise SystemExit(f"no progress within {timeout:.0f} s of the loss")
+    raise SystemExit(f"no progress within {timeout:.0f} s of the loss\n{mesh.diagnose(on, job)}")
 
 
 def outer_interval(state: StateDir, job: str) -> float:
@@ -152,6 +154,32 @@ def leading_coordinator(mesh: Mesh) -> str | None:
     return next((node_of(r["name"]) for r in coordinator_rows(mesh, COORDS[0]) if r["role"] == "leader"), None)
 
 
+def settle(mesh: Mesh, timeout: float = 180) -> float:
+    """Wait until the promotions have settled: every coordinator lists all three with one leader and every
+    node reaches every other over the overlay (through its relay). Returns the seconds it took."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            rows = [coordinator_rows(mesh, c) for c in COORDS]
+            ready = all(
+                sorted(r["role"] for r in rs) == ["follower", "follower", "leader"]
+                and {r["etcd"] for r in rs} == {"ok"}
+                for rs in rows
+            )
+        except (json.JSONDecodeError, OSError, subprocess.SubprocessError) as exc:  # a daemon restarting
+            rows, ready = exc, False
+        if ready:
+            break
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"the coordinators did not settle within {timeout:.0f} s: {rows}")
+        time.sleep(1)
+    for a in NODES:
+        for b in NODES:
+            if a != b:
+                mesh.wait_ping(a, mesh.overlay_ip(b), timeout=max(10, timeout - (time.monotonic() - t0)))
+    return time.monotonic() - t0
+
+
 def wait_record(mesh: Mesh, on: str, job: str, timeout: float = 600) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -160,7 +188,7 @@ def wait_record(mesh: Mesh, on: str, job: str, timeout: float = 600) -> dict:
         if rec.get("state") in ("succeeded", "failed", "cancelled", "lost"):
             return rec
         time.sleep(3)
-    raise SystemExit(f"job {job} did not end within {timeout:.0f} s")
+    raise SystemExit(f"job {job} did not end within {timeout:.0f} s\n{mesh.diagnose(on, job)}")
 
 
 def one_round(r: int, kind: str, seconds: float, steps: int, name: str) -> dict:
@@ -177,7 +205,8 @@ def one_round(r: int, kind: str, seconds: float, steps: int, name: str) -> dict:
         for n in COORDS[1:]:
             mesh.meshrun("dc1-a", "coordinator", "add", n, "--endpoint", str(world.node(n).public_ip), timeout=300)
         count_etcd_bytes(mesh)
-        time.sleep(10)  # the promotions settle (daemons restarted, agents resynced)
+        settled = settle(mesh)
+        print(f"round {r}: the three coordinators settled in {settled:.0f} s", flush=True)
         idle = window(mesh, seconds)
         lose = (relaying_coordinator(mesh) if kind == "relay" else leading_coordinator(mesh)) or COORDS[0]
         watch = next(n for n in COORDS if n != lose)
@@ -187,11 +216,12 @@ def one_round(r: int, kind: str, seconds: float, steps: int, name: str) -> dict:
         args += ["--batch-size", "8", "--seq-len", "32", "--val-batches", "2", "--threads", "1"]
         mesh.meshrun(lose, "train", "--project", job, *args, cwd=ROOT / "examples", timeout=300)
         state_w = StateDir(mesh.state_dir(world.node(watch)))
-        deadline = time.monotonic() + 240
+        started = time.monotonic()
         while max((s for _, _, s in steps_seen(state_w, job)), default=0) < 3:
-            if time.monotonic() > deadline:
-                raise SystemExit("the job made no progress")
+            if time.monotonic() > started + 240:
+                raise SystemExit(f"the job made no progress in 240 s\n{mesh.diagnose(watch, job)}")
             time.sleep(1)
+        print(f"round {r}: outer step 3 seen {time.monotonic() - started:.0f} s after the start", flush=True)
         busy = window(mesh, seconds / 2)
         pairs = {frozenset((p["a"], p["b"])): p for p in mesh.status(watch)["pairs"]}
         relays_before = sorted({node_of(p.get("relay")) or "-" for p in pairs.values()})
@@ -199,7 +229,7 @@ def one_round(r: int, kind: str, seconds: float, steps: int, name: str) -> dict:
         interval = outer_interval(state_w, job)
         lost = time.time()
         world.lose(lose)
-        coordinator_s = recovery(state_w, job, lost)
+        coordinator_s = recovery(mesh, watch, job, lost)
         print(
             f"round {r} ({kind}): progress {coordinator_s:.1f} s after {lose}'s loss "
             f"(outer step every {interval:.1f} s)",
@@ -208,7 +238,7 @@ def one_round(r: int, kind: str, seconds: float, steps: int, name: str) -> dict:
         time.sleep(10)
         lost = time.time()
         world.lose(NODES[-1])
-        node_s = recovery(state_w, job, lost)
+        node_s = recovery(mesh, watch, job, lost)
         print(f"round {r}: progress {node_s:.1f} s after a node's loss", flush=True)
         rec = wait_record(mesh, watch, job)
         res = mesh.meshrun(watch, "logs", job, check=False, timeout=120)

@@ -84,6 +84,10 @@ class JobControl:
         self.rec = state.read_json("member.json")
         self.client = None  # the etcd client of the replicated jobs' watch (several coordinators)
         self.settled: set[str] = set()  # replicated jobs known to have ended
+        # Jobs this daemon is starting: in etcd already, their supervisor not yet holding its lock. The standby
+        # pass must leave them alone, or its standby may take the lock first and the submission fail.
+        self.starting: set[str] = set()
+        self.starting_lock = threading.Lock()
         self.server = transport.AdminServer(str(state / ADMIN_SOCKET), self.handle)
         self.server.start("admin")
         self.stop = threading.Event()
@@ -109,7 +113,13 @@ class JobControl:
                 spec = JobSpec.from_dict(req.body)
             except (ValueError, TypeError) as exc:
                 return transport.Response.error(400, UsageError(f"malformed job ({exc})", "use `meshrun train`"))
-            return transport.Response(200, {"job": start(self.state, spec)})
+            with self.starting_lock:
+                self.starting.add(spec.job_id)
+            try:
+                return transport.Response(200, {"job": start(self.state, spec)})
+            finally:
+                with self.starting_lock:
+                    self.starting.discard(spec.job_id)
         return transport.Response.error(404, f"no such endpoint {req.method} {req.path}")
 
     def _watch(self) -> None:
@@ -136,6 +146,11 @@ class JobControl:
         for job_id in etcdjobs.job_ids(client):
             if job_id in self.settled:
                 continue
+            # Submitted here and its supervisor on its way. Checked before the lock: `start` returns only once
+            # the supervisor holds it, so a job is always either still starting or locked.
+            with self.starting_lock:
+                if job_id in self.starting:
+                    continue
             d = joblogs.job_dir(self.state, job_id)
             if _lock(self.state, job_id).held():  # a supervisor runs for it here
                 continue

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: the lab runs its processes through meshrun.system
     import subprocess
 
-from meshrun.errors import MeshrunError, NetworkError, UsageError
+from meshrun.errors import MeshrunError, NetworkError, StateError, UsageError
 from meshrun.system import firewall, procs, statedir
 from meshrun.system.cmd import run as run_command
 from meshrun.system.cmd import tail
@@ -923,6 +923,37 @@ class Mesh:
 
     def status(self, node: Node | str) -> dict:
         return json.loads(self.meshrun(node, "status", "--json").stdout)
+
+    def diagnose(self, on: str, job_id: str) -> str:
+        """What a job that stalled or failed needs to be explained: its record and logs as `on` sees them,
+        and the tails of the daemons' and the job's logs of every node still there."""
+
+        def record() -> str:
+            jobs = json.loads(self.meshrun(on, "jobs", "--json", check=False, timeout=60).stdout or "[]")
+            return json.dumps(next((j for j in jobs if j["job_id"] == job_id), {}))
+
+        def logs() -> str:
+            res = self.meshrun(on, "logs", job_id, check=False, timeout=60)
+            return (res.stdout + res.stderr)[-3000:]
+
+        parts = []
+        for what, get in (("record", record), ("logs", logs)):
+            try:
+                parts.append(f"--- {job_id} {what} on {on}:\n{get()}")
+            except Exception as exc:  # a diagnosis must not hide the failure it explains
+                parts.append(f"--- {job_id} {what} on {on}: {exc}")
+        for node in self.world.nodes:
+            state = self.state_dir(node)
+            for log in sorted(
+                [*state.glob("*.log"), *state.glob(f"jobs/{job_id}/**/*.log"), *state.glob(f"jobs/{job_id}/*.out")]
+            ):
+                name = str(log.relative_to(state))
+                try:
+                    tail = "\n".join(StateDir(state).read(name).decode(errors="replace").splitlines()[-25:])
+                except StateError as exc:  # a lost node's files may go while this reads them
+                    tail = str(exc)
+                parts.append(f"--- {node.name} {name}:\n{tail}")
+        return "\n".join(parts)
 
 
 def _cli_workdir(prefix: str) -> Path:

@@ -98,30 +98,6 @@ def wait(what: str, check, timeout: float, every: float = 1.0):
     raise AssertionError(f"{what} not within {timeout:.0f} s (last: {last!r})")
 
 
-def diagnose(mesh: Mesh, on: str, job_id: str) -> str:
-    """What a failed wait needs to be explained: the job's record and logs as `on` sees them, and the tails of
-    the daemons' logs of every coordinator and node still there."""
-    parts = []
-    for what, get in (
-        ("record", lambda: json.dumps(job_record(mesh, on, job_id))),
-        ("logs", lambda: logs(mesh, on, job_id)[-3000:]),
-    ):
-        try:
-            parts.append(f"--- {job_id} {what} on {on}:\n{get()}")
-        except Exception as exc:  # a diagnosis must not hide the failure it explains
-            parts.append(f"--- {job_id} {what} on {on}: {exc}")
-    for node in mesh.world.nodes:
-        state = mesh.state_dir(node)
-        for log in sorted(
-            [*state.glob("*.log"), *state.glob(f"jobs/{job_id}/**/*.log"), *state.glob(f"jobs/{job_id}/*.out")]
-        ):
-            parts.append(
-                f"--- {node.name} {log.relative_to(state)}:\n"
-                + "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-            )
-    return "\n".join(parts)
-
-
 def job_record(mesh: Mesh, on: str, job_id: str) -> dict:
     jobs = json.loads(mesh.meshrun(on, "jobs", "--json").stdout)
     return next((j for j in jobs if j["job_id"] == job_id), {})
@@ -279,7 +255,7 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
         # used at 51 s, after 52 s at 102 s); a loaded CI machine has seen more than 180 s here.
         recovered = wait("progress after the loss", progress, 300)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{diagnose(mesh, B, 'ha-coord')}") from None
+        raise AssertionError(f"{exc}\n{mesh.diagnose(B, 'ha-coord')}") from None
     print(f"progress again {recovered:.1f} s after the loss of {A}")
     rec = wait("the job's end, seen on B", lambda: (r := job_record(mesh, B, "ha-coord")).get("state") in (
         "succeeded", "failed") and r, 420, every=3)  # fmt: skip
