@@ -155,8 +155,8 @@ def leading_coordinator(mesh: Mesh) -> str | None:
 
 
 def settle(mesh: Mesh, timeout: float = 180) -> float:
-    """Wait until the promotions have settled: every coordinator lists all three with one leader and every
-    node reaches every other over the overlay (through its relay). Returns the seconds it took."""
+    """Wait until the promotions have settled: every coordinator lists all three, one leader, every etcd member
+    healthy, and every node reaches every other over the overlay (through its relay). Returns the seconds."""
     t0 = time.monotonic()
     while True:
         try:
