@@ -16,6 +16,7 @@ logs and any can take it over. `meshrun cancel` then asks through the store (the
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import re
@@ -29,7 +30,7 @@ from meshrun.core.jobspec import EXIT_LOST, JobRecord, JobSpec, JobState, check_
 from meshrun.core.model import Network
 from meshrun.core.termtext import LINE_RE, line_matches
 from meshrun.errors import MeshrunError, StateError, UsageError
-from meshrun.jobs.supervisor import EVENTS
+from meshrun.jobs.supervisor import EVENTS, OWNER_HANDOVER
 from meshrun.mesh.coordinator import ha
 from meshrun.system import etcdjobs, joblogs, procs, transport
 from meshrun.system.etcdjobs import JobReplica
@@ -187,21 +188,41 @@ def start(state: StateDir, spec: JobSpec) -> str:
     if (d / "spec.json").exists():
         raise UsageError(f"job {spec.job_id!r} exists already", "pick another --job-id")
     rec = state.read_json("member.json")
+    replica = None
     if ha.replicated(rec):  # first in the store: a job id is unique across coordinators
-        client = ha.client_for(state)
+        replica = JobReplica(ha.client_for(state), spec.job_id, str(rec["name"]))
         try:
-            JobReplica(client, spec.job_id, str(rec["name"])).create(spec.to_dict(), JobRecord(spec.job_id))
-        finally:
-            client.close()
-    d.create()
-    d.write_json("spec.json", spec.to_dict())
-    d.write_json("job.json", JobRecord(spec.job_id).to_dict())
-    pid = procs.spawn_daemon(
-        [sys.executable, "-m", "meshrun.jobs.supervisor", str(state.path), spec.job_id],
-        d / "supervisor.out",
-        timeout=60,
-        what=f"job {spec.job_id}'s supervisor",
-    )
+            replica.create(spec.to_dict(), JobRecord(spec.job_id))
+        except BaseException:
+            replica.client.close()
+            raise
+        # Owned from the start, kept alive here until the supervisor has taken the ownership over: a standby
+        # elsewhere must not take a job whose supervisor is still starting (it would call it lost).
+        replica.keep()
+    try:
+        d.create()
+        d.write_json("spec.json", spec.to_dict())
+        d.write_json("job.json", JobRecord(spec.job_id).to_dict())
+        if replica is not None:
+            d.write_json(OWNER_HANDOVER, replica.handover(), secret=True)
+        pid = procs.spawn_daemon(
+            [sys.executable, "-m", "meshrun.jobs.supervisor", str(state.path), spec.job_id],
+            d / "supervisor.out",
+            timeout=60,
+            what=f"job {spec.job_id}'s supervisor",
+        )
+    except MeshrunError as exc:
+        if replica is not None:  # the job ends here, for every coordinator
+            failed = JobRecord(spec.job_id, JobState.FAILED, ended=time.time(), exit_code=exc.exit_code or 1)
+            failed.message = f"job {spec.job_id} could not start: {exc}"
+            with contextlib.suppress(MeshrunError):
+                replica.save(failed)
+            replica.release()
+        raise
+    finally:
+        if replica is not None:
+            replica.detach()  # a no-op after release; else the supervisor keeps the ownership now
+            replica.client.close()
     log.info("job %s submitted (supervisor pid %d): %s %s", spec.job_id, pid, spec.script, " ".join(spec.script_args))
     return spec.job_id
 

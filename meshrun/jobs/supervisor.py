@@ -64,6 +64,7 @@ SCALE_UP_EVERY_S = 5.0
 STORE_PORTS = 100  # how many ports from rdzv_port up a job's store may take
 OUTPUT_DRAIN_S = 15.0  # a standby copies what the shares printed last for at most this long after the end
 EVENTS = "_meshrun"  # the supervisor's own lines, among the nodes' logs
+OWNER_HANDOVER = "owner.json"  # a replicated job's ownership, from job control's `start` to its supervisor
 
 
 class Supervisor:
@@ -80,6 +81,11 @@ class Supervisor:
         self.replica = (
             JobReplica(ha.client_for(state), job_id, str(self.rec["name"])) if ha.replicated(self.rec) else None
         )
+        if self.replica is not None and not standby and (self.dir / OWNER_HANDOVER).exists():
+            # Submitted here: the job was created owned, and job control kept it so until now.
+            if not self.replica.adopt(self.dir.read_json(OWNER_HANDOVER)):
+                log.warning("job %s: its ownership ran out before its supervisor started", job_id)
+            self.dir.remove(OWNER_HANDOVER)
         db, self.network = admin.open_db(state, readonly=True)
         self.members = db.members()
         self.pairs = db.pairs()  # which members proved a private path: sites (meshrun.core.topology)

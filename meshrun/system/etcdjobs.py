@@ -7,7 +7,9 @@ over when the owner is gone. What they share lives here, under JOBS/<job id>/:
   spec       the JobSpec as submitted (created once: a job id is unique across coordinators)
   record     the JobRecord (state, nodes, verdict), written by the owner
   owner      the owning supervisor's fence ("<coordinator>/<nonce>"), held with its lease: it vanishes
-             OWNER_TTL_S after the owner's machine does, and the first standby to create it again owns the job
+             OWNER_TTL_S after the owner's machine does, and the first standby to create it again owns the job.
+             It is created with the spec: the submitting coordinator's job control keeps it alive until the
+             job's supervisor has adopted it, so no standby takes a job whose supervisor is still starting
   events/N   the owner's own lines (what `meshrun train` and `meshrun logs` show besides the nodes' output)
   code/N     the code as shipped, in slices (an elastic job ships the same to a node that joins later)
   allowed    the overlay addresses of the job's nodes: who may use its rendezvous (meshrun.mesh.coordinator.rendezvous)
@@ -72,17 +74,48 @@ class JobReplica:
 
     # submission and the record -------------------------------------------------
     def create(self, spec: dict, record: JobRecord) -> None:
-        """The job's spec and first record; UsageError when another coordinator has a job of this id."""
+        """The job's spec and first record, owned by this replica from the first revision (no standby can take a
+        job whose supervisor is still starting); UsageError when another coordinator has a job of this id.
+
+        The caller keeps the ownership alive (`keep`) until the job's supervisor has taken it (`handover`,
+        then `adopt` there), and lets go with `detach` (ownership stays) or `release` (it ends)."""
+        lease = self.client.lease_grant(OWNER_TTL_S)
         res = self.client.txn(
             [Compare(self._k("spec"), "CREATE", "EQUAL", 0)],
             [
                 Put(self._k("spec"), json.dumps(spec).encode()),
                 Put(self._k("record"), _dump(record)),
                 Put(INDEX + self.job_id.encode(), b"1"),
+                Put(self._k("owner"), self.fence, lease),
             ],
         )
         if not res.succeeded:
+            self.client.lease_revoke(lease)
             raise UsageError(f"job {self.job_id!r} exists already", "pick another --job-id")
+        self.lease, self.owning, self.renewed = lease, True, time.monotonic()
+
+    def handover(self) -> dict:
+        """What another process needs to own the job in this replica's place (`adopt`)."""
+        return {"fence": self.fence.decode(), "lease": self.lease}
+
+    def adopt(self, handover: dict) -> bool:
+        """Own the job with the fence and lease another process created it with (`handover`), kept alive from
+        here on; whether that ownership still holds."""
+        fence = str(handover.get("fence", "")).encode()
+        kv = self.client.get(self._k("owner"))
+        if kv is None or kv.value != fence:
+            return False
+        self.fence, self.lease = fence, int(handover.get("lease", 0))
+        self.owning, self.renewed = True, time.monotonic()
+        self.keep()
+        return True
+
+    def detach(self) -> None:
+        """Stop keeping the ownership alive here without giving it up (the process that adopted it keeps it)."""
+        self.stop.set()
+        if self.keeper is not None:
+            self.keeper.join(timeout=5)
+        self.lease, self.owning = 0, False
 
     def spec(self) -> dict | None:
         kv = self.client.get(self._k("spec"))
@@ -120,10 +153,14 @@ class JobReplica:
             self.lease = 0
             return False
         self.owning, self.renewed = True, time.monotonic()
+        self.keep()
+        return True
+
+    def keep(self) -> None:
+        """Keep this replica's ownership lease alive, in a thread, until `release` or `detach`."""
         if self.keeper is None:
             self.keeper = threading.Thread(target=self._keep, name="job-lease", daemon=True)
             self.keeper.start()
-        return True
 
     def _keep(self) -> None:
         while not self.stop.wait(1.0):

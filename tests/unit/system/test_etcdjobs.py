@@ -55,6 +55,31 @@ def test_one_supervisor_owns_a_job_and_a_standby_takes_it_when_the_owners_lease_
     b.release()
 
 
+def test_a_job_is_owned_from_its_creation_so_no_standby_takes_it_while_its_supervisor_starts(store):
+    submitted = JobReplica(store, "j1", "a")  # job control on coordinator a
+    submitted.create({}, JobRecord("j1"))
+    standby = JobReplica(store, "j1", "b")
+    assert standby.owner() == "a" and not standby.own()
+    supervisor = JobReplica(store, "j1", "a")  # the supervisor process job control spawns
+    assert supervisor.adopt(submitted.handover())
+    submitted.detach()  # job control lets go; the ownership stays
+    assert standby.owner() == "a" and not standby.own()
+    supervisor.save(JobRecord("j1", state=JobState.RUNNING))  # the fence it adopted writes the record
+    assert standby.record().state is JobState.RUNNING
+    assert not JobReplica(store, "j1", "a").adopt({"fence": "a/forged", "lease": supervisor.lease})
+    supervisor.release()
+    assert standby.own()
+
+
+def test_a_submission_whose_supervisor_never_adopts_the_job_loses_it_when_the_lease_runs_out(store):
+    submitted = JobReplica(store, "j1", "a")
+    submitted.create({}, JobRecord("j1"))
+    submitted.detach()  # nothing keeps it alive: job control's machine went away mid-submission
+    store.test_clock.t += etcdjobs.OWNER_TTL_S + 1
+    store.expire()
+    assert JobReplica(store, "j1", "b").own()
+
+
 def test_the_owners_lines_code_and_cancel_reach_every_coordinator(store):
     a, b = JobReplica(store, "j1", "a"), JobReplica(store, "j1", "b")
     a.create({}, JobRecord("j1"))
