@@ -183,8 +183,7 @@ def settle(mesh: Mesh, timeout: float = 180) -> float:
 def wait_record(mesh: Mesh, on: str, job: str, timeout: float = 600) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        jobs = json.loads(mesh.meshrun(on, "jobs", "--json", check=False).stdout or "[]")
-        rec = next((j for j in jobs if j["job_id"] == job), {})
+        rec = mesh.job_record(on, job, check=False)
         if rec.get("state") in ("succeeded", "failed", "cancelled", "lost"):
             return rec
         time.sleep(3)

@@ -924,20 +924,24 @@ class Mesh:
     def status(self, node: Node | str) -> dict:
         return json.loads(self.meshrun(node, "status", "--json").stdout)
 
+    def job_record(self, on: Node | str, job_id: str, check: bool = True) -> dict:
+        """The job's record as `meshrun jobs --json` on `on` lists it ({} if it does not)."""
+        jobs = json.loads(self.meshrun(on, "jobs", "--json", check=check).stdout or "[]")
+        return next((j for j in jobs if j["job_id"] == job_id), {})
+
+    def job_logs(self, on: Node | str, job_id: str) -> str:
+        """`meshrun logs JOB` on `on`: what it printed, errors included."""
+        res = self.meshrun(on, "logs", job_id, check=False, timeout=60)
+        return res.stdout + res.stderr
+
     def diagnose(self, on: str, job_id: str) -> str:
         """What a job that stalled or failed needs to be explained: its record and logs as `on` sees them,
         and the tails of the daemons' and the job's logs of every node still there."""
-
-        def record() -> str:
-            jobs = json.loads(self.meshrun(on, "jobs", "--json", check=False, timeout=60).stdout or "[]")
-            return json.dumps(next((j for j in jobs if j["job_id"] == job_id), {}))
-
-        def logs() -> str:
-            res = self.meshrun(on, "logs", job_id, check=False, timeout=60)
-            return (res.stdout + res.stderr)[-3000:]
-
         parts = []
-        for what, get in (("record", record), ("logs", logs)):
+        for what, get in (
+            ("record", lambda: json.dumps(self.job_record(on, job_id, check=False))),
+            ("logs", lambda: self.job_logs(on, job_id)[-3000:]),
+        ):
             try:
                 parts.append(f"--- {job_id} {what} on {on}:\n{get()}")
             except Exception as exc:  # a diagnosis must not hide the failure it explains

@@ -98,16 +98,6 @@ def wait(what: str, check, timeout: float, every: float = 1.0):
     raise AssertionError(f"{what} not within {timeout:.0f} s (last: {last!r})")
 
 
-def job_record(mesh: Mesh, on: str, job_id: str) -> dict:
-    jobs = json.loads(mesh.meshrun(on, "jobs", "--json").stdout)
-    return next((j for j in jobs if j["job_id"] == job_id), {})
-
-
-def logs(mesh: Mesh, on: str, job_id: str) -> str:
-    res = mesh.meshrun(on, "logs", job_id, check=False, timeout=60)
-    return res.stdout + res.stderr
-
-
 def pairs(mesh: Mesh, on: str) -> dict[frozenset, dict]:
     return {frozenset((p["a"], p["b"])): p for p in mesh.status(on)["pairs"]}
 
@@ -157,12 +147,12 @@ def test_three_coordinators_replicate_the_state_and_a_lost_node_leaves_the_job_f
     assert set(d) == {"dc4-a", "dc6-a"} and len(set(d.values())) == 1, d
     # B kept its own copy of the job, which A ran: the whole output, A's own lines included.
     on_b = wait(
-        "the job's end in B's logs", lambda: "finished on 2 node(s)" in (t := logs(mesh, B, "ha-node")) and t, 30
+        "the job's end in B's logs", lambda: "finished on 2 node(s)" in (t := mesh.job_logs(B, "ha-node")) and t, 30
     )
     assert sorted(set(outer_steps(on_b))) == list(range(1, 16)), on_b[-3000:]
     assert digests(on_b, 15) == d
     assert "ha-node on 3 node(s)" in on_b  # A's launch line, through etcd
-    assert job_record(mesh, B, "ha-node")["state"] == "succeeded"
+    assert mesh.job_record(B, "ha-node")["state"] == "succeeded"
     # A new node joins through B; the relayed pair that is left keeps a live relay.
     join_through(mesh, B, "dc7-a")
     assert relayed["relay"]
@@ -257,9 +247,9 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{mesh.diagnose(B, 'ha-coord')}") from None
     print(f"progress again {recovered:.1f} s after the loss of {A}")
-    rec = wait("the job's end, seen on B", lambda: (r := job_record(mesh, B, "ha-coord")).get("state") in (
+    rec = wait("the job's end, seen on B", lambda: (r := mesh.job_record(B, "ha-coord")).get("state") in (
         "succeeded", "failed") and r, 420, every=3)  # fmt: skip
-    text = logs(mesh, B, "ha-coord")
+    text = mesh.job_logs(B, "ha-coord")
     assert rec["state"] == "succeeded", text[-4000:]
     assert re.search(r"coordinator dc[23]-a took the job over", text), text[-3000:]
     assert sorted(set(outer_steps(text))) == list(range(1, 16)), text[-3000:]
