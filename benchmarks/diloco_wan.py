@@ -6,7 +6,8 @@ Two phases, in one run:
 1. **Tuning, on the tuning split.** examples/diloco_charlm.py splits its corpus three ways: 80 % trains,
    10 % is the *tuning* split, 10 % the *test* split. Every variant's hyperparameters are chosen on the
    tuning split's loss only: DDP's AdamW lr; DeMo's signum lr; for each DiLoCo variant, H, the outer
-   (lr, momentum) and the inner lr (DDP's choice or larger) over a grid. The rule: the lowest tuning loss, and
+   (lr, momentum), the inner lr (DDP's choice or larger) and, for the sparse ones, the error feedback's decay
+   over a grid, all with the first seed of ``--seeds``. The rule: the lowest tuning loss, and
    among the configurations within 0.5 % of it, the one that sends the fewest bytes. The test split's
    loss of a tuning run is never read (it is dropped from the record). The loss does not depend on the
    network (same math, same order), so tuning runs on loopback (``torchrun --standalone``), one run per
@@ -15,7 +16,10 @@ Two phases, in one run:
    datacenter that does not train, one datacenter per worker, each gateway's internet link shaped
    with tbf both ways), real ``meshrun init`` / ``join`` over wireguard-go, then every variant with its
    chosen configuration through ``meshrun train``, ``--rounds`` times (at least 3), the order
-   reversed every other round (the machine's load drifts). Each measurement keeps min / median / max.
+   reversed every other round (the machine's load drifts). Round i trains every variant with the i-th seed
+   of ``--seeds`` (model init and data order), so the held-out loss ratio is paired per round and its spread
+   is the seeds': one seed alone moved sparse_int2's ratio by a whole percent (1.021x to 1.032x), ten times
+   the margin a single-seed verdict was decided by. Each measurement keeps min / median / max.
 
 Variants (``--variants``, run in this order):
 
@@ -24,7 +28,8 @@ Variants (``--variants``, run in this order):
 - ``demo_ddp``: data parallelism with meshrun.train.demo.DeMo instead of DDP's all-reduce (int2 values)
 - ``diloco_fp8``, ``diloco_fp4``, ``diloco_int2``: DiLoCo with FP8 E4M3 / FP4 E2M1 / 2-bit pseudo-gradients
 - ``streaming_fp4``: Streaming DiLoCo, 2 fragments, overlap 1 step, FP4
-- ``sparse_int2``: SparseLoCo: the largest of every 64 elements (6-bit positions), 2-bit values, error decay 0.95
+- ``sparse_int2``: SparseLoCo: the largest of every 64 elements (6-bit positions), 2-bit values, error decay tuned;
+  vectors (biases) dense in 2 bits
 - ``diloco_fp16`` (not run by default): fp16 pseudo-gradients, what meshrun shipped before issue 16
 
 What is reported, per variant: bytes on the wire (what its datacenter's gateway forwarded to the internet:
@@ -32,7 +37,8 @@ WireGuard framing, rendezvous and agent traffic included) and the payload the sc
 test loss; the wall time end to end and of the training loop; and the time the training loop spent
 *blocked* in communication (the script's ``comm_blocked_s``: waiting on a sync's collective, what overlap
 hides), as a share of the loop and per sync. Targets (issue 28), for the best variant: >= 2000x fewer
-bytes than DDP (the smaller of the wire and payload ratios), held-out loss <= 1.02x DDP's, blocked < 5 %
+bytes than DDP (the smaller of the wire and payload ratios), held-out loss <= 1.02x DDP's (the median of
+the per-round ratios; the report says when the seeds' ratios lie on both sides of it), blocked < 5 %
 of the loop; and, as before, wall <= 1.1x the no-communication run. The wall verdicts compare against the
 no-communication run's own rounds: when those spread more than 15 % (max - min over the median, end to
 end or loop) no wall verdict is given, and the report says so. Nothing is retried or filtered.
@@ -81,7 +87,8 @@ TIE = 0.005  # tuning: configurations within this share of the best tuning loss 
 FINAL_RE = re.compile(r"\bfinal (val_loss=.*)$")
 DILOCO = ["--mode", "diloco"]
 # Script arguments per variant, and what is tuned for it: "lr" (DDP's AdamW lr), "demo_lr" (DeMo's signum lr),
-# "outer" (DiLoCo's H and outer lr / momentum, inner lr from DDP), None (runs with DDP's lr).
+# "outer" (DiLoCo's H and outer lr / momentum, inner lr from DDP), "sparse" (as "outer", and the error feedback's
+# decay), None (runs with DDP's lr).
 VARIANTS: dict[str, tuple[list[str], str | None]] = {
     "ddp": (["--mode", "ddp"], "lr"),
     "local": (["--mode", "local"], None),
@@ -92,8 +99,8 @@ VARIANTS: dict[str, tuple[list[str], str | None]] = {
     "streaming_fp4": ([*DILOCO, "--compression", "fp4", "--fragments", "2"], "outer"),
     "diloco_int2": ([*DILOCO, "--compression", "int2", "--fragments", "1"], "outer"),
     "sparse_int2": (
-        [*DILOCO, "--compression", "sparse-int2", "--density", "0.015625", "--error-decay", "0.95", "--fragments", "1"],
-        "outer",
+        [*DILOCO, "--compression", "sparse-int2", "--density", "0.015625", "--fragments", "1"],
+        "sparse",
     ),
 }
 DEFAULT_VARIANTS = [v for v in VARIANTS if v != "diloco_fp16"]
@@ -113,6 +120,8 @@ SMOKE = {
     "tune_h": [2, 4],
     "tune_outer": [(0.8, 0.5)],
     "tune_inner_lr": ["ddp"],
+    "tune_error_decay": [0.95],
+    "seeds": [0],
     "tune_lr": [5e-3],
     "tune_demo_lr": [1e-3],
     "timeout": 240,
@@ -160,12 +169,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="ddp,5e-3",
         help="DiLoCo inner AdamW lr grid ('ddp': DDP's choice; a sparse pseudo-gradient wants larger steps)",
     )
-    p.add_argument("--no-tune", action="store_true", help="skip tuning: use --lr, --demo-lr, --sync-every, --outer-*")
+    p.add_argument(
+        "--tune-error-decay",
+        default="0.9,0.95",
+        help="sparse variants' error feedback decay grid (SparseLoCo: 0.95)",
+    )
+    p.add_argument(
+        "--seeds",
+        default="0,1,2",
+        help="round i trains with seed i (mod the list): model init and data order; every variant of a round "
+        "shares it, so each loss ratio is paired. Tuning uses the first",
+    )
+    p.add_argument(
+        "--no-tune",
+        action="store_true",
+        help="skip tuning: use --lr, --demo-lr, --sync-every, --outer-*, --error-decay",
+    )
     p.add_argument("--lr", type=float, default=5e-3, help="with --no-tune: AdamW lr, DDP and DiLoCo inner alike")
     p.add_argument("--demo-lr", type=float, default=1e-3, help="with --no-tune: DeMo's lr")
     p.add_argument("--sync-every", type=int, default=50, help="with --no-tune: DiLoCo H")
     p.add_argument("--outer-lr", type=float, default=0.8, help="with --no-tune: DiLoCo outer lr")
     p.add_argument("--outer-momentum", type=float, default=0.5, help="with --no-tune: DiLoCo outer momentum")
+    p.add_argument("--error-decay", type=float, default=0.95, help="with --no-tune: the sparse variants' error decay")
     p.add_argument(
         "--variants",
         default=",".join(DEFAULT_VARIANTS),
@@ -187,11 +212,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tune_h, args.tune_outer = [int(h) for h in _floats(args.tune_h)], _pairs(args.tune_outer)
     inner = [x.strip() for x in args.tune_inner_lr.split(",") if x.strip()]
     args.tune_inner_lr = [x if x == "ddp" else float(x) for x in inner]
+    args.tune_error_decay = _floats(args.tune_error_decay)
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--seeds {args.seeds!r} must be whole numbers, comma-separated")
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds} must be at least 1")
+    if not args.seeds or min(args.seeds) < 0:
+        p.error(f"--seeds {args.seeds} must be one or more whole numbers, 0 or more")
     hs = [args.sync_every] if args.no_tune else args.tune_h
     bad = [h for h in hs if h < 2 or args.steps % h or h % 2]
     if bad:
@@ -219,13 +251,22 @@ def grid(kind: str | None, args: argparse.Namespace) -> list[dict]:
     if kind == "demo_lr":
         return [{"lr": args.demo_lr}] if args.no_tune else [{"lr": lr} for lr in args.tune_demo_lr]
     if args.no_tune:
-        return [{"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}]
+        fixed = {"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+        return [{**fixed, "error_decay": args.error_decay} if kind == "sparse" else fixed]
     inner = getattr(args, "tune_inner_lr", None) or ["ddp"]
+    decays = args.tune_error_decay if kind == "sparse" else [None]
     return [
-        {"sync_every": h, "outer_lr": a, "outer_momentum": m, **({} if lr == "ddp" else {"lr": lr})}
+        {
+            "sync_every": h,
+            "outer_lr": a,
+            "outer_momentum": m,
+            **({} if lr == "ddp" else {"lr": lr}),
+            **({} if beta is None else {"error_decay": beta}),
+        }
         for h in args.tune_h
         for a, m in args.tune_outer
         for lr in inner
+        for beta in decays
     ]
 
 
@@ -240,12 +281,13 @@ def pick(runs: list[dict], tie: float = TIE) -> dict:
     return min(near, key=lambda r: (r.get("payload_bytes") or 0, ok.index(r)))
 
 
-def script_args(args: argparse.Namespace, variant: str, params: dict) -> list[str]:
-    """The script's arguments for one run of `variant` with `params` (lr, sync_every, outer_lr, outer_momentum)."""
+def script_args(args: argparse.Namespace, variant: str, params: dict, seed: int) -> list[str]:
+    """The script's arguments for one run of `variant` with `params` (lr, sync_every, outer_lr, outer_momentum,
+    error_decay) and `seed`."""
     out = [*VARIANTS[variant][0], "--steps", str(args.steps), "--hidden", str(args.hidden)]
     out += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--threads", str(args.threads)]
-    out += ["--val-batches", str(args.val_batches)]
-    for key in ("lr", "sync_every", "outer_lr", "outer_momentum"):
+    out += ["--val-batches", str(args.val_batches), "--seed", str(seed)]
+    for key in ("lr", "sync_every", "outer_lr", "outer_momentum", "error_decay"):
         if key in params:
             out += [f"--{key.replace('_', '-')}", str(params[key])]
     return out
@@ -352,12 +394,14 @@ def compare(ddp: dict, local: dict, r: dict, noise: dict, steps: int) -> dict:
         "wall_paired": _paired(r, local, "wall_s"),
         "loop_paired": _paired(r, local, "train_loop_s"),
         "wall_ratio_vs_ddp": _div(r["wall_s"], ddp["wall_s"]),
-        "loss_ratio": r["test_loss"] / ddp["test_loss"],
+        # Per round against DDP's run with the same seed: the median is judged, the spread is the seeds'.
+        "loss_paired": _paired(r, ddp, "test_loss"),
         "blocked_share": r.get("blocked_share"),
         "blocked_per_sync_s": (r["comm_blocked_s"] / r["syncs"])
         if r.get("syncs") and r.get("comm_blocked_s")
         else None,
     }
+    out["loss_ratio"] = out["loss_paired"]["median"] if out["loss_paired"] else r["test_loss"] / ddp["test_loss"]
     bytes_ratio = min(out["payload_bytes_ratio"], out["wire_bytes_ratio"])
     refused = noise.get("why", "") if noise.get("refused") else ""
     out["targets"] = {
@@ -384,6 +428,12 @@ def compare(ddp: dict, local: dict, r: dict, noise: dict, steps: int) -> dict:
             refused,
         ),
     }
+    lp = out["loss_paired"]
+    if lp and lp["n"] > 1 and lp["min"] <= TARGET_LOSS_RATIO < lp["max"]:
+        out["targets"]["loss"]["note"] = (
+            f"the seeds' ratios ({lp['min']:.3f}-{lp['max']:.3f}) lie on both sides of the target: the seed moves "
+            "the loss more than the verdict's margin"
+        )
     decided = [t["met"] for t in out["targets"].values() if t["met"] is not None]
     out["all_met"] = bool(decided) and all(decided) and not any(t.get("refused") for t in out["targets"].values())
     return out
@@ -614,13 +664,13 @@ class LinkTarget:
         return procs
 
 
-def run_variant(target, args: argparse.Namespace, variant: str, params: dict) -> dict:
-    """One training run of `variant` with `params` on `target`; returns its measurements."""
-    say(f"{variant} {params or ''}:")
+def run_variant(target, args: argparse.Namespace, variant: str, params: dict, seed: int) -> dict:
+    """One training run of `variant` with `params` and `seed` on `target`; returns its measurements."""
+    say(f"{variant} {params or ''} seed {seed}:")
     before = target.counters()
     lines: list[str] = []
     t0 = time.monotonic()
-    argv = script_args(args, variant, params)
+    argv = script_args(args, variant, params, seed)
     procs = target.start(argv)
 
     def pump(proc: subprocess.Popen) -> None:
@@ -655,6 +705,7 @@ def run_variant(target, args: argparse.Namespace, variant: str, params: dict) ->
     result = {
         "variant": variant,
         "params": params,
+        "seed": seed,
         "exit_code": code,
         "wall_s": round(wall, 2),
         "wire_bytes_per_worker": {k: after[k] - before[k] for k in after},
@@ -708,7 +759,7 @@ def tune(args: argparse.Namespace) -> dict:
         if kind is None:
             continue
         configs = grid(kind, args)
-        if kind == "outer":  # inner lr: the grid's, else DDP's choice
+        if kind in ("outer", "sparse"):  # inner lr: the grid's, else DDP's choice
             configs = [{**c, "lr": c.get("lr", inner_lr)} for c in configs]
             configs = [c for i, c in enumerate(configs) if c not in configs[:i]]  # "ddp" may repeat a value
         if len(configs) == 1:  # nothing to choose between: no tuning run
@@ -716,7 +767,7 @@ def tune(args: argparse.Namespace) -> dict:
             continue
         runs[variant] = []
         for params in configs:
-            res = run_variant(target, args, variant, params)
+            res = run_variant(target, args, variant, params, args.seeds[0])
             record = {k: res.get(k) for k in ("params", "tune_loss", "payload_bytes_per_worker", "exit_code", "error")}
             record["payload_bytes"] = record.pop("payload_bytes_per_worker")
             runs[variant].append({k: v for k, v in record.items() if v is not None})  # no test loss: never read
@@ -728,7 +779,7 @@ def tune(args: argparse.Namespace) -> dict:
         chosen["local"] = {"lr": inner_lr}
     for variant in args.variants:  # DiLoCo variants without a grid still train with DDP's lr
         chosen.setdefault(variant, {})
-        if VARIANTS[variant][1] == "outer":
+        if VARIANTS[variant][1] in ("outer", "sparse"):
             chosen[variant].setdefault("lr", inner_lr)
     return {
         "split": "tuning (10 % of the corpus, between the training and the test split)",
@@ -738,11 +789,13 @@ def tune(args: argparse.Namespace) -> dict:
 
 
 def run_rounds(target, args: argparse.Namespace, chosen: dict[str, dict]) -> dict[str, dict]:
-    """Phase 2: every variant once per round, the order reversed every other round (the machine's load drifts)."""
+    """Phase 2: every variant once per round, the order reversed every other round (the machine's load drifts);
+    round i trains every variant with seed ``args.seeds[i % len]``."""
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     for i in range(args.rounds):
+        seed = args.seeds[i % len(args.seeds)]
         for variant in args.variants if i % 2 == 0 else args.variants[::-1]:
-            runs[variant].append(run_variant(target, args, variant, chosen.get(variant, {})))
+            runs[variant].append(run_variant(target, args, variant, chosen.get(variant, {}), seed))
     return {v: aggregate(r) for v, r in runs.items()}
 
 
@@ -772,7 +825,7 @@ def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict], noise: dict
         f"DiLoCo / SparseLoCo / DeMo variants vs DDP {where}",
         f"model: char GRU hidden {cfg['hidden']} ({params} params), {cfg['steps']} steps x "
         f"{cfg['batch_size']}x{cfg['seq_len']} tokens per worker ({cfg['tokens_total']:,} tokens in all); "
-        f"{cfg['rounds']} round(s), medians (min-max); hyperparameters "
+        f"{cfg['rounds']} round(s), seeds {cfg['seeds']} by round, medians (min-max); hyperparameters "
         + ("as given (--no-tune)" if cfg["no_tune"] else "chosen on the tuning split"),
         f"{'variant':<14}{'wall e2e s':>20}{'loop s':>20}{'wire/worker':>14}{'payload':>12}{'test loss':>10}"
         f"{'blocked':>17}  chosen",
@@ -801,7 +854,9 @@ def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict], noise: dict
         lines.append(
             f"{name}: bytes {c['wire_bytes_ratio']:.0f}x fewer on the wire, {c['payload_bytes_ratio']:.0f}x payload "
             f"({c['payload_bytes_per_step']:,.0f} B/step): {verdict_text(t['bytes'])} | held-out loss "
-            f"{c['loss_ratio']:.4f}x DDP: {verdict_text(t['loss'])} | blocked {blocked}: "
+            f"{_range(c.get('loss_paired'), '{:.4f}')}x DDP: {verdict_text(t['loss'])}"
+            + (f" ({t['loss']['note']})" if t["loss"].get("note") else "")
+            + f" | blocked {blocked}: "
             f"{verdict_text(t['blocked'])} | wall {_fmt(c['wall_ratio_vs_local'], '.3f')}x e2e: "
             f"{verdict_text(t['wall'])}, {_fmt(c['train_loop_ratio_vs_local'], '.3f')}x loop: "
             f"{verdict_text(t['wall_loop'])}; {_fmt(c['wall_ratio_vs_ddp'], '.2f')}x DDP"
@@ -847,6 +902,8 @@ def main(argv: list[str] | None = None) -> int:
             "tune_lr",
             "tune_demo_lr",
             "tune_h",
+            "tune_error_decay",
+            "seeds",
             "smoke",
         )
     }

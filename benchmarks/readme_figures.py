@@ -281,6 +281,8 @@ def _chosen(d: dict, variant: str) -> str:
         parts.append(f"outer {params['outer_lr']:g}/{params['outer_momentum']:g}")
     if "lr" in params:
         parts.append(f"{'inner ' if 'sync_every' in params else ''}lr {params['lr']:g}")
+    if "error_decay" in params:
+        parts.append(f"error decay {params['error_decay']:g}")
     return ", ".join(parts) or "-"
 
 
@@ -310,10 +312,13 @@ def diloco_table(d: dict) -> str:
         lines.append(
             f"Measured {d['date'][:10]} by `{d['command']}`: {cfg['workers']} workers on {cfg['rate_mbit']} Mbit/s "
             f"links, the same token budget ({cfg['steps']} steps), {rounds} round{'' if rounds == 1 else 's'} in "
-            "alternating order, medians "
-            f"(min-max); hyperparameters "
+            "alternating order"
+            + (f", seeds {', '.join(map(str, cfg['seeds']))} by round" if cfg.get("seeds") else "")
+            + ", medians (min-max); hyperparameters "
             + ("as given (no tuning)" if cfg.get("no_tune") else "chosen on the tuning split")
-            + f", loss on the held-out test split (DDP: {res['ddp']['test_loss']:.4f}). Targets (issue 28): >= "
+            + ", loss on the held-out test split"
+            + (" as the median of the per-round ratios to DDP's run with the same seed" if cfg.get("seeds") else "")
+            + f" (DDP: {res['ddp']['test_loss']:.4f}). Targets (issue 28): >= "
             f"{d['targets']['bytes_ratio_min']:g}x fewer bytes than DDP, held-out loss <= "
             f"{d['targets']['loss_ratio_max']:g}x DDP's, < {d['targets']['blocked_share_max']:.0%} of the training "
             f"loop blocked in communication."
@@ -359,7 +364,9 @@ def diloco_table(d: dict) -> str:
             ddp_step = res["ddp"]["payload_bytes_per_worker"] / cfg["steps"]
             bytes_cell += f"; {c['payload_bytes_per_step']:,.0f} B/step vs DDP's {ddp_step:,.0f}"
         wall = f"{_ratio_cell(_paired(d, name, 'wall_s'))} / {_ratio_cell(_paired(d, name, 'train_loop_s'))}"
-        row = f"| {name} | {_chosen(d, name)} | {bytes_cell} | {c['loss_ratio']:.3f}x | {blocked} | {wall} |"
+        lp = c.get("loss_paired")
+        loss = f"{c['loss_ratio']:.3f}x" + (f" ({lp['min']:.3f}-{lp['max']:.3f})" if lp and lp["n"] > 1 else "")
+        row = f"| {name} | {_chosen(d, name)} | {bytes_cell} | {loss} | {blocked} | {wall} |"
         lines.append(row + (f" {_targets_cell(c)} |" if new else ""))
     return "\n".join(lines)
 

@@ -46,15 +46,18 @@ def test_the_tuning_phase_tunes_ddp_first_and_keeps_no_test_loss(monkeypatch):
     args = dw.parse_args(
         ["--variants", "ddp,local,sparse_int2,demo_ddp", "--tune-lr", "3e-3,7e-3"]
         + ["--tune-h", "20,30", "--tune-outer", "0.8:0.5,1.0:0", "--tune-inner-lr", "ddp,5e-3,7e-3"]
+        + ["--tune-error-decay", "0.9,0.95", "--seeds", "4,5,6"]
     )
     seen = []
 
-    def fake_run(target, args, variant, params):
+    def fake_run(target, args, variant, params, seed):
+        assert seed == 4  # tuning: the first seed only
         seen.append((variant, dict(params)))
         loss = {3e-3: 0.5, 7e-3: 0.4}.get(params.get("lr"), 0.3) if variant == "ddp" else 0.3 + params.get("lr", 0)
         if variant == "sparse_int2":
             loss = 0.3 if params["sync_every"] == 30 and params["outer_momentum"] == 0 else 0.35
             loss -= 0.01 if params["lr"] == 5e-3 else 0
+            loss -= 0.001 if params["error_decay"] == 0.9 else 0
         return {"params": params, "tune_loss": loss, "test_loss": 0.0, "payload_bytes_per_worker": 10, "exit_code": 0}
 
     monkeypatch.setattr(dw, "run_variant", fake_run)
@@ -62,8 +65,14 @@ def test_the_tuning_phase_tunes_ddp_first_and_keeps_no_test_loss(monkeypatch):
     assert seen[0][0] == "ddp" and tuning["chosen"]["ddp"] == {"lr": 7e-3}
     # inner lr: DDP's choice (7e-3) and 5e-3; the grid's own 7e-3 is the same run as DDP's, run once
     assert sorted({p["lr"] for v, p in seen if v == "sparse_int2"}) == [5e-3, 7e-3]
-    assert len([v for v, _ in seen if v == "sparse_int2"]) == 8  # H (20, 30) x outer (2) x inner lr (2)
-    assert tuning["chosen"]["sparse_int2"] == {"sync_every": 30, "outer_lr": 1.0, "outer_momentum": 0.0, "lr": 5e-3}
+    # H (20, 30) x outer (2) x inner lr (2) x error decay (2: a sparse variant's)
+    assert len([v for v, _ in seen if v == "sparse_int2"]) == 16
+    chosen = {"sync_every": 30, "outer_lr": 1.0, "outer_momentum": 0.0, "lr": 5e-3, "error_decay": 0.9}
+    assert tuning["chosen"]["sparse_int2"] == chosen
+    assert dw.script_args(args, "sparse_int2", chosen, 5)[-14:] == [
+        *("--val-batches", "32", "--seed", "5", "--lr", "0.005", "--sync-every", "30"),
+        *("--outer-lr", "1.0", "--outer-momentum", "0.0", "--error-decay", "0.9"),
+    ]
     assert tuning["chosen"]["local"] == {"lr": 7e-3} and tuning["chosen"]["demo_ddp"] == {"lr": 1e-3}
     assert not any("test_loss" in r for runs in tuning["runs"].values() for r in runs)
 
@@ -126,6 +135,33 @@ def test_the_verdicts_bytes_held_out_loss_blocked_time_and_wall():
     assert c3["targets"]["loss"]["met"] is False and c3["targets"]["blocked"]["refused"] == "not measured"
 
 
+def test_each_round_has_its_own_seed_and_the_loss_verdict_is_the_median_of_paired_ratios(monkeypatch):
+    args = dw.parse_args(["--variants", "ddp,local,sparse_int2", "--rounds", "4", "--seeds", "0,1,2"])
+    seen = []
+    # Per seed: DDP's loss and the sparse run's; seed 1 is a hard one for sparse, seed 2 for DDP.
+    losses = {"ddp": {0: 0.300, 1: 0.290, 2: 0.310}, "sparse_int2": {0: 0.3066, 1: 0.2990, 2: 0.3140}}
+
+    def fake_run(target, args, variant, params, seed):
+        seen.append((variant, seed))
+        return _run(100, 80, test_loss=losses.get(variant, {}).get(seed, 0.4), seed=seed)
+
+    monkeypatch.setattr(dw, "run_variant", fake_run)
+    res = dw.run_rounds(None, args, {})
+    assert seen[:3] == [("ddp", 0), ("local", 0), ("sparse_int2", 0)]  # round 0, in order
+    assert seen[3:6] == [("sparse_int2", 1), ("local", 1), ("ddp", 1)]  # round 1 reversed, seed 1
+    assert [s for v, s in seen if v == "ddp"] == [0, 1, 2, 0]  # 4 rounds, 3 seeds: the list wraps
+    c = dw.compare(res["ddp"], res["local"], res["sparse_int2"], {"refused": True, "why": "x"}, steps=200)
+    ratios = sorted([0.3066 / 0.300, 0.2990 / 0.290, 0.3140 / 0.310, 0.3066 / 0.300])  # 1.013 1.022 1.022 1.031
+    assert c["loss_paired"]["n"] == 4 and c["loss_paired"]["max"] == pytest.approx(ratios[-1])
+    assert c["loss_ratio"] == pytest.approx((ratios[1] + ratios[2]) / 2)  # the median of the paired ratios
+    assert c["targets"]["loss"]["met"] is False
+    assert "lie on both sides of the target" in c["targets"]["loss"]["note"]
+    with pytest.raises(SystemExit):
+        dw.parse_args(["--seeds", "0,x"])
+    with pytest.raises(SystemExit):
+        dw.parse_args(["--seeds", "-1"])
+
+
 def test_smoke_mode_is_tiny_and_validates_h():
     args = dw.parse_args(["--smoke"])
     assert (args.steps, args.workers, args.rounds) == (4, 2, 1) and args.tune_h == [2, 4]
@@ -139,10 +175,17 @@ def test_the_generated_table_reads_the_new_format():
         "format": 2,
         "date": "2026-12-01T10:00:00+0000",
         "command": "sudo python benchmarks/diloco_wan.py",
-        "config": {"workers": 3, "rate_mbit": 200, "steps": 200, "rounds": 3, "no_tune": False},
+        "config": {"workers": 3, "rate_mbit": 200, "steps": 200, "rounds": 3, "no_tune": False, "seeds": [0, 1, 2]},
         "targets": {"bytes_ratio_min": 2000.0, "loss_ratio_max": 1.02, "blocked_share_max": 0.05},
         "baseline_noise": {"refused": True, "why": "the no-communication run's rounds spread 29% (limit 15%)"},
-        "tuning": {"chosen": {"sparse_int2": {"sync_every": 50, "outer_lr": 1.0, "outer_momentum": 0.0, "lr": 5e-3}}},
+        "tuning": {
+            "chosen": {
+                "sparse_int2": {
+                    **{"sync_every": 50, "outer_lr": 1.0, "outer_momentum": 0.0},
+                    **{"lr": 5e-3, "error_decay": 0.9},
+                }
+            }
+        },
         "results": {
             "ddp": {"test_loss": 0.3, "payload_bytes_per_worker": 529_560_000, "rounds": [{"wall_s": 170}] * 3},
             "local": {"rounds": [{"wall_s": 100, "train_loop_s": 80}, {"wall_s": 78, "train_loop_s": 60}]},
@@ -157,6 +200,7 @@ def test_the_generated_table_reads_the_new_format():
                 "payload_bytes_ratio": 5295.6,
                 "payload_bytes_per_step": 500.0,
                 "loss_ratio": 1.017,
+                "loss_paired": {"min": 1.011, "median": 1.017, "max": 1.019, "n": 3},
                 "blocked_share": 0.009,
                 "blocked_per_sync_s": 0.12,
                 "targets": {
@@ -170,9 +214,11 @@ def test_the_generated_table_reads_the_new_format():
     }
     table = rf.diloco_table(d)
     assert "No wall-time verdict: the no-communication run's rounds spread 29%" in table
-    assert "held-out loss vs DDP" in table and "(DDP: 0.3000)" in table
+    assert "held-out loss vs DDP" in table and "(DDP: 0.3000)" in table and "seeds 0, 1, 2 by round" in table
+    assert "the median of the per-round ratios to DDP's run with the same seed" in table
     row = next(line for line in table.splitlines() if line.startswith("| sparse_int2"))
-    assert "| H=50, outer 1/0, inner lr 0.005 | 2570x fewer (5296x payload) | 1.017x | 0.9% of the loop" in row
+    assert "| H=50, outer 1/0, inner lr 0.005, error decay 0.9 | 2570x fewer (5296x payload) |" in row
+    assert "| 1.017x (1.011-1.019) | 0.9% of the loop" in row
     assert "(0.8%-1.1%), 120 ms" in row
     assert "1.02x (1.01-1.03) / 1.02x (1.01-1.03)" in row and "bytes met, loss met, blocked met, wall no verdict" in row
     what, result = rf.diloco_wan(d)

@@ -48,6 +48,7 @@ from meshrun.train.diloco import AUTO, DiLoCo, _balanced_fragments, state_digest
 
 IN, HID, OUT = 8, 16, 4
 NUMEL = IN * HID + HID + HID * OUT + OUT  # parameters of _mlp()
+MATRIX_NUMEL, VECTOR_NUMEL = IN * HID + HID * OUT, HID + OUT  # its weights; its biases (sparse formats: dense)
 
 
 def _mlp(seed: int, batchnorm: bool = False) -> nn.Module:
@@ -957,12 +958,20 @@ def test_every_format_ends_bit_identical_on_every_worker(world: int, world2: lis
         moved = sum(float((res[comp]["params"][k] - start[k]).abs().sum()) for k in start)
         dense = sum(float((exact[k] - start[k]).abs().sum()) for k in start)
         assert 0 < moved < dense, (comp, moved, dense)
-        assert res[comp]["last"] == make_codec(comp).payload_bytes(NUMEL)
-    sent = math.ceil(NUMEL / 64)  # the default density: the largest of every 64 elements
-    # int2 values (4 a byte), a bf16 scale per 128 values, 6-bit positions
+        codec = make_codec(comp)
+        assert res[comp]["last"] == codec.payload_bytes(MATRIX_NUMEL) + codec.values.payload_bytes(VECTOR_NUMEL)
+        # The biases went dense: every element moved. Of the weights, at most what 3 syncs of every worker
+        # could pick (one of each 64 per sync and worker).
+        for name in ("0.bias", "2.bias"):
+            assert bool((res[comp]["params"][name] != start[name]).all()), (comp, name)
+        weights = [(res[comp]["params"][k] != start[k]).sum().item() for k in ("0.weight", "2.weight")]
+        assert 0 < sum(weights) <= 3 * world * math.ceil(MATRIX_NUMEL / 64), (comp, weights)
+    sent = math.ceil(MATRIX_NUMEL / 64)  # the default density: the largest of every 64 elements
+    # int2 values (4 a byte), a bf16 scale per 128 values, 6-bit positions; the biases in int2, dense
     expected = math.ceil(sent / 4) + 2 * math.ceil(sent / INT2_BLOCK) + math.ceil(sent * 6 / 8)
+    expected += math.ceil(VECTOR_NUMEL / 4) + 2 * math.ceil(VECTOR_NUMEL / INT2_BLOCK)
     assert res["sparse-int2"]["last"] == expected
-    assert res["sparse-int2"]["last"] < res["int2"]["last"] / 8
+    assert res["sparse-int2"]["last"] < res["int2"]["last"] / 4  # 9 % of this model is biases, sent dense
 
 
 @pytest.mark.parametrize("world", [2, 3])
