@@ -828,7 +828,7 @@ def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict], noise: dict
         f"{cfg['rounds']} round(s), seeds {cfg['seeds']} by round, medians (min-max); hyperparameters "
         + ("as given (--no-tune)" if cfg["no_tune"] else "chosen on the tuning split"),
         f"{'variant':<14}{'wall e2e s':>20}{'loop s':>20}{'wire/worker':>14}{'payload':>12}{'test loss':>10}"
-        f"{'blocked':>17}  chosen",
+        f"{'blocked':>21}  chosen",
     ]
     for name, r in res.items():
         if "error" in r:
@@ -839,7 +839,7 @@ def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict], noise: dict
         lines.append(
             f"{name:<14}{_range(sp.get('wall_s'), '{:.1f}'):>20}{_range(sp.get('train_loop_s'), '{:.1f}'):>20}"
             f"{mb(r['wire_bytes_mean']):>14}{mb(r['payload_bytes_per_worker']):>12}{r['test_loss']:>10.4f}"
-            f"{blocked:>17}  {r.get('params') or ''}"
+            f"{blocked:>21}  {r.get('params') or ''}"
         )
     if noise.get("refused"):
         lines.append(f"NO WALL VERDICT: {noise['why']}")

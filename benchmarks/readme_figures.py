@@ -259,6 +259,17 @@ def _paired(d: dict, variant: str, key: str) -> list[float]:
     return [a[key] / b[key] for a, b in zip(rounds, base) if a.get(key) is not None and b.get(key)]
 
 
+def _fewer_by_round(d: dict, variant: str) -> list[float]:
+    """Per round, DDP's bytes on the wire over `variant`'s in the same round."""
+    rounds = d["results"][variant].get("rounds") or []
+    base = d["results"]["ddp"].get("rounds") or []
+    return [
+        b["wire_bytes_mean"] / a["wire_bytes_mean"]
+        for a, b in zip(rounds, base)
+        if a.get("wire_bytes_mean") and b.get("wire_bytes_mean")
+    ]
+
+
 def _ratio_cell(values: list[float]) -> str:
     if not values:
         return "-"
@@ -359,7 +370,9 @@ def diloco_table(d: dict) -> str:
                 blocked += f", {c['blocked_per_sync_s'] * 1e3:.0f} ms per sync"
         else:
             blocked = "not measured"
-        bytes_cell = f"{c['wire_bytes_ratio']:.0f}x fewer ({c['payload_bytes_ratio']:.0f}x payload)"
+        fewer = _fewer_by_round(d, name)
+        spread = f"{min(fewer):.0f}-{max(fewer):.0f} by round, " if new and len(fewer) > 1 else ""
+        bytes_cell = f"{c['wire_bytes_ratio']:.0f}x fewer ({spread}{c['payload_bytes_ratio']:.0f}x payload)"
         if new and name.startswith("demo"):
             ddp_step = res["ddp"]["payload_bytes_per_worker"] / cfg["steps"]
             bytes_cell += f"; {c['payload_bytes_per_step']:,.0f} B/step vs DDP's {ddp_step:,.0f}"

@@ -48,10 +48,9 @@ Compression (the pseudo-gradient only; floating-point buffers travel in their ow
   positions in 6 bits, their values in int2 / fp4; 0.0159 bytes per element at 1/64): see
   ``meshrun.train.compress``. The sparse formats send *vectors* (parameters of one dimension or none:
   biases, norm scales) dense, in their values' format with error feedback, as PowerSGD leaves rank-1
-  tensors uncompressed: a bias element steers a whole row, and one of 64 per sync left most of them at
-  their initial values for the whole run. They are a small share of a model (0.5 % of the benchmark's
-  GRU, where they cost 7.5 % more bytes per sync and gave a 0.2-0.7 % lower held-out loss on two seeds;
-  under 0.1 % of a transformer's parameters).
+  tensors uncompressed: a bias element steers a whole row, and the vectors are few (0.5 % of the
+  benchmark's GRU, where they cost 7.5 % more payload per sync and gave a 0.2-1.2 % lower held-out loss
+  on three seeds; under 0.1 % of a transformer's parameters). They travel in a collective of their own.
   All of them keep *error feedback*: this worker's residual ``x - dequant(quant(x))`` (for the
   sparse formats: everything not sent) is added to its next pseudo-gradient, so the error does not
   accumulate over syncs (the cumulative error stays within one rounding error). ``error_decay``

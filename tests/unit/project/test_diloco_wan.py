@@ -187,10 +187,17 @@ def test_the_generated_table_reads_the_new_format():
             }
         },
         "results": {
-            "ddp": {"test_loss": 0.3, "payload_bytes_per_worker": 529_560_000, "rounds": [{"wall_s": 170}] * 3},
+            "ddp": {
+                "test_loss": 0.3,
+                "payload_bytes_per_worker": 529_560_000,
+                "rounds": [{"wall_s": 170, "wire_bytes_mean": 771_000_000}] * 3,
+            },
             "local": {"rounds": [{"wall_s": 100, "train_loop_s": 80}, {"wall_s": 78, "train_loop_s": 60}]},
             "sparse_int2": {
-                "rounds": [{"wall_s": 101, "train_loop_s": 81}, {"wall_s": 80, "train_loop_s": 62}],
+                "rounds": [
+                    {"wall_s": 101, "train_loop_s": 81, "wire_bytes_mean": 300_000},
+                    {"wall_s": 80, "train_loop_s": 62, "wire_bytes_mean": 310_000},
+                ],
                 "spread": {"blocked_share": {"min": 0.008, "median": 0.009, "max": 0.011, "n": 3}},
             },
         },
@@ -217,7 +224,9 @@ def test_the_generated_table_reads_the_new_format():
     assert "held-out loss vs DDP" in table and "(DDP: 0.3000)" in table and "seeds 0, 1, 2 by round" in table
     assert "the median of the per-round ratios to DDP's run with the same seed" in table
     row = next(line for line in table.splitlines() if line.startswith("| sparse_int2"))
-    assert "| H=50, outer 1/0, inner lr 0.005, error decay 0.9 | 2570x fewer (5296x payload) |" in row
+    assert (
+        "| H=50, outer 1/0, inner lr 0.005, error decay 0.9 | 2570x fewer (2487-2570 by round, 5296x payload) |" in row
+    )
     assert "| 1.017x (1.011-1.019) | 0.9% of the loop" in row
     assert "(0.8%-1.1%), 120 ms" in row
     assert "1.02x (1.01-1.03) / 1.02x (1.01-1.03)" in row and "bytes met, loss met, blocked met, wall no verdict" in row
