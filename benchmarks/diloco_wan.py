@@ -396,6 +396,7 @@ def compare(ddp: dict, local: dict, r: dict, noise: dict, steps: int) -> dict:
         "wall_ratio_vs_ddp": _div(r["wall_s"], ddp["wall_s"]),
         # Per round against DDP's run with the same seed: the median is judged, the spread is the seeds'.
         "loss_paired": _paired(r, ddp, "test_loss"),
+        "wire_fewer_paired": _paired(ddp, r, "wire_bytes_mean"),  # per round: DDP's wire bytes over this one's
         "blocked_share": r.get("blocked_share"),
         "blocked_per_sync_s": (r["comm_blocked_s"] / r["syncs"])
         if r.get("syncs") and r.get("comm_blocked_s")
@@ -428,11 +429,16 @@ def compare(ddp: dict, local: dict, r: dict, noise: dict, steps: int) -> dict:
             refused,
         ),
     }
-    lp = out["loss_paired"]
+    lp, wp = out["loss_paired"], out["wire_fewer_paired"]
     if lp and lp["n"] > 1 and lp["min"] <= TARGET_LOSS_RATIO < lp["max"]:
         out["targets"]["loss"]["note"] = (
             f"the seeds' ratios ({lp['min']:.3f}-{lp['max']:.3f}) lie on both sides of the target: the seed moves "
             "the loss more than the verdict's margin"
+        )
+    if wp and wp["n"] > 1 and wp["min"] < TARGET_BYTES_RATIO <= wp["max"]:
+        out["targets"]["bytes"]["note"] = (
+            f"the rounds' wire ratios ({wp['min']:.0f}-{wp['max']:.0f}x) lie on both sides of the target: the "
+            "median meets it by less than the rounds spread"
         )
     decided = [t["met"] for t in out["targets"].values() if t["met"] is not None]
     out["all_met"] = bool(decided) and all(decided) and not any(t.get("refused") for t in out["targets"].values())
@@ -853,7 +859,9 @@ def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict], noise: dict
         blocked = "-" if c["blocked_share"] is None else f"{c['blocked_share']:.1%} of the loop"
         lines.append(
             f"{name}: bytes {c['wire_bytes_ratio']:.0f}x fewer on the wire, {c['payload_bytes_ratio']:.0f}x payload "
-            f"({c['payload_bytes_per_step']:,.0f} B/step): {verdict_text(t['bytes'])} | held-out loss "
+            f"({c['payload_bytes_per_step']:,.0f} B/step): {verdict_text(t['bytes'])}"
+            + (f" ({t['bytes']['note']})" if t["bytes"].get("note") else "")
+            + " | held-out loss "
             f"{_range(c.get('loss_paired'), '{:.4f}')}x DDP: {verdict_text(t['loss'])}"
             + (f" ({t['loss']['note']})" if t["loss"].get("note") else "")
             + f" | blocked {blocked}: "

@@ -143,7 +143,17 @@ def test_each_round_has_its_own_seed_and_the_loss_verdict_is_the_median_of_paire
 
     def fake_run(target, args, variant, params, seed):
         seen.append((variant, seed))
-        return _run(100, 80, test_loss=losses.get(variant, {}).get(seed, 0.4), seed=seed)
+        # DDP's wire bytes over the sparse run's: 2020x, 1980x, 2000x by seed
+        wire = 2_000_000 if variant == "ddp" else {0: 990, 1: 1010, 2: 1000}[seed]
+        payload = 2_000_000 if variant == "ddp" else 500
+        return _run(
+            100,
+            80,
+            test_loss=losses.get(variant, {}).get(seed, 0.4),
+            seed=seed,
+            wire_bytes_mean=wire,
+            payload_bytes_per_worker=payload,
+        )
 
     monkeypatch.setattr(dw, "run_variant", fake_run)
     res = dw.run_rounds(None, args, {})
@@ -156,6 +166,9 @@ def test_each_round_has_its_own_seed_and_the_loss_verdict_is_the_median_of_paire
     assert c["loss_ratio"] == pytest.approx((ratios[1] + ratios[2]) / 2)  # the median of the paired ratios
     assert c["targets"]["loss"]["met"] is False
     assert "lie on both sides of the target" in c["targets"]["loss"]["note"]
+    # The bytes verdict is on the median too (2010x: met), and says that one round missed it.
+    assert c["targets"]["bytes"]["met"] and c["wire_fewer_paired"]["min"] == pytest.approx(2_000_000 / 1010)
+    assert "wire ratios (1980-2020x) lie on both sides" in c["targets"]["bytes"]["note"]
     with pytest.raises(SystemExit):
         dw.parse_args(["--seeds", "0,x"])
     with pytest.raises(SystemExit):
