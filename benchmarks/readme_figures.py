@@ -252,22 +252,11 @@ def _bytes_ratio(c: dict) -> float:
     return min(c["wire_bytes_ratio"], c["payload_bytes_ratio"])
 
 
-def _paired(d: dict, variant: str, key: str) -> list[float]:
-    """Per round, `variant`'s `key` over the no-communication run's in the same round."""
+def _paired(d: dict, variant: str, key: str, base: str = "local") -> list[float]:
+    """Per round, `variant`'s `key` over `base`'s (the no-communication run's) in the same round."""
     rounds = d["results"][variant].get("rounds") or [d["results"][variant]]
-    base = d["results"]["local"].get("rounds") or [d["results"]["local"]]
-    return [a[key] / b[key] for a, b in zip(rounds, base) if a.get(key) is not None and b.get(key)]
-
-
-def _fewer_by_round(d: dict, variant: str) -> list[float]:
-    """Per round, DDP's bytes on the wire over `variant`'s in the same round."""
-    rounds = d["results"][variant].get("rounds") or []
-    base = d["results"]["ddp"].get("rounds") or []
-    return [
-        b["wire_bytes_mean"] / a["wire_bytes_mean"]
-        for a, b in zip(rounds, base)
-        if a.get("wire_bytes_mean") and b.get("wire_bytes_mean")
-    ]
+    under = d["results"][base].get("rounds") or [d["results"][base]]
+    return [a[key] / b[key] for a, b in zip(rounds, under) if a.get(key) is not None and b.get(key)]
 
 
 def _ratio_cell(values: list[float]) -> str:
@@ -370,7 +359,7 @@ def diloco_table(d: dict) -> str:
                 blocked += f", {c['blocked_per_sync_s'] * 1e3:.0f} ms per sync"
         else:
             blocked = "not measured"
-        fewer = _fewer_by_round(d, name)
+        fewer = [1 / r for r in _paired(d, name, "wire_bytes_mean", base="ddp") if r]  # DDP's bytes over its
         spread = f"{min(fewer):.0f}-{max(fewer):.0f} by round, " if new and len(fewer) > 1 else ""
         bytes_cell = f"{c['wire_bytes_ratio']:.0f}x fewer ({spread}{c['payload_bytes_ratio']:.0f}x payload)"
         if new and name.startswith("demo"):
