@@ -4,7 +4,8 @@
 #   ./dev.sh demo      install what is needed, then run `meshrun demo`
 #   ./dev.sh test      install what is needed (incl. test deps), then run the whole test suite
 #   ./dev.sh install   only install
-#   ./dev.sh gpu-check on a GPU machine: NCCL over meshrun in namespaces (world, site, cross-site groups)
+#   ./dev.sh gpu-check on a GPU machine: NCCL over meshrun in namespaces (world, site, cross-site groups) and
+#                      its all-reduce bandwidth: raw site LAN vs meshrun0, NCCL socket settings (--help)
 # Python deps go to ./.venv; torch is pinned first (an unpinned torch pulls GBs of CUDA wheels).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -102,6 +103,11 @@ case "${1:-}" in
         # Two test processes (pytest-xdist), a test file each at a time: the end-to-end tests mostly wait on
         # namespaces, jobs and timers, so two of them fit 2 cores. MESHRUN_TEST_WORKERS=0 runs them one by one.
         exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-2}" --dist loadfile tests "$@" ;;
-  gpu-check) install_system; install_python; exec .venv/bin/python -m meshrun.lab.gpucheck ;;
+  # A machine with no registry and no .venv, given .gpucarry (tools/gpu_carry.sh fetch): installed from those files.
+  gpu-check) shift
+             if [ -d .gpucarry ] && [ ! -x .venv/bin/python ]; then
+               tools/gpu_carry.sh install; exec "$PY" -m meshrun.lab.gpucheck "$@"
+             fi
+             install_system; install_python; exec .venv/bin/python -m meshrun.lab.gpucheck "$@" ;;
   *) echo "usage: ./dev.sh demo|test|install|gpu-check" >&2; exit 2 ;;
 esac

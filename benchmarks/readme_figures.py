@@ -145,15 +145,21 @@ def launch_overhead(d: dict) -> tuple[str, str]:
     return "`meshrun train` launch overhead vs torchrun by hand", text
 
 
+RELAY_TARGET = 0.9  # a member-relayed pair's all-reduce against a direct pair's (benchmarks/relay_vs_direct.py)
+
+
 def relay_vs_direct(d: dict) -> tuple[str, str]:
     runs = d["runs_MiBps"]
     direct = runs["direct"]
     if "peer_relayed" in runs:
         peer, coord = runs["peer_relayed"], runs["coordinator_relayed_2_pairs"]
         med = statistics.median(direct)
+        ratio = statistics.median(peer) / med
+        verdict = "met" if ratio >= RELAY_TARGET else "**missed**"
         return (
             "relayed pair (both behind symmetric NAT) vs direct pair, all-reduce bandwidth",
-            f"relayed by a member: {statistics.median(peer) / med:.2f} of direct ({_spread(peer, '{:.1f}')} MiB/s); "
+            f"relayed by a member: {ratio:.2f} of direct, target >= {RELAY_TARGET} {verdict} "
+            f"({_spread(peer, '{:.1f}')} MiB/s); "
             f"by the coordinator relaying two pairs at once: {statistics.median(coord) / med:.2f} "
             f"({_spread(coord, '{:.1f}')} MiB/s); direct {_spread(direct, '{:.1f}')} MiB/s; {d['rate_mbit']} Mbit/s "
             f"links, the relaying member's {d['relay_mbit']} Mbit/s",

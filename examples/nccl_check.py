@@ -20,21 +20,28 @@ import torch.distributed as dist
 from meshrun.train import sites
 
 
+def pin_device(gpu_map: str, hostid_per_node: bool) -> bool:
+    """This rank's GPU (from `gpu_map`, NODE=GPU pairs, else the local rank's) and, for nodes that are namespaces
+    of one machine, NCCL_HOSTID; True when there is a GPU (NCCL), False for gloo."""
+    if not torch.cuda.is_available():
+        return False
+    node = os.environ.get("MESHRUN_NODE_NAME", "")
+    gpu_of = dict(pair.split("=", 1) for pair in gpu_map.split(",") if "=" in pair)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(int(gpu_of[node]) if node in gpu_of else local % torch.cuda.device_count())
+    if hostid_per_node and node:
+        # NCCL tells hosts apart by host name and boot id, which namespaces share; read at NCCL's init.
+        os.environ["NCCL_HOSTID"] = node
+    return True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpu-map", default="", help="NODE=GPU pairs, comma-separated [the local rank's GPU]")
     p.add_argument("--hostid-per-node", action="store_true", help="NCCL_HOSTID = the node's name")
     p.add_argument("--mib", type=int, default=16)
     a = p.parse_args()
-    cuda = torch.cuda.is_available()
-    node = os.environ.get("MESHRUN_NODE_NAME", "")
-    if cuda:
-        gpu_of = dict(pair.split("=", 1) for pair in a.gpu_map.split(",") if "=" in pair)
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(int(gpu_of[node]) if node in gpu_of else local % torch.cuda.device_count())
-        if a.hostid_per_node and node:
-            # NCCL tells hosts apart by host name and boot id, which namespaces share; read at NCCL's init.
-            os.environ["NCCL_HOSTID"] = node
+    cuda = pin_device(a.gpu_map, a.hostid_per_node)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

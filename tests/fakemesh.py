@@ -21,6 +21,7 @@ from meshrun.mesh.node.daemon import AgentService
 from meshrun.system.fakedevice import FakeDevice
 from meshrun.system.statedir import StateDir
 from meshrun.system.transport import Request, raise_for
+from meshrun.system.udprelay import FakeRelay
 
 COORD_ENDPOINT = "203.0.113.1"
 
@@ -56,7 +57,7 @@ class FakeMesh:
 
     def new_coordinator(self) -> CoordinatorService:
         """A fresh coordinator service over the same state and device (a daemon restart)."""
-        svc = CoordinatorService(self.coord_state, device=self.coord_device)
+        svc = CoordinatorService(self.coord_state, device=self.coord_device, make_relay=FakeRelay)
         svc.overlay.max_wait = 0.0  # long-polls answer at once in unit tests
         self.coord = svc
         return svc
@@ -86,7 +87,11 @@ class FakeMesh:
         )
         n = Node(name, state, device, None, public, private or "172.31.40.46:51820")  # type: ignore[arg-type]
         n.agent = AgentService(
-            state, device=device, call=self._caller(n), addresses=lambda iface, n=n: [n.private.rsplit(":", 1)[0]]
+            state,
+            device=device,
+            call=self._caller(n),
+            addresses=lambda iface, n=n: [n.private.rsplit(":", 1)[0]],
+            make_relay=FakeRelay,
         )
         self.nodes[name] = n
         return n

@@ -48,10 +48,16 @@ def _world(dcs, prefix: str, **kw):
 
 @contextlib.contextmanager
 def joined_mesh(
-    tmp_path_factory, dcs, coordinator: str, nodes: Sequence[str], init_args: Sequence[str] = ()
+    tmp_path_factory,
+    dcs,
+    coordinator: str,
+    nodes: Sequence[str],
+    init_args: Sequence[str] = (),
+    promote: Sequence[str] = (),
 ) -> Iterator:
     """A world (`dcs` as for world_factory) with meshrun init (`init_args`) on `coordinator` and `nodes` joined,
-    for a module-scoped fixture; torn down on exit. Skips where namespaces cannot be built (in CI,
+    then the nodes in `promote` made coordinators (`meshrun coordinator add`, at their public addresses), for a
+    module-scoped fixture; torn down on exit. Skips where namespaces cannot be built (in CI,
     pytest_runtest_setup fails the netns tests instead)."""
     from meshrun.lab.testbed import Mesh
 
@@ -66,6 +72,9 @@ def joined_mesh(
         mesh.init(*init_args)
         for n in nodes:
             mesh.join(n)
+        for n in promote:
+            out = mesh.meshrun(coordinator, "coordinator", "add", n, "--endpoint", str(world.node(n).public_ip)).stdout
+            assert f"{n} is a coordinator" in out, out
         yield mesh
     finally:
         world.down()
@@ -194,3 +203,17 @@ JOB_NETWORK = Network(
     endpoints=("192.0.2.1:51820",),
     fingerprint="0" * 64,
 )
+
+
+def relay_world():
+    """hq (the coordinator), dca and dcb (one-to-one NAT: members that may relay), dcc and dcd (symmetric NAT:
+    never direct with each other, so their pair is relayed): the relay tests' world."""
+    from meshrun.lab.testbed import DatacenterSpec
+
+    return [
+        DatacenterSpec("hq"),
+        DatacenterSpec("dca"),
+        DatacenterSpec("dcb"),
+        DatacenterSpec("dcc", nat="symmetric"),
+        DatacenterSpec("dcd", nat="symmetric"),
+    ]

@@ -56,6 +56,22 @@ def remove(
     app.echo(ha.remove(app.state, name))
 
 
+@coordinator_app.command("rotate-ca")
+@handled
+def rotate_ca(state_dir: StateOpt = None) -> None:
+    """Replace the coordinators' etcd CA: every etcd member gets a certificate of a new CA, the old one is
+    trusted no more (`coordinator remove` does this by itself; run it when that could not finish).
+
+    \b
+    Example:
+      meshrun coordinator rotate-ca
+    """
+    from meshrun.mesh.coordinator import ha
+
+    app = Application.for_command(state_dir)
+    app.echo(ha.rotate(app.state))
+
+
 @coordinator_app.command("list")
 @handled
 def list_(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:

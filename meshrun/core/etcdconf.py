@@ -2,7 +2,9 @@
 
 A member listens on its overlay address only (clients on `client_port`, peers on `peer_port`), over TLS
 both ways with certificates from the coordinators' CA (meshrun.core.keys.new_ca / sign_csr) required of
-every client and peer. The TLS files live in one directory: `ca.crt`, `etcd.crt`, `etcd.key`.
+every client and peer. The TLS files live in one directory: `ca.crt`, `etcd.crt`, `etcd.key`. etcd reads
+the certificate and key again on every new handshake (a renewal needs no restart) but `ca.crt` only when it
+starts; during a CA rotation `ca.crt` holds two CAs (meshrun.mesh.coordinator.ha.CaRecord).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import hashlib
 import ipaddress
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -129,6 +130,23 @@ def cert_fingerprint(cert: bytes) -> str:
 
 _PEM = serialization.Encoding.PEM
 _SKEW = datetime.timedelta(minutes=5)  # not-before in the past: a signer's clock a little ahead of a member's
+# A member's certificate lives 90 days and is renewed by its own coordinator when 30 are left (`renew_due`):
+# a copy that leaks (a backup, a disk) opens etcd for weeks, not years, while a coordinator may be down for up
+# to a month and still come back on its own. One that is down longer finds its certificate expired: take it
+# out (`meshrun coordinator remove`) and add it again.
+LEAF_DAYS = 90
+RENEW_DAYS = 30
+# The CA outlives its leaves by far; it is replaced whenever a coordinator is taken out (a new key that one
+# never saw), which is what actually ends a removed coordinator's access.
+CA_DAYS = 3650
+_CSR_FIX = (
+    "make the request on the member itself, for its own overlay address {ip} and nothing else "
+    "(`meshrun coordinator add` does): run the same meshrun version on both machines"
+)
+
+
+class CertificateRequestError(UsageError):
+    """A certificate request that the etcd CA refuses to sign (it names the request's value and the fix)."""
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> str:
@@ -141,7 +159,7 @@ def _cn(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def new_ca(common_name: str, days: int = 3650) -> tuple[str, str]:
+def new_ca(common_name: str, days: int = CA_DAYS) -> tuple[str, str]:
     """Return (certificate PEM, private key PEM) of a new self-signed CA (EC P-256) valid for `days` days.
 
     It may sign leaf certificates only (path length 0). Its key signs every member's CSR (`sign_csr`); keep
@@ -179,18 +197,32 @@ def new_csr(common_name: str, ip: str) -> tuple[str, str]:
 
     UsageError for an `ip` that is not an IP address.
     """
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        raise UsageError(f"{ip!r} is not an IP address", "pass the member's overlay address, e.g. 10.7.0.2") from None
     key = ec.generate_private_key(ec.SECP256R1())
+    return _key_pem(key), csr_for_key(_key_pem(key), common_name, ip)
+
+
+def csr_for_key(key_pem: str, common_name: str, ip: str) -> str:
+    """The CSR (PEM) of an existing private key for a certificate whose only subject alternative name is `ip`:
+    a renewal keeps the member's key, so only the certificate file changes (etcd reads both files on each new
+    handshake; two files replaced one after the other could be read as a mismatched pair).
+
+    UsageError for an `ip` that is not an IP address.
+    """
+    addr = _ip_address(ip)
     csr = (
         x509.CertificateSigningRequestBuilder()
         .subject_name(_cn(common_name))
         .add_extension(x509.SubjectAlternativeName([x509.IPAddress(addr)]), critical=False)
-        .sign(key, hashes.SHA256())
+        .sign(_load_key(key_pem), hashes.SHA256())
     )
-    return _key_pem(key), csr.public_bytes(_PEM).decode()
+    return csr.public_bytes(_PEM).decode()
+
+
+def _ip_address(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    try:
+        return ipaddress.ip_address(ip)
+    except ValueError:
+        raise UsageError(f"{ip!r} is not an IP address", "pass the member's overlay address, e.g. 10.7.0.2") from None
 
 
 def _load_cert(pem: str | bytes) -> x509.Certificate:
@@ -205,16 +237,46 @@ def _public_der(public_key) -> bytes:
     return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def sign_csr(ca_cert_pem: str, ca_key_pem: str, csr_pem: str, days: int = 3650) -> str:
-    """Return the PEM certificate the CA issues for `csr_pem`: the CSR's subject and subject alternative
-    names, good for both TLS ends (serverAuth and clientAuth: an etcd member is a server to its clients and
-    a client to its peers), not a CA, valid for `days` days but never past the CA itself.
+def check_csr(csr_pem: str, ip: str) -> x509.CertificateSigningRequest:
+    """The certificate request `csr_pem`, checked before anything signs it: its signature verifies and its
+    subject alternative names are exactly the one IP address `ip` (the overlay address the network gave the
+    member it comes from). A certificate for another address would let its holder pose as another member.
 
-    ValueError for a CSR whose signature does not verify or that names no IP address, and for a CA key that
-    is not the CA certificate's or a CA certificate that is not a CA.
+    CertificateRequestError (one line, naming the value and the fix) for anything else.
+    """
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem.encode() if isinstance(csr_pem, str) else csr_pem)
+    except ValueError:
+        raise CertificateRequestError(
+            "the certificate request is not a PEM certificate request", _CSR_FIX.format(ip=ip)
+        ) from None
+    if not csr.is_signature_valid:
+        raise CertificateRequestError("the certificate request's signature does not verify", _CSR_FIX.format(ip=ip))
+    want = _ip_address(ip)
+    try:
+        names = list(csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound:
+        names = []
+    asked = [str(n.value) if isinstance(n, x509.IPAddress) else f"{type(n).__name__}:{n.value}" for n in names]
+    if len(names) != 1 or not isinstance(names[0], x509.IPAddress) or names[0].value != want:
+        raise CertificateRequestError(
+            f"the certificate request names {asked or 'no IP address'} (subject alternative names), "
+            f"not exactly {want}, the overlay address of the member it is for",
+            _CSR_FIX.format(ip=want),
+        )
+    return csr
+
+
+def sign_csr(ca_cert_pem: str, ca_key_pem: str, csr_pem: str, ip: str, days: int = LEAF_DAYS) -> str:
+    """Return the PEM certificate the CA issues for `csr_pem`, a request for the overlay address `ip` alone
+    (`check_csr`): its subject and that one IP SAN, good for both TLS ends (serverAuth and clientAuth: an
+    etcd member is a server to its clients and a client to its peers), not a CA, valid for `days` days but
+    never past the CA itself.
+
+    CertificateRequestError for a request that `check_csr` refuses; ValueError for a CA key that is not the
+    CA certificate's or a CA certificate that is not a CA.
     """
     ca_cert, ca_key = _load_cert(ca_cert_pem), _load_key(ca_key_pem)
-    csr = x509.load_pem_x509_csr(csr_pem.encode() if isinstance(csr_pem, str) else csr_pem)
     if _public_der(ca_cert.public_key()) != _public_der(ca_key.public_key()):
         raise ValueError("the CA key does not belong to the CA certificate")
     try:
@@ -222,14 +284,8 @@ def sign_csr(ca_cert_pem: str, ca_key_pem: str, csr_pem: str, days: int = 3650) 
             raise ValueError("the CA certificate is not a CA (basicConstraints CA:FALSE)")
     except x509.ExtensionNotFound:
         raise ValueError("the CA certificate is not a CA (no basicConstraints)") from None
-    if not csr.is_signature_valid:
-        raise ValueError("the certificate request's signature does not verify")
-    try:
-        san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        san = None
-    if san is None or not san.get_values_for_type(x509.IPAddress):
-        raise ValueError("the certificate request names no IP address (subject alternative name)")
+    csr = check_csr(csr_pem, ip)
+    san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     now = datetime.datetime.now(datetime.timezone.utc)
     not_after = min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
     cert = (
@@ -289,3 +345,25 @@ def cert_matches_key(cert_pem: str, key_pem: str) -> bool:
     except (ValueError, TypeError):
         raise ValueError("the private key is not an unencrypted PEM private key") from None
     return _public_der(cert.public_key()) == _public_der(key.public_key())
+
+
+def cert_issued_by(cert_pem: str, ca_cert_pem: str) -> bool:
+    """True when the CA certificate `ca_cert_pem` signed the certificate `cert_pem` (False for unreadable PEM)."""
+    try:
+        _load_cert(cert_pem).verify_directly_issued_by(_load_cert(ca_cert_pem))
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def renew_due(cert_pem: str, now: datetime.datetime | None = None, renew_days: int = RENEW_DAYS) -> bool:
+    """Whether a member's certificate is due for renewal at `now`: fewer than `renew_days` days left, or a
+    third of its lifetime if that is shorter (a certificate cut short by its CA), or expired, or unreadable."""
+    try:
+        cert = _load_cert(cert_pem)
+    except ValueError:
+        return True
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    window = min(datetime.timedelta(days=renew_days), lifetime / 3)
+    return now >= cert.not_valid_after_utc - window

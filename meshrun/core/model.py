@@ -89,6 +89,7 @@ class Member(_Wire):
     site: str = ""  # the site it joined with (`meshrun join --site`), "" if none
     relay: bool = True  # may relay other members' pairs (`meshrun join --no-relay`: not)
     via: str = ""  # for the receiving node, a relayed peer's relay: its public key ("" = the coordinator)
+    via_port: int = 0  # for the receiving node, the UDP port its relay forwards this pair's datagrams on (0: none yet)
 
     @classmethod
     def from_dict(cls, d: dict) -> Member:
@@ -109,6 +110,7 @@ class Member(_Wire):
             site=_str(d, "site", SITE_RE) if d.get("site") else "",
             relay=bool(d.get("relay", True)),
             via=_key(d, "via") if d.get("via") else "",
+            via_port=_int(d, "via_port", 0, 65535, required=False),
         )
 
 

@@ -8,9 +8,9 @@ only would drop packets: WireGuard filters inbound packets by the sending peer's
 A pair starts `private` when both nodes sit behind the same public IP and report private
 candidates (same VPC/LAN: no hairpin through the gateway), else `public`. Each side re-creates
 its peer entry on a mode change, so a handshake newer than the change proves the new path.
-Without one within ATTEMPT_S, the pair falls back: private -> public -> relayed. A relayed pair
-keeps its direct entry (no allowed IPs, keepalive on), so WireGuard keeps trying; the first
-handshake there switches the pair back to public.
+Without one within ATTEMPT_S, the pair falls back: private -> public -> relayed. A relayed pair's
+WireGuard peers point at its relay's port for the pair (core/relays), so their handshakes prove the
+relayed path, and the pair stays relayed (a new relay when its relay fails, core/relays).
 """
 
 from __future__ import annotations
@@ -32,6 +32,19 @@ class PairState:
     since: float  # when this mode was chosen
     verified: bool = False  # a handshake newer than `since` was seen
     relay: str = ""  # a relayed pair's relay: a member's name ("" = the coordinator); see core/relays
+    port: int = 0  # a relayed pair's UDP port on its relay (core/relays.RELAY_PORTS; 0: not relayed)
+
+    def record(self) -> dict:
+        """The state as the stores keep it (JSON): the port only when there is one."""
+        out = {"mode": self.mode, "since": self.since, "verified": self.verified, "relay": self.relay}
+        return out | ({"port": self.port} if self.port else {})
+
+    @classmethod
+    def from_record(cls, d: dict) -> PairState:
+        """`record`'s inverse; records written before relays or ports have neither."""
+        return cls(
+            str(d["mode"]), float(d["since"]), bool(d["verified"]), str(d.get("relay", "")), int(d.get("port", 0))
+        )
 
 
 def direct(state: PairState | None) -> bool:
@@ -85,8 +98,12 @@ def step(state: PairState, a: Member, b: Member, handshake: int, now: float, fre
     where the nodes say so, whether the tunnel is fresh (None: a handshake in the last STALE_S)."""
     fresh = _fresh(handshake, now, fresh)
     if state.mode == RELAYED:
-        # The direct entry kept trying; a handshake after we relayed means direct works now.
-        return PairState(PUBLIC, now) if fresh and handshake > int(state.since) else state
+        # The ends' handshakes now cross the relay (each end's WireGuard has one endpoint per peer: the relay's
+        # port), so they prove the relayed path, not a direct one: a relayed pair stays relayed. The relay's
+        # health is the ends' probes' business (relay-down reports), not the handshake's.
+        if fresh and not state.verified and _since(handshake, state.since):
+            return PairState(state.mode, state.since, True, state.relay, state.port)
+        return state
     if fresh and (state.verified or _since(handshake, state.since)):
         return state if state.verified else PairState(state.mode, state.since, True)
     if not state.verified and now - state.since < ATTEMPT_S:

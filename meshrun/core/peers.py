@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from meshrun.core.model import Member
+from meshrun.core.model import Member, split_endpoint
 
 KEEPALIVE = 25
 # WireGuard rejects a session 180 s after its handshake (REJECT_AFTER_TIME); a peer whose
@@ -35,6 +35,9 @@ class PeerSpec:
     endpoint: str | None = None
     keepalive: int = KEEPALIVE
     name: str = ""
+    # The endpoint is the coordinator's word, not a hint: a relayed peer's is its relay's port for the pair,
+    # set even over a live tunnel (a new relay must take over at once) and over an endpoint WireGuard roamed to.
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,31 +106,49 @@ def handshake_report(
 def desired_for_node(
     my_key: str, members: Sequence[Member], hold: frozenset[str] | set[str] = frozenset()
 ) -> list[PeerSpec]:
-    """Peers for a node: every other member, at the endpoint the coordinator chose for this node.
+    """Peers for a node: every other member, at the endpoint the coordinator chose for this node, each
+    admitting its own overlay address and nothing else (see `check_own_addresses`).
 
-    The coordinator's own entry carries its public endpoint from the token. A peer whose path
-    is `relayed` keeps its entry (endpoint, keepalive: WireGuard keeps trying direct) but no
-    allowed IPs; its address is routed through its relay's entry instead (`via`, see relay_of), the
-    coordinator's when it has none. Peers in `hold` (see `handshake_holds`) get their endpoint but no
-    keepalive yet, so nothing starts a handshake.
+    The coordinator's own entry carries its public endpoint from the token. A peer whose path is
+    `relayed` stays a WireGuard peer of its own, end to end: only its endpoint is its relay's UDP port
+    for the pair (`relayed_endpoint`), where the relay forwards the datagrams as they are, so the relay
+    never decrypts them and no tunnel of the relay's admits the peer's address. Peers in `hold` (see
+    `handshake_holds`) get their endpoint but no keepalive yet, so nothing starts a handshake.
     """
     out = []
-    through: dict[str, list[str]] = {}  # relay's key -> the relayed peers' /32s routed through it
-    for m in members:
-        if m.path == "relayed" and m.public_key != my_key:
-            through.setdefault(relay_of(my_key, m, members).public_key, []).append(f"{m.overlay_ip}/32")
     for m in members:
         if m.public_key == my_key:
             continue
-        if m.path == "relayed":
-            ips: tuple[str, ...] = (*through.get(m.public_key, ()),)
-        else:
-            ips = (f"{m.overlay_ip}/32", *through.get(m.public_key, ()))
+        pinned = m.path == "relayed"
+        endpoint = relayed_endpoint(my_key, m, members) if pinned else m.endpoint
         # No keepalive until there is an endpoint: wireguard-go would try to handshake at once,
         # fail for want of an address, and then hold off every attempt for 5 s (REKEY_TIMEOUT).
-        keepalive = KEEPALIVE if m.endpoint and m.public_key not in hold else 0
-        out.append(PeerSpec(m.public_key, ips, m.endpoint, keepalive, m.name))
+        keepalive = KEEPALIVE if endpoint and m.public_key not in hold else 0
+        out.append(PeerSpec(m.public_key, (f"{m.overlay_ip}/32",), endpoint, keepalive, m.name, pinned))
     return out
+
+
+def relayed_endpoint(my_key: str, peer: Member, members: Sequence[Member]) -> str | None:
+    """Where this node sends a relayed `peer`'s WireGuard datagrams: its relay's host (as this node reaches
+    the relay) at the port the relay forwards the pair on; None until the coordinator named a port."""
+    relay = relay_of(my_key, peer, members)
+    if not peer.via_port or relay is peer or not relay.endpoint:
+        return None
+    host = split_endpoint(relay.endpoint)[0]
+    return f"[{host}]:{peer.via_port}" if ":" in host else f"{host}:{peer.via_port}"
+
+
+def check_own_addresses(specs: Sequence[PeerSpec], members: Sequence[Member]) -> None:
+    """The invariant every member's interface keeps: each WireGuard peer admits exactly its own overlay
+    address, so no tunnel (a relay's included) ever carries another member's address; ValueError naming the
+    peer otherwise. Called on every peer set before it is applied."""
+    own = {m.public_key: f"{m.overlay_ip}/32" for m in members}
+    for spec in specs:
+        if spec.allowed_ips != (own.get(spec.public_key),):
+            raise ValueError(
+                f"peer {spec.name or spec.public_key} would admit {', '.join(spec.allowed_ips) or 'nothing'}, "
+                f"not only its own address {own.get(spec.public_key)}"
+            )
 
 
 def relay_of(my_key: str, peer: Member, members: Sequence[Member]) -> Member:
@@ -192,7 +213,7 @@ def route_mtus(my_key: str, my_mtu: int, members: Sequence[Member]) -> dict[str,
             continue
         mtu = m.mtu or my_mtu
         if m.path == "relayed":
-            # The relay takes the packet out of one tunnel and into another: it must fit both hops.
+            # The relay forwards the datagram over its own underlay: it must fit the hops to and from the relay.
             relay = relay_of(my_key, m, members)
             mtu = min(mtu, relay.mtu or my_mtu)
         if 0 < mtu < my_mtu:
@@ -229,7 +250,8 @@ def diff(
 
     An existing peer's endpoint is only replaced when the desired one differs and the
     current one is unknown or has had no handshake for HANDSHAKE_FRESH_S: a live tunnel
-    is never moved to an address that might be worse. Peers in `recreate` (their path
+    is never moved to an address that might be worse; a pinned one (a relay's port) is always
+    set, since the session keys outlive the move and traffic follows at once. Peers in `recreate` (their path
     changed) are removed and added again, so the next handshake proves the new path.
     """
     cur = {p.public_key: p for p in current}
@@ -246,14 +268,14 @@ def diff(
         endpoint = None
         if spec.endpoint and spec.endpoint != have.endpoint:
             fresh = have.latest_handshake and now - have.latest_handshake < HANDSHAKE_FRESH_S
-            if have.endpoint is None or not fresh:
+            if have.endpoint is None or not fresh or spec.pinned:
                 endpoint = spec.endpoint
         if (
             endpoint
             or tuple(sorted(spec.allowed_ips)) != tuple(sorted(have.allowed_ips))
             or spec.keepalive != have.keepalive
         ):
-            update.append(PeerSpec(key, spec.allowed_ips, endpoint, spec.keepalive, spec.name))
+            update.append(PeerSpec(key, spec.allowed_ips, endpoint, spec.keepalive, spec.name, spec.pinned))
     remove = tuple(sorted([k for k in cur if k not in want] + recreated))
     key_order = lambda p: p.public_key  # noqa: E731 - deterministic output for tests and logs
     return PeerDiff(tuple(sorted(add, key=key_order)), tuple(sorted(update, key=key_order)), remove)

@@ -20,7 +20,10 @@ Where the rendezvous itself lives depends on ``--rdzv-conf``:
   goes to the coordinator that answered last; one that cannot be reached within ``call_timeout`` seconds
   (3), or answers 429, 502, 503 or 504, passes it to the next, round after round with a short pause, for
   ``failover_timeout`` seconds (60) in all; any other error answer is final. ``read_timeout`` (60) is how
-  long the store's get and wait wait for a key by default.
+  long the store's get and wait wait for a key by default. The coordinators hold each job to a write budget
+  (meshrun.mesh.coordinator.rendezvous.Budget) and torch's every heartbeat rewrites the whole state (~72
+  bytes a node), so a job of more than 260 nodes sends its heartbeats less often than torch's 5 s by default
+  (`keep_alive_interval`: 70 s for 1000 nodes); ``keep_alive_interval`` in ``--rdzv-conf`` overrides it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import base64
 import binascii
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -38,7 +42,7 @@ from datetime import timedelta
 
 from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.errors import CoordinatorError, MeshrunError, UsageError
-from meshrun.mesh.coordinator.rendezvous import MAX_VALUE, PATH_PREFIX
+from meshrun.mesh.coordinator.rendezvous import MAX_VALUE, PATH_PREFIX, WRITE_PER_S
 from meshrun.system import transport
 
 log = logging.getLogger("meshrun.jobs.rdzv_backend")
@@ -51,6 +55,17 @@ RETRY_STATUSES = frozenset({429, 502, 503, 504})  # that coordinator cannot answ
 PAUSE_FIRST, PAUSE_MAX = 0.2, 2.0  # between rounds over every coordinator
 POLL_FIRST, POLL_MAX = 0.05, 0.5  # between looks for a key someone else has yet to set
 BATCH = 256  # keys per request (the server takes up to 1024; long keys must still fit a request body)
+KEEP_ALIVE = 5  # torch's heartbeat interval (seconds), kept for jobs small enough
+STATE_PER_NODE, STATE_BASE = 72, 1024  # bytes of torch's pickled rendezvous state: per node, and besides
+
+
+def keep_alive_interval(max_nodes: int) -> int:
+    """Seconds between one node's heartbeats in a job of up to `max_nodes` whose rendezvous is at the
+    coordinators: torch's 5 s, or longer where the heartbeats of every node together (each rewrites the whole
+    state) would write more than half the job's budget at a coordinator (`WRITE_PER_S`)."""
+    nodes = max(1, max_nodes)
+    per_round = nodes * (STATE_PER_NODE * nodes + STATE_BASE)
+    return max(KEEP_ALIVE, math.ceil(per_round / (WRITE_PER_S / 2)))
 
 
 def handler_factory():
@@ -104,7 +119,9 @@ def create_handler(params):
         params.max_nodes,
         params.local_addr,
         timeout,
-        keep_alive_interval=params.get_as_int("keep_alive_interval", 5),
+        keep_alive_interval=params.get_as_int(
+            "keep_alive_interval", keep_alive_interval(params.max_nodes) if params.get("coordinators") else KEEP_ALIVE
+        ),
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3),
     )
 

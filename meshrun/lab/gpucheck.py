@@ -1,4 +1,4 @@
-"""`./dev.sh gpu-check`: what NCCL does over meshrun on this machine, in one command.
+"""`./dev.sh gpu-check`: what NCCL does over meshrun on this machine, and how fast, in one command.
 
 Builds NAT'd datacenters in network namespaces (meshrun.lab.testbed) on this one machine: a coordinator
 and two sites of two nodes, joined with `meshrun join --site`; runs examples/nccl_check.py under
@@ -9,26 +9,56 @@ host name and boot id, which is what NCCL tells hosts apart by, so without it NC
 ranks on one GPU and use shared memory or NVLink between "nodes" instead of the overlay. Without a GPU
 the same check runs on gloo and says that NCCL was not exercised. Needs root.
 
-    sudo .venv/bin/python -m meshrun.lab.gpucheck
+Then it measures (``--no-bench`` skips it) one table with examples/nccl_bench.py: all-reduce bus bandwidth
+(``--mib``, 256 MiB) between two nodes of one site through the raw site LAN (``NCCL_SOCKET_IFNAME=eth0``
+in the namespaces: no meshrun on the data path), through meshrun0 (same site), and between nodes of two
+sites through meshrun0; on NCCL, meshrun0's rows for each socket setting of ``--settings`` (``default``:
+neither ``NCCL_SOCKET_NTHREADS`` nor ``NCCL_NSOCKS_PERTHREAD`` set, NCCL's own choice; ``TxS``: T threads x S
+sockets per thread; `meshrun train` sets 4x4, meshrun.core.launch). Each setting is one `meshrun train` job
+(NCCL reads them once per process) with ``--rounds-per-job`` rounds of the pairs alternating; jobs run in
+passes, forward then backward, while ``--budget-s`` lasts. On gloo the socket settings mean nothing: one
+pass of the LAN and meshrun0 jobs, which exercises the same path. ``--out FILE`` gets the table as JSON
+after every job (on NCCL by default benchmarks/results/gpu_datapath.json), with the environment and the
+lines NCCL logged about the interfaces, sockets and graphs (``NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH``).
+
+    sudo .venv/bin/python -m meshrun.lab.gpucheck [--no-bench] [--budget-s 300] [--out FILE]
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import os
+import platform
 import re
+import statistics
 import sys
+import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.errors import HostError, MeshrunError
 from meshrun.lab.testbed import DatacenterSpec, Mesh, World
+from meshrun.system.cmd import run as run_command
+from meshrun.system.statedir import atomic_write
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+RESULTS = ROOT / "benchmarks" / "results" / "gpu_datapath.json"
 MARK = re.compile(r"^\[(\S+) r(\d+)\] == (.+) ==$")
 # What NCCL says about its transport (NCCL_DEBUG=INFO, INIT and NET subsystems).
 NCCL_LINE = re.compile(r"NCCL INFO (NET/\S+ : Using .*|Channel \d+/\d+ : .* via \S+|Using network \S+|NET/IB.*)")
 SITES, NODES_PER_SITE = 2, 2
+LAN_IFNAME = "eth0"  # each node's interface on its site network (meshrun.lab.testbed)
+SETTINGS = ("default", "1x1", "2x8", "4x4", "8x2")  # NCCL socket threads x sockets per thread
+BENCH_NODES = ("s1-a", "s1-b", "s2-a")  # a site's pair, and a node of another site
+# What NCCL logs about the network, its sockets and the graphs it built (NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH).
+NCCL_NET_LINE = re.compile(
+    r"NCCL INFO (.*(?:NET/|Using network|threads|sockets|speed|[Bb]w |maxBw|Pattern|nChannels|Ring 00|Tree 0 |"
+    r"Trees|Channel 00/|comm 0x|NCCL_SOCKET|NCCL_NSOCKS|NCCL version).*)"
+)
 
 
 @dataclass(frozen=True)
@@ -39,13 +69,251 @@ class CheckPlan:
     gpu_of: dict[str, int]  # node name -> its GPU (empty on gloo)
     message: str = ""
 
-    def train_args(self) -> list[str]:
-        """`meshrun train`'s options and script for this plan (run from examples/)."""
-        args = ["--nproc-per-node", "1", "--env", "NCCL_DEBUG=INFO", "--env", "NCCL_DEBUG_SUBSYS=INIT,NET"]
+    def train_args(self, script: str = "nccl_check.py", subsys: str = "INIT,NET") -> list[str]:
+        """`meshrun train`'s options and script for this plan (run from examples/); the script's own args follow."""
+        args = ["--nproc-per-node", "1", "--env", "NCCL_DEBUG=INFO", "--env", f"NCCL_DEBUG_SUBSYS={subsys}"]
         if self.backend == "gloo":
-            return args + ["--env", "CUDA_VISIBLE_DEVICES=", "nccl_check.py"]
+            return args + ["--env", "CUDA_VISIBLE_DEVICES=", script]
         gpus = ",".join(f"{node}={gpu}" for node, gpu in self.gpu_of.items())
-        return args + ["nccl_check.py", "--gpu-map", gpus, "--hostid-per-node"]
+        return args + [script, "--gpu-map", gpus, "--hostid-per-node"]
+
+
+@dataclass(frozen=True)
+class BenchJob:
+    """One `meshrun train` job of the bandwidth table: a path ("lan" or "meshrun0") and a socket setting."""
+
+    path: str
+    sockets: str  # "default" or "TxS"
+    nodes: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.path} {self.sockets}"
+
+    def train_args(self, plan: CheckPlan, mib: int, rounds: int, backward: bool = False) -> list[str]:
+        """`meshrun train`'s arguments for this job (run from examples/). `backward`: the pairs' other order."""
+        env: list[str] = []
+        if self.path == "lan":  # the data path on the site network, meshrun only for the rendezvous
+            env = ["--env", f"NCCL_SOCKET_IFNAME=={LAN_IFNAME}", "--env", f"GLOO_SOCKET_IFNAME={LAN_IFNAME}"]
+        pairs = "same" if self.path == "lan" else ("cross,same" if backward else "same,cross")
+        bench = ["--sockets", self.sockets, "--mib", str(mib), "--rounds", str(rounds), "--pairs", pairs]
+        return ["--nodes", ",".join(self.nodes), *env, *plan.train_args("nccl_bench.py", "INIT,NET,GRAPH"), *bench]
+
+
+def bench_jobs(plan: CheckPlan, settings: tuple[str, ...] = SETTINGS) -> list[BenchJob]:
+    """The jobs of one pass: the raw site LAN at NCCL's default, then meshrun0 at each setting (gloo: one). Pure."""
+    if plan.backend == "gloo":
+        settings = ("default",)  # socket threads and sockets are NCCL's: gloo has one setting
+    jobs = [BenchJob("lan", "default", BENCH_NODES[:2])]
+    return jobs + [BenchJob("meshrun0", s, BENCH_NODES) for s in settings]
+
+
+def cell_name(path: str, pair: str, sockets: str) -> str:
+    """A row of the table: 'lan same-site default', 'meshrun0 cross-site 2x8', ..."""
+    return f"{path} {'same-site' if pair == 'same' else 'cross-site'} {sockets}"
+
+
+def bench_result(text: str) -> dict | None:
+    """The ``NCCL_BENCH {json}`` line nccl_bench.py printed, parsed; None if there is none."""
+    for line in text.splitlines():
+        at = line.find("NCCL_BENCH ")
+        if at >= 0:
+            try:
+                return json.loads(line[at + len("NCCL_BENCH ") :])
+            except ValueError:
+                return None
+    return None
+
+
+def nccl_net_lines(text: str, limit: int = 60) -> list[str]:
+    """The distinct lines NCCL logged about networks, sockets and graphs, rank prefixes and host/pid removed."""
+    seen: list[str] = []
+    for line in text.splitlines():
+        hit = NCCL_NET_LINE.search(line)
+        if not hit:
+            continue
+        msg = re.sub(r"0x[0-9a-f]+", "0x..", hit.group(1)).strip()
+        if msg not in seen:
+            seen.append(msg)
+            if len(seen) >= limit:
+                break
+    return seen
+
+
+def spread(values: list[float]) -> dict:
+    return (
+        {"min": min(values), "median": round(statistics.median(values), 4), "max": max(values), "n": len(values)}
+        if values
+        else {"n": 0}
+    )
+
+
+@dataclass
+class BenchTable:
+    """The table as it fills: per cell every round's GB/s, per job NCCL's lines; written after every job."""
+
+    backend: str
+    mib: int
+    environment: dict
+    cells: dict[str, list[float]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # jobs as run, with their pass
+    nccl: dict[str, list[str]] = field(default_factory=dict)  # job label -> NCCL's lines (first run of it)
+    speeds: dict[str, str] = field(default_factory=dict)  # interface -> /sys/class/net/IF/speed
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, job: BenchJob, result: dict | None, text: str, rc: int, pass_no: int, secs: float) -> None:
+        self.order.append(f"pass {pass_no}: {job.label} ({secs:.0f} s, exit {rc})")
+        if job.label not in self.nccl:
+            self.nccl[job.label] = nccl_net_lines(text)
+        if rc != 0 or result is None:
+            self.failures.append(f"pass {pass_no}: {job.label}: exit {rc}" + ("" if result else ", no result"))
+            return
+        for node in result.get("nodes", []):
+            self.speeds[f"{result.get('ifname')}"] = str(node.get("speed"))
+        for pair, data in result.get("pairs", {}).items():
+            self.cells.setdefault(cell_name(job.path, pair, job.sockets), []).extend(data.get("rounds", []))
+
+    def as_json(self) -> dict:
+        return {
+            "what": (
+                f"all-reduce bus bandwidth (GB/s) of {self.mib} MiB between two nodes, {self.backend}; per cell "
+                "every round's value is the median of its timed iterations; 'lan' is the raw site network "
+                f"({LAN_IFNAME}, no meshrun), 'meshrun0' the overlay; sockets: NCCL threads x sockets per thread, "
+                "'default' neither variable set"
+            ),
+            "backend": self.backend,
+            "environment": self.environment,
+            "cells": {name: {**spread(v), "rounds": v} for name, v in self.cells.items()},
+            "iface_speed_mbps": self.speeds,
+            "jobs": self.order,
+            "failures": self.failures,
+            "nccl_lines": self.nccl,
+        }
+
+    def rows(self) -> list[str]:
+        out = [f"{'path / pair / sockets':34} {'min':>7} {'median':>7} {'max':>7}  n   (GB/s, {self.backend})"]
+        for name, v in self.cells.items():
+            s = spread(v)
+            out.append(f"{name:34} {s['min']:7.3f} {s['median']:7.3f} {s['max']:7.3f}  {s['n']}")
+        return out
+
+
+def environment(backend: str) -> dict:
+    """The machine the table was measured on: GPU, driver, NCCL, torch, kernel, wireguard-go, date."""
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "backend": backend,
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "wireguard_go": cmd("wireguard-go", "--version"),
+        "wireguard": wireguard_binary(),
+        "meshrun_commit": cmd("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["gpus"] = torch.cuda.device_count()
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            env["driver"] = cmd("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+    except ImportError:
+        env["torch"] = "missing"
+    return env
+
+
+def cmd(*argv: str) -> str:
+    """The first line `argv` prints, or "unavailable" (missing, failed, or silent)."""
+    try:
+        res = run_command(argv, check=False, quiet=True, timeout=20)
+    except MeshrunError:
+        return "unavailable"
+    lines = res.stdout.strip().splitlines()
+    return lines[0] if res.returncode == 0 and lines else "unavailable"
+
+
+def wireguard_binary() -> dict:
+    """wireguard-go's path, SHA-256 and Debian package version (what benchmarks/common.py records: the binary
+    prints the same version for several releases); the package is None where it was unpacked by hand."""
+    import shutil
+
+    path = shutil.which("wireguard-go")
+    digest = cmd("sha256sum", path).split()[0] if path else "unavailable"
+    package = cmd("dpkg-query", "-W", "-f=${Version}", "wireguard-go")
+    return {
+        "backend": "wireguard-go",
+        "path": path,
+        "sha256": None if digest == "unavailable" else digest,
+        "package": None if package == "unavailable" else package,
+    }
+
+
+def run_bench(
+    mesh: Mesh,
+    plan: CheckPlan,
+    settings: tuple[str, ...],
+    mib: int,
+    budget_s: float,
+    rounds_per_job: int,
+    out_path: Path | None,
+    log_path: Path | None,
+    out=print,
+    job_timeout_s: float = 240,
+) -> BenchTable:
+    """Passes of bench_jobs (forward, then backward, ...) while `budget_s` lasts; the table, written as it fills."""
+    table = BenchTable(plan.backend, mib, environment(plan.backend))
+    jobs = bench_jobs(plan, settings)
+    t0, longest = time.monotonic(), 0.0
+    logs: list[str] = []
+    passes = 1 if plan.backend == "gloo" else 99
+    for pass_no in range(passes):
+        order = jobs if pass_no % 2 == 0 else jobs[::-1]
+        for job in order:
+            elapsed = time.monotonic() - t0
+            if pass_no > 0 and elapsed + longest > budget_s:
+                out(f"[{_stamp()}] bench: budget of {budget_s:.0f} s reached after {elapsed:.0f} s, {pass_no} pass(es)")
+                return table
+            out(f"[{_stamp()}] bench pass {pass_no}: {job.label} ...")
+            started = time.monotonic()
+            job_id = f"bench{pass_no}-{job.path}-{job.sockets}"
+            try:
+                res = mesh.meshrun(
+                    "hq-a",
+                    "train",
+                    "--job-id",
+                    job_id,
+                    *job.train_args(plan, mib, rounds_per_job, backward=pass_no % 2 == 1),
+                    cwd=EXAMPLES,
+                    timeout=job_timeout_s,
+                    check=False,
+                )
+                text, rc = res.stdout + res.stderr, res.returncode
+            except MeshrunError as exc:  # it hung: the job belongs to the coordinator, so cancel it there
+                text, rc = f"{exc}\n", 124
+                mesh.meshrun("hq-a", "cancel", job_id, check=False, timeout=60)
+                text += mesh.job_logs("hq-a", job_id)
+            secs = time.monotonic() - started
+            longest = max(longest, secs)
+            result = bench_result(text)
+            table.add(job, result, text, rc, pass_no, secs)
+            got = "; ".join(
+                f"{p}: {', '.join(f'{x:.3f}' for x in d.get('rounds', []))}"
+                for p, d in (result or {}).get("pairs", {}).items()
+            )
+            out(f"[{_stamp()}] bench pass {pass_no}: {job.label}: {got or 'NO RESULT'} GB/s ({secs:.0f} s)")
+            logs.append(f"===== pass {pass_no} {job.label} exit {rc} ({secs:.0f} s)\n{text}\n")
+            if log_path is not None:  # rewritten whole after every job, as the table: a killed run keeps both
+                atomic_write(log_path, "".join(logs), mode=0o644)
+            if out_path is not None:
+                atomic_write(out_path, json.dumps(table.as_json(), indent=1) + "\n", mode=0o644)
+    return table
+
+
+def _stamp() -> str:
+    return time.strftime("%H:%M:%S")
 
 
 def check_plan(gpus: int, nodes: list[str]) -> CheckPlan:
@@ -95,8 +363,19 @@ def summarize(output: str) -> dict[str, set[str]]:
     return seen
 
 
-def run(out=print) -> int:
-    """Build the world, run the check, print the summary; the job's exit code."""
+def run(
+    out=print,
+    bench: bool = True,
+    settings: tuple[str, ...] = SETTINGS,
+    mib: int = 256,
+    budget_s: float = 300,
+    rounds_per_job: int = 2,
+    out_path: Path | None = None,
+    log_path: Path | None = None,
+    job_timeout_s: float = 240,
+) -> int:
+    """Build the world, run the check, print the summary, then the bandwidth table; the check's exit code
+    (a bench job that fails makes it 1 too)."""
     if os.geteuid() != 0:
         raise HostError("the GPU check builds network namespaces and needs root", "run it with sudo")
     gpus = gpu_count()
@@ -111,7 +390,40 @@ def run(out=print) -> int:
             out(plan.message)
         for n in nodes:
             mesh.join(n, "--site", n.dc)
+        out(f"[{_stamp()}] world up; groups check ({plan.backend})")
         res = mesh.meshrun("hq-a", "train", *plan.train_args(), cwd=EXAMPLES, timeout=600, check=False)
+        report_check(res, out)
+        table = None
+        if bench:
+            if out_path is None and plan.backend == "nccl":
+                out_path = RESULTS
+            if plan.backend == "gloo":
+                mib = min(mib, 16)  # the path, not the speed: a CPU machine's gloo at 256 MiB takes long
+            table = run_bench(
+                mesh, plan, settings, mib, budget_s, rounds_per_job, out_path, log_path, out, job_timeout_s
+            )
+    if table is not None:
+        out("")
+        out(f"all-reduce bus bandwidth, {mib} MiB, two nodes (lan: {LAN_IFNAME}, no meshrun):")
+        for row in table.rows():
+            out(row)
+        for iface, speed in sorted(table.speeds.items()):
+            out(f"/sys/class/net/{iface}/speed in a node: {speed}")
+        for label, lines in table.nccl.items():
+            for line in lines:
+                if re.search(r"NET/Socket|Using network|threads|maxBw|Pattern|speed", line):
+                    out(f"NCCL [{label}]: {line}")
+        for failure in table.failures:
+            out(f"bench FAILED: {failure}")
+        if out_path is not None:
+            out(f"table written to {out_path}")
+    ok = res.returncode == 0 and (table is None or not table.failures)
+    out(f"gpu-check {'passed' if ok else f'FAILED (exit {res.returncode or 1})'}")
+    return 0 if ok else (res.returncode or 1)
+
+
+def report_check(res, out=print) -> None:
+    """The groups check's lines and each group's NCCL transport (`res`: the `meshrun train` CompletedProcess)."""
     text = res.stdout + res.stderr
     for line in text.splitlines():
         if "backend=" in line or "site=" in line or ": ok" in line or "WRONG" in line:
@@ -121,13 +433,35 @@ def run(out=print) -> int:
     for group in ("world group", "site group", "cross-site groups"):
         lines = sorted(seen.get(group, set()))
         out(f"{group}: " + ("; ".join(lines) if lines else "(no NCCL transport lines: gloo, or NCCL logged none)"))
-    out(f"gpu-check {'passed' if res.returncode == 0 else f'FAILED (exit {res.returncode})'}")
-    return res.returncode
+    out(f"groups check {'passed' if res.returncode == 0 else f'FAILED (exit {res.returncode})'}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m meshrun.lab.gpucheck", description=__doc__.splitlines()[0])
+    p.add_argument("--no-bench", action="store_true", help="only the groups check, no bandwidth table")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="NCCL socket settings: default and/or TxS")
+    p.add_argument("--mib", type=int, default=256, help="all-reduce size, MiB (gloo: at most 16)")
+    p.add_argument("--budget-s", type=float, default=300, help="no new pass of the bench after this many seconds")
+    p.add_argument("--rounds-per-job", type=int, default=2)
+    p.add_argument("--job-timeout-s", type=float, default=240, help="a bench job still running then is cancelled")
+    p.add_argument("--out", type=Path, help="the table as JSON [NCCL: benchmarks/results/gpu_datapath.json]")
+    p.add_argument("--log", type=Path, help="every bench job's whole output, in one file")
+    a = p.parse_args(argv)
+    settings = tuple(x.strip() for x in a.settings.split(",") if x.strip())
+    for x in settings:
+        if x != "default" and not re.fullmatch(r"\d+x\d+", x):
+            p.error(f"--settings: {x!r} is neither 'default' nor TxS")
     try:
-        return run()
+        return run(
+            bench=not a.no_bench,
+            settings=settings,
+            mib=a.mib,
+            budget_s=a.budget_s,
+            rounds_per_job=a.rounds_per_job,
+            out_path=a.out,
+            log_path=a.log,
+            job_timeout_s=a.job_timeout_s,
+        )
     except MeshrunError as exc:
         print(f"meshrun gpu-check: {exc}", file=sys.stderr)
         return 2

@@ -58,6 +58,7 @@ CREATE TABLE IF NOT EXISTS pairs(           -- the coordinator's path for each n
   since REAL NOT NULL,
   verified INTEGER NOT NULL,
   relay TEXT NOT NULL DEFAULT '',           -- a relayed pair's relay (a member's name; '' = the coordinator)
+  port INTEGER NOT NULL DEFAULT 0,          -- the UDP port its relay forwards it on (core/relays.RELAY_PORTS)
   PRIMARY KEY(a, b)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS pairs_b ON pairs(b);
 CREATE TABLE IF NOT EXISTS removals(        -- every key ever removed, and when: removal is final
@@ -207,8 +208,11 @@ class CoordinatorDB:
             self.conn.execute("ALTER TABLE members ADD COLUMN site TEXT NOT NULL DEFAULT ''")
         if "relay" not in cols:
             self.conn.execute("ALTER TABLE members ADD COLUMN relay INTEGER NOT NULL DEFAULT 1")
-        if "relay" not in {r[1] for r in self.conn.execute("PRAGMA table_info(pairs)")}:
+        pair_cols = {r[1] for r in self.conn.execute("PRAGMA table_info(pairs)")}
+        if "relay" not in pair_cols:
             self.conn.execute("ALTER TABLE pairs ADD COLUMN relay TEXT NOT NULL DEFAULT ''")
+        if "port" not in pair_cols:
+            self.conn.execute("ALTER TABLE pairs ADD COLUMN port INTEGER NOT NULL DEFAULT 0")
         self.conn.execute(
             "INSERT OR IGNORE INTO removals(public_key, name, removed_at) "
             "SELECT public_key, name, removed_at FROM members WHERE removed_at IS NOT NULL"
@@ -576,10 +580,10 @@ class CoordinatorDB:
     def pairs(self) -> dict[tuple[str, str], PairState]:
         """Every stored pair path {(a, b): state}, a < b (none in a database from before the table)."""
         try:
-            rows = self.conn.execute("SELECT a, b, mode, since, verified, relay FROM pairs").fetchall()
+            rows = self.conn.execute("SELECT a, b, mode, since, verified, relay, port FROM pairs").fetchall()
         except sqlite3.OperationalError:  # read-only open of a database made by an older meshrun
             return {}
-        return {(r[0], r[1]): PairState(r[2], float(r[3]), bool(r[4]), r[5] or "") for r in rows}
+        return {(r[0], r[1]): PairState(r[2], float(r[3]), bool(r[4]), r[5] or "", int(r[6] or 0)) for r in rows}
 
     def save_pairs(self, states: Mapping[tuple[str, str], PairState], drop: Iterable[str] = ()) -> None:
         """Write the pairs whose state changed and delete every pair of the nodes in `drop` (removed
@@ -589,10 +593,10 @@ class CoordinatorDB:
             for name in drop:
                 c.execute("DELETE FROM pairs WHERE a=? OR b=?", (name, name))
             c.executemany(
-                "INSERT INTO pairs(a, b, mode, since, verified, relay) VALUES(?,?,?,?,?,?) ON CONFLICT(a, b) "
+                "INSERT INTO pairs(a, b, mode, since, verified, relay, port) VALUES(?,?,?,?,?,?,?) ON CONFLICT(a, b) "
                 "DO UPDATE SET mode=excluded.mode, since=excluded.since, verified=excluded.verified, "
-                "relay=excluded.relay",
-                [(a, b, st.mode, st.since, int(st.verified), st.relay) for (a, b), st in states.items()],
+                "relay=excluded.relay, port=excluded.port",
+                [(a, b, st.mode, st.since, int(st.verified), st.relay, st.port) for (a, b), st in states.items()],
             )
 
     # moving between SQLite and etcd ------------------------------------------
@@ -633,10 +637,7 @@ class CoordinatorDB:
             for r in self.conn.execute("SELECT public_key, name, removed_at FROM removals")
         ]
         meta = {r[0]: r[1] for r in self.conn.execute("SELECT key, value FROM meta") if r[0] != "version"}
-        pairs = [
-            {"a": a, "b": b, "mode": st.mode, "since": st.since, "verified": st.verified, "relay": st.relay}
-            for (a, b), st in sorted(self.pairs().items())
-        ]
+        pairs = [{"a": a, "b": b, **st.record()} for (a, b), st in sorted(self.pairs().items())]
         return {
             "meta": meta,
             "version": self.version(),
@@ -689,9 +690,10 @@ class CoordinatorDB:
                     (r["public_key"], r["name"], r["removed_at"]),
                 )
             for r in dump["pairs"]:
+                st = PairState.from_record(r)
                 c.execute(
-                    "INSERT INTO pairs(a, b, mode, since, verified, relay) VALUES(?,?,?,?,?,?)",
-                    (r["a"], r["b"], r["mode"], r["since"], int(r["verified"]), r.get("relay", "")),
+                    "INSERT INTO pairs(a, b, mode, since, verified, relay, port) VALUES(?,?,?,?,?,?,?)",
+                    (r["a"], r["b"], st.mode, st.since, int(st.verified), st.relay, st.port),
                 )
 
 

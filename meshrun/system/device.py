@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -77,10 +77,6 @@ class Device(Protocol):
     def guard_forwarding(self) -> None:
         """Drop what arrives on this interface for any other one, even where the host forwards (every
         member, before the interface comes up; meshrun.system.firewall.install_forward_guard)."""
-
-    def enable_forwarding(self, relayed: Sequence[tuple[str, str]] = ()) -> None:
-        """Forward overlay packets between the peers of the pairs this member relays (`relayed`: overlay IP
-        pairs, both directions) and no others; called again whenever that set changes."""
 
     def warning(self) -> str | None:
         """What about this interface costs the user (an old wireguard-go), with the fix; None if nothing."""
@@ -194,9 +190,6 @@ class WireGuardDevice:
 
     def guard_forwarding(self) -> None:
         firewall.install_forward_guard(self.name)
-
-    def enable_forwarding(self, relayed: Sequence[tuple[str, str]] = ()) -> None:
-        net.enable_forwarding(self.name, relayed)
 
     def warning(self) -> str | None:
         return versions.wireguard_go_warning(self.userspace_version())

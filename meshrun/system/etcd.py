@@ -303,6 +303,18 @@ def _parse_endpoint(url: str) -> _Endpoint:
     return _Endpoint(url.rstrip("/"), parts.scheme == "https", parts.hostname, port)
 
 
+def _stamp(paths: Sequence[str | None]) -> tuple:
+    """What identifies the TLS files' current contents cheaply: (inode, size, mtime) of each (None: missing)."""
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path) if path else None
+        except OSError:
+            st = None
+        out.append(None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
 class EtcdClient:
     """An etcd v3 client over the gRPC-JSON gateway of `endpoints` (client URLs, e.g. "https://10.7.0.2:2379").
 
@@ -329,18 +341,10 @@ class EtcdClient:
         self._by_url = {e.url: e for e in self._endpoints}
         self.timeout = timeout
         self._ssl: ssl.SSLContext | None = None
+        self._tls_files = (ca, cert, key)
+        self._tls_stamp = _stamp(self._tls_files)
         if any(e.https for e in self._endpoints):
-            try:
-                ctx = ssl.create_default_context(cafile=ca)
-                if cert:
-                    ctx.load_cert_chain(cert, key)
-            except (OSError, ssl.SSLError) as exc:  # the message names the file, never its content
-                raise StateError(
-                    f"cannot load etcd's TLS files (CA {ca}, certificate {cert}, key {key}): {type(exc).__name__}",
-                    "check that the files exist, are PEM, and that the key is the certificate's",
-                ) from None
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            self._ssl = ctx
+            self._ssl = self._load_tls()
         self._preferred = 0
         self.endpoint = self._endpoints[0].url
         self._local = threading.local()
@@ -349,6 +353,35 @@ class EtcdClient:
         self._open: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
 
     # ----------------------------------------------------------------- plumbing
+
+    def _load_tls(self) -> ssl.SSLContext:
+        ca, cert, key = self._tls_files
+        try:
+            ctx = ssl.create_default_context(cafile=ca)
+            if cert:
+                ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:  # the message names the file, never its content
+            raise StateError(
+                f"cannot load etcd's TLS files (CA {ca}, certificate {cert}, key {key}): {type(exc).__name__}",
+                "check that the files exist, are PEM, and that the key is the certificate's",
+            ) from None
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
+
+    def _context(self) -> ssl.SSLContext | None:
+        """The TLS context for a new connection, loaded again when a TLS file changed on disk since: a renewed
+        certificate, or the CA bundle of a rotation (meshrun.mesh.coordinator.ha.TlsKeeper). Connections open
+        already keep theirs. A file caught half-replaced keeps the last good context, and is tried again."""
+        if self._ssl is None:
+            return None
+        stamp = _stamp(self._tls_files)
+        if stamp != self._tls_stamp:
+            with self._lock:
+                if stamp != self._tls_stamp:
+                    with contextlib.suppress(StateError):
+                        self._ssl = self._load_tls()
+                        self._tls_stamp = stamp
+        return self._ssl
 
     def _connection(self, ep: _Endpoint) -> tuple[http.client.HTTPConnection, bool]:
         """This thread's connection to `ep` and whether it was used before (False: fresh)."""
@@ -360,7 +393,7 @@ class EtcdClient:
                 return conn, True
             self._drop(ep)
         if ep.https:
-            conn = http.client.HTTPSConnection(ep.host, ep.port, timeout=self.timeout, context=self._ssl)
+            conn = http.client.HTTPSConnection(ep.host, ep.port, timeout=self.timeout, context=self._context())
         else:
             conn = http.client.HTTPConnection(ep.host, ep.port, timeout=self.timeout)
         conns[ep.url] = (conn, time.monotonic())
@@ -611,7 +644,7 @@ class EtcdClient:
         for ep in self._order(None):
             stream = None
             try:
-                stream = _Stream(ep, self._ssl, self.timeout)
+                stream = _Stream(ep, self._context(), self.timeout)
                 stream.send(payload)
                 status, first = stream.start()
             except (OSError, ValueError) as exc:

@@ -24,6 +24,7 @@ import secrets
 import threading
 import time
 
+from meshrun.core.etcdconf import QUOTA_BYTES
 from meshrun.core.jobspec import JobRecord
 from meshrun.errors import ControlStateError, UsageError
 from meshrun.system.etcd import Compare, Put
@@ -241,14 +242,31 @@ def _dump(record: JobRecord) -> bytes:
 
 
 RDZV_ROOT = PREFIX  # the rendezvous service's keys ("rdzv/<job>/...") live under it
+# etcd is compacted after this many bytes of rendezvous writes through one client (see `EtcdKV`): with up to 7
+# coordinators at most 14 times this (224 MiB) of their rendezvous writes is uncompacted at any time.
+COMPACT_EVERY = QUOTA_BYTES // 64
+WRITE_OVERHEAD = 128  # bytes etcd keeps per revision besides the key and value
 
 
 class EtcdKV:
     """meshrun.mesh.coordinator.rendezvous.RendezvousKV over etcd: a key's version is its mod revision, and
-    `put_if` a transaction comparing it (0: the key must not exist)."""
+    `put_if` a transaction comparing it (0: the key must not exist).
 
-    def __init__(self, client, root: bytes = RDZV_ROOT) -> None:
+    etcd keeps every overwritten value until it is compacted, and its own compactor keeps 10000 revisions
+    whatever their size: rendezvous writes alone could fill its quota between compactions. So this client
+    counts the bytes it writes, and after every `compact_every` of them compacts etcd back to the revision
+    at which it last did so: of its writes, at most 2 * `compact_every` (and one write) stay uncompacted.
+    A watcher that falls further behind reads the state anew (meshrun.system.etcd.Compacted), as it does
+    after etcd's own compaction.
+    """
+
+    def __init__(self, client, root: bytes = RDZV_ROOT, compact_every: int = COMPACT_EVERY) -> None:
         self.client, self.root = client, root
+        self.compact_every = compact_every
+        self._written = 0  # bytes written since the last compaction (or the start)
+        self._mark = 0  # the revision of the last compaction's trigger: the next compacts to it
+        self._last = 0  # the latest revision of a write of ours
+        self._lock = threading.Lock()
 
     def get(self, key: str) -> tuple[bytes, int] | None:
         kv = self.client.get(self.root + key.encode())
@@ -257,14 +275,41 @@ class EtcdKV:
     def put_if(self, key: str, value: bytes, version: int) -> bool:
         k = self.root + key.encode()
         cmp = Compare(k, "CREATE", "EQUAL", 0) if version == 0 else Compare(k, "MOD", "EQUAL", version)
-        return self.client.txn([cmp], [Put(k, value)]).succeeded
+        res = self.client.txn([cmp], [Put(k, value)])
+        if res.succeeded:
+            self._wrote(len(k) + len(value), res.revision)
+        return res.succeeded
 
     def delete(self, key: str) -> None:
-        self.client.delete(self.root + key.encode())
+        k = self.root + key.encode()
+        if self.client.delete(k):
+            self._wrote(len(k), 0)
 
     def keys(self, prefix: str) -> list[str]:
         kvs, _ = self.client.get_prefix(self.root + prefix.encode())
         return [kv.key[len(self.root) :].decode() for kv in kvs]
+
+    def usage(self, prefix: str) -> tuple[int, int]:
+        kvs, _ = self.client.get_prefix(self.root + prefix.encode())
+        return len(kvs), sum(len(kv.key) + len(kv.value) for kv in kvs)
+
+    def _wrote(self, size: int, revision: int) -> None:
+        """Count a write (at `revision`, 0 if unknown); compact when `compact_every` bytes have been written."""
+        with self._lock:
+            self._written += size + WRITE_OVERHEAD
+            self._last = max(self._last, revision)
+            if self._written < self.compact_every or not self._last:
+                return
+            mark, self._mark, self._written = self._mark, self._last, 0
+        if not mark:
+            return  # the first trigger: nothing of ours to compact yet
+        try:
+            self.client.compact(mark)
+            log.info("compacted etcd to revision %d after %d bytes of rendezvous writes", mark, self.compact_every)
+        except ControlStateError as exc:
+            # Compacted already past it (etcd's compactor, another coordinator), or etcd unreachable: the
+            # next trigger compacts to a later revision.
+            log.debug("could not compact etcd to revision %d: %s", mark, exc)
 
 
 def forget_rendezvous(client, job_id: str) -> None:

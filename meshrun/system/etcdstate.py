@@ -199,7 +199,7 @@ class EtcdCoordinatorDB:
             self._pairs.pop((a, b), None)
             return
         d = json.loads(value)
-        self._pairs[(a, b)] = PairState(str(d["mode"]), float(d["since"]), bool(d["verified"]), str(d.get("relay", "")))
+        self._pairs[(a, b)] = PairState.from_record(d)
 
     def _set(self, key: bytes, rev: int, value: bytes | None) -> None:
         """One change into the mirror (lock held): a put or (value None) a delete at `rev`, unless the mirror
@@ -802,10 +802,7 @@ class EtcdCoordinatorDB:
         with self._lock:
             deletes = [pair_key(a, b) for (a, b) in self._pairs if a in gone or b in gone]
         puts = {
-            pair_key(a, b): json.dumps(
-                {"mode": st.mode, "since": st.since, "verified": st.verified, "relay": st.relay}, separators=(",", ":")
-            ).encode()
-            for (a, b), st in states.items()
+            pair_key(a, b): json.dumps(st.record(), separators=(",", ":")).encode() for (a, b), st in states.items()
         }
         items = list(puts.items())
         for i in range(0, max(len(items), len(deletes), 1), OPS_PER_TXN):
@@ -834,10 +831,7 @@ class EtcdCoordinatorDB:
             "members": rows,
             "tokens": pick(K_TOKENS),
             "removals": pick(K_REMOVALS),
-            "pairs": [
-                {"a": a, "b": b, "mode": st.mode, "since": st.since, "verified": st.verified, "relay": st.relay}
-                for (a, b), st in sorted(self.pairs().items())
-            ],
+            "pairs": [{"a": a, "b": b, **st.record()} for (a, b), st in sorted(self.pairs().items())],
             "coordinators": pick(K_COORDINATORS),
         }
 
@@ -861,8 +855,7 @@ class EtcdCoordinatorDB:
             puts[K_COORDINATORS + str(r["name"]).encode()] = json.dumps(r, sort_keys=True).encode()
         for r in dump["pairs"]:
             puts[pair_key(r["a"], r["b"])] = json.dumps(
-                {"mode": r["mode"], "since": r["since"], "verified": r["verified"], "relay": r.get("relay", "")},
-                separators=(",", ":"),
+                PairState.from_record(r).record(), separators=(",", ":")
             ).encode()
         puts[K_SEQ] = str(seq).encode()
         # The version goes last, in its own transaction: a store with a version is a complete one.

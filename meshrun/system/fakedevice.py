@@ -9,7 +9,6 @@ would, and read `applied` (every diff applied) and `nudged` (every nudge).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,9 +27,7 @@ class FakeDevice:
         self.config: dict = {}
         self.mtu: int | None = None
         self.route_mtus: dict[str, int] = {}
-        self.forwarding = False
         self.guarded = False  # guard_forwarding() was called (and delete() not since)
-        self.relayed: list[tuple[str, str]] = []  # the pairs forwarded, as enable_forwarding last set them
         self.guarded_before_up: bool | None = None  # whether the guard was there when configure() ran
         self._peers: dict[str, PeerState] = {}
         self.applied: list[PeerDiff] = []
@@ -96,10 +93,6 @@ class FakeDevice:
 
     def guard_forwarding(self) -> None:
         self.guarded = True
-
-    def enable_forwarding(self, relayed: Sequence[tuple[str, str]] = ()) -> None:
-        self.forwarding = True
-        self.relayed = sorted(tuple(p) for p in relayed)
 
     def warning(self) -> str | None:
         return self.warn

@@ -7,6 +7,13 @@ keys in one revision (watch events like any delete), watches from an event log t
 
 What tests drive: the clock leases expire by (`FakeEtcd(clock=...)`, then `expire()`), `compact(rev)`, and
 `down`: while True every call raises ControlStateError, as an unreachable cluster does.
+
+With `quota` (bytes, as etcd's --quota-backend-bytes; 0: none) the fake also keeps etcd's space accounting:
+every version of every key until a compaction drops it (the latest version at or before the compacted revision
+stays, tombstones go), a database that never shrinks by itself (only `defragment` gives space back, as bbolt's
+file keeps its high-water mark), and etcd's NOSPACE alarm: a request that writes (a put, a transaction with a
+put in either branch, a lease grant) is refused once the database plus its cost would reach the quota, and
+from then on until `disarm`, while reads and deletes still work.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from meshrun.system.etcd import (
 )
 
 VERSION = "3.4.23"
+NOSPACE = "etcdserver: mvcc: database space exceeded"  # etcd's refusal while its NOSPACE alarm is raised
+VERSION_OVERHEAD = 64  # bytes the fake counts per stored version besides the key and value
 MIN_TTL = 2  # etcd raises shorter leases to 1.5 election timeouts (1.5 s with meshrun's settings), rounded up
 
 
@@ -68,8 +77,14 @@ class FakeEtcd:
         name: str = "default",
         peer_url: str = "https://127.0.0.1:2380",
         client_url: str = "https://127.0.0.1:2379",
+        quota: int = 0,
     ) -> None:
         self.clock = clock
+        self.quota = quota
+        self.nospace = False  # etcd's NOSPACE alarm
+        self._versions: dict[bytes, list[tuple[int, int, bool]]] = {}  # key -> [(revision, bytes, tombstone)]
+        self._used = 0  # bytes of every version kept
+        self._high = 0  # the database's size: the high-water mark of _used since the last defragment
         self.down = False
         self.endpoint = client_url
         self.endpoints = [client_url]
@@ -103,6 +118,37 @@ class FakeEtcd:
             raise ValueError("an etcd key is non-empty bytes")
         return sorted((kv for k, kv in self._kv.items() if _in_range(k, key, prefix)), key=lambda kv: kv.key)
 
+    def _space(self, ops: Sequence[Put | Delete | Get], what: str, lease: bool = False) -> None:
+        """etcd's quota check before a request that may write: refuse (raising the alarm) when it cannot fit."""
+        if not self.quota:
+            return
+        cost = sum(len(op.key) + len(op.value) + VERSION_OVERHEAD for op in ops if isinstance(op, Put))
+        if not cost and not lease:
+            return
+        if self.nospace or self._high + cost >= self.quota:
+            self.nospace = True
+            raise self._refuse(what, NOSPACE)
+
+    def _keep(self, key: bytes, rev: int, size: int, tombstone: bool) -> None:
+        self._versions.setdefault(key, []).append((rev, size, tombstone))
+        self._used += size
+        self._high = max(self._high, self._used)
+
+    def db_size(self) -> int:
+        """The database's size as etcd counts it against the quota (the fake's estimate)."""
+        with self._cond:
+            return self._high
+
+    def defragment(self) -> None:
+        """Give the space of dropped versions back (etcdctl defrag)."""
+        with self._cond:
+            self._high = self._used
+
+    def disarm(self) -> None:
+        """Clear the NOSPACE alarm (etcdctl alarm disarm): it comes back at the next write that does not fit."""
+        with self._cond:
+            self.nospace = False
+
     def _write(self, ops: list[Put | Delete], what: str) -> tuple[int, list]:
         """Apply `ops` as one etcd write: one new revision if anything changed. Returns (revision, responses)."""
         rev = self._rev + 1
@@ -125,6 +171,7 @@ class FakeEtcd:
                     lease=op.lease,
                 )
                 self._kv[op.key] = kv
+                self._keep(op.key, rev, len(op.key) + len(op.value) + VERSION_OVERHEAD, False)
                 events.append(Event("PUT", kv))
                 changed = True
                 out.append(None)
@@ -132,6 +179,7 @@ class FakeEtcd:
                 gone = self._matching(op.key, op.prefix)
                 for kv in gone:
                     del self._kv[kv.key]
+                    self._keep(kv.key, rev, len(kv.key) + VERSION_OVERHEAD, True)
                     events.append(Event("DELETE", KV(kv.key, b"", 0, rev, 0)))
                 changed = changed or bool(gone)
                 out.append(len(gone))
@@ -169,6 +217,7 @@ class FakeEtcd:
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         with self._cond:
             self._up("write")
+            self._space([Put(key, value, lease)], "write")
             return self._write([Put(key, value, lease)], "write")[0]
 
     def delete(self, key: bytes, prefix: bool = False) -> int:
@@ -191,6 +240,7 @@ class FakeEtcd:
             for c in compare:
                 if not c.key:
                     raise ValueError("an etcd key is non-empty bytes")
+            self._space(ops_ok + ops_ko, "transaction")
             ok = all(_holds(c, self._kv.get(c.key)) for c in compare)
             rev, responses = self._write(ops_ok if ok else ops_ko, "transaction")
             return TxnResult(succeeded=ok, revision=rev, responses=responses)
@@ -209,12 +259,24 @@ class FakeEtcd:
                 raise self._refuse("compaction", "mvcc: required revision is a future revision")
             self._compacted = revision
             self._events = [(r, e) for r, e in self._events if r > revision]
+            for key, versions in list(self._versions.items()):
+                # etcd keeps every version after `revision` and the one current at it, unless that is a delete.
+                older = [i for i, v in enumerate(versions) if v[0] <= revision]
+                drop = older[:-1] + (older[-1:] if older and versions[older[-1]][2] else [])
+                if drop:
+                    self._used -= sum(versions[i][1] for i in drop)
+                    kept = [v for i, v in enumerate(versions) if i not in set(drop)]
+                    if kept:
+                        self._versions[key] = kept
+                    else:
+                        del self._versions[key]
 
     # ----------------------------------------------------------------- leases
 
     def lease_grant(self, ttl: int) -> int:
         with self._cond:
             self._up("lease grant")
+            self._space((), "lease grant", lease=True)
             lease = next(self._ids)
             ttl = max(ttl, MIN_TTL)
             self._leases[lease] = (ttl, self.clock() + ttl)

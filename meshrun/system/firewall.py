@@ -310,11 +310,12 @@ def remove_job_cgroups(tables: Iterable[str]) -> None:
 
 
 def install_forward_guard(interface: str, relayed: Sequence[tuple[str, str]] = ()) -> None:
-    """Drop whatever a member sends through this host to a non-overlay interface; overlay-to-overlay stays.
+    """Drop whatever a member sends through this host to a non-overlay interface, and overlay-to-overlay
+    forwarding but for the pairs in `relayed` (overlay IP pairs; meshrun passes none: its relays forward
+    WireGuard's datagrams on the underlay, meshrun.system.udprelay, never overlay packets).
 
-    Every member calls it before its interface comes up (meshrun.mesh.iface.bring_up), and a relay again
-    with the pairs it relays (`relayed`, overlay IP pairs: meshrun.system.net.enable_forwarding); calling it
-    again replaces the guard for `interface` and leaves other interfaces' guards alone. HostError without nft,
+    Every member calls it before its interface comes up (meshrun.mesh.iface.bring_up); calling it again
+    replaces the guard for `interface` and leaves other interfaces' guards alone. HostError without nft,
     CommandError when nft refuses.
     """
     if shutil.which("nft") is None:

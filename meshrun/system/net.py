@@ -10,12 +10,11 @@ import os
 import secrets
 import shutil
 import socket
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from meshrun.core import netparse
 from meshrun.errors import HostError
-from meshrun.system import firewall
 from meshrun.system.cmd import PACKAGES, run
 
 CAP_NET_ADMIN = 12
@@ -76,27 +75,6 @@ def default_route_address() -> str | None:
     out = run(["ip", "-4", "-o", "addr", "show", "dev", dev, "scope", "global"], check=False, quiet=True).stdout
     found = netparse.addresses(out)
     return found[0][1] if found else None
-
-
-def enable_forwarding(iface: str, relayed: Sequence[tuple[str, str]] = ()) -> None:
-    """Let a relay (the coordinator, or a member chosen for some pairs) forward overlay packets between the
-    peers of the pairs it relays (`relayed`: overlay IP pairs, both directions), and only those.
-
-    Only packets that arrive on `iface` are forwarded (per-interface switch, not the global
-    ip_forward); redirects are off because in and out interface are the same. The forward guard
-    (meshrun.system.firewall) drops what arrives on `iface` for any other interface: a member cannot
-    reach the coordinator's LAN or VPC through it, whatever the host's FORWARD policy. If the FORWARD
-    chain drops by default (Docker hosts), one rule accepts wg-to-wg traffic.
-    """
-    firewall.install_forward_guard(iface, relayed)  # before forwarding is on: nothing slips through
-    for key, value in (("forwarding", "1"), ("send_redirects", "0")):
-        run(["sysctl", "-q", "-w", f"net.ipv4.conf.{iface}.{key}={value}"])
-    if shutil.which("iptables") is None:
-        return
-    policy = run(["iptables", "-S", "FORWARD"], check=False, quiet=True).stdout
-    rule = ["FORWARD", "-i", iface, "-o", iface, "-j", "ACCEPT"]
-    if "-P FORWARD DROP" in policy and run(["iptables", "-C", *rule], check=False, quiet=True).returncode != 0:
-        run(["iptables", "-I", *rule])
 
 
 def resolve(host: str) -> str:

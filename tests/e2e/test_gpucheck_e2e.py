@@ -1,8 +1,10 @@
 """`./dev.sh gpu-check`'s check on a machine without GPUs: the same world, groups and checks on gloo, and it
-says that NCCL was not exercised (on a GPU machine it runs NCCL; see the module)."""
+says that NCCL was not exercised (on a GPU machine it runs NCCL; see the module). Its bandwidth table runs on
+gloo too: the raw site LAN and meshrun0, same site and across sites, written as JSON."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -11,10 +13,13 @@ import pytest
 from meshrun.lab.gpucheck import gpu_count
 
 
-def test_the_gpu_check_runs_every_group_and_says_when_nccl_was_not_exercised():
+def test_the_gpu_check_runs_every_group_and_says_when_nccl_was_not_exercised(tmp_path):
     if gpu_count() >= 1:
         pytest.skip("a GPU machine: run ./dev.sh gpu-check there and read NCCL's lines")
-    res = subprocess.run([sys.executable, "-m", "meshrun.lab.gpucheck"], capture_output=True, text=True, timeout=400)
+    table = tmp_path / "gpu_datapath.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "meshrun.lab.gpucheck", "--out", str(table)], capture_output=True, text=True, timeout=400
+    )
     out = res.stdout
     assert res.returncode == 0, out[-4000:] + res.stderr[-2000:]
     assert "NCCL is NOT exercised" in out
@@ -22,4 +27,11 @@ def test_the_gpu_check_runs_every_group_and_says_when_nccl_was_not_exercised():
         assert out.count(f"{group}: ok") == 4, out  # two sites of two nodes: every rank says so
     assert out.count("site=s1") == 2 and out.count("site=s2") == 2
     assert out.rstrip().endswith("gpu-check passed")
+    # The table's path: the pair on the site network with meshrun off the data path, and on meshrun0.
+    cells = json.loads(table.read_text())["cells"]
+    assert set(cells) == {"lan same-site default", "meshrun0 same-site default", "meshrun0 cross-site default"}
+    assert all(c["n"] >= 1 and c["min"] > 0 for c in cells.values()), cells
+    for name in cells:
+        assert f"\n{name} " in out
+    assert "/sys/class/net/meshrun0/speed in a node:" in out
     assert "gpuchk-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -57,27 +57,11 @@ def elastic(job_id: str, nodes: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def ha(tmp_path_factory):
-    from support import netns_unavailable_reason, unique_prefix
+    from support import joined_mesh
 
-    from meshrun.lab.testbed import World
-
-    if netns_unavailable_reason():
-        pytest.skip(netns_unavailable_reason())
     specs = [DatacenterSpec(f"dc{i}") for i in (1, 2, 3)] + [DatacenterSpec(dc, nat=nat) for dc, nat in NATS.items()]
-    prefix = unique_prefix()
-    world = World(specs, prefix=prefix, workdir=tmp_path_factory.mktemp(prefix))
-    try:
-        world.up()
-        mesh = Mesh(world, A)
-        mesh.init()
-        for n in (B, C, "dc4-a", "dc5-a", "dc6-a"):
-            mesh.join(n)
-        for n in (B, C):
-            out = mesh.meshrun(A, "coordinator", "add", n, "--endpoint", str(world.node(n).public_ip)).stdout
-            assert f"{n} is a coordinator" in out, out
+    with joined_mesh(tmp_path_factory, specs, A, (B, C, "dc4-a", "dc5-a", "dc6-a"), promote=(B, C)) as mesh:
         yield mesh
-    finally:
-        world.down()
 
 
 def coordinators(mesh: Mesh, on: str) -> dict[str, dict]:

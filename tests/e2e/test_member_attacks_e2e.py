@@ -530,8 +530,8 @@ def inject(mesh: Mesh, via: str, target: str) -> int:
     dc3 = mesh.world.node("dc3-a")
     lan_ip = mesh.world.node(target).private_ip
     net = network(mesh)
-    if via == mesh.coordinator.name:  # the coordinator's peer carries the whole overlay (it relays)
-        key, own = net["coordinator_public_key"], net["cidr"]
+    if via == mesh.coordinator.name:
+        key, own = net["coordinator_public_key"], f"{net['coordinator_ip']}/32"
     else:
         rec = json.loads((mesh.state_dir(mesh.world.node(via)) / "member.json").read_text())
         key, own = rec["public_key"], f"{rec['overlay_ip']}/32"
@@ -565,9 +565,14 @@ def test_a_member_cannot_send_into_a_forwarding_nodes_lan(mesh):
 
 
 def test_a_member_cannot_send_into_the_coordinators_lan(mesh):
-    """Finding 5: dc3-a routes hq-b's LAN address at the coordinator; the coordinator never forwards it."""
+    """Finding 5: dc3-a routes hq-b's LAN address at the coordinator; the coordinator never forwards it. Its own
+    relaying forwards no overlay packet (relays pass WireGuard datagrams on the underlay), so this is about a
+    coordinator whose host forwards (Docker on the coordinator turns ip_forward on): the guard still holds."""
     coord = mesh.coordinator
     iface = network(mesh)["interface"]
+    assert inject(mesh, coord.name, "hq-b") == 0  # meshrun itself turns no forwarding on
+    was = coord.run("sysctl", "-n", "net.ipv4.ip_forward").stdout.strip()
+    coord.run("sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
     try:
         assert inject(mesh, coord.name, "hq-b") == 0
         coord.run("nft", "delete", "table", "inet", "meshrun_forward")  # the negative control: no guard
@@ -579,6 +584,7 @@ def test_a_member_cannot_send_into_the_coordinators_lan(mesh):
             )
         assert inject(mesh, coord.name, "hq-b") == 0
     finally:
+        coord.run("sysctl", "-q", "-w", f"net.ipv4.ip_forward={was}")
         mesh.world.node("dc3-a").run("ip", "route", "del", f"{mesh.world.node('hq-b').private_ip}/32", check=False)
 
 

@@ -12,18 +12,12 @@ import threading
 import time
 
 import pytest
-from support import TESTS, joined_mesh
+from support import TESTS, joined_mesh, relay_world
 
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 
 SCRIPTS = TESTS / "scripts"
-RELAY_WORLD = [
-    DatacenterSpec("hq"),
-    DatacenterSpec("dca"),
-    DatacenterSpec("dcb"),
-    DatacenterSpec("dcc", nat="symmetric"),
-    DatacenterSpec("dcd", nat="symmetric"),
-]
+RELAY_WORLD = relay_world()
 RELAY_NODES = ["dca-a", "dcb-a", "dcc-a", "dcd-a"]
 
 
@@ -161,8 +155,11 @@ def test_a_peer_relay_that_loses_its_uplink_hands_the_pair_on_within_10_s_mid_tr
         assert moved is not None, "the pair kept its dead relay"
         assert moved < 10, f"the pair took {moved:.1f} s to move to another relay"
         back = mesh.wait_ping("dcc-a", d_ip, timeout=20) + moved
-        sent = json.loads(send.communicate(timeout=120)[0].strip().splitlines()[-1])
-        got = json.loads(recv.communicate(timeout=60)[0].strip().splitlines()[-1])
+        send_out, send_err = send.communicate(timeout=120)
+        recv_out, recv_err = recv.communicate(timeout=60)
+        assert send_out.strip() and recv_out.strip(), f"sender: {send_err[-1500:]}\nreceiver: {recv_err[-1500:]}"
+        sent = json.loads(send_out.strip().splitlines()[-1])
+        got = json.loads(recv_out.strip().splitlines()[-1])
     finally:
         for p in (send, recv):
             if p.poll() is None:

@@ -41,7 +41,7 @@ from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.rendezvous import RendezvousService
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.mesh.process import ExtensionFactory
-from meshrun.system import etcdjobs, transport
+from meshrun.system import etcdjobs, transport, udprelay
 from meshrun.system.device import Device
 from meshrun.system.etcdjobs import EtcdKV
 from meshrun.system.frontdoor import FrontDoor
@@ -78,10 +78,11 @@ class CoordinatorService:
         forward_with=None,
         guard_etcd=ha.guard_etcd,
         etcd_member: bool = True,
+        make_relay=None,
     ) -> None:
-        """`db`, `forward_with` (leader's IP, batch -> answer), `guard_etcd` (name, network, IPs) and `etcd_member`
-        False are for tests: a replicated state on a fake etcd, the leader's handler in-process, no nftables, no
-        etcd process of its own to keep running."""
+        """`db`, `forward_with` (leader's IP, batch -> answer), `guard_etcd` (name, network, IPs), `etcd_member`
+        False and `make_relay` are for tests: a replicated state on a fake etcd, the leader's handler in-process,
+        no nftables, no etcd process of its own to keep running, a relay that binds no port (udprelay.FakeRelay)."""
         self.etcd_member = etcd_member
         self.guard_etcd = guard_etcd
         self.state = state
@@ -115,7 +116,9 @@ class CoordinatorService:
         self.registry: tuple = ()  # the coordinators as last applied (guard, etcd endpoints)
         self.etcd_checked = time.monotonic()  # when the etcd member was last looked for (_keep_etcd)
         self.etcd_restart: threading.Thread | None = None
+        self.tls = ha.TlsKeeper(state, self.member, self.network) if self.ha and etcd_member else None
         self.forward_with = forward_with
+        self.relaying = udprelay.Relaying(make_relay)  # the pairs this coordinator relays, and their relay
         self.reports = Reports(
             self.pairs, lambda: self.leading, self._leader_ip, self._send_forward if self.ha else None
         )
@@ -156,7 +159,7 @@ class CoordinatorService:
         with process.running(self.state):
             try:
                 self._ensure_interface()
-                self._allow_relayed()  # the pairs the coordinator relays are forwarded wg -> wg here
+                self._allow_relayed()  # the pairs the coordinator relays: their datagrams, on their ports
                 self.apply_peers()
                 tls = server_tls_context(str(self.state / "tls.crt"), str(self.state / "tls.key"))
                 self.front = FrontDoor(("0.0.0.0", self.network.listen_port), self.enrolment.handle, tls)
@@ -205,6 +208,7 @@ class CoordinatorService:
                 self.overlay_server.shutdown()
                 self.roster.wake_all()
                 self.reports.close()
+                self.relaying.close()
                 if self.leadership is not None:
                     self.leadership.resign()  # another coordinator leads at once, not after the lease
                 if self.ha:
@@ -260,6 +264,7 @@ class CoordinatorService:
         if self.ha:
             if self.etcd_member:
                 self._keep_etcd()
+                self.tls.tick(self.db)  # certificate renewal, CA rotation (meshrun.mesh.coordinator.ha)
             self._lead()
             self._follow_registry()
         try:
@@ -307,20 +312,27 @@ class CoordinatorService:
                 self.roster.publish(v)
             else:
                 moved = self.pairs.take_relay_changes()
-                if relays.COORDINATOR in moved or self.name in moved:
-                    self._allow_relayed()
+                # Also on a member-list change alone: an end's address (what its datagrams may come from) moved.
+                self._allow_relayed()
                 self.roster.publish(v, self.pairs.take_changes(), moved)
             self.published_at = time.monotonic()
 
     def _allow_relayed(self) -> None:
-        """Forwarding on, for exactly the pairs this coordinator relays (the forward guard's allow-list): those
-        relayed by "the coordinator" on the first one, and those relayed by its name on any."""
-        ips = {m.name: m.overlay_ip for m in self.db.members()}
+        """Forward exactly the pairs this coordinator relays, each on its port (meshrun.system.udprelay): those
+        relayed by "the coordinator" on the first one, and those relayed by its name on any. The datagrams pass
+        as they are: its own tunnels never carry another member's address."""
+        members = self.db.members()
+        ips = {m.name: m.overlay_ip for m in members}
         mine = set(self.pairs.relaying(self.name)) if self.ha else set()
         if self.public_key == self.network.coordinator_public_key:
             mine |= set(self.pairs.relaying(relays.COORDINATOR))
-        pairs = [(ips[a], ips[b]) for a, b in sorted(mine) if a in ips and b in ips]
-        self.device.enable_forwarding(pairs)
+        listed = []
+        for a, b in sorted(mine):
+            st = self.pairs.mode(a, b)
+            if a in ips and b in ips and st is not None and st.port:
+                listed.append([ips[a], ips[b], st.port])
+        if self.relaying.apply(listed, members, self.device):
+            log.info("relaying %d pairs on ports %s", len(listed), [p for _, _, p in listed][:16])
 
     # several coordinators -----------------------------------------------------
     def _lead(self) -> None:
@@ -467,7 +479,10 @@ class CoordinatorService:
         reachable for a moment so the removed node's pending long-poll gets its 410 and its agent
         takes the interface down. Other nodes drop a removed member at once."""
         members = self.db.members() if members is None else members
-        return peers.desired_for_coordinator(members + self.db.recently_removed(REMOVED_GRACE_S), self.public_key)
+        everyone = members + self.db.recently_removed(REMOVED_GRACE_S)
+        desired = peers.desired_for_coordinator(everyone, self.public_key)
+        peers.check_own_addresses(desired, everyone)  # a bug, not an input: raised as it is
+        return desired
 
 
 def _interface_up(device: Device, state: StateDir, network: Network, ip: str, rec: dict) -> dict:

@@ -14,13 +14,25 @@ coordinators' overlay addresses (meshrun.system.firewall.JobGuard): a member tha
 open a connection to it. It is its own process (state/etcd/etcd.pid): it outlives daemon restarts, and the
 daemon starts it again if it is not running (a reboot).
 
-Files under <state>/etcd/: ca.crt, etcd.crt, etcd.key (0600), data/ (etcd's), etcd.log, etcd.pid.
+Certificates (`TlsKeeper`, run by every coordinator's daemon loop): each member's certificate names its
+overlay address alone (meshrun.core.keys.check_csr) and lives keys.LEAF_DAYS days; its own coordinator renews
+it keys.RENEW_DAYS days before the end with its existing key (etcd reads certificate files again on every new
+handshake). Taking a coordinator out replaces the CA (`rotate_ca`), because the removed one kept a copy of
+its certificate and could read the CA's key: every member first trusts the old and the new CA, then gets a
+certificate from the new one, then trusts the new one alone. etcd 3.4 reads its CA file only when it starts,
+so each trust change restarts the members one at a time (a lock in etcd), which also cuts every connection
+the removed coordinator may still hold; the new CA's key enters etcd only after that first round of restarts.
+
+Files under <state>/etcd/: ca.crt (the trusted CAs), etcd.crt, etcd.key (0600), data/ (etcd's), etcd.log,
+etcd.pid.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import hashlib
 import json
 import logging
 import time
@@ -32,7 +44,7 @@ from meshrun.errors import ControlStateError, CoordinatorError, MeshrunError, St
 from meshrun.mesh import member, process
 from meshrun.system import coordinatordb, etcd, net, procs
 from meshrun.system.coordinatordb import CoordinatorDB, CoordinatorInfo
-from meshrun.system.etcd import EtcdClient
+from meshrun.system.etcd import Compare, EtcdClient, Put
 from meshrun.system.etcdstate import PREFIX, EtcdCoordinatorDB, complete
 from meshrun.system.firewall import JobGuard
 from meshrun.system.statedir import StateDir, remove_tree
@@ -45,7 +57,12 @@ ETCD_DIR = "etcd"
 ETCD_BINARY = "etcd"  # Debian's etcd-server (dev.sh installs it), found on PATH
 HEALTHY_TIMEOUT_S = 60.0
 MEMBER_REMOVE_S = 60.0  # how long an etcd member removal etcd is slow to confirm is looked at and tried again
-K_CA = PREFIX + b"pki/ca"  # {"cert", "key"}: the etcd members' CA, readable by coordinators only
+K_CA = PREFIX + b"pki/ca"  # CaRecord: the etcd members' CA, readable by coordinators only
+K_TLS_ACK = PREFIX + b"pki/ack/"  # + name: what that coordinator's member trusts and who issued its certificate
+K_TLS_RESTART = PREFIX + b"pki/restart"  # held (with a lease) by the one coordinator restarting its member
+TLS_CHECK_S = 2.0  # a coordinator looks at the CA record this often (one read)
+RESTART_LOCK_S = 90  # the restart lock's lease: a coordinator that dies while holding it frees it after this
+ROTATE_TIMEOUT_S = 180.0  # how long `coordinator remove` waits for the CA rotation to finish
 GUARD_JOB = "etcd"  # the etcd member's cgroup guard is job "etcd" of "<name>/etcd" (meshrun.core.firewall)
 
 
@@ -190,18 +207,123 @@ def stop_member(state: StateDir) -> None:
 # --------------------------------------------------------------------------- the CA
 
 
-def _ca(db: EtcdCoordinatorDB) -> tuple[str, str]:
+@dataclasses.dataclass(frozen=True)
+class CaRecord:
+    """The etcd members' CA as etcd keeps it (K_CA): `cert` and `key` sign members' certificates; `trust` is
+    what every member's ca.crt holds (the signing CA, plus another one while a rotation runs); `next` is a
+    rotation's new CA while members are still taking it into their trust (its certificate only: its key enters
+    etcd when `sign_with` makes it the signing CA).
+
+    A rotation, each step once every coordinator reported the one before (`ack_of`): `begin_rotation` (trust
+    old and new), `sign_with` (the new one signs; members get new certificates), `next_step` (trust the new
+    one alone: the old CA's certificates, a removed coordinator's among them, open nothing any more)."""
+
+    cert: str
+    key: str
+    trust: tuple[str, ...]
+    next: str = ""
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> CaRecord:
+        d = json.loads(raw)
+        return cls(str(d["cert"]), str(d["key"]), tuple(d.get("trust") or (d["cert"],)), str(d.get("next") or ""))
+
+    def to_json(self) -> bytes:
+        d = {"cert": self.cert, "key": self.key, "trust": list(self.trust)}
+        return json.dumps(dict(d, next=self.next) if self.next else d).encode()
+
+    @property
+    def bundle(self) -> str:
+        """ca.crt's contents: the trusted CAs' certificates, one after the other."""
+        return "".join(t if t.endswith("\n") else t + "\n" for t in self.trust)
+
+    @property
+    def rotating(self) -> bool:
+        return bool(self.next) or self.trust != (self.cert,)
+
+
+def _digest(pem: str) -> str:
+    return hashlib.sha256(pem.encode()).hexdigest()[:32]
+
+
+def begin_rotation(rec: CaRecord, new_cert: str) -> CaRecord:
+    """Members are to trust `new_cert` besides what they trust now; a rotation's earlier new CA that never
+    signed anything is dropped (the coordinator removed since may have seen its key)."""
+    trust = tuple(t for t in rec.trust if t != rec.next or t == rec.cert) + (new_cert,)
+    return CaRecord(rec.cert, rec.key, trust, new_cert)
+
+
+def sign_with(rec: CaRecord, new_cert: str, new_key: str) -> CaRecord | None:
+    """The rotation's new CA signs from now on (None when another rotation took its place)."""
+    return CaRecord(new_cert, new_key, rec.trust) if rec.next == new_cert else None
+
+
+def ack_of(rec: CaRecord, trusted: str, leaf: str) -> dict:
+    """What a coordinator reports (K_TLS_ACK): the CA bundle its member was started with, and whether the
+    signing CA issued its certificate."""
+    return {"trust": _digest(trusted), "issuer": _digest(rec.cert) if keys.cert_issued_by(leaf, rec.cert) else ""}
+
+
+def trusted_by_all(rec: CaRecord, acks: dict[str, dict], names: list[str]) -> bool:
+    """Every coordinator in `names` runs its member with the record's CA bundle."""
+    return all(acks.get(n, {}).get("trust") == _digest(rec.bundle) for n in names)
+
+
+def next_step(rec: CaRecord, acks: dict[str, dict], names: list[str]) -> CaRecord | None:
+    """The rotation's last step, once every coordinator in `names` trusts the bundle and holds a certificate of
+    the signing CA: the other CAs are dropped from the trust. None while that is not so, or nothing rotates."""
+    if rec.next or rec.trust == (rec.cert,) or not names or not trusted_by_all(rec, acks, names):
+        return None
+    if any(acks.get(n, {}).get("issuer") != _digest(rec.cert) for n in names):
+        return None
+    return CaRecord(rec.cert, rec.key, (rec.cert,))
+
+
+def leaf_due(leaf: str, rec: CaRecord, ip: str, now: datetime.datetime | None = None) -> str:
+    """Why this coordinator's certificate must be issued again ("" when it need not): due for renewal, not
+    issued by the signing CA (a rotation), or not for exactly its overlay address."""
+    if keys.renew_due(leaf, now):
+        return "it is due for renewal"
+    if not keys.cert_issued_by(leaf, rec.cert):
+        return "the CA changed"
+    if keys.cert_ips(leaf) != [ip]:
+        return f"it names {keys.cert_ips(leaf)}, not {ip}"
+    return ""
+
+
+def _ca(db: EtcdCoordinatorDB) -> CaRecord:
     kv = db.client.get(K_CA)
     if kv is None:
         raise ControlStateError("the etcd members' CA is not in etcd", "restore the coordinators' state from a backup")
-    d = json.loads(kv.value)
-    return d["cert"], d["key"]
+    return CaRecord.from_json(kv.value)
+
+
+def _update_ca(client: EtcdClient, change) -> CaRecord | None:
+    """Apply `change` (CaRecord -> CaRecord or None: nothing to do) to K_CA, compare-and-swap."""
+    while True:
+        kv = client.get(K_CA)
+        if kv is None:
+            raise ControlStateError("the etcd members' CA is not in etcd", "restore the coordinators' state")
+        new = change(CaRecord.from_json(kv.value))
+        if new is None:
+            return None
+        if client.txn([Compare(K_CA, "MOD", "EQUAL", kv.mod_revision)], [Put(K_CA, new.to_json())]).succeeded:
+            return new
+
+
+def _acks(client: EtcdClient) -> dict[str, dict]:
+    kvs, _ = client.get_prefix(K_TLS_ACK)
+    out = {}
+    for kv in kvs:
+        with contextlib.suppress(ValueError):
+            out[kv.key[len(K_TLS_ACK) :].decode()] = json.loads(kv.value)
+    return out
 
 
 def _issue(ca_cert: str, ca_key: str, name: str, ip: str) -> tuple[str, str]:
     """A key and a certificate for `ip` (this machine's own key: made here, kept here)."""
     key_pem, csr = keys.new_csr(name, ip)
-    return key_pem, keys.sign_csr(ca_cert, ca_key, csr)
+    return key_pem, keys.sign_csr(ca_cert, ca_key, csr, ip)
 
 
 def _write_tls(state: StateDir, ca_cert: str, cert: str, key_pem: str | None = None) -> None:
@@ -211,6 +333,168 @@ def _write_tls(state: StateDir, ca_cert: str, cert: str, key_pem: str | None = N
     d.write("etcd.crt", cert)
     if key_pem is not None:
         d.write("etcd.key", key_pem, secret=True)
+
+
+# --------------------------------------------------------------------------- certificates over time
+
+
+def restart_member(state: StateDir, rec: dict, network: Network, coordinator_ips: list[str]) -> int:
+    """Stop this coordinator's etcd member and start it again from its data (etcd reads its CA file only when
+    it starts); returns the new PID once it answers."""
+    pid = etcd_pid(state)
+    if pid is not None:
+        etcd.stop_server(pid)
+    return start_member(state, rec, network, {str(rec["name"]): own_urls(rec)[1]}, "existing", coordinator_ips)
+
+
+class TlsKeeper:
+    """This coordinator's share of the etcd certificates, one `tick` per daemon loop round (at most every
+    TLS_CHECK_S): its member's CA bundle is the record's (restarting the member, one coordinator at a time),
+    its certificate is the signing CA's, for its overlay address, and not due for renewal (issued again with
+    its own key), and it reports both (K_TLS_ACK); during a rotation it also takes the last step when it can."""
+
+    def __init__(self, state: StateDir, rec: dict, network: Network) -> None:
+        self.state, self.rec, self.network = state, rec, network
+        self.name, self.ip = str(rec["name"]), str(rec["overlay_ip"])
+        self.checked = float("-inf")
+        self.acked: dict | None = None
+
+    def tick(self, db: EtcdCoordinatorDB) -> None:
+        """One look (at most every TLS_CHECK_S). A failure is logged, never raised: the rest of the daemon's
+        loop round (peers, paths) does not wait on certificates, and the next look tries again."""
+        if time.monotonic() - self.checked < TLS_CHECK_S:
+            return
+        self.checked = time.monotonic()
+        try:
+            self._look(db)
+        except (MeshrunError, ValueError, OSError) as exc:
+            log.warning("etcd certificates: %s", exc)
+
+    def _look(self, db: EtcdCoordinatorDB) -> None:
+        client = db.client
+        kv = client.get(K_CA)
+        if kv is None:
+            return
+        ca = CaRecord.from_json(kv.value)
+        coords = db.coordinators()
+        d = etcd_dir(self.state)
+        if _read_text(d, etcdconf.CA_FILE) != ca.bundle and not self._restart(
+            client, ca, [c.overlay_ip for c in coords]
+        ):
+            return  # another coordinator restarts its member now: this one's turn comes at a later tick
+        leaf = _read_text(d, etcdconf.CERT_FILE)
+        why = leaf_due(leaf, ca, self.ip)
+        if why:
+            csr = keys.csr_for_key(d.read(etcdconf.KEY_FILE).decode(), self.name, self.ip)
+            leaf = keys.sign_csr(ca.cert, ca.key, csr, self.ip)
+            d.write(etcdconf.CERT_FILE, leaf)  # etcd and our clients take it on their next new connection
+            log.info("this coordinator's etcd certificate was issued again (%s)", why)
+        ack = ack_of(ca, _read_text(d, etcdconf.CA_FILE), leaf)
+        if ack != self.acked:
+            client.put(K_TLS_ACK + self.name.encode(), json.dumps(ack).encode())
+            self.acked = ack
+        if ca.rotating:
+            names = [c.name for c in coords]
+            if _update_ca(client, lambda rec: next_step(rec, _acks(client), names)) is not None:
+                log.info("the etcd CA rotation is complete: the old CA is trusted no more")
+
+    def _restart(self, client: EtcdClient, ca: CaRecord, ips: list[str]) -> bool:
+        """Write the record's CA bundle and restart the member with it, holding the restart lock (so the others
+        keep their majority); False when another coordinator holds it, or the member is not running (the daemon
+        starts it again, with the bundle written then)."""
+        if etcd_pid(self.state) is None:
+            return False
+        lease = client.lease_grant(RESTART_LOCK_S)
+        got = client.txn(
+            [Compare(K_TLS_RESTART, "CREATE", "EQUAL", 0)], [Put(K_TLS_RESTART, self.name.encode(), lease)]
+        ).succeeded
+        if not got:
+            client.lease_revoke(lease)
+            return False
+        try:
+            etcd_dir(self.state).write(etcdconf.CA_FILE, ca.bundle)
+            log.info("the etcd CAs to trust changed: restarting this coordinator's etcd member")
+            restart_member(self.state, self.rec, self.network, sorted(set(ips) | {self.ip}))
+        finally:
+            with contextlib.suppress(MeshrunError):
+                client.lease_revoke(lease)
+        return True
+
+
+def _read_text(d: StateDir, name: str) -> str:
+    try:
+        return d.read(name).decode()
+    except StateError:
+        return ""
+
+
+def rotate_ca(db: EtcdCoordinatorDB, network_name: str, timeout: float = ROTATE_TIMEOUT_S) -> str:
+    """Replace the etcd members' CA (see CaRecord) and wait until the old one is trusted no more; "" when done,
+    else what is left, in words. The new CA's key enters etcd only after every coordinator restarted its member
+    on the new bundle (a connection opened before, a removed coordinator's say, is cut by that restart)."""
+    client = db.client
+    new_cert, new_key = keys.new_ca(f"meshrun {network_name} etcd")
+    _update_ca(client, lambda rec: begin_rotation(rec, new_cert))
+    deadline = time.monotonic() + timeout
+    signing = False
+    ca: CaRecord | None = None
+    names: list[str] = []
+    acks: dict[str, dict] = {}
+    while True:
+        try:
+            kv = client.get(K_CA)
+            ca = CaRecord.from_json(kv.value) if kv is not None else None
+            if ca is None or (ca.next != new_cert and ca.cert != new_cert):
+                return "another CA rotation took this one's place"
+            names = [c.name for c in db.coordinators()]
+            acks = _acks(client)
+            if not signing and trusted_by_all(ca, acks, names):
+                signing = _update_ca(client, lambda rec: sign_with(rec, new_cert, new_key)) is not None
+                if not signing:
+                    return "another CA rotation took this one's place"
+            elif signing:
+                _update_ca(client, lambda rec: next_step(rec, _acks(client), names))
+                if not ca.rotating and trusted_by_all(ca, acks, names):  # every member restarted on the new CA alone
+                    return ""
+        except ControlStateError as exc:
+            # The members restart one after the other: with two left there is no majority for a moment, and a
+            # member that just started may answer an error before it serves.
+            log.info("etcd CA rotation: %s; trying again", exc.message)
+        if time.monotonic() >= deadline:
+            if ca is None:
+                return "the etcd CA rotation could not be followed (etcd did not answer)"
+            want = {"trust": _digest(ca.bundle), "issuer": _digest(ca.cert)}
+            late = sorted(
+                n for n in names if any(acks.get(n, {}).get(k) != v for k, v in want.items() if signing or k == "trust")
+            )
+            if not signing:
+                return (
+                    f"the etcd CA was not replaced: {', '.join(late) or 'a coordinator'} did not restart its etcd "
+                    f"member within {timeout:.0f} s; the old CA is still trusted: run `meshrun coordinator rotate-ca` "
+                    "once every coordinator runs"
+                )
+            return (
+                f"the etcd CA rotation goes on without this command ({', '.join(late) or 'a coordinator'} has not "
+                "caught up yet): the old CA is trusted until every coordinator has"
+            )
+        time.sleep(0.5)
+
+
+def rotate(state: StateDir) -> str:
+    """`meshrun coordinator rotate-ca`, on a coordinator: replace the etcd members' CA (see `rotate_ca`)."""
+    rec, network = member.load(state)
+    if rec.get("role") != "coordinator" or not replicated(rec):
+        raise UsageError("this network has one coordinator: it has no etcd CA", "run it where there are several")
+    db = open_state(state, rec)
+    try:
+        left = rotate_ca(db, network.name)
+    finally:
+        db.close()
+    if left:
+        raise ControlStateError(
+            left, "check `meshrun coordinator list`, then run `meshrun coordinator rotate-ca` again"
+        )
+    return "the etcd CA was replaced: certificates of the old one open no etcd member any more"
 
 
 # --------------------------------------------------------------------------- one coordinator -> several
@@ -253,7 +537,7 @@ def replicate(state: StateDir) -> None:
         client = client_for(state, [own_urls(rec)[0]])
         db = EtcdCoordinatorDB(client, what=f"etcd at {client.endpoint}")
         try:
-            client.put(K_CA, json.dumps({"cert": ca_cert, "key": ca_key}).encode())
+            client.put(K_CA, CaRecord(ca_cert, ca_key, (ca_cert,)).to_json())
             dump["coordinators"] = [coordinator_info(rec, network, network.endpoints[0], network.fingerprint).to_dict()]
             db.load(dump)
             # Its row carries its public endpoint from now on: other coordinators dial it there.
@@ -425,8 +709,9 @@ def add(state: StateDir, name: str, endpoint: str, settle: float = GUARD_SETTLE_
         assert target is not None
         call = _node_call(state, network, target)
         health = call("/v1/coordinator/prepare", {}, 60)
-        ca_cert, ca_key = _ca(db)
-        cert = keys.sign_csr(ca_cert, ca_key, str(health["csr"]))
+        ca = _ca(db)
+        # The request comes from the member: it gets a certificate for the address the network gave it, or none.
+        cert = keys.sign_csr(ca.cert, ca.key, str(health["csr"]), target.overlay_ip)
         client_url = etcdconf.client_url(target.overlay_ip, ETCD_CLIENT_PORT)
         peer_url = etcdconf.peer_url(target.overlay_ip, ETCD_PEER_PORT)
         info = CoordinatorInfo(
@@ -443,7 +728,7 @@ def add(state: StateDir, name: str, endpoint: str, settle: float = GUARD_SETTLE_
             call(
                 "/v1/coordinator/promote",
                 {
-                    "ca": ca_cert,
+                    "ca": ca.bundle,
                     "cert": cert,
                     "cluster": cluster,
                     "endpoints": [c.etcd_client for c in coords if c.etcd_client] + [client_url],
@@ -571,7 +856,11 @@ def remove(state: StateDir, name: str) -> str:
         save_endpoints(state, [c.etcd_client for c in left if c.etcd_client])
         guard_etcd(str(rec["name"]), network, [c.overlay_ip for c in left])
         if dump is None:
-            return outcome
+            # It kept a copy of its certificate and could read the CA's key: those left move to a new CA.
+            with contextlib.suppress(MeshrunError):
+                db.client.delete(K_TLS_ACK + name.encode())
+            left_over = rotate_ca(db, network.name)
+            return outcome + (f"; {left_over}" if left_over else "; the etcd CA was replaced")
     finally:
         db.close()
     unreplicate(state, dump, left[0])

@@ -96,7 +96,8 @@ class PairDriver:
         self.budget = STEP_BUDGET
         self.steps = 0  # pairpaths.initial/step calls so far (the work; tests count it)
         # Relays (core/relays): which pairs each relay carries ("" = the coordinator), round trips the
-        # agents measured {pair of names: ms}, relays that failed a pair {pair: {relay: until}}, pairs to
+        # agents measured {(reporting node, relay's name): ms}, keyed by who measured them (an end's own legs
+        # are the only ones the relay choice reads), relays that failed a pair {pair: {relay: until}}, pairs to
         # route again (their relay failed or lost its tunnels), relays whose pairs changed (to be told).
         self.by_relay: dict[str, set[Key]] = {}
         for key, st in self.pairs.items():
@@ -205,13 +206,15 @@ class PairDriver:
 
     def report_rtt(self, node: str, rtt_ms: dict[str, float]) -> None:
         """Record round trips `node` measured {peer key: ms} (to the relays it could use, the coordinator
-        included); at most RTT_PER_NODE per node, keys of non-members ignored."""
+        included) as `node`'s own legs: a report never touches what another member measured, so a member that
+        claims 0 ms to everyone changes only its own legs as an end. At most RTT_PER_NODE per node, keys of
+        non-members ignored."""
         with self.lock:
             for key, ms in rtt_ms.items():
                 other = self.names.get(key)
                 if other is None or other == node:
                     continue
-                pair = pairpaths.pair_key(node, self._relay_name(other))
+                pair = (node, self._relay_name(other))
                 if pair not in self.rtt:
                     if self.rtt_count.get(node, 0) >= RTT_PER_NODE:
                         continue
@@ -251,8 +254,9 @@ class PairDriver:
     def _relay_name(self, name: str) -> str:
         return relays.COORDINATOR if name == self.coordinator else name
 
-    def _rtt(self, x: str, y: str) -> float | None:
-        return self.rtt.get(pairpaths.pair_key(x, y))
+    def _rtt(self, end: str, relay: str) -> float | None:
+        """The round trip `end` reported to `relay` (None: it reported none)."""
+        return self.rtt.get((end, relay))
 
     def _direct(self, x: str, y: str) -> bool:
         return pairpaths.direct(self.pairs.get(pairpaths.pair_key(x, y)))
@@ -284,7 +288,8 @@ class PairDriver:
         return relay
 
     def _set_relay(self, key: Key, st: pairpaths.PairState, now: float) -> pairpaths.PairState:
-        """`st` with a usable relay if it is relayed (the one it had, if still usable), the index kept."""
+        """`st` with a usable relay and its port if it is relayed (the ones it had, if still usable), the index
+        kept. A port is free on its relay: one port names one pair there (core/relays.RELAY_PORTS)."""
         old = self.pairs.get(key)
         old_relay = old.relay if old is not None and old.mode == pairpaths.RELAYED else None
         if st.mode != pairpaths.RELAYED:
@@ -303,7 +308,17 @@ class PairDriver:
                 self.relays_changed.add(relay)
                 log.info("pair %s <-> %s relayed by %s", key[0], key[1], relay or "the coordinator")
             self.changed.add(key)  # both ends route through the new relay
-        return dataclasses.replace(st, relay=relay or "") if st.relay != (relay or "") else st
+        port = 0
+        if relay is not None:
+            port = old.port if relay == old_relay and old is not None and old.port else 0
+            if not port:
+                used = {self.pairs[k].port for k in self.by_relay.get(relay, ()) if k != key and k in self.pairs}
+                port = relays.free_port(used)
+                self.changed.add(key)  # the ends learn the port with the pair's entry
+                self.relays_changed.add(relay)  # and the relay with its list
+        if st.relay == (relay or "") and st.port == port:
+            return st
+        return dataclasses.replace(st, relay=relay or "", port=port)
 
     def take_relay_changes(self) -> set[str]:
         """The relays ("" = the coordinator) whose set of pairs changed since the last call."""

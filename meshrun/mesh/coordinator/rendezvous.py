@@ -32,9 +32,18 @@ saying whether this write happened. An `add` with an `id` (8-64 of A-Z a-z 0-9 _
 often it is sent: an agent that lost the answer to a coordinator that then died sends it again elsewhere.
 
 Errors (meshrun.errors.to_wire, see `http_status`): 400 UsageError (malformed, over a cap, a value `add`
-cannot parse), 403 AuthError (the caller is not one of the job's nodes), 404 StateError (no such running
-job), 503 any other meshrun error (the shared store cannot be read or written now, e.g. the etcd client's
-ControlStateError, or a compare-and-swap lost for CAS_SECONDS: the agent tries another coordinator).
+cannot parse, the job's store full: `OverBudget`), 403 AuthError (the caller is not one of the job's nodes),
+404 StateError (no such running job), 429 `WriteRateExceeded` (the job wrote too much too fast: the agent
+waits and retries), 503 any other meshrun error (the shared store cannot be read or written now, e.g. the etcd
+client's ControlStateError, or a compare-and-swap lost for CAS_SECONDS: the agent tries another coordinator).
+
+Budgets. The store is the coordinators' own control state: a job that could write without bound would fill
+etcd's quota (its history keeps every overwritten value until a compaction) and stop every control write,
+joins, removals and takeovers included. So each job gets, at each coordinator (`Budget`): at most JOB_KEYS
+keys and JOB_BYTES live bytes (keys and values, read back from the store every USAGE_TTL_S and counted
+here in between), and at most WRITE_BURST bytes written at once, refilled at WRITE_PER_S (every write,
+overwrite and delete costs its key and value plus WRITE_OVERHEAD, what etcd keeps per revision besides).
+What the budgets bound, and why it is enough for etcd, is argued at `Budget`.
 """
 
 from __future__ import annotations
@@ -45,7 +54,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from meshrun.core.jobspec import JOB_ID_RE
@@ -64,6 +74,50 @@ MAX_ANSWER = 8 * 1024 * 1024  # bytes of values in one multi_get answer
 CAS_SECONDS = 5.0  # a compare-and-swap retried this long under contention, then 503 (the agent retries)
 INT64 = 2**63
 OP_ID_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}\Z")
+
+MiB = 1024 * 1024
+JOB_KEYS = 65536  # keys one job's rendezvous may hold
+JOB_BYTES = 16 * MiB  # bytes (keys and values) one job's rendezvous may hold
+WRITE_PER_S = 2 * MiB  # bytes a second one job may write at one coordinator, in the long run
+WRITE_BURST = 32 * MiB  # ... and at once
+WRITE_OVERHEAD = 128  # bytes etcd keeps per revision besides the key and value (revision, versions, lease)
+USAGE_TTL_S = 10.0  # a job's keys and bytes are read back from the store this often (while it writes)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one job's rendezvous may keep in the shared store and write to it, at one coordinator.
+
+    Why these bound etcd (meshrun.core.etcdconf: QUOTA_BYTES 1 GiB, which counts live data and the history
+    not yet compacted). Live data: N jobs hold at most N * JOB_BYTES (16 MiB each). History: every
+    coordinator's store client (meshrun.system.etcdjobs.EtcdKV) compacts etcd whenever it has written
+    COMPACT_EVERY bytes of rendezvous (QUOTA_BYTES / 64, 16 MiB), back to where it was at its previous
+    compaction, so at most 2 * COMPACT_EVERY of any one coordinator's rendezvous writes is ever uncompacted,
+    however many jobs write: 7 coordinators leave at most 224 MiB, and with 8 flooding jobs holding their
+    16 MiB each, under 360 MiB, well within half the quota. etcd's own compaction (every 5 minutes, keeping
+    10000 revisions) cannot bound that alone: 10000 revisions of the largest value are 1.8 GB. The write rate
+    bounds the rest: how hard a job can make etcd work and how often it compacts (at most every 8 s per
+    flooding job at a coordinator), and with the key and byte caps how much of etcd's memory a job takes.
+
+    torch's own rendezvous fits: for 1000 nodes its state is ~70 KiB and a round of its agent store ~6 keys
+    and ~1.5 KiB a node (1.5 MiB in all, each round under a prefix of its own): JOB_BYTES holds ten rounds.
+    The joins of 1000 nodes rewrite the state 1000 times (~35 MiB in all, within WRITE_BURST and a few seconds
+    of WRITE_PER_S); its heartbeats, one whole state per node per interval, keep to half of WRITE_PER_S with
+    the interval meshrun.jobs.rdzv_backend picks for the job's size (70 s for 1000 nodes, 5 s up to 260).
+    """
+
+    keys: int = JOB_KEYS
+    live_bytes: int = JOB_BYTES
+    per_s: float = WRITE_PER_S
+    burst: int = WRITE_BURST
+
+
+class OverBudget(UsageError):
+    """A job's rendezvous holds as many keys or bytes as its `Budget` allows: answered 400 (waiting does not help)."""
+
+
+class WriteRateExceeded(UsageError):
+    """A job's rendezvous wrote more than its `Budget` allows for now: answered 429 (the agent waits and retries)."""
 
 
 class RendezvousKV(Protocol):
@@ -89,6 +143,10 @@ class RendezvousKV(Protocol):
 
     def keys(self, prefix: str) -> list[str]:
         """Every key that starts with `prefix`."""
+        ...
+
+    def usage(self, prefix: str) -> tuple[int, int]:
+        """(keys, bytes of keys and values) of every key that starts with `prefix`."""
         ...
 
 
@@ -121,6 +179,11 @@ class MemoryKV:
         with self._lock:
             return sorted(k for k in self._data if k.startswith(prefix))
 
+    def usage(self, prefix: str) -> tuple[int, int]:
+        with self._lock:
+            sizes = [len(k.encode()) + len(v[0]) for k, v in self._data.items() if k.startswith(prefix)]
+            return len(sizes), sum(sizes)
+
 
 def http_status(err: MeshrunError) -> int:
     """The HTTP status `RendezvousService.handle`'s error is answered with."""
@@ -128,6 +191,8 @@ def http_status(err: MeshrunError) -> int:
         return 403
     if isinstance(err, StateError):
         return 404
+    if isinstance(err, WriteRateExceeded):
+        return 429
     if isinstance(err, UsageError):
         return 400
     # Anything else is this coordinator's trouble (its store unreachable: the etcd client's
@@ -145,11 +210,22 @@ class RendezvousService:
 
     `members_of(job_id)` is the set of overlay IPs of that job's nodes, or None when no such job runs.
     `handle` raises meshrun errors (`http_status` maps them); `serve` is the HTTP handler for the overlay API.
+    Every job is held to `budget` (see `Budget`), its write rate on `clock`.
     """
 
-    def __init__(self, kv: RendezvousKV, members_of: Callable[[str], Collection[str] | None]) -> None:
+    def __init__(
+        self,
+        kv: RendezvousKV,
+        members_of: Callable[[str], Collection[str] | None],
+        budget: Budget | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.kv = kv
         self.members_of = members_of
+        self.budget = budget or Budget()
+        self.clock = clock
+        self._usage: dict[str, _Usage] = {}
+        self._usage_lock = threading.Lock()
         self._ops: dict[str, Callable[[str, dict], dict]] = {
             "get_state": self._get_state,
             "set_state": self._set_state,
@@ -212,6 +288,70 @@ class RendezvousService:
         prefix = job_prefix(job_id)
         for key in self.kv.keys(prefix):
             self.kv.delete(key)
+        with self._usage_lock:
+            self._usage.pop(job_id, None)
+
+    # ------------------------------------------------------------------ the budget
+
+    def _admit(self, job_id: str, writes: Sequence[tuple[str, int | None, int | None]]) -> None:
+        """Charge job `job_id` for `writes`, each (store key, size of the value it replaces or None, size of the
+        new value or None for a delete), before they are made; OverBudget or WriteRateExceeded (nothing
+        charged) when they would take the job over its budget."""
+        cost = sum(len(k.encode()) + (new or 0) + WRITE_OVERHEAD for k, _, new in writes)
+        more_keys = sum((new is not None) - (old is not None) for _, old, new in writes)
+        more_bytes = sum(
+            (len(k.encode()) + new if new is not None else 0) - (len(k.encode()) + old if old is not None else 0)
+            for k, old, new in writes
+        )
+        b = self.budget
+        now = self.clock()
+        with self._usage_lock:
+            use = self._usage.get(job_id)
+            if use is None:
+                use = self._usage[job_id] = _Usage(0, 0, float("-inf"), float(b.burst), now)
+                if len(self._usage) > 4096:  # jobs that ended without `forget` here: drop the idle ones
+                    self._usage = {j: u for j, u in self._usage.items() if now - u.last < 600 or j == job_id}
+        if now - use.read_at >= USAGE_TTL_S:
+            # Read back what the job holds: other coordinators write to it too, and deletes and ended rounds
+            # free room. Outside the lock (a store read); two refreshes at once only read twice.
+            keys, size = self.kv.usage(job_prefix(job_id))
+            with self._usage_lock:
+                use.keys, use.bytes, use.read_at = keys, size, now
+        with self._usage_lock:
+            tokens = min(float(b.burst), use.tokens + (now - use.last) * b.per_s)
+            use.tokens, use.last = tokens, now
+            if more_keys > 0 and use.keys + more_keys > b.keys:
+                self._refused(job_id, use, now, "keys", f"{b.keys} keys")
+                raise OverBudget(
+                    f"job {job_id}'s rendezvous holds {use.keys} keys, its limit is {b.keys}",
+                    f"a legitimate job writes far fewer: cancel it (`meshrun cancel {job_id}`); its keys go with it",
+                )
+            if more_bytes > 0 and use.bytes + more_bytes > b.live_bytes:
+                self._refused(job_id, use, now, "bytes", f"{_mib(b.live_bytes)} of keys and values")
+                raise OverBudget(
+                    f"job {job_id}'s rendezvous holds {_mib(use.bytes)}, its limit is {_mib(b.live_bytes)}",
+                    f"a legitimate job writes far less: cancel it (`meshrun cancel {job_id}`); its keys go with it",
+                )
+            if cost > tokens:
+                self._refused(job_id, use, now, "write rate", f"{_mib(b.burst)} at once, {_mib(b.per_s)}/s")
+                raise WriteRateExceeded(
+                    f"job {job_id}'s rendezvous wrote over {_mib(b.burst)} at once or {_mib(b.per_s)}/s at this "
+                    "coordinator, its limit",
+                    "wait and retry (the agent does); a legitimate job this large needs a longer "
+                    "--rdzv-conf keep_alive_interval",
+                )
+            use.tokens -= cost
+            use.keys += more_keys
+            use.bytes += more_bytes
+
+    def _refused(self, job_id: str, use: _Usage, now: float, what: str, limit: str) -> None:
+        """Count a refusal, and say so in the log at most once a minute per job (a flood must not fill it)."""
+        use.refused += 1
+        if now - use.logged >= 60:
+            use.logged = now
+            log.warning(
+                "job %s's rendezvous is over its %s budget (%s): refused %d writes", job_id, what, limit, use.refused
+            )
 
     # ------------------------------------------------------------------ the rendezvous state
 
@@ -237,7 +377,13 @@ class RendezvousService:
             version = int(token) if token.isascii() and token.isdigit() and len(token) <= 19 and int(token) > 0 else -1
         else:
             raise UsageError("set_state's token must be a string or null", "send the token get_state answered")
-        written = version >= 0 and self.kv.put_if(self._state_key(job_id), state, version)
+        written = False
+        if version >= 0:
+            key = self._state_key(job_id)
+            cur = self.kv.get(key)
+            if (cur[1] if cur is not None else 0) == version:  # else it cannot be written: nothing to charge
+                self._admit(job_id, [(key, len(cur[0]) if cur is not None else None, len(state))])
+                written = self.kv.put_if(key, state, version)
         # After a write the state read back may already be a later one (another node's, made on top of
         # ours): still a consistent state and token, which is all torch needs of the answer.
         return {**self._state_answer(job_id), "ok": bool(written)}
@@ -247,17 +393,20 @@ class RendezvousService:
     def _key(self, job_id: str, key: str) -> str:
         return job_prefix(job_id) + "store/" + key
 
-    def _put(self, key: str, value: bytes) -> None:
-        """Write unconditionally (the store offers compare-and-swap only)."""
+    def _put(self, key: str, value: bytes, cur: tuple[bytes, int] | None) -> None:
+        """Write unconditionally (the store offers compare-and-swap only), `cur` the key as last read."""
         deadline = time.monotonic() + CAS_SECONDS
         while True:
-            cur = self.kv.get(key)
             if self.kv.put_if(key, value, cur[1] if cur is not None else 0):
                 return
             _contended(deadline, key)
+            cur = self.kv.get(key)
 
     def _set(self, job_id: str, body: dict) -> dict:
-        self._put(self._key(job_id, _store_key(body.get("key"))), _blob(body, "value"))
+        key, value = self._key(job_id, _store_key(body.get("key"))), _blob(body, "value")
+        cur = self.kv.get(key)
+        self._admit(job_id, [(key, _size(cur), len(value))])
+        self._put(key, value, cur)
         return {}
 
     def _get(self, job_id: str, body: dict) -> dict:
@@ -276,6 +425,7 @@ class RendezvousService:
         if done_key is not None and (done := self.kv.get(done_key)) is not None:
             return {"value": int(done[0])}  # this add was counted already: its answer was lost
         deadline = time.monotonic() + CAS_SECONDS
+        charged = False
         while True:
             cur = self.kv.get(key)
             try:
@@ -286,6 +436,10 @@ class RendezvousService:
                 ) from None
             if not -INT64 <= new < INT64:
                 raise UsageError("add would overflow a 64-bit integer", "add to a smaller counter")
+            if not charged:  # once, with the counted add's own key: a lost compare-and-swap writes nothing
+                writes = [(key, _size(cur), 20)] + ([(done_key, None, 20)] if done_key is not None else [])
+                self._admit(job_id, writes)
+                charged = True
             if self.kv.put_if(key, str(new).encode(), cur[1] if cur is not None else 0):
                 break
             _contended(deadline, key)
@@ -300,16 +454,17 @@ class RendezvousService:
         key = self._key(job_id, _store_key(body.get("key")))
         expected, desired = _blob(body, "expected"), _blob(body, "desired")
         deadline = time.monotonic() + CAS_SECONDS
+        charged = False
         while True:
             cur = self.kv.get(key)
-            if cur is None:
-                if expected:
-                    return {"value": _b64(expected)}
-                if self.kv.put_if(key, desired, 0):
-                    return {"value": _b64(desired)}
-            elif cur[0] != expected:
+            if cur is not None and cur[0] != expected:
                 return {"value": _b64(cur[0])}
-            elif self.kv.put_if(key, desired, cur[1]):
+            if cur is None and expected:
+                return {"value": _b64(expected)}
+            if not charged:
+                self._admit(job_id, [(key, _size(cur), len(desired))])
+                charged = True
+            if self.kv.put_if(key, desired, cur[1] if cur is not None else 0):
                 return {"value": _b64(desired)}
             _contended(deadline, key)
 
@@ -319,8 +474,10 @@ class RendezvousService:
 
     def _delete_key(self, job_id: str, body: dict) -> dict:
         key = self._key(job_id, _store_key(body.get("key")))
-        if self.kv.get(key) is None:
+        cur = self.kv.get(key)
+        if cur is None:
             return {"deleted": False}
+        self._admit(job_id, [(key, len(cur[0]), None)])  # a delete is a revision too
         self.kv.delete(key)
         return {"deleted": True}
 
@@ -343,12 +500,37 @@ class RendezvousService:
         values = [_decode(v, "values[]") for v in raw]
         if sum(map(len, values)) > MAX_VALUE:
             raise UsageError(f"multi_set's values come to over {MAX_VALUE} bytes", "send them in smaller batches")
-        for k, v in zip(keys, values):
-            self._put(self._key(job_id, k), v)
+        full = [self._key(job_id, k) for k in keys]
+        curs = [self.kv.get(k) for k in full]
+        self._admit(job_id, [(k, _size(c), len(v)) for k, c, v in zip(full, curs, values)])  # all or none
+        for k, v, c in zip(full, values, curs):
+            self._put(k, v, c)
         return {}
 
     def _num_keys(self, job_id: str, body: dict) -> dict:
         return {"count": len(self.kv.keys(self._key(job_id, "")))}
+
+
+@dataclass
+class _Usage:
+    """One job's budget as a coordinator counts it: keys and bytes held (read back at `read_at`, counted
+    since), write tokens left at `last`, and refusals (logged at `logged`)."""
+
+    keys: int
+    bytes: int
+    read_at: float
+    tokens: float
+    last: float
+    refused: int = 0
+    logged: float = float("-inf")
+
+
+def _size(cur: tuple[bytes, int] | None) -> int | None:
+    return len(cur[0]) if cur is not None else None
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:g} MiB"
 
 
 def _contended(deadline: float, key: str) -> None:

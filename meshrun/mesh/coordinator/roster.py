@@ -129,17 +129,25 @@ class Roster:
         if st is None:
             return d
         out = dict(d, path=st.mode, endpoint=pairpaths.endpoint_for(st.mode, m))
-        if st.mode == pairpaths.RELAYED and st.relay:
-            relay = self._by_name.get(st.relay)
-            if relay is not None:  # else the coordinator relays until the relay is known again
+        if st.mode == pairpaths.RELAYED:
+            if st.port:
+                out["via_port"] = st.port
+            relay = self._by_name.get(st.relay) if st.relay else None
+            if relay is not None:  # else the first coordinator ("")
                 out["via"] = relay.public_key
         return out
 
-    def relaying(self, caller: Member) -> list[list[str]]:
-        """The pairs `caller` relays, as [[overlay IP, overlay IP], ...] (its forwarding allow-list)."""
+    def relaying(self, caller: Member) -> list[list]:
+        """The pairs `caller` relays, as [[overlay IP, overlay IP, relay port], ...]: the ports it forwards the
+        pairs' WireGuard datagrams on (meshrun.system.udprelay), and between whom."""
         name = "" if caller.is_coordinator else caller.name
         ips = {m.name: m.overlay_ip for m, _ in self._base(fresh=False)[1]}
-        return [[ips[a], ips[b]] for a, b in self.pairs.relaying(name) if a in ips and b in ips]
+        out = []
+        for a, b in self.pairs.relaying(name):
+            st = self.pairs.mode(a, b)
+            if a in ips and b in ips and st is not None and st.port:
+                out.append([ips[a], ips[b], st.port])
+        return out
 
     def payload(self, caller: Member | None = None, fresh: bool = True) -> list[dict]:
         """The member list as `caller` should see it: per peer the endpoint to dial and the path.

@@ -23,7 +23,7 @@ from meshrun.core.model import Member, Network
 from meshrun.errors import CoordinatorError, MeshrunError, StateError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh.process import Extension, ExtensionFactory
-from meshrun.system import net, transport
+from meshrun.system import net, transport, udprelay
 from meshrun.system import probe as probe_mod
 from meshrun.system.device import Device
 from meshrun.system.statedir import StateDir
@@ -35,6 +35,10 @@ FAST_WAIT = 2.0  # long-poll while a path is unproven
 PROBE_WINDOW_S = 10.0  # = paths.ATTEMPT_S: how long a new path gets to handshake
 RELAY_CHECK_S = 1.0  # every relayed peer is tried through its relay this often (one TCP SYN)
 RELAY_FAILS = 3  # consecutive misses before the relay is reported down (a new one within 10 s)
+# A relay just assigned gets this long before its misses count: a pair with no session yet needs a handshake
+# through it, and WireGuard tries one again only 5 s (REKEY_TIMEOUT) after an attempt that got no answer. A
+# pair with a session (a relay's failover) passes its probes at once, so this does not slow a failover.
+RELAY_GRACE_S = 6.0
 RTT_EVERY_S = 30.0  # round trips to the possible relays measured this often
 # With several coordinators the one this agent syncs with is tried this often (a TCP handshake to its API
 # port), and left for the next after COORDINATOR_FAILS misses in a row: a machine that is gone answers
@@ -75,6 +79,13 @@ def apply_members(
             recreate,
         )
     desired = peers.desired_for_node(rec["public_key"], members, hold)
+    try:
+        peers.check_own_addresses(desired, members)
+    except ValueError as exc:
+        raise StateError(
+            f"refusing a peer set that breaks the overlay's address invariant: {exc}",
+            "this is a bug in meshrun; please report it",
+        ) from None
     mtu = int(rec.get("mtu") or network.mtu)
     d = iface.sync_peers(
         device,
@@ -111,7 +122,8 @@ class AgentService:
     overlay API (in tests: its handler, in-process), `addresses` lists this machine's addresses,
     `extensions` start what runs beside the mesh once the interface is up (the job API), `probe(overlay
     IP)` is one round trip to a member over the overlay in seconds, None when it did not answer (a TCP
-    handshake to its API port: relay health and the round trips the relay choice uses).
+    handshake to its API port: relay health and the round trips the relay choice uses), `make_relay` makes
+    the forwarder of the pairs this node relays (a FakeRelay in tests).
     """
 
     def __init__(
@@ -122,6 +134,7 @@ class AgentService:
         addresses: Callable[[str], list[str]] = net.local_addresses,
         extensions: Sequence[ExtensionFactory] = (),
         probe: Callable[[str], float | None] | None = None,
+        make_relay: Callable[[], udprelay.UdpRelay | udprelay.FakeRelay] | None = None,
     ) -> None:
         self.state = state
         self.rec, self.network = member.load(state)
@@ -131,10 +144,11 @@ class AgentService:
         # A call beside the long-poll (which holds the session): a relay found down is reported at once.
         self.call_now = call or self._call_once
         self.probe = probe or (lambda ip: probe_mod.tcp_rtt(ip, self.network.api_port, timeout=1.0))
-        self.relaying: list[list[str]] | None = None  # the pairs this node relays, as last applied
+        self.relaying = udprelay.Relaying(make_relay)  # the pairs this node relays, and their relay
         self.rtt: dict[str, float] = {}  # {peer key: rtt bucket} measured, not yet acknowledged
         self.rtt_told: dict[str, float] = {}  # {peer key: rtt bucket} the coordinator acknowledged
         self.misses: dict[str, int] = {}  # relayed peer key -> consecutive failed tries through its relay
+        self.relay_since: dict[str, tuple[tuple[str, int], float]] = {}  # peer key -> ((relay, port), since)
         self._synced_state: dict | None = None  # sync.json as last written
         self.addresses = addresses
         self.stop_event = threading.Event()
@@ -220,6 +234,7 @@ class AgentService:
             finally:
                 for ext in self.running:
                     ext.close()
+                self.relaying.close()
                 if self.session is not None:
                     self.session.close()
         # `meshrun coordinator add` made this node a coordinator (its job API rewrote member.json and stopped us).
@@ -381,23 +396,17 @@ class AgentService:
             )
 
     def _relay(self, pairs: list) -> None:
-        """Forward exactly these pairs ([[overlay IP, overlay IP], ...]) between this node's tunnels."""
-        wanted = sorted([str(a), str(b)] for a, b in pairs)
-        if wanted == self.relaying:
-            return
-        if wanted and not self.rec.get("relay", True):
+        """Forward exactly these pairs' WireGuard datagrams ([[overlay IP, overlay IP, port], ...]), each on its
+        port (meshrun.system.udprelay); this node's own tunnels never carry them."""
+        if pairs and not self.rec.get("relay", True):
             log.warning("the coordinator asked this node to relay, but it joined with --no-relay: not relaying")
-            wanted = []
-        try:
-            self.device.enable_forwarding([(a, b) for a, b in wanted])
-        except MeshrunError as exc:
-            log.warning("could not set up relaying for %d pairs: %s", len(wanted), exc)
+            pairs = []
+        if not self.relaying.apply(pairs, self.members, self.device):
             return
-        if wanted or self.relaying:
-            log.info("relaying %d pairs: %s", len(wanted), ", ".join(f"{a}<->{b}" for a, b in wanted[:8]))
-        self.relaying = wanted
         by_ip = {m.overlay_ip: m.name for m in self.members}
-        self.state.write_json("relaying.json", {"pairs": [[by_ip.get(a, a), by_ip.get(b, b)] for a, b in wanted]})
+        shown = [[by_ip.get(str(a), a), by_ip.get(str(b), b)] for a, b, *_ in pairs]
+        log.info("relaying %d pairs: %s", len(shown), ", ".join(f"{a}<->{b}" for a, b in shown[:8]))
+        self.state.write_json("relaying.json", {"pairs": shown, "ports": [p.port for p in self.relaying.pairs]})
 
     def _probe_loop(self, step, every: float) -> None:
         """Run `step` every `every` seconds (from start to start: a slow step does not stretch the
@@ -416,6 +425,12 @@ class AgentService:
         members = self.members
         relayed = {m.public_key: m for m in members if m.path == "relayed"}
         self.misses = {k: v for k, v in self.misses.items() if k in relayed}
+        now = time.monotonic()
+        since = {}
+        for key, m in relayed.items():
+            have = self.relay_since.get(key)
+            since[key] = have if have is not None and have[0] == (m.via, m.via_port) else ((m.via, m.via_port), now)
+        self.relay_since = since
         # All at once: a dead relay makes every try wait its whole timeout.
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(1, len(relayed)))) as pool:
             answered = dict(zip(relayed, pool.map(lambda m: self.probe(m.overlay_ip), relayed.values())))
@@ -424,6 +439,8 @@ class AgentService:
             if answered[key] is not None:
                 self.misses.pop(key, None)
                 continue
+            if now - since[key][1] < RELAY_GRACE_S:
+                continue  # a new relay: its first handshake may need WireGuard's retry
             self.misses[key] = self.misses.get(key, 0) + 1
             if self.misses[key] >= RELAY_FAILS:
                 down.append(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import shutil
 import subprocess
 
@@ -12,7 +13,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from meshrun.core.keys import cert_ips, cert_matches_key, new_ca, new_csr, sign_csr
+from meshrun.core import keys
+from meshrun.core.keys import (
+    CertificateRequestError,
+    cert_ips,
+    cert_matches_key,
+    check_csr,
+    new_ca,
+    new_csr,
+    sign_csr,
+)
 from meshrun.errors import UsageError
 
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
@@ -70,7 +80,7 @@ def test_a_csr_needs_an_ip(bad):
 
 def test_signing_gives_a_leaf_for_both_tls_ends(ca):
     key_pem, csr_pem = new_csr("coord-2", "fd00::2")
-    cert_pem = sign_csr(*ca, csr_pem, days=365)
+    cert_pem = sign_csr(*ca, csr_pem, "fd00::2", days=365)
     cert = x509.load_pem_x509_certificate(cert_pem.encode())
     cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca[0].encode()))
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "coord-2"
@@ -89,7 +99,7 @@ def test_signing_gives_a_leaf_for_both_tls_ends(ca):
 
 def test_a_leaf_never_outlives_its_ca():
     short = new_ca("short", days=10)
-    cert = x509.load_pem_x509_certificate(sign_csr(*short, new_csr("m", "10.0.0.1")[1]).encode())
+    cert = x509.load_pem_x509_certificate(sign_csr(*short, new_csr("m", "10.0.0.1")[1], "10.0.0.1").encode())
     ca_cert = x509.load_pem_x509_certificate(short[0].encode())
     assert cert.not_valid_after_utc == ca_cert.not_valid_after_utc
 
@@ -99,8 +109,8 @@ def test_a_csr_whose_signature_does_not_verify_is_refused(ca):
     der = bytearray(csr.public_bytes(serialization.Encoding.DER))
     der[-1] ^= 0x01  # the signature's last byte: still DER, no longer the signature
     forged = x509.load_der_x509_csr(bytes(der)).public_bytes(serialization.Encoding.PEM).decode()
-    with pytest.raises(ValueError, match="signature"):
-        sign_csr(*ca, forged)
+    with pytest.raises(CertificateRequestError, match="signature"):
+        sign_csr(*ca, forged, "10.0.0.1")
 
 
 def _csr_with(names: list[x509.GeneralName] | None) -> str:
@@ -111,30 +121,55 @@ def _csr_with(names: list[x509.GeneralName] | None) -> str:
     return b.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM).decode()
 
 
-@pytest.mark.parametrize("names", [None, [x509.DNSName("coord-1.example")]])
-def test_a_csr_without_an_ip_is_refused(ca, names):
-    with pytest.raises(ValueError, match="IP"):
-        sign_csr(*ca, _csr_with(names))
+@pytest.mark.parametrize(
+    "names, shown",
+    [
+        (None, "no IP address"),
+        ([x509.DNSName("coord-1.example")], "DNSName:coord-1.example"),
+        ([x509.IPAddress(ipaddress.ip_address("10.0.0.9"))], "10.0.0.9"),
+        ([x509.IPAddress(ipaddress.ip_address("10.0.0.1")), x509.DNSName("coord-1.example")], "coord-1.example"),
+        ([x509.IPAddress(ipaddress.ip_address("10.0.0.1"))] * 2, "'10.0.0.1', '10.0.0.1'"),
+        ([x509.IPAddress(ipaddress.ip_address("10.0.0.1")), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))], "127"),
+    ],
+)
+def test_a_csr_for_anything_but_exactly_the_members_overlay_address_is_refused(ca, names, shown):
+    with pytest.raises(CertificateRequestError) as err:
+        sign_csr(*ca, _csr_with(names), "10.0.0.1")
+    assert isinstance(err.value, UsageError), "a typed error of meshrun's, with its fix"
+    assert shown in err.value.message and "10.0.0.1" in err.value.message
+    assert "\n" not in err.value.message and "10.0.0.1" in err.value.fix
 
 
-def test_every_san_of_the_csr_is_copied(ca):
-    import ipaddress
+def test_a_request_made_for_another_members_address_is_refused_naming_both():
+    ca = new_ca("c")
+    _, csr = new_csr("gpu-b", "10.7.0.3")
+    with pytest.raises(CertificateRequestError) as err:
+        sign_csr(*ca, csr, "10.7.0.2")
+    assert "['10.7.0.3']" in err.value.message and "not exactly 10.7.0.2" in err.value.message
+    assert check_csr(csr, "10.7.0.3").is_signature_valid
 
-    csr = _csr_with([x509.IPAddress(ipaddress.ip_address("10.0.0.1")), x509.DNSName("coord-1.example")])
-    cert = x509.load_pem_x509_certificate(sign_csr(*ca, csr).encode())
+
+def test_a_request_that_is_no_csr_is_refused():
+    with pytest.raises(CertificateRequestError, match="not a PEM certificate request"):
+        check_csr("-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n", "10.0.0.1")
+
+
+def test_the_exact_request_is_signed_with_its_one_ip(ca):
+    csr = _csr_with([x509.IPAddress(ipaddress.ip_address("10.0.0.1"))])
+    cert = x509.load_pem_x509_certificate(sign_csr(*ca, csr, "10.0.0.1").encode())
     san = ext(cert, x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.DNSName) == ["coord-1.example"] and cert_ips(sign_csr(*ca, csr)) == ["10.0.0.1"]
+    assert [str(a.value) for a in san] == ["10.0.0.1"]
 
 
 def test_signing_needs_the_cas_own_key_and_a_ca(ca):
     csr = new_csr("m", "10.0.0.1")[1]
     other = new_ca("other")
     with pytest.raises(ValueError, match="CA key"):
-        sign_csr(ca[0], other[1], csr)
+        sign_csr(ca[0], other[1], csr, "10.0.0.1")
     leaf_key, leaf_csr = new_csr("leaf", "10.0.0.9")
-    leaf = sign_csr(*ca, leaf_csr)
+    leaf = sign_csr(*ca, leaf_csr, "10.0.0.9")
     with pytest.raises(ValueError, match="not a CA"):
-        sign_csr(leaf, leaf_key, csr)
+        sign_csr(leaf, leaf_key, csr, "10.0.0.1")
 
 
 def test_cert_ips_of_a_certificate_without_sans(ca):
@@ -152,7 +187,7 @@ def test_cert_matches_key_names_what_it_cannot_read(ca):
 @needs_openssl
 def test_openssl_verifies_the_chain_for_server_and_client_use(ca, tmp_path):
     (tmp_path / "ca.crt").write_text(ca[0])
-    (tmp_path / "leaf.crt").write_text(sign_csr(*ca, new_csr("m", "10.7.0.2")[1]))
+    (tmp_path / "leaf.crt").write_text(sign_csr(*ca, new_csr("m", "10.7.0.2")[1], "10.7.0.2"))
     for purpose in ("sslserver", "sslclient"):
         out = subprocess.run(
             ["openssl", "verify", "-purpose", purpose, "-CAfile", tmp_path / "ca.crt", tmp_path / "leaf.crt"],
@@ -166,3 +201,46 @@ def test_openssl_verifies_the_chain_for_server_and_client_use(ca, tmp_path):
         text=True,
     )
     assert ip.returncode != 0, "the certificate is for its own address only"
+
+
+# --------------------------------------------------------------------------- lifetimes and renewal
+
+
+def test_a_member_certificate_lives_90_days_by_default(ca):
+    cert = x509.load_pem_x509_certificate(sign_csr(*ca, new_csr("m", "10.0.0.1")[1], "10.0.0.1").encode())
+    assert (cert.not_valid_after_utc - cert.not_valid_before_utc).days == keys.LEAF_DAYS == 90
+    assert keys.RENEW_DAYS < keys.LEAF_DAYS / 2, "renewed with weeks to spare: a coordinator may be down a while"
+
+
+def _at(cert_pem: str, days: float) -> datetime.datetime:
+    return x509.load_pem_x509_certificate(cert_pem.encode()).not_valid_before_utc + datetime.timedelta(days=days)
+
+
+def test_renewal_is_due_30_days_before_the_end(ca):
+    leaf = sign_csr(*ca, new_csr("m", "10.0.0.1")[1], "10.0.0.1")
+    assert not keys.renew_due(leaf)
+    assert not keys.renew_due(leaf, _at(leaf, 59.9))
+    assert keys.renew_due(leaf, _at(leaf, 60.1))
+    assert keys.renew_due(leaf, _at(leaf, 120)), "expired: certainly due"
+
+
+def test_a_certificate_cut_short_by_its_ca_is_renewed_at_two_thirds(ca):
+    leaf = sign_csr(*ca, new_csr("m", "10.0.0.1")[1], "10.0.0.1", days=9)
+    assert not keys.renew_due(leaf, _at(leaf, 5.9)) and keys.renew_due(leaf, _at(leaf, 6.1))
+
+
+def test_an_unreadable_certificate_is_due(ca):
+    assert keys.renew_due("") and keys.renew_due("not a certificate")
+
+
+def test_cert_issued_by_names_the_signing_ca(ca):
+    leaf = sign_csr(*ca, new_csr("m", "10.0.0.1")[1], "10.0.0.1")
+    assert keys.cert_issued_by(leaf, ca[0])
+    assert not keys.cert_issued_by(leaf, new_ca("meshrun-etcd-ca")[0]), "the same name, another key"
+    assert not keys.cert_issued_by("garbage", ca[0])
+
+
+def test_a_renewal_keeps_the_key(ca):
+    key_pem, _ = new_csr("m", "10.0.0.1")
+    cert = sign_csr(*ca, keys.csr_for_key(key_pem, "m", "10.0.0.1"), "10.0.0.1")
+    assert cert_matches_key(cert, key_pem) and cert_ips(cert) == ["10.0.0.1"]

@@ -170,6 +170,7 @@ class TestMember:
             "site": "",
             "relay": True,
             "via": "",
+            "via_port": 0,
         }
 
     @pytest.mark.parametrize(

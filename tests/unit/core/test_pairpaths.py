@@ -61,11 +61,14 @@ def test_a_verified_pair_whose_tunnel_goes_stale_falls_back():
     assert pairpaths.step(verified, A, B, int(T0), later) == pairpaths.PairState(pairpaths.RELAYED, later)
 
 
-def test_relayed_pair_returns_to_public_on_a_new_direct_handshake():
-    relayed = pairpaths.PairState(pairpaths.RELAYED, T0)
+def test_a_relayed_pairs_handshake_proves_the_relayed_path_and_it_stays_relayed():
+    """Its handshakes cross the relay: one after the relay began verifies the relayed path, none moves it."""
+    relayed = pairpaths.PairState(pairpaths.RELAYED, T0, relay="r", port=51821)
     assert pairpaths.step(relayed, A, B, int(T0) - 1, T0 + 50) == relayed  # nothing new
-    assert pairpaths.step(relayed, A, B, int(T0), T0 + 50) == relayed  # not after the relay began
-    assert pairpaths.step(relayed, A, B, int(T0) + 30, T0 + 50) == pairpaths.PairState(pairpaths.PUBLIC, T0 + 50)
+    proven = pairpaths.PairState(pairpaths.RELAYED, T0, True, "r", 51821)
+    assert pairpaths.step(relayed, A, B, int(T0) + 30, T0 + 50) == proven
+    assert pairpaths.step(proven, A, B, int(T0) + 30, T0 + 5000) == proven  # stale or not: the relay's probes say
+    assert pairpaths.next_due(proven, int(T0) + 30) is None
 
 
 def test_endpoint_for_each_mode_and_pair_key_order():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from meshrun.core.model import Member
 from meshrun.core.peers import (
     HANDSHAKE_FRESH_S,
@@ -269,22 +273,97 @@ def test_a_handshake_report_holds_news_of_liveness_only():
     assert handshake_report({"a": int(later)}, {}, False, later).peers == {"a": int(later)}
 
 
-def test_a_relayed_peer_is_routed_through_its_relay_and_its_mtu_fits_both_hops():
+def test_a_relayed_peer_stays_a_peer_of_its_own_at_its_relays_port_and_its_mtu_fits_both_hops():
+    """End to end through a relay: the relayed peer's entry admits its own address only, at the relay's host
+    (as this node reaches the relay) and the pair's port; the relay's entry admits the relay alone."""
     from meshrun.core.peers import desired_for_node, route_mtus
 
     def m(i, **kw):
         return Member(f"n{i}", f"{i:042d}A=", f"10.213.0.{i + 1}", f"198.51.100.{i}:51820", (), **kw)
 
     coord = m(0, is_coordinator=True)
-    me, relay, far, other = m(1), m(2, path="public", mtu=1380), m(3, path="relayed", mtu=1420), m(4, path="relayed")
-    far = Member(**{**far.__dict__, "via": relay.public_key})
+    me, relay = m(1), m(2, path="public", mtu=1380)
+    far = m(3, path="relayed", mtu=1420, via=f"{2:042d}A=", via_port=51822)
+    other = m(4, path="relayed", via_port=51821)  # no relay named: the coordinator
     specs = {s.name: s for s in desired_for_node(me.public_key, [coord, me, relay, far, other])}
-    assert specs["n2"].allowed_ips == ("10.213.0.3/32", "10.213.0.4/32")  # the relay carries n3
-    assert specs["n3"].allowed_ips == () and specs["n3"].keepalive  # its own entry keeps trying direct
-    assert specs["n0"].allowed_ips == ("10.213.0.1/32", "10.213.0.5/32")  # no relay named: the coordinator
-    # n3's packets cross the relay's 1380-byte tunnel too.
+    assert specs["n2"].allowed_ips == ("10.213.0.3/32",) and specs["n2"].endpoint == "198.51.100.2:51820"
+    assert specs["n3"].allowed_ips == ("10.213.0.4/32",)
+    assert specs["n3"].endpoint == "198.51.100.2:51822" and specs["n3"].pinned and specs["n3"].keepalive
+    assert specs["n4"].endpoint == "198.51.100.0:51821" and specs["n0"].allowed_ips == ("10.213.0.1/32",)
+    assert not specs["n2"].pinned
+    # n3's datagrams cross the relay's 1380-byte path too.
     assert route_mtus(me.public_key, 1420, [coord, me, relay, far, other]) == {"10.213.0.3": 1376, "10.213.0.4": 1376}
     # A relay this node itself reaches only through a relay is not used: the coordinator carries n3.
     indirect = Member(**{**relay.__dict__, "path": "relayed"})
     specs = {s.name: s for s in desired_for_node(me.public_key, [coord, me, indirect, far])}
-    assert "10.213.0.4/32" in specs["n0"].allowed_ips and specs["n2"].allowed_ips == ()
+    assert specs["n3"].endpoint == "198.51.100.0:51822"
+    # No port yet (an older coordinator, or none free): no endpoint, no keepalive, still only its own address.
+    portless = Member(**{**far.__dict__, "via_port": 0})
+    spec = {s.name: s for s in desired_for_node(me.public_key, [coord, me, relay, portless])}["n3"]
+    assert spec.endpoint is None and spec.keepalive == 0 and spec.allowed_ips == ("10.213.0.4/32",)
+
+
+def test_a_relay_endpoint_replaces_a_live_tunnels_endpoint_and_a_roamed_one():
+    """A pinned endpoint (a relay's port) is set over a fresh handshake: the session goes on through the new
+    relay at once; an unpinned one is left to the live tunnel."""
+    from meshrun.core.peers import PeerSpec, PeerState, diff
+
+    now = 1_000_000.0
+    have = [PeerState("K", "203.0.113.9:40000", ("10.213.0.4/32",), int(now) - 5, 0, 0, 25)]
+    pinned = PeerSpec("K", ("10.213.0.4/32",), "198.51.100.2:51822", 25, "n3", pinned=True)
+    assert [u.endpoint for u in diff(have, [pinned], now).update] == ["198.51.100.2:51822"]
+    loose = PeerSpec("K", ("10.213.0.4/32",), "198.51.100.3:51820", 25, "n3")
+    assert not diff(have, [loose], now)
+
+
+MEMBER = st.builds(
+    lambda i, coord, path, via, port, endpoint, relay: (i, coord, path, via, port, endpoint, relay),
+    st.integers(0, 7),
+    st.booleans(),
+    st.sampled_from(["", "private", "public", "relayed"]),
+    st.integers(-1, 7),
+    st.sampled_from([0, 51821, 51822]),
+    st.booleans(),
+    st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(MEMBER, min_size=2, max_size=8, unique_by=lambda t: t[0]))
+def test_every_peer_set_admits_each_peer_s_own_address_only(rows):
+    """The overlay's invariant, over any member list the coordinator can hand out (paths, relays named or not,
+    relays that are themselves relayed, ports or none, coordinators or none): on every member, node or
+    coordinator, each WireGuard peer admits exactly its own /32, so no tunnel, a relay's included, ever
+    carries another member's address."""
+    from meshrun.core.peers import check_own_addresses, desired_for_coordinator, desired_for_node
+
+    keys = {i: f"{i:042d}A=" for i, *_ in rows}
+    members = [
+        Member(
+            f"n{i}",
+            keys[i],
+            f"10.213.0.{i + 1}",
+            f"198.51.100.{i}:51820" if endpoint else None,
+            (),
+            is_coordinator=coord,
+            path=path,
+            via=keys.get(via, ""),
+            via_port=port,
+            relay=relay,
+        )
+        for i, coord, path, via, port, endpoint, relay in rows
+    ]
+    for me in members:
+        specs = desired_for_node(me.public_key, members)
+        check_own_addresses(specs, members)
+        assert {s.public_key for s in specs} == {m.public_key for m in members} - {me.public_key}
+        check_own_addresses(desired_for_coordinator(members, me.public_key), members)
+
+
+def test_the_invariant_check_names_a_peer_that_would_carry_another_members_address():
+    from meshrun.core.peers import PeerSpec, check_own_addresses
+
+    members = [Member("a", f"{1:042d}A=", "10.213.0.2"), Member("b", f"{2:042d}A=", "10.213.0.3")]
+    check_own_addresses([PeerSpec(f"{1:042d}A=", ("10.213.0.2/32",), name="a")], members)
+    with pytest.raises(ValueError, match=r"peer a would admit 10\.213\.0\.2/32, 10\.213\.0\.3/32"):
+        check_own_addresses([PeerSpec(f"{1:042d}A=", ("10.213.0.2/32", "10.213.0.3/32"), name="a")], members)

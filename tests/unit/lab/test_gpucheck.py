@@ -3,7 +3,17 @@ transport lines, by the group they came after)."""
 
 from __future__ import annotations
 
-from meshrun.lab.gpucheck import check_plan, summarize
+from meshrun.lab.gpucheck import (
+    SETTINGS,
+    BenchJob,
+    BenchTable,
+    bench_jobs,
+    bench_result,
+    check_plan,
+    main,
+    nccl_net_lines,
+    summarize,
+)
 
 NODES = ["s1-a", "s1-b", "s2-a", "s2-b"]
 
@@ -66,3 +76,81 @@ def test_nccl_lines_are_grouped_by_the_marker_each_rank_printed_before_them():
 
 def test_gloo_output_has_no_transport_lines():
     assert summarize("[s1-a r0] == world group ==\n[s1-a r0] world group: ok\n") == {}
+
+
+def test_the_bench_measures_the_raw_lan_then_meshrun0_at_every_socket_setting_on_nccl():
+    jobs = bench_jobs(check_plan(1, NODES))
+    assert [j.label for j in jobs] == ["lan default"] + [f"meshrun0 {s}" for s in SETTINGS]
+    assert SETTINGS == ("default", "1x1", "2x8", "4x4", "8x2")
+    lan, overlay = jobs[0], jobs[-1]
+    args = lan.train_args(check_plan(1, NODES), 256, 2)
+    # The data path on the site network: NCCL (exact name) and gloo pinned to eth0 through --env, which wins
+    # over what `meshrun train` sets; the pair is one site's.
+    assert args[:6] == ["--nodes", "s1-a,s1-b", "--env", "NCCL_SOCKET_IFNAME==eth0", "--env", "GLOO_SOCKET_IFNAME=eth0"]
+    assert "NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH" in args
+    script = args[args.index("nccl_bench.py") :]
+    assert script[-8:] == ["--sockets", "default", "--mib", "256", "--rounds", "2", "--pairs", "same"]
+    assert "--hostid-per-node" in script
+    args = overlay.train_args(check_plan(1, NODES), 256, 2)
+    assert args[:2] == ["--nodes", "s1-a,s1-b,s2-a"] and "NCCL_SOCKET_IFNAME==eth0" not in args
+    assert args[-7:] == ["8x2", "--mib", "256", "--rounds", "2", "--pairs", "same,cross"]
+    assert overlay.train_args(check_plan(1, NODES), 256, 2, backward=True)[-1] == "cross,same"
+
+
+def test_on_gloo_the_bench_has_one_setting_per_path():
+    jobs = bench_jobs(check_plan(0, NODES))
+    assert [j.label for j in jobs] == ["lan default", "meshrun0 default"]
+    args = jobs[1].train_args(check_plan(0, NODES), 16, 1)
+    assert "CUDA_VISIBLE_DEVICES=" in args and "--gpu-map" not in args
+
+
+BENCH_OUT = (
+    """\
+[s1-a r0] s1-a:1:2 [0] NCCL INFO NET/Socket : Using [0]meshrun0:10.213.0.2<0>
+[s1-a r0] s1-a:1:2 [0] NCCL INFO NET/Socket : Using 2 threads and 8 sockets per thread
+[s1-b r1] s1-b:3:4 [0] NCCL INFO NET/Socket : Using 2 threads and 8 sockets per thread
+[s1-a r0] s1-a:1:2 [0] NCCL INFO Pattern 4, crossNic 0, nChannels 2, bw 1.200000/1.200000, type LOC/PIX
+[s1-a r0] s1-a:1:2 [0] NCCL INFO comm 0x55d0a1 rank 0 nRanks 2 nNodes 2 localRanks 1 localRank 0
+[s1-a r0] s1-a:1:2 [0] NCCL INFO cudaDriverVersion 13000
+[s1-a r0] NCCL_BENCH {"ifname": "meshrun0", "nodes": [{"node": "s1-a", "speed": "10"}], """
+    """"pairs": {"same": {"rounds": [0.3, 0.32]}, "cross": {"rounds": [0.25]}}}
+"""
+)
+
+
+def test_a_bench_job_s_result_and_nccl_s_lines_about_the_network_fill_the_table():
+    result = bench_result(BENCH_OUT)
+    assert result is not None and result["pairs"]["same"]["rounds"] == [0.3, 0.32]
+    lines = nccl_net_lines(BENCH_OUT)
+    assert lines == [
+        "NET/Socket : Using [0]meshrun0:10.213.0.2<0>",
+        "NET/Socket : Using 2 threads and 8 sockets per thread",
+        "Pattern 4, crossNic 0, nChannels 2, bw 1.200000/1.200000, type LOC/PIX",
+        "comm 0x.. rank 0 nRanks 2 nNodes 2 localRanks 1 localRank 0",
+    ]
+    table = BenchTable("nccl", 256, {"gpu": "H200"})
+    job = BenchJob("meshrun0", "2x8", ("s1-a", "s1-b", "s2-a"))
+    table.add(job, result, BENCH_OUT, 0, 0, 12.0)
+    table.add(job, {"pairs": {"same": {"rounds": [0.34]}}}, "", 0, 1, 11.0)
+    table.add(BenchJob("lan", "default", ("s1-a", "s1-b")), None, "boom", 1, 1, 5.0)
+    data = table.as_json()
+    assert data["cells"]["meshrun0 same-site 2x8"] == {
+        "min": 0.3,
+        "median": 0.32,
+        "max": 0.34,
+        "n": 3,
+        "rounds": [0.3, 0.32, 0.34],
+    }
+    assert data["cells"]["meshrun0 cross-site 2x8"]["n"] == 1
+    assert data["iface_speed_mbps"] == {"meshrun0": "10"}
+    assert data["failures"] == ["pass 1: lan default: exit 1, no result"]
+    assert data["nccl_lines"]["meshrun0 2x8"] == lines and data["environment"] == {"gpu": "H200"}
+    assert any(row.startswith("meshrun0 same-site 2x8") for row in table.rows())
+
+
+def test_a_socket_setting_is_default_or_threads_x_sockets(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--settings", "default,four"])
+    assert "neither 'default' nor TxS" in capsys.readouterr().err

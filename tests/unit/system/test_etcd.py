@@ -110,7 +110,7 @@ def _need_etcd() -> None:
 def _issue(ca: tuple[str, str], tls: Path, name: str, ip: str) -> tuple[Path, Path]:
     key, csr = keys.new_csr(name, ip)
     cert_path, key_path = tls / f"{name}.crt", tls / f"{name}.key"
-    cert_path.write_text(keys.sign_csr(*ca, csr))
+    cert_path.write_text(keys.sign_csr(*ca, csr, ip))
     key_path.write_text(key)
     key_path.chmod(0o600)
     return cert_path, key_path
@@ -204,6 +204,25 @@ def test_a_client_certificate_from_another_ca_is_refused(real, tmp_path):
         intruder.get(b"k")
     with pytest.raises(ControlStateError):
         intruder.revision()
+
+
+def test_the_client_takes_a_replaced_certificate_on_its_next_connection(real, tmp_path):
+    """A renewal or a CA rotation replaces the TLS files under a running coordinator: its long-lived client
+    presents the new certificate from its next new connection on (etcd itself reads its own on each handshake)."""
+    cert, key = _issue(keys.new_ca("someone-else"), tmp_path, "renewed", "127.0.0.1")
+    client = EtcdClient([real.url], ca=real.ca_file, cert=str(cert), key=str(key))
+    try:
+        with pytest.raises(ControlStateError):
+            client.revision()
+        (tmp_path / "g").mkdir()
+        good_cert, good_key = _issue(real.ca, tmp_path / "g", "good", "127.0.0.1")
+        (tmp_path / "new.key").write_bytes(good_key.read_bytes())
+        (tmp_path / "new.crt").write_bytes(good_cert.read_bytes())
+        os.replace(tmp_path / "new.key", key)
+        os.replace(tmp_path / "new.crt", cert)
+        assert client.revision() > 0
+    finally:
+        client.close()
 
 
 def test_a_server_certificate_from_another_ca_is_not_trusted(real, tmp_path):

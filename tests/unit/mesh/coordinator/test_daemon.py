@@ -100,7 +100,7 @@ def test_a_bad_site_is_refused_before_anything_is_made(mesh):
     assert not (mesh.root / "a").exists()
 
 
-def test_a_pair_without_a_handshake_falls_back_to_relayed_through_the_coordinator(mesh):
+def test_a_pair_without_a_handshake_falls_back_to_relayed_by_the_coordinator(mesh):
     a, b = mesh.join("a", "198.51.100.2:40000"), mesh.join("b", "198.51.100.3:40001")
     mesh.see(a)
     mesh.see(b)
@@ -111,9 +111,14 @@ def test_a_pair_without_a_handshake_falls_back_to_relayed_through_the_coordinato
     for n in (a, b):
         n.agent.sync_once(wait=0)
     assert mesh.member_seen_by(a, b).path == pairpaths.RELAYED
-    assert mesh.peer(a, b).allowed_ips == ()  # b's entry keeps trying direct, carries nothing
+    port = mesh.coord.pairs.mode("a", "b").port
+    # b stays a's own peer (its own address only), reached at the coordinator's host on the pair's port,
+    # where the coordinator forwards its datagrams; the coordinator's tunnel carries only the coordinator.
+    assert mesh.peer(a, b).allowed_ips == (f"{b.ip}/32",)
+    assert mesh.peer(a, b).endpoint == f"{mesh.network.endpoints[0].rsplit(':', 1)[0]}:{port}"
     coord = next(p for p in a.device.peers() if p.public_key == mesh.network.coordinator_public_key)
-    assert f"{b.ip}/32" in coord.allowed_ips  # b is reached through the coordinator
+    assert coord.allowed_ips == (f"{mesh.network.coordinator_ip}/32",)
+    assert [p.port for p in mesh.coord.relaying.relay.pairs] == [port]
 
 
 def test_a_reported_handshake_verifies_the_pair_and_it_stays_direct(mesh):

@@ -42,7 +42,7 @@ def test_the_client_tries_this_coordinators_own_member_first(tmp_path):
     d = StateDir(tmp_path / "etcd")
     d.create()
     d.write("ca.crt", ca_cert)
-    d.write("etcd.crt", keys.sign_csr(ca_cert, ca_key, csr))
+    d.write("etcd.crt", keys.sign_csr(ca_cert, ca_key, csr, "10.213.0.9"))
     d.write("etcd.key", key_pem, secret=True)
     client = ha.client_for(state)
     try:

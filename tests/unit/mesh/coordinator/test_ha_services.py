@@ -17,6 +17,7 @@ from meshrun.system.coordinatordb import CoordinatorDB, CoordinatorInfo
 from meshrun.system.etcdstate import EtcdCoordinatorDB
 from meshrun.system.fakeetcd import FakeEtcd
 from meshrun.system.transport import Request, raise_for
+from meshrun.system.udprelay import FakeRelay
 
 
 class Clock:
@@ -67,7 +68,7 @@ def two(tmp_path):
     def service(state, device):
         svc = CoordinatorService(
             state, device=device, db=EtcdCoordinatorDB(store, follow=True), forward_with=forward,
-            guard_etcd=lambda *a: None, etcd_member=False,
+            guard_etcd=lambda *a: None, etcd_member=False, make_relay=FakeRelay,
         )  # fmt: skip
         svc.overlay.max_wait = 0.0
         return svc

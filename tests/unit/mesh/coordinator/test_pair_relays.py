@@ -11,9 +11,10 @@ import time
 import pytest
 from fakemesh import FakeMesh
 
-from meshrun.core import pairpaths
+from meshrun.core import pairpaths, relays
 from meshrun.core.model import Member
 from meshrun.mesh.coordinator.pairs import PairDriver
+from meshrun.mesh.node import daemon
 from meshrun.system.coordinatordb import CoordinatorDB
 
 T0 = 1_700_000_000.0
@@ -70,6 +71,43 @@ def test_the_relay_with_the_shortest_measured_round_trips_wins(db, monkeypatch):
     assert drv.mode("n0", "n1").relay == "n3"
 
 
+def test_a_member_that_claims_0_ms_to_everyone_is_not_chosen(db):
+    """The ends' own measurements decide: n4 says it is 0 ms from n0 and n1 (and from everyone), which before
+    overwrote the ends' own legs; the ends measured n3 closest, and n3 relays. Negative control: the same
+    claim made by the ends themselves does win."""
+    drv, _ = world(db)
+    drv.reroute.add(("n0", "n1"))
+    drv.report_rtt("n0", {key(2): 80.0, key(3): 9.0, key(4): 60.0})
+    drv.report_rtt("n1", {key(2): 80.0, key(3): 12.0, key(4): 60.0})
+    drv.report_rtt("n4", {key(i): 0.0 for i in range(4)})  # the liar, after the ends
+    drv.update(None, T0 + 20)
+    assert drv.mode("n0", "n1").relay == "n3"
+    assert drv._rtt("n0", "n4") == 60.0 and drv._rtt("n4", "n0") == 0.0  # its claim is only its own leg
+    drv.reroute.add(("n0", "n1"))
+    drv.report_rtt("n0", {key(4): 0.0})
+    drv.report_rtt("n1", {key(4): 0.0})
+    drv.update(None, T0 + 21)
+    assert drv.mode("n0", "n1").relay == "n4"
+
+
+def test_relays_give_each_pair_its_own_port_and_keep_it(db):
+    """Two pairs on one relay get two ports; a pair that stays on its relay keeps its port (the ends' WireGuard
+    keeps its endpoint); ports are stored with the pair."""
+    drv, members = world(db, n=6)
+    drv.report("n2", {key(3): 0}, full=False, stale={key(3)})
+    drv.report("n3", {key(2): 0}, full=False, stale={key(2)})
+    for t in (T0 + 20, T0 + 21, T0 + 20 + pairpaths.ATTEMPT_S + 2):
+        drv.update(None, t)
+    first, second = drv.mode("n0", "n1"), drv.mode("n2", "n3")
+    assert first.mode == second.mode == pairpaths.RELAYED
+    if first.relay == second.relay:
+        assert first.port != second.port
+    assert {first.port, second.port} <= set(relays.RELAY_PORTS)
+    assert db.pairs()[("n0", "n1")].port == first.port and PairDriver(db).mode("n0", "n1").port == first.port
+    drv.update(None, T0 + 60)
+    assert drv.mode("n0", "n1").port == first.port
+
+
 def test_a_member_that_opted_out_is_never_chosen_and_with_none_left_the_coordinator_relays(db):
     drv, _ = world(db, relay=lambda i: i == 4)
     assert drv.mode("n0", "n1").relay == "n4"
@@ -110,12 +148,16 @@ def test_a_relay_that_loses_its_tunnel_to_an_end_or_leaves_hands_its_pairs_on(db
     assert not drv.by_relay.get("n4")
 
 
-def test_a_pair_that_goes_direct_again_leaves_its_relay(db):
+def test_a_handshake_through_the_relay_verifies_the_pair_and_keeps_its_relay_and_port(db):
+    """The ends' handshakes cross the relay now: they prove the relayed path, and the pair stays where it is."""
     drv, _ = world(db)
+    before = drv.mode("n0", "n1")
+    drv.take_relay_changes()
     drv.report("n0", {key(1): int(T0 + 30)}, full=False, stale=set())
     drv.update(None, T0 + 31)
-    assert drv.mode("n0", "n1").mode == pairpaths.PUBLIC and drv.relaying("n2") == []
-    assert "n2" in drv.take_relay_changes()
+    after = drv.mode("n0", "n1")
+    assert (after.mode, after.relay, after.port, after.verified) == (pairpaths.RELAYED, "n2", before.port, True)
+    assert drv.relaying("n2") == [("n0", "n1")] and drv.take_relay_changes() == set()
 
 
 # ------------------------------------------------------------------------------------- the whole mesh
@@ -128,7 +170,12 @@ def _nodes(mesh: FakeMesh, names: str):
     return nodes
 
 
-def test_both_ends_route_through_the_relay_and_only_the_relay_forwards_the_pair(tmp_path):
+def _ports(relay) -> list[tuple[int, tuple[str, str]]]:
+    """What a relay forwards: [(port, the ends' keys)], none before it was first asked."""
+    return [] if relay is None else [(p.port, p.keys) for p in relay.pairs]
+
+
+def test_both_ends_reach_each_other_at_the_relays_port_and_only_the_relay_forwards_the_pair(tmp_path, monkeypatch):
     mesh = FakeMesh(tmp_path)
     a, b, c = _nodes(mesh, "abc")
     t = int(time.time())
@@ -138,29 +185,35 @@ def test_both_ends_route_through_the_relay_and_only_the_relay_forwards_the_pair(
     mesh.sync()
     mesh.coord.tick(now=time.time() + pairpaths.ATTEMPT_S + 1)  # a <-> b never handshook: relayed
     mesh.sync()
-    assert mesh.coord.pairs.mode("a", "b") == pairpaths.PairState(
-        pairpaths.RELAYED, mesh.coord.pairs.mode("a", "b").since, False, "c"
-    )
-    # a sends b's traffic into its tunnel with c, b sends a's likewise; their own entries keep trying direct.
-    assert f"{b.ip}/32" in mesh.peer(a, c).allowed_ips and mesh.peer(a, b).allowed_ips == ()
-    assert f"{a.ip}/32" in mesh.peer(b, c).allowed_ips and mesh.peer(b, a).allowed_ips == ()
-    assert mesh.member_seen_by(a, b).via == c.key
-    # c forwards exactly that pair; nobody else forwards anything (the coordinator included).
-    assert c.device.relayed == [tuple(sorted((a.ip, b.ip)))] and c.device.forwarding
-    assert a.device.relayed == [] and b.device.relayed == []
-    assert mesh.coord_device.relayed == []
+    st = mesh.coord.pairs.mode("a", "b")
+    assert (st.mode, st.relay) == (pairpaths.RELAYED, "c") and st.port in relays.RELAY_PORTS
+    # Each end keeps the other as its own peer, its own address only, at c's host and the pair's port: c's
+    # tunnels carry nothing of the pair's.
+    c_host = mesh.member_seen_by(a, c).endpoint.rsplit(":", 1)[0]
+    assert mesh.peer(a, b).allowed_ips == (f"{b.ip}/32",) and mesh.peer(a, b).endpoint == f"{c_host}:{st.port}"
+    assert mesh.peer(b, a).allowed_ips == (f"{a.ip}/32",) and mesh.peer(b, a).endpoint.endswith(f":{st.port}")
+    assert mesh.peer(a, c).allowed_ips == (f"{c.ip}/32",) and mesh.peer(b, c).allowed_ips == (f"{c.ip}/32",)
+    assert mesh.member_seen_by(a, b).via == c.key and mesh.member_seen_by(a, b).via_port == st.port
+    # c forwards exactly that pair, on that port, between those keys; nobody else forwards anything.
+    assert _ports(c.agent.relaying.relay) == [(st.port, (a.key, b.key))]
+    assert a.agent.relaying.relay is None and b.agent.relaying.relay is None and mesh.coord.relaying.relay is None
 
-    # c's agent stops forwarding (its machine is gone, say): a notices through its probe and reports it.
+    # c's agent stops forwarding (its machine is gone, say): a notices through its probe and reports it, once
+    # the relay's grace for a first handshake through it is over.
     a.agent.probe = lambda ip: None if ip == b.ip else 0.001
+    for _ in range(3):
+        assert a.agent.check_relays() == []
+    monkeypatch.setattr(daemon, "RELAY_GRACE_S", 0.0)
     for _ in range(3):
         a.agent.check_relays()
     mesh.sync()
-    assert mesh.coord.pairs.mode("a", "b").relay == ""  # only the coordinator is left
-    to_coordinator = next(p for p in a.device.peers() if p.public_key == mesh.network.coordinator_public_key)
-    assert f"{b.ip}/32" in to_coordinator.allowed_ips and f"{b.ip}/32" not in mesh.peer(a, c).allowed_ips
-    assert mesh.coord_device.relayed == [tuple(sorted((a.ip, b.ip)))]
+    st = mesh.coord.pairs.mode("a", "b")
+    assert st.relay == "" and st.port in relays.RELAY_PORTS  # only the coordinator is left
+    coord_host = mesh.network.endpoints[0].rsplit(":", 1)[0]
+    assert mesh.peer(a, b).endpoint == f"{coord_host}:{st.port}" and mesh.peer(a, b).allowed_ips == (f"{b.ip}/32",)
+    assert [p for p, _ in _ports(mesh.coord.relaying.relay)] == [st.port]
     mesh.sync()
-    assert c.device.relayed == []  # told it relays nothing any more
+    assert _ports(c.agent.relaying.relay) == []  # told it relays nothing any more
 
 
 def test_a_node_that_joined_with_no_relay_refuses_to_forward(tmp_path):
@@ -168,8 +221,18 @@ def test_a_node_that_joined_with_no_relay_refuses_to_forward(tmp_path):
     a, b, c = _nodes(mesh, "abc")
     c.agent.rec["relay"] = False
     c.agent.sync_once(wait=0)
-    c.agent._relay([[a.ip, b.ip]])  # as if a coordinator asked anyway
-    assert c.device.relayed == []
+    c.agent._relay([[a.ip, b.ip, relays.RELAY_PORTS[0]]])  # as if a coordinator asked anyway
+    assert _ports(c.agent.relaying.relay) == []
+
+
+def test_a_relay_is_told_only_well_formed_pairs_of_members(tmp_path):
+    """Ports outside the relay range, a port given twice and addresses of non-members are left out."""
+    mesh = FakeMesh(tmp_path)
+    a, b, c = _nodes(mesh, "abc")
+    c.agent.sync_once(wait=0)
+    first = relays.RELAY_PORTS[0]
+    c.agent._relay([[a.ip, b.ip, first], [a.ip, "10.213.9.9", first + 1], [b.ip, a.ip, first], [a.ip, b.ip, 22]])
+    assert [p for p, _ in _ports(c.agent.relaying.relay)] == [first]
 
 
 def test_a_report_about_a_relay_the_pair_already_left_changes_nothing(db):

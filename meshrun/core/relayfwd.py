@@ -1,0 +1,182 @@
+"""What a relay does with one WireGuard datagram of a pair it relays: forward it to the other end, or drop it.
+
+Pure (no sockets: meshrun.system.udprelay feeds it). A relay forwards a pair's WireGuard datagrams as they are,
+on a UDP port of its own for that pair (core/relays.RELAY_PORTS), as Tailscale's peer relays and DERP do: it
+holds no key of the pair, so it reads nothing and can forge nothing; what it learns is sizes and timing.
+
+Each end's NAT may give its datagrams to the relay a port nobody can predict (symmetric NAT: that is why the
+pair is relayed), so the relay learns each end's address from what arrives, and the port is bound to the
+pair in two ways, so it is useless to anyone else:
+
+- **by address**: a datagram counts as an end's only when it comes from one of that end's underlay hosts
+  (where the relay's own WireGuard sees that member, its observed endpoint and its candidates), as TURN
+  binds a relay allocation to its peers' IP addresses;
+- **by key**: a handshake message (initiation or response) is forwarded only if its mac1 is the one made with
+  the receiving end's public key (WireGuard's mac1 = MAC(HASH("mac1----" || receiver's public key), message)),
+  so it was sent to that end by someone who knows its key; anything that is not a WireGuard message is dropped.
+
+Both ends' addresses are learned (latched) from what they send; until the other end is known, the last
+datagram from one end is kept (one per end) and delivered as soon as the other end is heard from, so the
+first handshake through a new relay does not wait for WireGuard's 5 s retry (unless the other end's first
+datagram is a handshake initiation too: then only that one goes on, since two would cross). When both ends
+sit behind one address (one NAT) the end is told by its latched port, or by mac1 for a handshake.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from dataclasses import dataclass, field
+
+from meshrun.core.model import Member, split_endpoint
+from meshrun.core.relays import RELAY_PORTS
+
+__all__ = [
+    "MAC1_LABEL",
+    "RelayedPair",
+    "PairForwarder",
+    "mac1",
+    "mac1_ok",
+    "message_type",
+    "relayed_pairs",
+]
+
+MAC1_LABEL = b"mac1----"
+# WireGuard's message types and their sizes (handshake messages have a fixed size; a transport message is
+# at least its 16-byte header plus the 16-byte tag of an empty keepalive).
+INITIATION, RESPONSE, COOKIE, TRANSPORT = 1, 2, 3, 4
+SIZES = {INITIATION: 148, RESPONSE: 92, COOKIE: 64}
+MIN_TRANSPORT = 32
+Addr = tuple[str, int]
+
+
+def message_type(data: bytes) -> int:
+    """The WireGuard message type of `data` (1-4), or 0 when it is not a well-formed WireGuard message."""
+    if len(data) < 4 or data[1:4] != b"\0\0\0":
+        return 0
+    kind = data[0]
+    if kind in SIZES:
+        return kind if len(data) == SIZES[kind] else 0
+    # No check of the length's multiple: WireGuard pads to 16 bytes only up to the sender's interface MTU.
+    return TRANSPORT if kind == TRANSPORT and len(data) >= MIN_TRANSPORT else 0
+
+
+def _mac1_key(public_key: bytes) -> bytes:
+    return hashlib.blake2s(MAC1_LABEL + public_key, digest_size=32).digest()
+
+
+def mac1(message: bytes, public_key: bytes) -> bytes:
+    """WireGuard's mac1 of a handshake message's first part (everything before its two MACs) for the receiver
+    with `public_key` (32 raw bytes)."""
+    return hashlib.blake2s(message, key=_mac1_key(public_key), digest_size=16).digest()
+
+
+def mac1_ok(data: bytes, public_key: bytes) -> bool:
+    """A handshake message (initiation or response) whose mac1 was made for the receiver with `public_key`."""
+    kind = message_type(data)
+    if kind not in (INITIATION, RESPONSE):
+        return False
+    end = SIZES[kind] - 32  # mac1 then mac2, 16 bytes each, close the message
+    return mac1(data[:end], public_key) == data[end : end + 16]
+
+
+@dataclass(frozen=True)
+class RelayedPair:
+    """One pair a relay forwards: its port, and for each end its public key (WireGuard's base64) and the
+    underlay hosts its datagrams may come from."""
+
+    port: int
+    keys: tuple[str, str]
+    hosts: tuple[frozenset[str], frozenset[str]]
+
+
+@dataclass
+class PairForwarder:
+    """One relayed pair's forwarding state: each end's latched address and the datagram kept for it.
+
+    `route(data, source)` returns the datagrams to send now, as [(data, address)]: usually the one given, to
+    the other end; nothing when it is dropped or the other end is not known yet."""
+
+    pair: RelayedPair
+    addrs: list[Addr | None] = field(default_factory=lambda: [None, None])
+    kept: list[bytes | None] = field(default_factory=lambda: [None, None])  # the last datagram from each end
+    forwarded: int = 0
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        self._raw = tuple(base64.b64decode(k) for k in self.pair.keys)
+
+    def update(self, pair: RelayedPair) -> None:
+        """The same port's pair with new hosts (a member's NAT changed its address): latched ends stay as
+        long as their addresses are still allowed."""
+        same_ends = pair.keys == self.pair.keys
+        self.pair = pair
+        self._raw = tuple(base64.b64decode(k) for k in pair.keys)
+        for i in (0, 1):
+            addr = self.addrs[i]
+            if not same_ends or (addr is not None and addr[0] not in pair.hosts[i]):
+                self.addrs[i], self.kept[i] = None, None
+
+    def _end_of(self, data: bytes, kind: int, source: Addr) -> int | None:
+        """Which end sent `data` (0 or 1), or None when it is from neither."""
+        for i in (0, 1):
+            if self.addrs[i] == source:
+                return i
+        ends = [i for i in (0, 1) if source[0] in self.pair.hosts[i]]
+        if len(ends) == 1:
+            return ends[0]
+        if len(ends) == 2 and kind in (INITIATION, RESPONSE):
+            # Both ends behind one address: a handshake says whom it is for, so who sent it.
+            for i in (0, 1):
+                if mac1_ok(data, self._raw[1 - i]):
+                    return i
+        return None
+
+    def route(self, data: bytes, source: Addr) -> list[tuple[bytes, Addr]]:
+        kind = message_type(data)
+        end = self._end_of(data, kind, source) if kind else None
+        if end is None or (kind in (INITIATION, RESPONSE) and not mac1_ok(data, self._raw[1 - end])):
+            self.dropped += 1
+            return []
+        other = 1 - end
+        out: list[tuple[bytes, Addr]] = []
+        if self.addrs[end] != source:
+            self.addrs[end] = source
+            waiting = self.kept[other]  # the other end spoke first: its datagram goes out now
+            self.kept[other] = None
+            if waiting is not None and kind == INITIATION and message_type(waiting) == INITIATION:
+                # Both ends started a handshake: delivering both would cross them, each end answering the other's
+                # and dropping the answer to its own, and WireGuard tries again only after 5 s (REKEY_TIMEOUT).
+                # This one goes on alone; its answer completes the handshake.
+                self.dropped += 1
+            elif waiting is not None:
+                out.append((waiting, source))
+        dest = self.addrs[other]
+        if dest is None:
+            self.kept[end] = data
+        else:
+            out.append((data, dest))
+        self.forwarded += len(out)
+        return out
+
+
+def relayed_pairs(relaying: list[list], members: list[Member], observed: dict[str, str | None]) -> list[RelayedPair]:
+    """The pairs to forward, from the coordinator's `relaying` ([[overlay IP, overlay IP, port], ...]) and what
+    this relay knows of each end: where its own WireGuard sees it (`observed` {public key: endpoint}), the
+    endpoint in its member entry and the candidates the member reported. Pairs with an unknown end, a port
+    outside RELAY_PORTS or a port given twice are left out (the ends then report the relay down)."""
+    by_ip = {m.overlay_ip: m for m in members}
+    out, ports = [], set()
+    for item in relaying:
+        if len(item) != 3:
+            continue
+        a, b, port = by_ip.get(str(item[0])), by_ip.get(str(item[1])), item[2]
+        if a is None or b is None or not isinstance(port, int) or port not in RELAY_PORTS or port in ports:
+            continue
+        ports.add(port)
+        hosts = tuple(
+            frozenset(split_endpoint(e)[0] for e in (observed.get(m.public_key), m.endpoint, *m.candidates) if e)
+            for m in (a, b)
+        )
+        out.append(RelayedPair(port, (a.public_key, b.public_key), hosts))  # type: ignore[arg-type]
+    return out

@@ -1,0 +1,136 @@
+"""End-to-end, the attacker's side (issue 35, item 4): a job's node floods its job's rendezvous at one of three
+coordinators (state in etcd) with the largest values it takes, as fast as its overlay API lets it. It is
+refused (429 at its write budget), and meanwhile a node joins, the operator removes another node, a second job
+runs to its end, and the operator removes the attacker itself.
+
+dc1-a, dc2-a, dc3-a are public machines that become the coordinators; dc4-a (the attacker), dc5-a (the second
+job's node) and dc6-a (joins during the flood, then removed) sit behind NAT.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.mesh.coordinator.rendezvous import MAX_VALUE, WRITE_BURST, WRITE_PER_S
+
+A, B, C = "dc1-a", "dc2-a", "dc3-a"
+ATTACKER, WORKER, NEWCOMER = "dc4-a", "dc5-a", "dc6-a"
+FLOOD_S = 240  # the flood's longest run: it stops once the attacker is removed
+
+# Run in the attacker's namespace: POST /v1/rdzv/<job> set ops of the largest value the service takes to one
+# coordinator (the budget is per coordinator: one is the quickest to exhaust through wireguard-go), until the
+# time is up or it is removed (403/410, or no answer at all once the coordinators dropped its WireGuard peer);
+# prints "refused" at the first 429, then the answers' statuses as JSON ("None": no answer).
+FLOOD = """
+import base64, collections, json, os, sys, time
+from meshrun.errors import MeshrunError
+from meshrun.mesh.coordinator.rendezvous import MAX_VALUE
+from meshrun.system import transport
+job, port, seconds, ip = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+value = base64.b64encode(os.urandom(MAX_VALUE)).decode()
+seen, sent, gone, deadline = collections.Counter(), 0, 0, time.monotonic() + seconds
+while time.monotonic() < deadline and gone < 6:
+    body = {"op": "set", "key": f"flood/{sent % 4}", "value": value}
+    try:
+        transport.call(ip, port, "POST", f"/v1/rdzv/{job}", body, timeout=3)
+        seen["200"] += 1
+        gone = 0
+    except MeshrunError as exc:
+        seen[str(exc.status)] += 1
+        if exc.status == 429 and seen["429"] == 1:
+            print("refused", flush=True)  # at its budget: the test tries the control plane from now on
+        gone = gone + 1 if exc.status in (None, 403, 410) else 0
+    sent += 1
+print(json.dumps(seen), flush=True)
+"""
+
+SLEEPER = "import time\nprint('flood job up', flush=True)\ntime.sleep(600)\n"
+HELLO = "print('second job ran', flush=True)\n"
+
+
+@pytest.fixture(scope="module")
+def ha(tmp_path_factory):
+    from support import joined_mesh
+
+    specs = [DatacenterSpec(f"dc{i}") for i in range(1, 4)] + [DatacenterSpec(f"dc{i}", nat="cone") for i in (4, 5, 6)]
+    with joined_mesh(tmp_path_factory, specs, A, (B, C, ATTACKER, WORKER), promote=(B, C)) as mesh:
+        yield mesh
+
+
+def project(mesh: Mesh, name: str, script: str) -> str:
+    d = mesh.world.workdir / name
+    d.mkdir(exist_ok=True)
+    (d / "main.py").write_text(script)
+    return str(d)
+
+
+def train(mesh: Mesh, job_id: str, node: str, script: str) -> subprocess.Popen:
+    return mesh.meshrun_popen(
+        A,
+        "train",
+        "--job-id",
+        job_id,
+        "--nnodes",
+        "1",
+        "--nodes",
+        node,
+        "--timeout",
+        "180",
+        "main.py",
+        cwd=project(mesh, job_id, script),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_a_flooding_job_node_is_refused_and_the_control_plane_goes_on(ha):
+    mesh = ha
+    api_port = json.loads((mesh.state_dir(mesh.world.node(A)) / "member.json").read_text())["network"]["api_port"]
+    job = train(mesh, "flood", ATTACKER, SLEEPER)
+    try:
+        deadline = time.monotonic() + 120
+        first = ""
+        while "flood job up" not in first:  # the job's rendezvous is done and its script runs
+            assert job.poll() is None and time.monotonic() < deadline, first
+            first += job.stdout.readline()
+        flood = mesh.world.node(ATTACKER).popen(
+            mesh.python,
+            "-c",
+            FLOOD,
+            "flood",
+            str(api_port),
+            str(FLOOD_S),
+            mesh.overlay_ip(B),  # a coordinator other than the one that started the job
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        started = time.monotonic()
+        # The flood runs into its budget at that coordinator (WRITE_BURST, then WRITE_PER_S) ...
+        assert flood.stdout.readline().strip() == "refused", "the flood was never refused"
+        # ... and goes on while the control plane is tried.
+        # A node joins, a second job runs to its end, the operator removes a node: all during the flood.
+        token = mesh.meshrun(A, "token", "create", "--ttl", "10m").stdout.strip().splitlines()[-1]
+        mesh.join(NEWCOMER, token=token)
+        second = train(mesh, "second", WORKER, HELLO)
+        out, _ = second.communicate(timeout=180)
+        assert second.returncode == 0 and "second job ran" in out, out
+        assert f"removed {NEWCOMER}" in mesh.meshrun(A, "remove", NEWCOMER).stdout
+        assert flood.poll() is None, "the flood ended before the control plane was tried under it"
+        # The operator removes the attacker, mid-flood; its requests are refused from then on.
+        assert f"removed {ATTACKER}" in mesh.meshrun(A, "remove", ATTACKER).stdout
+        seen = json.loads(flood.communicate(timeout=120)[0].strip().splitlines()[-1])
+        took = time.monotonic() - started
+    finally:
+        job.kill()
+        job.wait()
+    # The negative control: the flood was on, and the budget refused it (429) after what it may write.
+    assert seen.get("429", 0) > 0 and seen.get("200", 0) > 0, seen
+    assert seen.get("403", 0) + seen.get("410", 0) + seen.get("None", 0) >= 6, seen  # cut off once removed
+    # What got through is what the budget allows: WRITE_BURST, then WRITE_PER_S.
+    assert seen.get("200", 0) * MAX_VALUE <= WRITE_BURST + WRITE_PER_S * took + MAX_VALUE, (seen, took)

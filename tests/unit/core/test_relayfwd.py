@@ -1,0 +1,145 @@
+"""A relay's forwarding decision for one pair's datagrams (meshrun.core.relayfwd): who may speak, what passes."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+from meshrun.core import keys
+from meshrun.core.model import Member
+from meshrun.core.relayfwd import PairForwarder, RelayedPair, mac1, mac1_ok, message_type, relayed_pairs
+from meshrun.core.relays import RELAY_PORTS
+
+A_HOST, B_HOST, OTHER = "198.51.100.1", "198.51.100.2", "203.0.113.66"
+
+
+def keypair() -> tuple[str, bytes]:
+    private = keys.generate_private_key()
+    public = keys.public_key(private)
+    return public, base64.b64decode(public)
+
+
+A_KEY, A_RAW = keypair()
+B_KEY, B_RAW = keypair()
+
+
+def initiation(to: bytes) -> bytes:
+    """A handshake initiation as WireGuard lays it out (148 bytes, mac1 over the first 116) for receiver `to`."""
+    body = b"\x01\0\0\0" + os.urandom(112)
+    return body + mac1(body, to) + bytes(16)
+
+
+def response(to: bytes) -> bytes:
+    body = b"\x02\0\0\0" + os.urandom(56)
+    return body + mac1(body, to) + bytes(16)
+
+
+def transport(n: int = 64) -> bytes:
+    return b"\x04\0\0\0" + os.urandom(n - 4)
+
+
+def forwarder(a_hosts=(A_HOST,), b_hosts=(B_HOST,)) -> PairForwarder:
+    return PairForwarder(RelayedPair(RELAY_PORTS[0], (A_KEY, B_KEY), (frozenset(a_hosts), frozenset(b_hosts))))
+
+
+def test_message_types_by_layout():
+    assert message_type(initiation(B_RAW)) == 1 and message_type(response(A_RAW)) == 2
+    assert message_type(b"\x03\0\0\0" + bytes(60)) == 3 and message_type(transport(32)) == 4
+    assert message_type(transport(1424)) == 4
+    assert message_type(transport(1452)) == 4  # a full 1420-byte packet: not padded past the MTU
+    for junk in (b"", b"\x01\0\0", initiation(B_RAW)[:-1], b"\x04\0\0\0" + bytes(20), b"\x05\0\0\0" + bytes(60)):
+        assert message_type(junk) == 0
+    assert message_type(b"GET / HTTP/1.1\r\n" * 4) == 0
+
+
+def test_mac1_names_the_receiver():
+    msg = initiation(B_RAW)
+    assert mac1_ok(msg, B_RAW) and not mac1_ok(msg, A_RAW)
+    assert not mac1_ok(transport(), B_RAW)
+    tampered = bytearray(msg)
+    tampered[10] ^= 1
+    assert not mac1_ok(bytes(tampered), B_RAW)
+
+
+def test_the_ends_are_latched_from_what_they_send_and_the_first_datagram_waits_for_the_other_end():
+    f = forwarder()
+    a, b = (A_HOST, 40001), (B_HOST, 50002)
+    hello = initiation(B_RAW)
+    assert f.route(hello, a) == []  # b not heard from yet: kept
+    reply = response(A_RAW)
+    # b's first datagram latches b; a's kept initiation goes out to b, and b's reply to a.
+    assert f.route(reply, b) == [(hello, b), (reply, a)]
+    data = transport()
+    assert f.route(data, a) == [(data, b)] and f.route(data, b) == [(data, a)]
+    # a's NAT gives it a new port: the next datagram from a's host moves a there.
+    assert f.route(data, (A_HOST, 40999)) == [(data, b)] and f.route(data, b) == [(data, (A_HOST, 40999))]
+    assert f.forwarded == 6 and f.dropped == 0
+
+
+def test_two_initiations_do_not_cross_at_the_relay():
+    """Both ends start a handshake before the relay knows the second: only the second goes on (its answer
+    completes the handshake); delivering the kept one too would leave both ends waiting 5 s."""
+    f = forwarder()
+    a, b = (A_HOST, 40001), (B_HOST, 50002)
+    assert f.route(initiation(B_RAW), a) == []
+    theirs = initiation(A_RAW)
+    assert f.route(theirs, b) == [(theirs, a)]
+    answer = response(B_RAW)
+    assert f.route(answer, a) == [(answer, b)]
+
+
+def test_nobody_but_the_ends_and_nothing_but_wireguard_passes():
+    f = forwarder()
+    a, b = (A_HOST, 40001), (B_HOST, 50002)
+    f.route(initiation(B_RAW), a)
+    f.route(response(A_RAW), b)
+    assert f.route(transport(), (OTHER, 40001)) == []  # another host, even on an end's port
+    assert f.route(b"GET / HTTP/1.1\r\n\r\n" + bytes(14), a) == []  # an end's host, not WireGuard
+    assert f.route(initiation(A_RAW), a) == []  # a handshake from a not addressed to b
+    assert f.route(initiation(os.urandom(32)), (A_HOST, 1)) == []  # for a key that is not b's
+    assert f.addrs == [a, b]  # none of it moved an end
+    assert f.dropped == 4
+
+
+def test_ends_behind_one_address_are_told_apart_by_their_handshakes():
+    shared = "198.51.100.9"
+    f = forwarder((shared,), (shared,))
+    a, b = (shared, 40001), (shared, 40002)
+    assert f.route(transport(), a) == []  # unknown which end: dropped, not guessed
+    hello = initiation(B_RAW)  # made for b: from a
+    assert f.route(hello, a) == []
+    assert f.route(response(A_RAW), b)[0] == (hello, b)
+    data = transport()
+    assert f.route(data, a) == [(data, b)] and f.route(data, b) == [(data, a)]
+
+
+def test_new_hosts_unlatch_an_end_that_is_no_longer_allowed():
+    f = forwarder()
+    a, b = (A_HOST, 40001), (B_HOST, 50002)
+    f.route(initiation(B_RAW), a)
+    f.route(response(A_RAW), b)
+    f.update(RelayedPair(RELAY_PORTS[0], (A_KEY, B_KEY), (frozenset({"198.51.100.77"}), frozenset({B_HOST}))))
+    assert f.addrs == [None, b]
+    assert f.route(transport(), a) == []
+
+
+def test_the_pairs_to_forward_come_from_the_relays_list_and_what_it_knows_of_the_ends():
+    a = Member("a", A_KEY, "10.213.0.2", "198.51.100.1:40000", ("172.31.40.46:51820",))
+    b = Member("b", B_KEY, "10.213.0.3", "198.51.100.2:40001")
+    first = RELAY_PORTS[0]
+    got = relayed_pairs(
+        [
+            ["10.213.0.2", "10.213.0.3", first],
+            ["10.213.0.2", "10.213.0.9", first + 1],
+            ["10.213.0.3", "10.213.0.2", 80],
+        ],
+        [a, b],
+        {A_KEY: "192.0.2.1:33333"},
+    )
+    assert got == [
+        RelayedPair(
+            first,
+            (A_KEY, B_KEY),
+            (frozenset({"192.0.2.1", "198.51.100.1", "172.31.40.46"}), frozenset({"198.51.100.2"})),
+        )
+    ]
