@@ -322,15 +322,10 @@ class CoordinatorService:
         relayed by "the coordinator" on the first one, and those relayed by its name on any. The datagrams pass
         as they are: its own tunnels never carry another member's address."""
         members = self.db.members()
-        ips = {m.name: m.overlay_ip for m in members}
-        mine = set(self.pairs.relaying(self.name)) if self.ha else set()
+        names = [self.name] if self.ha else []
         if self.public_key == self.network.coordinator_public_key:
-            mine |= set(self.pairs.relaying(relays.COORDINATOR))
-        listed = []
-        for a, b in sorted(mine):
-            st = self.pairs.mode(a, b)
-            if a in ips and b in ips and st is not None and st.port:
-                listed.append([ips[a], ips[b], st.port])
+            names.append(relays.COORDINATOR)
+        listed = self.pairs.relay_list(names, {m.name: m.overlay_ip for m in members})
         if self.relaying.apply(listed, members, self.device):
             log.info("relaying %d pairs on ports %s", len(listed), [p for _, _, p in listed][:16])
 

@@ -251,6 +251,16 @@ class PairDriver:
         """The pairs `relay` ("" = the coordinator) carries, sorted."""
         return sorted(self.by_relay.get(relay, ()))
 
+    def relay_list(self, names: list[str], ips: dict[str, str]) -> list[list]:
+        """What the relays named (a member, "" for the coordinator) forward, as a relay is told it:
+        [[overlay IP, overlay IP, port], ...] for the pairs with a port whose ends are in `ips` {name: IP}."""
+        out = []
+        for a, b in sorted({key for r in names for key in self.by_relay.get(r, ())}):
+            st = self.pairs.get((a, b))
+            if a in ips and b in ips and st is not None and st.port:
+                out.append([ips[a], ips[b], st.port])
+        return out
+
     def _relay_name(self, name: str) -> str:
         return relays.COORDINATOR if name == self.coordinator else name
 

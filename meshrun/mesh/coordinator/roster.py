@@ -141,13 +141,7 @@ class Roster:
         """The pairs `caller` relays, as [[overlay IP, overlay IP, relay port], ...]: the ports it forwards the
         pairs' WireGuard datagrams on (meshrun.system.udprelay), and between whom."""
         name = "" if caller.is_coordinator else caller.name
-        ips = {m.name: m.overlay_ip for m, _ in self._base(fresh=False)[1]}
-        out = []
-        for a, b in self.pairs.relaying(name):
-            st = self.pairs.mode(a, b)
-            if a in ips and b in ips and st is not None and st.port:
-                out.append([ips[a], ips[b], st.port])
-        return out
+        return self.pairs.relay_list([name], {m.name: m.overlay_ip for m, _ in self._base(fresh=False)[1]})
 
     def payload(self, caller: Member | None = None, fresh: bool = True) -> list[dict]:
         """The member list as `caller` should see it: per peer the endpoint to dial and the path.
