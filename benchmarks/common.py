@@ -115,6 +115,32 @@ def environment() -> dict:
     }
 
 
+def sites_mesh(world: World, sites: tuple[str, ...] = ("s1", "s2")) -> Mesh:
+    """meshrun init on hq-a and every node of `sites` joined with `--site` its site (nodes <site>-a, <site>-b)."""
+    mesh = Mesh(world, "hq-a")
+    mesh.init()
+    for site in sites:
+        for n in (f"{site}-a", f"{site}-b"):
+            mesh.join(n, "--site", site)
+    return mesh
+
+
+def two_ranks(rank0, rank1, argv: list[str], timeout: float) -> tuple[str, str, str, str]:
+    """Run `argv` + ["--rank", "0"] on node `rank0` and + ["--rank", "1"] on `rank1` (a two-rank job; rank 0
+    first, it hosts the store); (stdout 0, stderr 0, stdout 1, stderr 1). Both are killed if still running."""
+    p0 = rank0.popen(*argv, "--rank", "0", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p1 = rank1.popen(*argv, "--rank", "1", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out0, err0 = p0.communicate(timeout=timeout)
+        out1, err1 = p1.communicate(timeout=60)
+    finally:
+        for p in (p0, p1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out0, err0, out1, err1
+
+
 def spread(values: list[float]) -> dict:
     """{"min", "median", "max", "n"} of a benchmark's rounds."""
     import statistics

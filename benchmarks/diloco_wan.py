@@ -728,7 +728,7 @@ def run_variant(target, args: argparse.Namespace, variant: str, params: dict, se
     if code != 0 or not finals:
         result["error"] = f"exit code {code}, {len(finals)} final line(s)"
         result["output_tail"] = lines[-40:]
-        say(f"{variant}: FAILED ({result['error']}); last lines:\n" + "\n".join(lines[-40:]))
+        say(f"{variant}: FAILED ({result['error']}); last lines:\n" + "\n".join(lines[-120:]))
         return result
     f = finals[-1]
     result.update(

@@ -89,16 +89,9 @@ def allreduce(a, b, a_ip: str, iface: str, sizes: list[int], port: int) -> list[
         "--sizes",
         ",".join(map(str, sizes)),
     ]
-    p0 = a.popen(*base, "--rank", "0", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    p1 = b.popen(*base, "--rank", "1", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out0, err0 = p0.communicate(timeout=900)
-        out1, err1 = p1.communicate(timeout=60)
-    finally:
-        for p in (p0, p1):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    from common import two_ranks
+
+    out0, err0, _, err1 = two_ranks(a, b, base, 900)
     for line in out0.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

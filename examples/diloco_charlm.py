@@ -54,6 +54,7 @@ losses are on the held-out splits, with the synchronized (global) model.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -325,6 +326,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     if world > 1:
         dist.barrier()
+        # Async collectives' handles left in reference cycles are freed now, while the process group lives: a gloo
+        # AsyncWork freed during interpreter finalization aborts the process (SIGABRT after the last line; seen
+        # in benchmarks/diloco_wan.py's runs; pytorch/pytorch#179291 describes the mechanism).
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -8,9 +8,9 @@ namespaces of one machine) or, without a GPU, on gloo. A pair's communicator is 
 whatever interface the job pins (``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``: meshrun0 unless ``--env``
 says otherwise); the ranks outside a pair wait on a gloo barrier, so only the pair touches the network.
 
-``--sockets default`` removes ``NCCL_SOCKET_NTHREADS`` and ``NCCL_NSOCKS_PERTHREAD`` (which `meshrun train`
-sets) before NCCL starts, so NCCL picks its own; ``TxS`` sets T threads x S sockets per thread. NCCL reads
-them once per process, which is why each setting is a job of its own.
+``--sockets default`` removes ``NCCL_SOCKET_NTHREADS`` and ``NCCL_NSOCKS_PERTHREAD`` (a user's own, which
+`meshrun train` passes) before NCCL starts, so NCCL picks its own; ``TxS`` sets T threads x S sockets per
+thread. NCCL reads them once per process, which is why each setting is a job of its own.
 
 The node the pairs share prints one line ``NCCL_BENCH {json}``: per pair its bus bandwidth (GB/s) per round
 (the median of the round's timed iterations) and per iteration, and what each node read from

@@ -1,4 +1,4 @@
-"""Commands on the coordinator: init, up, down, token create/list/revoke, remove."""
+"""Commands on the coordinator: init, up, down, token create/list/revoke, remove, site list/trust/untrust."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ def init(
     interface: Annotated[str, typer.Option(help="WireGuard interface name.")] = "meshrun0",
     mtu: Annotated[int, typer.Option(help="Overlay MTU (1420 fits a 1500-byte underlay).")] = 1420,
     network: Annotated[str, typer.Option(help="Network name.")] = "meshrun",
+    name: Annotated[
+        str, typer.Option("--name", help="This coordinator's member name (nodes, `status` and jobs show it).")
+    ] = "coordinator",
     ttl: Annotated[str, typer.Option(help="Lifetime of the first join token.")] = "12h",
     uses: Annotated[Optional[int], typer.Option(help="How many joins the first token allows [unlimited].")] = None,
     train: Annotated[bool, typer.Option("--train", help="This machine also trains: a share of every job.")] = False,
@@ -35,7 +38,7 @@ def init(
     \b
     Examples:
       meshrun init --endpoint 203.0.113.1
-      meshrun init --endpoint vpn.example.com:51820 --cidr 10.77.0.0/16 --uses 4
+      meshrun init --endpoint vpn.example.com:51820 --cidr 10.77.0.0/16 --uses 4 --name hq
     The token is the last line of output; give it to `meshrun join` on each node.
     Open UDP and TCP 51820 on this machine (UDP 51820 on every node).
     """
@@ -52,12 +55,15 @@ def init(
         token_ttl=ttl,
         token_uses=uses,
         train=train,
+        coordinator_name=name,
     )
     res = setup.init(opts, app.state, start=not foreground)
     net = res.network
     app.echo(f"network {net.name}: {net.cidr}, coordinator {net.coordinator_ip} on {net.interface} ({res.backend})")
     app.echo(f"nodes enrol at {', '.join(net.endpoints)} (TCP) and tunnel to UDP {net.listen_port}")
-    app.echo(f"state in {res.state_dir}; join each node with:  meshrun join <token> --name NAME")
+    # The token on stdin, never on a command line (shell history and /proc/*/cmdline show those).
+    app.echo(f"state in {res.state_dir}; put the token (the last line) in a file, then on each node:")
+    app.echo("  meshrun join - --name NAME < token.txt")
     if res.warning:
         app.echo(f"meshrun: warning: {res.warning}", err=True)
     app.echo(res.token)
@@ -194,3 +200,69 @@ def remove(name: str, state_dir: StateOpt = None) -> None:
     app = Application.for_command(state_dir)
     m = admin.remove_member(app.state, name)
     app.echo(f"removed {m.name} ({m.overlay_ip}); every peer drops it on its next sync")
+
+
+site_app = typer.Typer(
+    no_args_is_help=True, help="Sites and their networks: list them, trust one (on the coordinator)."
+)
+root.add_typer(site_app, name="site")
+
+
+@site_app.command("list")
+@handled
+def site_list(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+    """List the sites nodes joined with (`meshrun join --site`), their nodes, and whether each network is trusted.
+
+    \b
+    Example:
+      meshrun site list
+    """
+    from meshrun.mesh.coordinator import admin
+
+    app = Application.for_command(state_dir)
+    rows = admin.site_table(app.state)
+    if json_out:
+        app.echo(json.dumps(rows, indent=2))
+        return
+    app.echo(f"{'SITE':<20} {'NETWORK':<26} NODES")
+    for r in rows:
+        trust = "trusted (site LAN path)" if r["trusted"] else "encrypted (WireGuard)"
+        app.echo(f"{r['site']:<20} {trust:<26} {', '.join(r['nodes']) or '-'}")
+
+
+@site_app.command("trust")
+@handled
+def site_trust(name: Annotated[str, typer.Argument(metavar="SITE")], state_dir: StateOpt = None) -> None:
+    """Carry the overlay between this site's nodes on the site network, unencrypted (VXLAN on UDP 51819).
+
+    Only do this for a network whose every host you trust: a host on it can read, and forge, the overlay
+    traffic between the site's nodes (SECURITY.md). Pairs across sites, and nodes of other sites, stay on
+    WireGuard; a pair whose LAN path stops answering goes back to WireGuard within seconds.
+
+    \b
+    Example:
+      meshrun site trust dc1
+    """
+    from meshrun.mesh.coordinator import admin
+
+    app = Application.for_command(state_dir)
+    nodes = admin.trust_site(app.state, name, True)
+    app.echo(f"site {name} trusted: its nodes' pairs move to the site LAN path (unencrypted) once it answers")
+    if not nodes:
+        app.echo(f"meshrun: note: no node has joined with --site {name} yet", err=True)
+
+
+@site_app.command("untrust")
+@handled
+def site_untrust(name: Annotated[str, typer.Argument(metavar="SITE")], state_dir: StateOpt = None) -> None:
+    """Put this site's pairs back on WireGuard (encrypted), the default.
+
+    \b
+    Example:
+      meshrun site untrust dc1
+    """
+    from meshrun.mesh.coordinator import admin
+
+    app = Application.for_command(state_dir)
+    admin.trust_site(app.state, name, False)
+    app.echo(f"site {name} untrusted: its pairs are back on WireGuard after the members' next sync")

@@ -80,6 +80,14 @@ def train(
         Optional[float],
         typer.Option(help="Seconds per training step, for --compression auto [1.0, assumed]."),
     ] = None,
+    use_shell_ifname: Annotated[
+        bool,
+        typer.Option(
+            "--use-shell-ifname",
+            help="Pass this shell's NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME to the workers over meshrun's pinning "
+            "(refused without it: such a variable sends collectives off the overlay).",
+        ),
+    ] = False,
     mixed_accelerators: Annotated[
         bool,
         typer.Option(
@@ -167,6 +175,7 @@ def train(
         "model_size": model_size,
         "step_time": step_time,
         "mixed_accelerators": mixed_accelerators,
+        "use_shell_ifname": use_shell_ifname or None,
     }
     from_file = (
         jobconfig.parse(read_user_file(config, "job file", "--config"), f"job file {str(config)!r}") if config else {}
@@ -180,9 +189,12 @@ def train(
             earlier.pop("script_args", None)
         from_file = {**earlier, **from_file, "env": {**earlier.get("env", {}), **from_file.get("env", {})}}
     options = jobconfig.merge(from_file, cli)
+    notice = submission.shell_notice(options)  # the shell's variables, said before anything starts
     if local:
         options["job_id"] = submission.local_job_id(options.get("job_id"))
         spec = submission.job_spec(options, cwd)
+        if notice:
+            app.echo(notice, err=True)
         choice = submission.choose_compression(app.state, spec, spec.bounds(1)[1])
         if choice is not None:
             app.echo(f"meshrun: {choice.line()}", err=True)
@@ -192,6 +204,8 @@ def train(
             return
         submission.exec_local(p)
     spec = submission.job_spec(options, cwd)
+    if notice:
+        app.echo(notice, err=True)
     if options.get("dry_run"):
         from meshrun.core import termtext
 

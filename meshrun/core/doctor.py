@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshrun.core import preflight
+from meshrun.core.lanpath import LAN_PORT
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 HANDSHAKE_STALE_S = 180  # WireGuard re-handshakes every 2 min while traffic flows; keepalives keep it flowing
@@ -85,6 +86,7 @@ def judge(f: dict) -> list[Check]:
         if f["role"] == "node":
             out.append(_coordinator(f))
         out += _peers(f)
+        out.append(_lan(f))
         out.append(_udp(f))
     out.append(_clock(f))
     out += _environment(f)
@@ -272,6 +274,30 @@ def _peers(f: dict) -> list[Check]:
     if len(good) > PEER_LINES_MAX:
         good = [Check("peers", OK, f"{len(good)} peers with a handshake in the last {_age(HANDSHAKE_STALE_S)}")]
     return good + bad
+
+
+def _lan(f: dict) -> Check | None:
+    """The site LAN path (a trusted site's pairs without WireGuard, meshrun.core.lanpath): made, and answering?"""
+    lan = f.get("lan") or {}
+    if lan.get("error"):
+        return Check(
+            "site LAN path",
+            WARN,
+            f"cannot be made here ({lan['error']}): this site's pairs stay on WireGuard, at its speed",
+            "load the vxlan kernel module, or `meshrun site untrust SITE` on the coordinator",
+        )
+    planned, active = lan.get("planned") or [], set(lan.get("active") or [])
+    if not planned:
+        return None
+    down = [n for n in planned if n not in active]
+    if down:
+        return Check(
+            "site LAN path",
+            WARN,
+            f"{len(down)} of {len(planned)} peers do not answer on it ({', '.join(down[:8])}): on WireGuard instead",
+            f"allow UDP {LAN_PORT} between the site's nodes' LAN addresses (security groups, host firewalls)",
+        )
+    return Check("site LAN path", OK, f"{len(planned)} peers on the site network, unencrypted ({lan.get('device')})")
 
 
 def _udp(f: dict) -> Check:

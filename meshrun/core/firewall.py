@@ -7,7 +7,8 @@ Two kinds:
   The job's processes run in a cgroup of their own; nftables' `socket cgroupv2` finds the socket a
   packet is for (listening sockets included) and its cgroup, so a new connection (TCP SYN, or any UDP)
   to that cgroup's sockets from an overlay address outside the set `nodes` is dropped before it
-  reaches the socket. One table per job and node (`job_table`), so removing it is one command and the
+  reaches the socket (arriving on the WireGuard interface or on the site LAN path's device, core/lanpath).
+  One table per job and node (`job_table`), so removing it is one command and the
   host's own tables are never touched.
 - The **forward guard**, on every member: a member that forwards overlay traffic (the coordinator relays
   pairs; a node whose host forwards, as Docker and Kubernetes hosts do) forwards only overlay-to-overlay;
@@ -22,6 +23,7 @@ import ipaddress
 import re
 from collections.abc import Iterable, Sequence
 
+from meshrun.core import lanpath
 from meshrun.errors import UsageError
 
 __all__ = [
@@ -136,6 +138,8 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) 
     """
     table, iface = _check_table(table), check_interface(interface)
     ips = _addresses(allowed)
+    # The overlay arrives on the WireGuard interface, and from a trusted site's members on the LAN path's device.
+    ifaces = f'{{ "{iface}", "{lanpath.interface_name(iface)}" }}'
     elements = f" elements = {{ {', '.join(ips)} }};" if ips else ""
     path = f"{CGROUP_PARENT}/{table}"
     return "\n".join(
@@ -147,9 +151,9 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) 
             f"  set nodes {{ type ipv4_addr;{elements} }}",
             "  chain input {",
             "    type filter hook input priority filter - 1; policy accept;",
-            f'    iifname "{iface}" tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider',
-            f'    iifname "{iface}" meta l4proto udp ip saddr != @nodes jump outsider',
-            f'    iifname "{iface}" meta nfproto ipv6 jump outsider',
+            f"    iifname {ifaces} tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider",
+            f"    iifname {ifaces} meta l4proto udp ip saddr != @nodes jump outsider",
+            f"    iifname {ifaces} meta nfproto ipv6 jump outsider",
             "  }",
             "  chain outsider {",
             *(f'    socket cgroupv2 level {level} "{path}" drop' for level in GUARD_LEVELS),

@@ -26,18 +26,21 @@ RDZV_BACKEND = "meshrun"
 # torchrun polls its workers this often (seconds); a failure is noticed within it.
 MONITOR_INTERVAL = "0.5"
 ELASTIC_LAST_CALL_S = 10  # an elastic rendezvous's wait for more nodes once MIN joined (torch's default: 30)
-# Several TCP streams per peer: one TCP stream is capped at window/RTT, so on a high
-# bandwidth-delay-product WAN link (e.g. 10 Gbit/s at 80 ms) a single socket cannot fill
-# the pipe; NCCL stripes each peer connection over NTHREADS x NSOCKS_PERTHREAD sockets.
-# NCCL requires the product to be <= 64; 4 x 4 = 16 fills typical inter-region links without
-# burning many CPU threads (the overlay's own encryption also needs CPU).
-NCCL_SOCKET_NTHREADS = 4
-NCCL_NSOCKS_PERTHREAD = 4
-NCCL_MAX_SOCKETS = 64
+# NCCL's socket count (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD) is left to NCCL: measured on an H200
+# through meshrun0 (benchmarks/results/gpu_datapath.json), its own choice moved 256 MiB all-reduces at 0.62 GB/s
+# same-site and 0.61 across sites, against 0.32 for the 4 x 4 meshrun used to set and 0.27-0.43 for 1x1, 2x8 and
+# 8x2. A user's own values (--env, the job file) still pass through.
 # Set to "1" for `meshrun train --site-fabric`: meshrun.train.sites then asks NCCL for the fabric in site groups.
 ENV_SITE_FABRIC = "MESHRUN_SITE_FABRIC"
 # Set to "1" for `meshrun train --mixed-accelerators` (meshrun.core.presets.ENV_MIXED): scripts use gloo.
 ENV_MIXED = "MESHRUN_MIXED_ACCELERATORS"
+# The caller's variables `meshrun train` forwards to every worker (over meshrun's own values).
+FORWARD_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
+# What meshrun sets to keep a job's collectives on the overlay: a shell's own value overrides it.
+MESHRUN_SETS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_NET", "NCCL_IB_DISABLE")
+# Of those, the ones that pin the interface: from a shell (a profile left from single-VPC work) they bring back the
+# cross-datacenter hang, so they are refused unless given on purpose (--env, a job file, --use-shell-ifname).
+SHELL_PINS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 # Variables a job may not set, and why: they would take a store off the overlay.
 PROTECTED_ENV = {
     # torchrun then has rank 0's worker host a second TCPStore, bound to the wildcard (every interface).
@@ -109,6 +112,36 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return lo, hi
 
 
+@dataclass(frozen=True)
+class ShellEnv:
+    """What the submitting shell passes to a job: `forwarded` (its NCCL_/GLOO_/TORCH_ variables not given on
+    purpose), of those the names that `override` what meshrun sets, and the interface pins `refused`."""
+
+    forwarded: dict[str, str]
+    override: tuple[str, ...]
+    refused: tuple[str, ...]
+
+    def notice(self) -> str:
+        """One line for the terminal before the job starts ("" when the shell passes nothing)."""
+        if not self.forwarded:
+            return ""
+        line = "meshrun: from this shell, every worker gets " + ", ".join(
+            f"{k}={v}" for k, v in sorted(self.forwarded.items())
+        )
+        if self.override:
+            line += f" (overriding meshrun's {', '.join(self.override)})"
+        return line
+
+
+def shell_env(shell: Mapping[str, str], explicit: Mapping[str, str], allow_pins: bool = False) -> ShellEnv:
+    """Sort the caller's environment `shell` for a job whose own variables are `explicit` (--env, the job file):
+    those given explicitly are not the shell's doing; interface pins are refused unless `allow_pins`. Pure."""
+    forwarded = {k: v for k, v in shell.items() if k.startswith(FORWARD_ENV_PREFIXES) and k not in explicit}
+    override = tuple(k for k in MESHRUN_SETS if k in forwarded)
+    refused = () if allow_pins else tuple(k for k in SHELL_PINS if k in forwarded)
+    return ShellEnv(forwarded, override, refused)
+
+
 def worker_env(
     interface: str,
     node_name: str,
@@ -153,21 +186,7 @@ def worker_env(
         # such as EFA) between datacenters, where those fabrics do not reach. NCCL reads NCCL_NET at
         # every communicator's creation and it wins over the communicator's own config.netName.
         "NCCL_NET": "Socket",
-        "NCCL_SOCKET_NTHREADS": str(NCCL_SOCKET_NTHREADS),
-        "NCCL_NSOCKS_PERTHREAD": str(NCCL_NSOCKS_PERTHREAD),
     }
-    # If the user raised one of the two, lower our default for the other so the product stays <= 64.
-    for mine, theirs in (
-        ("NCCL_NSOCKS_PERTHREAD", "NCCL_SOCKET_NTHREADS"),
-        ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD"),
-    ):
-        if theirs in user_env and mine not in user_env:
-            try:
-                n = int(user_env[theirs])
-            except ValueError:
-                continue
-            if n > 0 and n * int(env[mine]) > NCCL_MAX_SOCKETS:
-                env[mine] = str(max(1, NCCL_MAX_SOCKETS // n))
     if not site_fabric:
         # NCCL reads it once per process: with it no communicator, the site group's included, can use IB.
         env["NCCL_IB_DISABLE"] = "1"

@@ -90,6 +90,7 @@ class Member(_Wire):
     relay: bool = True  # may relay other members' pairs (`meshrun join --no-relay`: not)
     via: str = ""  # for the receiving node, a relayed peer's relay: its public key ("" = the coordinator)
     via_port: int = 0  # for the receiving node, the UDP port its relay forwards this pair's datagrams on (0: none yet)
+    lan: bool = False  # for the receiving node: the pair may use its trusted site's LAN path (core/lanpath)
 
     @classmethod
     def from_dict(cls, d: dict) -> Member:
@@ -111,6 +112,7 @@ class Member(_Wire):
             relay=bool(d.get("relay", True)),
             via=_key(d, "via") if d.get("via") else "",
             via_port=_int(d, "via_port", 0, 65535, required=False),
+            lan=bool(d.get("lan", False)),
         )
 
 

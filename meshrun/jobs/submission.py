@@ -26,7 +26,6 @@ from meshrun.system import archive, host, joblogs, procs
 from meshrun.system.projects import check_project
 from meshrun.system.statedir import StateDir
 
-FORWARD_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
 # The latest `meshrun bench` result (its --json, plus "measured_at"), kept in the coordinator's state
 # directory by meshrun.bench.run; `--compression auto` chooses from it.
 BENCH_RESULT = "bench-latest.json"
@@ -36,12 +35,14 @@ def job_spec(options: dict, cwd: Path) -> JobSpec:
     """The job spec to submit from `meshrun train`'s merged options (JobSpec's field names; a key that is
     absent or None takes JobSpec's default, keys that are not JobSpec fields, such as dry_run, are
     ignored): the caller's NCCL_/GLOO_/TORCH_ variables under --env, a fresh job id unless one was given,
-    the project named after the code's directory unless one was given. UsageError for a bad value."""
+    the project named after the code's directory unless one was given. UsageError for a bad value, and for
+    an interface pin (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) this shell sets but the job does not ask for
+    (options["use_shell_ifname"] allows it)."""
     fields = {k: v for k, v in options.items() if k in JobSpec.__dataclass_fields__ and v is not None}
     if not fields.get("script"):
         raise UsageError("no training script given", "e.g. meshrun train train.py")
     fields["job_id"] = fields.get("job_id") or new_job_id(fields["script"])
-    fields["env"] = user_env(fields.get("env") or {})
+    fields["env"] = user_env(fields.get("env") or {}, bool(options.get("use_shell_ifname")))
     fields["script_args"] = list(fields.get("script_args") or [])
     fields["cwd"] = str(cwd)
     if fields.get("project"):
@@ -60,11 +61,23 @@ def job_spec(options: dict, cwd: Path) -> JobSpec:
     return spec
 
 
-def user_env(extra: dict[str, str]) -> dict[str, str]:
-    """The caller's NCCL_*/GLOO_*/TORCH_* variables plus --env pairs: they override meshrun's defaults."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_ENV_PREFIXES)}
-    env.update(extra)
-    return env
+def user_env(extra: dict[str, str], allow_pins: bool = False) -> dict[str, str]:
+    """The caller's NCCL_*/GLOO_*/TORCH_* variables plus `extra` (--env, the job file): they override meshrun's
+    defaults. UsageError for an interface pin from the shell alone, unless `allow_pins` (see launch.shell_env)."""
+    report = launch.shell_env(os.environ, extra, allow_pins)
+    if report.refused:
+        k = report.refused[0]
+        raise UsageError(
+            f"this shell sets {k}={os.environ[k]}, which would pin every worker off the overlay (meshrun pins "
+            f"{k} to its interface; a profile left from single-VPC work brings back the cross-datacenter hang)",
+            f"unset {k}; or, on purpose, --env {k}={os.environ[k]} (or --use-shell-ifname)",
+        )
+    return {**report.forwarded, **extra}
+
+
+def shell_notice(options: dict) -> str:
+    """What the caller's shell passes to every worker, for the terminal before the job starts ("" if nothing)."""
+    return launch.shell_env(os.environ, options.get("env") or {}, bool(options.get("use_shell_ifname"))).notice()
 
 
 def parse_env_pairs(pairs: list[str]) -> dict[str, str]:

@@ -12,17 +12,41 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import sys
 import time
 from pathlib import Path
 
 from meshrun.errors import HostError, LaunchError, UsageError
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World
+from meshrun.lab.testbed import DatacenterSpec, Mesh, World, remove_stale
 from meshrun.system import procs
+from meshrun.system.statedir import StateDir, read_json_files
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RDZV_PORT = 29500
 NEGATIVE_TIMEOUT = 15
+# One record per running demo ({"prefix", "pid"}): demos side by side take prefixes of their own, and a demo
+# finds what a killed one left (its namespaces, its WireGuard processes) and removes it.
+DEMO_RUNS = Path("/run/meshrun-demo")
+
+
+def claim_prefix(out=print, runs: Path = DEMO_RUNS) -> str:
+    """A testbed prefix of this demo's own, recorded in `runs`; what demos killed earlier left is torn down
+    first (said), a demo running beside this one is left alone (said)."""
+    for rec in read_json_files(runs, "demo*.json"):
+        prefix, pid = str(rec.get("prefix", "")), int(rec.get("pid") or 0)
+        if not re.fullmatch(r"demo[0-9a-f]{4}", prefix):
+            continue
+        if pid and procs.alive(pid):
+            out(f"    another meshrun demo runs beside this one (pid {pid}, namespaces {prefix}-*): left alone")
+            continue
+        gone = remove_stale(prefix)
+        StateDir(runs).remove(f"{prefix}.json")
+        out(f"    removed what a killed demo (pid {pid}) left behind: {len(gone)} namespaces {prefix}-*")
+    prefix = "demo" + secrets.token_hex(2)
+    StateDir(runs).create()
+    StateDir(runs).write_json(f"{prefix}.json", {"prefix": prefix, "pid": os.getpid()})
+    return prefix
 
 
 def _say(out, step: int, total: int, text: str) -> None:
@@ -136,7 +160,15 @@ def run(nodes: int = 3, out=print, sites: bool = False) -> int:
         dcs = [DatacenterSpec("hq")] + [DatacenterSpec(f"dc{i}", nodes=SITE_NODES) for i in (1, 2)]
     else:
         dcs = [DatacenterSpec("hq")] + [DatacenterSpec(f"dc{i}") for i in range(1, nodes + 1)]
-    with World(dcs, prefix="demo") as world:
+    prefix = claim_prefix(out)
+    try:
+        return _run_world(dcs, prefix, nodes, out, sites, total, t_start, example)
+    finally:
+        StateDir(DEMO_RUNS).remove(f"{prefix}.json")
+
+
+def _run_world(dcs, prefix: str, nodes: int, out, sites: bool, total: int, t_start: float, example: str) -> int:
+    with World(dcs, prefix=prefix) as world:
         _say(
             out,
             1,

@@ -10,16 +10,17 @@ ranks on one GPU and use shared memory or NVLink between "nodes" instead of the 
 the same check runs on gloo and says that NCCL was not exercised. Needs root.
 
 Then it measures (``--no-bench`` skips it) one table with examples/nccl_bench.py: all-reduce bus bandwidth
-(``--mib``, 256 MiB) between two nodes of one site through the raw site LAN (``NCCL_SOCKET_IFNAME=eth0``
-in the namespaces: no meshrun on the data path), through meshrun0 (same site), and between nodes of two
-sites through meshrun0; on NCCL, meshrun0's rows for each socket setting of ``--settings`` (``default``:
-neither ``NCCL_SOCKET_NTHREADS`` nor ``NCCL_NSOCKS_PERTHREAD`` set, NCCL's own choice; ``TxS``: T threads x S
-sockets per thread; `meshrun train` sets 4x4, meshrun.core.launch). Each setting is one `meshrun train` job
-(NCCL reads them once per process) with ``--rounds-per-job`` rounds of the pairs alternating; jobs run in
-passes, forward then backward, while ``--budget-s`` lasts. On gloo the socket settings mean nothing: one
-pass of the LAN and meshrun0 jobs, which exercises the same path. ``--out FILE`` gets the table as JSON
-after every job (on NCCL by default benchmarks/results/gpu_datapath.json), with the environment and the
-lines NCCL logged about the interfaces, sockets and graphs (``NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH``).
+(``--mib``, 256 MiB) between two nodes of one site through the raw site LAN (``NCCL_SOCKET_IFNAME=eth0`` in the
+namespaces: no meshrun on the data path), through meshrun0 (same site), between nodes of two sites through
+meshrun0, and (unless ``--no-lan-path``) between the nodes of site s2, trusted with `meshrun site trust`, on the
+site LAN path (meshrun.core.lanpath); on NCCL, meshrun0's rows for each socket setting of ``--settings``
+(``default``: neither ``NCCL_SOCKET_NTHREADS`` nor ``NCCL_NSOCKS_PERTHREAD`` set, NCCL's own choice; ``TxS``: T
+threads x S sockets per thread; `meshrun train` leaves them to NCCL, meshrun.core.launch). Each setting is one
+`meshrun train` job (NCCL reads them once per process) with ``--rounds-per-job`` rounds of the pairs alternating;
+jobs run in passes, forward then backward, while ``--budget-s`` lasts. On gloo the socket settings mean nothing:
+one pass of the LAN and meshrun0 jobs, which exercises the same path. ``--out FILE`` gets the table as JSON after
+every job (on NCCL by default benchmarks/results/gpu_datapath.json), with the environment and the lines NCCL logged
+about the interfaces, sockets and graphs (``NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH``).
 
     sudo .venv/bin/python -m meshrun.lab.gpucheck [--no-bench] [--budget-s 300] [--out FILE]
 """
@@ -54,6 +55,7 @@ SITES, NODES_PER_SITE = 2, 2
 LAN_IFNAME = "eth0"  # each node's interface on its site network (meshrun.lab.testbed)
 SETTINGS = ("default", "1x1", "2x8", "4x4", "8x2")  # NCCL socket threads x sockets per thread
 BENCH_NODES = ("s1-a", "s1-b", "s2-a")  # a site's pair, and a node of another site
+LAN_PATH_SITE, LAN_PATH_NODES = "s2", ("s2-a", "s2-b")  # trusted (`meshrun site trust`): the site LAN path's pair
 # What NCCL logs about the network, its sockets and the graphs it built (NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH).
 NCCL_NET_LINE = re.compile(
     r"NCCL INFO (.*(?:NET/|Using network|threads|sockets|speed|[Bb]w |maxBw|Pattern|nChannels|Ring 00|Tree 0 |"
@@ -95,17 +97,20 @@ class BenchJob:
         env: list[str] = []
         if self.path == "lan":  # the data path on the site network, meshrun only for the rendezvous
             env = ["--env", f"NCCL_SOCKET_IFNAME=={LAN_IFNAME}", "--env", f"GLOO_SOCKET_IFNAME={LAN_IFNAME}"]
-        pairs = "same" if self.path == "lan" else ("cross,same" if backward else "same,cross")
+        # "lanpath": meshrun0's address as for any job; the trusted site's routes take it onto the LAN path.
+        pairs = "same" if self.path in ("lan", "lanpath") else ("cross,same" if backward else "same,cross")
         bench = ["--sockets", self.sockets, "--mib", str(mib), "--rounds", str(rounds), "--pairs", pairs]
         return ["--nodes", ",".join(self.nodes), *env, *plan.train_args("nccl_bench.py", "INIT,NET,GRAPH"), *bench]
 
 
-def bench_jobs(plan: CheckPlan, settings: tuple[str, ...] = SETTINGS) -> list[BenchJob]:
-    """The jobs of one pass: the raw site LAN at NCCL's default, then meshrun0 at each setting (gloo: one). Pure."""
+def bench_jobs(plan: CheckPlan, settings: tuple[str, ...] = SETTINGS, lan_path: bool = False) -> list[BenchJob]:
+    """The jobs of one pass: the raw site LAN at NCCL's default, then meshrun0 at each setting (gloo: one), then,
+    with `lan_path` (the trusted site's pair is on it), the site LAN path at NCCL's default. Pure."""
     if plan.backend == "gloo":
         settings = ("default",)  # socket threads and sockets are NCCL's: gloo has one setting
     jobs = [BenchJob("lan", "default", BENCH_NODES[:2])]
-    return jobs + [BenchJob("meshrun0", s, BENCH_NODES) for s in settings]
+    jobs += [BenchJob("meshrun0", s, BENCH_NODES) for s in settings]
+    return jobs + ([BenchJob("lanpath", "default", LAN_PATH_NODES)] if lan_path else [])
 
 
 def cell_name(path: str, pair: str, sockets: str) -> str:
@@ -262,10 +267,11 @@ def run_bench(
     log_path: Path | None,
     out=print,
     job_timeout_s: float = 240,
+    lan_path: bool = False,
 ) -> BenchTable:
     """Passes of bench_jobs (forward, then backward, ...) while `budget_s` lasts; the table, written as it fills."""
     table = BenchTable(plan.backend, mib, environment(plan.backend))
-    jobs = bench_jobs(plan, settings)
+    jobs = bench_jobs(plan, settings, lan_path)
     t0, longest = time.monotonic(), 0.0
     logs: list[str] = []
     passes = 1 if plan.backend == "gloo" else 99
@@ -373,9 +379,10 @@ def run(
     out_path: Path | None = None,
     log_path: Path | None = None,
     job_timeout_s: float = 240,
+    lan_path: bool = True,
 ) -> int:
     """Build the world, run the check, print the summary, then the bandwidth table; the check's exit code
-    (a bench job that fails makes it 1 too)."""
+    (a bench job that fails makes it 1 too). `lan_path`: site s2 is trusted, its pair measured on the LAN path."""
     if os.geteuid() != 0:
         raise HostError("the GPU check builds network namespaces and needs root", "run it with sudo")
     gpus = gpu_count()
@@ -390,6 +397,8 @@ def run(
             out(plan.message)
         for n in nodes:
             mesh.join(n, "--site", n.dc)
+        if bench and lan_path:
+            lan_path = trust_site(mesh, out)
         out(f"[{_stamp()}] world up; groups check ({plan.backend})")
         res = mesh.meshrun("hq-a", "train", *plan.train_args(), cwd=EXAMPLES, timeout=600, check=False)
         report_check(res, out)
@@ -400,7 +409,7 @@ def run(
             if plan.backend == "gloo":
                 mib = min(mib, 16)  # the path, not the speed: a CPU machine's gloo at 256 MiB takes long
             table = run_bench(
-                mesh, plan, settings, mib, budget_s, rounds_per_job, out_path, log_path, out, job_timeout_s
+                mesh, plan, settings, mib, budget_s, rounds_per_job, out_path, log_path, out, job_timeout_s, lan_path
             )
     if table is not None:
         out("")
@@ -420,6 +429,27 @@ def run(
     ok = res.returncode == 0 and (table is None or not table.failures)
     out(f"gpu-check {'passed' if ok else f'FAILED (exit {res.returncode or 1})'}")
     return 0 if ok else (res.returncode or 1)
+
+
+def trust_site(mesh: Mesh, out=print, timeout_s: float = 40) -> bool:
+    """`meshrun site trust` LAN_PATH_SITE and wait until its pair is on the site LAN path; False (said) if not."""
+    from meshrun.core import lanpath
+
+    mesh.meshrun("hq-a", "site", "trust", LAN_PATH_SITE)
+    a, b = LAN_PATH_NODES
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = {r["name"]: r["path"] for r in mesh.status(a)["peers"]}
+        if rows.get(b) == lanpath.LABEL:
+            out(f"[{_stamp()}] site {LAN_PATH_SITE} trusted: {a}-{b} on the site LAN path")
+            return True
+        time.sleep(1)
+    out(f"site LAN path not up after {timeout_s:.0f} s ({mesh.status(a).get('lan')}); its row is left out")
+    for n in LAN_PATH_NODES:  # what the agents said about it
+        log = mesh.state_dir(mesh.world.node(n)) / "daemon.log"
+        res = mesh.world.node(n).run("sh", "-c", f"grep -i -e lan -e site {log} | tail -12", check=False)
+        out(f"{n}'s agent: " + res.stdout.strip().replace("\n", f"\n{n}'s agent: "))
+    return False
 
 
 def report_check(res, out=print) -> None:
@@ -446,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-timeout-s", type=float, default=240, help="a bench job still running then is cancelled")
     p.add_argument("--out", type=Path, help="the table as JSON [NCCL: benchmarks/results/gpu_datapath.json]")
     p.add_argument("--log", type=Path, help="every bench job's whole output, in one file")
+    p.add_argument("--no-lan-path", action="store_true", help="do not trust site s2 nor measure the site LAN path")
     a = p.parse_args(argv)
     settings = tuple(x.strip() for x in a.settings.split(",") if x.strip())
     for x in settings:
@@ -461,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             out_path=a.out,
             log_path=a.log,
             job_timeout_s=a.job_timeout_s,
+            lan_path=not a.no_lan_path,
         )
     except MeshrunError as exc:
         print(f"meshrun gpu-check: {exc}", file=sys.stderr)

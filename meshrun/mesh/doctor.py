@@ -64,6 +64,7 @@ def gather(state: StateDir, shell_env) -> dict:
             {k: p[k] for k in ("name", "overlay_ip", "endpoint", "path", "handshake_age_s")} for p in st["peers"]
         ],
         "sync": st.get("sync") or {},
+        "lan": st.get("lan") or {},
         "now": time.time(),
         "shell_env": _watched(dict(shell_env)),
         "daemon_env": _watched(procs.environ(pid) if pid else None),

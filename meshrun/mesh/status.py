@@ -9,7 +9,7 @@ import statistics
 import time
 from collections import Counter
 
-from meshrun.core import etcdconf, pairpaths, topology
+from meshrun.core import etcdconf, lanpath, pairpaths, topology
 from meshrun.core.model import Member
 from meshrun.errors import ControlStateError, MeshrunError, UsageError
 from meshrun.mesh import iface, member, process
@@ -132,6 +132,8 @@ def gather(state: StateDir, measure: bool = True) -> dict:
     except ControlStateError as exc:  # several coordinators, and etcd has no majority
         members, sites, unreadable = [], {}, exc.message
     by_key = {m.public_key: m for m in members}
+    lan = state.read_json("lan.json") if (state / "lan.json").exists() else {}
+    on_lan = set(lan.get("active") or [])
     device = iface.device_for(state, network, rec)
     up = device.exists()
     current = device.peers() if up else []
@@ -153,7 +155,10 @@ def gather(state: StateDir, measure: bool = True) -> dict:
                 "overlay_ip": ip,
                 "public_key": p.public_key,
                 "endpoint": p.endpoint,
-                "path": path_label(m, p.endpoint, p.allowed_ips),
+                # The site LAN path carries the pair's traffic (its WireGuard peer stays, idle, for a fallback).
+                "path": lanpath.LABEL
+                if m is not None and m.name in on_lan
+                else path_label(m, p.endpoint, p.allowed_ips),
                 "latest_handshake": p.latest_handshake or None,
                 "handshake_age_s": now - p.latest_handshake if p.latest_handshake else None,
                 "rx_bytes": p.rx,
@@ -195,6 +200,9 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         out["coordinator"] = (state.read_json("sync.json") if (state / "sync.json").exists() else {}).get("coordinator")
         relaying = state.read_json("relaying.json") if (state / "relaying.json").exists() else {}
         out["relaying"] = relaying.get("pairs", [])
+        out["lan"] = lan
+        if lan.get("error"):
+            out["warnings"].append(f"no site LAN path ({lan['error']}); this site's pairs stay on WireGuard")
         sync = state.read_json("sync.json") if (state / "sync.json").exists() else {}
         out["sync"] = sync
         if sync.get("failing_since"):

@@ -12,6 +12,8 @@ import struct
 import threading
 import time
 
+from meshrun.system import lanlink
+
 CHUNK = 256 * 1024
 PINGS = 10
 
@@ -32,7 +34,8 @@ class PairServer:
     def __init__(self, host: str, device: str | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if device:  # only packets that came through the overlay interface reach it
+        device = lanlink.bind_device(device)
+        if device:  # only packets that came through the overlay interface reach it (or the site LAN path's)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, device.encode())
         self.sock.bind((host, 0))
         self.sock.listen(64)

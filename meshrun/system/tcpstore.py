@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import socket
 
+from meshrun.system import lanlink
+
 
 def listener(ip: str, port: int = 0, device: str | None = None, backlog: int = 1024) -> socket.socket:
-    """A listening TCP socket on ip:port (0: a free port), bound to `device` when given."""
+    """A listening TCP socket on ip:port (0: a free port), bound to `device` when given (to the address alone
+    where this host has a site LAN path beside `device`: meshrun.system.lanlink.bind_device)."""
+    device = lanlink.bind_device(device)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

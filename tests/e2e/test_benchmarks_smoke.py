@@ -30,6 +30,8 @@ CASES = {
     "preflight_time": ["--nodes", "2", "--rounds", "1"],
     "sites": ["--intra-mib", "1", "--cross-mib", "2", "--rounds", "1"],
     "ha_failover": ["--rounds", "1", "--lose", "relay", "--window", "3", "--steps", "400"],
+    "datapath": ["--rounds", "1", "--seconds", "1", "--mib", "1", "--iters", "1", "--warmup", "1"]
+    + ["--wan-seconds", "2", "--wan-rounds", "1"],
 }
 # On loopback and mostly asleep (it waits for long-polls to settle, a join storm to pass): it runs beside the others.
 LOAD_ARGS = ["--sizes", "10", "--window", "3", "--probes", "2", "--rounds", "1", "--name", "smoke_coordinator_load"]

@@ -62,7 +62,7 @@ def test_diloco_charlm_trains_across_two_datacenters(fresh_mesh):
     params = int(re.search(r"\bparams=(\d+)", res.stdout).group(1))
     assert sent == 2 * 2 * params
     assert "finished on 2 node(s)" in res.stderr
-    assert time.monotonic() - t0 < 90
+    assert time.monotonic() - t0 < 300  # a hang, not a speed target (the job takes 20-60 s here)
 
 
 # --------------------------------------------------------------------------- membership changes under meshrun train

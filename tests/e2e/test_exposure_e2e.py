@@ -263,7 +263,9 @@ def test_a_join_succeeds_while_the_enrolment_port_is_flooded(mesh, tmp_path):
         res = mesh.join(node, token=token)
         took = time.monotonic() - t0
         threads_after = _threads(daemon)
-        assert "joined" in res.stdout and took < 10, (
+        # A join takes 1-3 s here unflooded; the flood must not starve it (which would be its 35 s timeouts in
+        # a row): a bound with a margin for a loaded CI machine, not the join-time target (benchmarks/).
+        assert "joined" in res.stdout and took < 30, (
             f"join took {took:.1f} s under the flood; coordinator threads {threads} -> {threads_after}"
         )
         assert threads_after <= 40, f"the coordinator grew to {threads_after} threads (join took {took:.1f} s)"

@@ -29,7 +29,13 @@ def test_the_gpu_check_runs_every_group_and_says_when_nccl_was_not_exercised(tmp
     assert out.rstrip().endswith("gpu-check passed")
     # The table's path: the pair on the site network with meshrun off the data path, and on meshrun0.
     cells = json.loads(table.read_text())["cells"]
-    assert set(cells) == {"lan same-site default", "meshrun0 same-site default", "meshrun0 cross-site default"}
+    assert set(cells) == {
+        "lan same-site default",
+        "meshrun0 same-site default",
+        "meshrun0 cross-site default",
+        "lanpath same-site default",  # site s2, trusted right after the joins: its pair on the site LAN path
+    }, out[-3000:]
+    assert "site s2 trusted: s2-a-s2-b on the site LAN path" in out
     assert all(c["n"] >= 1 and c["min"] > 0 for c in cells.values()), cells
     for name in cells:
         assert f"\n{name} " in out

@@ -111,7 +111,7 @@ def test_the_relay_sees_only_ciphertext_of_the_pair_it_carries(lied):
             mesh.python,
             "-c",
             "import socket, sys\n"
-            "s = socket.create_server((sys.argv[1], 39202)); c, _ = s.accept(); n = 0\n"
+            "s = socket.create_server((sys.argv[1], 39202)); print('ready', flush=True); c, _ = s.accept(); n = 0\n"
             "while b := c.recv(65536): n += len(b)\n"
             "print(n, flush=True)\n",
             d_ip,
@@ -119,7 +119,8 @@ def test_the_relay_sees_only_ciphertext_of_the_pair_it_carries(lied):
             stderr=-1,
             text=True,
         )
-        time.sleep(0.5)
+        # wait for the listener: a loaded machine can take seconds to start Python
+        assert server.stdout.readline().strip() == "ready"
         world.node("dcc-a").run(mesh.python, "-c", sender, marker, d_ip, timeout=30)
         received = int(server.communicate(timeout=30)[0].strip())
         got = {n: json.loads(p.communicate(timeout=30)[0].strip().splitlines()[-1]) for n, p in sniffers.items()}
@@ -145,7 +146,7 @@ def test_the_relay_cannot_speak_as_an_end(lied):
         mesh.python,
         "-c",
         "import socket, sys\n"
-        "s = socket.create_server((sys.argv[1], 39203)); s.settimeout(25)\n"
+        "s = socket.create_server((sys.argv[1], 39203)); s.settimeout(25); print('ready', flush=True)\n"
         "try:\n"
         "    while True:\n"
         "        c, a = s.accept(); print(a[0], flush=True); c.close()\n"
@@ -165,9 +166,9 @@ def test_the_relay_cannot_speak_as_an_end(lied):
         "    print('refused', type(e).__name__)\n"
     )
     relay_node = world.node(relay)
+    assert server.stdout.readline().strip() == "ready"  # a refusal must mean the guard, not a slow start
     relay_node.run("ip", "addr", "add", f"{c_ip}/32", "dev", "lo")
     try:
-        time.sleep(0.5)
         forged = relay_node.run(mesh.python, "-c", connect, c_ip, d_ip, timeout=20).stdout.strip()
     finally:
         relay_node.run("ip", "addr", "del", f"{c_ip}/32", "dev", "lo", check=False)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import time
 
-from meshrun.core import topology
-from meshrun.core.model import Member, Network
+from meshrun.core import lanpath, topology
+from meshrun.core.model import SITE_RE, Member, Network
 from meshrun.core.token import looks_like_token, new_token, parse_duration, parse_token
 from meshrun.errors import StateError, UsageError
 from meshrun.mesh.coordinator import ha
@@ -101,3 +101,40 @@ def members(state: StateDir) -> tuple[Network, list[Member]]:
     """The network and its active members (read-only)."""
     db, network = open_db(state, readonly=True)
     return network, db.members()
+
+
+def site_table(state: StateDir) -> list[dict]:
+    """Every site named with ``--site`` or trusted: its members (nodes), whether its network is trusted."""
+    db, _ = open_db(state, readonly=True)
+    try:
+        trusted = lanpath.trusted_from_meta(db.meta(lanpath.TRUST_META))
+        named: dict[str, list[str]] = {}
+        for m in db.members():
+            if m.site and not m.is_coordinator:
+                named.setdefault(m.site, []).append(m.name)
+    finally:
+        db.close()
+    return [
+        {"site": s, "nodes": sorted(named.get(s, [])), "trusted": s in trusted} for s in sorted(set(named) | trusted)
+    ]
+
+
+def trust_site(state: StateDir, name: str, trusted: bool = True) -> list[str]:
+    """Mark site `name`'s network trusted (its nodes' pairs take the site LAN path, unencrypted) or not (back to
+    WireGuard); returns the site's nodes. The daemon tells the members on its next tick. UsageError for a name
+    that is not a site name, or for untrusting a site that is not trusted."""
+    if not SITE_RE.match(name or ""):
+        raise UsageError(
+            f"site name {name!r} is not 1-32 characters of a-z 0-9 - (as `meshrun join --site` takes it)",
+            "see the sites with `meshrun site list`",
+        )
+    db, _ = open_db(state)
+    try:
+        now = lanpath.trusted_from_meta(db.meta(lanpath.TRUST_META))
+        if not trusted and name not in now:
+            shown = ", ".join(sorted(now)) or "none"
+            raise UsageError(f"site {name!r} is not trusted", f"trusted sites: {shown}")
+        db.set_meta(**{lanpath.TRUST_META: lanpath.trusted_to_meta(now | {name} if trusted else now - {name})})
+        return sorted(m.name for m in db.members() if m.site == name and not m.is_coordinator)
+    finally:
+        db.close()

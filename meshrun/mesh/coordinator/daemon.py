@@ -290,6 +290,8 @@ class CoordinatorService:
             self.pairs.follow(members)  # the leader's decisions, from the store
         elif self.pairs.update(members, time.time() if now is None else now):
             self.paths_moved = True
+        if self.leading and self.roster.trust_moved():  # `meshrun site trust` ran: the pairs' `lan` flags move
+            self.paths_moved = True
         # Paths are part of what agents receive: a new version wakes every long-poll. While a backlog is
         # sliced (ticks every BACKLOG_PAUSE) that is at most once per interval, not after every slice.
         if self.paths_moved and (not self.pairs.behind or time.monotonic() - self.published_at >= self.interval):

@@ -211,13 +211,16 @@ class OverlayAPI:
             version = self.roster.version
             if version == seen[0] and not expired:
                 return None
-            news = self.roster.delta(caller, known) if deltas and version != known else None
+            # The caller as the list now has it, not as it was when this long-poll began: its own heartbeat (above)
+            # may have changed it since (its site: which of its pairs take a trusted site's LAN path).
+            now = self.roster.member_by_ip(caller.overlay_ip) or caller
+            news = self.roster.delta(now, known) if deltas and version != known else None
             if news is not None and not (news["changed"] or news["removed"]) and not expired:
                 # The new version changes nothing this caller sees (another pair's path): a thousand
                 # agents need not all come back for it; keep waiting.
                 seen[0] = version
                 return None
-            return self._answer(caller, known, version, deltas, news, extra)
+            return self._answer(now, known, version, deltas, news, extra)
 
         first = poll(time.monotonic() >= deadline)
         return first if first is not None else Wait(deadline, poll)

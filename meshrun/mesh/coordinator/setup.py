@@ -46,6 +46,7 @@ class InitOptions:
     token_ttl: str = DEFAULT_TTL
     token_uses: int | None = None
     train: bool = False  # the coordinator takes a share of every job
+    coordinator_name: str = "coordinator"  # this member's name (`meshrun init --name`), as nodes and jobs show it
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def check_token_uses(uses: int | None) -> None:
 def check_init_options(opts: InitOptions) -> None:
     """Raise UsageError for any init option that is wrong on its own (no system needed)."""
     check_name(opts.name, "--network")
+    check_name(opts.coordinator_name, "--name")
     check_interface(opts.interface)
     check_port(opts.port)
     check_mtu(opts.mtu)
@@ -158,7 +160,7 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
         db = CoordinatorDB.create(state / "coordinator.db")
         undo.append(lambda: state.remove("coordinator.db", "coordinator.db-wal", "coordinator.db-shm"))
         db.set_meta(network=json.dumps(network.to_dict()))
-        db.add_coordinator("coordinator", network.coordinator_public_key, network.coordinator_ip)
+        db.add_coordinator(opts.coordinator_name, network.coordinator_public_key, network.coordinator_ip)
         tok = new_token(network.name, network.endpoints, network.fingerprint, network.coordinator_public_key)
         db.add_token(tok.token_id, tok.secret, ttl, opts.token_uses)
         db.close()
@@ -168,7 +170,7 @@ def init(opts: InitOptions, state: StateDir, start: bool = True, device: Device 
             "member.json",
             {
                 "role": "coordinator",
-                "name": "coordinator",
+                "name": opts.coordinator_name,
                 "network": network.to_dict(),
                 "overlay_ip": network.coordinator_ip,
                 "backend": backend,

@@ -18,10 +18,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from meshrun.core import memberlist, peers, relays
+from meshrun.core import lanpath, memberlist, peers, relays
 from meshrun.core.model import Member, Network
 from meshrun.errors import CoordinatorError, MeshrunError, StateError
 from meshrun.mesh import iface, member, process
+from meshrun.mesh.node.lan import LanPaths
 from meshrun.mesh.process import Extension, ExtensionFactory
 from meshrun.system import net, transport, udprelay
 from meshrun.system import probe as probe_mod
@@ -123,7 +124,8 @@ class AgentService:
     `extensions` start what runs beside the mesh once the interface is up (the job API), `probe(overlay
     IP)` is one round trip to a member over the overlay in seconds, None when it did not answer (a TCP
     handshake to its API port: relay health and the round trips the relay choice uses), `make_relay` makes
-    the forwarder of the pairs this node relays (a FakeRelay in tests).
+    the forwarder of the pairs this node relays (a FakeRelay in tests), `lan` is the site LAN path (one on a
+    FakeLanLink in tests).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class AgentService:
         extensions: Sequence[ExtensionFactory] = (),
         probe: Callable[[str], float | None] | None = None,
         make_relay: Callable[[], udprelay.UdpRelay | udprelay.FakeRelay] | None = None,
+        lan: LanPaths | None = None,
     ) -> None:
         self.state = state
         self.rec, self.network = member.load(state)
@@ -145,6 +148,7 @@ class AgentService:
         self.call_now = call or self._call_once
         self.probe = probe or (lambda ip: probe_mod.tcp_rtt(ip, self.network.api_port, timeout=1.0))
         self.relaying = udprelay.Relaying(make_relay)  # the pairs this node relays, and their relay
+        self.lan = lan or LanPaths(state, self.network, self.rec)  # the site LAN path (trusted sites)
         self.rtt: dict[str, float] = {}  # {peer key: rtt bucket} measured, not yet acknowledged
         self.rtt_told: dict[str, float] = {}  # {peer key: rtt bucket} the coordinator acknowledged
         self.misses: dict[str, int] = {}  # relayed peer key -> consecutive failed tries through its relay
@@ -227,6 +231,7 @@ class AgentService:
                 (self.check_relays, RELAY_CHECK_S),
                 (self.measure_rtt, RTT_EVERY_S),
                 (self.check_coordinator, COORDINATOR_CHECK_S),
+                (self.lan.check, lanpath.PROBE_EVERY_S),
             ):
                 threading.Thread(target=self._probe_loop, args=(step, every), name=step.__name__, daemon=True).start()
             try:
@@ -235,6 +240,7 @@ class AgentService:
                 for ext in self.running:
                     ext.close()
                 self.relaying.close()
+                self.lan.close()
                 if self.session is not None:
                     self.session.close()
         # `meshrun coordinator add` made this node a coordinator (its job API rewrote member.json and stopped us).
@@ -382,6 +388,7 @@ class AgentService:
             member.save_members(self.state, version, members)
         self.version, self.members = version, members
         self._apply(members, recreate)
+        self.lan.apply(members)
         if "relaying" in answer:
             self._relay(answer["relaying"])
         if not self.ready:
@@ -508,6 +515,7 @@ class AgentService:
             log.warning("could not release handshake holds: %s", exc)
 
     def _cleanup_removed(self) -> None:
+        self.lan.close()
         try:
             self.device.delete()
         except MeshrunError as exc:

@@ -200,6 +200,11 @@ class TestInit:
             ),
             (["--port", "0"], "--port 0 is not a usable port; pick 1-65534, e.g. --port 51820"),
             (
+                ["--name", "HQ_1"],
+                "--name 'HQ_1' is not a valid name; use 1-32 lower-case letters, digits and '-', starting with a "
+                "letter or digit, e.g. --name gpu-a",
+            ),
+            (
                 ["--endpoint", "[2001:db8::1]:51820"],
                 "--endpoint '[2001:db8::1]:51820' is an IPv6 address; meshrun's "
                 "underlay is IPv4 only; give this machine's public IPv4 address, "

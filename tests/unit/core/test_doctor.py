@@ -186,6 +186,16 @@ def test_udp_not_reachable_from_outside_is_a_warning_with_the_fix():
     assert only(untested, "udp/51820").level == SKIP
 
 
+def test_the_site_lan_path_is_checked_only_where_one_is_planned():
+    assert "site LAN path" not in levels(facts())  # no trusted site: no line
+    up = {"device": "meshrun0-lan", "planned": ["b", "c"], "active": ["b", "c"], "error": ""}
+    assert only(facts(lan=up), "site LAN path").level == OK
+    c = only(facts(lan=dict(up, active=["b"])), "site LAN path")
+    assert c.level == WARN and "c" in c.detail and "UDP 51819" in c.fix
+    c = only(facts(lan={"planned": [], "active": [], "error": "this kernel has no VXLAN"}), "site LAN path")
+    assert c.level == WARN and "VXLAN" in c.detail and "untrust" in c.fix
+
+
 @pytest.mark.parametrize("offset,level", [(0.4, OK), (-9.0, WARN), (600.0, FAIL)])
 def test_clock_offsets(offset, level):
     assert only(facts(clock_offset_s=offset), "clock").level == level

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshrun.core import firewall
+from meshrun.core import firewall, lanpath
 from meshrun.errors import CommandError, UsageError
 from meshrun.system.fakefirewall import FakeFirewall
 from meshrun.system.firewall import cgroup2_root
@@ -24,9 +24,10 @@ def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
         "  set nodes { type ipv4_addr; elements = { 10.213.0.2, 10.213.0.3 }; }",
         "  chain input {",
         "    type filter hook input priority filter - 1; policy accept;",
-        '    iifname "meshrun0" tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider',
-        '    iifname "meshrun0" meta l4proto udp ip saddr != @nodes jump outsider',
-        '    iifname "meshrun0" meta nfproto ipv6 jump outsider',
+        # The overlay arrives on the WireGuard interface, and on the site LAN path's device (core/lanpath).
+        '    iifname { "meshrun0", "meshrun0-lan" } tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider',
+        '    iifname { "meshrun0", "meshrun0-lan" } meta l4proto udp ip saddr != @nodes jump outsider',
+        '    iifname { "meshrun0", "meshrun0-lan" } meta nfproto ipv6 jump outsider',
         "  }",
         "  chain outsider {",
         # One rule per level the job's cgroup may be at (a container's cgroup namespace puts it deeper).
@@ -37,6 +38,10 @@ def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
     assert firewall.add_allowed(table, ["10.213.0.9"]) == f"add element inet {table} nodes {{ 10.213.0.9 }}\n"
     assert firewall.add_allowed(table, []) == ""
     assert "set nodes { type ipv4_addr; }" in firewall.job_guard(table, "x", "meshrun0", [])
+    # A long interface name: its LAN device is the name the LAN path makes (15 characters at most).
+    long = firewall.job_guard(table, "x", "meshrun-lab-7", [])
+    assert f'iifname {{ "meshrun-lab-7", "{lanpath.interface_name("meshrun-lab-7")}" }} ' in long
+    assert lanpath.interface_name("meshrun-lab-7") == "meshrun-lab-lan"
     assert firewall.delete_guard(table) == f"delete table inet {table}\n"
 
 

@@ -91,7 +91,8 @@ def test_env_pins_nccl_and_gloo_to_the_overlay_exactly():
     assert gpu.env["NCCL_SOCKET_IFNAME"] == "=wg7"
     assert gpu.env["GLOO_SOCKET_IFNAME"] == "wg7"
     assert gpu.env["NCCL_IB_DISABLE"] == "1"
-    assert int(gpu.env["NCCL_SOCKET_NTHREADS"]) * int(gpu.env["NCCL_NSOCKS_PERTHREAD"]) <= 64
+    # NCCL's own socket count won on the GPU machine (benchmarks/results/gpu_datapath.json): left unset.
+    assert "NCCL_SOCKET_NTHREADS" not in gpu.env and "NCCL_NSOCKS_PERTHREAD" not in gpu.env
     assert gpu.env["PYTHONUNBUFFERED"] == "1"
     assert gpu.env["MESHRUN_NODE_NAME"] == "dc1-gpu0"
     assert cpu.env["GLOO_SOCKET_IFNAME"] == "wg7" and cpu.env["MESHRUN_NODE_NAME"] == "dc3-cpu"
@@ -158,10 +159,9 @@ def test_site_fabric_lets_nccl_load_infiniband_but_keeps_sockets_the_process_wid
     assert p.env["NCCL_IB_DISABLE"] == "1" and p.env["MESHRUN_SITE_FABRIC"] == "1"
 
 
-def test_user_socket_threads_keep_the_product_within_64():
+def test_user_socket_settings_pass_through():
     env = launch.worker_env("meshrun0", "n", {"NCCL_SOCKET_NTHREADS": "16"})
-    assert env["NCCL_SOCKET_NTHREADS"] == "16"
-    assert int(env["NCCL_SOCKET_NTHREADS"]) * int(env["NCCL_NSOCKS_PERTHREAD"]) <= 64
+    assert env["NCCL_SOCKET_NTHREADS"] == "16" and "NCCL_NSOCKS_PERTHREAD" not in env
 
 
 def test_nproc_default_and_override():

@@ -171,6 +171,7 @@ class TestMember:
             "relay": True,
             "via": "",
             "via_port": 0,
+            "lan": False,
         }
 
     @pytest.mark.parametrize(

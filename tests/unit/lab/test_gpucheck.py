@@ -97,6 +97,15 @@ def test_the_bench_measures_the_raw_lan_then_meshrun0_at_every_socket_setting_on
     assert overlay.train_args(check_plan(1, NODES), 256, 2, backward=True)[-1] == "cross,same"
 
 
+def test_with_a_trusted_site_the_bench_also_measures_its_pair_on_the_site_lan_path():
+    jobs = bench_jobs(check_plan(1, NODES), ("default",), lan_path=True)
+    assert [j.label for j in jobs] == ["lan default", "meshrun0 default", "lanpath default"]
+    args = jobs[-1].train_args(check_plan(1, NODES), 256, 2)
+    # Nothing pins it off the overlay: meshrun0's address, the trusted site's routes take it onto the LAN path.
+    assert args[:2] == ["--nodes", "s2-a,s2-b"] and "NCCL_SOCKET_IFNAME==eth0" not in args
+    assert args[-2:] == ["--pairs", "same"]
+
+
 def test_on_gloo_the_bench_has_one_setting_per_path():
     jobs = bench_jobs(check_plan(0, NODES))
     assert [j.label for j in jobs] == ["lan default", "meshrun0 default"]

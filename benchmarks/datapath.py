@@ -1,0 +1,573 @@
+"""The data path inside a site: raw site LAN vs the site LAN path (VXLAN, no WireGuard) vs meshrun0 (WireGuard);
+and TCP streams per peer over a cross-site WireGuard path with WAN latency and loss.
+
+Protocol (fixed before the first run; targets from the site LAN path issue):
+
+World: like sites.py, a coordinator datacenter (hq) and two sites, s1 and s2, of two nodes each (one-to-one
+NAT, `meshrun join --site s1` / `--site s2`), but **nothing shaped**: every link is as fast as the host makes
+it ("links as fast as users have"). Once both pairs are verified on a direct WireGuard path, `meshrun site
+trust s1` runs on the coordinator and the benchmark waits until s1-a's `meshrun status` shows s1-b on "site
+LAN, unencrypted" and s1-b's shows s1-a; s2 stays untrusted, so its pair is the "meshrun0 same-site" path
+(WireGuard between two nodes of the same kind of site, the topology of s1's pair). With one-to-one NAT that
+pair is "direct (public)": meshrun picks the private path only for nodes behind one shared public address,
+so s2's WireGuard datagrams hairpin through the site's gateway (its NAT), as they would through a cloud's
+elastic-IP NAT; the recorded `paths_seen` says which path each pair had.
+
+Part 1, four paths, measured in every round in alternating order (the list below, reversed every other round):
+
+- ``raw_s1``: s1-a -> s1-b's private (eth0) address, the site network itself
+- ``lan_path``: s1-a -> s1-b's overlay address: the site LAN path (VXLAN on the LAN, routing table 51819)
+- ``raw_s2``: s2-a -> s2-b's private address (the WireGuard pair's own side-by-side baseline)
+- ``meshrun0``: s2-a -> s2-b's overlay address: WireGuard (wireguard-go) over the site network
+
+For each path and round: iperf3 TCP with 1 stream and with 8 streams (-P 8), --seconds each, the receiver's
+Gbit/s; the busy CPU of the whole machine (every namespace shares the host's CPUs: /proc/stat's non-idle
+jiffies) during the 1-stream run, per GB received; and a 2-rank gloo all-reduce of --mib MiB float32 between the
+pair (torch.distributed, init_method tcp://<b's address>, GLOO_SOCKET_IFNAME=eth0 for the raw paths, meshrun0
+for the overlay paths: the LAN path is chosen by routing, the socket still has meshrun0's address), --warmup
+all-reduces then the median of --iters timed ones (each the slower rank's time), as algorithm bandwidth GB/s
+(size / time). For the LAN path the bytes its VXLAN device moved are recorded, to show the path carried it.
+
+Ratios, paired per round: lan_path / raw_s1 and meshrun0 / raw_s2, for iperf3 1 stream, 8 streams and gloo;
+each reported as min / median / max of the rounds, and the CPU per GB of each path. Targets: the LAN path
+>= 0.95 of the raw LAN for iperf3 (1 and 8 streams) and for gloo, judged on the median of the per-round
+ratios; the summary also says when a ratio's rounds spread (max - min) more than its distance from 1 (the
+spread larger than the effect) and whether every round met the target.
+
+Part 2, TCP streams over a WAN (what several sockets per peer are for: NCCL opens several, gloo has no such
+knob): s1-a -> s2-a's overlay address, a cross-site WireGuard pair, with the internet between the two sites
+made a WAN of --wan-rtt-ms round trip and --wan-loss-pct loss each way. This host's kernel has no sch_netem
+(the testbed's DatacenterSpec.delay_ms needs it, tests/vm.py), so the WAN is a delay line: iptables in the
+testbed's internet namespace queues every packet between s1-a's and s2-a's public addresses (NFQUEUE, both
+ways; GSO packets are segmented by the kernel first) to a process in that namespace (this script,
+--delay-line) that drops each with the loss probability and releases the rest after half the RTT, in order.
+The ping RTT over the overlay is recorded before and with the WAN, and the delay line's CPU time. iperf3 with
+-P 1, 4 and 16 (--wan-seconds, first second omitted), --rounds rounds in alternating order; the rules and the
+delay line are removed afterwards. No raw path crosses the sites (NAT), so meshrun0 only; no target.
+
+    sudo .venv/bin/python benchmarks/datapath.py [--rounds 3] [--seconds 5] [--mib 64] [--wan-rtt-ms 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+TARGET = 0.95  # the LAN path's share of the raw LAN (iperf3 and gloo)
+PATHS = ["raw_s1", "lan_path", "raw_s2", "meshrun0"]
+PAIRS = {
+    "raw_s1": ("s1-a", "s1-b"),
+    "lan_path": ("s1-a", "s1-b"),
+    "raw_s2": ("s2-a", "s2-b"),
+    "meshrun0": ("s2-a", "s2-b"),
+}
+RATIOS = {"lan_path_over_raw_lan": ("lan_path", "raw_s1"), "meshrun0_over_raw_lan": ("meshrun0", "raw_s2")}
+MEASURES = ("iperf3_1_gbit", "iperf3_8_gbit", "gloo_GBps")
+WAN_STREAMS = [1, 4, 16]
+IPERF_PORT, WAN_PORT = 5301, 5302
+QUEUE = 7
+
+
+# --------------------------------------------------------------------------- worker (runs in a node)
+
+
+def worker(a) -> int:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = a.iface
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=2, timeout=timedelta(seconds=120)
+    )
+    buf = torch.ones(a.mib << 18, dtype=torch.float32)
+    for _ in range(a.warmup):
+        dist.all_reduce(buf)
+    times = []
+    for _ in range(a.iters):
+        buf.fill_(1.0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        el = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(el, op=dist.ReduceOp.MAX)  # the slower rank's time is the collective's
+        times.append(el.item())
+    ok = bool(torch.all(buf == 2).item())
+    if a.rank == 0:
+        print("RESULT " + json.dumps({"times_s": times, "correct": ok}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------- delay line (the WAN, no netem)
+
+
+def delay_line(a) -> int:
+    """NFQUEUE --queue: drop each packet with probability --loss-pct/100, accept the rest --delay-ms after they
+    arrived, in order (a batch verdict accepts every packet up to an id). Prints its counters on SIGTERM."""
+    import collections
+    import errno
+    import random
+    import select
+    import signal
+    import socket
+    import struct
+
+    NETLINK_NETFILTER, SUBSYS = 12, 3
+    MSG_PACKET, MSG_VERDICT, MSG_CONFIG, MSG_BATCH = 0, 1, 2, 3
+    NLM_F_REQUEST, NLM_F_ACK, NLMSG_ERROR = 1, 4, 2
+
+    def attr(t: int, data: bytes) -> bytes:
+        return struct.pack("=HH", 4 + len(data), t) + data + b"\0" * (-len(data) % 4)
+
+    def msg(kind: int, payload: bytes, flags: int = NLM_F_REQUEST) -> bytes:
+        body = struct.pack("=BB", 0, 0) + struct.pack("!H", a.queue) + payload
+        return struct.pack("=IHHII", 16 + len(body), (SUBSYS << 8) | kind, flags, 0, 0) + body
+
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE
+    s.bind((0, 0))
+    for payload in (
+        attr(1, struct.pack("!BBH", 1, 0, socket.AF_INET)),  # NFQA_CFG_CMD: bind the queue
+        attr(2, struct.pack("!IB", 128, 1)),  # NFQA_CFG_PARAMS: copy the metadata only
+        attr(3, struct.pack("!I", 200000)),  # NFQA_CFG_QUEUE_MAXLEN
+    ):
+        s.send(msg(MSG_CONFIG, payload, NLM_F_REQUEST | NLM_F_ACK))
+        ack = s.recv(65536)
+        if struct.unpack_from("=H", ack, 4)[0] == NLMSG_ERROR and struct.unpack_from("=i", ack, 16)[0] != 0:
+            raise SystemExit(f"NFQUEUE config refused: errno {-struct.unpack_from('=i', ack, 16)[0]}")
+    s.setblocking(False)
+    delay, loss = a.delay_ms / 1000.0, a.loss_pct / 100.0
+    q: collections.deque = collections.deque()
+    stats = {"packets": 0, "dropped": 0, "enobufs": 0, "max_queued": 0}
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    print("READY", flush=True)
+    buf = bytearray(1 << 16)
+    while not stop:
+        timeout = max(0.0, q[0][0] - time.monotonic()) if q else 0.2
+        try:
+            select.select([s], [], [], timeout)
+        except InterruptedError:
+            continue
+        for _ in range(4096):
+            try:
+                n = s.recv_into(buf)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == errno.ENOBUFS:  # messages lost, not packets: a later batch verdict covers them
+                    stats["enobufs"] += 1
+                    continue
+                raise
+            now = time.monotonic()
+            off = 0
+            while off + 16 <= n:
+                ln, typ = struct.unpack_from("=IH", buf, off)
+                if ln < 16:
+                    break
+                if typ == (SUBSYS << 8) | MSG_PACKET:
+                    p = off + 20
+                    while p + 4 <= off + ln:
+                        alen, atype = struct.unpack_from("=HH", buf, p)
+                        if alen < 4:
+                            break
+                        if atype & 0x3FFF == 1:  # NFQA_PACKET_HDR: packet id first
+                            pid = struct.unpack_from("!I", buf, p + 4)[0]
+                            stats["packets"] += 1
+                            if loss and random.random() < loss:
+                                stats["dropped"] += 1
+                                s.send(msg(MSG_VERDICT, attr(2, struct.pack("!II", 0, pid))))
+                            else:
+                                q.append((now + delay, pid))
+                            break
+                        p += (alen + 3) & ~3
+                off += (ln + 3) & ~3
+        stats["max_queued"] = max(stats["max_queued"], len(q))
+        now, last = time.monotonic(), None
+        while q and q[0][0] <= now:
+            last = q.popleft()[1]
+        if last is not None:
+            try:
+                s.send(msg(MSG_BATCH, attr(2, struct.pack("!II", 1, last))))
+            except BlockingIOError:
+                time.sleep(0.0005)
+                s.send(msg(MSG_BATCH, attr(2, struct.pack("!II", 1, last))))
+    t = os.times()
+    stats["cpu_s"] = t.user + t.system
+    print("STATS " + json.dumps(stats), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def busy_jiffies() -> int:
+    """Non-idle jiffies of the whole machine (/proc/stat: user nice system irq softirq steal)."""
+    f = open("/proc/stat").readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
+    return user + nice + system + irq + softirq + steal
+
+
+def iperf(a_node, dst: str, port: int, seconds: float, streams: int, omit: int = 0) -> dict:
+    """iperf3 TCP from a_node to dst:port (a server already listens); receiver's Gbit/s, bytes, busy CPU s."""
+    j0, t0 = busy_jiffies(), time.monotonic()
+    argv = ["iperf3", "-c", dst, "-p", str(port), "-t", f"{seconds:g}", "-P", str(streams), "-J"]
+    res = a_node.run(*argv, *(["-O", str(omit)] if omit else []), timeout=seconds + omit + 60, check=False)
+    cpu = (busy_jiffies() - j0) / os.sysconf("SC_CLK_TCK")
+    wall = time.monotonic() - t0
+    try:
+        end = json.loads(res.stdout)["end"]["sum_received"]
+    except (ValueError, KeyError) as exc:
+        raise SystemExit(f"iperf3 to {dst} failed: {exc}\n{res.stdout[-2000:]}\n{res.stderr[-1000:]}") from None
+    return {"gbit": end["bits_per_second"] / 1e9, "bytes": end["bytes"], "busy_cpu_s": cpu, "wall_s": wall}
+
+
+def start_server(node, port: int):
+    srv = node.popen("iperf3", "-s", "-p", str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        if f":{port}" in node.run("ss", "-ltn", f"sport = :{port}", check=False).stdout:
+            return srv
+        time.sleep(0.1)
+    raise SystemExit(f"iperf3 server on {node.name}:{port} did not start")
+
+
+_port = [29600]
+
+
+def gloo(a_node, b_node, b_addr: str, iface: str, args) -> dict:
+    """2-rank gloo all-reduce; rank 0 (the store) on b_node at b_addr. Median time of the timed ones -> GB/s."""
+    _port[0] += 1
+    base = [sys.executable, str(Path(__file__).resolve()), "--worker", "--master", b_addr, "--port", str(_port[0])]
+    base += ["--iface", iface, "--mib", str(args.mib), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    from common import two_ranks
+
+    out0, err0, _, err1 = two_ranks(b_node, a_node, base, 300)
+    m = re.search(r"^RESULT (\{.*\})$", out0, re.M)
+    if not m:
+        raise SystemExit(f"gloo all-reduce over {iface} to {b_addr} failed:\n{err0[-2000:]}\n{err1[-2000:]}")
+    got = json.loads(m.group(1))
+    med = statistics.median(got["times_s"])
+    return {"GBps": (args.mib << 20) / 1e9 / med, "median_s": med, "times_s": got["times_s"], "correct": got["correct"]}
+
+
+def lan_dev_bytes(node) -> int:
+    from meshrun.core import lanpath
+
+    dev = lanpath.interface_name("meshrun0")
+    cmd = f"cat /sys/class/net/{dev}/statistics/rx_bytes /sys/class/net/{dev}/statistics/tx_bytes 2>/dev/null || true"
+    return sum(int(x) for x in node.run("sh", "-c", cmd).stdout.split())
+
+
+def path_of(mesh, node: str, peer: str) -> str | None:
+    return next((r["path"] for r in mesh.status(node)["peers"] if r["name"] == peer), None)
+
+
+def wait_for(check, what: str, timeout: float = 90, poke=None) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if poke:
+            poke()
+        if check():
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    raise SystemExit(f"timed out after {timeout:.0f} s waiting until {what} (pairs seen: {_last_pair})")
+
+
+_last_pair: dict = {}
+
+
+def direct_verified(mesh, a: str, b: str) -> bool:
+    """The coordinator has the pair on a direct WireGuard path, proven by a handshake."""
+    pairs = {frozenset((p["a"], p["b"])): p for p in mesh.status("hq-a").get("pairs", [])}
+    p = _last_pair[(a, b)] = pairs.get(frozenset((a, b)))
+    return bool(p and p["path"].startswith("direct") and p["verified"])
+
+
+def ping_rtt_ms(node, dst: str, count: int = 10) -> float | None:
+    res = node.run("ping", "-c", str(count), "-i", "0.2", "-W", "2", dst, check=False, timeout=count + 20)
+    m = re.search(r"= [\d.]+/([\d.]+)/", res.stdout)
+    return float(m.group(1)) if m else None
+
+
+def ratio_block(values: list[float], target: float | None) -> dict:
+    from common import spread
+
+    s = spread(values)
+    out = {**s, "per_round": values}
+    if values:
+        effect = abs(1 - s["median"])
+        out["spread_exceeds_effect"] = (s["max"] - s["min"]) > effect
+        if target is not None:
+            out["target"] = target
+            out["met"] = s["median"] >= target
+            out["every_round_met"] = s["min"] >= target
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=5, help="each iperf3 run on the LAN paths [5]")
+    ap.add_argument("--mib", type=int, default=64, help="gloo all-reduce size [64]")
+    ap.add_argument("--iters", type=int, default=5, help="timed all-reduces per measurement [5]")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--wan-rtt-ms", type=float, default=60)
+    ap.add_argument("--wan-loss-pct", type=float, default=0.1, help="each way [0.1]")
+    ap.add_argument("--wan-seconds", type=float, default=5, help="each iperf3 run over the WAN [5]")
+    ap.add_argument("--wan-rounds", type=int, default=None, help="[--rounds]")
+    ap.add_argument("--no-wan", action="store_true", help="skip part 2")
+    ap.add_argument("--name", default="datapath")
+    # internal modes
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--iface", help=argparse.SUPPRESS)
+    ap.add_argument("--delay-line", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--queue", type=int, default=QUEUE, help=argparse.SUPPRESS)
+    ap.add_argument("--delay-ms", type=float, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--loss-pct", type=float, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    if a.delay_line:
+        return delay_line(a)
+
+    from common import alternating, need_root, prefix, sites_mesh, spread, verdict, write_result
+
+    from meshrun.core import lanpath
+    from meshrun.lab.testbed import DatacenterSpec, World
+
+    need_root()
+    t_start = time.monotonic()
+    dcs = [DatacenterSpec("hq"), DatacenterSpec("s1", nodes=2), DatacenterSpec("s2", nodes=2)]
+    runs: dict[str, list[dict]] = {p: [] for p in PATHS}
+    order: list[list[str]] = []
+    wan: dict = {}
+    with World(dcs, prefix=prefix("dpa")) as world:
+        world.up()
+        mesh = sites_mesh(world)
+        ov = {n: mesh.overlay_ip(n) for n in ("s1-a", "s1-b", "s2-a", "s2-b")}
+        for x, y in (("s1-a", "s1-b"), ("s2-a", "s2-b")):
+            wait_for(
+                lambda x=x, y=y: direct_verified(mesh, x, y),
+                f"{x}-{y} is verified on a direct path",
+                poke=lambda x=x, y=y: mesh.ping(x, ov[y]),
+            )
+        trust = mesh.meshrun("hq-a", "site", "trust", "s1").stdout.strip()
+        t_trust = time.monotonic()
+        for x, y in (("s1-a", "s1-b"), ("s1-b", "s1-a")):
+            wait_for(lambda x=x, y=y: path_of(mesh, x, y) == lanpath.LABEL, f"{x} has {y} on the site LAN path")
+        lan_active_after_s = time.monotonic() - t_trust
+        paths_seen = {
+            "s1-a->s1-b": path_of(mesh, "s1-a", "s1-b"),
+            "s1-b->s1-a": path_of(mesh, "s1-b", "s1-a"),
+            "s2-a->s2-b": path_of(mesh, "s2-a", "s2-b"),
+            "s1-a->s2-a": path_of(mesh, "s1-a", "s2-a"),
+        }
+        lan_status = mesh.status("s1-a")["lan"]
+        if not paths_seen["s2-a->s2-b"].startswith("direct"):
+            raise SystemExit(f"s2's pair is not on WireGuard over its LAN: {paths_seen}")
+        print(f"paths: {paths_seen}; LAN path active {lan_active_after_s:.1f} s after `{trust}`", flush=True)
+
+        dst = {
+            "raw_s1": world.node("s1-b").private_ip,
+            "lan_path": ov["s1-b"],
+            "raw_s2": world.node("s2-b").private_ip,
+            "meshrun0": ov["s2-b"],
+        }
+        servers = [start_server(world.node(n), IPERF_PORT) for n in ("s1-b", "s2-b")]
+        try:
+            for r in range(a.rounds):
+                this = alternating(PATHS, r + 1)[-len(PATHS) :]
+                order.append(this)
+                for p in this:
+                    an, bn = (world.node(n) for n in PAIRS[p])
+                    lan0 = lan_dev_bytes(an)
+                    one = iperf(an, dst[p], IPERF_PORT, a.seconds, 1)
+                    eight = iperf(an, dst[p], IPERF_PORT, a.seconds, 8)
+                    g = gloo(an, bn, dst[p], "eth0" if p.startswith("raw") else "meshrun0", a)
+                    row = {
+                        "round": r + 1,
+                        "iperf3_1_gbit": one["gbit"],
+                        "iperf3_8_gbit": eight["gbit"],
+                        "gloo_GBps": g["GBps"],
+                        "cpu_s_per_GB": one["busy_cpu_s"] / (one["bytes"] / 1e9),
+                        "iperf3_1": one,
+                        "iperf3_8": eight,
+                        "gloo": g,
+                        "lan_device_bytes": lan_dev_bytes(an) - lan0,
+                    }
+                    if p == "lan_path" and path_of(mesh, "s1-a", "s1-b") != lanpath.LABEL:
+                        row["left_lan_path"] = True  # the probes dropped it mid-measurement
+                    runs[p].append(row)
+                    print(
+                        f"round {r + 1} {p:9s} iperf3 1: {one['gbit']:.2f} 8: {eight['gbit']:.2f} Gbit/s, gloo "
+                        f"{g['GBps']:.3f} GB/s, {row['cpu_s_per_GB']:.2f} CPU s/GB, LAN device "
+                        f"{row['lan_device_bytes'] / 1e9:.2f} GB",
+                        flush=True,
+                    )
+        finally:
+            for s in servers:
+                s.kill()
+                s.wait()
+
+        if not a.no_wan:
+            wan = run_wan(world, mesh, ov, a)
+
+    # ---------------------------------------------------------------- report
+    spreads = {p: {m: spread([x[m] for x in runs[p]]) for m in (*MEASURES, "cpu_s_per_GB")} for p in PATHS}
+    ratios = {}
+    for name, (num, den) in RATIOS.items():
+        ratios[name] = {
+            m: ratio_block([x[m] / y[m] for x, y in zip(runs[num], runs[den])], TARGET if num == "lan_path" else None)
+            for m in MEASURES
+        }
+        ratios[name]["cpu_s_per_GB"] = ratio_block(
+            [x["cpu_s_per_GB"] / y["cpu_s_per_GB"] for x, y in zip(runs[num], runs[den])], None
+        )
+    lan = ratios["lan_path_over_raw_lan"]
+    met = all(lan[m]["met"] for m in MEASURES)
+    noisy = [m for m in MEASURES if lan[m]["spread_exceeds_effect"]]
+
+    def r3(b: dict) -> str:
+        return f"{b['median']:.2f} ({b['min']:.2f}-{b['max']:.2f})"
+
+    wg = ratios["meshrun0_over_raw_lan"]
+    wan_text = ""
+    if wan:
+        wan_text = (
+            f"; cross-site meshrun0 over a {wan['rtt_ms_measured']:.0f} ms RTT, {a.wan_loss_pct:g}% loss WAN: "
+            + ", ".join(f"-P {k} {r3(v)}" for k, v in wan["spreads_gbit"].items())
+            + " Gbit/s"
+        )
+    summary = (
+        f"datapath: site LAN path / raw LAN: iperf3 1 stream {r3(lan['iperf3_1_gbit'])}, 8 streams "
+        f"{r3(lan['iperf3_8_gbit'])}, gloo {a.mib} MiB {r3(lan['gloo_GBps'])} ({verdict(met)} >= {TARGET} on the "
+        f"median{'' if not noisy else '; spread larger than the effect for ' + ', '.join(noisy)}); meshrun0 "
+        f"(WireGuard) / raw LAN: {r3(wg['iperf3_1_gbit'])}, {r3(wg['iperf3_8_gbit'])}, gloo {r3(wg['gloo_GBps'])}; "
+        f"raw LAN {spreads['raw_s1']['iperf3_1_gbit']['median']:.1f} Gbit/s, "
+        f"{spreads['raw_s1']['gloo_GBps']['median']:.2f} GB/s; CPU s/GB raw "
+        f"{spreads['raw_s1']['cpu_s_per_GB']['median']:.2f}, "
+        f"LAN path {spreads['lan_path']['cpu_s_per_GB']['median']:.2f}, meshrun0 "
+        f"{spreads['meshrun0']['cpu_s_per_GB']['median']:.2f}{wan_text}; {a.rounds} rounds alternating, nothing "
+        f"shaped [{time.monotonic() - t_start:.0f} s]"
+    )
+    write_result(
+        a.name,
+        {
+            "rounds": a.rounds,
+            "config": {
+                "seconds": a.seconds,
+                "mib": a.mib,
+                "iters": a.iters,
+                "warmup": a.warmup,
+                "shaping": None,
+                "paths": {p: {"from": PAIRS[p][0], "to": PAIRS[p][1]} for p in PATHS},
+            },
+            "paths_seen": paths_seen,
+            "lan_status_s1a": lan_status,
+            "lan_active_after_trust_s": lan_active_after_s,
+            "order": order,
+            "runs": runs,
+            "spreads": spreads,
+            "ratios": ratios,
+            "targets": {"lan_path_over_raw_lan": TARGET, "measures": list(MEASURES), "judged_on": "median of rounds"},
+            "verdict": {"met": met, "spread_exceeds_effect": noisy},
+            "wan": wan,
+            "congestion_control": Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip(),
+            "elapsed_s": time.monotonic() - t_start,
+        },
+        summary,
+    )
+    return 0
+
+
+def run_wan(world, mesh, ov: dict, a) -> dict:
+    """Part 2: s1-a -> s2-a over meshrun0 with a delay line between the two sites' public addresses."""
+    from common import alternating, spread
+
+    an, bn = world.node("s1-a"), world.node("s2-a")
+    path = path_of(mesh, "s1-a", "s2-a")
+    rtt_before = ping_rtt_ms(an, ov["s2-a"])
+    ipt = ["ip", "netns", "exec", world.inet, "iptables", "-w"]
+    rules = []
+    for src, dst in ((an.public_ip, bn.public_ip), (bn.public_ip, an.public_ip)):
+        rules.append(["FORWARD", "-s", src, "-d", dst, "-j", "NFQUEUE", "--queue-num", str(a.queue)])
+    line = subprocess.Popen(
+        ["ip", "netns", "exec", world.inet, sys.executable, str(Path(__file__).resolve()), "--delay-line"]
+        + ["--queue", str(a.queue), "--delay-ms", str(a.wan_rtt_ms / 2), "--loss-pct", str(a.wan_loss_pct)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stats: dict = {}
+    runs: dict[str, list[dict]] = {str(k): [] for k in WAN_STREAMS}
+    order = []
+    try:
+        if line.stdout.readline().strip() != "READY":
+            raise SystemExit(f"the delay line did not start: {line.stderr.read()[-2000:]}")
+        for rule in rules:
+            subprocess.run([*ipt, "-A", *rule], check=True)
+        rtt = ping_rtt_ms(an, ov["s2-a"])
+        print(f"WAN: {path}; overlay RTT {rtt_before} ms -> {rtt} ms with the delay line", flush=True)
+        srv = start_server(bn, WAN_PORT)
+        try:
+            for r in range(a.wan_rounds or a.rounds):
+                this = alternating([str(k) for k in WAN_STREAMS], r + 1)[-len(WAN_STREAMS) :]
+                order.append(this)
+                for k in this:
+                    res = iperf(an, ov["s2-a"], WAN_PORT, a.wan_seconds, int(k), omit=1)
+                    runs[k].append({"round": r + 1, **res})
+                    print(f"round {r + 1} WAN -P {k:2s} {res['gbit'] * 1000:.0f} Mbit/s", flush=True)
+        finally:
+            srv.kill()
+            srv.wait()
+    finally:
+        for rule in rules:
+            subprocess.run([*ipt, "-D", *rule], check=False, capture_output=True)
+        if line.poll() is None:
+            line.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            out, err = line.communicate(timeout=10)
+            m = re.search(r"^STATS (\{.*\})$", out, re.M)
+            stats = json.loads(m.group(1)) if m else {"error": err[-1000:]}
+        if line.poll() is None:
+            line.kill()
+            line.wait()
+    rtt_after = ping_rtt_ms(an, ov["s2-a"], count=5)
+    return {
+        "from": "s1-a",
+        "to": "s2-a (overlay)",
+        "path": path,
+        "emulation": "NFQUEUE delay line in the internet namespace (no sch_netem on this kernel)",
+        "rtt_ms_target": a.wan_rtt_ms,
+        "loss_pct_each_way": a.wan_loss_pct,
+        "rtt_ms_before": rtt_before,
+        "rtt_ms_measured": rtt,
+        "rtt_ms_after_removal": rtt_after,
+        "seconds": a.wan_seconds,
+        "omit_s": 1,
+        "order": order,
+        "runs": runs,
+        "spreads_gbit": {k: spread([x["gbit"] for x in v]) for k, v in runs.items()},
+        "delay_line": stats,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

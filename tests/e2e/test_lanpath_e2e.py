@@ -1,0 +1,264 @@
+"""The site LAN path in a real job: a trusted site's pair carries a gloo job on its LAN, an untrusted site's pair
+stays on WireGuard, and a LAN path broken mid-job falls back to WireGuard with the job finishing.
+
+Real meshrun, wireguard-go, VXLAN and torch.distributed (gloo) in the NAT'd namespace world: hq (coordinator),
+dc1 (`--site fra`, trusted by the operator) and dc2 (`--site ber`, not trusted), two nodes each. The pair's
+WireGuard transfer counters (`meshrun status`) and the LAN device's counters say which path a job took.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from support import joined_mesh
+
+from meshrun.core import lanpath
+from meshrun.lab.testbed import DatacenterSpec, Mesh
+
+pytestmark = pytest.mark.slow
+
+MIB = 1 << 20
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+LAN_DEV = lanpath.interface_name("meshrun0")
+# Each site's two nodes all-reduce 4 MiB tensors in a group of their own, ROUNDS times, PAUSE s apart.
+JOB = textwrap.dedent("""\
+    import os
+    import sys
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    rounds, pause = int(sys.argv[1]), float(sys.argv[2])
+    dist.init_process_group("gloo")
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, os.environ["MESHRUN_NODE_NAME"])
+    groups = {s: dist.new_group([r for r, n in enumerate(names) if n.startswith(s)]) for s in ("dc1", "dc2")}
+    mine = groups[os.environ["MESHRUN_NODE_NAME"][:3]]
+    x = torch.ones(1 << 20)
+    for i in range(rounds):
+        dist.all_reduce(x, group=mine)
+        x.fill_(1.0)
+        if pause:
+            time.sleep(pause)
+    print("DONE", os.environ["MESHRUN_NODE_NAME"], flush=True)
+    dist.barrier()
+""")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    dcs = [DatacenterSpec("hq"), DatacenterSpec("dc1", nat="cone", nodes=2), DatacenterSpec("dc2", nat="cone", nodes=2)]
+    with joined_mesh(tmp_path_factory, dcs, "hq-a", ()) as m:
+        for n in ("dc1-a", "dc1-b"):
+            m.join(n, "--site", "fra")
+        for n in ("dc2-a", "dc2-b"):
+            m.join(n, "--site", "ber")
+        for a, b in (("dc1-a", "dc1-b"), ("dc2-a", "dc2-b")):
+            wait_for(lambda: private_verified(m, a, b), f"{a}-{b} proves its private path", ping=(m, a, b))
+        out = m.meshrun(m.coordinator, "site", "trust", "fra").stdout
+        assert "site fra trusted" in out, out
+        yield m
+
+
+def private_verified(mesh: Mesh, a: str, b: str) -> bool:
+    pairs = {(p["a"], p["b"]): p for p in mesh.status(mesh.coordinator).get("pairs", [])}
+    p = pairs.get((a, b)) or pairs.get((b, a))
+    return bool(p and p["path"] == "direct (private)" and p["verified"])
+
+
+def wait_for(check, what: str, timeout: float = 60, ping: tuple | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ping:
+            m, a, b = ping
+            m.ping(a, m.overlay_ip(b))
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+def path_of(mesh: Mesh, node: str, peer: str) -> str:
+    return next(r["path"] for r in mesh.status(node)["peers"] if r["name"] == peer)
+
+
+def wg_bytes(mesh: Mesh, node: str, peer: str) -> int:
+    """Bytes node's WireGuard moved with `peer` (received plus sent)."""
+    row = next(r for r in mesh.status(node)["peers"] if r["name"] == peer)
+    return row["rx_bytes"] + row["tx_bytes"]
+
+
+def lan_bytes(mesh: Mesh, node: str) -> int:
+    """Bytes the node's LAN path device moved (0 when it has none)."""
+    cmd = f"cat /sys/class/net/{LAN_DEV}/statistics/rx_bytes /sys/class/net/{LAN_DEV}/statistics/tx_bytes"
+    res = mesh.world.node(node).run("sh", "-c", cmd + " 2>/dev/null || true")
+    return sum(int(x) for x in res.stdout.split())
+
+
+def train_argv(mesh: Mesh, project, job_id: str, rounds: int, pause: float) -> list[str]:
+    (project / "job.py").write_text(JOB)
+    return [
+        "sh",
+        "-c",
+        f"cd {shlex.quote(str(project))} && {shlex.quote(mesh.python)} -m meshrun train --job-id {job_id} "
+        f"--nodes dc1-a,dc1-b,dc2-a,dc2-b job.py {rounds} {pause}",
+    ]
+
+
+def test_a_trusted_sites_pair_carries_the_job_on_its_lan_and_an_untrusted_one_on_wireguard(mesh, tmp_path):
+    wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") == lanpath.LABEL, "dc1-a's peer dc1-b is on the LAN path")
+    wait_for(lambda: path_of(mesh, "dc1-b", "dc1-a") == lanpath.LABEL, "dc1-b's peer dc1-a is on the LAN path")
+    assert path_of(mesh, "dc2-a", "dc2-b") == "direct (private)"  # untrusted: WireGuard on the LAN
+    lan = mesh.status("dc1-a")["lan"]
+    assert lan["device"] == LAN_DEV and lan["active"] == ["dc1-b"], lan
+    assert not mesh.status("dc2-a")["lan"].get("active"), mesh.status("dc2-a")["lan"]
+    before = {
+        "wg1": wg_bytes(mesh, "dc1-a", "dc1-b"),
+        "wg2": wg_bytes(mesh, "dc2-a", "dc2-b"),
+        "lan1": lan_bytes(mesh, "dc1-a"),
+        "lan2": lan_bytes(mesh, "dc2-a"),
+    }
+    coord = mesh.coordinator
+    res = coord.run(
+        *train_argv(mesh, tmp_path, "lan-e2e", 16, 0.0),
+        check=False,
+        timeout=300,
+        env={"MESHRUN_STATE_DIR": str(mesh.state_dir(coord))},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    moved = {
+        "wg1": wg_bytes(mesh, "dc1-a", "dc1-b") - before["wg1"],
+        "wg2": wg_bytes(mesh, "dc2-a", "dc2-b") - before["wg2"],
+        "lan1": lan_bytes(mesh, "dc1-a") - before["lan1"],
+        "lan2": lan_bytes(mesh, "dc2-a"),
+    }
+    # 16 all-reduces of 4 MiB between two ranks: each sends and receives at least 32 MiB.
+    assert moved["lan1"] >= 48 * MIB and moved["wg1"] < 2 * MIB, moved  # fra: the LAN, not WireGuard
+    assert moved["wg2"] >= 48 * MIB and moved["lan2"] == 0, moved  # ber: WireGuard, and no LAN device at all
+
+
+def test_a_lan_path_broken_mid_job_falls_back_to_wireguard_and_the_job_finishes(mesh, tmp_path):
+    wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") == lanpath.LABEL, "dc1-a's peer dc1-b is on the LAN path")
+    coord = mesh.coordinator
+    wg_before = wg_bytes(mesh, "dc1-a", "dc1-b")
+    lan_before = lan_bytes(mesh, "dc1-a")
+    job = coord.popen(
+        *train_argv(mesh, tmp_path, "lan-break", 240, 0.1),
+        env={"MESHRUN_STATE_DIR": str(mesh.state_dir(coord))},
+        stdout=-1,
+        stderr=-1,
+        text=True,
+    )
+    breaker = ["iptables", "-w", "5", "-I", "INPUT", "-p", "udp", "--dport", str(lanpath.LAN_PORT), "-j", "DROP"]
+    dc1b = mesh.world.node("dc1-b")
+    try:
+        wait_for(lambda: lan_bytes(mesh, "dc1-a") - lan_before > 16 * MIB, "the job runs on the LAN path", 120)
+        dc1b.run(*breaker)  # the site network stops carrying the LAN path into dc1-b
+        wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") != lanpath.LABEL, "dc1-a leaves the LAN path", 30)
+        out, err = job.communicate(timeout=300)
+    finally:
+        dc1b.run(*["iptables", "-w", "5", "-D", *breaker[4:]], check=False)
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, out + err
+    assert out.count("DONE") == 4, out
+    # After the break the pair's traffic went through its WireGuard tunnel.
+    assert wg_bytes(mesh, "dc1-a", "dc1-b") - wg_before >= 8 * MIB
+    lan = json.loads(json.dumps(mesh.status("dc1-a")["lan"]))
+    assert "dc1-b" not in lan["active"] and lan["planned"] == ["dc1-b"], lan
+    # The LAN answers again: the pair goes back to it.
+    wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") == lanpath.LABEL, "dc1-a is back on the LAN path", 30)
+
+
+LISTEN = textwrap.dedent("""\
+    import socket, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((sys.argv[1], int(sys.argv[2])))
+    s.settimeout(0.5)
+    print("ready", flush=True)
+    end = time.monotonic() + float(sys.argv[3])
+    while time.monotonic() < end:
+        try:
+            data, addr = s.recvfrom(2048)
+        except TimeoutError:
+            continue
+        print(addr[0], data.decode(errors="replace"), flush=True)
+""")
+
+
+def received(mesh: Mesh, node: str, port: int, seconds: float, send) -> list[tuple[str, str]]:
+    """(source address, payload) of every datagram `node`'s overlay address got on `port` while `send()` ran."""
+    listener = mesh.world.node(node).popen(
+        mesh.python, "-c", LISTEN, mesh.overlay_ip(node), str(port), str(seconds), stdout=-1, stderr=-1, text=True
+    )
+    try:
+        assert listener.stdout.readline().strip() == "ready"
+        send()
+        out = listener.communicate(timeout=seconds + 30)[0]
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+            listener.wait()
+    return [tuple(line.split(" ", 1)) for line in out.splitlines() if line.strip()]
+
+
+def test_a_member_of_the_trusted_site_cannot_speak_as_another_member_on_the_lan_path(mesh):
+    """dc1-b sends VXLAN datagrams to dc1-a's LAN path from its own LAN address: one with its own overlay
+    address inside arrives (the control), one with dc2-a's (a member elsewhere) or the coordinator's is dropped
+    before decapsulation."""
+    wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") == lanpath.LABEL, "dc1-a's peer dc1-b is on the LAN path")
+    a_lan = mesh.world.node("dc1-a").private_ip
+    vni = str(lanpath.vni("meshrun"))
+    own, other, coord = mesh.overlay_ip("dc1-b"), mesh.overlay_ip("dc2-a"), mesh.overlay_ip(mesh.coordinator.name)
+    sender = str(SCRIPTS / "vxlan_send.py")
+
+    def send():
+        for src, payload in ((other, "forged-member"), (coord, "forged-coordinator"), (own, "honest")):
+            mesh.world.node("dc1-b").run(
+                mesh.python, sender, a_lan, vni, src, mesh.overlay_ip("dc1-a"), "39301", payload
+            )
+
+    got = received(mesh, "dc1-a", 39301, 4, send)
+    assert (own, "honest") in got, got  # the crafted datagram is right: the LAN path delivers it
+    assert all(payload == "honest" for _, payload in got), got
+
+
+def test_the_overlay_address_is_not_reachable_from_the_lan_outside_the_lan_path(mesh):
+    """dc1-b routes a datagram for dc1-a's overlay address straight to dc1-a's LAN address (no VXLAN): dc1-a's
+    listeners bound to the address alone while it has a LAN path (lanlink.bind_device) must not see it."""
+    wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") == lanpath.LABEL, "dc1-a's peer dc1-b is on the LAN path")
+    b = mesh.world.node("dc1-b")
+    a_ip, a_lan = mesh.overlay_ip("dc1-a"), mesh.world.node("dc1-a").private_ip
+    send = textwrap.dedent("""\
+        import socket, sys
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 77)
+        s.bind((sys.argv[2], 0))
+        for _ in range(3):
+            s.sendto(sys.argv[3].encode(), (sys.argv[1], 39302))
+    """)
+    b.run("ip", "route", "add", f"{a_ip}/32", "via", str(a_lan), "dev", "eth0", "table", "77")
+    b.run("ip", "rule", "add", "pref", "77", "fwmark", "77", "lookup", "77")
+    try:
+        got = received(
+            mesh,
+            "dc1-a",
+            39302,
+            4,
+            lambda: (
+                b.run(mesh.python, "-c", send, a_ip, mesh.overlay_ip("dc1-b"), "around-the-path"),
+                b.run(mesh.python, "-c", send.replace(", 77)", ", 0)"), a_ip, mesh.overlay_ip("dc1-b"), "control"),
+            ),
+        )
+    finally:
+        b.run("ip", "rule", "del", "pref", "77", check=False)
+        b.run("ip", "route", "del", f"{a_ip}/32", "table", "77", check=False)
+    assert (mesh.overlay_ip("dc1-b"), "control") in got, got  # sent the usual way (LAN path), it arrives
+    assert all(payload == "control" for _, payload in got), got
