@@ -72,6 +72,7 @@ class LanLink:
 
     def __init__(self, overlay_interface: str, overlay_ip: str, network_name: str) -> None:
         self.name = lanpath.interface_name(overlay_interface)
+        self.overlay_interface = overlay_interface
         self.overlay_ip = overlay_ip
         self.vni = lanpath.vni(network_name)
         self.local_ip: str | None = None
@@ -84,6 +85,8 @@ class LanLink:
             return
         run(["ip", "link", "del", self.name], check=False, quiet=True)
         self.peers = {}
+        # The guard before the device: until set_peers names the peers, every datagram on the port is dropped.
+        run(["nft", "-f", "-"], input=lanpath.guard_script(self.overlay_ip, [], self.overlay_interface))
         underlay = net.interface_of(local_ip)
         add = ["ip", "link", "add", self.name, "type", "vxlan", "id", str(self.vni), "dstport", str(lanpath.LAN_PORT)]
         # No outer UDP checksum (optional for IPv4; the inner packet has its own): 5-10% faster here.
