@@ -7,8 +7,9 @@ can never connect directly, dcc/dcd and dcf/dcg, and dce, a well-connected membe
 link --relay-mbit) that relays. Phase 1: the same gloo all-reduce over the direct pair and over dcc/dcd
 (relayed by dce), in alternating order, each launched with `meshrun train --nodes A,B`. Phase 2: dce
 leaves, so the coordinator relays every symmetric pair; dcc/dcd and dcf/dcg all-reduce at the same time
-(alternating with the direct pair), the coordinator's link carrying both. Reports each ratio to the
-direct pair's median with min/median/max of the rounds.
+(alternating with the direct pair), the coordinator's link carrying both, so each pair has at most half
+of it (0.5 of the direct pair is the ceiling there). Reports each ratio to the direct pair's median with
+min/median/max of the rounds.
 
     sudo .venv/bin/python benchmarks/relay_vs_direct.py [--mib 32] [--rounds 3] [--rate-mbit 200]
 """
@@ -149,7 +150,8 @@ def main() -> int:
         f"relay_vs_direct: all-reduce algbw vs the direct pair (median {d['median']:.1f} MiB/s, "
         f"{d['min']:.1f}-{d['max']:.1f}): relayed by a member {peer_ratio:.2f} ({verdict(peer_ratio >= 0.9)} >= 0.9; "
         f"{p['min']:.1f}-{p['max']:.1f} MiB/s), by the coordinator with two relayed pairs at once {coord_ratio:.2f} "
-        f"({c['min']:.1f}-{c['max']:.1f} MiB/s); {a.mib} MiB x{a.iters}, {a.rounds} rounds alternating, links "
+        f"(of at most 0.5, its link shared; {c['min']:.1f}-{c['max']:.1f} MiB/s); {a.mib} MiB x{a.iters}, "
+        f"{a.rounds} rounds alternating, links "
         f"{rate} Mbit/s, the relaying member's {a.relay_mbit} Mbit/s [{time.monotonic() - t_start:.0f} s]"
     )
     write_result(

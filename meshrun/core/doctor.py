@@ -87,6 +87,7 @@ def judge(f: dict) -> list[Check]:
             out.append(_coordinator(f))
         out += _peers(f)
         out.append(_lan(f))
+        out.append(_relay(f))
         out.append(_udp(f))
     out.append(_clock(f))
     out += _environment(f)
@@ -298,6 +299,23 @@ def _lan(f: dict) -> Check | None:
             f"allow UDP {LAN_PORT} between the site's nodes' LAN addresses (security groups, host firewalls)",
         )
     return Check("site LAN path", OK, f"{len(planned)} peers on the site network, unencrypted ({lan.get('device')})")
+
+
+def _relay(f: dict) -> Check | None:
+    """Pairs this node relays, and whether the kernel forwards them (meshrun.system.relaykernel)."""
+    r = f.get("relaying") or {}
+    if not r.get("pairs"):
+        return None
+    how = r.get("forwarding") or "unknown"
+    if how.startswith("userspace"):
+        return Check(
+            "relay",
+            WARN,
+            f"relays {r['pairs']} pairs in {how}: each datagram costs two system calls here",
+            "install nftables (apt-get install nftables) on a kernel with nftables' netdev family (Linux >= 5.5), "
+            "then restart the agent",
+        )
+    return Check("relay", OK, f"relays {r['pairs']} pairs, forwarded by the {how}")
 
 
 def _udp(f: dict) -> Check:

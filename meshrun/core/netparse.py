@@ -77,3 +77,18 @@ def rule_packets(text: str, tag: str) -> int:
             except (ValueError, IndexError):
                 return 0
     return 0
+
+
+def route_get(text: str) -> tuple[str, str, str] | None:
+    """`ip -j -4 route get IP` -> (device, next hop, source address) of a unicast route: the next hop is the
+    gateway, or the address itself when it is on-link. None for a local, blackhole or unparseable answer."""
+    try:
+        items = json.loads(text or "[]")
+    except ValueError:
+        return None
+    if not items or not isinstance(items[0], dict):
+        return None
+    r = items[0]
+    if r.get("type", "unicast") != "unicast" or not r.get("dev") or not r.get("prefsrc") or not r.get("dst"):
+        return None
+    return r["dev"], r.get("gateway") or r["dst"], r["prefsrc"]

@@ -20,12 +20,21 @@ datagram from one end is kept (one per end) and delivered as soon as the other e
 first handshake through a new relay does not wait for WireGuard's 5 s retry (unless the other end's first
 datagram is a handshake initiation too: then only that one goes on, since two would cross). When both ends
 sit behind one address (one NAT) the end is told by its latched port, or by mac1 for a handshake.
+
+Once both ends are latched, the kernel can take the hot path over (`kernel_script`): a transport message from
+one latched end, which the relay forwards unread to the other, is rewritten and sent on in the receiving
+device's ingress hook (nftables netdev `fwd`), never reaching the relay's socket. The same decision, made
+without a system call per datagram; everything else (handshakes, an end at a new address, strangers) still
+reaches the socket and this module's rules.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import ipaddress
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from meshrun.core.model import Member, split_endpoint
@@ -35,6 +44,8 @@ __all__ = [
     "MAC1_LABEL",
     "RelayedPair",
     "PairForwarder",
+    "Route",
+    "kernel_script",
     "mac1",
     "mac1_ok",
     "message_type",
@@ -180,3 +191,67 @@ def relayed_pairs(relaying: list[list], members: list[Member], observed: dict[st
         )
         out.append(RelayedPair(port, (a.public_key, b.public_key), hosts))  # type: ignore[arg-type]
     return out
+
+
+@dataclass(frozen=True)
+class Route:
+    """How this host sends to an address: the device, the next hop (the address itself when on-link) and the
+    source address it would use (`ip route get`)."""
+
+    dev: str
+    via: str
+    src: str
+
+
+def _ipv4(addr: Addr | None) -> bool:
+    if addr is None:
+        return False
+    try:
+        return isinstance(ipaddress.ip_address(addr[0]), ipaddress.IPv4Address)
+    except ValueError:
+        return False
+
+
+def kernel_script(table: str, latched: Mapping[int, tuple[Addr, Addr]], routes: Mapping[str, Route]) -> str:
+    """The nft script that (re)creates table netdev `table`: for each port's pair with both ends `latched`, a
+    transport message from one end is rewritten to come from this host's address and the pair's port and go to
+    the other end, and sent on at once from the ingress hook of the device it arrives on (`fwd`).
+
+    What it matches is exactly what the socket path forwards unread: UDP to the port, from the end's latched
+    address and port, not fragmented, at least a WireGuard keepalive long, whose first four bytes are a transport
+    message's type (4, then three zero bytes). An end is known to arrive on the device its route goes out of;
+    where routing is asymmetric the rule just never matches and the socket path goes on forwarding. Pairs with
+    an IPv6 end, or an end without a route in `routes`, are left to the socket. No pairs: an empty table."""
+    chains: dict[str, list[str]] = {}
+    for port in sorted(latched):
+        ends = latched[port]
+        if not all(_ipv4(e) for e in ends) or not all(e[0] in routes for e in ends):
+            continue
+        for i in (0, 1):
+            (src_ip, src_port), (dst_ip, dst_port) = ends[i], ends[1 - i]
+            inbound, out = routes[src_ip], routes[dst_ip]
+            chains.setdefault(inbound.dev, []).append(
+                f"    ip saddr {src_ip} udp sport {src_port} udp dport {port} ip frag-off & 0x3fff == 0"
+                f" udp length >= {8 + MIN_TRANSPORT} @th,64,32 0x{TRANSPORT:02x}000000 counter"
+                f" ip saddr set {out.src} udp sport set {port} ip daddr set {dst_ip} udp dport set {dst_port}"
+                f" fwd ip to {out.via} device {json.dumps(out.dev)}"
+            )
+    body = []
+    for n, dev in enumerate(sorted(chains)):
+        body += [
+            f"  chain in{n} {{",
+            f"    type filter hook ingress device {json.dumps(dev)} priority filter - 10; policy accept;",
+            *chains[dev],
+            "  }",
+        ]
+    return "\n".join(
+        [
+            f"table netdev {table} {{}}",
+            f"delete table netdev {table}",
+            f"table netdev {table} {{",
+            '  comment "meshrun relay: WireGuard transport messages between the latched ends of each relayed pair"',
+            *body,
+            "}",
+            "",
+        ]
+    )

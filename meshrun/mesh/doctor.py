@@ -65,6 +65,7 @@ def gather(state: StateDir, shell_env) -> dict:
         ],
         "sync": st.get("sync") or {},
         "lan": st.get("lan") or {},
+        "relaying": {"pairs": len(st.get("relaying") or []), "forwarding": st.get("relay_forwarding")},
         "now": time.time(),
         "shell_env": _watched(dict(shell_env)),
         "daemon_env": _watched(procs.environ(pid) if pid else None),

@@ -6,7 +6,7 @@ from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
 from meshrun.errors import StateError
 from meshrun.mesh import iface, process
-from meshrun.system import lanlink, net
+from meshrun.system import lanlink, net, relaykernel
 from meshrun.system.statedir import StateDir
 
 
@@ -38,6 +38,7 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
     process.stop(state)
     iface.device_for(state, network, rec).delete()  # and its forward guard (every member has one)
     lanlink.remove(network.interface)  # the site LAN path, if the agent did not get to it
+    relaykernel.remove(network.interface)  # and the relay's fast path
     if purge:
         state.delete()
     return network.interface

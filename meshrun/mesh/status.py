@@ -200,6 +200,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         out["coordinator"] = (state.read_json("sync.json") if (state / "sync.json").exists() else {}).get("coordinator")
         relaying = state.read_json("relaying.json") if (state / "relaying.json").exists() else {}
         out["relaying"] = relaying.get("pairs", [])
+        out["relay_forwarding"] = relaying.get("forwarding")
         out["lan"] = lan
         if lan.get("error"):
             out["warnings"].append(f"no site LAN path ({lan['error']}); this site's pairs stay on WireGuard")
@@ -353,7 +354,8 @@ def render(st: dict, full: bool = False) -> str:
     if st.get("relaying"):
         shown_pairs = ", ".join(f"{a} <-> {b}" for a, b in st["relaying"][:8])
         more = f" and {len(st['relaying']) - 8} more" if len(st["relaying"]) > 8 else ""
-        lines.append(f"this node relays {len(st['relaying'])} pairs: {shown_pairs}{more}")
+        how = f" ({st['relay_forwarding']})" if st.get("relay_forwarding") else ""
+        lines.append(f"this node relays {len(st['relaying'])} pairs{how}: {shown_pairs}{more}")
     if not rows:
         lines.append("(no peers yet)")
     elif any(r.get("latency_ms") is not None for r in shown):

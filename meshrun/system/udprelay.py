@@ -13,6 +13,10 @@ one to send it, in order, with no event loop in between (a loop that polls first
 every datagram when they come one at a time, which is what a relayed stream does). Measured against one
 connected socket and thread per direction: slower, as the two threads then take turns on Python's lock.
 
+Once a pair's two ends are latched, the kernel fast path (meshrun.system.relaykernel) takes their transport
+messages before they reach the socket; it is told whenever an end is latched anew, when pairs change (before a
+pair's socket closes, so nothing of it is forwarded after) and every REFRESH_S (routes may have moved).
+
 `FakeRelay` (beside it) records what it was asked for, for tests of the agents.
 """
 
@@ -30,6 +34,7 @@ from meshrun.core import relayfwd
 from meshrun.core.model import Member
 from meshrun.core.relayfwd import PairForwarder, RelayedPair
 from meshrun.errors import MeshrunError
+from meshrun.system import relaykernel
 from meshrun.system.device import SO_RCVBUFFORCE, SO_SNDBUFFORCE
 
 __all__ = ["FakeRelay", "Relaying", "UdpRelay"]
@@ -39,30 +44,48 @@ log = logging.getLogger("meshrun.system.udprelay")
 BUFFER = 4 << 20  # socket buffers: a burst at datacenter rates must not overflow while the thread is busy
 POLL_S = 1.0  # a pair's thread looks this often whether it is to stop
 PRIORITY = -10  # the forwarding thread's nice value (the agent's other threads keep theirs)
+REFRESH_S = 10.0  # the kernel fast path's routes are looked up again this often
 
 
 class UdpRelay:
-    """Forwards the pairs' datagrams; `set_pairs` to change them, `close` to stop (idempotent)."""
+    """Forwards the pairs' datagrams; `set_pairs` to change them, `close` to stop (idempotent). With `kernel`,
+    latched pairs' transport messages are forwarded by the kernel (see the module's docstring)."""
 
-    def __init__(self, bind_host: str = "0.0.0.0") -> None:
+    def __init__(
+        self, bind_host: str = "0.0.0.0", kernel: relaykernel.KernelPath | relaykernel.FakeKernelPath | None = None
+    ) -> None:
         self.bind_host = bind_host
         self.lock = threading.Lock()
         self.pairs: dict[int, _PairThread] = {}
         self.stopped = False
+        self.kernel = kernel
+        self.latched = threading.Event()  # set by a pair's thread when it latched an end anew
+        self.kernel_thread: threading.Thread | None = None
+        if kernel is not None:
+            kernel.apply({})  # a table left by a relay that died is emptied
+            self.kernel_thread = threading.Thread(target=self._keep_kernel, name="udprelay-kernel", daemon=True)
+            self.kernel_thread.start()
+
+    @property
+    def mode(self) -> str:
+        """How latched pairs are forwarded: relaykernel.KERNEL or USERSPACE."""
+        return self.kernel.mode if self.kernel is not None else relaykernel.USERSPACE
 
     def ports(self) -> list[int]:
         with self.lock:
             return sorted(self.pairs)
 
     def stats(self) -> dict[int, tuple[int, int]]:
-        """{port: (datagrams forwarded, datagrams dropped)}."""
+        """{port: (datagrams forwarded, by the socket or the kernel, datagrams dropped)}."""
+        fast = self.kernel.counters() if self.kernel is not None else {}
         with self.lock:
-            return {p: (t.fwd.forwarded, t.fwd.dropped) for p, t in self.pairs.items()}
+            return {p: (t.fwd.forwarded + fast.get(p, 0), t.fwd.dropped) for p, t in self.pairs.items()}
 
     def set_pairs(self, pairs: Sequence[RelayedPair]) -> list[int]:
         """Forward exactly these pairs from now on; returns the ports that could not be bound."""
         failed = []
         want = {p.port: p for p in pairs}
+        self._sync_kernel(keep=set(want))  # the kernel lets go of a pair before its socket does
         with self.lock:
             for port in [p for p in self.pairs if p not in want]:
                 self.pairs.pop(port).close()
@@ -77,13 +100,42 @@ class UdpRelay:
                     log.warning("relay port %d cannot be bound (%s): its pair is not relayed here", port, exc)
                     failed.append(port)
                     continue
-                self.pairs[port] = _PairThread(port, sock, PairForwarder(pair))
+                self.pairs[port] = _PairThread(port, sock, PairForwarder(pair), self.latched.set)
+        self._sync_kernel()  # a pair whose ends moved (update) keeps only what is still allowed
         return failed
 
     def close(self) -> None:
         if not self.stopped:
             self.stopped = True
             self.set_pairs([])
+            if self.kernel is not None:
+                self.latched.set()
+                if self.kernel_thread is not None:
+                    self.kernel_thread.join(timeout=5)
+                self.kernel.close()
+
+    def _sync_kernel(self, keep: set[int] | None = None, fresh_routes: bool = False) -> None:
+        """Tell the kernel fast path the pairs latched now (only those in `keep`, when given)."""
+        if self.kernel is None:
+            return
+        with self.lock:
+            latched = {
+                port: (t.fwd.addrs[0], t.fwd.addrs[1])
+                for port, t in self.pairs.items()
+                if None not in t.fwd.addrs and (keep is None or port in keep)
+            }
+        self.kernel.apply(latched, fresh_routes)  # type: ignore[arg-type]
+
+    def _keep_kernel(self) -> None:
+        while not self.stopped:
+            woken = self.latched.wait(REFRESH_S)
+            self.latched.clear()
+            if self.stopped:
+                return
+            try:
+                self._sync_kernel(fresh_routes=not woken)
+            except Exception:  # noqa: BLE001 - the socket path goes on; the next wake-up tries again
+                log.exception("relay fast path: update failed")
 
     def _bind(self, port: int) -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -105,8 +157,8 @@ class UdpRelay:
 class _PairThread:
     """One pair's socket and the thread that forwards what arrives on it (see the module's docstring)."""
 
-    def __init__(self, port: int, sock: socket.socket, fwd: PairForwarder) -> None:
-        self.port, self.sock, self.fwd = port, sock, fwd
+    def __init__(self, port: int, sock: socket.socket, fwd: PairForwarder, on_latch: Callable[[], None]) -> None:
+        self.port, self.sock, self.fwd, self.on_latch = port, sock, fwd, on_latch
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"udprelay-{port}", daemon=True)
         self.thread.start()
@@ -151,7 +203,10 @@ class _PairThread:
                 fwd.forwarded += 1
                 out: list = [(view[:n], dest)]
             else:
+                before = list(addrs)
                 out = fwd.route(bytes(view[:n]), source)
+                if addrs != before:
+                    self.on_latch()
             for data, to in out:
                 try:
                     sock.sendto(data, to)
@@ -161,10 +216,11 @@ class _PairThread:
 
 class Relaying:
     """The pairs a member (node or coordinator) relays, kept on a relay made at the first pair: what each daemon
-    calls when its list may have changed. `make` makes the relay (FakeRelay in tests)."""
+    calls when its list may have changed. `make` makes the relay (FakeRelay in tests); by default a UdpRelay with
+    the kernel fast path in the table of the member's overlay `interface`."""
 
-    def __init__(self, make: Callable[[], UdpRelay | FakeRelay] | None = None) -> None:
-        self.make = make or UdpRelay
+    def __init__(self, make: Callable[[], UdpRelay | FakeRelay] | None = None, interface: str = "meshrun0") -> None:
+        self.make = make or (lambda: UdpRelay(kernel=relaykernel.KernelPath(relaykernel.table_name(interface))))
         self.relay: UdpRelay | FakeRelay | None = None
         self.pairs: list[RelayedPair] = []
 
@@ -200,6 +256,7 @@ class FakeRelay:
         self.pairs: list[RelayedPair] = []
         self.calls = 0
         self.closed = False
+        self.mode = relaykernel.USERSPACE
 
     def ports(self) -> list[int]:
         return sorted(p.port for p in self.pairs)

@@ -82,10 +82,19 @@ def settled(mesh, timeout: float = 90) -> dict:
 
 def cut(node, restore: bool = False) -> None:
     """The node loses its uplink (everything in and out of its one interface dropped), or gets it back.
-    (Not `ip link set down`: that also takes the node's default route, which `up` does not bring back.)"""
-    op = "-D" if restore else "-I"
-    for chain, way in (("INPUT", "-i"), ("OUTPUT", "-o")):
-        node.run("iptables", op, chain, way, "eth0", "-j", "DROP", check=not restore)
+    (Not `ip link set down`: that also takes the node's default route, which `up` does not bring back.)
+    Arrivals are dropped in the interface's ingress hook, ahead of everything: a relay's kernel fast path
+    forwards from there, never reaching INPUT."""
+    if restore:
+        node.run("nft", "delete", "table", "netdev", "testcut", check=False)
+        node.run("iptables", "-D", "OUTPUT", "-o", "eth0", "-j", "DROP", check=False)
+        return
+    node.run(
+        "nft",
+        "add table netdev testcut; add chain netdev testcut in "
+        "{ type filter hook ingress device eth0 priority -500; policy drop; }",
+    )
+    node.run("iptables", "-I", "OUTPUT", "-o", "eth0", "-j", "DROP")
 
 
 def relay_of(mesh, a: str, b: str) -> str | None:

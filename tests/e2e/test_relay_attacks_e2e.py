@@ -133,6 +133,8 @@ def test_the_relay_sees_only_ciphertext_of_the_pair_it_carries(lied):
     assert got["dcd-a"]["marker"] > 0, got  # control: the capture sees clear text where there is some
     assert got[relay]["port"] > 50, got  # the pair's traffic did cross the relay, on the pair's port
     assert got[relay]["marker"] == 0, got  # and none of it was readable there
+    # ... forwarded by the relay's kernel fast path (the capture sees a device's packets before its ingress hook)
+    assert mesh.status(relay)["relay_forwarding"].startswith("kernel"), mesh.status(relay)
 
 
 def test_the_relay_cannot_speak_as_an_end(lied):

@@ -118,7 +118,8 @@ class CoordinatorService:
         self.etcd_restart: threading.Thread | None = None
         self.tls = ha.TlsKeeper(state, self.member, self.network) if self.ha and etcd_member else None
         self.forward_with = forward_with
-        self.relaying = udprelay.Relaying(make_relay)  # the pairs this coordinator relays, and their relay
+        # The pairs this coordinator relays, and their relay.
+        self.relaying = udprelay.Relaying(make_relay, self.network.interface)
         self.reports = Reports(
             self.pairs, lambda: self.leading, self._leader_ip, self._send_forward if self.ha else None
         )
@@ -329,7 +330,9 @@ class CoordinatorService:
             names.append(relays.COORDINATOR)
         listed = self.pairs.relay_list(names, {m.name: m.overlay_ip for m in members})
         if self.relaying.apply(listed, members, self.device):
-            log.info("relaying %d pairs on ports %s", len(listed), [p for _, _, p in listed][:16])
+            mode = self.relaying.relay.mode if self.relaying.relay is not None else "-"
+            ports = [p for _, _, p in listed][:16]
+            log.info("relaying %d pairs on ports %s, forwarded by %s", len(listed), ports, mode)
 
     # several coordinators -----------------------------------------------------
     def _lead(self) -> None:

@@ -147,7 +147,8 @@ class AgentService:
         # A call beside the long-poll (which holds the session): a relay found down is reported at once.
         self.call_now = call or self._call_once
         self.probe = probe or (lambda ip: probe_mod.tcp_rtt(ip, self.network.api_port, timeout=1.0))
-        self.relaying = udprelay.Relaying(make_relay)  # the pairs this node relays, and their relay
+        # The pairs this node relays, and their relay.
+        self.relaying = udprelay.Relaying(make_relay, self.network.interface)
         self.lan = lan or LanPaths(state, self.network, self.rec)  # the site LAN path (trusted sites)
         self.rtt: dict[str, float] = {}  # {peer key: rtt bucket} measured, not yet acknowledged
         self.rtt_told: dict[str, float] = {}  # {peer key: rtt bucket} the coordinator acknowledged
@@ -413,7 +414,10 @@ class AgentService:
         by_ip = {m.overlay_ip: m.name for m in self.members}
         shown = [[by_ip.get(str(a), a), by_ip.get(str(b), b)] for a, b, *_ in pairs]
         log.info("relaying %d pairs: %s", len(shown), ", ".join(f"{a}<->{b}" for a, b in shown[:8]))
-        self.state.write_json("relaying.json", {"pairs": shown, "ports": [p.port for p in self.relaying.pairs]})
+        forwarding = self.relaying.relay.mode if self.relaying.relay is not None else None
+        self.state.write_json(
+            "relaying.json", {"pairs": shown, "ports": [p.port for p in self.relaying.pairs], "forwarding": forwarding}
+        )
 
     def _probe_loop(self, step, every: float) -> None:
         """Run `step` every `every` seconds (from start to start: a slow step does not stretch the

@@ -196,6 +196,14 @@ def test_the_site_lan_path_is_checked_only_where_one_is_planned():
     assert c.level == WARN and "VXLAN" in c.detail and "untrust" in c.fix
 
 
+def test_a_relay_forwarding_in_userspace_is_a_warning_with_the_fix():
+    assert "relay" not in levels(facts())  # relays nothing: no line
+    kernel = {"pairs": 2, "forwarding": "kernel (nftables netdev fwd)"}
+    assert only(facts(relaying=kernel), "relay").level == OK
+    c = only(facts(relaying={"pairs": 1, "forwarding": "userspace (the relay's sockets)"}), "relay")
+    assert c.level == WARN and "nftables" in c.fix
+
+
 @pytest.mark.parametrize("offset,level", [(0.4, OK), (-9.0, WARN), (600.0, FAIL)])
 def test_clock_offsets(offset, level):
     assert only(facts(clock_offset_s=offset), "clock").level == level

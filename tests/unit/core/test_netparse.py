@@ -66,3 +66,13 @@ def test_route_mtus_reads_only_host_routes_with_an_mtu():
     )
     assert netparse.route_mtus(text) == {"10.213.0.2": 1216}
     assert netparse.route_mtus("") == {} and netparse.route_mtus("not json") == {}
+
+
+def test_route_get_gives_device_next_hop_and_source_of_a_unicast_route():
+    via = '[{"dst":"8.8.8.8","gateway":"192.0.2.1","dev":"eth0","prefsrc":"192.0.2.2","flags":[],"uid":0}]'
+    assert netparse.route_get(via) == ("eth0", "192.0.2.1", "192.0.2.2")
+    on_link = '[{"dst":"10.2.0.2","dev":"veth1","prefsrc":"10.2.0.1","flags":[],"uid":0,"cache":[]}]'
+    assert netparse.route_get(on_link) == ("veth1", "10.2.0.2", "10.2.0.1")
+    local = '[{"type":"local","dst":"127.0.0.1","dev":"lo","prefsrc":"127.0.0.1","flags":[]}]'
+    assert netparse.route_get(local) is None
+    assert netparse.route_get("") is None and netparse.route_get("RTNETLINK answers: Network is unreachable") is None

@@ -7,7 +7,16 @@ import os
 
 from meshrun.core import keys
 from meshrun.core.model import Member
-from meshrun.core.relayfwd import PairForwarder, RelayedPair, mac1, mac1_ok, message_type, relayed_pairs
+from meshrun.core.relayfwd import (
+    PairForwarder,
+    RelayedPair,
+    Route,
+    kernel_script,
+    mac1,
+    mac1_ok,
+    message_type,
+    relayed_pairs,
+)
 from meshrun.core.relays import RELAY_PORTS
 
 A_HOST, B_HOST, OTHER = "198.51.100.1", "198.51.100.2", "203.0.113.66"
@@ -143,3 +152,50 @@ def test_the_pairs_to_forward_come_from_the_relays_list_and_what_it_knows_of_the
             (frozenset({"192.0.2.1", "198.51.100.1", "172.31.40.46"}), frozenset({"198.51.100.2"})),
         )
     ]
+
+
+ROUTES = {
+    A_HOST: Route("eth0", "10.0.0.1", "10.0.0.5"),
+    B_HOST: Route("eth1", B_HOST, "192.0.2.9"),
+}
+
+
+def rules(script: str) -> list[str]:
+    return [line.strip() for line in script.splitlines() if "fwd ip to" in line]
+
+
+def test_the_kernel_forwards_each_latched_pairs_transport_messages_both_ways():
+    script = kernel_script("meshrun_relay_x", {51821: ((A_HOST, 4000), (B_HOST, 5000))}, ROUTES)
+    got = rules(script)
+    assert len(got) == 2
+    a_to_b = next(r for r in got if r.startswith(f"ip saddr {A_HOST} "))
+    # Only A's latched address and port, the pair's port, whole datagrams, WireGuard transport messages.
+    for part in (
+        "udp sport 4000 udp dport 51821",
+        "ip frag-off & 0x3fff == 0",
+        "udp length >= 40",
+        "@th,64,32 0x04000000",
+    ):
+        assert part in a_to_b
+    # Out as the relay's own address on B's route, from the pair's port, to B's latched address.
+    assert a_to_b.endswith(
+        "ip saddr set 192.0.2.9 udp sport set 51821 ip daddr set 198.51.100.2 udp dport set 5000"
+        ' fwd ip to 198.51.100.2 device "eth1"'
+    )
+    b_to_a = next(r for r in got if r.startswith(f"ip saddr {B_HOST} "))
+    assert b_to_a.endswith('udp dport set 4000 fwd ip to 10.0.0.1 device "eth0"')
+    # Each rule sits in the chain of the device its sender's datagrams come in on.
+    chains = script.split("chain ")[1:]
+    assert any('device "eth0"' in c and f"ip saddr {A_HOST} " in c for c in chains)
+    assert any('device "eth1"' in c and f"ip saddr {B_HOST} " in c for c in chains)
+    # One transaction replaces whatever table was there.
+    assert script.startswith("table netdev meshrun_relay_x {}\ndelete table netdev meshrun_relay_x\n")
+
+
+def test_pairs_the_kernel_cannot_take_stay_with_the_socket():
+    latched = {
+        51821: ((A_HOST, 4000), ("2001:db8::1", 5000)),  # an IPv6 end
+        51822: ((A_HOST, 4001), (OTHER, 5001)),  # no route known to OTHER
+    }
+    assert rules(kernel_script("t", latched, ROUTES)) == []
+    assert "chain" not in kernel_script("t", {}, ROUTES)

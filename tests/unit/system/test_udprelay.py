@@ -1,5 +1,6 @@
 """The relay's sockets (meshrun.system.udprelay) on loopback: ports opened and closed with the pairs, datagrams
-forwarded between the two ends only, a port that cannot be bound reported."""
+forwarded between the two ends only, a port that cannot be bound reported; what its kernel fast path is told
+(a FakeKernelPath: tests/e2e/test_relay_kernel_e2e.py runs the real one). Also the relay table's counters."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from meshrun.core import keys
 from meshrun.core.relayfwd import RelayedPair
+from meshrun.system import relaykernel
 from meshrun.system.udprelay import UdpRelay
 
 A_HOST, B_HOST, OTHER = "127.0.0.2", "127.0.0.3", "127.0.0.4"
@@ -95,3 +97,47 @@ def test_ports_close_with_their_pairs_and_a_busy_port_is_reported(relay):
             again.bind(("127.0.0.1", port))  # the relay let go of it
     finally:
         holder.close()
+
+
+def wait_for(cond, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_kernel_path_hears_of_each_latched_pair_and_lets_go_before_the_socket_closes():
+    kernel = relaykernel.FakeKernelPath()
+    relay = UdpRelay("127.0.0.1", kernel=kernel)
+    try:
+        assert kernel.calls == 1 and kernel.latched == {}  # a table left behind is emptied at the start
+        port = free_port()
+        relay.set_pairs([pair(port)])
+        a, b = end(A_HOST), end(B_HOST)
+        a.sendto(data(), ("127.0.0.1", port))
+        assert kernel.latched == {}  # one end known: nothing for the kernel yet
+        b.sendto(data(), ("127.0.0.1", port))
+        a.recvfrom(2048)
+        wait_for(lambda: port in kernel.latched)  # the pair's thread woke the kernel's
+        assert kernel.latched[port] == ((A_HOST, a.getsockname()[1]), (B_HOST, b.getsockname()[1]))
+        seen: list = []
+        kernel.apply = lambda latched, fresh=False: seen.append((dict(latched), relay.ports()))
+        relay.set_pairs([])
+        # The first word to the kernel after the pair left is without it, while its port is still open.
+        assert seen[0] == ({}, [port])
+    finally:
+        relay.close()
+    assert kernel.closed
+
+
+def test_the_relay_tables_counters_are_read_by_port():
+    text = """{"nftables": [{"metainfo": {"version": "1.0.6"}}, {"table": {"family": "netdev", "name": "t"}},
+      {"rule": {"family": "netdev", "table": "t", "chain": "in0", "expr": [
+        {"match": {"op": "==", "left": {"payload": {"protocol": "udp", "field": "sport"}}, "right": 4000}},
+        {"match": {"op": "==", "left": {"payload": {"protocol": "udp", "field": "dport"}}, "right": 51821}},
+        {"counter": {"packets": 7, "bytes": 900}}, {"fwd": {"dev": "eth0", "family": "ip", "addr": "10.0.0.1"}}]}},
+      {"rule": {"family": "netdev", "table": "t", "chain": "in1", "expr": [
+        {"match": {"op": "==", "left": {"payload": {"protocol": "udp", "field": "dport"}}, "right": 51821}},
+        {"counter": {"packets": 5, "bytes": 700}}]}}]}"""
+    assert relaykernel.kernel_counters(text) == {51821: 12}
+    assert relaykernel.kernel_counters("") == {} and relaykernel.kernel_counters("Error: no such table") == {}
