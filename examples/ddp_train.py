@@ -7,7 +7,9 @@ Launch under torchrun / `meshrun train`:
 Data is generated per rank from the seed and the rank (deterministic). Rank 0 prints the
 loss per epoch (``epoch 1 loss 0.1234``) and checkpoints each epoch (atomic: tmp + os.replace);
 on start rank 0 reads the checkpoint, when it exists, and sends it to every rank
-(``resumed from epoch N``). At the end every rank prints ``param_checksum rank=R value=SHA256``
+(``resumed from epoch N``). Under meshrun the checkpoint is ``checkpoints/$MESHRUN_RUN_ID.pt`` in the
+project's directory unless --checkpoint names one: torchrun's restarts and ``meshrun train --resume JOB``
+continue the run, a new job starts fresh. At the end every rank prints ``param_checksum rank=R value=SHA256``
 (of its parameters as float64) so one can check that all ranks hold identical parameters.
 """
 
@@ -34,7 +36,11 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", default="checkpoint.pt", help="path (rank 0 writes, all ranks resume)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="path (rank 0 writes, all ranks resume) [checkpoints/$MESHRUN_RUN_ID.pt, else checkpoint.pt]",
+    )
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits at start (tests)")
     p.add_argument("--fail-code", type=int, default=1, help="exit code for --fail-rank")
     p.add_argument("--sleep-per-step", type=float, default=0.0, help="seconds to sleep each step (tests)")
@@ -62,7 +68,16 @@ def checksum(model: torch.nn.Module) -> str:
     return hashlib.sha256(bytes(flat.contiguous().untyped_storage())).hexdigest()
 
 
+def checkpoint_path(given: str | None) -> str:
+    """--checkpoint, else the run's file under meshrun (a new job is a new run: it does not resume another's)."""
+    if given is not None:
+        return given
+    run = os.environ.get("MESHRUN_RUN_ID")
+    return os.path.join("checkpoints", f"{run}.pt") if run else "checkpoint.pt"
+
+
 def save_checkpoint(path: str, model, opt, epoch: int) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save({"epoch": epoch, "model": model.state_dict(), "opt": opt.state_dict()}, tmp)
     os.replace(tmp, path)
@@ -71,6 +86,7 @@ def save_checkpoint(path: str, model, opt, epoch: int) -> None:
 @record
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.checkpoint = checkpoint_path(args.checkpoint)
     rank = int(os.environ.get("RANK", "0"))
     if args.fail_rank is not None and rank == args.fail_rank:
         print(f"rank {rank} failing on purpose with exit code {args.fail_code}", file=sys.stderr, flush=True)

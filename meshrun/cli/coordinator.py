@@ -20,6 +20,13 @@ root.add_typer(coordinator_app, name="coordinator")
 def add(
     name: Annotated[str, typer.Argument(help="The member that becomes a coordinator.")],
     endpoint: Annotated[str, typer.Option(help="Its public HOST[:PORT] (TCP enrolment, UDP WireGuard).")],
+    skip_endpoint_check: Annotated[
+        bool,
+        typer.Option(
+            help="Do not check from here that its enrolment port answers at --endpoint (a NAT that does not "
+            "hairpin can hide it from this machine while nodes elsewhere reach it)."
+        ),
+    ] = False,
     state_dir: StateOpt = None,
 ) -> None:
     """Make member NAME a coordinator: the network's state is replicated in etcd across the coordinators.
@@ -28,13 +35,21 @@ def add(
     Example (two more, for three coordinators: any one may be lost):
       meshrun coordinator add gpu-b --endpoint 198.51.100.7
       meshrun coordinator add gpu-c --endpoint 198.51.100.9
-    Open TCP and UDP on that port of the member, as on this coordinator. Tokens made afterwards
-    carry every coordinator; make new ones (`meshrun token create`).
+    Open TCP and UDP on that port of the member, as on this coordinator. The endpoint must be a public
+    address, and the new coordinator's enrolment port must answer there before the members hear of it
+    (else it is a node again and nothing changed). Two coordinators are weaker than one: etcd needs both,
+    so add a third. Tokens made afterwards carry every coordinator; make new ones (`meshrun token create`).
     """
     from meshrun.mesh.coordinator import ha
 
     app = Application.for_command(state_dir)
-    info = ha.add(app.state, name, endpoint)
+    info = ha.add(
+        app.state,
+        name,
+        endpoint,
+        say=lambda text: app.echo(f"meshrun: {text}", err=True),
+        check_endpoint_tls=not skip_endpoint_check,
+    )
     app.echo(f"{info.name} is a coordinator: enrolment and WireGuard at {info.endpoint}, etcd at {info.etcd_client}")
 
 
@@ -42,6 +57,12 @@ def add(
 @handled
 def remove(
     name: Annotated[str, typer.Argument(help="The coordinator to take out (not this one).")],
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="If it does not answer, remove it from the network without asking (its machine is gone)."
+        ),
+    ] = False,
     state_dir: StateOpt = None,
 ) -> None:
     """Take coordinator NAME out of the cluster: it becomes a node again (or, gone, leaves the network).
@@ -49,11 +70,17 @@ def remove(
     \b
     Example:
       meshrun coordinator remove gpu-c    # with one coordinator left, the state moves back into SQLite
+    A coordinator that does not answer for 20 s may be rebooting: at a terminal you are asked before it is
+    removed from the network for good (its key can never rejoin); elsewhere that takes --force.
     """
+    import sys
+
     from meshrun.mesh.coordinator import ha
 
     app = Application.for_command(state_dir)
-    app.echo(ha.remove(app.state, name))
+    ask = (lambda q: typer.confirm(q, default=False, err=True)) if sys.stdin.isatty() else None
+    say = lambda text: app.echo(f"meshrun: {text}", err=True)  # noqa: E731
+    app.echo(ha.remove(app.state, name, force=force, confirm=ask, say=say))
 
 
 @coordinator_app.command("rotate-ca")

@@ -189,7 +189,7 @@ def token_revoke(
 @root.command()
 @handled
 def remove(name: str, state_dir: StateOpt = None) -> None:
-    """Remove a node from the network (on the coordinator); its address is never reused.
+    """Remove a node from the network (on the coordinator): its key never joins again; its address is free in an hour.
 
     \b
     Example:

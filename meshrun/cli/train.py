@@ -117,7 +117,8 @@ def train(
         Optional[str],
         typer.Option(
             metavar="JOB",
-            help="Run JOB again in its project (its checkpoints are there), with its options unless given here.",
+            help="Continue JOB's run in its project, with its options unless given here: $MESHRUN_RUN_ID is JOB's "
+            "run, so checkpoints kept under it (DiLoCo's snapshots) are found. Without it a job starts a fresh run.",
         ),
     ] = None,
     state_dir: StateOpt = None,
@@ -132,13 +133,14 @@ def train(
       meshrun train --config job.toml                 # options from a job file
       meshrun train --detach train.py                 # then: meshrun logs -f JOB
       meshrun train --dry-run train.py                # also shows what is shipped and what is not
-      meshrun train --resume JOB                      # again, where JOB left its checkpoints
+      meshrun train --resume JOB                      # continue JOB's run, from its checkpoints
       meshrun train --local --nnodes 2 --job-id exp7 train.py     # on each node, e.g. from a batch job
       meshrun train --compression auto --model-size 350M diloco.py   # DiLoCo H/format from the link
       meshrun train --mixed-accelerators diloco.py    # CUDA, ROCm and CPU nodes; collectives over gloo
     The script's directory is shipped (what git would track, minus .meshrunignore) into the
-    project's directory on every node, which is kept between jobs: a checkpoint written there is
-    found by the next job of the same project ($MESHRUN_OUTPUT_DIR; `meshrun pull` fetches files).
+    project's directory on every node, which is kept between jobs ($MESHRUN_OUTPUT_DIR; `meshrun
+    pull` fetches files). Each job is a fresh run unless --resume: $MESHRUN_RUN_ID is the job's id, or
+    the resumed job's run; checkpoints kept under it are continued only by resumes (DiLoCo's are).
     Before anything starts, every node's environment is compared (Python, torch and its build, NCCL,
     GPUs, free disk, the code, the clock): a mismatch that breaks collectives stops the job with a
     table of what differs and the fix (--dry-run shows it too; --skip-preflight to start anyway).

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshrun.core import preflight
+from meshrun.core.etcdconf import TWO_COORDINATORS
 from meshrun.core.lanpath import LAN_PORT
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
@@ -85,11 +86,13 @@ def judge(f: dict) -> list[Check]:
         out.append(_mtu(f))
         if f["role"] == "node":
             out.append(_coordinator(f))
+            out.append(_coordinators_seen(f))
         out += _peers(f)
         out.append(_lan(f))
         out.append(_relay(f))
         out.append(_udp(f))
     out.append(_clock(f))
+    out.append(_job_guards(f))
     out += _environment(f)
     out += _variables(f)
     return [c for c in out if c is not None]
@@ -124,6 +127,8 @@ def _control(f: dict) -> Check:
     leader = next((r["name"] for r in rows if r.get("role") == "leader"), None)
     down = [r["name"] for r in rows if r.get("etcd") != "ok"]
     if total and len(ok) >= need:
+        if not down and total == 2:
+            return Check("control", WARN, f"etcd: 2 of 2 coordinators answer; {TWO_COORDINATORS}")
         if not down:
             return Check("control", OK, f"etcd: {len(ok)} of {total} coordinators answer; {leader or '?'} leads")
         return Check(
@@ -132,7 +137,7 @@ def _control(f: dict) -> Check:
             f"etcd: {len(ok)} of {total} coordinators answer ({', '.join(down)} not): still a majority, but one more "
             "loss stops enrolment, path changes and job takeovers",
             f"bring {', '.join(down)} back (`meshrun up` there), or take it out: `meshrun coordinator remove "
-            f"{down[0]}` (here)",
+            f"{down[0]}` (here; `--force` when its machine is gone for good)",
         )
     return Check(
         "control",
@@ -144,6 +149,51 @@ def _control(f: dict) -> Check:
         "<state>/etcd/); if they are gone for good, this coordinator's data can seed a new cluster: stop it, run "
         "etcd once with --force-new-cluster on <state>/etcd/data (see docs/ha.md), then `meshrun up`",
     )
+
+
+def control_warnings(role: str, peers: list[dict], coordinators: list[dict]) -> list[str]:
+    """What `meshrun status` warns about the coordinators: any that is lost, and a pair of them. A coordinator
+    reads `coordinators` (meshrun.mesh.status.coordinators: etcd's health of each); a node its peers' rows
+    (`_silent`: a coordinator that did not answer now, or without a recent WireGuard handshake)."""
+    out = []
+    if role == "coordinator":
+        total = len(coordinators)
+        lost = [r["name"] for r in coordinators if r.get("etcd") not in ("ok", "-", "learner")]
+    else:
+        coords = [p for p in peers if p.get("coordinator")]
+        total = len(coords)
+        lost = [p["name"] for p in coords if _silent(p)]
+    if lost and total > 1:
+        out.append(
+            f"coordinator {', '.join(lost)} not heard from: the control plane runs on {total - len(lost)} of {total} "
+            f"(a reboot comes back by itself; gone for good: `meshrun coordinator remove {lost[0]} --force` on "
+            "another coordinator)"
+        )
+    if total == 2:
+        out.append(TWO_COORDINATORS)
+    return out
+
+
+def _silent(peer: dict) -> bool:
+    """A peer that did not answer when asked now, or (not asked) without a WireGuard handshake for
+    HANDSHAKE_STALE_S (keepalives keep every live tunnel handshaking)."""
+    if peer.get("answered") is not None:
+        return not peer["answered"]
+    return peer.get("handshake_age_s") is None or peer["handshake_age_s"] > HANDSHAKE_STALE_S
+
+
+def _coordinators_seen(f: dict) -> Check | None:
+    """On a node of a network with several coordinators: is every coordinator heard from?"""
+    if f["role"] != "node":
+        return None
+    peers = f.get("peers") or []
+    total = sum(1 for p in peers if p.get("coordinator"))
+    if total < 2:
+        return None
+    warnings = control_warnings("node", peers, [])
+    if warnings:
+        return Check("coordinators", WARN, "; ".join(warnings), "see `meshrun coordinator list` on a coordinator")
+    return Check("coordinators", OK, f"all {total} coordinators heard from in the last {_age(HANDSHAKE_STALE_S)}")
 
 
 def _interface(f: dict) -> Check:
@@ -358,6 +408,18 @@ def _clock(f: dict) -> Check | None:
             "synchronise the clocks (NTP/chrony)",
         )
     return Check("clock", OK, f"{off:+.2f} s off the coordinator's")
+
+
+def _job_guards(f: dict) -> Check | None:
+    """Whether a job's ports can be kept to its nodes here (meshrun.system.firewall), and with which cgroup v2: a
+    node's share and a coordinator's job store are both guarded."""
+    g = f.get("job_guards")
+    if g is None:
+        return None
+    if g.get("problem"):
+        message, fix = g["problem"]
+        return Check("job guards", FAIL, f"jobs cannot start here: {message}", fix)
+    return Check("job guards", OK, f"a job's ports admit only its nodes; {g.get('cgroup')}")
 
 
 def _environment(f: dict) -> list[Check]:

@@ -28,6 +28,11 @@ HEARTBEAT_MS = 100
 ELECTION_MS = 1000
 # An idle watch hears from the server this often, so a watcher notices a dead stream (etcd's default: 10 min).
 PROGRESS_NOTIFY = "5s"
+# Said wherever two coordinators are seen (add, remove, status, doctor): two are weaker than one.
+TWO_COORDINATORS = (
+    "two coordinators: etcd needs both to write, so losing either stops joins, path changes and job starts "
+    "(add a third: `meshrun coordinator add`)"
+)
 
 
 def _ip(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:

@@ -125,6 +125,40 @@ def _comment(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9 _.:/-]", "-", text)[:120]
 
 
+SOCKET_MATCH_FIX = (
+    "unmount the cgroup v1 net_cls and net_prio hierarchies and reboot (they switch v2 socket matching off until "
+    "then), or run Linux >= 5.15, where both work side by side"
+)
+
+
+def _kernel(release: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def socket_match_caveat(release: str, proc_cgroups: str) -> str | None:
+    """Why `socket cgroupv2` cannot be trusted on this kernel (`uname -r`, the text of /proc/cgroups), or None.
+
+    Before Linux 5.15 a socket records either its cgroup v2 or its v1 net_cls/net_prio ids, not both: once
+    net_cls or net_prio is in use in a v1 hierarchy the kernel stops recording v2 cgroups for new sockets
+    ("disabling cgroup2 socket matching due to net_prio or net_cls activation"), and a job guard matches
+    none of the job's sockets, so its ports would be open to every member. /proc/cgroups lists each
+    controller's hierarchy id (0: v2 or unmounted), which is what is checked."""
+    if _kernel(release) >= (5, 15):
+        return None
+    bound = []
+    for line in proc_cgroups.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[0] in ("net_cls", "net_prio") and parts[1] != "0" and parts[3] == "1":
+            bound.append(parts[0])
+    if not bound:
+        return None
+    return (
+        f"Linux {release} with cgroup v1 {' and '.join(bound)} mounted: before 5.15 that switches off the cgroup v2 "
+        "socket matching meshrun's job guards rely on, so a job's ports could not be kept from other members"
+    )
+
+
 def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) -> str:
     """The script that (re)creates a job guard: table `table` whose cgroup is CGROUP_PARENT/`table`
     (level 2 below the cgroup2 root nft sees), admitting new connections on `interface` only from `allowed`.

@@ -76,8 +76,9 @@ def _v4_int(address: str) -> int:
 def allocate(net: ipaddress.IPv4Network, taken: Iterable[str]) -> ipaddress.IPv4Address:
     """Return the lowest host address of `net` not in `taken`.
 
-    `taken` must include every address ever handed out (removed members too), so that an
-    address is never reused for another node: stale peers elsewhere might still route it.
+    `taken` must include every address in use and every removed member's address still in its quarantine
+    (meshrun.system.coordinatordb.ADDRESS_QUARANTINE_S), so that stale peers elsewhere no longer route an
+    address by the time it is handed to another node.
     """
     used = {_v4_int(a) for a in taken}  # ints: parsing a thousand addresses was most of a join's cost
     used.add(int(coordinator_address(net)))

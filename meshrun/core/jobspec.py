@@ -90,6 +90,8 @@ class JobSpec:
     # CUDA, ROCm and CPU workers in one job whose collectives run over gloo on CPU tensors (DiLoCo):
     # the pre-flight then only warns when torch builds differ.
     mixed_accelerators: bool = False
+    # The run it continues (`meshrun train --resume JOB`: JOB's run, the first job's id); "": a fresh run, its own.
+    run_id: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,6 +103,8 @@ class JobSpec:
         known = set(cls.__dataclass_fields__)
         spec = cls(**{k: v for k, v in d.items() if k in known})
         check_job_id(spec.job_id)
+        if spec.run_id:
+            check_job_id(spec.run_id)
         if not isinstance(spec.script, str) or not spec.script:
             raise ValueError("script is missing")
         if spec.nnodes is not None:
@@ -145,6 +149,7 @@ class JobSpec:
             job_env=tuple(sorted(self.preset_env.items())),
             mixed_accelerators=self.mixed_accelerators,
             rdzv_coordinators=tuple(coordinators),
+            run_id=self.run_id or self.job_id,
         )
 
     def bounds(self, available: int) -> tuple[int, int]:

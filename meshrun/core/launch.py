@@ -80,6 +80,9 @@ class TrainOptions:
     # With several coordinators: every coordinator's overlay "IP:API port"; the rendezvous is kept at them, in
     # etcd (meshrun.jobs.rdzv_backend), not in a store on one machine. Empty: the store at rdzv_host:rdzv_port.
     rdzv_coordinators: tuple[str, ...] = ()
+    # The run this job belongs to (MESHRUN_RUN_ID): its own id when it starts fresh, the first job's when it
+    # continues one (`meshrun train --resume`), so checkpoints kept under it are found by resumes only.
+    run_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ def worker_env(
     site_fabric: bool = False,
     job_env: Mapping[str, str] | None = None,
     mixed_accelerators: bool = False,
+    job: tuple[str, str] = ("", ""),
 ) -> dict[str, str]:
     """The variables meshrun sets for one node's torchrun and workers.
 
@@ -198,6 +202,12 @@ def worker_env(
     env.pop(ENV_MIXED, None)  # meshrun's to set: it must agree with what the pre-flight allowed
     if mixed_accelerators:
         env[ENV_MIXED] = "1"
+    job_id, run_id = job
+    for key, value in (("MESHRUN_JOB_ID", job_id), ("MESHRUN_RUN_ID", run_id or job_id)):
+        if value:  # meshrun's to set: a job's checkpoints are found by it (see TrainOptions.run_id)
+            env[key] = value
+        else:
+            env.pop(key, None)
     env["MESHRUN_NODE_NAME"] = node_name
     env["MESHRUN_OVERLAY_IP"] = overlay_ip
     env["MESHRUN_INTERFACE"] = interface
@@ -326,6 +336,7 @@ def plan(
             opts.site_fabric,
             job_env=dict(opts.job_env),
             mixed_accelerators=opts.mixed_accelerators,
+            job=(opts.job_id, opts.run_id),
         )
         out.append(NodeLaunch(n.name, argv, env))
     return out

@@ -133,6 +133,26 @@ def parse_endpoint(value: str, default_port: int | None = None) -> str:
     return f"{host}:{int(port)}"
 
 
+_NOT_PUBLIC = (
+    ("loopback", ipaddress.IPv4Network("127.0.0.0/8")),
+    ("private (RFC 1918)", ipaddress.IPv4Network("10.0.0.0/8")),
+    ("private (RFC 1918)", ipaddress.IPv4Network("172.16.0.0/12")),
+    ("private (RFC 1918)", ipaddress.IPv4Network("192.168.0.0/16")),
+    ("carrier-grade NAT (RFC 6598)", ipaddress.IPv4Network("100.64.0.0/10")),
+    ("link-local", ipaddress.IPv4Network("169.254.0.0/16")),
+    ("unspecified", ipaddress.IPv4Network("0.0.0.0/8")),
+    ("multicast", ipaddress.IPv4Network("224.0.0.0/4")),
+    ("reserved", ipaddress.IPv4Network("240.0.0.0/4")),
+)
+
+
+def not_public(ip: str) -> str | None:
+    """What kind of address `ip` (IPv4) is when nodes in other networks cannot reach it ("private (RFC 1918)",
+    "loopback", ...), or None. The documentation ranges count as public: the testbed's internet uses them."""
+    addr = ipaddress.IPv4Address(ip)
+    return next((kind for kind, net in _NOT_PUBLIC if addr in net), None)
+
+
 def refuse_ipv6(value: str) -> None:
     """UsageError when `value` (HOST, HOST:PORT or [V6]:PORT, as given to --endpoint) is an IPv6
     address: enrolment, NAT traversal and the MTU probes are IPv4 only, and a half-working IPv6

@@ -130,6 +130,7 @@ def resumed(state: StateDir, job_id: str) -> tuple[dict, Path]:
     }
     fields["env"] = dict(old.env)
     fields["project"] = old.project or old.job_id
+    fields["run_id"] = old.run_id or old.job_id  # a resume of a resume continues the same run
     return fields, Path(old.cwd)
 
 
@@ -222,7 +223,7 @@ def dry_run(state: StateDir, spec: JobSpec) -> list[str]:
 def local_launch(state: StateDir, spec: JobSpec) -> launch.NodeLaunch:
     """`meshrun train --local`: this node's torchrun command (every other node runs the same; they meet at
     the coordinator's store for --local shares, `meshrun local-store start`). Its workers get
-    ``MESHRUN_SITE`` when the node joined with ``--site`` and no other site variable (see README's Sites)."""
+    ``MESHRUN_SITE`` when the node joined with ``--site`` and no other site variable (see docs/howto/sites.md)."""
     rec, network = member.load(state)
     if not spec.nnodes:
         raise UsageError(

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # annotations only: the lab runs its processes through meshru
     import subprocess
 
 from meshrun.errors import MeshrunError, NetworkError, StateError, UsageError
-from meshrun.system import firewall, procs, statedir
+from meshrun.system import firewall, host, procs, statedir
 from meshrun.system.cmd import run as run_command
 from meshrun.system.cmd import tail
 from meshrun.system.statedir import StateDir
@@ -47,6 +47,7 @@ from meshrun.system.statedir import StateDir
 logger = logging.getLogger("meshrun.lab.testbed")
 
 NAT_KINDS = ("one-to-one", "cone", "symmetric")
+CGROUP_KINDS = ("v2", "v1")
 PRIVATE_CIDR = "172.31.32.0/20"
 PRIVATE_PREFIXLEN = 20
 GATEWAY_PRIVATE_IP = "172.31.32.1"
@@ -98,6 +99,7 @@ class DatacenterSpec:
     loss_pct: float = 0.0  # netem loss on the internet link, each direction
     node_rate_mbit: int | None = None  # each node's own share of the internet link, both directions (a cloud
     # VM's allowance); one-to-one NAT only (a node is told apart by its public address)
+    cgroup: str = "v2"  # "v1": the nodes see cgroup v1 only (RHEL 8, many Slurm clusters; see _cgroup_mounts)
 
     @property
     def netem(self) -> bool:
@@ -122,6 +124,8 @@ class DatacenterSpec:
             )
         if not 576 <= self.mtu <= 9000:
             raise UsageError(f"datacenter {self.name}: MTU {self.mtu} is out of range", "use 576 to 9000")
+        if self.cgroup not in CGROUP_KINDS:
+            raise UsageError(f"datacenter {self.name}: cgroup {self.cgroup!r} is unknown", "use 'v2' or 'v1'")
         if self.rate_mbit is not None and self.rate_mbit <= 0:
             raise UsageError(
                 f"datacenter {self.name}: rate {self.rate_mbit} Mbit/s must be positive",
@@ -610,7 +614,13 @@ class World:
     def _start_anchor(self, n: Node) -> subprocess.Popen:
         # `ip netns exec`, `unshare` (no --fork) and `sh -c 'exec ...'` all exec: the pid is the anchor's.
         # `ip netns exec` mounts a fresh /sys without the cgroup hierarchy: the node gets the (one, shared)
-        # cgroup v2 hierarchy at /sys/fs/cgroup again, as a real machine has it (meshrun's job guards use it).
+        # cgroup v2 hierarchy at /sys/fs/cgroup again, as a real machine has it (meshrun's job guards use it),
+        # or, in a cgroup-v1 datacenter, the v1 hierarchies only (_cgroup_mounts).
+        cgroups = (
+            _cgroup_mounts()
+            if next(d for d in self.dcs if d.name == n.dc).cgroup == "v1"
+            else ("{ mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null || true; }")
+        )
         argv = [
             "ip",
             "netns",
@@ -622,8 +632,7 @@ class World:
             "private",
             "sh",
             "-c",
-            f"mount -t tmpfs tmpfs {RUN_WIREGUARD} && "
-            "{ mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null || true; } && exec sleep infinity",
+            f"mount -t tmpfs tmpfs {RUN_WIREGUARD} && {cgroups} && exec sleep infinity",
         ]
         logger.debug("start anchor [%s]: %s", n.name, " ".join(argv))
         try:
@@ -759,6 +768,29 @@ def _reap(proc: subprocess.Popen) -> None:
         proc.wait(timeout=2)
     if proc.stderr:
         proc.stderr.close()
+
+
+V1_CONTROLLERS = ("cpu", "memory", "pids")
+V1_NAMED = "meshrun-lab"  # a controller-less v1 hierarchy, so a node has one even where no controller is free
+
+
+def _cgroup_mounts(proc_cgroups: str | None = None) -> str:
+    """The shell that gives a cgroup-v1 node what such a host has: a tmpfs at /sys/fs/cgroup with v1 hierarchies
+    in it, and no cgroup v2 anywhere. Only controllers the host already has in a v1 hierarchy are mounted
+    (/proc/cgroups: hierarchy id > 0; mounting a controller that is on the v2 hierarchy would move it there
+    for the whole machine), plus a named one without controllers."""
+    if proc_cgroups is None:
+        proc_cgroups = host.proc_cgroups()
+    in_v1 = {
+        p[0]
+        for p in (line.split() for line in proc_cgroups.splitlines())
+        if len(p) >= 4 and p[1].isdigit() and p[1] != "0"
+    }
+    steps = ["mount -t tmpfs cgroup /sys/fs/cgroup"]
+    for c in [c for c in V1_CONTROLLERS if c in in_v1]:
+        steps.append(f"mkdir /sys/fs/cgroup/{c} && mount -t cgroup -o {c} cgroup /sys/fs/cgroup/{c}")
+    steps.append(f"mkdir /sys/fs/cgroup/lab && mount -t cgroup -o none,name={V1_NAMED} cgroup /sys/fs/cgroup/lab")
+    return " && ".join(steps)
 
 
 def _list_netns() -> list[str]:

@@ -19,7 +19,7 @@ from meshrun.errors import MeshrunError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh import status as mstatus
 from meshrun.mesh.coordinator import ha
-from meshrun.system import host, joblogs, net, probe, procs, transport
+from meshrun.system import firewall, host, joblogs, net, probe, procs, transport
 from meshrun.system.device import USERSPACE
 from meshrun.system.statedir import StateDir, disk_use
 
@@ -61,10 +61,12 @@ def gather(state: StateDir, shell_env) -> dict:
         "coordinator_name": coordinator["name"] if coordinator else None,
         "backend": {"kind": backend, "kernel_module": host.kernel_wireguard()},
         "peers": [
-            {k: p[k] for k in ("name", "overlay_ip", "endpoint", "path", "handshake_age_s")} for p in st["peers"]
+            {k: p[k] for k in ("name", "overlay_ip", "endpoint", "path", "handshake_age_s", "coordinator")}
+            for p in st["peers"]
         ],
         "sync": st.get("sync") or {},
         "lan": st.get("lan") or {},
+        "job_guards": {"cgroup": firewall.hierarchy(), "problem": firewall.available()},
         "relaying": {"pairs": len(st.get("relaying") or []), "forwarding": st.get("relay_forwarding")},
         "now": time.time(),
         "shell_env": _watched(dict(shell_env)),

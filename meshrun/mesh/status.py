@@ -10,6 +10,7 @@ import time
 from collections import Counter
 
 from meshrun.core import etcdconf, lanpath, pairpaths, topology
+from meshrun.core.doctor import control_warnings
 from meshrun.core.model import Member
 from meshrun.errors import ControlStateError, MeshrunError, UsageError
 from meshrun.mesh import iface, member, process
@@ -165,11 +166,14 @@ def gather(state: StateDir, measure: bool = True) -> dict:
                 "tx_bytes": p.tx,
                 "allowed_ips": list(p.allowed_ips),
                 "latency_ms": None,
+                "answered": None,  # measured: whether its API answered now (None: not measured)
             }
         )
     if measure and up:
-        for r in [r for r in rows if r["overlay_ip"]][:RTT_PEERS_MAX]:
+        # Coordinators first: whether each answers is what tells a node that one is lost.
+        for r in sorted([r for r in rows if r["overlay_ip"]], key=lambda r: not r["coordinator"])[:RTT_PEERS_MAX]:
             r["latency_ms"] = rtt_ms(r["overlay_ip"], network.api_port)
+            r["answered"] = r["latency_ms"] is not None
     rows.sort(key=lambda r: tuple(int(x) for x in r["overlay_ip"].split(".")) if r["overlay_ip"] else (999,))
     out = {
         "network": network.name,
@@ -212,6 +216,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
                 f"({sync.get('error', '?')}); tunnels, paths and relays stay as last known, retrying every "
                 f"{sync.get('retry_s', '?')} s; joins, removals and path changes wait"
             )
+    out["warnings"] += control_warnings(rec["role"], rows, out.get("coordinators") or [])
     return out
 
 

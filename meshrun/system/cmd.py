@@ -26,6 +26,7 @@ PACKAGES = {
     "iptables": "iptables",
     "sysctl": "procps",
     "nsenter": "util-linux",
+    "mount": "mount",
     "unshare": "util-linux",
     "nft": "nftables",
     "ping": "iputils-ping",

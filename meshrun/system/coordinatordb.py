@@ -30,7 +30,7 @@ CREATE TABLE IF NOT EXISTS members(
   id INTEGER PRIMARY KEY,
   name TEXT NOT NULL,
   public_key TEXT NOT NULL UNIQUE,
-  overlay_ip TEXT NOT NULL UNIQUE,          -- never reused, even after removal
+  overlay_ip TEXT NOT NULL UNIQUE,          -- a removed member's row keeps it for ADDRESS_QUARANTINE_S
   candidates TEXT NOT NULL DEFAULT '[]',
   endpoint TEXT,
   last_handshake INTEGER NOT NULL DEFAULT 0,

@@ -11,8 +11,15 @@ nft resolves `socket cgroupv2` paths under /sys/fs/cgroup. On a host whose cgrou
 mounted elsewhere (a hybrid v1/v2 host mounts it at /sys/fs/cgroup/unified), nft runs in a private
 mount namespace where that hierarchy is bound over /sys/fs/cgroup; nothing outside it changes.
 
-Needs root, nftables (`nft`, kernel >= 5.13 for `socket cgroupv2`) and a cgroup v2 hierarchy; HostError
-naming what is missing otherwise. `FakeFirewall` (meshrun.system.fakefirewall) records calls instead.
+A host with cgroup v1 only (RHEL 8, many Slurm clusters) still has the v2 hierarchy in its kernel, just not
+mounted: the first job guard mounts it at PRIVATE_CGROUP2 (as Cilium mounts /run/cilium/cgroupv2). The v1
+controllers stay where they are (a v2 hierarchy without controllers still records each process's cgroup,
+which is all socket matching needs), so the host's own cgroup setup is untouched. `hierarchy()` says which
+one is in use, for `meshrun doctor`.
+
+Needs root, nftables (`nft`, kernel >= 5.13 for `socket cgroupv2`) and a kernel whose v2 socket matching is
+not switched off by v1's net_cls/net_prio (meshrun.core.firewall.socket_match_caveat); HostError naming what
+is missing otherwise. `FakeFirewall` (meshrun.system.fakefirewall) records calls instead.
 
 nftables tables belong to a network namespace, cgroups to the whole host: every call acts on the calling
 process's network namespace, and cgroup names are unique per job and member so that simulated members
@@ -32,6 +39,7 @@ from pathlib import Path
 
 from meshrun.core import firewall as rules
 from meshrun.errors import CommandError, HostError
+from meshrun.system import host
 from meshrun.system.cmd import run
 
 __all__ = [
@@ -49,6 +57,7 @@ __all__ = [
 log = logging.getLogger("meshrun.system.firewall")
 
 CGROUP_FS = Path("/sys/fs/cgroup")
+PRIVATE_CGROUP2 = Path("/run/meshrun/cgroup2")  # where meshrun mounts cgroup v2 on a host that has v1 only
 FRESH_S = 60.0  # sweep leaves a guard this young alone: its share may not have joined it yet
 RMDIR_WAIT_S = 2.0  # a killed process leaves its cgroup a moment after the kill: rmdir waits this long
 # What to do about an nft failure, by a phrase of its stderr (first match wins).
@@ -87,8 +96,9 @@ def cgroup2_root(mountinfo: str | None = None) -> Path | None:
     return None
 
 
-def _require() -> Path:
-    """The cgroup v2 root, once root, nft and cgroup v2 are known to be there (HostError naming the missing one)."""
+def _require(mount: bool = True) -> Path:
+    """The cgroup v2 root, once root, nft and cgroup v2 are known to be there (HostError naming the missing one);
+    with `mount`, a host that mounts none gets one at PRIVATE_CGROUP2."""
     if os.geteuid() != 0:
         raise HostError(
             "job guards need root: meshrun makes a cgroup and nftables rules for every job",
@@ -99,23 +109,58 @@ def _require() -> Path:
             "`nft` is not installed: meshrun limits every port a job opens to the job's own nodes with nftables",
             "install it: apt-get install nftables",
         )
+    caveat = rules.socket_match_caveat(os.uname().release, host.proc_cgroups())
+    if caveat:
+        raise HostError(caveat, rules.SOCKET_MATCH_FIX)
     root = cgroup2_root()
+    if root is None and mount:
+        root = _mount_private()
     if root is None:
         raise HostError(
             "no cgroup v2 hierarchy is mounted: meshrun tells a job's sockets apart by their cgroup",
-            "boot with the unified cgroup hierarchy (systemd.unified_cgroup_hierarchy=1), or mount it: "
-            "mount -t cgroup2 none /sys/fs/cgroup/unified",
+            f"meshrun mounts one at {PRIVATE_CGROUP2} when a job starts (as root)",
         )
     return root
 
 
-def available() -> str | None:
-    """None when job guards can be made here, else why not (for `meshrun doctor`)."""
+def _mount_private() -> Path:
+    """Mount the kernel's cgroup v2 hierarchy at PRIVATE_CGROUP2 (this mount namespace shows none); HostError
+    when the kernel refuses."""
     try:
-        _require()
+        PRIVATE_CGROUP2.mkdir(parents=True, exist_ok=True, mode=0o755)
+        run(["mount", "-t", "cgroup2", "cgroup2", str(PRIVATE_CGROUP2)])
+    except (OSError, CommandError) as exc:
+        raise HostError(
+            f"no cgroup v2 hierarchy is mounted, and mounting one at {PRIVATE_CGROUP2} failed: {exc}",
+            "mount it yourself (mount -t cgroup2 none /sys/fs/cgroup/unified) or boot with "
+            "systemd.unified_cgroup_hierarchy=1; meshrun tells a job's sockets apart by their cgroup",
+        ) from None
+    log.info("this host mounts no cgroup v2 hierarchy: mounted one at %s for the job guards", PRIVATE_CGROUP2)
+    return PRIVATE_CGROUP2
+
+
+def available() -> tuple[str, str] | None:
+    """None when job guards can be made here (mounting cgroup v2 if need be, which this does not), else why not
+    and the fix (for `meshrun doctor`)."""
+    try:
+        _require(mount=False)
     except HostError as exc:
-        return str(exc)
+        if cgroup2_root() is None and not rules.socket_match_caveat(os.uname().release, host.proc_cgroups()):
+            return None  # only the mount is missing: the first job makes it
+        return exc.message, exc.fix
     return None
+
+
+def hierarchy() -> str:
+    """Which cgroup v2 hierarchy the job guards use here, in words (for `meshrun doctor`)."""
+    root = cgroup2_root()
+    if root is None:
+        return f"none mounted (cgroup v1 only): meshrun mounts one at {PRIVATE_CGROUP2} when a job starts"
+    if root == CGROUP_FS:
+        return f"cgroup v2 at {root}"
+    if root == PRIVATE_CGROUP2:
+        return f"cgroup v2 at {root}, mounted by meshrun (this host mounts cgroup v1 only)"
+    return f"cgroup v2 at {root} (a hybrid v1/v2 host)"
 
 
 def _nft(script: str, root: Path | None = None) -> None:

@@ -127,3 +127,11 @@ def cap_data(extra: int) -> None:
     running out of memory."""
     limit = data_bytes() + extra
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def proc_cgroups() -> str:
+    """The kernel's cgroup controllers and the hierarchy each is bound to (/proc/cgroups); "" where unreadable."""
+    try:
+        return Path("/proc/cgroups").read_text()
+    except OSError:
+        return ""

@@ -575,6 +575,12 @@ def _connect(host: str, port: int, timeout: float, fingerprint: str | None) -> h
     return conn
 
 
+def check_tls(host: str, port: int, fingerprint: str, timeout: float = 5.0) -> None:
+    """A TLS handshake with `host`:`port` whose certificate has `fingerprint` (what a joining node checks);
+    CoordinatorError saying what failed."""
+    _connect(host, port, timeout, fingerprint).close()
+
+
 def _send(
     conn: http.client.HTTPConnection, method: str, path: str, body: object, raw: bytes | None, key: bytes | None
 ) -> None:

@@ -95,9 +95,10 @@ CPU core here) and the digests are ``all_gather``ed in the background; the next 
 ``StateError`` naming the ranks. (Waiting for the digests at the sync itself would make every sync
 a barrier.) ``verify_state()`` checks everything, blocking, now.
 
-Membership changes (``snapshot_dir``, default ``$MESHRUN_OUTPUT_DIR/diloco-snapshots`` when meshrun
-runs the script: the project's persistent directory, so the next job of the project resumes too;
-else off): torchrun restarts *every* worker of an elastic job when a node dies or joins,
+Membership changes (``snapshot_dir``, default ``$MESHRUN_OUTPUT_DIR/diloco-snapshots/$MESHRUN_RUN_ID``
+when meshrun runs the script: in the project's persistent directory, one per run, so the job's own restarts
+and ``meshrun train --resume JOB`` continue it while a new job of the project starts fresh; else off):
+torchrun restarts *every* worker of an elastic job when a node dies or joins,
 so in-memory state is gone. After every sync each worker writes a node-local snapshot
 (``diloco-worker{LOCAL_RANK}.pt``: global copy, outer momentum, buffers, counters, and its own inner
 optimizer state and error feedback). At construction the workers ``all_gather`` (sync count,
@@ -154,6 +155,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.core import presets
+from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.errors import StateError, UsageError
 from meshrun.system import tensorfiles
 from meshrun.system.statedir import make_dir
@@ -169,6 +171,21 @@ BUCKET_NUMEL = 1 << 24  # elements per collective (64 MiB of fp32); bounds the t
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _STATE_FORMAT = "meshrun.train.diloco/1"
 _SNAPSHOT_FORMAT = "meshrun.train.diloco.snapshot/1"
+
+
+def auto_snapshot_dir() -> Path | None:
+    """Where a worker meshrun started keeps its DiLoCo snapshot: the run's directory in the project's
+    (``$MESHRUN_OUTPUT_DIR/diloco-snapshots/$MESHRUN_RUN_ID``, created), so restarts and resumes of the run find
+    it and a new job does not; None outside meshrun (either variable unset, or the project directory missing).
+    A run id without $MESHRUN_RUN_ID's form (meshrun sets a job id: letters, digits, ``_ . -``) is a UsageError."""
+    out, run = os.environ.get("MESHRUN_OUTPUT_DIR"), os.environ.get("MESHRUN_RUN_ID")
+    if not out or not run or not Path(out).is_dir():
+        return None
+    if not JOB_ID_RE.match(run):
+        raise UsageError(f"MESHRUN_RUN_ID={run!r} is not a job id", "leave MESHRUN_RUN_ID to meshrun (unset it)")
+    path = Path(out) / "diloco-snapshots" / run
+    make_dir(path)
+    return path
 
 
 def state_digest(tensors: list[torch.Tensor]) -> int:
@@ -323,9 +340,9 @@ class DiLoCo:
         sites: ``meshrun.train.sites.groups()``: one replica per site, synced shard by shard (see
             "Sites" in the module docstring); instead of ``process_group``.
         snapshot_dir: an existing directory on this node where it keeps its snapshot for resuming
-            after a restart; "auto": ``$MESHRUN_OUTPUT_DIR/diloco-snapshots`` (created; the project's
-            directory on the node, which ``meshrun train`` sets and keeps for the project's next job)
-            when that is set, else none; None: no snapshots.
+            after a restart; "auto": ``$MESHRUN_OUTPUT_DIR/diloco-snapshots/$MESHRUN_RUN_ID`` (created; in
+            the project's directory on the node, which ``meshrun train`` sets; the run is the job's own id,
+            or the resumed job's with ``--resume``) when those are set, else none; None: no snapshots.
 
     Construction is collective (every worker of the group must construct it). ``step()`` is
     collective at sync steps, ``sync_now()``, ``finish()`` and ``verify_state()`` always.
@@ -429,11 +446,7 @@ class DiLoCo:
         self.rank = dist.get_rank(process_group) if self._distributed else 0
         self.check_state = bool(check_state)
         if snapshot_dir == AUTO:
-            out = os.environ.get("MESHRUN_OUTPUT_DIR")
-            snapshot_dir = None
-            if out and Path(out).is_dir():
-                snapshot_dir = Path(out) / "diloco-snapshots"
-                make_dir(snapshot_dir)
+            snapshot_dir = auto_snapshot_dir()
         if snapshot_dir is not None and not Path(snapshot_dir).is_dir():
             raise UsageError(
                 f"snapshot_dir={str(snapshot_dir)!r} is not a directory",
@@ -848,8 +861,8 @@ class DiLoCo:
         ):
             raise StateError(
                 f"the DiLoCo snapshot {path} is not for this model and outer optimizer",
-                f"delete {path}, or run a different model in its own project (`meshrun train "
-                "--project NAME`) or with another snapshot_dir",
+                f"a new job starts fresh (`meshrun train` without --resume); resume only a job of this model, "
+                f"or delete {path}",
             )
         return snap
 

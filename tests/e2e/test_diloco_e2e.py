@@ -26,32 +26,10 @@ def test_diloco_charlm_trains_across_two_datacenters(fresh_mesh):
     mesh = fresh_mesh(3, "dc1-a")
     for n in ("dc2-a", "dc3-a"):
         mesh.join(n)
-    coord = mesh.coordinator
-    # --state-dir goes before the script: `meshrun train` hands everything after the script to it,
-    # so Mesh.meshrun (which appends --state-dir) cannot be used here.
-    res = coord.run(
-        mesh.python,
-        "-m",
-        "meshrun",
-        "train",
-        "--state-dir",
-        str(mesh.state_dir(coord)),
-        "--timeout",
-        "60",
-        "diloco_charlm.py",
-        "--mode",
-        "diloco",
-        "--steps",
-        "20",
-        "--sync-every",
-        "10",
-        *CHARLM_SMALL,
-        "--compression",  # the last one given wins: fp16 (two syncs of exactly 2 bytes a parameter)
-        "fp16",
-        cwd=EXAMPLES,
-        check=False,
-        timeout=90,
-    )
+    res = train(
+        mesh, "diloco_charlm.py", "--mode", "diloco", "--steps", "20", "--sync-every", "10", *CHARLM_SMALL,
+        "--compression", "fp16",  # the last one given wins: fp16 (two syncs of exactly 2 bytes a parameter)
+    )  # fmt: skip
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     m = FINAL.search(res.stdout)
@@ -62,7 +40,49 @@ def test_diloco_charlm_trains_across_two_datacenters(fresh_mesh):
     params = int(re.search(r"\bparams=(\d+)", res.stdout).group(1))
     assert sent == 2 * 2 * params
     assert "finished on 2 node(s)" in res.stderr
-    assert time.monotonic() - t0 < 300  # a hang, not a speed target (the job takes 20-60 s here)
+    assert "resumed rank=" not in res.stdout  # the project's first job: nothing to resume
+    first = re.search(r"meshrun: job (\S+) submitted", res.stderr).group(1)
+
+    # The project's next job starts a fresh run, with another compression too (the first job's snapshots,
+    # made for fp16's outer state, are not read); resuming the first job continues its run at its last sync.
+    again = train(
+        mesh,
+        "diloco_charlm.py",
+        "--mode",
+        "diloco",
+        "--steps",
+        "20",
+        "--sync-every",
+        "10",
+        *CHARLM_SMALL,
+        "--compression",
+        "sparse-int2",
+    )
+    assert again.returncode == 0 and "resumed rank=" not in again.stdout, (again.stdout + again.stderr)[-3000:]
+    resumed = train(mesh, "--resume", first)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert re.search(r"\] resumed rank=0 world_size=2 sync=\d+ step=20 ", resumed.stdout), resumed.stdout[-3000:]
+    assert time.monotonic() - t0 < 600  # a hang, not a speed target (each job takes 20-60 s here)
+
+
+def train(mesh, *args: str):
+    """`meshrun train ARGS` on the coordinator, from examples/ (--state-dir before the script: everything after
+    the script goes to it, so Mesh.meshrun, which appends --state-dir, cannot be used)."""
+    coord = mesh.coordinator
+    return coord.run(
+        mesh.python,
+        "-m",
+        "meshrun",
+        "train",
+        "--state-dir",
+        str(mesh.state_dir(coord)),
+        "--timeout",
+        "60",
+        *args,
+        cwd=EXAMPLES,
+        check=False,
+        timeout=120,
+    )
 
 
 # --------------------------------------------------------------------------- membership changes under meshrun train

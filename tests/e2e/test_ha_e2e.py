@@ -177,6 +177,28 @@ def try_connect(mesh: Mesh, where: str | None, targets: list[str]) -> dict[str, 
     return json.loads(out)
 
 
+def test_a_coordinator_whose_enrolment_port_does_not_answer_is_not_added_and_nothing_changes(ha):
+    """The operator names an endpoint where nothing answers (a public address nobody has): dc6-a is promoted,
+    its enrolment port is not found there, and it is taken out again before any member hears of it: the same
+    coordinators, dc6-a a node with no etcd left running. A private address is refused before anything."""
+    mesh = ha
+    before = coordinators(mesh, B)
+    private = mesh.meshrun(B, "coordinator", "add", "dc6-a", "--endpoint", "172.31.40.46", check=False)
+    assert private.returncode != 0 and "--endpoint 172.31.40.46 is a private (RFC 1918) address" in private.stderr
+    res = mesh.meshrun(B, "coordinator", "add", "dc6-a", "--endpoint", "203.0.113.250", check=False, timeout=300)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "enrolment port does not answer at 203.0.113.250:51820" in res.stderr, res.stderr
+    assert "nothing was changed" in res.stderr and "checking that dc6-a's enrolment port answers" in res.stderr
+    assert set(coordinators(mesh, B)) == set(before)
+    wait(
+        "dc6-a a node again", lambda: mesh.status("dc6-a")["role"] == "node" and mesh.status("dc6-a")["daemon_pid"], 60
+    )
+    assert '"etcd"' not in mesh.world.node("dc6-a").run("ss", "-tlnpH").stdout  # no etcd member left behind
+    assert not mesh.status("dc4-a")["peers"] or all(
+        not p["coordinator"] for p in mesh.status("dc4-a")["peers"] if p["name"] == "dc6-a"
+    )
+
+
 def test_etcd_answers_the_coordinators_only_never_a_member_nor_the_internet(ha):
     """The attacker's side: etcd's client and peer ports on every coordinator, tried from the internet at the
     coordinators' public addresses, and from a member (a node, inside WireGuard) at their overlay addresses;
@@ -246,6 +268,10 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
         30,
     )
     assert rows[A_NAME]["etcd"] == "unreachable" and rows[B]["etcd"] == rows[C]["etcd"] == "ok", rows
+    # Every member sees the loss: a coordinator's status and a node's name the lost coordinator.
+    for on in (B, "dc4-a"):
+        warnings = mesh.status(on)["warnings"]
+        assert any(f"coordinator {A_NAME} not heard from" in w and "2 of 3" in w for w in warnings), (on, warnings)
     # The relayed pair has a live relay again (not A), and a new node joins through B.
     after = wait(
         "dc4-a <-> dc6-a relayed by a live member",
@@ -283,8 +309,13 @@ def test_back_to_one_coordinator_with_every_member_kept(ha):
     node again); B is the one coordinator left, its state back in SQLite, and no member was lost."""
     mesh = ha
     before = {p["name"] for p in mesh.status(B)["peers"]}
-    out = mesh.meshrun(B, "coordinator", "remove", A_NAME, timeout=120).stdout
+    # A coordinator that does not answer may be rebooting: without --force (and no terminal to ask at) it stays.
+    refused = mesh.meshrun(B, "coordinator", "remove", A_NAME, timeout=120, check=False)
+    assert refused.returncode != 0 and f"meshrun coordinator remove {A_NAME} --force" in refused.stderr, refused
+    assert set(coordinators(mesh, B)) == {A_NAME, B, C}
+    out = mesh.meshrun(B, "coordinator", "remove", A_NAME, "--force", timeout=120).stdout
     assert "did not answer: removed from the network" in out, out
+    assert "two coordinators" in out, out  # B and C are left: etcd needs both
     out = mesh.meshrun(B, "coordinator", "remove", C, timeout=180).stdout
     assert f"{C} is a node again" in out and "back in SQLite" in out, out
     rows = json.loads(mesh.meshrun(B, "coordinator", "list", "--json").stdout)

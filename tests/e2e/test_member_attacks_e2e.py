@@ -3,7 +3,8 @@
 Each test acts from the attacker's position in a NAT'd namespace world (real meshrun, wireguard-go,
 torch): hq-a is the coordinator and hq-b a machine on its LAN that is not a member; dc1-a and dc2-a
 are members that run jobs, dc2-b a machine on dc2-a's LAN that is not a member; dc3-a is a member that
-attacks.
+attacks. dc1-a is a cgroup-v1 host (tmpfs at /sys/fs/cgroup with v1 hierarchies, no cgroup v2 mounted, as
+RHEL 8 and many Slurm clusters have it): its job guard must work all the same.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ EXAMPLES = REPO_ROOT / "examples"
 def mesh(tmp_path_factory):
     with joined_mesh(
         tmp_path_factory,
-        [DatacenterSpec("hq", nodes=2), DatacenterSpec("dc1"), DatacenterSpec("dc2", nodes=2), DatacenterSpec("dc3")],
+        [
+            DatacenterSpec("hq", nodes=2),
+            DatacenterSpec("dc1", cgroup="v1"),
+            DatacenterSpec("dc2", nodes=2),
+            DatacenterSpec("dc3"),
+        ],
         "hq-a",
         ("dc1-a", "dc2-a", "dc3-a"),
         init_args=("--network", "acme-llm"),  # a name a scanner must not learn
@@ -473,6 +479,17 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
         for n in ("dc1-a", "dc2-a"):
             tables = mesh.world.node(n).run("nft", "list", "ruleset").stdout
             assert "meshrun job scanned-job" in tables and node_ips["dc3-a"] not in tables
+        # dc1-a, the cgroup-v1 host, runs its share under cgroup v2 that meshrun mounted for it, and says so.
+        mounts = mesh.world.node("dc1-a").run("cat", "/proc/self/mountinfo").stdout
+        cgroup2 = [line.split()[4] for line in mounts.splitlines() if " - cgroup2 " in line]
+        assert cgroup2 == ["/run/meshrun/cgroup2"], cgroup2
+        assert " /sys/fs/cgroup rw" in mounts and any(" - cgroup cgroup " in line for line in mounts.splitlines())
+        guards = next(
+            c
+            for c in json.loads(mesh.meshrun("dc1-a", "doctor", "--json", check=False).stdout)["checks"]
+            if c["name"] == "job guards"
+        )
+        assert guards["level"] == "ok" and "mounted by meshrun" in guards["detail"], guards
         # The negative control: without dc1-a's guard, the same probe reaches its job ports (the job is
         # cancelled right after: a stray connection may upset Gloo).
         dc1 = mesh.world.node("dc1-a")

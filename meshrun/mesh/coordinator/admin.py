@@ -79,7 +79,8 @@ def revoke_token(state: StateDir, token_or_id: str) -> str:
 
 
 def remove_member(state: StateDir, name: str) -> Member:
-    """Revoke a node: every peer drops its key on the next sync; its address is never reused."""
+    """Revoke a node: every peer drops its key on the next sync; its address returns to the pool only after
+    the quarantine (meshrun.system.coordinatordb.ADDRESS_QUARANTINE_S, an hour)."""
     db, _ = open_db(state)
     m = db.remove_member(name)
     if m is None:

@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 from meshrun.core import etcdconf, keys
-from meshrun.core.model import Member, Network, parse_endpoint, refuse_ipv6
+from meshrun.core.etcdconf import TWO_COORDINATORS
+from meshrun.core.model import Member, Network, not_public, parse_endpoint, refuse_ipv6, split_endpoint
 from meshrun.errors import ControlStateError, CoordinatorError, MeshrunError, StateError, UsageError
 from meshrun.mesh import member, process
 from meshrun.system import coordinatordb, etcd, net, procs
@@ -678,19 +679,66 @@ def _node_call(state: StateDir, network: Network, target: Member):
     return call
 
 
-def add(state: StateDir, name: str, endpoint: str, settle: float = GUARD_SETTLE_S) -> CoordinatorInfo:
+def public_endpoint(endpoint: str, network: Network, resolve=net.resolve) -> str:
+    """`endpoint` normalised, once its host is known to be an address nodes in other networks can reach (a
+    name is resolved with `resolve`); UsageError naming the value and what it is otherwise."""
+    endpoint = check_endpoint(endpoint, network)
+    host = split_endpoint(endpoint)[0]
+    try:
+        ip = resolve(host)
+    except OSError as exc:
+        raise UsageError(
+            f"--endpoint {host!r} does not resolve ({exc})", "give the new coordinator's public IP address or DNS name"
+        ) from None
+    kind = not_public(ip)
+    if kind:
+        shown = host if host == ip else f"{host} ({ip})"
+        raise UsageError(
+            f"--endpoint {shown} is a {kind} address: nodes in other networks cannot reach a coordinator there",
+            "give the address other networks reach that machine at (its public IP, or a name that resolves to it)",
+        )
+    return endpoint
+
+
+def _answers(call, wait: float) -> bool:
+    """Whether `call()` succeeds once within `wait` seconds (tried at least once)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            call()
+            return True
+        except MeshrunError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(2.0)
+
+
+ENROL_CHECK_S = 15.0  # how long `add` waits for the new coordinator's enrolment port to answer at its endpoint
+
+
+def add(
+    state: StateDir,
+    name: str,
+    endpoint: str,
+    settle: float = GUARD_SETTLE_S,
+    say=lambda text: None,
+    check_endpoint_tls: bool = True,
+) -> CoordinatorInfo:
     """`meshrun coordinator add NAME --endpoint HOST`, on a coordinator: member NAME becomes a coordinator.
 
-    The first time, this coordinator's state moves into etcd (`replicate`) and its daemon restarts on it.
-    The new member joins etcd as a learner (it has no vote, so a failed start leaves the cluster as it was)
-    and gets its vote once it caught up. UsageError for an unknown member, a coordinator or a bad endpoint;
-    nothing of the new coordinator is left if a step fails."""
+    The endpoint must be a public address. The first time, this coordinator's state moves into etcd
+    (`replicate`) and its daemon restarts on it. The new member joins etcd as a learner (it has no vote, so a
+    failed start leaves the cluster as it was) and gets its vote once it caught up; then its enrolment port
+    must answer at the endpoint (with `check_endpoint_tls`) before the coordinator is announced to the
+    members, else it is taken out again (`remove`: a node again) and CoordinatorError says why. `say(text)`
+    hears each step as it starts. UsageError for an unknown member, a coordinator or a bad endpoint; nothing
+    of the new coordinator is left if a step fails."""
     from meshrun.system import transport
 
     rec, network = member.load(state)
     if rec.get("role") != "coordinator":
         raise StateError(f"{state.path} belongs to a node", "run `meshrun coordinator add` on a coordinator")
-    endpoint = check_endpoint(endpoint, network)
+    endpoint = public_endpoint(endpoint, network)
     net.require_tools(ETCD_BINARY)
     if not replicated(rec):
         sqlite = CoordinatorDB(state / "coordinator.db", readonly=True)
@@ -699,6 +747,7 @@ def add(state: StateDir, name: str, endpoint: str, settle: float = GUARD_SETTLE_
         finally:
             sqlite.close()
         _check_target(target, name)
+        say("moving the network's state from SQLite into etcd on this coordinator ...")
         replicate(state)
         _restart_daemon(state)
         rec, network = member.load(state)
@@ -708,6 +757,7 @@ def add(state: StateDir, name: str, endpoint: str, settle: float = GUARD_SETTLE_
         _check_target(target, name)
         assert target is not None
         call = _node_call(state, network, target)
+        say(f"asking {name} ({target.overlay_ip}) for its etcd certificate request ...")
         health = call("/v1/coordinator/prepare", {}, 60)
         ca = _ca(db)
         # The request comes from the member: it gets a certificate for the address the network gave it, or none.
@@ -722,6 +772,7 @@ def add(state: StateDir, name: str, endpoint: str, settle: float = GUARD_SETTLE_
         ips = [c.overlay_ip for c in coords] + [target.overlay_ip]
         guard_etcd(str(rec["name"]), network, ips)
         time.sleep(settle)
+        say(f"{name} joins etcd as a learner, catches up, then gets its vote ...")
         new = db.client.member_add([peer_url], learner=True)
         try:
             cluster = {c.name: c.etcd_peer for c in coords if c.etcd_peer} | {name: peer_url}
@@ -744,14 +795,46 @@ def add(state: StateDir, name: str, endpoint: str, settle: float = GUARD_SETTLE_
             with contextlib.suppress(MeshrunError):
                 db.delete_coordinator(name)
             raise
-        db.add_coordinator(name, target.public_key, target.overlay_ip, endpoint)
+        say(f"waiting for {name}'s coordinator service ...")
         wait_daemon(
             lambda: transport.call(target.overlay_ip, network.api_port, "GET", "/v1/time", timeout=3),
         )
+        if check_endpoint_tls:
+            say(f"checking that {name}'s enrolment port answers at {endpoint} (TCP, pinned TLS) ...")
+            problem = _enrolment_answers(endpoint, info.fingerprint)
+            if problem is not None:
+                say(f"{name}'s enrolment port does not answer at {endpoint}: taking it out again ...")
+                db.close()
+                undone = remove(state, name, unreachable_wait=0.0)
+                raise CoordinatorError(
+                    f"{name}'s enrolment port does not answer at {endpoint} ({problem}); nothing was changed "
+                    f"({undone})",
+                    f"open TCP and UDP {split_endpoint(endpoint)[1]} on {name} and check --endpoint, then run "
+                    "`meshrun coordinator add` again (--skip-endpoint-check if only this machine cannot reach it)",
+                )
+        db.add_coordinator(name, target.public_key, target.overlay_ip, endpoint)
         save_endpoints(state, [c.etcd_client for c in db.coordinators() if c.etcd_client])
+        if len(coords) + 1 == 2:
+            say(f"warning: {TWO_COORDINATORS}")
         return info
     finally:
         db.close()
+
+
+def _enrolment_answers(endpoint: str, fingerprint: str, timeout: float = ENROL_CHECK_S) -> str | None:
+    """None once a pinned TLS handshake with `endpoint` succeeds within `timeout` s, else the last failure."""
+    from meshrun.system import transport
+
+    host, port = split_endpoint(endpoint)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            transport.check_tls(host, int(port), fingerprint, timeout=3)
+            return None
+        except MeshrunError as exc:
+            if time.monotonic() >= deadline:
+                return exc.message
+        time.sleep(1.0)
 
 
 def _check_target(target: Member | None, name: str) -> None:
@@ -810,10 +893,24 @@ def save_endpoints(state: StateDir, endpoints: list[str]) -> None:
         state.write_json("member.json", dict(rec, control=control))
 
 
-def remove(state: StateDir, name: str) -> str:
-    """`meshrun coordinator remove NAME`, on another coordinator: NAME is a node again (or, when it cannot be
-    reached, a removed member: its machine is gone). The last coordinator left moves the state back into
-    SQLite. Returns what happened to NAME, in words."""
+UNREACHABLE_WAIT_S = 20.0  # `remove` asks a silent coordinator this long before calling it gone
+
+
+def remove(
+    state: StateDir,
+    name: str,
+    unreachable_wait: float = UNREACHABLE_WAIT_S,
+    force: bool = False,
+    confirm=None,
+    say=lambda text: None,
+) -> str:
+    """`meshrun coordinator remove NAME`, on another coordinator: NAME is a node again, or, when it does not
+    answer for `unreachable_wait` seconds, a removed member (its machine is gone: its key can never rejoin).
+
+    A silent coordinator may be rebooting, so taking it out for good needs `force`, or `confirm(question)`
+    answering True (an operator at a terminal); otherwise UsageError, with nothing changed. The last
+    coordinator left moves the state back into SQLite. Returns what happened to NAME, in words, once all of it
+    has happened. `say(text)` hears each step."""
     from meshrun.system import transport
 
     rec, network = member.load(state)
@@ -828,11 +925,23 @@ def remove(state: StateDir, name: str) -> str:
         if info is None:
             names = ", ".join(c.name for c in coords)
             raise UsageError(f"there is no coordinator named {name!r}", f"the coordinators are: {names}")
-        try:
-            transport.call(info.overlay_ip, network.api_port, "GET", "/v1/time", timeout=5)
-            reachable = True
-        except MeshrunError:
-            reachable = False
+        say(f"asking {name} ({info.overlay_ip}) whether it is there ...")
+        # With --force the operator knows the machine is gone: one try, not the wait for a reboot.
+        reachable = _answers(
+            lambda: transport.call(info.overlay_ip, network.api_port, "GET", "/v1/time", timeout=5),
+            0.0 if force else unreachable_wait,
+        )
+        if not reachable and not force:
+            question = (
+                f"{name} has not answered for {unreachable_wait:.0f} s: if it is only rebooting, wait for it. "
+                f"Remove it from the network for good (its key can never rejoin)?"
+            )
+            if confirm is None or not confirm(question):
+                raise UsageError(
+                    f"{name} has not answered for {unreachable_wait:.0f} s (rebooting, or gone?): nothing was changed",
+                    f"wait for it and run this again; if its machine is gone for good: meshrun coordinator remove "
+                    f"{name} --force",
+                )
         # The records first, while every member that answers still votes: then the etcd member goes.
         db.delete_coordinator(name)
         db.demote_coordinator(info.public_key)
@@ -855,7 +964,10 @@ def remove(state: StateDir, name: str) -> str:
                 )
         save_endpoints(state, [c.etcd_client for c in left if c.etcd_client])
         guard_etcd(str(rec["name"]), network, [c.overlay_ip for c in left])
+        if len(left) == 2:
+            outcome += f"; {TWO_COORDINATORS}"
         if dump is None:
+            say("moving the remaining coordinators to a new etcd CA ...")
             # It kept a copy of its certificate and could read the CA's key: those left move to a new CA.
             with contextlib.suppress(MeshrunError):
                 db.client.delete(K_TLS_ACK + name.encode())

@@ -196,6 +196,42 @@ def test_the_site_lan_path_is_checked_only_where_one_is_planned():
     assert c.level == WARN and "VXLAN" in c.detail and "untrust" in c.fix
 
 
+def test_job_guards_say_which_cgroup_hierarchy_and_why_jobs_cannot_start():
+    assert "job guards" not in levels(facts())  # facts without the key (older gather): no line
+    v1 = {"cgroup": "none mounted (cgroup v1 only): meshrun mounts one at /run/meshrun/cgroup2", "problem": None}
+    c = only(facts(job_guards=v1), "job guards")
+    assert c.level == OK and "/run/meshrun/cgroup2" in c.detail
+    bad = {"cgroup": "cgroup v2 at /sys/fs/cgroup", "problem": ["Linux 5.14 with cgroup v1 net_cls mounted", "unmount"]}
+    c = only(facts(job_guards=bad), "job guards")
+    assert c.level == FAIL and "net_cls" in c.detail and c.fix == "unmount"
+
+
+def test_a_lost_coordinator_and_a_pair_of_them_are_warned_about_on_nodes_and_coordinators():
+    coord = lambda name, age: {"name": name, "coordinator": True, "handshake_age_s": age}  # noqa: E731
+    node = {"name": "gpu-c", "coordinator": False, "handshake_age_s": None}
+    three = [coord("c1", 20), coord("c2", 40), coord("c3", 900), node]
+    (lost,) = doctor.control_warnings("node", three, [])
+    assert "coordinator c3 not heard from" in lost and "2 of 3" in lost and "remove c3 --force" in lost
+    assert doctor.control_warnings("node", three[:2] + [coord("c3", 30)], []) == []
+    assert doctor.control_warnings("node", [coord("c1", None), node], []) == []  # a lone coordinator: its own check
+    assert "etcd needs both" in doctor.control_warnings("node", three[:2], [])[0]
+    # Asked now, an answer counts over an old handshake, and silence over a fresh one.
+    asked = [dict(coord("c1", 20), answered=False), dict(coord("c2", 900), answered=True), coord("c3", 10)]
+    (lost,) = doctor.control_warnings("node", asked, [])
+    assert "coordinator c1 not heard from" in lost
+    rows = [{"name": "c1", "etcd": "ok"}, {"name": "c2", "etcd": "unreachable"}, {"name": "c3", "etcd": "ok"}]
+    assert "coordinator c2 not heard from" in doctor.control_warnings("coordinator", [], rows)[0]
+    # In doctor: on a node, one line for the coordinators; on a coordinator, the control check says it.
+    c = only(facts(peers=three), "coordinators")
+    assert c.level == WARN and "c3" in c.detail
+    two = {
+        "coordinators": [{"name": "c1", "etcd": "ok", "role": "leader"}, {"name": "c2", "etcd": "ok"}],
+        "etcd_pid": 7,
+    }
+    c = only(facts(role="coordinator", control=two), "control")
+    assert c.level == WARN and "etcd needs both" in c.detail
+
+
 def test_a_relay_forwarding_in_userspace_is_a_warning_with_the_fix():
     assert "relay" not in levels(facts())  # relays nothing: no line
     kernel = {"pairs": 2, "forwarding": "kernel (nftables netdev fwd)"}

@@ -187,7 +187,7 @@ def test_the_fake_firewall_follows_the_protocol_and_checks_like_the_real_one():
     assert fw.allowed == [("exp7", "dc1-a", ["10.213.0.5"])] and fw.forward is None and fw.available() is None
 
 
-def test_missing_requirements_are_named_with_their_fix(monkeypatch):
+def test_missing_requirements_are_named_with_their_fix(monkeypatch, tmp_path):
     from meshrun.errors import HostError
     from meshrun.system import firewall as fw
 
@@ -201,9 +201,44 @@ def test_missing_requirements_are_named_with_their_fix(monkeypatch):
         fw.JobGuard("exp7", "dc1-a", "meshrun0").create([])
     assert err.value.fix == "install it: apt-get install nftables"
     monkeypatch.setattr(fw.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(fw.host, "proc_cgroups", lambda: "")  # no v1 net_cls: socket matching is trusted
     monkeypatch.setattr(fw, "cgroup2_root", lambda mountinfo=None: None)
-    with pytest.raises(HostError, match="no cgroup v2"):
+
+    def refused(argv, **kw):
+        raise CommandError("mount: permission denied", "run meshrun as root")
+
+    monkeypatch.setattr(fw, "PRIVATE_CGROUP2", tmp_path / "cgroup2")
+    monkeypatch.setattr(fw, "run", refused)  # the kernel refuses the mount: nothing else to try
+    with pytest.raises(HostError, match="no cgroup v2 hierarchy is mounted, and mounting one") as err:
         fw.JobGuard("exp7", "dc1-a", "meshrun0").create([])
+    assert "systemd.unified_cgroup_hierarchy=1" in err.value.fix
+
+
+def test_a_host_without_cgroup_v2_mounted_gets_meshruns_own_and_a_distrusted_kernel_is_refused(monkeypatch, tmp_path):
+    """cgroup v1 only (no v2 mount anywhere): the guard mounts the kernel's v2 hierarchy at PRIVATE_CGROUP2 and
+    makes the job's cgroup there; a kernel whose v2 socket matching v1's net_cls switched off is refused first."""
+    from meshrun.errors import HostError
+    from meshrun.system import firewall as fw
+
+    calls = []
+    private = tmp_path / "cgroup2"
+    monkeypatch.setattr(fw.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(fw.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(fw, "PRIVATE_CGROUP2", private)
+    monkeypatch.setattr(fw, "cgroup2_root", lambda mountinfo=None: private if calls else None)
+    monkeypatch.setattr(fw, "run", lambda argv, **kw: calls.append(list(argv)))
+    monkeypatch.setattr(fw.host, "proc_cgroups", lambda: "")
+    assert fw.available() is None  # only the mount is missing: jobs can start
+    guard = fw.JobGuard("exp7", "dc1-a", "meshrun0").create(["10.213.0.2"])
+    assert calls[0] == ["mount", "-t", "cgroup2", "cgroup2", str(private)]
+    assert guard.cgroup.is_dir() and guard.cgroup.parent.parent == private
+    assert calls[1][:1] == ["unshare"]  # nft sees the private hierarchy at /sys/fs/cgroup (as on a hybrid host)
+    assert "mounted by meshrun" in fw.hierarchy()
+    monkeypatch.setattr(fw.os, "uname", lambda: type("U", (), {"release": "5.14.0"})())
+    monkeypatch.setattr(fw.host, "proc_cgroups", lambda: "net_cls\t3\t2\t1\n")
+    with pytest.raises(HostError, match="net_cls"):
+        fw.JobGuard("exp8", "dc1-a", "meshrun0").create([])
+    assert fw.available()[0].startswith("Linux 5.14.0")
 
 
 def test_a_sweep_that_cannot_see_cgroups_removes_nothing(monkeypatch):
@@ -215,3 +250,24 @@ def test_a_sweep_that_cannot_see_cgroups_removes_nothing(monkeypatch):
     monkeypatch.setattr(fw, "cgroup2_root", lambda mountinfo=None: None)
     monkeypatch.setattr(fw, "_delete_table", deleted.append)
     assert fw.sweep() == [] and deleted == []
+
+
+PROC_CGROUPS_V1 = """#subsys_name	hierarchy	num_cgroups	enabled
+cpu	1	1	1
+memory	4	32	1
+net_cls	3	2	1
+net_prio	3	2	1
+pids	8	1	1
+"""
+PROC_CGROUPS_V2 = PROC_CGROUPS_V1.replace("net_cls\t3", "net_cls\t0").replace("net_prio\t3", "net_prio\t0")
+
+
+def test_socket_matching_is_distrusted_only_before_5_15_with_net_cls_or_net_prio_in_a_v1_hierarchy():
+    caveat = firewall.socket_match_caveat("5.14.0-70.el9.x86_64", PROC_CGROUPS_V1)
+    assert caveat and "net_cls and net_prio" in caveat and "5.14.0-70" in caveat
+    assert firewall.socket_match_caveat("5.15.0-91-generic", PROC_CGROUPS_V1) is None
+    assert firewall.socket_match_caveat("6.18.44", PROC_CGROUPS_V1) is None
+    assert firewall.socket_match_caveat("5.14.0", PROC_CGROUPS_V2) is None  # on v2 (or unmounted): no conflict
+    disabled = PROC_CGROUPS_V1.replace("net_cls\t3\t2\t1", "net_cls\t3\t2\t0").replace("net_prio\t3\t2\t1", "")
+    assert firewall.socket_match_caveat("5.13.0", disabled) is None
+    assert firewall.socket_match_caveat("5.13.0", "") is None

@@ -35,7 +35,7 @@ def test_the_shipped_example_loads_into_a_job_spec(tmp_path):
     (tmp_path / "examples").mkdir()
     req = job_spec(jobconfig.merge(jobconfig.parse(EXAMPLE.read_text()), NOTHING), tmp_path)
     assert req.script == "examples/ddp_train.py"
-    assert req.script_args == ["--epochs", "5", "--steps-per-epoch", "50", "--checkpoint", "checkpoint.pt"]
+    assert req.script_args == ["--epochs", "5", "--steps-per-epoch", "50"]
     assert (req.nnodes, req.nproc_per_node, req.max_restarts, req.rdzv_timeout) == ("2", 1, 1, 900)
     assert req.env == {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "4"}
     assert req.module is False and req.python == "python3"

@@ -117,6 +117,15 @@ def test_user_env_wins_except_node_name():
     assert p.env["MESHRUN_NODE_NAME"] == "dc1-gpu0" and p.env["MESHRUN_INTERFACE"] == "meshrun0"
 
 
+def test_every_worker_learns_its_job_and_run_and_the_user_cannot_rename_them():
+    """A fresh job's run is the job; a resumed one's is the run it continues (where its checkpoints are)."""
+    liar = {"MESHRUN_JOB_ID": "other", "MESHRUN_RUN_ID": "../../somewhere"}
+    (fresh,) = launch.plan(NODES[:1], opts(job_id="exp-2"), liar)
+    assert (fresh.env["MESHRUN_JOB_ID"], fresh.env["MESHRUN_RUN_ID"]) == ("exp-2", "exp-2")
+    (resumed,) = launch.plan(NODES[:1], opts(job_id="exp-3", run_id="exp-1"), liar)
+    assert (resumed.env["MESHRUN_JOB_ID"], resumed.env["MESHRUN_RUN_ID"]) == ("exp-3", "exp-1")
+
+
 def test_every_worker_learns_its_site_and_the_user_cannot_rename_it():
     site = Placement("fra", 1, 2, "10.1.0.2")
     nodes = [NodeInfo("a", "10.77.0.2", 0, site), NodeInfo("b", "10.77.0.3", 0, Placement("b", 0, 2, ""))]

@@ -37,6 +37,7 @@ NOT_REFERENCES = {
     "tests/unit/project/test_layers.py": re.compile(r"meshrun(\.\w+)*\.x$"),
     "tests/unit/core/test_ignore.py": re.compile(r"docs/"),
     "tests/unit/project/test_references.py": re.compile(""),
+    "tests/unit/project/test_docs.py": re.compile(r"(meshrun\.x|docs/x\.md|examples/x\.py)$"),
 }
 PLACEHOLDER = re.compile(r"[A-Z]{3,}")  # benchmarks/results/NAME.json
 

@@ -929,16 +929,48 @@ def test_snapshot_dir_must_exist(tmp_path: Path) -> None:
         _make(_mlp(0), snapshot_dir=tmp_path / "missing")
 
 
-def test_snapshot_dir_defaults_to_the_projects_output_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under `meshrun train` snapshots go to the project's persistent directory: the next job resumes too."""
+def test_snapshot_dir_defaults_to_the_runs_directory_in_the_project(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `meshrun train` snapshots go to the run's directory in the project's persistent one: the job's
+    restarts and its resumes (same MESHRUN_RUN_ID) find them, a new job (a new run) does not."""
     monkeypatch.setenv("MESHRUN_OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setenv("MESHRUN_RUN_ID", "train-20261126-1200-ab12")
     monkeypatch.setenv("LOCAL_RANK", "3")
     model = _mlp(0)
-    assert _make(model).snapshot_path == tmp_path / "diloco-snapshots" / "diloco-worker3.pt"
-    assert (tmp_path / "diloco-snapshots").is_dir()
+    run_dir = tmp_path / "diloco-snapshots" / "train-20261126-1200-ab12"
+    assert _make(model).snapshot_path == run_dir / "diloco-worker3.pt"
+    assert run_dir.is_dir()
     assert _make(model, snapshot_dir=None).snapshot_path is None
+    monkeypatch.setenv("MESHRUN_RUN_ID", "../../etc")
+    with pytest.raises(UsageError, match="MESHRUN_RUN_ID"):
+        _make(model)
+    monkeypatch.delenv("MESHRUN_RUN_ID")
+    assert _make(model).snapshot_path is None  # not started by meshrun: no snapshots unless asked
+    monkeypatch.setenv("MESHRUN_RUN_ID", "x")
     monkeypatch.delenv("MESHRUN_OUTPUT_DIR")
     assert _make(model).snapshot_path is None
+
+
+def test_a_new_run_of_another_model_starts_fresh_and_only_its_own_run_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A project's second job with another model (or outer state) is not blocked by the first's snapshots; the
+    first run resumed with another model is refused, the fix naming a fresh job."""
+    monkeypatch.setenv("MESHRUN_OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setenv("MESHRUN_RUN_ID", "first")
+    model = _mlp(0)
+    opt = _make(model, sync_every=2)
+    _train(model, opt, range(2), rank=0)
+    assert (tmp_path / "diloco-snapshots" / "first" / "diloco-worker0.pt").exists()
+    other = nn.Linear(3, 3)
+    monkeypatch.setenv("MESHRUN_RUN_ID", "second")
+    fresh = DiLoCo(other, torch.optim.SGD(other.parameters(), lr=0.1), sync_every=2)
+    assert (fresh.step_count, fresh.sync_count) == (0, 0)
+    monkeypatch.setenv("MESHRUN_RUN_ID", "first")
+    with pytest.raises(StateError, match="not for this model") as info:
+        DiLoCo(other, torch.optim.SGD(other.parameters(), lr=0.1), sync_every=2)
+    assert "without --resume" in info.value.fix
 
 
 # --------------------------------------------------------------------------- 4. compression

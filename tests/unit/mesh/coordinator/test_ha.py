@@ -3,6 +3,8 @@ etcd member its client tries first, and the refusals that come before anything i
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from meshrun.errors import ControlStateError, UsageError
@@ -66,6 +68,38 @@ def test_a_bad_endpoint_is_refused_naming_it(endpoint):
     with pytest.raises(UsageError, match="--endpoint"):
         ha.check_endpoint(endpoint, net)
     assert ha.check_endpoint("198.51.100.7", net) == "198.51.100.7:51820"
+
+
+@pytest.mark.parametrize(
+    "endpoint, kind",
+    [
+        ("10.0.0.7", "private (RFC 1918)"),
+        ("192.168.1.2:51820", "private"),
+        ("127.0.0.1", "loopback"),
+        ("100.64.3.4", "carrier-grade NAT"),
+        ("169.254.1.1", "link-local"),
+        ("lan-box.internal", "private"),
+    ],
+)
+def test_a_coordinator_endpoint_must_be_public(endpoint, kind):
+    from meshrun.core.model import Network
+
+    net = Network(
+        "t", "10.213.0.0/16", "meshrun0", 51820, 1420, "10.213.0.1", "A" * 43 + "=", ("192.0.2.1:51820",), "0" * 64
+    )
+    names = {"lan-box.internal": "172.31.40.46", "gpu-b.example.com": "203.0.113.9"}
+    resolve = lambda host: names.get(host, host)  # noqa: E731
+    with pytest.raises(UsageError, match=f"--endpoint {endpoint.split(':')[0]}.* is a {re.escape(kind)}") as err:
+        ha.public_endpoint(endpoint, net, resolve)
+    assert "public IP" in err.value.fix
+    assert ha.public_endpoint("198.51.100.7", net, resolve) == "198.51.100.7:51820"
+    assert ha.public_endpoint("gpu-b.example.com:443", net, resolve) == "gpu-b.example.com:443"
+
+    def unknown(host):
+        raise OSError("Name or service not known")
+
+    with pytest.raises(UsageError, match="does not resolve"):
+        ha.public_endpoint("nowhere.example", net, unknown)
 
 
 def test_remove_refuses_this_coordinator_and_a_lone_one(tmp_path):
