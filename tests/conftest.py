@@ -17,6 +17,18 @@ import pytest
 from support import PY310_DEPS, PY310_VENV, REPO_ROOT, TESTS, _world, netns_unavailable_reason, python310, unique_prefix
 
 E2E = TESTS / "e2e"
+# The longest test files (minutes each on the 2-core CI machines), collected first: with two workers taking
+# one file at a time (`--dist loadfile`), one of them starting last would stretch the run by its whole length.
+LONGEST_FIRST = (
+    "test_vm_e2e.py",
+    "test_benchmarks_smoke.py",
+    "test_ha_e2e.py",
+    "test_diloco_wan_smoke.py",
+    "test_python_floor.py",
+    "test_nat_e2e.py",
+    "test_reliability_e2e.py",
+    "test_jobs_e2e.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,6 +36,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if E2E in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.netns)
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # A stable sort: the order inside a file, and of the other files, stays as collected.
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
