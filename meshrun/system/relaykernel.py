@@ -42,8 +42,12 @@ def table_name(interface: str) -> str:
 
 def remove(interface: str) -> None:
     """Delete the relay table of `interface`'s member, if there is one (its relay died without closing)."""
+    _delete_table(table_name(interface))
+
+
+def _delete_table(table: str) -> None:
     try:
-        run(["nft", "delete", "table", "netdev", table_name(interface)], check=False, quiet=True)
+        run(["nft", "delete", "table", "netdev", table], check=False, quiet=True)
     except HostError:  # no nft here: no table was made either
         pass
 
@@ -108,7 +112,7 @@ class KernelPath:
             except (CommandError, HostError) as exc:
                 self.error = str(exc).splitlines()[0]
                 log.warning("relay fast path off, the relay's sockets forward everything: %s", self.error)
-                self._delete()
+                _delete_table(self.table)
                 return
             self.applied = script
 
@@ -123,14 +127,8 @@ class KernelPath:
     def close(self) -> None:
         with self.lock:
             if self.applied is not None:
-                self._delete()
+                _delete_table(self.table)
             self.applied = None
-
-    def _delete(self) -> None:
-        try:
-            run(["nft", "delete", "table", "netdev", self.table], check=False, quiet=True)
-        except HostError:
-            pass
 
 
 def kernel_counters(text: str) -> dict[int, int]:

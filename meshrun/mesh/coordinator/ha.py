@@ -700,17 +700,18 @@ def public_endpoint(endpoint: str, network: Network, resolve=net.resolve) -> str
     return endpoint
 
 
-def _answers(call, wait: float) -> bool:
-    """Whether `call()` succeeds once within `wait` seconds (tried at least once)."""
+def _failure(call, wait: float, every: float) -> str | None:
+    """None once `call()` succeeds within `wait` seconds (tried at least once, then every `every` s), else the
+    last failure's message."""
     deadline = time.monotonic() + wait
     while True:
         try:
             call()
-            return True
-        except MeshrunError:
+            return None
+        except MeshrunError as exc:
             if time.monotonic() >= deadline:
-                return False
-        time.sleep(2.0)
+                return exc.message
+        time.sleep(every)
 
 
 ENROL_CHECK_S = 15.0  # how long `add` waits for the new coordinator's enrolment port to answer at its endpoint
@@ -801,7 +802,8 @@ def add(
         )
         if check_endpoint_tls:
             say(f"checking that {name}'s enrolment port answers at {endpoint} (TCP, pinned TLS) ...")
-            problem = _enrolment_answers(endpoint, info.fingerprint)
+            host, port = split_endpoint(endpoint)
+            problem = _failure(lambda: transport.check_tls(host, port, info.fingerprint, timeout=3), ENROL_CHECK_S, 1.0)
             if problem is not None:
                 say(f"{name}'s enrolment port does not answer at {endpoint}: taking it out again ...")
                 db.close()
@@ -819,22 +821,6 @@ def add(
         return info
     finally:
         db.close()
-
-
-def _enrolment_answers(endpoint: str, fingerprint: str, timeout: float = ENROL_CHECK_S) -> str | None:
-    """None once a pinned TLS handshake with `endpoint` succeeds within `timeout` s, else the last failure."""
-    from meshrun.system import transport
-
-    host, port = split_endpoint(endpoint)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            transport.check_tls(host, int(port), fingerprint, timeout=3)
-            return None
-        except MeshrunError as exc:
-            if time.monotonic() >= deadline:
-                return exc.message
-        time.sleep(1.0)
 
 
 def _check_target(target: Member | None, name: str) -> None:
@@ -927,9 +913,13 @@ def remove(
             raise UsageError(f"there is no coordinator named {name!r}", f"the coordinators are: {names}")
         say(f"asking {name} ({info.overlay_ip}) whether it is there ...")
         # With --force the operator knows the machine is gone: one try, not the wait for a reboot.
-        reachable = _answers(
-            lambda: transport.call(info.overlay_ip, network.api_port, "GET", "/v1/time", timeout=5),
-            0.0 if force else unreachable_wait,
+        reachable = (
+            _failure(
+                lambda: transport.call(info.overlay_ip, network.api_port, "GET", "/v1/time", timeout=5),
+                0.0 if force else unreachable_wait,
+                2.0,
+            )
+            is None
         )
         if not reachable and not force:
             question = (
