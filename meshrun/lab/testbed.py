@@ -879,10 +879,13 @@ class Mesh:
     and mount namespaces with the same Python interpreter as this process.
     """
 
-    def __init__(self, world: World, coordinator: str, python: str = sys.executable) -> None:
+    def __init__(self, world: World, coordinator: str, python: str = sys.executable, time_scale: float = 1.0) -> None:
+        """`time_scale` multiplies every command's timeout: a VM under TCG, itself beside a busy CI worker,
+        runs Python many times slower than this host."""
         self.world = world
         self.coordinator = world.node(coordinator)
         self.python = python
+        self.time_scale = time_scale
         self.token = ""
 
     def state_dir(self, node: Node) -> Path:
@@ -909,7 +912,7 @@ class Mesh:
             "meshrun",
             *args,
             check=check,
-            timeout=timeout,
+            timeout=timeout * self.time_scale,
             env={"MESHRUN_STATE_DIR": str(self.state_dir(n)), **(env or {})},
             cwd=cwd,
         )

@@ -106,18 +106,28 @@ def _etcd_health(client, url: str) -> str:
 
 
 RTT_SAMPLES = 9
+RTT_FAR_SAMPLES = 3  # a peer whose first round trip exceeds RTT_FAR_MS: scheduling noise no longer matters
+RTT_FAR_MS = 10.0
+RTT_BUDGET_S = 10.0  # status measures peers until this is spent; the rest show no latency (meshrun ping does)
 RTT_PEERS_MAX = 64  # a larger mesh shows latency for this many peers (meshrun ping measures any one)
-RTT_LABEL = f"median of {RTT_SAMPLES} TCP connects over the overlay"
+RTT_LABEL = f"median of up to {RTT_SAMPLES} TCP connects over the overlay"
 
 
 def rtt_ms(ip: str, port: int, samples: int = RTT_SAMPLES, timeout: float = 1.0) -> float | None:
-    """Median round trip to ip:port in ms over `samples` TCP handshakes, measured one after the other.
+    """Median round trip to ip:port in ms over up to `samples` TCP handshakes, measured one after the other.
 
     One extra connect goes first and is not counted (it may wait for a WireGuard handshake), and
     peers are measured one at a time: measured together on a small machine, the threads' scheduling
-    delays swamp a sub-millisecond round trip.
+    delays swamp a sub-millisecond round trip. A peer across a WAN (a second connect slower than
+    RTT_FAR_MS) gets RTT_FAR_SAMPLES: there the noise is small against the round trip, and nine
+    connects at 200 ms would make status take seconds per peer.
     """
-    rtts = [probe.tcp_rtt(ip, port, timeout=timeout) for _ in range(samples + 1)][1:]
+    probe.tcp_rtt(ip, port, timeout=timeout)
+    first = probe.tcp_rtt(ip, port, timeout=timeout)
+    if first is None:
+        return None  # silent after the handshake's wait too: the rest would only wait as long again
+    n = RTT_FAR_SAMPLES if first * 1000 > RTT_FAR_MS else samples
+    rtts = [first] + [probe.tcp_rtt(ip, port, timeout=timeout) for _ in range(n - 1)]
     ok = [r * 1000 for r in rtts if r is not None]
     return round(statistics.median(ok), 3) if ok else None
 
@@ -171,7 +181,10 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         )
     if measure and up:
         # Coordinators first: whether each answers is what tells a node that one is lost.
+        deadline = time.monotonic() + RTT_BUDGET_S
         for r in sorted([r for r in rows if r["overlay_ip"]], key=lambda r: not r["coordinator"])[:RTT_PEERS_MAX]:
+            if time.monotonic() > deadline:
+                break
             r["latency_ms"] = rtt_ms(r["overlay_ip"], network.api_port)
             r["answered"] = r["latency_ms"] is not None
     rows.sort(key=lambda r: tuple(int(x) for x in r["overlay_ip"].split(".")) if r["overlay_ip"] else (999,))

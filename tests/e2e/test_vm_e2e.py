@@ -37,7 +37,7 @@ def vm_run(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the VM test: {why}")
         pytest.skip(why)
-    return vm.run(SCENARIO, tmp_path_factory.mktemp("vm"), timeout=900)
+    return vm.run(SCENARIO, tmp_path_factory.mktemp("vm"), timeout=1500)  # ~7 min alone, twice that beside a worker
 
 
 def test_kernel_wireguard_mesh_under_wan_delay_and_loss(vm_run):

@@ -26,6 +26,9 @@ from meshrun.system.statedir import StateDir
 
 DELAY_MS, LOSS_PCT = 25, 1
 PING_TIMEOUT = 120  # TCG runs Python ~15x slower than the host: generous, the check is that it works
+# Every meshrun command's timeout, times this: four `status` at once took 57 s in the guest on an idle host,
+# and a status or a join over 120 s beside a busy CI worker.
+TIME_SCALE = 3
 TRANSFER_BYTES = 2 << 20
 PORT = 5201
 RECEIVE = f"""
@@ -136,7 +139,7 @@ def scenario(s: Scenario) -> None:
             "rtt min/avg/max" in rtt and float(rtt.split("=")[-1].split("/")[1]) >= 90,
             ping=rtt.strip().splitlines()[-1],
         )
-        mesh = Mesh(world, "dc1-a")
+        mesh = Mesh(world, "dc1-a", time_scale=TIME_SCALE)
         mesh.init()
         parallel(mesh.join, ["dc2-a", "dc3-a"])
         first = ["dc1-a", "dc2-a", "dc3-a"]

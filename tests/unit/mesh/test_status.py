@@ -1,11 +1,11 @@
-"""meshrun.mesh.status.render: exact text for fixed status dicts (pure)."""
+"""meshrun.mesh.status: exact text for fixed status dicts, and how round trips are sampled (pure)."""
 
 from __future__ import annotations
 
 import copy
 import re
 
-from meshrun.mesh.status import _age, _bytes, render
+from meshrun.mesh.status import _age, _bytes, render, rtt_ms
 
 STATUS = {
     "network": "lab",
@@ -67,7 +67,7 @@ NAME   SITE  OVERLAY IP   PATH             ENDPOINT             HANDSHAKE  RTT  
 coord  -     10.213.0.1   direct (public)  203.0.113.1:51820    5s ago     0.50 ms  1023 B      1.0 KiB
 gpu-b  dc2   10.213.0.3   relayed          -                    never      -        0 B         5.0 MiB
 ?      -     10.213.0.10  unknown          [2001:db8::1]:51820  2h ago     -        3072.0 GiB  1.5 KiB
-RTT: median of 9 TCP connects over the overlay"""
+RTT: median of up to 9 TCP connects over the overlay"""
     )
 
 
@@ -158,3 +158,32 @@ def test_render_names_the_relay_what_this_node_relays_and_a_silent_coordinator()
     pairs = copy.deepcopy(STATUS)
     pairs["pairs"] = [{"a": "gpu-b", "b": "gpu-f", "path": "relayed", "relay": "coordinator", "verified": False}]
     assert re.search(r"^gpu-b +gpu-f +relayed by coordinator +no$", render(pairs), re.M)
+
+
+def _probes(monkeypatch, answers: list[float | None]) -> list[float | None]:
+    """Make probe.tcp_rtt answer `answers` in turn; returns the list of those it was asked for."""
+    from meshrun.system import probe
+
+    asked: list[float | None] = []
+
+    def tcp_rtt(ip, port, timeout=1.0):
+        asked.append(answers[len(asked)])
+        return asked[-1]
+
+    monkeypatch.setattr(probe, "tcp_rtt", tcp_rtt)
+    return asked
+
+
+def test_rtt_near_peer_takes_all_samples_and_drops_the_warm_up(monkeypatch):
+    asked = _probes(monkeypatch, [1.5] + [0.0002] * 9)
+    assert rtt_ms("10.0.0.2", 7000) == 0.2 and len(asked) == 10
+
+
+def test_rtt_far_peer_takes_three_samples(monkeypatch):
+    asked = _probes(monkeypatch, [0.3, 0.2, 0.25, 0.21])
+    assert rtt_ms("10.0.0.2", 7000) == 210.0 and len(asked) == 4
+
+
+def test_rtt_silent_peer_costs_two_timeouts(monkeypatch):
+    asked = _probes(monkeypatch, [None, None] + [0.001] * 9)
+    assert rtt_ms("10.0.0.2", 7000) is None and len(asked) == 2
