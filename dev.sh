@@ -5,7 +5,10 @@
 #   ./dev.sh test      install what is needed (incl. test deps), then run the whole test suite
 #   ./dev.sh install   only install
 #   ./dev.sh gpu-check on a GPU machine: NCCL over meshrun in namespaces (world, site, cross-site groups) and
-#                      its all-reduce bandwidth: raw site LAN vs meshrun0, NCCL socket settings (--help)
+#                      its all-reduce bandwidth: raw site LAN vs meshrun0, NCCL socket settings (--help);
+#                      with no .venv and a bundle in .offline/, installed from it (no registry needed)
+#   ./dev.sh bundle [--python X.Y] [OUT]  the offline bundle, for machines with no package registry
+#                      (tools/offline_bundle.sh; docs/install.md): into OUT [.offline/]
 # Python deps go to ./.venv; torch is pinned first (an unpinned torch pulls GBs of CUDA wheels).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -34,19 +37,36 @@ apt_install() {  # apt_install [-t SUITE] PKG...
 
 # Debian 12 ships wireguard-go 0.0.20220316; bookworm-backports has 0.0.20231211 (what trixie and
 # Ubuntu 24.04 ship). Other distributions: their own package (meshrun warns when it is old).
-fast_wireguard_go() {
-  local have codename
-  have=$(dpkg-query -W -f='${Version}' wireguard-go 2>/dev/null || echo 0)
-  dpkg --compare-versions "$have" ge "$FAST_WG_GO" && return
-  codename=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
-  [ "$codename" = bookworm ] || return 0
+on_bookworm() { [ "$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")" = bookworm ]; }
+backports_source() {  # on Debian 12: bookworm-backports among apt's sources (Debian's own archive)
   if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
     printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
       > /etc/apt/sources.list.d/meshrun-bookworm-backports.sources
   fi
+}
+fast_wireguard_go() {
+  local have
+  have=$(dpkg-query -W -f='${Version}' wireguard-go 2>/dev/null || echo 0)
+  dpkg --compare-versions "$have" ge "$FAST_WG_GO" && return
+  on_bookworm || return 0
+  backports_source
   echo "dev.sh: apt-get install -t bookworm-backports wireguard-go (batched I/O)" >&2
   apt-get update -qq
   apt_install -t bookworm-backports wireguard-go
+}
+
+# A machine with no .venv and an offline bundle in .offline/ (./dev.sh bundle, carried with the checkout): meshrun
+# and the programs it lacks installed from the newest bundle into OFFLINE_PREFIX, like any offline install.
+OFFLINE_PREFIX=/opt/meshrun
+offline_bundle() { ls -t .offline/meshrun-offline-*.tar.gz 2>/dev/null | head -1 || true; }
+install_offline() {
+  local tmp installer rc=0
+  tmp=$(mktemp -d)
+  tar -xzf "$1" -C "$tmp"
+  installer=("$tmp"/meshrun-offline-*/install.sh)
+  "${installer[0]}" --prefix "$OFFLINE_PREFIX" --python "$PY" || rc=$?
+  rm -rf "$tmp"
+  return "$rc"
 }
 
 # The etcd-server package enables and starts etcd.service (client port 2379 on 127.0.0.1). meshrun runs its own
@@ -103,11 +123,14 @@ case "${1:-}" in
         # Two test processes (pytest-xdist), a test file each at a time: the end-to-end tests mostly wait on
         # namespaces, jobs and timers, so two of them fit 2 cores. MESHRUN_TEST_WORKERS=0 runs them one by one.
         exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-2}" --dist loadfile tests "$@" ;;
-  # A machine with no registry and no .venv, given .gpucarry (tools/gpu_carry.sh fetch): installed from those files.
+  # With no .venv and a bundle: the check runs this checkout's code (PYTHONPATH) with the installed dependencies.
   gpu-check) shift
-             if [ -d .gpucarry ] && [ ! -x .venv/bin/python ]; then
-               tools/gpu_carry.sh install; exec "$PY" -m meshrun.lab.gpucheck "$@"
+             if [ ! -x .venv/bin/python ] && [ -n "$(offline_bundle)" ]; then
+               install_offline "$(offline_bundle)"
+               PATH="$PATH:$OFFLINE_PREFIX/bin" PYTHONPATH="$PWD" \
+                 exec "$OFFLINE_PREFIX/venv/bin/python" -m meshrun.lab.gpucheck "$@"
              fi
              install_system; install_python; exec .venv/bin/python -m meshrun.lab.gpucheck "$@" ;;
-  *) echo "usage: ./dev.sh demo|test|install|gpu-check" >&2; exit 2 ;;
+  bundle) shift; if [ "$(id -u)" = 0 ] && on_bookworm; then backports_source; fi; exec tools/offline_bundle.sh "$@" ;;
+  *) echo "usage: ./dev.sh demo|test|install|gpu-check|bundle" >&2; exit 2 ;;
 esac
