@@ -488,6 +488,33 @@ def ha_failover(d: dict) -> tuple[str, str]:
     )
 
 
+def _seconds(x: dict) -> str:
+    """A benchmark's spread of seconds: median (min-max)."""
+    return f"{x['median']:.1f} s ({x['min']:.1f}-{x['max']:.1f})"
+
+
+def ha_failover_node(d: dict) -> tuple[str, str]:
+    n, c = d["node_loss_s"], d["coordinator_loss_s"]
+    return (
+        "the same world and job, the leader lost then a node, since a node's machine is called gone from missed "
+        "TCP handshakes and the survivors' rendezvous drops it at once",
+        f"progress again {_seconds(n)} after the node's loss ({n['n']} rounds), "
+        + ", ".join(f"{_seconds(v)} after the {k}'s" for k, v in c.items()),
+    )
+
+
+def loss_detection(d: dict) -> tuple[str, str]:
+    u, r = d["under_load"], d["rule"]
+    return (
+        "the supervisor's liveness rule against busy nodes (busy loops on every core, an iperf3 flood through "
+        f"meshrun0 into them): a probe every {r['probe_every_s']:g} s, gone after {r['gone_after_s']:g} s and "
+        f"{r['min_misses']} misses",
+        f"a lost node called gone {_seconds(d['detection'])} after its loss ({d['detection']['n']} rounds); "
+        f"{u['gone_verdicts']} false verdicts in {d['load_seconds']:.0f} s of probing a busy node ({u['probes']} "
+        f"probes, {u['misses']} missed; round trip p99 {u['p99_ms']:.0f} ms, max {u['max_ms']:.0f} ms)",
+    )
+
+
 ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("wan_efficiency", wan_efficiency, "benchmarks/wan_efficiency.py"),
     ("time_to_mesh", time_to_mesh, "benchmarks/time_to_mesh.py"),
@@ -500,6 +527,12 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("sites_lanpath", sites_lanpath, "benchmarks/sites.py --trust-sites --name sites_lanpath"),
     ("datapath", datapath, "benchmarks/datapath.py"),
     ("ha_failover", ha_failover, "benchmarks/ha_failover.py"),
+    (
+        "ha_failover_node",
+        ha_failover_node,
+        "benchmarks/ha_failover.py --lose leader --rounds 3 --window 10 --name ha_failover_node",
+    ),
+    ("loss_detection", loss_detection, "benchmarks/loss_detection.py"),
 ]
 
 

@@ -25,7 +25,11 @@ JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 RDZV_BACKEND = "meshrun"
 # torchrun polls its workers this often (seconds); a failure is noticed within it.
 MONITOR_INTERVAL = "0.5"
-ELASTIC_LAST_CALL_S = 10  # an elastic rendezvous's wait for more nodes once MIN joined (torch's default: 30)
+# An elastic rendezvous's wait for more nodes once MIN joined (torch's default: 30). Every round of a meshrun
+# job has its nodes started or restarted at once by the supervisor, so they join within a second or two of
+# each other; each second here is a second of standstill after a lost node. A node later than this joins
+# by the next round (its waiting restarts the group), which costs a restart, not the job.
+ELASTIC_LAST_CALL_S = 3
 # NCCL's socket count (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD) is left to NCCL: measured on an H200
 # through meshrun0 (benchmarks/results/gpu_datapath.json), its own choice moved 256 MiB all-reduces at 0.62 GB/s
 # same-site and 0.61 across sites, against 0.32 for the 4 x 4 meshrun used to set and 0.27-0.43 for 1x1, 2x8 and
@@ -292,7 +296,7 @@ def plan(
     # is_host=0: the coordinator hosts the store; torch's guess (hostname match) is wrong on overlays.
     # join_timeout: the c10d handler's rendezvous deadline (the generic "timeout" key is etcd/static only).
     rdzv_conf = f"is_host=0,join_timeout={opts.rdzv_timeout}"
-    if lo < hi:  # a group re-formed after a lost node resumes 20 s sooner; meshrun starts every share at once
+    if lo < hi:  # see ELASTIC_LAST_CALL_S
         rdzv_conf += f",last_call_timeout={ELASTIC_LAST_CALL_S}"
     if opts.rdzv_coordinators:  # '+' between them: torchrun splits --rdzv-conf at commas
         rdzv_conf += f",coordinators={'+'.join(opts.rdzv_coordinators)}"

@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
+from meshrun.core import liveness
 from meshrun.core.model import Member, Network
 from meshrun.errors import LaunchError
 from meshrun.jobs import share as shares
 from meshrun.jobs import workdir
-from meshrun.system import firewall, host, joblogs, transport
+from meshrun.system import firewall, host, joblogs, probe, transport
 from meshrun.system.projects import ProjectDir
 from meshrun.system.statedir import StateDir, remove_tree
 
@@ -49,11 +50,15 @@ class ShareHandle(Protocol):
     def allow(self, job_id: str, ips: list[str]) -> None:
         """While it runs: a node joined the (elastic) job and may reach its ports too."""
 
-    def restart(self, job_id: str, started_before: float) -> None:
-        """End its workers started before then: its torchrun restarts them into a new rendezvous round."""
+    def restart(self, job_id: str, started_before: float, lost: list[str]) -> None:
+        """End its workers started before then: its torchrun restarts them into a new rendezvous round, which
+        leaves out the nodes whose overlay addresses are in `lost` at once."""
 
     def output(self, job_id: str, offset: int) -> dict:
         """Its output from `offset`: {"lines", "offset", "done", "status"} (a long-poll)."""
+
+    def reachable(self) -> bool:
+        """Whether its machine answers a TCP handshake on the agent's port now (meshrun.core.liveness)."""
 
     def cancel(self, job_id: str) -> None:
         """Stop it (SIGTERM to its tree; it records that it was cancelled)."""
@@ -83,6 +88,10 @@ class RemoteShare:
     def health(self) -> dict:
         return self._call("GET", "/v1/health", timeout=3)
 
+    def reachable(self) -> bool:
+        # A refused connection is an answer too: the machine is there, whatever its agent is doing.
+        return probe.tcp_rtt(self.overlay_ip, self.network.api_port, timeout=liveness.PROBE_TIMEOUT_S) is not None
+
     def ship(self, job_id: str, project: str, blob: bytes) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/code?project={project}", raw=blob, timeout=120)
 
@@ -104,8 +113,8 @@ class RemoteShare:
     def allow(self, job_id: str, ips: list[str]) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/allow", {"ips": ips}, timeout=15)
 
-    def restart(self, job_id: str, started_before: float) -> None:
-        self._call("POST", f"/v1/jobs/{job_id}/restart", {"before": started_before}, timeout=15)
+    def restart(self, job_id: str, started_before: float, lost: list[str]) -> None:
+        self._call("POST", f"/v1/jobs/{job_id}/restart", {"before": started_before, "lost": lost}, timeout=15)
 
     def output(self, job_id: str, offset: int) -> dict:
         return self._call(
@@ -172,11 +181,14 @@ class LocalShare:
     def allow(self, job_id: str, ips: list[str]) -> None:
         firewall.allow(job_id, self.name, ips)
 
-    def restart(self, job_id: str, started_before: float) -> None:
-        shares.restart_workers(self.dir, started_before)
+    def restart(self, job_id: str, started_before: float, lost: list[str]) -> None:
+        shares.restart_workers(self.dir, started_before, lost)
 
     def output(self, job_id: str, offset: int) -> dict:
         return shares.share_output(self.dir, offset, OUTPUT_WAIT_S)
+
+    def reachable(self) -> bool:
+        return True  # this machine: the supervisor runs on it
 
     def cancel(self, job_id: str) -> None:
         shares.cancel_share(self.dir)

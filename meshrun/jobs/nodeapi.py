@@ -19,7 +19,7 @@ bounded.
   POST /v1/jobs/ID/output         {offset, wait}: output lines from `offset`, then the share's end
   POST /v1/jobs/ID/cancel         stop the share
   POST /v1/jobs/ID/allow          {ips}: more nodes may reach the job's ports (an elastic job grew)
-  POST /v1/jobs/ID/restart        {before}: end the workers started before then: torchrun restarts them and
+  POST /v1/jobs/ID/restart        {before, lost}: end the workers started before then: torchrun restarts them and
                                   they rendezvous again (an elastic job lost a node)
   POST /v1/jobs/ID/pull           {path, max_bytes}: files from the job's working directory (tar.gz)
   POST /v1/jobs/ID/prune          delete the job's directory here (not while its share runs)
@@ -34,6 +34,7 @@ through their job directories.
 from __future__ import annotations
 
 import io
+import ipaddress
 import logging
 import os
 import re
@@ -61,6 +62,7 @@ log = logging.getLogger("meshrun.jobs.nodeapi")
 
 MAX_CODE = 200 * 1024 * 1024
 MAX_CONNS = 64
+MAX_LOST = 1024  # lost nodes one restart request may name
 OUTPUT_WAIT_MAX = 10.0
 ROUTE = re.compile(
     r"^/v1/jobs/([^/?]+)/(code|preflight|start|output|cancel|allow|restart|pull|prune)"
@@ -238,10 +240,12 @@ class JobAPI:
         if action == "restart":
             try:
                 before = float(body["before"])
+                lost = [str(ipaddress.ip_address(ip)) for ip in body.get("lost", [])[:MAX_LOST]]
             except (KeyError, TypeError, ValueError):
                 return Response.error(400, UsageError("malformed restart request", "use `meshrun train`"))
-            n = restart_workers(job_dir, before)
-            log.info("job %s: %d worker process(es) ended to re-form the group", job_id, n)
+            n = restart_workers(job_dir, before, lost)
+            gone = f" without {', '.join(lost)}" if lost else ""
+            log.info("job %s: %d worker process(es) ended to re-form the group%s", job_id, n, gone)
             return Response(200, {"signalled": n})
         if action == "pull":
             return self._pull(job_id, job_dir, body)

@@ -38,10 +38,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from datetime import timedelta
+from datetime import timedelta, timezone
 
 from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.errors import CoordinatorError, MeshrunError, UsageError
+from meshrun.jobs.share import lost_nodes
 from meshrun.mesh.coordinator.rendezvous import MAX_VALUE, PATH_PREFIX, WRITE_PER_S
 from meshrun.system import transport
 
@@ -111,7 +112,7 @@ def create_handler(params):
         dr._get_timeout(params, "close"),
         dr._get_timeout(params, "heartbeat"),
     )
-    return OverlayRendezvousHandler.from_backend(
+    handler = OverlayRendezvousHandler.from_backend(
         params.run_id,
         store,
         backend,
@@ -124,6 +125,43 @@ def create_handler(params):
         ),
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3),
     )
+    job_dir = os.environ.get("MESHRUN_JOB_DIR")
+    if job_dir:
+        forget_lost_nodes(handler, functools.partial(lost_nodes, job_dir))
+    return handler
+
+
+def forget_lost_nodes(handler, lost: Callable[[], dict[str, float]]) -> bool:
+    """Make `handler` drop the nodes the supervisor called lost from the rendezvous as soon as it reads it.
+
+    torch drops a node whose heartbeats stopped only after keep_alive_interval x keep_alive_max_attempt
+    (15 s at its defaults), and a finished round starts again only once every participant of it left: the
+    survivors of a lost node would wait that long. `lost()` is {overlay address: unix s it was called
+    lost} (meshrun.jobs.share.lost_nodes); a node at such an address whose last heartbeat is older than
+    that is dead to the state holder's sanitizing, which then removes it as torch would have. A node back at
+    that address is a new torchrun (another pid) with newer heartbeats, so it is left alone.
+
+    Uses torch's private state holder (`_state_holder._sanitize`, `_state.last_heartbeats`); where those
+    are not there (another torch), nothing changes and False is returned: the heartbeats still expire."""
+    holder = getattr(handler, "_state_holder", None)
+    sanitize = getattr(holder, "_sanitize", None)
+    if sanitize is None or not hasattr(holder, "_state"):
+        log.warning("this torch's rendezvous has no state holder to sanitize: lost nodes leave it by timeout")
+        return False
+
+    def sanitize_with_lost() -> None:
+        gone = lost()
+        beats = getattr(holder._state, "last_heartbeats", None)
+        if gone and isinstance(beats, dict):
+            for node, beat in list(beats.items()):
+                at = gone.get(getattr(node, "addr", None))
+                stamp = (beat if beat.tzinfo else beat.replace(tzinfo=timezone.utc)).timestamp()
+                if at is not None and stamp < at:
+                    beats[node] = beat - timedelta(days=365)  # long expired: sanitize removes it
+        sanitize()
+
+    holder._sanitize = sanitize_with_lost
+    return True
 
 
 def coordinators_backend(params):

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from meshrun.core import termtext
@@ -216,14 +217,33 @@ def cancel_share(job_dir: StateDir) -> bool:
     return procs.DaemonLock(job_dir / "share.lock").stop(timeout=30)
 
 
-def restart_workers(job_dir: StateDir, started_before: float) -> int:
+LOST_NODES = "lost_nodes.json"  # {overlay IP: unix s it was called lost}, read by the rendezvous handler
+
+
+def lost_nodes(job_dir: Path | str) -> dict[str, float]:
+    """The nodes this share was told are lost ({overlay IP: when, unix s}); {} if none or unreadable."""
+    try:
+        data = StateDir(job_dir).read_json(LOST_NODES)
+    except (OSError, ValueError, MeshrunError):
+        return {}
+    return {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+
+
+def restart_workers(job_dir: StateDir, started_before: float, lost: Sequence[str] = ()) -> int:
     """End this share's workers that started before `started_before` (unix s), so its torchrun restarts them
     and they rendezvous again; returns how many were signalled (0: none that old, or no share runs).
+
+    `lost`: the overlay addresses of the nodes the supervisor called lost. They are noted first (LOST_NODES,
+    stamped now), so that this share's rendezvous handler drops them from the finished round at once
+    (meshrun.jobs.rdzv_backend) instead of waiting for their heartbeats to expire (15 s at torch's 5 s).
 
     For an elastic job that lost a node: the survivors' collectives would otherwise wait for the lost
     machine until torch's process-group timeout (30 minutes for gloo), because packets to a machine that is
     gone are simply dropped. Workers torchrun already restarted after the loss (a refused connection tells it
     at once when only processes died) are younger and left alone. It takes one of the job's --max-restarts."""
+    if lost:
+        noted = {**lost_nodes(job_dir.path), **dict.fromkeys(lost, time.time())}
+        job_dir.write_json(LOST_NODES, noted)
     share = procs.DaemonLock(job_dir / "share.lock").holder()
     if share is None:
         return 0

@@ -11,7 +11,8 @@ the job belongs to the mesh, not to the terminal that asked for it, and not to t
   starts the shares (meshrun.jobs.share, on each node through its job API, every request MAC'd
   with that node's job key; the coordinator's own share, if it trains, in a local process);
 - follows every share's output by offset into logs/<node>.log (what `meshrun logs` and
-  `meshrun train` print), and declares a node lost when its agent stops answering for LOST_AFTER_S;
+  `meshrun train` print), and declares a node lost when its machine stops answering a TCP handshake
+  for a few seconds (meshrun.core.liveness) or its agent stops answering for LOST_AFTER_S;
 - stops the job when meshrun.core.outcome.Outcome says so (a fixed-size job's first failure or lost
   node; an elastic job below MIN), starts a share on a node that becomes ready while an elastic
   job runs below MAX, and records the verdict in job.json;
@@ -36,7 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from meshrun.core import codeset, launch, preflight, presets, topology
+from meshrun.core import codeset, launch, liveness, preflight, presets, topology
 from meshrun.core.jobspec import EXIT_CANCELLED, JobRecord, JobSpec, JobState, ShareEnd
 from meshrun.core.outcome import Outcome
 from meshrun.errors import LaunchError, MeshrunError
@@ -52,7 +53,10 @@ from meshrun.system.statedir import StateDir
 
 log = logging.getLogger("meshrun.jobs.supervisor")
 
-LOST_AFTER_S = 15.0  # a share whose agent has not answered for this long is lost
+# A share whose agent has not answered for this long is lost, though its machine answers (a hung agent);
+# a machine that answers nothing is called gone sooner (meshrun.core.liveness.GONE_AFTER_S).
+LOST_AFTER_S = 15.0
+WATCH_THREADS = 32  # probes in flight at once: a larger job's round takes a few probe timeouts
 # After a fixed-size job's first failure the other nodes are stopped this many seconds later: their
 # torchrun would otherwise sit in its exit barrier (300 s) waiting for the dead node; the grace
 # lets simultaneous failures report their own cause.
@@ -350,14 +354,16 @@ class Supervisor:
                 except MeshrunError as exc:
                     # Only the owner calls a share lost: a standby's copy of the output must not end for good
                     # because this coordinator was cut off a while (its own interface restarting, say).
+                    if self._is_lost(s.name):
+                        return  # the watch called its machine gone meanwhile
                     if self.owning and time.monotonic() - last_ok >= LOST_AFTER_S:
-                        with self.lock:
-                            self.outcome.lost[s.name] = time.time()
-                        self.say(f"lost {s.name}: no answer from its agent for {LOST_AFTER_S:.0f} s ({exc.message})")
-                        self._regroup(s.name, time.time() - (time.monotonic() - last_ok))
+                        why = f"no answer from its agent for {LOST_AFTER_S:.0f} s ({exc.message})"
+                        self._lose(s.name, time.monotonic() - last_ok, why)
                         return
                     time.sleep(1)
                     continue
+                if self._is_lost(s.name):
+                    return  # called gone: its output is no longer the job's
                 last_ok = time.monotonic()
                 now_ms = int(time.time() * 1000)
                 for line in ans.get("lines", []):
@@ -370,7 +376,57 @@ class Supervisor:
         finally:
             mirror.close()
 
+    def _is_lost(self, name: str) -> bool:
+        with self.lock:
+            return name in self.outcome.lost
+
+    def _lose(self, name: str, silent_for: float, why: str) -> None:
+        """Call `name`'s share lost (once, whoever notices first: its follower or the watch) and regroup."""
+        with self.lock:
+            if name in self.outcome.lost or self.outcome.shares.get(name) is not None:
+                return
+            self.outcome.lost[name] = time.time()
+        self.say(f"lost {name}: {why}")
+        self._regroup(name, time.time() - silent_for)
+
+    def _watch(self, stop: threading.Event) -> None:
+        """Probe the machine of every running share each PROBE_EVERY_S; the owner calls one silent for
+        GONE_AFTER_S lost at once (meshrun.core.liveness), instead of after LOST_AFTER_S without output."""
+        seen: dict[str, liveness.Liveness] = {}
+        with ThreadPoolExecutor(max_workers=WATCH_THREADS, thread_name_prefix="watch") as pool:
+            next_round = time.monotonic()
+            while not stop.wait(max(0.0, next_round - time.monotonic())):
+                next_round = time.monotonic() + liveness.PROBE_EVERY_S  # a fixed cadence: a silent round takes longer
+                with self.lock:  # this machine's own share needs no probe, and must not hide a cut-off link
+                    running = [self.shares[n] for n in self.outcome.running() if n in self.shares]
+                running = [s for s in running if not isinstance(s, LocalShare)]
+                if not self.owning or not running:
+                    seen.clear()  # a standby's view starts afresh when it takes the job over
+                    continue
+                sent = time.monotonic()
+                answers = dict(zip([s.name for s in running], pool.map(lambda s: s.reachable(), running)))
+                now = time.monotonic()
+                # Every node silent at once points at this coordinator's own link (its interface restarting,
+                # say), not at every machine gone together: that case is left to the slower rule.
+                cut_off = len(answers) > 1 and not any(answers.values())
+                for name, ok in answers.items():
+                    state = seen.setdefault(name, liveness.Liveness(liveness.GONE_AFTER_S, liveness.MIN_MISSES))
+                    if ok:
+                        state.answered()
+                    elif state.missed(sent, now) and not cut_off:
+                        silent = now - state.silent_since
+                        why = f"its machine answered nothing for {silent:.1f} s ({state.misses} probes)"
+                        self._lose(name, silent, why)
+
     def _supervise(self) -> None:
+        stop_watch = threading.Event()
+        threading.Thread(target=self._watch, args=(stop_watch,), name="watch", daemon=True).start()
+        try:
+            self._supervise_until_done()
+        finally:
+            stop_watch.set()
+
+    def _supervise_until_done(self) -> None:
         next_scale = time.monotonic() + SCALE_UP_EVERY_S
         while True:
             if self.replica is not None and not self.cancel_event.is_set() and self._cancel_asked():
@@ -402,11 +458,12 @@ class Supervisor:
             if not self.spec.elastic or not self.owning or self.aborting or self.outcome.stop_reason():
                 return
             running = [self.shares[n] for n in self.outcome.running() if n != lost]
+            gone = [self.shares[lost].overlay_ip] if lost in self.shares else []
         if not running:
             return
         self.say(f"re-forming the group without {lost}: restarting the workers on {', '.join(s.name for s in running)}")
         for s in running:
-            threading.Thread(target=_quietly, args=(s.restart, self.job_id, heard), daemon=True).start()
+            threading.Thread(target=_quietly, args=(s.restart, self.job_id, heard, gone), daemon=True).start()
 
     def _abort(self, reason: str) -> None:
         """Stop every running share: at once when cancelled or below MIN, after FAIL_GRACE_S on a failure."""

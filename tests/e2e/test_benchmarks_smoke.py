@@ -30,6 +30,7 @@ CASES = {
     "preflight_time": ["--nodes", "2", "--rounds", "1"],
     "sites": ["--intra-mib", "1", "--cross-mib", "2", "--rounds", "1"],
     "ha_failover": ["--rounds", "1", "--lose", "relay", "--window", "3", "--steps", "400"],
+    "loss_detection": ["--rounds", "1", "--load-seconds", "3"],
     "datapath": ["--rounds", "1", "--seconds", "1", "--mib", "1", "--iters", "1", "--warmup", "1"]
     + ["--wan-seconds", "2", "--wan-rounds", "1"],
 }

@@ -194,7 +194,7 @@ def test_nnodes_min_max_and_fixed_subset():
     assert len(plans) == 2
     # An elastic rendezvous waits 10 s (not torch's 30) for more nodes: a group re-formed after a loss.
     conf = plans[0].argv[plans[0].argv.index("--rdzv-conf") + 1]
-    assert conf.split(",")[-1] == "last_call_timeout=10", conf
+    assert conf.split(",")[-1] == f"last_call_timeout={launch.ELASTIC_LAST_CALL_S}", conf
     fixed = launch.plan(NODES, opts(nnodes="2"))[0].argv
     assert "last_call_timeout" not in fixed[fixed.index("--rdzv-conf") + 1]
     assert launch.plan(NODES, opts(nnodes="2:2"))[0].argv[4] == "2"

@@ -1,5 +1,6 @@
 """A supervisor following a share's output: the owner calls a share lost after LOST_AFTER_S without an answer
-(an elastic job re-forms without it); a standby, whose copy is only a copy, keeps trying until it answers."""
+(an elastic job re-forms without it); a standby, whose copy is only a copy, keeps trying until it answers.
+Its watch calls a share whose machine answers no handshake lost sooner, unless every machine went silent."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.core import liveness
 from meshrun.core.outcome import Outcome
 from meshrun.errors import NetworkError
 from meshrun.jobs import supervisor
+from meshrun.jobs.handles import LocalShare
 from meshrun.system.statedir import StateDir
 
 
@@ -33,13 +36,15 @@ class Replica:
     owning = False  # another coordinator owns the job
 
 
-def follower(tmp_path: Path, owning: bool) -> tuple[supervisor.Supervisor, list[str]]:
-    """A Supervisor with just what `_follow` uses (its constructor reads a coordinator's state)."""
+def follower(
+    tmp_path: Path, owning: bool, shares: tuple[str, ...] = ("dc2-a",)
+) -> tuple[supervisor.Supervisor, list[str]]:
+    """A Supervisor with just what `_follow` and `_watch` use (its constructor reads a coordinator's state)."""
     sup = supervisor.Supervisor.__new__(supervisor.Supervisor)
     sup.job_id, sup.lock = "j1", threading.Lock()
     sup.logs = StateDir(tmp_path / "logs")
     sup.logs.create()
-    sup.outcome = Outcome(elastic=True, min_nodes=1, shares={"dc2-a": None})
+    sup.outcome = Outcome(elastic=True, min_nodes=1, shares=dict.fromkeys(shares))
     sup.replica = None if owning else Replica()
     said: list[str] = []
     sup.say = said.append
@@ -50,6 +55,8 @@ def follower(tmp_path: Path, owning: bool) -> tuple[supervisor.Supervisor, list[
 @pytest.fixture(autouse=True)
 def quick(monkeypatch):
     monkeypatch.setattr(supervisor, "LOST_AFTER_S", 1.5)
+    monkeypatch.setattr(liveness, "PROBE_EVERY_S", 0.02)
+    monkeypatch.setattr(liveness, "GONE_AFTER_S", 0.2)
 
 
 def test_the_owner_calls_a_silent_share_lost_and_regroups(tmp_path):
@@ -66,3 +73,63 @@ def test_a_standby_keeps_following_a_share_it_could_not_reach_for_longer(tmp_pat
     lines = (tmp_path / "logs" / "dc2-a.log").read_text().splitlines()
     assert [line.split(" ", 1)[1] for line in lines] == ["[dc2-a r0] step 1", "[dc2-a r0] step 2"]
     assert sup.outcome.shares["dc2-a"] is not None  # its end was recorded
+
+
+class Machine:
+    """A share seen only by the watch: its machine answers a handshake after `silent_after` probes no more
+    (None: always), or answers again after `back_after` more."""
+
+    def __init__(self, name: str, silent_after: int | None = None, back_after: int | None = None) -> None:
+        self.name, self.silent_after, self.back_after, self.probes = name, silent_after, back_after, 0
+
+    def reachable(self) -> bool:
+        self.probes += 1
+        if self.silent_after is None or self.probes <= self.silent_after:
+            return True
+        return self.back_after is not None and self.probes > self.silent_after + self.back_after
+
+
+def watched(sup: supervisor.Supervisor, machines: list[Machine], seconds: float) -> None:
+    """Run the supervisor's watch over `machines` for `seconds`."""
+    sup.shares = {m.name: m for m in machines}
+    stop = threading.Event()
+    t = threading.Thread(target=sup._watch, args=(stop,))
+    t.start()
+    stop.wait(seconds)
+    stop.set()
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_the_watch_calls_a_silent_machine_lost_and_regroups_without_waiting_for_its_output(tmp_path):
+    sup, said = follower(tmp_path, owning=True, shares=("dc2-a", "dc3-a"))
+    watched(sup, [Machine("dc2-a"), Machine("dc3-a", silent_after=3)], 1.0)
+    assert list(sup.outcome.lost) == ["dc3-a"] and sup.outcome.running() == ["dc2-a"]
+    assert said[0].startswith("lost dc3-a: its machine answered nothing for ") and said[1] == "regroup without dc3-a"
+    assert len(said) == 2  # called once
+
+
+def test_the_watch_leaves_a_machine_that_answers_again_in_time(tmp_path):
+    sup, said = follower(tmp_path, owning=True, shares=("dc2-a", "dc3-a"))
+    watched(sup, [Machine("dc2-a"), Machine("dc3-a", silent_after=3, back_after=2)], 1.0)
+    assert sup.outcome.lost == {} and said == []
+
+
+def test_every_machine_silent_at_once_is_left_to_the_slower_rule(tmp_path):
+    sup, said = follower(tmp_path, owning=True, shares=("dc2-a", "dc3-a"))
+    watched(sup, [Machine("dc2-a", silent_after=2), Machine("dc3-a", silent_after=2)], 1.0)
+    assert sup.outcome.lost == {} and said == []
+
+
+def test_a_standby_watch_calls_nothing_lost(tmp_path):
+    sup, said = follower(tmp_path, owning=False, shares=("dc2-a", "dc3-a"))
+    watched(sup, [Machine("dc2-a"), Machine("dc3-a", silent_after=0)], 1.0)
+    assert sup.outcome.lost == {} and said == []
+
+
+def test_the_coordinators_own_share_does_not_hide_that_its_link_is_cut(tmp_path):
+    sup, said = follower(tmp_path, owning=True, shares=("dc1-a", "dc2-a", "dc3-a"))
+    local = LocalShare.__new__(LocalShare)
+    local.name = "dc1-a"  # the coordinator trains too: always "reachable" from itself
+    watched(sup, [local, Machine("dc2-a", silent_after=2), Machine("dc3-a", silent_after=2)], 1.0)
+    assert sup.outcome.lost == {} and said == []

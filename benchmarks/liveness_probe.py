@@ -1,0 +1,69 @@
+"""The supervisor's liveness probe and rule against one address, for benchmarks/loss_detection.py.
+
+    python benchmarks/liveness_probe.py IP PORT SECONDS [--until-gone]
+
+Probes IP:PORT the way meshrun.jobs.supervisor.Supervisor._watch does (meshrun.core.liveness; a handshake, refused
+counts as an answer) for SECONDS (every verdict counted, the count starting again after each), or with
+--until-gone until the rule first calls the address gone, and prints one JSON object:
+probes, misses, gone_verdicts, gone_at (unix time of the first verdict, or null), round-trip percentiles.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+from meshrun.core import liveness
+from meshrun.system import probe
+
+
+def main() -> int:
+    ip, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    until_gone = "--until-gone" in sys.argv[4:]
+    state = liveness.Liveness(liveness.GONE_AFTER_S, liveness.MIN_MISSES)
+    rtts: list[float] = []
+    probes = misses = verdicts = 0
+    gone_at = None
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sent = time.monotonic()
+        rtt = probe.tcp_rtt(ip, port, timeout=liveness.PROBE_TIMEOUT_S)
+        now = time.monotonic()
+        probes += 1
+        if rtt is not None:
+            rtts.append(rtt * 1000)
+            state.answered()
+        else:
+            misses += 1
+            if state.missed(sent, now):
+                verdicts += 1
+                gone_at = gone_at or time.time()
+                state.answered()  # count each run of silence once
+                if until_gone:
+                    break
+        time.sleep(max(0.0, liveness.PROBE_EVERY_S - (time.monotonic() - sent)))
+    rtts.sort()
+
+    def pct(q: float) -> float:
+        return rtts[min(len(rtts) - 1, int(q * len(rtts)))] if rtts else 0.0
+
+    print(
+        json.dumps(
+            {
+                "probes": probes,
+                "misses": misses,
+                "gone_verdicts": verdicts,
+                "gone_at": gone_at,
+                "p50_ms": statistics.median(rtts) if rtts else 0.0,
+                "p99_ms": pct(0.99),
+                "max_ms": rtts[-1] if rtts else 0.0,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
