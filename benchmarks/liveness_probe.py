@@ -22,7 +22,7 @@ from meshrun.system import probe
 def main() -> int:
     ip, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     until_gone = "--until-gone" in sys.argv[4:]
-    state = liveness.Liveness(liveness.GONE_AFTER_S, liveness.MIN_MISSES)
+    state = liveness.Liveness()
     rtts: list[float] = []
     probes = misses = verdicts = 0
     gone_at = None

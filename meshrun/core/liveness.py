@@ -10,7 +10,7 @@ not its API is left to the slower rule (the supervisor's LOST_AFTER_S).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 1.5  # one SYN, no retransmission (Linux resends a SYN after 1 s, then 3 s)
@@ -21,10 +21,11 @@ MIN_MISSES = 3
 @dataclass
 class Liveness:
     """One node's probes, in the order they were sent: `answered()`, or `missed(sent, now)` with the monotonic
-    times the probe was sent and given up on. `missed` returns True once the node counts as gone."""
+    times the probe was sent and given up on. `missed` returns True once the node counts as gone. The
+    thresholds default to the module's values as they are when it is made (a test may shorten them)."""
 
-    gone_after_s: float = GONE_AFTER_S
-    min_misses: int = MIN_MISSES
+    gone_after_s: float = field(default_factory=lambda: GONE_AFTER_S)
+    min_misses: int = field(default_factory=lambda: MIN_MISSES)
     silent_since: float | None = None  # when the first unanswered probe of the current run was sent
     misses: int = 0
 

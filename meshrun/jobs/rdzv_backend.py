@@ -155,8 +155,9 @@ def forget_lost_nodes(handler, lost: Callable[[], dict[str, float]]) -> bool:
         if gone and isinstance(beats, dict):
             for node, beat in list(beats.items()):
                 at = gone.get(getattr(node, "addr", None))
-                stamp = (beat if beat.tzinfo else beat.replace(tzinfo=timezone.utc)).timestamp()
-                if at is not None and stamp < at:
+                if at is None:
+                    continue
+                if (beat if beat.tzinfo else beat.replace(tzinfo=timezone.utc)).timestamp() < at:
                     beats[node] = beat - timedelta(days=365)  # long expired: sanitize removes it
         sanitize()
 

@@ -410,7 +410,9 @@ class Supervisor:
                 # say), not at every machine gone together: that case is left to the slower rule.
                 cut_off = len(answers) > 1 and not any(answers.values())
                 for name, ok in answers.items():
-                    state = seen.setdefault(name, liveness.Liveness(liveness.GONE_AFTER_S, liveness.MIN_MISSES))
+                    state = seen.get(name)
+                    if state is None:
+                        state = seen[name] = liveness.Liveness()
                     if ok:
                         state.answered()
                     elif state.missed(sent, now) and not cut_off:
