@@ -58,6 +58,12 @@ def join(
         ),
     ] = None,
     foreground: Annotated[bool, typer.Option(help="Run the agent in this process (for systemd).")] = False,
+    wait: Annotated[
+        float,
+        typer.Option(
+            help="Seconds the agent has for its first sync with the coordinator before the join is undone.",
+        ),
+    ] = 45.0,
     state_dir: StateOpt = None,
 ) -> None:
     """Join this machine to a network: make keys, enrol, bring up the interface, start the agent.
@@ -76,7 +82,15 @@ def join(
     app = Application.for_command(state_dir)
     text = read_token(token, token_file)
     res = node.join(
-        text, app.state, name=name, endpoint=endpoint, start=not foreground, mtu=mtu, site=site, relay=relay
+        text,
+        app.state,
+        name=name,
+        endpoint=endpoint,
+        start=not foreground,
+        mtu=mtu,
+        site=site,
+        relay=relay,
+        wait=wait,
     )
     verb = "resumed" if res.resumed else "joined"
     app.echo(

@@ -40,16 +40,17 @@ def pid(state: StateDir) -> int | None:
     return _lock(state).holder()
 
 
-def spawn(state: StateDir, timeout: float = 60) -> int:
+def spawn(state: StateDir, timeout: float = 60, fix: str = "") -> int:
     """Start the daemon for `state` and return its PID once it reports ready.
 
     Raises MeshrunError with the daemon's own error if it fails to start (it is stopped if it
-    does not become ready in time).
+    does not become ready in time; `fix` is added to that error's advice).
     """
     return procs.spawn_daemon(
         [sys.executable, "-m", "meshrun", "daemon", "--state-dir", str(state.path)],
         state / "daemon.out",
         timeout=timeout,
+        slow_fix=fix,
     )
 
 

@@ -203,12 +203,14 @@ def spawn_daemon(
     timeout: float = 60,
     env: Mapping[str, str] | None = None,
     what: str = "the meshrun daemon",
+    slow_fix: str = "",
 ) -> int:
     """Start `argv` in its own session (output appended to `log_path`, 0600) and wait until ready.
 
     The child finds a pipe's write end in $MESHRUN_READY_FD and calls `notify_ready()` (or
     `notify_error(err)`). Returns the child's PID. Raises MeshrunError with the child's own error
-    if it reports one or exits first, and stops it if it is not ready within `timeout` seconds.
+    if it reports one or exits first, and stops it if it is not ready within `timeout` seconds (that
+    error's advice: the log, then `slow_fix`).
     """
     rfd, wfd = os.pipe()
     try:
@@ -241,7 +243,9 @@ def spawn_daemon(
     if message is None and proc.poll() is None:  # silent past the deadline
         kill_tree(proc.pid, grace=5)
         _reap(proc)
-        raise StateError(f"{what} was not ready within {timeout:.0f} s", f"see {log_path}")
+        raise StateError(
+            f"{what} was not ready within {timeout:.0f} s", f"see {log_path}" + (f"; {slow_fix}" if slow_fix else "")
+        )
     _reap(proc)
     if message and message.get("error"):
         raise from_wire(message, default=MeshrunError)  # the child's own error, its class kept

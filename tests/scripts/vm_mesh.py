@@ -29,6 +29,9 @@ PING_TIMEOUT = 120  # TCG runs Python ~15x slower than the host: generous, the c
 # Every meshrun command's timeout, times this: four `status` at once took 57 s in the guest on an idle host,
 # and a status or a join over 120 s beside a busy CI worker.
 TIME_SCALE = 3
+# The agent's first sync, (`join --wait`, 45 s by default) scaled alike: two joins at once beside a busy CI
+# worker passed 45 s.
+JOIN_WAIT = str(45 * TIME_SCALE)
 TRANSFER_BYTES = 2 << 20
 PORT = 5201
 RECEIVE = f"""
@@ -141,13 +144,17 @@ def scenario(s: Scenario) -> None:
         )
         mesh = Mesh(world, "dc1-a", time_scale=TIME_SCALE)
         mesh.init()
-        parallel(mesh.join, ["dc2-a", "dc3-a"])
+
+        def join(name: str):
+            return mesh.join(name, "--wait", JOIN_WAIT)
+
+        parallel(join, ["dc2-a", "dc3-a"])
         first = ["dc1-a", "dc2-a", "dc3-a"]
         took = wait_pairs(mesh, first, PING_TIMEOUT)
         s.record("three_datacenters_all_pairs_ping", all(isinstance(v, float) for v in took.values()), took=took)
         pids = daemon_pids(mesh, first)
 
-        mesh.join("dc4-a")  # later, symmetric NAT
+        join("dc4-a")  # later, symmetric NAT
         took = wait_pairs(mesh, first + ["dc4-a"], PING_TIMEOUT)
         s.record("a_later_node_is_reached_by_all", all(isinstance(v, float) for v in took.values()), took=took)
         after = daemon_pids(mesh, first)

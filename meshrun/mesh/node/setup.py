@@ -34,7 +34,8 @@ from meshrun.system import net, probe, transport
 from meshrun.system.device import Device
 from meshrun.system.statedir import StateDir
 
-READY_TIMEOUT = 45.0
+READY_TIMEOUT = 45.0  # `meshrun join --wait`: the agent's first sync with the coordinator
+MAX_READY_TIMEOUT = 3600.0
 NODE_FILES = ("private.key", "member.json", "peers.json", "wireguard-go.log", *process.FILES)
 
 
@@ -143,22 +144,26 @@ def join(
     abandon_with: Abandon = abandon,
     site: str | None = None,
     relay: bool | None = None,
+    wait: float = READY_TIMEOUT,
 ) -> JoinResult:
     """Enrol this machine and bring up its interface; start the agent unless start=False.
 
     `site`: the site this node is in (its agent reports it; jobs group their ranks by it, see
     meshrun.core.topology). `relay` False: this node never relays other members' pairs (`--no-relay`;
     by default any member with direct tunnels to both ends of a pair may, see meshrun.core.relays).
+    `wait`: seconds the agent has for its first sync with the coordinator (`--wait`) before the join
+    is undone.
     Run again on an enrolled node, it resumes with the same key and address. On failure
     nothing is left: no interface, no daemon, no state files (the coordinator keeps a
     reservation it frees for the same name on the next try). Tests pass a FakeDevice (whose
     caller needs no privileges) and an in-process `enrol_with`.
     """
     tok = parse_token(token)
+    check_wait(wait)
     if site is not None:
         check_name(site, "--site")
     if state.exists:
-        return resume(state, tok, start, site=site, relay=relay)
+        return resume(state, tok, start, site=site, relay=relay, wait=wait)
     name = check_name(name) if name else default_node_name(platform.node())
     if mtu is not None:
         check_mtu(mtu)
@@ -178,11 +183,24 @@ def join(
     private_key = keys.generate_private_key()
     answer = enrol_with(tok, name, private_key, advertised)
     try:
-        return _install(answer, state, private_key, advertised, mtu, device, start, site or "", relay is not False)
+        return _install(
+            answer, state, private_key, advertised, mtu, device, start, site or "", relay is not False, wait
+        )
     except BaseException:
         with contextlib.suppress(Exception):  # the name is free again at once, not after the grace
             abandon_with(tok, name, private_key)
         raise
+
+
+WAIT_FIX = "on a slow host or link give the agent longer, e.g. `meshrun join --wait 180`"
+
+
+def check_wait(wait: float) -> None:
+    """UsageError unless `wait` (seconds, `--wait`) is positive and at most an hour."""
+    if not 0 < wait <= MAX_READY_TIMEOUT:
+        raise UsageError(
+            f"--wait {wait:g} is out of range", f"give the seconds to wait for the agent, 1 to {MAX_READY_TIMEOUT:.0f}"
+        )
 
 
 def _install(
@@ -195,6 +213,7 @@ def _install(
     start: bool,
     site: str = "",
     relay: bool = True,
+    wait: float = READY_TIMEOUT,
 ) -> JoinResult:
     """After enrolment: write the state, bring up the interface, apply the peers, start the agent; on
     failure nothing is left here (the caller gives the enrolment back)."""
@@ -242,7 +261,7 @@ def _install(
         state.write_json("member.json", record)
         member.save_members(state, 0, members)
         apply_members(device, state, record, network, members)
-        daemon_pid = process.spawn(state, timeout=READY_TIMEOUT) if start else None
+        daemon_pid = process.spawn(state, timeout=wait, fix=WAIT_FIX) if start else None
     except BaseException:
         with contextlib.suppress(Exception):
             process.stop(state)
@@ -257,7 +276,12 @@ def _install(
 
 
 def resume(
-    state: StateDir, tok: JoinToken | None, start: bool = True, site: str | None = None, relay: bool | None = None
+    state: StateDir,
+    tok: JoinToken | None,
+    start: bool = True,
+    site: str | None = None,
+    relay: bool | None = None,
+    wait: float = READY_TIMEOUT,
 ) -> JoinResult:
     """Bring an enrolled node back (same key, same address): interface and agent; `site` and `relay` (if
     given) take effect from the agent's next start (UsageError while the agent runs with others)."""
@@ -290,7 +314,7 @@ def resume(
         rec["relay"] = relay
         state.write_json("member.json", rec)
     if pid is None and start:
-        pid = process.spawn(state, timeout=READY_TIMEOUT)
+        pid = process.spawn(state, timeout=wait, fix=WAIT_FIX)
     device = iface.device_for(state, network, rec)
     return JoinResult(
         rec["name"],

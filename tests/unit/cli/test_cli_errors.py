@@ -103,6 +103,15 @@ class TestJoin:
         )
         assert not state.exists()
 
+    @pytest.mark.parametrize("wait", ["0", "-5", "7200"])
+    def test_bad_wait(self, run, state, wait):
+        res = run("join", valid_token(), "--name", "gpu-a", "--wait", wait)
+        assert res.exit_code == 2
+        assert one_error_line(res) == (
+            f"--wait {float(wait):g} is out of range; give the seconds to wait for the agent, 1 to 3600"
+        )
+        assert not state.exists()
+
     def test_bad_endpoint(self, run, state):
         res = run("join", valid_token(), "--name", "gpu-a", "--endpoint", "a b")
         assert res.exit_code == 2

@@ -92,9 +92,16 @@ def test_exit_before_ready_and_silence_past_the_deadline(script, tmp_path):
     with pytest.raises(MeshrunError, match="the test daemon exited with code 5 before it was ready"):
         spawn(script, tmp_path, "exit")
     t0 = time.monotonic()
-    with pytest.raises(MeshrunError, match="the test daemon was not ready within 1 s"):
-        spawn(script, tmp_path, "silent", timeout=1)
+    with pytest.raises(MeshrunError, match="the test daemon was not ready within 1 s") as exc:
+        procs.spawn_daemon(
+            [sys.executable, str(script), "silent", str(tmp_path / "d.lock")],
+            tmp_path / "d.out",
+            timeout=1,
+            what="the test daemon",
+            slow_fix="give it longer with --wait",
+        )
     assert time.monotonic() - t0 < 10  # and it was stopped, not waited for
+    assert exc.value.fix == f"see {tmp_path / 'd.out'}; give it longer with --wait"
 
 
 def test_stop_kills_a_daemon_that_ignores_sigterm(script, tmp_path):
