@@ -122,7 +122,9 @@ case "${1:-}" in
         .venv/bin/ruff format --check .
         # Two test processes (pytest-xdist), a test file each at a time: the end-to-end tests mostly wait on
         # namespaces, jobs and timers, so two of them fit 2 cores. MESHRUN_TEST_WORKERS=0 runs them one by one.
-        exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-2}" --dist loadfile tests "$@" ;;
+        # Files start in the order tests/conftest.py collects them (the VM test first, then the longest).
+        exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+          tests "$@" ;;
   # With no .venv and a bundle: the check runs this checkout's code (PYTHONPATH) with the installed dependencies.
   gpu-check) shift
              if [ ! -x .venv/bin/python ] && [ -n "$(offline_bundle)" ]; then

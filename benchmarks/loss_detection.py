@@ -12,8 +12,9 @@ namespace (benchmarks/liveness_probe.py) against nodes of a testbed world:
 - Phase 2, --rounds rounds: a loaded node's machine is lost (World.lose: every process killed, its
   namespace deleted) while it is probed; detection = the verdict's time less the loss's.
 
-Protocol, fixed before the run: targets are zero false verdicts under load and detection below 6 s in
-every round (GONE_AFTER_S 4 s plus up to one probe period and one probe timeout); 5 rounds.
+Protocol, fixed before the run: targets are zero false verdicts under load and detection below
+GONE_AFTER_S + 2 s in every round (up to one probe period and a probe timeout beyond it, less the probes'
+overlap); 5 rounds. (With GONE_AFTER_S 4 s, 2026-11-27: 4.6 s (4.5-5.3); with 3 s the target is < 5 s.)
 
     sudo .venv/bin/python benchmarks/loss_detection.py [--rounds 5] [--load-seconds 180]
 """
@@ -113,12 +114,13 @@ def main() -> int:
             print(f"round {i + 1}: {node} called gone {took:.2f} s after its loss ({rep['misses']} misses)", flush=True)
     d = spread(detections)
     false_verdicts = under_load["gone_verdicts"]
-    ok = false_verdicts == 0 and d["max"] < 6.0
+    target = liveness.GONE_AFTER_S + 2
+    ok = false_verdicts == 0 and d["max"] < target
     summary = (
         f"loss_detection: a lost node called gone {d['median']:.1f} s ({d['min']:.1f}-{d['max']:.1f}) after its loss, "
         f"{d['n']} rounds; {false_verdicts} false verdicts in {a.load_seconds:.0f} s of probing a loaded node "
         f"({under_load['probes']} probes, {under_load['misses']} missed, round trip p50 {under_load['p50_ms']:.1f} "
-        f"p99 {under_load['p99_ms']:.1f} max {under_load['max_ms']:.1f} ms); {verdict(ok)} (0 false, < 6 s) "
+        f"p99 {under_load['p99_ms']:.1f} max {under_load['max_ms']:.1f} ms); {verdict(ok)} (0 false, < {target:.0f} s) "
         f"[{time.monotonic() - t_start:.0f} s]"
     )
     write_result(

@@ -17,21 +17,31 @@ import pytest
 from support import PY310_DEPS, PY310_VENV, REPO_ROOT, TESTS, _world, netns_unavailable_reason, python310, unique_prefix
 
 E2E = TESTS / "e2e"
-# The collection order, which is the order two workers taking one file at a time (`--dist loadfile`) start
-# them in. The VM test goes first, beside the unit tests: under TCG the guest needs a core to itself, and the
-# end-to-end tests' namespaces, daemons and trainers took it (a guest join ran past its 45 s beside them).
-# Then the longest end-to-end files (minutes each on the 2-core CI machines): one of them starting last would
-# stretch the run by its whole length.
+# The collection order, which is the order two workers taking one file at a time start them in with
+# `--dist loadfile --no-loadscope-reorder` (./dev.sh test; without the second option xdist sorts the files by
+# their number of tests, and the one-test VM file started 42 minutes in, beside the heaviest end-to-end tests,
+# and took 16 minutes instead of 7). The VM test goes first, beside the unit tests: under TCG the guest needs
+# a core to itself, and the end-to-end tests' namespaces, daemons and trainers took it (a guest join ran past
+# its 45 s beside them). Then the longest files (minutes each on the 2-core CI machines, from a CI run's
+# --durations): one of them starting last would stretch the run by its whole length.
 FIRST = "test_vm_e2e.py"
 LONGEST_FIRST = (
-    "test_python_floor.py",
     "test_benchmarks_smoke.py",
     "test_ha_e2e.py",
-    "test_diloco_wan_smoke.py",
-    "test_nat_e2e.py",
+    "test_diloco_e2e.py",
     "test_reliability_e2e.py",
     "test_jobs_e2e.py",
+    "test_rdzv_flood_e2e.py",
+    "test_nat_e2e.py",
+    "test_diloco_wan_smoke.py",
+    "test_demo_e2e.py",
+    "test_train_e2e.py",
+    "test_lanpath_e2e.py",
+    "test_python_floor.py",
+    "test_gpucheck_e2e.py",
+    "test_sites_e2e.py",
 )
+HEAVY = {"test_python_floor.py"}  # a unit test by what it checks, run among the end-to-end ones for its minutes
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -41,7 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = Path(str(item.fspath)).resolve()
         if path.name == FIRST:
             return (0, 0)
-        return (2 if E2E in path.parents else 1, rank.get(path.name, len(rank)))
+        return (2 if E2E in path.parents or path.name in HEAVY else 1, rank.get(path.name, len(rank)))
 
     for item in items:
         if E2E in Path(str(item.fspath)).resolve().parents:

@@ -145,6 +145,23 @@ class TrainJob:
             self.reader.join(10)
 
 
+def meshrun_process(proc: subprocess.Popen) -> int:
+    """The PID of the `meshrun` that `proc` (nsenter ... meshrun, from Mesh.meshrun_popen) runs, to signal it: `proc`
+    itself once nsenter has replaced itself with meshrun (it forks only to enter a PID namespace), else nsenter's
+    child that runs meshrun. Never merely a first child: a short-lived subprocess of meshrun's own would take the
+    signal instead (a SIGHUP that went to one left a `meshrun train` running past its test's timeout)."""
+
+    def argv(pid: int | str) -> list[bytes]:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+
+    if not argv(proc.pid)[0].endswith(b"nsenter"):
+        return proc.pid
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    found = [int(c) for c in children if b"meshrun" in argv(c)]
+    assert len(found) == 1, f"no single meshrun under nsenter {proc.pid}: {[argv(c) for c in children]}"
+    return found[0]
+
+
 def json_strategy(max_text: int = 40, max_list: int = 5, max_key: int = 12, max_dict: int = 6, max_leaves: int = 20):
     """Hypothesis strategy: any JSON value (NaN, huge integers and odd text included), for fuzzing parsers."""
     from hypothesis import strategies as st

@@ -50,9 +50,10 @@ class ShareHandle(Protocol):
     def allow(self, job_id: str, ips: list[str]) -> None:
         """While it runs: a node joined the (elastic) job and may reach its ports too."""
 
-    def restart(self, job_id: str, started_before: float, lost: list[str]) -> None:
+    def restart(self, job_id: str, started_before: float, lost: list[str], members: list[str]) -> None:
         """End its workers started before then: its torchrun restarts them into a new rendezvous round, which
-        leaves out the nodes whose overlay addresses are in `lost` at once."""
+        leaves out the nodes whose overlay addresses are in `lost` at once, and completes as soon as the
+        nodes at `members` (the re-formed group, this one among them) have joined."""
 
     def output(self, job_id: str, offset: int) -> dict:
         """Its output from `offset`: {"lines", "offset", "done", "status"} (a long-poll)."""
@@ -113,8 +114,9 @@ class RemoteShare:
     def allow(self, job_id: str, ips: list[str]) -> None:
         self._call("POST", f"/v1/jobs/{job_id}/allow", {"ips": ips}, timeout=15)
 
-    def restart(self, job_id: str, started_before: float, lost: list[str]) -> None:
-        self._call("POST", f"/v1/jobs/{job_id}/restart", {"before": started_before, "lost": lost}, timeout=15)
+    def restart(self, job_id: str, started_before: float, lost: list[str], members: list[str]) -> None:
+        body = {"before": started_before, "lost": lost, "members": members}
+        self._call("POST", f"/v1/jobs/{job_id}/restart", body, timeout=15)
 
     def output(self, job_id: str, offset: int) -> dict:
         return self._call(
@@ -181,8 +183,8 @@ class LocalShare:
     def allow(self, job_id: str, ips: list[str]) -> None:
         firewall.allow(job_id, self.name, ips)
 
-    def restart(self, job_id: str, started_before: float, lost: list[str]) -> None:
-        shares.restart_workers(self.dir, started_before, lost)
+    def restart(self, job_id: str, started_before: float, lost: list[str], members: list[str]) -> None:
+        shares.restart_workers(self.dir, started_before, lost, members)
 
     def output(self, job_id: str, offset: int) -> dict:
         return shares.share_output(self.dir, offset, OUTPUT_WAIT_S)

@@ -63,6 +63,7 @@ log = logging.getLogger("meshrun.jobs.nodeapi")
 MAX_CODE = 200 * 1024 * 1024
 MAX_CONNS = 64
 MAX_LOST = 1024  # lost nodes one restart request may name
+MAX_MEMBERS = 4096  # nodes of the re-formed group one restart request may name
 OUTPUT_WAIT_MAX = 10.0
 ROUTE = re.compile(
     r"^/v1/jobs/([^/?]+)/(code|preflight|start|output|cancel|allow|restart|pull|prune)"
@@ -241,9 +242,10 @@ class JobAPI:
             try:
                 before = float(body["before"])
                 lost = [str(ipaddress.ip_address(ip)) for ip in body.get("lost", [])[:MAX_LOST]]
+                members = [str(ipaddress.ip_address(ip)) for ip in body.get("members", [])[:MAX_MEMBERS]]
             except (KeyError, TypeError, ValueError):
                 return Response.error(400, UsageError("malformed restart request", "use `meshrun train`"))
-            n = restart_workers(job_dir, before, lost)
+            n = restart_workers(job_dir, before, lost, members)
             gone = f" without {', '.join(lost)}" if lost else ""
             log.info("job %s: %d worker process(es) ended to re-form the group%s", job_id, n, gone)
             return Response(200, {"signalled": n})

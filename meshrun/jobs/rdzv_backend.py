@@ -38,11 +38,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from datetime import timedelta, timezone
+from datetime import datetime, timedelta, timezone
 
 from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.errors import CoordinatorError, MeshrunError, UsageError
-from meshrun.jobs.share import lost_nodes
+from meshrun.jobs.share import Regroup, read_regroup
 from meshrun.mesh.coordinator.rendezvous import MAX_VALUE, PATH_PREFIX, WRITE_PER_S
 from meshrun.system import transport
 
@@ -127,41 +127,50 @@ def create_handler(params):
     )
     job_dir = os.environ.get("MESHRUN_JOB_DIR")
     if job_dir:
-        forget_lost_nodes(handler, functools.partial(lost_nodes, job_dir))
+        follow_regroups(handler, functools.partial(read_regroup, job_dir))
     return handler
 
 
-def forget_lost_nodes(handler, lost: Callable[[], dict[str, float]]) -> bool:
-    """Make `handler` drop the nodes the supervisor called lost from the rendezvous as soon as it reads it.
+def follow_regroups(handler, regroup: Callable[[], Regroup]) -> bool:
+    """Make `handler` act on the supervisor's regroups (meshrun.jobs.share.Regroup) each time it syncs.
 
-    torch drops a node whose heartbeats stopped only after keep_alive_interval x keep_alive_max_attempt
-    (15 s at its defaults), and a finished round starts again only once every participant of it left: the
-    survivors of a lost node would wait that long. `lost()` is {overlay address: unix s it was called
-    lost} (meshrun.jobs.share.lost_nodes); a node at such an address whose last heartbeat is older than
-    that is dead to the state holder's sanitizing, which then removes it as torch would have. A node back at
-    that address is a new torchrun (another pid) with newer heartbeats, so it is left alone.
+    Two waits of torch's are cut. torch drops a node whose heartbeats stopped only after
+    keep_alive_interval x keep_alive_max_attempt (15 s at its defaults), and a finished round starts again
+    only once every participant of it left: a node at a lost address whose last heartbeat is older than the
+    loss is dead to the state holder's sanitizing at once, which removes it as torch would have (a node back
+    at that address is a new torchrun with newer heartbeats, and stays). And an elastic round that reached
+    MIN waits out its last call (ELASTIC_LAST_CALL_S) for more nodes: once every node of the re-formed group
+    (`members`) has joined, no other is coming, so its deadline is moved to now and the next join step
+    completes it (torch's own MARK_RENDEZVOUS_COMPLETE, written back with the state).
 
-    Uses torch's private state holder (`_state_holder._sanitize`, `_state.last_heartbeats`); where those
-    are not there (another torch), nothing changes and False is returned: the heartbeats still expire."""
+    Uses torch's private state holder (`_state_holder._sanitize`, `_state`, `_settings`); where those are
+    not there (another torch), nothing changes and False is returned: torch's own timeouts still apply."""
     holder = getattr(handler, "_state_holder", None)
     sanitize = getattr(holder, "_sanitize", None)
     if sanitize is None or not hasattr(holder, "_state"):
         log.warning("this torch's rendezvous has no state holder to sanitize: lost nodes leave it by timeout")
         return False
 
-    def sanitize_with_lost() -> None:
-        gone = lost()
-        beats = getattr(holder._state, "last_heartbeats", None)
-        if gone and isinstance(beats, dict):
+    def sanitize_with_regroup() -> None:
+        note = regroup()
+        state = holder._state
+        beats = getattr(state, "last_heartbeats", None)
+        if note.lost and isinstance(beats, dict):
             for node, beat in list(beats.items()):
-                at = gone.get(getattr(node, "addr", None))
+                at = note.lost.get(getattr(node, "addr", None))
                 if at is None:
                     continue
                 if (beat if beat.tzinfo else beat.replace(tzinfo=timezone.utc)).timestamp() < at:
                     beats[node] = beat - timedelta(days=365)  # long expired: sanitize removes it
         sanitize()
+        expected = note.expected(time.time())
+        deadline = getattr(state, "deadline", None)
+        if expected and deadline is not None and not state.complete:
+            joined = {getattr(node, "addr", None) for node in state.participants}
+            if expected <= joined and len(state.participants) >= holder._settings.min_nodes:
+                state.deadline = min(deadline, datetime.now(timezone.utc) - timedelta(microseconds=1))
 
-    holder._sanitize = sanitize_with_lost
+    holder._sanitize = sanitize_with_regroup
     return True
 
 

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.core import termtext
@@ -217,33 +218,60 @@ def cancel_share(job_dir: StateDir) -> bool:
     return procs.DaemonLock(job_dir / "share.lock").stop(timeout=30)
 
 
-LOST_NODES = "lost_nodes.json"  # {overlay IP: unix s it was called lost}, read by the rendezvous handler
+REGROUP = "regroup.json"  # what the supervisor said at its last regroup, read by the rendezvous handler
+# How long after a regroup its member list may complete a rendezvous round early: long enough for the round
+# it restarted; a node added to the job later (scale-up) is never left out of a round for being unlisted.
+REGROUP_ROUND_S = 60.0
 
 
-def lost_nodes(job_dir: Path | str) -> dict[str, float]:
-    """The nodes this share was told are lost ({overlay IP: when, unix s}); {} if none or unreadable."""
+@dataclass(frozen=True)
+class Regroup:
+    """The supervisor's last word on an elastic job's membership, as one share was told it.
+
+    `lost`: {overlay IP: unix s it was called lost}, every node lost so far. `members`: the overlay IPs of
+    the nodes the re-formed group consists of, and `at` (unix s) when that was said; empty when not told.
+    """
+
+    lost: dict[str, float] = field(default_factory=dict)
+    members: frozenset[str] = frozenset()
+    at: float = 0.0
+
+    def expected(self, now: float) -> frozenset[str]:
+        """The nodes whose joining completes the re-formed round (empty once REGROUP_ROUND_S passed)."""
+        return self.members if now - self.at < REGROUP_ROUND_S else frozenset()
+
+
+def read_regroup(job_dir: Path | str) -> Regroup:
+    """What this share was told at the last regroup; an empty Regroup if nothing or unreadable."""
     try:
-        data = StateDir(job_dir).read_json(LOST_NODES)
-    except (OSError, ValueError, MeshrunError):
-        return {}
-    return {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+        data = StateDir(job_dir).read_json(REGROUP)
+        lost = {str(k): float(v) for k, v in data.get("lost", {}).items() if isinstance(v, (int, float))}
+        return Regroup(lost, frozenset(str(m) for m in data.get("members", [])), float(data.get("at", 0)))
+    except (OSError, ValueError, TypeError, AttributeError, MeshrunError):
+        return Regroup()
 
 
-def restart_workers(job_dir: StateDir, started_before: float, lost: Sequence[str] = ()) -> int:
+def restart_workers(
+    job_dir: StateDir, started_before: float, lost: Sequence[str] = (), members: Sequence[str] = ()
+) -> int:
     """End this share's workers that started before `started_before` (unix s), so its torchrun restarts them
     and they rendezvous again; returns how many were signalled (0: none that old, or no share runs).
 
-    `lost`: the overlay addresses of the nodes the supervisor called lost. They are noted first (LOST_NODES,
-    stamped now), so that this share's rendezvous handler drops them from the finished round at once
-    (meshrun.jobs.rdzv_backend) instead of waiting for their heartbeats to expire (15 s at torch's 5 s).
+    `lost`: the overlay addresses of the nodes the supervisor called lost; `members`: those of the nodes it
+    restarts together (this one among them). Both are noted first (REGROUP, stamped now), so that this
+    share's rendezvous handler (meshrun.jobs.rdzv_backend) drops the lost nodes from the finished round at
+    once instead of waiting for their heartbeats to expire (15 s at torch's 5 s), and completes the next
+    round as soon as every member joined it instead of waiting out the last call for nodes that are gone.
 
     For an elastic job that lost a node: the survivors' collectives would otherwise wait for the lost
     machine until torch's process-group timeout (30 minutes for gloo), because packets to a machine that is
     gone are simply dropped. Workers torchrun already restarted after the loss (a refused connection tells it
     at once when only processes died) are younger and left alone. It takes one of the job's --max-restarts."""
-    if lost:
-        noted = {**lost_nodes(job_dir.path), **dict.fromkeys(lost, time.time())}
-        job_dir.write_json(LOST_NODES, noted)
+    if lost or members:
+        now = time.time()
+        before = read_regroup(job_dir.path)
+        note = {"lost": {**before.lost, **dict.fromkeys(lost, now)}, "members": sorted(members), "at": now}
+        job_dir.write_json(REGROUP, note)
     share = procs.DaemonLock(job_dir / "share.lock").holder()
     if share is None:
         return 0

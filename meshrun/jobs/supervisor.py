@@ -464,8 +464,10 @@ class Supervisor:
         if not running:
             return
         self.say(f"re-forming the group without {lost}: restarting the workers on {', '.join(s.name for s in running)}")
+        members = [s.overlay_ip for s in running]
         for s in running:
-            threading.Thread(target=_quietly, args=(s.restart, self.job_id, heard, gone), daemon=True).start()
+            args = (s.restart, self.job_id, heard, gone, members)
+            threading.Thread(target=_quietly, args=args, daemon=True).start()
 
     def _abort(self, reason: str) -> None:
         """Stop every running share: at once when cancelled or below MIN, after FAIL_GRACE_S on a failure."""

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from support import REPO_ROOT, joined_mesh
+from support import REPO_ROOT, joined_mesh, meshrun_process
 
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 from meshrun.system.procs import alive, descendants
@@ -63,9 +63,7 @@ class Running:
         raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.text[-4000:]}")
 
     def meshrun_pid(self) -> int:
-        """nsenter runs meshrun as its child: the process to signal."""
-        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        return int(children[0]) if children else self.proc.pid
+        return meshrun_process(self.proc)
 
     def finish(self, timeout: float = 240) -> int:
         try:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT, joined_mesh
+from support import REPO_ROOT, joined_mesh, meshrun_process
 
 from meshrun.lab.testbed import DatacenterSpec, Mesh
 
@@ -96,12 +96,9 @@ def test_sigint_stops_every_worker(mesh):
                 break
             assert time.monotonic() < deadline, "".join(seen)
         assert len(_workers(mesh)) >= 6  # torchrun + worker wrapper + script per node
-        # nsenter runs meshrun as its child: signal the meshrun process itself.
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        target = int(children[0]) if children else proc.pid
         import os
 
-        os.kill(target, signal.SIGINT)
+        os.kill(meshrun_process(proc), signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]
         assert proc.returncode == 130, "".join(seen) + rest
         assert re.search(r"meshrun: job \S+ cancelled", rest), rest
