@@ -116,6 +116,19 @@ def steps_seen(state: StateDir, job: str) -> list[tuple[float, str, int]]:
     return sorted(out)
 
 
+def timeline(mesh: Mesh, on: str, job: str, lost_at: float, after: float, limit: int = 120) -> list[str]:
+    """The job's lines (every node's and the supervisor's) that arrived at `on` from the loss to `after` s past it,
+    as "+S.SS source: line": where the seconds between a loss and progress went."""
+    state = StateDir(mesh.state_dir(mesh.world.node(on)))
+    out = []
+    for path in (state.path / "jobs" / job / "logs").glob("*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            stamp, _, text = line.partition(" ")
+            if stamp.isdigit() and 0 <= int(stamp) / 1000 - lost_at <= after:
+                out.append((int(stamp) / 1000 - lost_at, path.stem, text[:160]))
+    return [f"+{t:.2f} {src}: {text}" for t, src, text in sorted(out)[:limit]]
+
+
 def recovery(mesh: Mesh, on: str, job: str, lost_at: float, timeout: float = 300) -> float:
     """Seconds from `lost_at` to the arrival of the second outer step beyond the last that arrived before it."""
     state = StateDir(mesh.state_dir(mesh.world.node(on)))
@@ -238,6 +251,7 @@ def one_round(r: int, kind: str, seconds: float, steps: int, name: str) -> dict:
         lost = time.time()
         world.lose(NODES[-1])
         node_s = recovery(mesh, watch, job, lost)
+        node_timeline = timeline(mesh, watch, job, lost, node_s + 0.5)
         print(f"round {r}: progress {node_s:.1f} s after a node's loss", flush=True)
         rec = wait_record(mesh, watch, job)
         res = mesh.meshrun(watch, "logs", job, check=False, timeout=120)
@@ -255,6 +269,7 @@ def one_round(r: int, kind: str, seconds: float, steps: int, name: str) -> dict:
         "outer_interval_s": interval,
         "coordinator_loss_s": coordinator_s,
         "node_loss_s": node_s,
+        "node_loss_timeline": node_timeline,
         "job": rec.get("state"),
         "one_model": len(digests) == 1,
         "took_over_by": took_over.group(1) if took_over else None,

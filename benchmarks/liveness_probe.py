@@ -2,9 +2,10 @@
 
     python benchmarks/liveness_probe.py IP PORT SECONDS [--until-gone]
 
-Probes IP:PORT the way meshrun.jobs.supervisor.Supervisor._watch does (meshrun.core.liveness; a handshake, refused
-counts as an answer) for SECONDS (every verdict counted, the count starting again after each), or with
---until-gone until the rule first calls the address gone, and prints one JSON object:
+Probes IP:PORT the way meshrun.jobs.supervisor.Supervisor._watch does (meshrun.core.liveness.Probes: overlapping
+handshakes every period, a refused one counting as an answer) for SECONDS (every verdict counted, the count
+starting again after each), or with --until-gone until the rule first calls the address gone, and prints one
+JSON object:
 probes, misses, gone_verdicts, gone_at (unix time of the first verdict, or null), round-trip percentiles.
 """
 
@@ -14,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from meshrun.core import liveness
 from meshrun.system import probe
@@ -22,28 +24,40 @@ from meshrun.system import probe
 def main() -> int:
     ip, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     until_gone = "--until-gone" in sys.argv[4:]
-    state = liveness.Liveness()
+    probes = liveness.Probes()
     rtts: list[float] = []
-    probes = misses = verdicts = 0
+    sent = misses = verdicts = 0
     gone_at = None
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        sent = time.monotonic()
+
+    def one() -> tuple[bool, float]:  # what the supervisor's watch runs for a node, timing the answer too
         rtt = probe.tcp_rtt(ip, port, timeout=liveness.PROBE_TIMEOUT_S)
-        now = time.monotonic()
-        probes += 1
         if rtt is not None:
             rtts.append(rtt * 1000)
-            state.answered()
-        else:
-            misses += 1
-            if state.missed(sent, now):
+        return rtt is not None, time.monotonic()
+
+    def settled(f):
+        nonlocal misses
+        if not f.done():
+            return None
+        answered, at = f.result()
+        misses += not answered
+        return answered, at
+
+    end = time.monotonic() + seconds
+    with ThreadPoolExecutor(max_workers=liveness.MAX_IN_FLIGHT) as pool:
+        while time.monotonic() < end:
+            now = time.monotonic()
+            for name in probes.due([ip], now):
+                probes.sent(name, now, pool.submit(one))
+                sent += 1
+            probes.settle(settled)
+            if probes.gone([ip], time.monotonic()):
                 verdicts += 1
                 gone_at = gone_at or time.time()
-                state.answered()  # count each run of silence once
+                probes.seen[ip].answered()  # count each run of silence once
                 if until_gone:
                     break
-        time.sleep(max(0.0, liveness.PROBE_EVERY_S - (time.monotonic() - sent)))
+            time.sleep(liveness.TICK_S)
     rtts.sort()
 
     def pct(q: float) -> float:
@@ -52,7 +66,7 @@ def main() -> int:
     print(
         json.dumps(
             {
-                "probes": probes,
+                "probes": sent,
                 "misses": misses,
                 "gone_verdicts": verdicts,
                 "gone_at": gone_at,

@@ -27,8 +27,9 @@ RDZV_BACKEND = "meshrun"
 MONITOR_INTERVAL = "0.5"
 # An elastic rendezvous's wait for more nodes once MIN joined (torch's default: 30). Every round of a meshrun
 # job has its nodes started or restarted at once by the supervisor, so they join within a second or two of
-# each other; each second here is a second of standstill after a lost node. A node later than this joins
-# by the next round (its waiting restarts the group), which costs a restart, not the job.
+# each other. A node later than this joins by the next round (its waiting restarts the group), which costs a
+# restart, not the job. After a lost node the round does not wait at all: the supervisor tells the survivors
+# who the new group is, and it completes once they all joined (meshrun.jobs.rdzv_backend.follow_regroups).
 ELASTIC_LAST_CALL_S = 3
 # NCCL's socket count (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD) is left to NCCL: measured on an H200
 # through meshrun0 (benchmarks/results/gpu_datapath.json), its own choice moved 256 MiB all-reduces at 0.62 GB/s

@@ -56,7 +56,7 @@ log = logging.getLogger("meshrun.jobs.supervisor")
 # A share whose agent has not answered for this long is lost, though its machine answers (a hung agent);
 # a machine that answers nothing is called gone sooner (meshrun.core.liveness.GONE_AFTER_S).
 LOST_AFTER_S = 15.0
-WATCH_THREADS = 32  # probes in flight at once: a larger job's round takes a few probe timeouts
+WATCH_THREADS = 64  # probes in flight at once (two a node while it is silent): a larger job's wait a little
 # After a fixed-size job's first failure the other nodes are stopped this many seconds later: their
 # torchrun would otherwise sit in its exit barrier (300 s) waiting for the dead node; the grace
 # lets simultaneous failures report their own cause.
@@ -390,35 +390,26 @@ class Supervisor:
         self._regroup(name, time.time() - silent_for)
 
     def _watch(self, stop: threading.Event) -> None:
-        """Probe the machine of every running share each PROBE_EVERY_S; the owner calls one silent for
-        GONE_AFTER_S lost at once (meshrun.core.liveness), instead of after LOST_AFTER_S without output."""
-        seen: dict[str, liveness.Liveness] = {}
+        """Probe the machine of every running share each PROBE_EVERY_S, the probes overlapping
+        (meshrun.core.liveness.Probes); the owner calls one silent for GONE_AFTER_S lost at once, instead of
+        after LOST_AFTER_S without output. This machine's own share needs no probe, and must not hide a
+        cut-off link (every node silent at once), so it is not counted."""
+        probes = liveness.Probes()
+        tick = min(liveness.TICK_S, liveness.PROBE_EVERY_S / 4)
         with ThreadPoolExecutor(max_workers=WATCH_THREADS, thread_name_prefix="watch") as pool:
-            next_round = time.monotonic()
-            while not stop.wait(max(0.0, next_round - time.monotonic())):
-                next_round = time.monotonic() + liveness.PROBE_EVERY_S  # a fixed cadence: a silent round takes longer
-                with self.lock:  # this machine's own share needs no probe, and must not hide a cut-off link
+            while not stop.wait(tick):
+                with self.lock:
                     running = [self.shares[n] for n in self.outcome.running() if n in self.shares]
-                running = [s for s in running if not isinstance(s, LocalShare)]
-                if not self.owning or not running:
-                    seen.clear()  # a standby's view starts afresh when it takes the job over
-                    continue
-                sent = time.monotonic()
-                answers = dict(zip([s.name for s in running], pool.map(lambda s: s.reachable(), running)))
+                running = {s.name: s for s in running if not isinstance(s, LocalShare)}
+                if not self.owning:
+                    running = {}  # a standby's view starts afresh when it takes the job over
                 now = time.monotonic()
-                # Every node silent at once points at this coordinator's own link (its interface restarting,
-                # say), not at every machine gone together: that case is left to the slower rule.
-                cut_off = len(answers) > 1 and not any(answers.values())
-                for name, ok in answers.items():
-                    state = seen.get(name)
-                    if state is None:
-                        state = seen[name] = liveness.Liveness()
-                    if ok:
-                        state.answered()
-                    elif state.missed(sent, now) and not cut_off:
-                        silent = now - state.silent_since
-                        why = f"its machine answered nothing for {silent:.1f} s ({state.misses} probes)"
-                        self._lose(name, silent, why)
+                for name in probes.due(running, now):
+                    probes.sent(name, now, pool.submit(_probe, running[name]))
+                probes.settle(lambda f: f.result() if f.done() else None)
+                for name, silent, misses in probes.gone(running, time.monotonic()):
+                    why = f"its machine answered nothing for {silent:.1f} s ({misses} probes)"
+                    self._lose(name, silent, why)
 
     def _supervise(self) -> None:
         stop_watch = threading.Event()
@@ -635,6 +626,15 @@ class Supervisor:
             running = [self.shares[n] for n in self.outcome.running()]
         for s in running:
             _quietly(s.allow, self.job_id, [ip])
+
+
+def _probe(share) -> tuple[bool, float]:
+    """Whether `share`'s machine answered a handshake, and when that was known (monotonic s)."""
+    try:
+        ok = bool(share.reachable())
+    except Exception:  # noqa: BLE001 -- a probe that failed is a probe not answered
+        ok = False
+    return ok, time.monotonic()
 
 
 def _quietly(fn, *args) -> None:

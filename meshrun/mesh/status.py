@@ -113,8 +113,10 @@ RTT_PEERS_MAX = 64  # a larger mesh shows latency for this many peers (meshrun p
 RTT_LABEL = f"median of up to {RTT_SAMPLES} TCP connects over the overlay"
 
 
-def rtt_ms(ip: str, port: int, samples: int = RTT_SAMPLES, timeout: float = 1.0) -> float | None:
-    """Median round trip to ip:port in ms over up to `samples` TCP handshakes, measured one after the other.
+def rtt_ms(ip: str, port: int, samples: int = RTT_SAMPLES, timeout: float = 1.0) -> tuple[float | None, bool]:
+    """(median round trip to ip:port in ms over up to `samples` TCP handshakes, measured one after the other,
+    whether anything there accepted them): (None, False) when nothing answered; a machine whose port refuses
+    answers (its time counts) without accepting (its agent or coordinator is down).
 
     One extra connect goes first and is not counted (it may wait for a WireGuard handshake), and
     peers are measured one at a time: measured together on a small machine, the threads' scheduling
@@ -122,14 +124,14 @@ def rtt_ms(ip: str, port: int, samples: int = RTT_SAMPLES, timeout: float = 1.0)
     RTT_FAR_MS) gets RTT_FAR_SAMPLES: there the noise is small against the round trip, and nine
     connects at 200 ms would make status take seconds per peer.
     """
-    probe.tcp_rtt(ip, port, timeout=timeout)
-    first = probe.tcp_rtt(ip, port, timeout=timeout)
-    if first is None:
-        return None  # silent after the handshake's wait too: the rest would only wait as long again
-    n = RTT_FAR_SAMPLES if first * 1000 > RTT_FAR_MS else samples
-    rtts = [first] + [probe.tcp_rtt(ip, port, timeout=timeout) for _ in range(n - 1)]
-    ok = [r * 1000 for r in rtts if r is not None]
-    return round(statistics.median(ok), 3) if ok else None
+    probe.tcp_connect(ip, port, timeout=timeout)
+    first = probe.tcp_connect(ip, port, timeout=timeout)
+    if first[0] is None:
+        return None, False  # silent after the handshake's wait too: the rest would only wait as long again
+    n = RTT_FAR_SAMPLES if first[0] * 1000 > RTT_FAR_MS else samples
+    tries = [first] + [probe.tcp_connect(ip, port, timeout=timeout) for _ in range(n - 1)]
+    ok = [r * 1000 for r, _ in tries if r is not None]
+    return (round(statistics.median(ok), 3) if ok else None), any(accepted for _, accepted in tries)
 
 
 def gather(state: StateDir, measure: bool = True) -> dict:
@@ -176,7 +178,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
                 "tx_bytes": p.tx,
                 "allowed_ips": list(p.allowed_ips),
                 "latency_ms": None,
-                "answered": None,  # measured: whether its API answered now (None: not measured)
+                "answered": None,  # measured: whether its API accepted a connection now (None: not measured)
             }
         )
     if measure and up:
@@ -185,8 +187,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         for r in sorted([r for r in rows if r["overlay_ip"]], key=lambda r: not r["coordinator"])[:RTT_PEERS_MAX]:
             if time.monotonic() > deadline:
                 break
-            r["latency_ms"] = rtt_ms(r["overlay_ip"], network.api_port)
-            r["answered"] = r["latency_ms"] is not None
+            r["latency_ms"], r["answered"] = rtt_ms(r["overlay_ip"], network.api_port)
     rows.sort(key=lambda r: tuple(int(x) for x in r["overlay_ip"].split(".")) if r["overlay_ip"] else (999,))
     out = {
         "network": network.name,

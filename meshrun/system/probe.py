@@ -101,20 +101,27 @@ def echo(host: str, size: int, timeout: float = 1.0, tries: int = 2) -> bool | N
         s.close()
 
 
-def tcp_rtt(host: str, port: int, timeout: float = 1.0) -> float | None:
-    """Seconds for one TCP handshake to host:port (a SYN/SYN-ACK round trip), None if no answer.
-
-    A refused connection still answers, so its time counts.
-    """
+def tcp_connect(host: str, port: int, timeout: float = 1.0) -> tuple[float | None, bool]:
+    """(seconds for one TCP handshake to host:port, whether the connection was accepted): (None, False) if no
+    answer came; a refused connection answered (its time counts: the machine is there) but was not accepted
+    (nothing listens on the port)."""
     t0 = time.perf_counter()
     try:
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except ConnectionRefusedError:
-        pass
+        return time.perf_counter() - t0, False
     except OSError:
-        return None
-    return time.perf_counter() - t0
+        return None, False
+    return time.perf_counter() - t0, True
+
+
+def tcp_rtt(host: str, port: int, timeout: float = 1.0) -> float | None:
+    """Seconds for one TCP handshake to host:port (a SYN/SYN-ACK round trip), None if no answer.
+
+    A refused connection still answers, so its time counts.
+    """
+    return tcp_connect(host, port, timeout)[0]
 
 
 def listening(host: str, port: int, timeout: float = 3.0) -> bool:

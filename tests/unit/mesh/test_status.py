@@ -160,30 +160,36 @@ def test_render_names_the_relay_what_this_node_relays_and_a_silent_coordinator()
     assert re.search(r"^gpu-b +gpu-f +relayed by coordinator +no$", render(pairs), re.M)
 
 
-def _probes(monkeypatch, answers: list[float | None]) -> list[float | None]:
-    """Make probe.tcp_rtt answer `answers` in turn; returns the list of those it was asked for."""
+def _probes(monkeypatch, answers: list[float | None], accepted: bool = True) -> list[float | None]:
+    """Make probe.tcp_connect answer `answers` in turn (each accepted or refused, as `accepted` says; None: no
+    answer); returns the list of those it was asked for."""
     from meshrun.system import probe
 
     asked: list[float | None] = []
 
-    def tcp_rtt(ip, port, timeout=1.0):
+    def tcp_connect(ip, port, timeout=1.0):
         asked.append(answers[len(asked)])
-        return asked[-1]
+        return asked[-1], asked[-1] is not None and accepted
 
-    monkeypatch.setattr(probe, "tcp_rtt", tcp_rtt)
+    monkeypatch.setattr(probe, "tcp_connect", tcp_connect)
     return asked
 
 
 def test_rtt_near_peer_takes_all_samples_and_drops_the_warm_up(monkeypatch):
     asked = _probes(monkeypatch, [1.5] + [0.0002] * 9)
-    assert rtt_ms("10.0.0.2", 7000) == 0.2 and len(asked) == 10
+    assert rtt_ms("10.0.0.2", 7000) == (0.2, True) and len(asked) == 10
 
 
 def test_rtt_far_peer_takes_three_samples(monkeypatch):
     asked = _probes(monkeypatch, [0.3, 0.2, 0.25, 0.21])
-    assert rtt_ms("10.0.0.2", 7000) == 210.0 and len(asked) == 4
+    assert rtt_ms("10.0.0.2", 7000) == (210.0, True) and len(asked) == 4
+
+
+def test_a_peer_whose_port_refuses_has_a_round_trip_but_did_not_answer(monkeypatch):
+    _probes(monkeypatch, [0.001] * 10, accepted=False)
+    assert rtt_ms("10.0.0.2", 7000) == (1.0, False)
 
 
 def test_rtt_silent_peer_costs_two_timeouts(monkeypatch):
     asked = _probes(monkeypatch, [None, None] + [0.001] * 9)
-    assert rtt_ms("10.0.0.2", 7000) is None and len(asked) == 2
+    assert rtt_ms("10.0.0.2", 7000) == (None, False) and len(asked) == 2
