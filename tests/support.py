@@ -162,6 +162,26 @@ def meshrun_process(proc: subprocess.Popen) -> int:
     return found[0]
 
 
+def rendezvous_together(handlers: Sequence, timeout: float) -> tuple[dict[int, object], list[BaseException]]:
+    """Call next_rendezvous() on every torch rendezvous handler at once, each on its thread, as torchrun's agents
+    on several nodes would; ({handler index: its RendezvousInfo}, the errors raised), after at most `timeout` s."""
+    infos: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def join(i: int) -> None:
+        try:
+            infos[i] = handlers[i].next_rendezvous()
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return infos, errors
+
+
 def json_strategy(max_text: int = 40, max_list: int = 5, max_key: int = 12, max_dict: int = 6, max_leaves: int = 20):
     """Hypothesis strategy: any JSON value (NaN, huge integers and odd text included), for fuzzing parsers."""
     from hypothesis import strategies as st

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("torch.distributed", reason="torch is not installed (the Python 3.10 floor venv has none)")
 
 import torch.distributed as dist  # noqa: E402
+from support import rendezvous_together  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousConnectionError,
     RendezvousError,
@@ -415,20 +416,7 @@ def test_two_torchrun_handlers_rendezvous_at_the_coordinators(coordinators, dead
     addrs = [dead_addr, coordinators[0].addr, coordinators[1].addr]
     handlers = [rdzv_backend.create_handler(params(addrs)) for _ in range(2)]
     assert [h.get_backend() for h in handlers] == ["meshrun", "meshrun"]
-    infos: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def join(i: int) -> None:
-        try:
-            infos[i] = handlers[i].next_rendezvous()
-        except BaseException as exc:  # reported by the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    infos, errors = rendezvous_together(handlers, 30)
     try:
         assert errors == []
         assert sorted(info.rank for info in infos.values()) == [0, 1]

@@ -7,7 +7,6 @@ last call."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
@@ -15,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 dr = pytest.importorskip("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+
+from support import rendezvous_together  # noqa: E402
 
 from meshrun.jobs import rdzv_backend, share  # noqa: E402
 from meshrun.jobs.rdzv_backend import follow_regroups  # noqa: E402
@@ -151,21 +152,8 @@ def test_two_torch_handlers_skip_a_30_s_last_call_after_a_regroup(tmp_path, monk
         )
         for addr in members
     ]
-    infos: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def join(i: int) -> None:
-        try:
-            infos[i] = handlers[i].next_rendezvous()
-        except BaseException as exc:  # reported by the test thread
-            errors.append(exc)
-
     t0 = time.monotonic()
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(45)
+    infos, errors = rendezvous_together(handlers, 45)
     took = time.monotonic() - t0
     try:
         assert errors == [] and sorted(info.rank for info in infos.values()) == [0, 1]
