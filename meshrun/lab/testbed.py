@@ -42,6 +42,7 @@ from meshrun.errors import MeshrunError, NetworkError, StateError, UsageError
 from meshrun.system import firewall, host, procs, statedir
 from meshrun.system.cmd import run as run_command
 from meshrun.system.cmd import tail
+from meshrun.system.coordinatordb import CoordinatorDB
 from meshrun.system.statedir import StateDir
 
 logger = logging.getLogger("meshrun.lab.testbed")
@@ -241,6 +242,23 @@ class Node:
         argv = self.argv(*cmd, cwd=kw.get("cwd"))
         logger.debug("start [%s]: %s", self.name, " ".join(argv))
         return procs.popen(argv, env=_merge_env(env), **kw)
+
+    def cut_uplink(self, restore: bool = False) -> None:
+        """This machine loses its uplink (everything in and out of its one interface dropped), or gets it back.
+
+        Not `ip link set down`: that also takes the default route, which `up` does not bring back. Arrivals are
+        dropped in the interface's ingress hook, ahead of everything: a relay's kernel fast path forwards from
+        there, never reaching INPUT."""
+        if restore:
+            self.run("nft", "delete", "table", "netdev", "testcut", check=False)
+            self.run("iptables", "-D", "OUTPUT", "-o", "eth0", "-j", "DROP", check=False)
+            return
+        self.run(
+            "nft",
+            "add table netdev testcut; add chain netdev testcut in "
+            "{ type filter hook ingress device eth0 priority -500; policy drop; }",
+        )
+        self.run("iptables", "-I", "OUTPUT", "-o", "eth0", "-j", "DROP")
 
 
 def _merge_env(env: dict[str, str] | None) -> dict[str, str] | None:
@@ -958,6 +976,18 @@ class Mesh:
 
     def status(self, node: Node | str) -> dict:
         return json.loads(self.meshrun(node, "status", "--json").stdout)
+
+    def relay_of(self, a: str, b: str) -> str | None:
+        """The pair's relay as the (single) coordinator's database has it now ("coordinator" for itself; None:
+        not relayed), read directly: `meshrun status` also measures every peer, slowly when one is gone."""
+        db = CoordinatorDB(self.state_dir(self.coordinator) / "coordinator.db", readonly=True)
+        try:
+            state = db.pairs().get(tuple(sorted((a, b))))
+        finally:
+            db.close()
+        if state is None or state.mode != "relayed":
+            return None
+        return state.relay or "coordinator"
 
     def job_record(self, on: Node | str, job_id: str, check: bool = True) -> dict:
         """The job's record as `meshrun jobs --json` on `on` lists it ({} if it does not)."""

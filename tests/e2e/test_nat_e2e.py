@@ -3,11 +3,9 @@ coordinator), same-site private paths, small-MTU hops."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import re
-import sqlite3
 import threading
 import time
 
@@ -80,35 +78,6 @@ def settled(mesh, timeout: float = 90) -> dict:
         time.sleep(1)
 
 
-def cut(node, restore: bool = False) -> None:
-    """The node loses its uplink (everything in and out of its one interface dropped), or gets it back.
-    (Not `ip link set down`: that also takes the node's default route, which `up` does not bring back.)
-    Arrivals are dropped in the interface's ingress hook, ahead of everything: a relay's kernel fast path
-    forwards from there, never reaching INPUT."""
-    if restore:
-        node.run("nft", "delete", "table", "netdev", "testcut", check=False)
-        node.run("iptables", "-D", "OUTPUT", "-o", "eth0", "-j", "DROP", check=False)
-        return
-    node.run(
-        "nft",
-        "add table netdev testcut; add chain netdev testcut in "
-        "{ type filter hook ingress device eth0 priority -500; policy drop; }",
-    )
-    node.run("iptables", "-I", "OUTPUT", "-o", "eth0", "-j", "DROP")
-
-
-def relay_of(mesh, a: str, b: str) -> str | None:
-    """The pair's relay as the coordinator's database has it now ("coordinator" for itself; None: not
-    relayed), read directly: `meshrun status` also measures every peer, slowly when one is gone."""
-    a, b = sorted((a, b))
-    path = mesh.state_dir(mesh.coordinator) / "coordinator.db"
-    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)) as db:
-        row = db.execute("SELECT mode, relay FROM pairs WHERE a=? AND b=?", (a, b)).fetchone()
-    if row is None or row[0] != "relayed":
-        return None
-    return row[1] or "coordinator"
-
-
 def test_a_peer_relay_that_loses_its_uplink_hands_the_pair_on_within_10_s_mid_transfer(symmetric):
     """Both ends and the relay say who relays; the relay loses its uplink 4 s into a 64 MiB transfer: the
     pair is on another relay within 10 s, and the transfer completes intact."""
@@ -153,10 +122,10 @@ def test_a_peer_relay_that_loses_its_uplink_hands_the_pair_on_within_10_s_mid_tr
         time.sleep(4)
         assert send.poll() is None, "the transfer ended before the relay was cut"
         cut_at = time.monotonic()
-        cut(world.node(relay))
+        world.node(relay).cut_uplink()
         moved = None
         while time.monotonic() - cut_at < 30:
-            now_relay = relay_of(mesh, "dcc-a", "dcd-a")
+            now_relay = mesh.relay_of("dcc-a", "dcd-a")
             if now_relay not in (relay, None):
                 moved = time.monotonic() - cut_at
                 break
@@ -176,12 +145,10 @@ def test_a_peer_relay_that_loses_its_uplink_hands_the_pair_on_within_10_s_mid_tr
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        cut(world.node(relay), restore=True)
+        world.node(relay).cut_uplink(restore=True)
     assert got["bytes"] == sent["bytes"] == 64 << 20 and got["sha256"] == sent["sha256"]
-    print(
-        f"relay {relay} cut: pair on {relay_of(mesh, 'dcc-a', 'dcd-a')} after {moved:.1f} s, pings after {back:.1f} s"
-    )
-    assert relay_of(mesh, "dcc-a", "dcd-a") in (other, "coordinator")
+    print(f"relay {relay} cut: pair on {mesh.relay_of('dcc-a', 'dcd-a')} after {moved:.1f} s, pings after {back:.1f} s")
+    assert mesh.relay_of("dcc-a", "dcd-a") in (other, "coordinator")
 
 
 def test_with_the_coordinator_cut_off_for_60_s_direct_and_relayed_pairs_keep_a_job_running(symmetric):
@@ -220,7 +187,7 @@ def test_with_the_coordinator_cut_off_for_60_s_direct_and_relayed_pairs_keep_a_j
     try:
         time.sleep(8)  # connected and running
         assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
-        cut(hq)
+        hq.cut_uplink()
         cut_at = time.monotonic()
         time.sleep(30)
         # The agents say so, and keep every tunnel as it was.
@@ -229,10 +196,10 @@ def test_with_the_coordinator_cut_off_for_60_s_direct_and_relayed_pairs_keep_a_j
         assert {r["name"]: r for r in st["peers"]}["dcd-a"]["relay"] == relay
         time.sleep(max(0.0, 60 - (time.monotonic() - cut_at)))
         assert all(p.poll() is None for p in procs), "a rank stopped while the coordinator was away"
-        cut(hq, restore=True)
+        hq.cut_uplink(restore=True)
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
-        cut(hq, restore=True)
+        hq.cut_uplink(restore=True)
         for p in procs:
             if p.poll() is None:
                 p.kill()

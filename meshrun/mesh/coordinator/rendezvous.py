@@ -337,8 +337,8 @@ class RendezvousService:
                 raise WriteRateExceeded(
                     f"job {job_id}'s rendezvous wrote over {_mib(b.burst)} at once or {_mib(b.per_s)}/s at this "
                     "coordinator, its limit",
-                    "wait and retry (the agent does); a legitimate job this large needs a longer "
-                    "--rdzv-conf keep_alive_interval",
+                    "wait and retry (the agent does); a legitimate job's heartbeats are spaced to stay within it "
+                    "(meshrun.jobs.rdzv_backend.keep_alive_interval)",
                 )
             use.tokens -= cost
             use.keys += more_keys
