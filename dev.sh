@@ -12,7 +12,7 @@
 # Python deps go to ./.venv; torch is pinned first (an unpinned torch pulls GBs of CUDA wheels).
 set -euo pipefail
 cd "$(dirname "$0")"
-# git: `meshrun train` lists what a git work tree ships with it (meshrun.system.archive), and the archive
+# git: `meshrun train` lists what a git work tree ships with it (meshrun.system.files.archive), and the archive
 # tests build repositories with submodules.
 # etcd-server: the replicated state of several coordinators (`meshrun coordinator add`); Debian starts its own
 # etcd service on 127.0.0.1 when the package is installed: meshrun never uses it, and dev.sh stops it.

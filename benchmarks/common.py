@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World  # noqa: E402
+from meshrun.lab.mesh import Mesh  # noqa: E402
+from meshrun.lab.testbed import DatacenterSpec, World  # noqa: E402
 
 
 def need_root() -> None:
@@ -83,7 +84,7 @@ def wireguard_binary() -> dict:
     import hashlib
     import shutil
 
-    from meshrun.system.device import WIREGUARD_GO
+    from meshrun.system.kernel.device import WIREGUARD_GO
 
     path = shutil.which(WIREGUARD_GO)
     out: dict = {"backend": "wireguard-go", "path": path, "prints": wg_version(), "package": None, "sha256": None}

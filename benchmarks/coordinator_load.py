@@ -89,12 +89,12 @@ def server(args) -> int:
     from meshrun.core.token import new_token
     from meshrun.mesh import iface
     from meshrun.mesh.coordinator.daemon import OVERLAY_MAX_CONNS, OVERLAY_PER_SOURCE, CoordinatorService
-    from meshrun.system.coordinatordb import CoordinatorDB
-    from meshrun.system.fakedevice import FakeDevice
-    from meshrun.system.frontdoor import FrontDoor
-    from meshrun.system.longpoll import LongPollServer
-    from meshrun.system.statedir import StateDir, remove_tree
-    from meshrun.system.transport import Wait, server_tls_context
+    from meshrun.system.control.coordinatordb import CoordinatorDB
+    from meshrun.system.files.statedir import StateDir, remove_tree
+    from meshrun.system.kernel.fakedevice import FakeDevice
+    from meshrun.system.sockets.frontdoor import FrontDoor
+    from meshrun.system.sockets.longpoll import LongPollServer
+    from meshrun.system.sockets.transport import Wait, server_tls_context
 
     tmp = Path(tempfile.mkdtemp(prefix="meshrun-load-"))
     state = StateDir(tmp / "state")

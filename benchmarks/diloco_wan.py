@@ -72,7 +72,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing meshrun
 
 from common import environment  # noqa: E402  (benchmarks/ is on sys.path when a script there runs)
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World  # noqa: E402
+from meshrun.lab.mesh import Mesh  # noqa: E402
+from meshrun.lab.testbed import DatacenterSpec, World  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 SCRIPT = "diloco_charlm.py"

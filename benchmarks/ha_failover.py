@@ -37,9 +37,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from common import need_root, prefix, spread, write_result  # noqa: E402
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World  # noqa: E402
+from meshrun.lab.mesh import Mesh  # noqa: E402
+from meshrun.lab.testbed import DatacenterSpec, World  # noqa: E402
 from meshrun.mesh import process  # noqa: E402
-from meshrun.system.statedir import StateDir  # noqa: E402
+from meshrun.system.files.statedir import StateDir  # noqa: E402
 
 COORDS = ["dc1-a", "dc2-a", "dc3-a"]
 FIRST = "coordinator"  # dc1-a's member name (`meshrun init`); the others keep their nodes' names

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from meshrun.core import liveness
-from meshrun.system import probe
+from meshrun.system.sockets import probe
 
 
 def main() -> int:

@@ -59,7 +59,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 def probe(mesh, node: str, seconds: float, until_gone: bool) -> subprocess.Popen:
     """The supervisor's probe and rule, run in the coordinator's namespace against `node` for `seconds`."""
     from meshrun.mesh import member
-    from meshrun.system.statedir import StateDir
+    from meshrun.system.files.statedir import StateDir
 
     _, network = member.load(StateDir(mesh.state_dir(mesh.coordinator)))
     argv = [sys.executable, str(PROBER), mesh.overlay_ip(node), str(network.api_port), str(seconds)]

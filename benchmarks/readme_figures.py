@@ -516,6 +516,18 @@ def loss_detection(d: dict) -> tuple[str, str]:
     )
 
 
+def relay_failover(d: dict) -> tuple[str, str]:
+    f, m = d["flowing"], d["moved"]
+    to = ", ".join(str(r["moved_to"]) for r in d["runs"])
+    return (
+        "a member relaying a symmetric-NAT pair loses its uplink under a ping every 0.1 s through it (nothing "
+        "shaped): until the pair is on another relay, and until its packets flow again",
+        f"packets flow again {_seconds(f)} after the loss, worst round {f['max']:.1f} s against a "
+        f"{d['target_s']:.0f} s target ({'met' if d['met'] else '**missed**'}; {f['n']} rounds); on another relay "
+        f"after {_seconds(m)} (new relays: {to})",
+    )
+
+
 ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("wan_efficiency", wan_efficiency, "benchmarks/wan_efficiency.py"),
     ("time_to_mesh", time_to_mesh, "benchmarks/time_to_mesh.py"),
@@ -523,6 +535,7 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("launch_overhead", launch_overhead, "benchmarks/launch_overhead.py"),
     ("preflight_time", preflight_time, "benchmarks/preflight_time.py"),
     ("relay_vs_direct", relay_vs_direct, "benchmarks/relay_vs_direct.py"),
+    ("relay_failover", relay_failover, "benchmarks/relay_failover.py"),
     ("diloco_wan", diloco_wan, "benchmarks/diloco_wan.py"),
     ("sites", sites, "benchmarks/sites.py"),
     ("sites_lanpath", sites_lanpath, "benchmarks/sites.py --trust-sites --name sites_lanpath"),

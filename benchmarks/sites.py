@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec, World
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"

@@ -41,7 +41,7 @@ from common import mesh_world, need_root, set_congctl, write_result  # noqa: E40
 from wan_efficiency import ITERS, allreduce  # noqa: E402
 
 from meshrun.bench.worker import parse_sizes  # noqa: E402
-from meshrun.system import device as wg  # noqa: E402
+from meshrun.system.kernel import device as wg  # noqa: E402
 
 VARIANTS = ("default", "smallbuf", "mtu1440", "cubic", "reno", "nots", "frag2840")
 CONGCTL = ("cubic", "reno")

@@ -4,8 +4,8 @@ The CLI prints ``str(err)`` as one line and exits with ``err.exit_code``; nothin
 else in meshrun prints errors. Messages must never contain a secret (private key,
 token secret). An error crosses a process or network boundary as `to_wire` writes it and
 `from_wire` reads it back, so the receiver raises the same class (and so exits with the
-same code) as the sender: an HTTP answer (meshrun.system.transport) or a daemon's readiness
-pipe (meshrun.system.procs).
+same code) as the sender: an HTTP answer (meshrun.system.sockets.transport) or a daemon's readiness
+pipe (meshrun.system.machine.procs).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ _BY_NAME = {
 
 def to_wire(err: MeshrunError) -> dict:
     """The error as JSON-able data: message, fix and its class name (for a subclass defined elsewhere, such as
-    meshrun.system.etcd.Compacted, the nearest class of this module's: the class the receiver can raise)."""
+    meshrun.system.control.etcd.Compacted, the nearest class of this module's: the class the receiver can raise)."""
     kind = next((c.__name__ for c in type(err).__mro__ if _BY_NAME.get(c.__name__) is c), "MeshrunError")
     return {"error": err.message, "fix": err.fix, "kind": kind}
 

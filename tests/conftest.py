@@ -105,7 +105,7 @@ def world_factory(tmp_path: Path) -> Callable:
 def fresh_mesh(world_factory) -> Callable:
     """``fresh_mesh(dcs, coordinator="dc1-a", nodes=())``: a world (as world_factory builds it) with
     `meshrun init` on the coordinator and `nodes` joined, for one test; torn down after it."""
-    from meshrun.lab.testbed import Mesh
+    from meshrun.lab.mesh import Mesh
 
     def make(dcs, coordinator: str = "dc1-a", nodes=(), **kw) -> Mesh:
         mesh = Mesh(world_factory(dcs, **kw), coordinator)

@@ -1,4 +1,4 @@
-"""The Device contract (meshrun.system.device.Device): what every implementation must do, written once.
+"""The Device contract (meshrun.system.kernel.device.Device): what every implementation must do, written once.
 
 `CASES` run against a fresh device each; `run_all(factory)` returns {case: "ok" or what went wrong}.
 tests/unit/system/test_fakedevice.py runs them on FakeDevice (no root); tests/e2e/test_wireguard_device.py
@@ -140,7 +140,7 @@ def run_all(factory: Callable[[], object], workdir: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":  # python tests/device_contract.py real IFACE WORKDIR (root, own netns)
-    from meshrun.system.device import WireGuardDevice
+    from meshrun.system.kernel.device import WireGuardDevice
 
     _, _, iface, wd = sys.argv
     print(json.dumps(run_all(lambda: WireGuardDevice(iface, Path(wd) / "wg.log"), Path(wd))))

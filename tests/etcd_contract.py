@@ -1,5 +1,5 @@
-"""The etcd contract: what meshrun.system.etcd.EtcdClient does against a real etcd, and so what
-meshrun.system.fakeetcd.FakeEtcd must do too, written once.
+"""The etcd contract: what meshrun.system.control.etcd.EtcdClient does against a real etcd, and so what
+meshrun.system.control.fakeetcd.FakeEtcd must do too, written once.
 
 `CASES` each take a `Harness`; `run_all(make_harness, kind)` runs the cases for `kind` ("real" or "fake") and
 returns {case: "ok" or what went wrong}. tests/unit/system/test_etcd.py runs them on FakeEtcd and on a real
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshrun.errors import ControlStateError
-from meshrun.system.etcd import Compacted, Compare, Delete, Get, Put
+from meshrun.system.control.etcd import Compacted, Compare, Delete, Get, Put
 
 
 @dataclass

@@ -18,10 +18,10 @@ from meshrun.mesh.coordinator.daemon import CoordinatorService
 from meshrun.mesh.coordinator.setup import InitOptions, init
 from meshrun.mesh.node import setup as node
 from meshrun.mesh.node.daemon import AgentService
-from meshrun.system.fakedevice import FakeDevice
-from meshrun.system.statedir import StateDir
-from meshrun.system.transport import Request, raise_for
-from meshrun.system.udprelay import FakeRelay
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.fakedevice import FakeDevice
+from meshrun.system.sockets.transport import Request, raise_for
+from meshrun.system.sockets.udprelay import FakeRelay
 
 COORD_ENDPOINT = "203.0.113.1"
 

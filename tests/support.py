@@ -59,7 +59,7 @@ def joined_mesh(
     then the nodes in `promote` made coordinators (`meshrun coordinator add`, at their public addresses), for a
     module-scoped fixture; torn down on exit. Skips where namespaces cannot be built (in CI,
     pytest_runtest_setup fails the netns tests instead)."""
-    from meshrun.lab.testbed import Mesh
+    from meshrun.lab.mesh import Mesh
 
     reason = netns_unavailable_reason()
     if reason:

@@ -29,7 +29,7 @@ import sys
 import time
 
 from meshrun.bench.report import RESULT_MARK, busbw, parse_sizes
-from meshrun.system.tcpbench import PairServer, tcp_bandwidth, tcp_rtt_ms
+from meshrun.system.sockets.tcpbench import PairServer, tcp_bandwidth, tcp_rtt_ms
 from meshrun.train import sites
 
 

@@ -19,7 +19,7 @@ import typer
 
 from meshrun import __version__
 from meshrun.errors import MeshrunError
-from meshrun.system.statedir import StateDir, default_state_dir
+from meshrun.system.files.statedir import StateDir, default_state_dir
 
 root = typer.Typer(
     add_completion=False,

@@ -113,7 +113,7 @@ def read_token(arg: str | None, token_file: Path | None) -> str:
     import sys
 
     from meshrun.errors import UsageError
-    from meshrun.system.statedir import read_user_file
+    from meshrun.system.files.statedir import read_user_file
 
     env = os.environ.pop("MESHRUN_TOKEN", "").strip()
     given = [w for w, v in (("the argument", arg), ("--token-file", token_file)) if v is not None]

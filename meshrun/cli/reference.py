@@ -20,7 +20,7 @@ import typer
 
 from meshrun.cli.app import root as root_app  # importing meshrun.cli registers every command
 from meshrun.errors import MeshrunError
-from meshrun.system.statedir import read_user_file
+from meshrun.system.files.statedir import read_user_file
 
 WIDTH = 100  # the help's wrap width: fixed, so the page is the same in any terminal
 PROG = "meshrun"

@@ -149,7 +149,7 @@ def train(
     """
     from meshrun.core import jobconfig
     from meshrun.jobs import control, submission
-    from meshrun.system.statedir import read_user_file
+    from meshrun.system.files.statedir import read_user_file
 
     app = Application.for_command(state_dir)
     cli = {

@@ -1,6 +1,6 @@
 """The code a job ships, as data: a manifest (file -> content hash), its digest, and how to describe it.
 
-Pure. meshrun.system.archive lists a project's files (honouring .gitignore and .meshrunignore),
+Pure. meshrun.system.files.archive lists a project's files (honouring .gitignore and .meshrunignore),
 packs them and hashes them; the pre-flight compares manifests with the functions here, so a node
 whose copy differs is told *which* files differ, and the coordinator's reference is exactly what
 was packed (never a second read of a directory that may be changing: a log written into it, a

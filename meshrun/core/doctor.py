@@ -352,7 +352,7 @@ def _lan(f: dict) -> Check | None:
 
 
 def _relay(f: dict) -> Check | None:
-    """Pairs this node relays, and whether the kernel forwards them (meshrun.system.relaykernel)."""
+    """Pairs this node relays, and whether the kernel forwards them (meshrun.system.kernel.relaykernel)."""
     r = f.get("relaying") or {}
     if not r.get("pairs"):
         return None
@@ -411,7 +411,7 @@ def _clock(f: dict) -> Check | None:
 
 
 def _job_guards(f: dict) -> Check | None:
-    """Whether a job's ports can be kept to its nodes here (meshrun.system.firewall), and with which cgroup v2: a
+    """Whether a job's ports can be kept to its nodes here (meshrun.system.kernel.firewall), and with which cgroup v2: a
     node's share and a coordinator's job store are both guarded."""
     g = f.get("job_guards")
     if g is None:

@@ -149,7 +149,7 @@ def server_argv(
         "--peer-trusted-ca-file", ca,
         "--peer-cert-file", cert,
         "--peer-key-file", key,
-        "--enable-grpc-gateway=true",  # meshrun.system.etcd speaks JSON to /v3/...
+        "--enable-grpc-gateway=true",  # meshrun.system.control.etcd speaks JSON to /v3/...
         "--enable-v2=false",
         "--max-txn-ops", str(MAX_TXN_OPS),
         "--quota-backend-bytes", str(QUOTA_BYTES),

@@ -77,7 +77,7 @@ def allocate(net: ipaddress.IPv4Network, taken: Iterable[str]) -> ipaddress.IPv4
     """Return the lowest host address of `net` not in `taken`.
 
     `taken` must include every address in use and every removed member's address still in its quarantine
-    (meshrun.system.coordinatordb.ADDRESS_QUARANTINE_S), so that stale peers elsewhere no longer route an
+    (meshrun.system.control.coordinatordb.ADDRESS_QUARANTINE_S), so that stale peers elsewhere no longer route an
     address by the time it is handed to another node.
     """
     used = {_v4_int(a) for a in taken}  # ints: parsing a thousand addresses was most of a join's cost

@@ -4,7 +4,7 @@ A job file holds the same settings as `meshrun train`'s options, under their lon
 underscores (`nproc_per_node`, `max_restarts`, ...) plus `script`, `args` and an `[env]` table.
 Options given on the command line win over the file; `--env` pairs are merged over the file's
 `[env]`; a script given on the command line replaces the file's script and its `args`.
-Pure: the caller reads the file (meshrun.system.statedir.read_user_file).
+Pure: the caller reads the file (meshrun.system.files.statedir.read_user_file).
 """
 
 from __future__ import annotations

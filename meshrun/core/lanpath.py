@@ -1,6 +1,7 @@
 """The site LAN path: overlay traffic between members of a trusted site, on the site network, without WireGuard.
 
-Pure: names, numbers, plans and rule text; meshrun.system.lanlink applies them, meshrun.mesh.node.lan drives them.
+Pure: names, numbers, plans and rule text; meshrun.system.kernel.lanlink applies them, meshrun.mesh.node.lan
+drives them.
 
 The operator marks a site's network trusted (`meshrun site trust NAME`); the coordinator then tells both ends of
 every pair of nodes in that site (both joined with ``--site NAME``) that the pair may use the LAN path
@@ -151,7 +152,7 @@ def guard_script(
     It also drops whatever reaches `own_overlay_ip` on an interface other than the overlay's, the LAN path's
     device and loopback: the overlay's listeners that meshrun binds to the WireGuard device (SO_BINDTODEVICE)
     are bound to the address alone while a LAN path exists (they must answer on its device too,
-    meshrun.system.lanlink.bind_device), and this rule keeps the host's other interfaces away from them."""
+    meshrun.system.kernel.lanlink.bind_device), and this rule keeps the host's other interfaces away from them."""
     peers = sorted(peers, key=lambda p: ipaddress.IPv4Address(p.lan_ip))
     lans = ", ".join(p.lan_ip for p in peers)
     rules = [f"    udp dport {port} ip saddr != {{ {lans} }} drop" if peers else f"    udp dport {port} drop"]

@@ -1,6 +1,6 @@
 """Parsers for what `ip` prints (pure: the text comes in, data goes out).
 
-meshrun.system.net runs the commands; keeping the parsing here makes it testable on captured
+meshrun.system.kernel.net runs the commands; keeping the parsing here makes it testable on captured
 output without root.
 """
 

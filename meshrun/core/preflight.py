@@ -1,6 +1,6 @@
 """Pre-flight: do the nodes of a job agree on what collectives need? Pure rules over environment reports.
 
-Each node reports (meshrun.system.host.environment) what the interpreter that will run the job has:
+Each node reports (meshrun.system.machine.host.environment) what the interpreter that will run the job has:
 Python and torch versions, torch's build (CUDA/ROCm/CPU), NCCL's version, distributed backends,
 GPUs; plus free disk in the job directory, the hash of the code as unpacked there, and its clock.
 `compare` turns the reports into findings: BLOCK for what breaks collectives or the job (torch minor

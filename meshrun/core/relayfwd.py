@@ -1,6 +1,6 @@
 """What a relay does with one WireGuard datagram of a pair it relays: forward it to the other end, or drop it.
 
-Pure (no sockets: meshrun.system.udprelay feeds it). A relay forwards a pair's WireGuard datagrams as they are,
+Pure (no sockets: meshrun.system.sockets.udprelay feeds it). A relay forwards a pair's WireGuard datagrams as they are,
 on a UDP port of its own for that pair (core/relays.RELAY_PORTS), as Tailscale's peer relays and DERP do: it
 holds no key of the pair, so it reads nothing and can forge nothing; what it learns is sizes and timing.
 

@@ -3,7 +3,7 @@
 Pure. A pair whose ends cannot reach each other (both behind symmetric NAT, a firewall that drops
 inbound UDP) is relayed: each end keeps the other as its WireGuard peer (that peer's /32 only) with its
 endpoint set to a UDP port the relay opened for that pair (RELAY_PORTS), and the relay forwards the
-pair's WireGuard datagrams between the two ends as they are (meshrun.system.udprelay), as Tailscale's
+pair's WireGuard datagrams between the two ends as they are (meshrun.system.sockets.udprelay), as Tailscale's
 peer relays and DERP do: it never holds a key for the pair, so it sees sizes and timing, never content,
 and cannot send as either end. Any member may relay (Tailscale's peer relays,
 Nebula's relays) unless it opted out (`meshrun join --no-relay`), and the coordinator is always one

@@ -9,7 +9,7 @@ on the job's files and its supervisor's lock, so it also works while the daemon 
 signals the supervisor that holds the job's lock.
 
 With several coordinators (meshrun.mesh.coordinator.ha) a job is also recorded in etcd
-(meshrun.system.etcdjobs) when it is submitted, and every coordinator's job control starts a standby
+(meshrun.system.control.etcdjobs) when it is submitted, and every coordinator's job control starts a standby
 supervisor for every live job it does not run yet (`_watch`), so each keeps its own copy of the job's
 logs and any can take it over. `meshrun cancel` then asks through the store (the owner acts on it).
 """
@@ -32,9 +32,12 @@ from meshrun.core.termtext import LINE_RE, line_matches
 from meshrun.errors import MeshrunError, StateError, UsageError
 from meshrun.jobs.supervisor import EVENTS, OWNER_HANDOVER
 from meshrun.mesh.coordinator import ha
-from meshrun.system import etcdjobs, joblogs, procs, transport
-from meshrun.system.etcdjobs import JobReplica
-from meshrun.system.statedir import StateDir
+from meshrun.system.control import etcdjobs
+from meshrun.system.control.etcdjobs import JobReplica
+from meshrun.system.files import joblogs
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.machine import procs
+from meshrun.system.sockets import transport
 
 log = logging.getLogger("meshrun.jobs.control")
 

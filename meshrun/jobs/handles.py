@@ -17,9 +17,12 @@ from meshrun.core.model import Member, Network
 from meshrun.errors import LaunchError
 from meshrun.jobs import share as shares
 from meshrun.jobs import workdir
-from meshrun.system import firewall, host, joblogs, probe, transport
-from meshrun.system.projects import ProjectDir
-from meshrun.system.statedir import StateDir, remove_tree
+from meshrun.system.files import joblogs
+from meshrun.system.files.projects import ProjectDir
+from meshrun.system.files.statedir import StateDir, remove_tree
+from meshrun.system.kernel import firewall
+from meshrun.system.machine import host
+from meshrun.system.sockets import probe, transport
 
 __all__ = ["ShareHandle", "RemoteShare", "LocalShare", "OUTPUT_WAIT_S"]
 

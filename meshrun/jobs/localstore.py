@@ -21,8 +21,9 @@ import threading
 
 from meshrun.errors import MeshrunError, NetworkError, StateError
 from meshrun.mesh import member
-from meshrun.system import host, procs, tcpstore
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.machine import host, procs
+from meshrun.system.sockets import tcpstore
 
 __all__ = ["start", "stop", "status", "DEFAULT_MAX_MB"]
 

@@ -53,10 +53,12 @@ from meshrun.jobs import workdir
 from meshrun.jobs.share import cancel_share, restart_workers, share_output, share_running, start_share
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import ha
-from meshrun.system import firewall, host, joblogs, procs
-from meshrun.system.projects import ProjectDir, check_project
-from meshrun.system.statedir import StateDir, remove_tree
-from meshrun.system.transport import JSONServer, Request, Response
+from meshrun.system.files import joblogs
+from meshrun.system.files.projects import ProjectDir, check_project
+from meshrun.system.files.statedir import StateDir, remove_tree
+from meshrun.system.kernel import firewall
+from meshrun.system.machine import host, procs
+from meshrun.system.sockets.transport import JSONServer, Request, Response
 
 log = logging.getLogger("meshrun.jobs.nodeapi")
 
@@ -133,7 +135,7 @@ class JobAPI:
         promoted=None,
     ) -> None:
         self.network = network
-        self.firewall = guards  # meshrun.system.firewall; tests pass a FakeFirewall
+        self.firewall = guards  # meshrun.system.kernel.firewall; tests pass a FakeFirewall
         self.name = name
         self.state = state
         self.jobs_dir = joblogs.jobs_root(state)

@@ -1,6 +1,6 @@
 """What jobs leave on their members: files pulled back to the coordinator, and explicit cleanup.
 
-A job runs in its project's persistent directory on every member (meshrun.system.projects), so
+A job runs in its project's persistent directory on every member (meshrun.system.files.projects), so
 checkpoints outlive the job. `pull` fetches files from there over the overlay (the node's job API,
 MAC'd as every job request; bounded); `prune` deletes finished jobs' records and the nodes' job
 directories (never a project's files); `remove_project` deletes a project's directory everywhere.
@@ -20,9 +20,9 @@ from meshrun.jobs import control
 from meshrun.jobs.handles import LocalShare, RemoteShare
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
-from meshrun.system import archive, joblogs
-from meshrun.system.projects import check_project
-from meshrun.system.statedir import StateDir, remove_tree
+from meshrun.system.files import archive, joblogs
+from meshrun.system.files.projects import check_project
+from meshrun.system.files.statedir import StateDir, remove_tree
 
 __all__ = ["Pulled", "default_dest", "pull", "prune", "remove_project"]
 

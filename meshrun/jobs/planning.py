@@ -16,9 +16,9 @@ from meshrun.core.model import Member, Network
 from meshrun.errors import MeshrunError, UsageError
 from meshrun.jobs.handles import LocalShare, RemoteShare, ShareHandle
 from meshrun.mesh import member
-from meshrun.system import archive
-from meshrun.system.archive import Packed
-from meshrun.system.statedir import StateDir
+from meshrun.system.files import archive
+from meshrun.system.files.archive import Packed
+from meshrun.system.files.statedir import StateDir
 
 __all__ = [
     "candidates",

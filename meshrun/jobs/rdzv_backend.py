@@ -44,7 +44,7 @@ from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.errors import CoordinatorError, MeshrunError, UsageError
 from meshrun.jobs.share import Regroup, read_regroup
 from meshrun.mesh.coordinator.rendezvous import MAX_VALUE, PATH_PREFIX, WRITE_PER_S
-from meshrun.system import transport
+from meshrun.system.sockets import transport
 
 log = logging.getLogger("meshrun.jobs.rdzv_backend")
 
@@ -83,7 +83,7 @@ def create_handler(params):
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    from meshrun.system.tcpstore import serve_store
+    from meshrun.system.sockets.tcpstore import serve_store
 
     class OverlayRendezvousHandler(dr.DynamicRendezvousHandler):
         def get_backend(self) -> str:

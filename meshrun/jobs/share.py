@@ -1,7 +1,7 @@
 """One node's share of a job: ``python -m meshrun.jobs.share JOB_DIR`` runs torchrun and outlives its caller.
 
 The node's job API (or, on the coordinator, the job's supervisor) starts this process in its own
-session with meshrun.system.procs.spawn_daemon; it is ready once torchrun runs. It holds
+session with meshrun.system.machine.procs.spawn_daemon; it is ready once torchrun runs. It holds
 JOB_DIR/share.lock while it lives (the agent finds running shares again after its own restart by
 that lock), writes every output line to JOB_DIR/output.log (bounded), and on exit writes
 JOB_DIR/status.json: torchrun's exit code or signal, the workers' failure records, torchrun's own
@@ -26,11 +26,13 @@ from meshrun.core import termtext
 from meshrun.core.jobspec import ShareEnd
 from meshrun.core.termtext import LINE_RE, is_noise
 from meshrun.errors import LaunchError, MeshrunError
-from meshrun.system import joblogs, net, procs, statedir
-from meshrun.system.firewall import JobGuard
-from meshrun.system.joblogs import BoundedLog
-from meshrun.system.projects import ProjectDir
-from meshrun.system.statedir import StateDir
+from meshrun.system.files import joblogs, statedir
+from meshrun.system.files.joblogs import BoundedLog
+from meshrun.system.files.projects import ProjectDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel import net
+from meshrun.system.kernel.firewall import JobGuard
+from meshrun.system.machine import procs
 
 # Bytes read at most for one line: a worker's capped line (MAX_LINE characters, up to 4 bytes each in UTF-8)
 # with its prefix and redraw marker comes whole; anything longer (torchrun's own) is passed on in pieces.
@@ -186,7 +188,7 @@ def start_share(
     With `project` (and the member's `state`) the share holds that project's directory while it runs
     (LaunchError from the share when another job has it) and its workers get $MESHRUN_OUTPUT_DIR. With
     `guard` ({"interface", "allow": [overlay IPs]}) every port the job opens answers only those addresses
-    on the overlay (meshrun.system.firewall.JobGuard, made before torchrun starts, removed after it).
+    on the overlay (meshrun.system.kernel.firewall.JobGuard, made before torchrun starts, removed after it).
     """
     job_dir.write_json(
         "share.json",

@@ -22,9 +22,10 @@ from meshrun.errors import LaunchError, StateError, UsageError
 from meshrun.jobs.planning import ask_health, candidates, check_environments, code_dir, placements, plan
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
-from meshrun.system import archive, host, joblogs, procs
-from meshrun.system.projects import check_project
-from meshrun.system.statedir import StateDir
+from meshrun.system.files import archive, joblogs
+from meshrun.system.files.projects import check_project
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.machine import host, procs
 
 # The latest `meshrun bench` result (its --json, plus "measured_at"), kept in the coordinator's state
 # directory by meshrun.bench.run; `--compression auto` chooses from it.

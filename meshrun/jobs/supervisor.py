@@ -18,7 +18,7 @@ the job belongs to the mesh, not to the terminal that asked for it, and not to t
   job runs below MAX, and records the verdict in job.json;
 - cancels every share on SIGTERM (`meshrun cancel`, Ctrl-C in `meshrun train`).
 
-With several coordinators (meshrun.mesh.coordinator.ha) the job is replicated (meshrun.system.etcdjobs) and
+With several coordinators (meshrun.mesh.coordinator.ha) the job is replicated (meshrun.system.control.etcdjobs) and
 every coordinator runs a supervisor for it: the one it was submitted to owns it, the others stand by
 (`--standby`, started by each coordinator's job control). There is no store here then: the nodes' torchrun
 rendezvous at any coordinator, in etcd (meshrun.jobs.rdzv_backend). A standby follows every share's output
@@ -45,11 +45,14 @@ from meshrun.jobs.handles import LocalShare, RemoteShare
 from meshrun.jobs.planning import ask_health, candidates, check_environments, nproc, pack, placements, plan
 from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin, ha
-from meshrun.system import etcdjobs, joblogs, procs, tcpstore
-from meshrun.system.archive import Packed
-from meshrun.system.etcdjobs import JobReplica
-from meshrun.system.firewall import JobGuard
-from meshrun.system.statedir import StateDir
+from meshrun.system.control import etcdjobs
+from meshrun.system.control.etcdjobs import JobReplica
+from meshrun.system.files import joblogs
+from meshrun.system.files.archive import Packed
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.firewall import JobGuard
+from meshrun.system.machine import procs
+from meshrun.system.sockets import tcpstore
 
 log = logging.getLogger("meshrun.jobs.supervisor")
 

@@ -2,7 +2,7 @@
 
 The same functions serve a node's job API (meshrun.jobs.nodeapi) and the coordinator's own share
 (meshrun.jobs.handles.LocalShare), so both behave alike. A shipped job runs in its project's
-persistent directory (meshrun.system.projects); a --no-sync job runs where its code already is,
+persistent directory (meshrun.system.files.projects); a --no-sync job runs where its code already is,
 and still gets the project's directory as $MESHRUN_OUTPUT_DIR.
 """
 
@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from meshrun.core import codeset
-from meshrun.system import archive, host
-from meshrun.system.projects import ProjectDir
-from meshrun.system.statedir import StateDir
+from meshrun.system.files import archive
+from meshrun.system.files.projects import ProjectDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.machine import host
 
 __all__ = ["receive_code", "preflight", "workdir", "pull", "MAX_PULL_BYTES"]
 

@@ -21,8 +21,8 @@ import time
 
 from meshrun.core import termtext
 from meshrun.errors import StateError
-from meshrun.system import procs
-from meshrun.system.statedir import atomic_write
+from meshrun.system.files.statedir import atomic_write
+from meshrun.system.machine import procs
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 USAGE = "usage: python -m meshrun.jobs.worker [--module] SCRIPT [ARGS...]"

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 from meshrun.errors import HostError, LaunchError, UsageError
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World, remove_stale
-from meshrun.system import procs
-from meshrun.system.statedir import StateDir, read_json_files
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec, World, remove_stale
+from meshrun.system.files.statedir import StateDir, read_json_files
+from meshrun.system.machine import procs
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RDZV_PORT = 29500

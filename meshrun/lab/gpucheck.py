@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.errors import HostError, MeshrunError
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World
-from meshrun.system.cmd import run as run_command
-from meshrun.system.statedir import atomic_write
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec, World
+from meshrun.system.files.statedir import atomic_write
+from meshrun.system.machine.cmd import run as run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -19,9 +19,12 @@ from meshrun.errors import MeshrunError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh import status as mstatus
 from meshrun.mesh.coordinator import ha
-from meshrun.system import firewall, host, joblogs, net, probe, procs, transport
-from meshrun.system.device import USERSPACE
-from meshrun.system.statedir import StateDir, disk_use
+from meshrun.system.files import joblogs
+from meshrun.system.files.statedir import StateDir, disk_use
+from meshrun.system.kernel import firewall, net
+from meshrun.system.kernel.device import USERSPACE
+from meshrun.system.machine import host, procs
+from meshrun.system.sockets import probe, transport
 
 UDP_WAIT_S = 1.0
 

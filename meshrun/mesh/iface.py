@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from meshrun.core import peers
 from meshrun.core.model import Network
 from meshrun.core.wgconf import render_quick
-from meshrun.system.device import Device, WireGuardDevice
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.device import Device, WireGuardDevice
 
 log = logging.getLogger("meshrun.mesh.iface")
 

@@ -6,8 +6,8 @@ from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
 from meshrun.errors import StateError
 from meshrun.mesh import iface, process
-from meshrun.system import lanlink, net, relaykernel
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel import lanlink, net, relaykernel
 
 
 def load(state: StateDir) -> tuple[dict, Network]:

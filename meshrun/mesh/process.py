@@ -20,8 +20,8 @@ from typing import Protocol
 
 from meshrun.core.model import Network
 from meshrun.errors import MeshrunError
-from meshrun.system import procs
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.machine import procs
 
 log = logging.getLogger("meshrun.mesh.process")
 

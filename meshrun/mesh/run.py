@@ -8,7 +8,7 @@ from meshrun.errors import MeshrunError
 from meshrun.mesh import member, process
 from meshrun.mesh.node.daemon import AgentService
 from meshrun.mesh.process import ExtensionFactory
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
 
 
 def serve(

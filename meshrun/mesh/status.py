@@ -16,9 +16,9 @@ from meshrun.errors import ControlStateError, MeshrunError, UsageError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh.coordinator import admin, ha
 from meshrun.mesh.coordinator.leader import leader_name
-from meshrun.system import probe
-from meshrun.system.etcdstate import K_LEADER
-from meshrun.system.statedir import StateDir
+from meshrun.system.control.etcdstate import K_LEADER
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.sockets import probe
 
 
 def path_label(m: Member | None, endpoint: str | None, allowed_ips: tuple[str, ...]) -> str:

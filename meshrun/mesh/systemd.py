@@ -19,8 +19,9 @@ from pathlib import Path
 
 from meshrun.errors import HostError, StateError, UsageError
 from meshrun.mesh import process
-from meshrun.system import procs, statedir
-from meshrun.system.statedir import StateDir
+from meshrun.system.files import statedir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.machine import procs
 
 ROLES = ("coordinator", "agent")
 SYSTEM_UNIT_DIR = Path("/etc/systemd/system")

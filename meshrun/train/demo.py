@@ -59,7 +59,7 @@ import torch.distributed as dist
 from meshrun.core.presets import chunk_selection
 from meshrun.errors import StateError, UsageError
 from meshrun.train.compress import CODECS, dct_matrix, pack_bits, unpack_bits
-from meshrun.train.diloco import state_digest
+from meshrun.train.snapshots import state_digest
 
 VALUE_FORMATS = ("none", "bf16", "fp8", "fp4", "int2")
 DEFAULT_CHUNK = 64

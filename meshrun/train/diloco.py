@@ -140,7 +140,6 @@ How this differs from torchft's ``torchft.local_sgd.DiLoCo`` and from OpenDiLoCo
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import sys
@@ -155,12 +154,11 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.core import presets
-from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.errors import StateError, UsageError
-from meshrun.system import tensorfiles
-from meshrun.system.statedir import make_dir
+from meshrun.train import snapshots
 from meshrun.train.compress import DEFAULT_DENSITY, SparseCodec, make_codec
 from meshrun.train.sites import SiteGroups, all_gather_single
+from meshrun.train.snapshots import auto_snapshot_dir, state_digest
 
 AUTO = "auto"
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp8", "fp4", "int2", "sparse-fp4", "sparse-int2")
@@ -170,30 +168,6 @@ DEFAULT_OUTER_MOMENTUM = 0.9
 BUCKET_NUMEL = 1 << 24  # elements per collective (64 MiB of fp32); bounds the temporary memory
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _STATE_FORMAT = "meshrun.train.diloco/1"
-_SNAPSHOT_FORMAT = "meshrun.train.diloco.snapshot/1"
-
-
-def auto_snapshot_dir() -> Path | None:
-    """Where a worker meshrun started keeps its DiLoCo snapshot: the run's directory in the project's
-    (``$MESHRUN_OUTPUT_DIR/diloco-snapshots/$MESHRUN_RUN_ID``, created), so restarts and resumes of the run find
-    it and a new job does not; None outside meshrun (either variable unset, or the project directory missing).
-    A run id without $MESHRUN_RUN_ID's form (meshrun sets a job id: letters, digits, ``_ . -``) is a UsageError."""
-    out, run = os.environ.get("MESHRUN_OUTPUT_DIR"), os.environ.get("MESHRUN_RUN_ID")
-    if not out or not run or not Path(out).is_dir():
-        return None
-    if not JOB_ID_RE.match(run):
-        raise UsageError(f"MESHRUN_RUN_ID={run!r} is not a job id", "leave MESHRUN_RUN_ID to meshrun (unset it)")
-    path = Path(out) / "diloco-snapshots" / run
-    make_dir(path)
-    return path
-
-
-def state_digest(tensors: list[torch.Tensor]) -> int:
-    """64-bit BLAKE2b of the tensors' raw bytes, in order, as a signed int (fits an int64 tensor)."""
-    h = hashlib.blake2b(digest_size=8)
-    for t in tensors:
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
-    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -789,17 +763,7 @@ class DiLoCo:
         sync, work, out = self._pending_check
         self._pending_check = None
         self._wait(work)
-        digests = [int(t[0]) for t in out]
-        majority = max(digests, key=lambda d: (digests.count(d), -digests.index(d)))
-        odd = [r for r, d in enumerate(digests) if d != majority]
-        if odd:
-            agree = [r for r, d in enumerate(digests) if d == majority]
-            raise StateError(
-                f"the DiLoCo global state differs between workers after sync {sync}: "
-                f"rank(s) {odd} disagree with rank(s) {agree}",
-                "a worker diverged (faulty hardware, a non-deterministic outer step, or state "
-                "changed by hand); restart the job: workers resume from the newest snapshot",
-            )
+        snapshots.check_digests([int(t[0]) for t in out], sync)
 
     def _start_gather(self, values: list[int]) -> tuple[Any, list[torch.Tensor]]:
         """Start an ``all_gather`` of a few int64 values: (handle, one tensor per rank once done)."""
@@ -823,53 +787,21 @@ class DiLoCo:
 
     def _write_snapshot(self) -> None:
         assert self.snapshot_path is not None
-        tensorfiles.save(
+        snapshots.write_snapshot(
             self.snapshot_path,
-            {
-                "format": _SNAPSHOT_FORMAT,
-                "names": self._names,
-                "step_count": self.step_count,
-                "sync_count": self.sync_count,
-                "bytes_sent_total": self.bytes_sent_total,
-                "shared": self._snapshot_tensors(),
-                "inner_optimizer": self.inner_optimizer.state_dict(),
-                "error_feedback": self._error_feedback,
-            },
+            self._names,
+            self.step_count,
+            self.sync_count,
+            self.bytes_sent_total,
+            self._snapshot_tensors(),
+            self.inner_optimizer.state_dict(),
+            self._error_feedback,
         )
-
-    def _read_snapshot(self) -> dict[str, Any] | None:
-        """This worker's snapshot, checked against this model; None when there is none."""
-        path = self.snapshot_path
-        if path is None or not path.exists():
-            return None
-        try:
-            snap = tensorfiles.load(path, map_location=self._comm_device)
-        except StateError as exc:
-            raise StateError(
-                f"cannot read the DiLoCo snapshot: {exc.message}",
-                f"delete {path} to make this worker start as a joiner",
-            ) from None
-        layout = self._snapshot_tensors()
-        shared = snap.get("shared") if isinstance(snap, dict) else None
-        if (
-            not isinstance(snap, dict)
-            or snap.get("format") != _SNAPSHOT_FORMAT
-            or snap.get("names") != self._names
-            or not isinstance(shared, list)
-            or len(shared) != len(layout)
-            or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(shared, layout))
-        ):
-            raise StateError(
-                f"the DiLoCo snapshot {path} is not for this model and outer optimizer",
-                f"a new job starts fresh (`meshrun train` without --resume); resume only a job of this model, "
-                f"or delete {path}",
-            )
-        return snap
 
     @torch.no_grad()
     def _start(self) -> None:
         """Agree on the starting state: resume from the newest snapshot, or align the models (collective)."""
-        snap = self._read_snapshot()
+        snap = snapshots.read_snapshot(self.snapshot_path, self._names, self._snapshot_tensors(), self._comm_device)
         if snap is not None:  # this worker's own part
             self.inner_optimizer.load_state_dict(snap["inner_optimizer"])
             self.bytes_sent_total = int(snap["bytes_sent_total"])
@@ -880,15 +812,13 @@ class DiLoCo:
         if snap is not None:
             mine = [snap["sync_count"], snap["step_count"], state_digest(snap["shared"])]
         else:
-            mine = [-1, 0, state_digest(list(self.model.parameters()) + list(self.model.buffers()))]
-        table = self._gather_ints(mine)
-        newest = max(row[0] for row in table)
-        if newest < 0:  # a fresh start: broadcast only if the models differ
-            if len({row[2] for row in table}) > 1:
+            mine = [snapshots.FRESH, 0, state_digest(list(self.model.parameters()) + list(self.model.buffers()))]
+        plan = snapshots.plan_start(self._gather_ints(mine))
+        if not isinstance(plan, snapshots.Resume):  # a fresh start: broadcast only if the models differ
+            if plan:
                 self._broadcast_model()
             return
-        src = next(r for r, row in enumerate(table) if row[0] == newest)
-        receivers = [r for r, row in enumerate(table) if (row[0], row[2]) != (newest, table[src][2])]
+        newest, src, receivers = plan.sync_count, plan.source, plan.receivers
         group = self.process_group
         if self.rank in receivers:
             shared = [torch.empty_like(t, device=self._comm_device) for t in self._snapshot_tensors()]
@@ -902,7 +832,9 @@ class DiLoCo:
                 for t in shared:
                     dist.send(t.to(self._comm_device).contiguous(), dst=self._global_rank(r), group=group)
                     self.bytes_sent_total += t.numel() * t.element_size()
-        self._adopt(shared, table[src][1], newest, snap if snap is not None and snap["sync_count"] == newest else None)
+        self._adopt(
+            shared, plan.step_count, newest, snap if snap is not None and snap["sync_count"] == newest else None
+        )
         self.resumed = {"sync_count": newest, "step_count": self.step_count, "source_rank": src, "receivers": receivers}
         if self.check_state:
             self.verify_state()

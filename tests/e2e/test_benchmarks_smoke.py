@@ -25,6 +25,7 @@ CASES = {
     "time_to_mesh": ["--sizes", "2", "--rounds", "1"],
     "launch_overhead": ["--nodes", "1", "--rounds", "1"],
     "relay_vs_direct": ["--mib", "1", "--iters", "1", "--rounds", "1"],
+    "relay_failover": ["--rounds", "1"],
     "wan_efficiency": ["--sizes", "1M", "--rounds", "1", "--iperf-seconds", "1"],
     "wan_tuning": ["--variants", "default", "--size", "1M", "--rounds", "1"],
     "preflight_time": ["--nodes", "2", "--rounds", "1"],

@@ -121,7 +121,7 @@ def test_an_elastic_diloco_job_loses_a_node_and_finishes_on_two_losing_at_most_o
     import os
     import signal
 
-    from meshrun.system.procs import descendants
+    from meshrun.system.machine.procs import descendants
 
     agent = four.status("dc4-a")["daemon_pid"]
     job = TrainJob(four, *ELASTIC)

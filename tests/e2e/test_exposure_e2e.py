@@ -20,10 +20,11 @@ import pytest
 from support import REPO_ROOT, joined_mesh
 
 from meshrun.core import auth
-from meshrun.lab.testbed import Mesh, sh
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import sh
 from meshrun.mesh import member
-from meshrun.system.procs import alive
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.machine.procs import alive
 
 EXAMPLES = REPO_ROOT / "examples"
 MEMBERS = ("dc1-a", "dc2-a", "dc3-a")

@@ -1,4 +1,4 @@
-"""meshrun.system.firewall in real network namespaces: a job guard admits only the job's nodes to the job's
+"""meshrun.system.kernel.firewall in real network namespaces: a job guard admits only the job's nodes to the job's
 sockets (and nothing else on the host changes), the forward guard keeps member traffic off other networks.
 
 Plain namespaces joined by a bridge stand in for the overlay here (the guard keys on an interface name and
@@ -20,8 +20,8 @@ import pytest
 from support import unique_prefix
 
 from meshrun.core import firewall as rules
-from meshrun.system import firewall
-from meshrun.system.firewall import cgroup2_root
+from meshrun.system.kernel import firewall
+from meshrun.system.kernel.firewall import cgroup2_root
 
 LISTEN = """
 import socket, sys, threading
@@ -39,7 +39,7 @@ while True:
 """
 GUARD = """
 import sys
-from meshrun.system.firewall import JobGuard
+from meshrun.system.kernel.firewall import JobGuard
 op, job, node, iface = sys.argv[1:5]
 g = JobGuard(job, node, iface)
 if op == "create":
@@ -232,16 +232,22 @@ def test_sweep_removes_what_a_killed_job_left(lan):
     sleeper = subprocess.Popen(["ip", "netns", "exec", n, "sleep", "60"])
     try:
         as_member(n, sys.executable, "-c", GUARD, "create", *job, str(sleeper.pid), "10.99.0.2")
-        swept = as_member(n, sys.executable, "-c", "from meshrun.system.firewall import sweep; print(sweep())").stdout
+        swept = as_member(
+            n, sys.executable, "-c", "from meshrun.system.kernel.firewall import sweep; print(sweep())"
+        ).stdout
         assert table not in swept  # its process still runs: kept
         stop(sleeper)
         time.sleep(0.2)
-        swept = as_member(n, sys.executable, "-c", "from meshrun.system.firewall import sweep; print(sweep())").stdout
+        swept = as_member(
+            n, sys.executable, "-c", "from meshrun.system.kernel.firewall import sweep; print(sweep())"
+        ).stdout
         assert table not in swept  # made a moment ago: its share may be about to join
         cg = cgroup2_root() / "meshrun" / table
         old = time.time() - firewall.FRESH_S - 5
         os.utime(cg, (old, old))  # as if made a while ago
-        swept = as_member(n, sys.executable, "-c", "from meshrun.system.firewall import sweep; print(sweep())").stdout
+        swept = as_member(
+            n, sys.executable, "-c", "from meshrun.system.kernel.firewall import sweep; print(sweep())"
+        ).stdout
         assert table in swept
         assert table not in tables(n)
         assert not (cgroup2_root() / "meshrun" / table).exists()
@@ -264,7 +270,7 @@ def test_the_forward_guard_keeps_member_traffic_on_the_overlay(lan):
         assert reaches("10.98.0.2") and reaches("10.97.0.3")
 
         def guard(*pairs: tuple[str, str]) -> None:
-            code = f"from meshrun.system.firewall import install_forward_guard as g; g('ov0', {list(pairs)!r})"
+            code = f"from meshrun.system.kernel.firewall import install_forward_guard as g; g('ov0', {list(pairs)!r})"
             in_ns(n, sys.executable, "-c", code)
 
         guard()  # a member that relays nothing forwards nothing
@@ -277,7 +283,7 @@ def test_the_forward_guard_keeps_member_traffic_on_the_overlay(lan):
         assert reaches("10.97.0.3")  # overlay -> overlay (a relayed pair): forwarded
         assert not reaches("10.98.0.2")
         assert in_ns(l_ns, "ping", "-c", "1", "-W", "1", "10.98.0.1").returncode == 0  # the host's own LAN works
-        in_ns(n, sys.executable, "-c", "from meshrun.system.firewall import remove_forward_guard as g; g()")
+        in_ns(n, sys.executable, "-c", "from meshrun.system.kernel.firewall import remove_forward_guard as g; g()")
         assert "meshrun" not in tables(n)
         assert reaches("10.98.0.2")
     finally:

@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -5,8 +5,9 @@ relayed pair keeps or regains a live relay.
 
 One world for both tests (they run in this order): dc1-a, dc2-a, dc3-a are public machines (1:1 NAT) and
 become the coordinators A, B, C; dc4-a..dc8-a are nodes behind NAT, most of them symmetric, so pairs among
-them are relayed. A machine is lost as a preempted VM is (meshrun.lab.testbed.World.lose): every process
-killed at once and its namespace deleted.
+them are relayed. A node is lost as a preempted VM is (meshrun.lab.testbed.World.lose): every process
+killed at once and its namespace deleted. The first coordinator goes down as a stopped VM does
+(World.power_off: every process killed, its disk kept), and once it was removed for good it boots again.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import time
 import pytest
 from support import CHARLM_SMALL, TrainJob
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh
-from meshrun.system import procs
-from meshrun.system.statedir import StateDir
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
+from meshrun.mesh import process
+from meshrun.mesh.coordinator import ha as ha_mod
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.machine import procs
 
 A, B, C = "dc1-a", "dc2-a", "dc3-a"
 LOST_NODE = "dc5-a"  # the node whose machine the first test loses
@@ -232,7 +236,7 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
     job.wait_for(r"\] outer_step 4 ", 240)
     steps_before = max(outer_steps(job.text))
     lost_at = time.time()
-    mesh.world.lose(A)  # the machine the job was submitted on, with its `meshrun train`
+    mesh.world.power_off(A)  # the machine the job was submitted on, with its `meshrun train`
     job.finish(30)
 
     def progress() -> float | None:
@@ -316,6 +320,18 @@ def test_back_to_one_coordinator_with_every_member_kept(ha):
     out = mesh.meshrun(B, "coordinator", "remove", A_NAME, "--force", timeout=120).stdout
     assert "did not answer: removed from the network" in out, out
     assert "two coordinators" in out, out  # B and C are left: etcd needs both
+    # A's machine boots again, its disk as it was: the others tell it (on their public ports: no member's
+    # WireGuard knows it any more) that it was removed, and it starts no etcd member, no interface, no daemon.
+    mesh.world.power_on(A)
+    back = mesh.meshrun(A, "up", check=False, timeout=120)
+    assert back.returncode != 0, back.stdout + back.stderr
+    assert "was removed from the network for good while it was away" in back.stderr, back.stderr
+    assert "meshrun down --purge" in back.stderr, back.stderr
+    state_a = StateDir(mesh.state_dir(mesh.world.node(A)))
+    assert '"etcd"' not in mesh.world.node(A).run("ss", "-tlnpH").stdout  # no etcd member came back
+    assert "meshrun0" not in mesh.world.node(A).run("ip", "-o", "link").stdout
+    assert ha_mod.etcd_pid(state_a) is None and process.pid(state_a) is None
+    mesh.meshrun(A, "down", "--purge", timeout=60)
     out = mesh.meshrun(B, "coordinator", "remove", C, timeout=180).stdout
     assert f"{C} is a node again" in out and "back in SQLite" in out, out
     rows = json.loads(mesh.meshrun(B, "coordinator", "list", "--json").stdout)

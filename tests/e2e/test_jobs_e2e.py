@@ -17,8 +17,9 @@ import time
 import pytest
 from support import REPO_ROOT, joined_mesh, meshrun_process
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh
-from meshrun.system.procs import alive, descendants
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
+from meshrun.system.machine.procs import alive, descendants
 
 EXAMPLES = REPO_ROOT / "examples"
 CHECKSUM = re.compile(r"\[(\S+) r(\d+)\] param_checksum rank=\d+ value=(\w+)")

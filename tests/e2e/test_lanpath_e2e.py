@@ -17,7 +17,8 @@ import pytest
 from support import joined_mesh
 
 from meshrun.core import lanpath
-from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,8 @@ from support import REPO_ROOT, joined_mesh
 
 from meshrun.core import auth, keys
 from meshrun.core.token import parse_token
-from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
 
 EXAMPLES = REPO_ROOT / "examples"
 
@@ -64,7 +65,7 @@ def py(mesh: Mesh, node: str, code: str, *args: str, timeout: float = 120, check
 
 JOIN = """
 import json, sys
-from meshrun.system import transport
+from meshrun.system.sockets import transport
 from meshrun.errors import MeshrunError
 host, port, fp, body = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 try:
@@ -223,7 +224,7 @@ print(json.dumps({"connections": len(held), "longest": max(held, default=0.0)}))
 # 640,000 keys, about 70 MiB in the coordinator if it kept them); then a burst of small syncs.
 FLOOD_SYNC = """
 import json, sys, time
-from meshrun.system import transport
+from meshrun.system.sockets import transport
 from meshrun.errors import MeshrunError
 host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def sync(body):
@@ -574,7 +575,11 @@ def test_a_member_cannot_send_into_a_forwarding_nodes_lan(mesh):
         try:
             assert inject(mesh, "dc2-a", "dc2-b") > 0
         finally:
-            dc2.run(mesh.python, "-c", f"from meshrun.system.firewall import install_forward_guard as g; g('{iface}')")
+            dc2.run(
+                mesh.python,
+                "-c",
+                f"from meshrun.system.kernel.firewall import install_forward_guard as g; g('{iface}')",
+            )
         assert inject(mesh, "dc2-a", "dc2-b") == 0
     finally:
         dc2.run("sysctl", "-q", "-w", f"net.ipv4.ip_forward={was}")
@@ -597,7 +602,9 @@ def test_a_member_cannot_send_into_the_coordinators_lan(mesh):
             assert inject(mesh, coord.name, "hq-b") > 0
         finally:
             coord.run(
-                mesh.python, "-c", f"from meshrun.system.firewall import install_forward_guard as g; g('{iface}')"
+                mesh.python,
+                "-c",
+                f"from meshrun.system.kernel.firewall import install_forward_guard as g; g('{iface}')",
             )
         assert inject(mesh, coord.name, "hq-b") == 0
     finally:

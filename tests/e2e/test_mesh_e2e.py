@@ -9,8 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from meshrun.lab.testbed import Mesh
-from meshrun.system.procs import alive as _running
+from meshrun.lab.mesh import Mesh
+from meshrun.system.machine.procs import alive as _running
 
 
 def _tcp_reaches(mesh: Mesh, src, dst_ip: str, port: int, listener) -> bool:

@@ -12,7 +12,8 @@ import time
 import pytest
 from support import TESTS, joined_mesh, relay_world
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
 
 SCRIPTS = TESTS / "scripts"
 RELAY_WORLD = relay_world()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from support import joined_mesh
 
-from meshrun.lab.testbed import Mesh
+from meshrun.lab.mesh import Mesh
 
 TRAIN = "import torch\nprint('training', torch.__version__)\n"
 

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
 from meshrun.mesh.coordinator.rendezvous import MAX_VALUE, WRITE_BURST, WRITE_PER_S
 
 A, B, C = "dc1-a", "dc2-a", "dc3-a"
@@ -33,7 +34,7 @@ FLOOD = f"""
 import base64, collections, json, os, sys, threading, time
 from meshrun.errors import MeshrunError
 from meshrun.mesh.coordinator.rendezvous import MAX_VALUE
-from meshrun.system import transport
+from meshrun.system.sockets import transport
 job, port, seconds, ip = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 value = base64.b64encode(os.urandom(MAX_VALUE)).decode()
 seen, lock, deadline = collections.Counter(), threading.Lock(), time.monotonic() + seconds

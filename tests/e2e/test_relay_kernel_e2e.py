@@ -1,4 +1,4 @@
-"""The relay's kernel fast path (meshrun.system.relaykernel) on real interfaces: a relayed pair's transport
+"""The relay's kernel fast path (meshrun.system.kernel.relaykernel) on real interfaces: a relayed pair's transport
 messages are forwarded by the kernel once both ends are latched, intact and checksummed, and nothing else is.
 
 Three namespaces: end A (10.1.0.2, and a stranger at 10.1.0.3 on the same link), the relay R (10.1.0.1 and

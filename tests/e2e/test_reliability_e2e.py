@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 from support import REPO_ROOT
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh
-from meshrun.system.procs import alive as _running
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
+from meshrun.system.machine.procs import alive as _running
 
 REPO = REPO_ROOT
 e2e = [pytest.mark.netns, pytest.mark.slow]
@@ -290,7 +291,7 @@ def test_corrupt_state_files_fail_loudly_and_stay_untouched(fresh_mesh):
 
 DISK_FULL = r"""
 import json, os, sys
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
 from meshrun.errors import StateError
 s = StateDir(sys.argv[1])
 s.create()
@@ -352,7 +353,7 @@ def test_coordinator_on_full_disk_refuses_cleanly(world_factory):
 
 
 def test_training_survives_losing_a_node(fresh_mesh, tmp_path):
-    from meshrun.system.procs import descendants
+    from meshrun.system.machine.procs import descendants
 
     mesh = fresh_mesh(4, "dc1-a")
     world = mesh.world

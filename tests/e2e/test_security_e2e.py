@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from meshrun.core.token import JoinToken, parse_token
-from meshrun.lab.testbed import Mesh, World
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import World
 from meshrun.mesh import member
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
 
 ERROR_PREFIX = "meshrun: error:"
 
@@ -276,7 +277,7 @@ print("connected")
 
 CALL = """
 import json, sys
-from meshrun.system import transport
+from meshrun.system.sockets import transport
 from meshrun.errors import MeshrunError
 host, port, method, path, fp = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] or None
 try:

@@ -19,7 +19,8 @@ import time
 import pytest
 from support import joined_mesh
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
 
 JOB = textwrap.dedent('''\
     import json

@@ -22,7 +22,7 @@ EXAMPLES = REPO_ROOT / "examples"
 COMPARE = r"""
 import json, socket, statistics, sys, time
 from meshrun.mesh.status import gather
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
 state, port, rounds = StateDir(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 peers = dict(a.split("=") for a in sys.argv[4:])
 def reference(ip):

@@ -16,7 +16,7 @@ import pytest
 from meshrun.errors import NetworkError
 from meshrun.lab import testbed
 from meshrun.lab.testbed import DatacenterSpec
-from meshrun.system.procs import alive as _alive
+from meshrun.system.machine.procs import alive as _alive
 
 PORT = 7000
 

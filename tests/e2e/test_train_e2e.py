@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from support import REPO_ROOT, joined_mesh, meshrun_process
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
 
 EXAMPLES = REPO_ROOT / "examples"
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 from support import joined_mesh
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec
 
 TRAIN = textwrap.dedent('''\
     """A user's training script: a sibling module, its own arguments and environment, a progress bar,

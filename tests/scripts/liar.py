@@ -14,8 +14,9 @@ import sys
 import time
 
 from meshrun.mesh import member
-from meshrun.system import net, transport
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel import net
+from meshrun.system.sockets import transport
 
 
 def main(state_dir: str, seconds: float) -> None:

@@ -1,4 +1,4 @@
-"""A relay (meshrun.system.udprelay with its kernel fast path) for one test, driven over stdin.
+"""A relay (meshrun.system.sockets.udprelay with its kernel fast path) for one test, driven over stdin.
 
 Run inside the relay's namespace: `python relay_host.py TABLE`. Each line on stdin is a JSON command, each
 answer one JSON line on stdout:
@@ -13,8 +13,8 @@ import json
 import sys
 
 from meshrun.core.relayfwd import RelayedPair
-from meshrun.system.relaykernel import KernelPath
-from meshrun.system.udprelay import UdpRelay
+from meshrun.system.kernel.relaykernel import KernelPath
+from meshrun.system.sockets.udprelay import UdpRelay
 
 
 def main() -> None:

@@ -20,9 +20,10 @@ import time
 import traceback
 from pathlib import Path
 
-from meshrun.lab.testbed import DatacenterSpec, Mesh, World
+from meshrun.lab.mesh import Mesh
+from meshrun.lab.testbed import DatacenterSpec, World
 from meshrun.mesh import process
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
 
 DELAY_MS, LOSS_PCT = 25, 1
 PING_TIMEOUT = 120  # TCG runs Python ~15x slower than the host: generous, the check is that it works

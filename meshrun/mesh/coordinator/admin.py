@@ -15,15 +15,16 @@ from meshrun.core.token import looks_like_token, new_token, parse_duration, pars
 from meshrun.errors import StateError, UsageError
 from meshrun.mesh.coordinator import ha
 from meshrun.mesh.coordinator.setup import DEFAULT_TTL, check_token_uses
-from meshrun.system.coordinatordb import CoordinatorDB
-from meshrun.system.statedir import StateDir
+from meshrun.system.control.coordinatordb import CoordinatorDB
+from meshrun.system.control.state import ControlState
+from meshrun.system.files.statedir import StateDir
 
 
-def open_db(state: StateDir, readonly: bool = False, follow: bool = False) -> tuple[CoordinatorDB, Network]:
+def open_db(state: StateDir, readonly: bool = False, follow: bool = False) -> tuple[ControlState, Network]:
     """The coordinator's state and network; StateError on a node's or a missing state directory.
 
-    The state is the SQLite database of a lone coordinator, or, with several coordinators, the replicated
-    state in etcd (an EtcdCoordinatorDB, the same methods: meshrun.mesh.coordinator.ha); `follow` keeps it
+    The state (a meshrun.system.control.state.ControlState) is the SQLite database of a lone coordinator, or,
+    with several coordinators, the replicated state in etcd (meshrun.mesh.coordinator.ha); `follow` keeps it
     current with a watch (the daemon), else it is read as the command runs."""
     if not state.exists:
         raise StateError(f"no meshrun state in {state.path}", "run `meshrun init` first, or pass --state-dir")
@@ -80,7 +81,7 @@ def revoke_token(state: StateDir, token_or_id: str) -> str:
 
 def remove_member(state: StateDir, name: str) -> Member:
     """Revoke a node: every peer drops its key on the next sync; its address returns to the pool only after
-    the quarantine (meshrun.system.coordinatordb.ADDRESS_QUARANTINE_S, an hour)."""
+    the quarantine (meshrun.system.control.coordinatordb.ADDRESS_QUARANTINE_S, an hour)."""
     db, _ = open_db(state)
     m = db.remove_member(name)
     if m is None:

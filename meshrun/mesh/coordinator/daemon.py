@@ -41,13 +41,14 @@ from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.rendezvous import RendezvousService
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.mesh.process import ExtensionFactory
-from meshrun.system import etcdjobs, transport, udprelay
-from meshrun.system.device import Device
-from meshrun.system.etcdjobs import EtcdKV
-from meshrun.system.frontdoor import FrontDoor
-from meshrun.system.longpoll import LongPollServer
-from meshrun.system.statedir import StateDir
-from meshrun.system.transport import server_tls_context
+from meshrun.system.control import etcdjobs
+from meshrun.system.control.etcdjobs import EtcdKV
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.device import Device
+from meshrun.system.sockets import transport, udprelay
+from meshrun.system.sockets.frontdoor import FrontDoor
+from meshrun.system.sockets.longpoll import LongPollServer
+from meshrun.system.sockets.transport import server_tls_context
 
 log = logging.getLogger("meshrun.mesh.coordinator.daemon")
 
@@ -94,6 +95,13 @@ class CoordinatorService:
                 # Its etcd member runs before the state is read (after a reboot it is started here), on the
                 # overlay address: the interface comes first (the network as member.json describes it).
                 net = _network_of(self.member)
+                # Taken out for good while away (a reboot that outlasted `coordinator remove --force`): no etcd
+                # member of a cluster that removed it, no interface, no daemon; the others say so on their
+                # public ports, since nothing of the overlay reaches a removed member any more.
+                by = ha.removed_by(state, self.member, net) if etcd_member else None
+                if by is not None:
+                    ha.stop_member(state)
+                    raise ha.removed_error(by, str(self.member["name"]))
                 self.device = self.device or iface.device_for(state, net, self.member)
                 self.member = _interface_up(self.device, state, net, str(self.member["overlay_ip"]), self.member)
                 ha.ensure_member(state, self.member, net, ha.control_ips(self.member))
@@ -321,7 +329,7 @@ class CoordinatorService:
             self.published_at = time.monotonic()
 
     def _allow_relayed(self) -> None:
-        """Forward exactly the pairs this coordinator relays, each on its port (meshrun.system.udprelay): those
+        """Forward exactly the pairs this coordinator relays, each on its port (meshrun.system.sockets.udprelay): those
         relayed by "the coordinator" on the first one, and those relayed by its name on any. The datagrams pass
         as they are: its own tunnels never carry another member's address."""
         members = self.db.members()
@@ -426,7 +434,7 @@ class CoordinatorService:
         """The coordinators as the store lists them: this etcd member's guard admits exactly their overlay
         addresses, and the etcd client knows every member's URL (it fails over between them)."""
         coords = self.db.coordinators()
-        now = tuple(sorted((c.name, c.overlay_ip, c.etcd_client) for c in coords))
+        now = tuple(sorted((c.name, c.overlay_ip, c.etcd_client, c.endpoint, c.fingerprint) for c in coords))
         if now == self.registry:
             return
         ips = sorted({c.overlay_ip for c in coords} | {self.ip})
@@ -439,7 +447,7 @@ class CoordinatorService:
         urls = sorted((c.etcd_client for c in coords if c.etcd_client), key=lambda u: u != own)  # own member first
         if urls:
             self.db.client.set_endpoints(urls)
-            ha.save_endpoints(self.state, urls)
+            ha.save_endpoints(self.state, urls, [c for c in coords if c.name != self.name])
         self.registry = now
         log.info("coordinators: %s", ", ".join(f"{c.name} ({c.overlay_ip})" for c in coords))
 

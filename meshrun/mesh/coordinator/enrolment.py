@@ -4,8 +4,9 @@ POST /v1/join takes a token id and secret, the node's name, public key and candi
 that the node holds that key's private half (meshrun.core.auth.enrol_proof, made with the X25519
 secret of the node's and the coordinator's keys); it answers with the member record, the network and
 the member list. No key travels: the node's job key is the one it derives itself. The admission
-rules are meshrun.core.admission's. Everything else is 404 (nothing tells a scanner the network's
-name). Join attempts are rate-limited per source address.
+rules are meshrun.core.admission's. POST /v1/join/abandon gives a failed join's name back, and POST
+/v1/membership tells the holder of a key whether it was removed (both with the same proof). Everything else is
+404 (nothing tells a scanner the network's name). Requests are rate-limited per source address.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from meshrun.core.model import Member, Network, check_name, parse_endpoint
 from meshrun.core.ratelimit import RateLimiter
 from meshrun.errors import AuthError, CoordinatorError, MeshrunError, TokenError, UsageError
 from meshrun.mesh.coordinator.roster import Roster
-from meshrun.system.coordinatordb import CoordinatorDB
-from meshrun.system.transport import Request, Response
+from meshrun.system.control.state import ControlState
+from meshrun.system.sockets.transport import Request, Response
 
 log = logging.getLogger("meshrun.mesh.coordinator.enrolment")
+MEMBERSHIP_PATH = "/v1/membership"
+MEMBERSHIP_PURPOSE = "membership"  # what the proof of a membership question is bound to (a join's: its token id)
 
 
 class EnrolmentAPI:
@@ -33,7 +36,7 @@ class EnrolmentAPI:
 
     def __init__(
         self,
-        db: CoordinatorDB,
+        db: ControlState,
         network: Network,
         roster: Roster,
         shared_with: Callable[[str], bytes],
@@ -56,12 +59,12 @@ class EnrolmentAPI:
                     429, CoordinatorError(f"too many join attempts from {req.client_ip}", "wait a minute and try again")
                 )
             return self.join(req)
-        if req.method == "POST" and req.path == "/v1/join/abandon":
+        if req.method == "POST" and req.path in ("/v1/join/abandon", MEMBERSHIP_PATH):
             if not self.limiter.allow(req.client_ip):
                 return Response.error(
                     429, CoordinatorError(f"too many join attempts from {req.client_ip}", "wait a minute and try again")
                 )
-            return self.abandon(req)
+            return self.abandon(req) if req.path == "/v1/join/abandon" else self.membership(req)
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
 
     def abandon(self, req: Request) -> Response:
@@ -93,6 +96,37 @@ class EnrolmentAPI:
         if released:
             log.info("%s gave back its enrolment (its join failed on the node)", name)
         return Response(200, {"released": released})
+
+    def membership(self, req: Request) -> Response:
+        """Whether the caller's key was removed from the network for good: {"removed": bool}.
+
+        A coordinator taken out with `coordinator remove --force` while it was away asks this of the others'
+        public ports before it starts its etcd member again (nothing of the overlay reaches it any more). Only
+        the holder of the key can ask (the enrolment proof, over MEMBERSHIP_PURPOSE), so the answer says
+        nothing to anyone else."""
+        b = req.body if isinstance(req.body, dict) else {}
+        try:
+            name = check_name(str(b["name"]))
+            public_key = b["public_key"]
+            if not keys.is_public_key(public_key):
+                raise ValueError("public_key is not a canonical WireGuard key")
+            auth.check_enrol_proof(
+                self.shared_with(public_key),
+                self.network.name,
+                name,
+                public_key,
+                MEMBERSHIP_PURPOSE,
+                b.get("possession"),
+                time.time(),
+            )
+        except (KeyError, ValueError, TypeError):
+            return Response.error(400, UsageError("malformed request", "use the meshrun client"))
+        except (AuthError, UsageError) as exc:
+            return Response.error(401, exc)
+        removed = self.db.is_removed_key(public_key)
+        if removed:
+            log.warning("%s (%s) asked whether it is a member: it was removed", name, req.client_ip)
+        return Response(200, {"removed": removed})
 
     def join(self, req: Request) -> Response:
         b = req.body if isinstance(req.body, dict) else {}

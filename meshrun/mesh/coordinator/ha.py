@@ -10,7 +10,7 @@ it joins the etcd cluster and its agent restarts as a coordinator. `meshrun coor
 Each coordinator's etcd member listens on its overlay address only (client ETCD_CLIENT_PORT, peer
 ETCD_PEER_PORT), with client certificates on both (one CA, whose key the coordinators keep in etcd itself
 so that any of them can sign a new member), and runs in a cgroup whose nftables guard admits only the
-coordinators' overlay addresses (meshrun.system.firewall.JobGuard): a member that is no coordinator cannot
+coordinators' overlay addresses (meshrun.system.kernel.firewall.JobGuard): a member that is no coordinator cannot
 open a connection to it. It is its own process (state/etcd/etcd.pid): it outlives daemon restarts, and the
 daemon starts it again if it is not running (a reboot).
 
@@ -43,12 +43,14 @@ from meshrun.core.etcdconf import TWO_COORDINATORS
 from meshrun.core.model import Member, Network, not_public, parse_endpoint, refuse_ipv6, split_endpoint
 from meshrun.errors import ControlStateError, CoordinatorError, MeshrunError, StateError, UsageError
 from meshrun.mesh import member, process
-from meshrun.system import coordinatordb, etcd, net, procs
-from meshrun.system.coordinatordb import CoordinatorDB, CoordinatorInfo
-from meshrun.system.etcd import Compare, EtcdClient, Put
-from meshrun.system.etcdstate import PREFIX, EtcdCoordinatorDB, complete
-from meshrun.system.firewall import JobGuard
-from meshrun.system.statedir import StateDir, remove_tree
+from meshrun.system.control import coordinatordb, etcd
+from meshrun.system.control.coordinatordb import CoordinatorDB, CoordinatorInfo
+from meshrun.system.control.etcd import Compare, EtcdClient, Put
+from meshrun.system.control.etcdstate import PREFIX, EtcdCoordinatorDB, complete
+from meshrun.system.files.statedir import StateDir, remove_tree
+from meshrun.system.kernel import net
+from meshrun.system.kernel.firewall import JobGuard
+from meshrun.system.machine import procs
 
 log = logging.getLogger("meshrun.mesh.coordinator.ha")
 
@@ -105,7 +107,7 @@ def client_for(state: StateDir, endpoints: list[str] | None = None, timeout: flo
 
 
 def open_state(state: StateDir, rec: dict, follow: bool = False, readonly: bool = False) -> EtcdCoordinatorDB:
-    """This coordinator's view of the replicated state (see meshrun.system.etcdstate)."""
+    """This coordinator's view of the replicated state (see meshrun.system.control.etcdstate)."""
     client = client_for(state)
     try:
         if not complete(client):
@@ -669,7 +671,7 @@ def _restart_daemon(state: StateDir) -> None:
 
 def _node_call(state: StateDir, network: Network, target: Member):
     """A request to `target`'s job API, signed with the job key this coordinator shares with it."""
-    from meshrun.system import transport
+    from meshrun.system.sockets import transport
 
     key = member.job_key(state, target.public_key)
 
@@ -734,7 +736,7 @@ def add(
     members, else it is taken out again (`remove`: a node again) and CoordinatorError says why. `say(text)`
     hears each step as it starts. UsageError for an unknown member, a coordinator or a bad endpoint; nothing
     of the new coordinator is left if a step fails."""
-    from meshrun.system import transport
+    from meshrun.system.sockets import transport
 
     rec, network = member.load(state)
     if rec.get("role") != "coordinator":
@@ -871,12 +873,62 @@ def remove_etcd_member(client: EtcdClient, peer_url: str, timeout: float = MEMBE
         time.sleep(1.0)
 
 
-def save_endpoints(state: StateDir, endpoints: list[str]) -> None:
-    """member.json's etcd endpoints (where this coordinator's client starts after a restart)."""
+def save_endpoints(state: StateDir, endpoints: list[str], others: list[CoordinatorInfo] | None = None) -> None:
+    """member.json's etcd endpoints (where this coordinator's client starts after a restart) and, if given, the
+    other coordinators' public faces (whom it asks after being away whether it was removed: removed_by)."""
     rec = state.read_json("member.json")
     control = dict(rec.get("control") or {}, endpoints=sorted(set(endpoints)))
+    if others is not None:
+        control["others"] = [
+            {"name": c.name, "public_key": c.public_key, "endpoint": c.endpoint, "fingerprint": c.fingerprint}
+            for c in sorted(others, key=lambda c: c.name)
+        ]
     if control != rec.get("control"):
         state.write_json("member.json", dict(rec, control=control))
+
+
+def removed_by(state: StateDir, rec: dict, network: Network, timeout: float = 5.0) -> str | None:
+    """The name of another coordinator that says this one was removed from the network for good while it was
+    away (`coordinator remove NAME --force`), asked at its public enrolment port (member.json's control
+    "others"; nothing of the overlay reaches a removed member); None when none says so or none answers (the
+    others may be down too, or this machine's link: then its etcd member starts as always)."""
+    from meshrun.core import auth
+    from meshrun.mesh.coordinator.enrolment import MEMBERSHIP_PATH, MEMBERSHIP_PURPOSE
+    from meshrun.system.sockets import transport
+
+    private = state.read("private.key").decode().strip()
+    name, own = str(rec["name"]), keys.public_key(private)
+    for other in (rec.get("control") or {}).get("others") or []:
+        try:
+            host, port = split_endpoint(str(other["endpoint"]))
+            proof = auth.enrol_proof(
+                keys.shared_secret(private, str(other["public_key"])),
+                network.name,
+                name,
+                own,
+                MEMBERSHIP_PURPOSE,
+                time.time(),
+            )
+            body = {"name": name, "public_key": own, "possession": proof}
+            answer = transport.call(
+                host, port, "POST", MEMBERSHIP_PATH, body, fingerprint=str(other["fingerprint"]), timeout=timeout
+            )
+        except (MeshrunError, KeyError, ValueError) as exc:
+            log.info("could not ask %s whether this coordinator is still a member: %s", other.get("name"), exc)
+            continue
+        if isinstance(answer, dict) and answer.get("removed") is True:
+            return str(other["name"])
+    return None
+
+
+def removed_error(by: str, name: str) -> StateError:
+    """What a coordinator removed while it was away says instead of starting."""
+    return StateError(
+        f"{by} says this coordinator ({name}) was removed from the network for good while it was away "
+        f"(`meshrun coordinator remove {name} --force`): its etcd member was not started",
+        "clean up with `meshrun down --purge`; to serve again, join as a node with a new token "
+        "(`meshrun token create` on a coordinator) and `meshrun coordinator add` it",
+    )
 
 
 UNREACHABLE_WAIT_S = 20.0  # `remove` asks a silent coordinator this long before calling it gone
@@ -897,7 +949,7 @@ def remove(
     answering True (an operator at a terminal); otherwise UsageError, with nothing changed. The last
     coordinator left moves the state back into SQLite. Returns what happened to NAME, in words, once all of it
     has happened. `say(text)` hears each step."""
-    from meshrun.system import transport
+    from meshrun.system.sockets import transport
 
     rec, network = member.load(state)
     if rec.get("role") != "coordinator" or not replicated(rec):

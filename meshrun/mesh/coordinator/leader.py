@@ -16,8 +16,8 @@ import secrets
 import time
 
 from meshrun.errors import ControlStateError
-from meshrun.system.etcd import Compare, Put
-from meshrun.system.etcdstate import K_LEADER
+from meshrun.system.control.etcd import Compare, Put
+from meshrun.system.control.etcdstate import K_LEADER
 
 log = logging.getLogger("meshrun.mesh.coordinator.leader")
 

@@ -29,9 +29,9 @@ from meshrun.core.ratelimit import RateLimiter
 from meshrun.errors import CoordinatorError, StateError, UsageError
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
-from meshrun.system import probe
-from meshrun.system.coordinatordb import CoordinatorDB
-from meshrun.system.transport import Request, Response, Wait
+from meshrun.system.control.state import ControlState
+from meshrun.system.sockets import probe
+from meshrun.system.sockets.transport import Request, Response, Wait
 
 log = logging.getLogger("meshrun.mesh.coordinator.overlay")
 
@@ -56,7 +56,7 @@ class OverlayAPI:
 
     def __init__(
         self,
-        db: CoordinatorDB,
+        db: ControlState,
         network: Network,
         roster: Roster,
         pairs: PairDriver,

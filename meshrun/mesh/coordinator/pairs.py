@@ -36,8 +36,8 @@ import time
 from meshrun.core import pairpaths, relays
 from meshrun.core.model import Member
 from meshrun.errors import StateError
-from meshrun.system.coordinatordb import CoordinatorDB
-from meshrun.system.statedir import StateDir
+from meshrun.system.control.state import ControlState
+from meshrun.system.files.statedir import StateDir
 
 log = logging.getLogger("meshrun.mesh.coordinator.pairs")
 
@@ -70,7 +70,7 @@ class PairDriver:
     `mode` anywhere (a read of one dict entry).
     """
 
-    def __init__(self, db: CoordinatorDB, state: StateDir | None = None, me: str | None = None) -> None:
+    def __init__(self, db: ControlState, state: StateDir | None = None, me: str | None = None) -> None:
         self.db = db
         self.me = me  # this coordinator's name when there are several (it relays what "the coordinator" would)
         self.lock = threading.Lock()  # reports, dirty and pending
@@ -112,7 +112,7 @@ class PairDriver:
         self.coordinator = next((m.name for m in db.members() if m.is_coordinator), "")
         self._pruned = False
 
-    def restart(self, db: CoordinatorDB) -> None:
+    def restart(self, db: ControlState) -> None:
         """Start over from the stored pairs, knowing no report (leading starts, or stops)."""
         self.__init__(db, None, self.me)  # type: ignore[misc]
 

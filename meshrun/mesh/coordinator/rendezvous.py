@@ -60,7 +60,7 @@ from typing import Protocol
 
 from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.errors import AuthError, CoordinatorError, MeshrunError, StateError, UsageError
-from meshrun.system.transport import MAX_JSON, Request, Response
+from meshrun.system.sockets.transport import MAX_JSON, Request, Response
 
 log = logging.getLogger("meshrun.mesh.coordinator.rendezvous")
 
@@ -90,7 +90,7 @@ class Budget:
 
     Why these bound etcd (meshrun.core.etcdconf: QUOTA_BYTES 1 GiB, which counts live data and the history
     not yet compacted). Live data: N jobs hold at most N * JOB_BYTES (16 MiB each). History: every
-    coordinator's store client (meshrun.system.etcdjobs.EtcdKV) compacts etcd whenever it has written
+    coordinator's store client (meshrun.system.control.etcdjobs.EtcdKV) compacts etcd whenever it has written
     COMPACT_EVERY bytes of rendezvous (QUOTA_BYTES / 64, 16 MiB), back to where it was at its previous
     compaction, so at most 2 * COMPACT_EVERY of any one coordinator's rendezvous writes is ever uncompacted,
     however many jobs write: 7 coordinators leave at most 224 MiB, and with 8 flooding jobs holding their

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from meshrun.core import lanpath, memberlist, pairpaths
 from meshrun.core.model import Member, Network
 from meshrun.mesh.coordinator.pairs import PairDriver
-from meshrun.system.coordinatordb import CoordinatorDB
+from meshrun.system.control.state import ControlState
 
 
 class Roster:
@@ -18,7 +18,7 @@ class Roster:
     applied) or `delta(caller, known)` (only what changed for the caller since version `known`)."""
 
     def __init__(
-        self, db: CoordinatorDB, network: Network, pairs: PairDriver, history: int = memberlist.HISTORY_SIZE
+        self, db: ControlState, network: Network, pairs: PairDriver, history: int = memberlist.HISTORY_SIZE
     ) -> None:
         self.db = db
         self.network = network
@@ -37,7 +37,7 @@ class Roster:
         # In memory: after a restart, every agent behind the current version gets the full list once.
         self.history = memberlist.History(v, history)
         # Called (in the publishing thread) after each publish and wake_all: servers holding long-polls
-        # poll them (meshrun.system.longpoll.LongPollServer.kick). Threads waiting in wait() are notified too.
+        # poll them (meshrun.system.sockets.longpoll.LongPollServer.kick). Threads waiting in wait() are notified too.
         self.listeners: list[Callable[[], None]] = []
 
     def _base(self, fresh: bool = True) -> tuple[int, list[tuple[Member, dict]], dict[str, int], dict[str, Member]]:
@@ -167,7 +167,7 @@ class Roster:
 
     def relaying(self, caller: Member) -> list[list]:
         """The pairs `caller` relays, as [[overlay IP, overlay IP, relay port], ...]: the ports it forwards the
-        pairs' WireGuard datagrams on (meshrun.system.udprelay), and between whom."""
+        pairs' WireGuard datagrams on (meshrun.system.sockets.udprelay), and between whom."""
         name = "" if caller.is_coordinator else caller.name
         return self.pairs.relay_list([name], {m.name: m.overlay_ip for m, _ in self._base(fresh=False)[1]})
 

@@ -27,10 +27,10 @@ from meshrun.core.model import (
 from meshrun.core.token import new_token, parse_duration
 from meshrun.errors import NetworkError, StateError, UsageError
 from meshrun.mesh import iface, process
-from meshrun.system import net
-from meshrun.system.coordinatordb import CoordinatorDB
-from meshrun.system.device import Device
-from meshrun.system.statedir import StateDir
+from meshrun.system.control.coordinatordb import CoordinatorDB
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel import net
+from meshrun.system.kernel.device import Device
 
 DEFAULT_TTL = "12h"
 

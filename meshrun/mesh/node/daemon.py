@@ -24,10 +24,11 @@ from meshrun.errors import CoordinatorError, MeshrunError, StateError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh.node.lan import LanPaths
 from meshrun.mesh.process import Extension, ExtensionFactory
-from meshrun.system import net, transport, udprelay
-from meshrun.system import probe as probe_mod
-from meshrun.system.device import Device
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel import net
+from meshrun.system.kernel.device import Device
+from meshrun.system.sockets import probe as probe_mod
+from meshrun.system.sockets import transport, udprelay
 
 log = logging.getLogger("meshrun.mesh.node.daemon")
 
@@ -405,7 +406,7 @@ class AgentService:
 
     def _relay(self, pairs: list) -> None:
         """Forward exactly these pairs' WireGuard datagrams ([[overlay IP, overlay IP, port], ...]), each on its
-        port (meshrun.system.udprelay); this node's own tunnels never carry them."""
+        port (meshrun.system.sockets.udprelay); this node's own tunnels never carry them."""
         if pairs and not self.rec.get("relay", True):
             log.warning("the coordinator asked this node to relay, but it joined with --no-relay: not relaying")
             pairs = []

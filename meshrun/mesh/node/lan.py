@@ -18,8 +18,8 @@ from collections.abc import Callable
 from meshrun.core import lanpath
 from meshrun.core.model import Member, Network
 from meshrun.errors import MeshrunError
-from meshrun.system import lanlink
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel import lanlink
 
 log = logging.getLogger("meshrun.mesh.node.lan")
 

@@ -30,9 +30,10 @@ from meshrun.core.token import JoinToken, parse_token
 from meshrun.errors import CoordinatorError, NetworkError, StateError, TokenError, UsageError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh.node.daemon import apply_members
-from meshrun.system import net, probe, transport
-from meshrun.system.device import Device
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel import net
+from meshrun.system.kernel.device import Device
+from meshrun.system.sockets import probe, transport
 
 READY_TIMEOUT = 45.0  # `meshrun join --wait`: the agent's first sync with the coordinator
 MAX_READY_TIMEOUT = 3600.0

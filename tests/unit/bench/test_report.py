@@ -9,7 +9,7 @@ import pytest
 from meshrun.bench import report as bench
 from meshrun.bench.run import _Capture
 from meshrun.errors import UsageError
-from meshrun.system.tcpbench import PairServer, tcp_bandwidth, tcp_rtt_ms
+from meshrun.system.sockets.tcpbench import PairServer, tcp_bandwidth, tcp_rtt_ms
 
 
 def _raw(rates=None):

@@ -18,7 +18,7 @@ from meshrun import __version__
 from meshrun.cli import app
 from meshrun.core.token import JoinToken
 from meshrun.errors import HostError
-from meshrun.system import net
+from meshrun.system.kernel import net
 
 FIX_COPY = "copy the whole token again from the output of `meshrun token create` on the coordinator"
 

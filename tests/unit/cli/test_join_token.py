@@ -10,12 +10,12 @@ import pytest
 
 from meshrun.cli.node import read_token
 from meshrun.errors import UsageError
-from meshrun.system import procs
+from meshrun.system.machine import procs
 
 TOKEN = "mr1.eyJ0ZXN0IjoidG9rZW4ifQ.abcd"
 CHILD = """
 import os, sys
-from meshrun.system.procs import notify_ready
+from meshrun.system.machine.procs import notify_ready
 with open(sys.argv[1], "w") as f:
     f.write(os.environ.get("MESHRUN_TOKEN", "<unset>"))
 notify_ready()

@@ -15,7 +15,7 @@ from meshrun.core import presets
 from meshrun.core.jobspec import JobSpec
 from meshrun.core.preflight import EnvReport
 from meshrun.jobs import submission
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
 
 
 class FakeShare:

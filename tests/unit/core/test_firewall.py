@@ -6,8 +6,8 @@ import pytest
 
 from meshrun.core import firewall, lanpath
 from meshrun.errors import CommandError, UsageError
-from meshrun.system.fakefirewall import FakeFirewall
-from meshrun.system.firewall import cgroup2_root
+from meshrun.system.kernel.fakefirewall import FakeFirewall
+from meshrun.system.kernel.firewall import cgroup2_root
 
 
 def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
@@ -189,7 +189,7 @@ def test_the_fake_firewall_follows_the_protocol_and_checks_like_the_real_one():
 
 def test_missing_requirements_are_named_with_their_fix(monkeypatch, tmp_path):
     from meshrun.errors import HostError
-    from meshrun.system import firewall as fw
+    from meshrun.system.kernel import firewall as fw
 
     monkeypatch.setattr(fw.os, "geteuid", lambda: 1000)
     with pytest.raises(HostError, match="need root") as err:
@@ -218,7 +218,7 @@ def test_a_host_without_cgroup_v2_mounted_gets_meshruns_own_and_a_distrusted_ker
     """cgroup v1 only (no v2 mount anywhere): the guard mounts the kernel's v2 hierarchy at PRIVATE_CGROUP2 and
     makes the job's cgroup there; a kernel whose v2 socket matching v1's net_cls switched off is refused first."""
     from meshrun.errors import HostError
-    from meshrun.system import firewall as fw
+    from meshrun.system.kernel import firewall as fw
 
     calls = []
     private = tmp_path / "cgroup2"
@@ -243,7 +243,7 @@ def test_a_host_without_cgroup_v2_mounted_gets_meshruns_own_and_a_distrusted_ker
 
 def test_a_sweep_that_cannot_see_cgroups_removes_nothing(monkeypatch):
     """Fail closed: without the cgroup hierarchy a live job's guard looks like a dead one's."""
-    from meshrun.system import firewall as fw
+    from meshrun.system.kernel import firewall as fw
 
     deleted = []
     monkeypatch.setattr(fw, "job_tables", lambda: [firewall.job_table("exp7", "dc1-a")])

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshrun.core import ignore
-from meshrun.system import archive
+from meshrun.system.files import archive
 
 FILES = [
     "a.py",

@@ -9,7 +9,7 @@ from meshrun.core import jobconfig
 from meshrun.core.jobspec import JobSpec
 from meshrun.errors import UsageError
 from meshrun.jobs.submission import job_spec
-from meshrun.system.statedir import read_user_file
+from meshrun.system.files.statedir import read_user_file
 
 EXAMPLE = REPO_ROOT / "configs" / "job.example.toml"
 NOTHING = {
@@ -38,7 +38,7 @@ def test_the_shipped_example_loads_into_a_job_spec(tmp_path):
     assert req.script_args == ["--epochs", "5", "--steps-per-epoch", "50"]
     assert (req.nnodes, req.nproc_per_node, req.max_restarts, req.rdzv_timeout) == ("2", 1, 1, 900)
     assert req.env == {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "4"}
-    assert req.module is False and req.python == "python3"
+    assert req.module is False and req.python is None  # the agent's own interpreter
 
 
 def test_every_key_maps_to_a_job_spec_field():

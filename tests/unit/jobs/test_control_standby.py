@@ -13,10 +13,11 @@ import pytest
 
 from meshrun.core.jobspec import JobRecord
 from meshrun.jobs.control import JobControl
-from meshrun.system import joblogs, procs
-from meshrun.system.etcdjobs import JobReplica
-from meshrun.system.fakeetcd import FakeEtcd
-from meshrun.system.statedir import StateDir
+from meshrun.system.control.etcdjobs import JobReplica
+from meshrun.system.control.fakeetcd import FakeEtcd
+from meshrun.system.files import joblogs
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.machine import procs
 
 
 @pytest.fixture

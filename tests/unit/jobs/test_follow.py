@@ -14,7 +14,7 @@ from meshrun.core.outcome import Outcome
 from meshrun.errors import NetworkError
 from meshrun.jobs import supervisor
 from meshrun.jobs.handles import LocalShare
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
 
 
 class FlakyShare:

@@ -11,9 +11,9 @@ from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
 from meshrun.jobs.nodeapi import Coordinators, JobAPI
 from meshrun.mesh import member
-from meshrun.system.fakefirewall import FakeFirewall
-from meshrun.system.statedir import StateDir
-from meshrun.system.transport import Request
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.fakefirewall import FakeFirewall
+from meshrun.system.sockets.transport import Request
 
 
 def make(tmp_path):

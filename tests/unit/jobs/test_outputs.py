@@ -10,8 +10,8 @@ import pytest
 from meshrun.core.jobspec import JobRecord, JobState
 from meshrun.errors import LaunchError, UsageError
 from meshrun.jobs import outputs
-from meshrun.system import archive, joblogs
-from meshrun.system.statedir import StateDir
+from meshrun.system.files import archive, joblogs
+from meshrun.system.files.statedir import StateDir
 
 
 class FakeShare:

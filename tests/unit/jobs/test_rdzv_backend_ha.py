@@ -37,8 +37,8 @@ from meshrun.jobs.rdzv_backend import (  # noqa: E402
     parse_coordinators,
 )
 from meshrun.mesh.coordinator.rendezvous import MemoryKV, RendezvousService  # noqa: E402
-from meshrun.system import transport  # noqa: E402
-from meshrun.system.transport import JSONServer  # noqa: E402
+from meshrun.system.sockets import transport  # noqa: E402
+from meshrun.system.sockets.transport import JSONServer  # noqa: E402
 
 JOBS = ("J", "J2")
 

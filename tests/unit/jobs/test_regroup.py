@@ -20,7 +20,7 @@ from support import rendezvous_together  # noqa: E402
 from meshrun.jobs import rdzv_backend, share  # noqa: E402
 from meshrun.jobs.rdzv_backend import follow_regroups  # noqa: E402
 from meshrun.jobs.share import REGROUP_ROUND_S, Regroup  # noqa: E402
-from meshrun.system.statedir import StateDir  # noqa: E402
+from meshrun.system.files.statedir import StateDir  # noqa: E402
 
 
 def lost(addrs: dict[str, float]):

@@ -8,8 +8,8 @@ import pytest
 from meshrun.core.jobspec import JobSpec
 from meshrun.errors import UsageError
 from meshrun.jobs import submission
-from meshrun.system import joblogs
-from meshrun.system.statedir import StateDir
+from meshrun.system.files import joblogs
+from meshrun.system.files.statedir import StateDir
 
 
 def submitted(state: StateDir, job_id: str, **kw) -> JobSpec:

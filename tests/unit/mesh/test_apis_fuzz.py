@@ -40,11 +40,11 @@ from meshrun.errors import MeshrunError
 from meshrun.jobs import nodeapi as jobs
 from meshrun.mesh.coordinator.daemon import CoordinatorService
 from meshrun.mesh.coordinator.enrolment import RateLimiter
-from meshrun.system.coordinatordb import CoordinatorDB
-from meshrun.system.fakedevice import FakeDevice
-from meshrun.system.fakefirewall import FakeFirewall
-from meshrun.system.statedir import StateDir
-from meshrun.system.transport import JSONServer, Request, Response
+from meshrun.system.control.coordinatordb import CoordinatorDB
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.fakedevice import FakeDevice
+from meshrun.system.kernel.fakefirewall import FakeFirewall
+from meshrun.system.sockets.transport import JSONServer, Request, Response
 
 BUDGET = settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -57,7 +57,7 @@ json_values = json_strategy(max_text=30, max_list=4, max_key=10, max_dict=5, max
 
 
 def dispatch(handler, req: Request) -> Response:
-    """What meshrun.system.transport's request handler does with a handler's outcome."""
+    """What meshrun.system.sockets.transport's request handler does with a handler's outcome."""
     try:
         return handler(req)
     except MeshrunError as exc:
@@ -655,6 +655,39 @@ def test_a_failed_join_gives_its_name_back_only_with_its_key(coord):
     resp = abandon(priv)
     assert resp.status == 200 and resp.body == {"released": True}
     assert coord.svc.db.member_by_name("flaky") is None
+    check_db(coord)
+
+
+def test_only_a_keys_holder_learns_whether_it_was_removed(coord):
+    """POST /v1/membership: a coordinator taken out while it was away asks this before it starts its etcd
+    member again. Removed for the removed key's holder, not for a member's or a stranger's, 401 for a proof made
+    with another key (nobody learns about a key they do not hold)."""
+    from meshrun.mesh.coordinator.enrolment import MEMBERSHIP_PATH, MEMBERSHIP_PURPOSE
+
+    def ask(priv: str, signer: str | None = None) -> Response:
+        pub = keys.public_key(priv)
+        body = {
+            "name": "leaver",
+            "public_key": pub,
+            "possession": proof(signer or priv, coord, "leaver", MEMBERSHIP_PURPOSE, pub),
+        }
+        return dispatch(coord.svc.enrolment.handle, Request("POST", MEMBERSHIP_PATH, "203.0.113.9", body))
+
+    priv = keys.generate_private_key()
+    body = {
+        "token_id": coord.token_id,
+        "secret": coord.secret_b64,
+        "name": "leaver",
+        "network": "fuzz",
+        "public_key": keys.public_key(priv),
+        "possession": proof(priv, coord, "leaver", coord.token_id),
+    }
+    assert dispatch(coord.svc.enrolment.handle, Request("POST", "/v1/join", "203.0.113.9", body)).status == 200
+    assert ask(priv).body == {"removed": False}  # a member
+    coord.svc.db.remove_member("leaver")
+    assert ask(priv).body == {"removed": True}
+    assert ask(keys.generate_private_key()).body == {"removed": False}  # a stranger's own key
+    assert ask(priv, signer=keys.generate_private_key()).status == 401  # about a key it does not hold
     check_db(coord)
 
 

@@ -8,8 +8,8 @@ from fakemesh import FakeMesh
 from meshrun.core.model import Network
 from meshrun.errors import NetworkError
 from meshrun.mesh import iface
-from meshrun.system.fakedevice import FakeDevice
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.fakedevice import FakeDevice
 
 
 def test_every_member_guards_forwarding_before_its_interface_is_up(tmp_path):

@@ -1,6 +1,6 @@
 """meshrun.mesh.node.lan: one member's site LAN path, planned from member lists and moved by probes.
 
-LanPaths runs on a FakeLanLink (meshrun.system.lanlink, the kernel state in memory) with a scripted probe,
+LanPaths runs on a FakeLanLink (meshrun.system.kernel.lanlink, the kernel state in memory) with a scripted probe,
 on a state directory in tmp_path: no root, no kernel.
 """
 
@@ -13,8 +13,8 @@ from meshrun.core import lanpath
 from meshrun.core.model import Member
 from meshrun.errors import HostError
 from meshrun.mesh.node.lan import LanPaths
-from meshrun.system.lanlink import FakeLanLink
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.lanlink import FakeLanLink
 
 NET = JOB_NETWORK  # overlay 10.213.0.0/16 on meshrun0
 

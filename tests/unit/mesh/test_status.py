@@ -163,7 +163,7 @@ def test_render_names_the_relay_what_this_node_relays_and_a_silent_coordinator()
 def _probes(monkeypatch, answers: list[float | None], accepted: bool = True) -> list[float | None]:
     """Make probe.tcp_connect answer `answers` in turn (each accepted or refused, as `accepted` says; None: no
     answer); returns the list of those it was asked for."""
-    from meshrun.system import probe
+    from meshrun.system.sockets import probe
 
     asked: list[float | None] = []
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from meshrun.cli import app
 from meshrun.mesh import systemd
-from meshrun.system.statedir import StateDir
+from meshrun.system.files.statedir import StateDir
 
 REPO = REPO_ROOT
 

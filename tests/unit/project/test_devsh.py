@@ -61,7 +61,7 @@ def test_an_account_with_sudo_gets_dev_sh_run_again_through_sudo(fake_sudo):
 
 
 def test_dev_sh_installs_git_which_the_code_sync_and_its_tests_need():
-    # meshrun.system.archive lists a git work tree's files with git; tests/unit/system/test_archive.py builds
+    # meshrun.system.files.archive lists a git work tree's files with git; tests/unit/system/test_archive.py builds
     # repositories and submodules (a fresh Debian 12 has no git)
     line = re.search(r"^APT_PKGS=\((.*)\)$", (REPO / "dev.sh").read_text(), re.M).group(1)
     assert "git" in line.split()

@@ -231,7 +231,7 @@ def test_module_keeps_the_contract(module, path):
         ("meshrun.mesh.coordinator.x", "from ...jobs import runner\n", "meshrun.mesh may not use meshrun.jobs"),
         (
             "meshrun.core.x",
-            "import importlib\nimportlib.import_module('meshrun.system.procs')\n",
+            "import importlib\nimportlib.import_module('meshrun.system.machine.procs')\n",
             "calls importlib.import_module()",
         ),
         ("meshrun.core.x", "__import__('subprocess')\n", "calls __import__()"),
@@ -250,7 +250,9 @@ def test_the_checker_catches_violations(module, source, needle):
 
 
 def test_the_checker_allows_what_the_layers_may_do():
-    assert violations("import subprocess\nopen('x')\nfrom meshrun.core import peers\n", "meshrun.system.cmd") == []
+    assert (
+        violations("import subprocess\nopen('x')\nfrom meshrun.core import peers\n", "meshrun.system.machine.cmd") == []
+    )
     assert (
         violations(
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import subprocess\n", "meshrun.lab.testbed"

@@ -15,8 +15,8 @@ import sys
 from support import REPO_ROOT, TESTS
 
 # The tests that run without torch, root or namespaces where what 3.10 changes lives (tarfile filters in
-# system/archive, asyncio TLS in system/transport, typing, tomli for tomllib in core/jobconfig); the agents'
-# and coordinator's logic (tests/unit/mesh) sits on those and is only imported here (IMPORT_ALL), to keep
+# system/files/archive, asyncio TLS in system/sockets/transport, typing, tomli for tomllib in core/jobconfig); the
+# agents' and coordinator's logic (tests/unit/mesh) sits on those and is only imported here (IMPORT_ALL), to keep
 # the suite's time.
 FLOOR = [TESTS / "unit" / d for d in ("core", "system", "jobs", "cli")] + [
     TESTS / "unit" / "project" / "test_layers.py",

@@ -5,7 +5,7 @@ SECURITY.md, benchmarks, examples):
 
 - dotted names, `meshrun.mesh.node.setup.join`: the longest prefix that is a module, then a name defined
   at its top level, then (for a class) a name in the class body;
-- repository paths, `tests/e2e/test_diloco_e2e.py`, `meshrun/system/procs.py`;
+- repository paths, `tests/e2e/test_diloco_e2e.py`, `meshrun/system/machine/procs.py`;
 - a layer's module as ARCHITECTURE.md writes it, `mesh/coordinator/daemon.CoordinatorService.tick`,
   resolved as `meshrun.mesh.coordinator.daemon.CoordinatorService.tick`.
 

@@ -1,4 +1,4 @@
-"""meshrun.system.archive: what a project ships (git, .meshrunignore), packing it as read once, laying it
+"""meshrun.system.files.archive: what a project ships (git, .meshrunignore), packing it as read once, laying it
 over a node's persistent project directory, pulling files back; unsafe archives refused."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from meshrun.core import codeset
 from meshrun.errors import LaunchError, UsageError
-from meshrun.system import archive
+from meshrun.system.files import archive
 
 HAVE_GIT = shutil.which("git") is not None
 

@@ -1,5 +1,5 @@
-"""meshrun.system.etcd and meshrun.system.fakeetcd: one contract (tests/etcd_contract.py), two etcds: FakeEtcd in
-memory, and a real single-member etcd (/usr/bin/etcd) on 127.0.0.1 with TLS both ways, as
+"""meshrun.system.control.etcd and meshrun.system.control.fakeetcd: one contract (tests/etcd_contract.py), two
+etcds: FakeEtcd in memory, and a real single-member etcd (/usr/bin/etcd) on 127.0.0.1 with TLS both ways, as
 meshrun.core.etcdconf.server_argv configures it. Then what only the network client has: failover and its
 limits, refused clients, what the server listens on, a broken watch stream, and the server process helpers.
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import stat
 import sys
@@ -22,21 +21,14 @@ from pathlib import Path
 
 import etcd_contract
 import pytest
+from realetcd import RealEtcd, free_port, issue
 
-from meshrun.core import etcdconf, keys
+from meshrun.core import keys
 from meshrun.errors import ControlStateError, StateError
-from meshrun.system import etcd, procs
-from meshrun.system.etcd import FIX, Compare, EtcdClient, OutcomeUnknown, prefix_end
-from meshrun.system.fakeetcd import FakeEtcd
-
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from meshrun.system.control import etcd
+from meshrun.system.control.etcd import FIX, Compare, EtcdClient, OutcomeUnknown, prefix_end
+from meshrun.system.control.fakeetcd import FakeEtcd
+from meshrun.system.machine import procs
 
 # --------------------------------------------------------------------------- the fake
 
@@ -99,67 +91,8 @@ def test_a_fake_watch_breaks_when_the_fake_goes_down():
 # --------------------------------------------------------------------------- a real etcd
 
 
-def _need_etcd() -> None:
-    if not os.access(ETCD, os.X_OK):
-        reason = f"etcd is not installed ({ETCD}; Debian: apt install etcd-server)"
-        if os.environ.get("CI"):
-            pytest.fail(f"the real-etcd tests cannot run in CI: {reason}", pytrace=False)
-        pytest.skip(reason)
-
-
-def _issue(ca: tuple[str, str], tls: Path, name: str, ip: str) -> tuple[Path, Path]:
-    key, csr = keys.new_csr(name, ip)
-    cert_path, key_path = tls / f"{name}.crt", tls / f"{name}.key"
-    cert_path.write_text(keys.sign_csr(*ca, csr, ip))
-    key_path.write_text(key)
-    key_path.chmod(0o600)
-    return cert_path, key_path
-
-
-class RealEtcd:
-    """A single-member etcd on 127.0.0.1 (random ports, TLS both ways), started and stopped by its PID."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        tls = root / "tls"
-        tls.mkdir()
-        self.ca = keys.new_ca("meshrun-etcd-ca")
-        (tls / etcdconf.CA_FILE).write_text(self.ca[0])
-        _issue(self.ca, tls, "etcd", "127.0.0.1")
-        self.client_cert, self.client_key = _issue(self.ca, tls, "client", "127.0.0.1")
-        self.ca_file = str(tls / etcdconf.CA_FILE)
-        self.client_port, self.peer_port = free_port(), free_port()
-        self.url = etcdconf.client_url("127.0.0.1", self.client_port)
-        argv = etcdconf.server_argv(
-            "m1",
-            root / "data",
-            "127.0.0.1",
-            self.client_port,
-            self.peer_port,
-            {"m1": etcdconf.peer_url("127.0.0.1", self.peer_port)},
-            "new",
-            tls,
-        )
-        self.log = root / "etcd.log"
-        self.pid = etcd.start_server([ETCD, *argv], self.log)
-        self.client = self.make_client([self.url])
-        try:
-            etcd.wait_healthy(self.client, 60, self.log, self.pid)
-        except BaseException:
-            self.stop()
-            raise
-
-    def make_client(self, endpoints: list[str], timeout: float = 5.0) -> EtcdClient:
-        return EtcdClient(endpoints, self.ca_file, str(self.client_cert), str(self.client_key), timeout)
-
-    def stop(self) -> None:
-        self.client.close()
-        etcd.stop_server(self.pid)
-
-
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    _need_etcd()
     server = RealEtcd(tmp_path_factory.mktemp("etcd"))
     yield server
     server.stop()
@@ -198,7 +131,7 @@ def test_a_client_without_a_certificate_is_refused(real):
 
 def test_a_client_certificate_from_another_ca_is_refused(real, tmp_path):
     other = keys.new_ca("someone-else")
-    cert, key = _issue(other, tmp_path, "intruder", "127.0.0.1")
+    cert, key = issue(other, tmp_path, "intruder", "127.0.0.1")
     intruder = EtcdClient([real.url], ca=real.ca_file, cert=str(cert), key=str(key))
     with pytest.raises(ControlStateError):
         intruder.get(b"k")
@@ -209,13 +142,13 @@ def test_a_client_certificate_from_another_ca_is_refused(real, tmp_path):
 def test_the_client_takes_a_replaced_certificate_on_its_next_connection(real, tmp_path):
     """A renewal or a CA rotation replaces the TLS files under a running coordinator: its long-lived client
     presents the new certificate from its next new connection on (etcd itself reads its own on each handshake)."""
-    cert, key = _issue(keys.new_ca("someone-else"), tmp_path, "renewed", "127.0.0.1")
+    cert, key = issue(keys.new_ca("someone-else"), tmp_path, "renewed", "127.0.0.1")
     client = EtcdClient([real.url], ca=real.ca_file, cert=str(cert), key=str(key))
     try:
         with pytest.raises(ControlStateError):
             client.revision()
         (tmp_path / "g").mkdir()
-        good_cert, good_key = _issue(real.ca, tmp_path / "g", "good", "127.0.0.1")
+        good_cert, good_key = issue(real.ca, tmp_path / "g", "good", "127.0.0.1")
         (tmp_path / "new.key").write_bytes(good_key.read_bytes())
         (tmp_path / "new.crt").write_bytes(good_cert.read_bytes())
         os.replace(tmp_path / "new.key", key)

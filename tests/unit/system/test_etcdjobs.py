@@ -1,4 +1,4 @@
-"""meshrun.system.etcdjobs: a job replicated across coordinators (on FakeEtcd, the real etcd's contract)."""
+"""meshrun.system.control.etcdjobs: a job replicated across coordinators (on FakeEtcd, the real etcd's contract)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from meshrun.core.jobspec import JobRecord, JobState
 from meshrun.errors import ControlStateError, UsageError
 from meshrun.mesh.coordinator.rendezvous import RendezvousService
-from meshrun.system import etcdjobs
-from meshrun.system.etcdjobs import CODE_SLICE, EtcdKV, JobReplica
-from meshrun.system.fakeetcd import FakeEtcd
+from meshrun.system.control import etcdjobs
+from meshrun.system.control.etcdjobs import CODE_SLICE, EtcdKV, JobReplica
+from meshrun.system.control.fakeetcd import FakeEtcd
 
 
 class Clock:

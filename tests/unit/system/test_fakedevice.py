@@ -6,7 +6,7 @@ from __future__ import annotations
 import device_contract
 from support import TESTS
 
-from meshrun.system.fakedevice import FakeDevice
+from meshrun.system.kernel.fakedevice import FakeDevice
 
 HERE = TESTS
 

@@ -1,4 +1,4 @@
-"""meshrun.system.frontdoor: the public TLS listener keeps serving other sources under a flood.
+"""meshrun.system.sockets.frontdoor: the public TLS listener keeps serving other sources under a flood.
 
 Loopback only: the flood comes from 127.0.0.1, the legitimate client from 127.0.0.2 (the whole
 127/8 is local on Linux), so per-source caps can be seen working.
@@ -19,8 +19,8 @@ import time
 import pytest
 
 from meshrun.core import keys
-from meshrun.system.frontdoor import FrontDoor
-from meshrun.system.transport import Response, server_tls_context
+from meshrun.system.sockets.frontdoor import FrontDoor
+from meshrun.system.sockets.transport import Response, server_tls_context
 
 
 @pytest.fixture
@@ -148,7 +148,7 @@ def _close_notify_after_request(addr) -> None:
 
 
 def test_a_client_closing_first_leaves_no_warning_in_the_log(door, caplog, monkeypatch):
-    from meshrun.system import frontdoor
+    from meshrun.system.sockets import frontdoor
 
     noise = [f for f in logging.getLogger("asyncio").filters if isinstance(f, frontdoor._DropEofNoise)]
     assert noise, "the filter is installed when the module is imported"

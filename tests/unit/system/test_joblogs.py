@@ -1,4 +1,4 @@
-"""meshrun.system.joblogs, a share's output and `follow`: reading never stalls on output without newlines,
+"""meshrun.system.files.joblogs, a share's output and `follow`: reading never stalls on output without newlines,
 lines stay bounded and whole, and every line shown is its own node's."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from meshrun.core import termtext
 from meshrun.core.jobspec import JobRecord
 from meshrun.jobs import control
 from meshrun.jobs.share import Share, share_output
-from meshrun.system import joblogs
-from meshrun.system.statedir import StateDir
+from meshrun.system.files import joblogs
+from meshrun.system.files.statedir import StateDir
 
 
 def test_a_chunk_without_a_newline_is_passed_on_and_the_offset_always_advances(tmp_path):

@@ -1,4 +1,4 @@
-"""meshrun.system.longpoll: long-polls held on one event loop, kicked, kept alive, bounded (loopback)."""
+"""meshrun.system.sockets.longpoll: long-polls held on one event loop, kicked, kept alive, bounded (loopback)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from meshrun.errors import MeshrunError
-from meshrun.system.longpoll import LongPollServer
-from meshrun.system.transport import Request, Response, Session, Wait
+from meshrun.system.sockets.longpoll import LongPollServer
+from meshrun.system.sockets.transport import Request, Response, Session, Wait
 
 
 class Board:

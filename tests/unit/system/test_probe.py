@@ -1,11 +1,11 @@
-"""meshrun.system.probe's TCP handshake on loopback: a listener accepts, a closed port refuses (the machine answered,
-nothing listens)."""
+"""meshrun.system.sockets.probe's TCP handshake on loopback: a listener accepts, a closed port refuses (the machine
+answered, nothing listens)."""
 
 from __future__ import annotations
 
 import socket
 
-from meshrun.system import probe
+from meshrun.system.sockets import probe
 
 
 def test_a_listener_accepts_and_a_closed_port_refuses_but_answers():

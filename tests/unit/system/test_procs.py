@@ -1,4 +1,4 @@
-"""meshrun.system.procs: readiness through a pipe, liveness and stop through the daemon lock, kill_tree.
+"""meshrun.system.machine.procs: readiness through a pipe, liveness and stop through the daemon lock, kill_tree.
 
 Real processes (the test's own Python), real flocks; every process is killed by the PID started.
 """
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from meshrun.errors import MeshrunError, StateError, UsageError
-from meshrun.system import procs
+from meshrun.system.machine import procs
 
 # A daemon stand-in: takes the lock, says ready (or fails), then waits for SIGTERM.
 DAEMON = textwrap.dedent("""
     import signal, sys, time
     from pathlib import Path
     from meshrun.errors import MeshrunError, UsageError
-    from meshrun.system import procs
+    from meshrun.system.machine import procs
     mode, lock_path = sys.argv[1], Path(sys.argv[2])
     if mode == "fail":
         procs.notify_error(MeshrunError("port 51821 is taken", "free it"))

@@ -1,74 +1,33 @@
 """A real etcd with a 32 MiB quota (--quota-backend-bytes; meshrun's other flags as etcdconf writes them):
-three coordinators' rendezvous clients (meshrun.system.etcdjobs.EtcdKV) overwrite one key with the largest
+three coordinators' rendezvous clients (meshrun.system.control.etcdjobs.EtcdKV) overwrite one key with the largest
 value a rendezvous takes, 2.5 times the quota in all. Before issue 35 (item 4) 304 such writes filled an etcd of
 64 MiB for good; with EtcdKV's compaction its database stays far below the quota and control writes work."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 
 import pytest
+from realetcd import RealEtcd
 
-from meshrun.core import etcdconf, keys
 from meshrun.errors import ControlStateError
 from meshrun.mesh.coordinator.rendezvous import MAX_VALUE
-from meshrun.system import etcd
-from meshrun.system.etcd import EtcdClient
-from meshrun.system.etcdjobs import EtcdKV
+from meshrun.system.control.etcdjobs import EtcdKV
 
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 QUOTA = 32 * 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
 def small_etcd(tmp_path):
-    if not os.access(ETCD, os.X_OK):
-        reason = f"etcd is not installed ({ETCD}; Debian: apt install etcd-server)"
-        if os.environ.get("CI"):
-            pytest.fail(f"the real-etcd tests cannot run in CI: {reason}", pytrace=False)
-        pytest.skip(reason)
-    tls = tmp_path / "tls"
-    tls.mkdir()
-    ca = keys.new_ca("meshrun-etcd-ca")
-    (tls / etcdconf.CA_FILE).write_text(ca[0])
-    paths = {}
-    for name in ("etcd", "client"):
-        key, csr = keys.new_csr(name, "127.0.0.1")
-        (tls / f"{name}.crt").write_text(keys.sign_csr(*ca, csr, "127.0.0.1"))
-        (tls / f"{name}.key").write_text(key)
-        (tls / f"{name}.key").chmod(0o600)
-        paths[name] = (str(tls / f"{name}.crt"), str(tls / f"{name}.key"))
-    client_port, peer_port = free_port(), free_port()
-    argv = etcdconf.server_argv(
-        "m1",
-        tmp_path / "data",
-        "127.0.0.1",
-        client_port,
-        peer_port,
-        {"m1": etcdconf.peer_url("127.0.0.1", peer_port)},
-        "new",
-        tls,
-    )
-    argv[argv.index("--quota-backend-bytes") + 1] = str(QUOTA)
-    log = tmp_path / "etcd.log"
-    pid = etcd.start_server([ETCD, *argv], log)
-    url = etcdconf.client_url("127.0.0.1", client_port)
-    clients = [EtcdClient([url], str(tls / etcdconf.CA_FILE), *paths["client"], 10.0) for _ in range(3)]
+    """Three clients of one real etcd with a 32 MiB quota."""
+    server = RealEtcd(tmp_path, quota=QUOTA)
+    clients = [server.make_client(timeout=10.0) for _ in range(3)]
     try:
-        etcd.wait_healthy(clients[0], 60, log, pid)
         yield clients
     finally:
         for c in clients:
             c.close()
-        etcd.stop_server(pid)
+        server.stop()
 
 
 @pytest.mark.parametrize("compacting", [True, False])

@@ -1,4 +1,4 @@
-"""meshrun.system.statedir: state directory files (atomic, private) and the coordinator's SQLite DB."""
+"""meshrun.system.files.statedir: state directory files (atomic, private) and the coordinator's SQLite DB."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from meshrun.errors import StateError
-from meshrun.system.statedir import StateDir, default_state_dir
+from meshrun.system.files.statedir import StateDir, default_state_dir
 
 CIDR = "10.213.0.0/16"
 SECRET = b"s" * 32
@@ -157,7 +157,7 @@ class TestStateDir:
 
 
 def test_disk_use_counts_regular_files_only_and_stops_at_its_bound(tmp_path):
-    from meshrun.system.statedir import disk_use
+    from meshrun.system.files.statedir import disk_use
 
     assert disk_use(tmp_path / "missing") == (0, 0)
     (tmp_path / "ckpt").mkdir()

@@ -1,4 +1,4 @@
-"""meshrun.system.transport: JSON over HTTP(S) on loopback, pinned TLS, error mapping, NDJSON streams."""
+"""meshrun.system.sockets.transport: JSON over HTTP(S) on loopback, pinned TLS, error mapping, NDJSON streams."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from meshrun.core import keys
 from meshrun.errors import CoordinatorError, MeshrunError, StateError, TokenError, UsageError
-from meshrun.system.frontdoor import FrontDoor
-from meshrun.system.transport import (
+from meshrun.system.sockets.frontdoor import FrontDoor
+from meshrun.system.sockets.transport import (
     MAX_HEAD,
     MAX_JSON,
     JSONServer,

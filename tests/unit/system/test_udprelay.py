@@ -1,4 +1,4 @@
-"""The relay's sockets (meshrun.system.udprelay) on loopback: ports opened and closed with the pairs, datagrams
+"""The relay's sockets (meshrun.system.sockets.udprelay) on loopback: ports opened and closed with the pairs, datagrams
 forwarded between the two ends only, a port that cannot be bound reported; what its kernel fast path is told
 (a FakeKernelPath: tests/e2e/test_relay_kernel_e2e.py runs the real one). Also the relay table's counters."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from meshrun.core import keys
 from meshrun.core.relayfwd import RelayedPair
-from meshrun.system import relaykernel
-from meshrun.system.udprelay import UdpRelay
+from meshrun.system.kernel import relaykernel
+from meshrun.system.sockets.udprelay import UdpRelay
 
 A_HOST, B_HOST, OTHER = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 

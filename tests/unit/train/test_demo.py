@@ -16,7 +16,7 @@ from torch import nn
 from meshrun.errors import StateError, UsageError
 from meshrun.train.compress import dct_matrix
 from meshrun.train.demo import DeMo
-from meshrun.train.diloco import state_digest
+from meshrun.train.snapshots import state_digest
 
 
 def _model(seed: int) -> nn.Module:

@@ -19,8 +19,8 @@ from meshrun.core.model import Member
 from meshrun.errors import StateError, UsageError
 from meshrun.mesh.coordinator import admin
 from meshrun.mesh.node.daemon import apply_members
-from meshrun.system.fakedevice import FakeDevice
-from meshrun.system.transport import Request
+from meshrun.system.kernel.fakedevice import FakeDevice
+from meshrun.system.sockets.transport import Request
 
 
 @pytest.fixture
@@ -420,8 +420,8 @@ def test_init_names_the_coordinator_as_asked(tmp_path):
     """`meshrun init --name hq`: the member record and the member list carry that name, not "coordinator"."""
     from meshrun.mesh.coordinator import admin
     from meshrun.mesh.coordinator.setup import InitOptions, init
-    from meshrun.system.fakedevice import FakeDevice
-    from meshrun.system.statedir import StateDir
+    from meshrun.system.files.statedir import StateDir
+    from meshrun.system.kernel.fakedevice import FakeDevice
 
     state = StateDir(tmp_path / "c")
     init(InitOptions(endpoint="203.0.113.1", coordinator_name="hq"), state, start=False, device=FakeDevice())

@@ -10,7 +10,7 @@ import pytest
 from meshrun.errors import CoordinatorError
 from meshrun.mesh.coordinator.forward import Reports
 from meshrun.mesh.coordinator.pairs import PairDriver
-from meshrun.system.coordinatordb import CoordinatorDB
+from meshrun.system.control.coordinatordb import CoordinatorDB
 
 
 def key(i: int) -> str:

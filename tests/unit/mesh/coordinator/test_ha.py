@@ -9,9 +9,9 @@ import pytest
 
 from meshrun.errors import ControlStateError, UsageError
 from meshrun.mesh.coordinator import ha
-from meshrun.system.etcd import OutcomeUnknown
-from meshrun.system.fakeetcd import FakeEtcd
-from meshrun.system.statedir import StateDir
+from meshrun.system.control.etcd import OutcomeUnknown
+from meshrun.system.control.fakeetcd import FakeEtcd
+from meshrun.system.files.statedir import StateDir
 
 
 def rec(**over) -> dict:

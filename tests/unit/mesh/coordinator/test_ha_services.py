@@ -13,11 +13,11 @@ from meshrun.core.token import parse_token
 from meshrun.mesh.coordinator.daemon import CoordinatorService
 from meshrun.mesh.coordinator.leader import LEASE_TTL_S
 from meshrun.mesh.node import setup as node
-from meshrun.system.coordinatordb import CoordinatorDB, CoordinatorInfo
-from meshrun.system.etcdstate import EtcdCoordinatorDB
-from meshrun.system.fakeetcd import FakeEtcd
-from meshrun.system.transport import Request, raise_for
-from meshrun.system.udprelay import FakeRelay
+from meshrun.system.control.coordinatordb import CoordinatorDB, CoordinatorInfo
+from meshrun.system.control.etcdstate import EtcdCoordinatorDB
+from meshrun.system.control.fakeetcd import FakeEtcd
+from meshrun.system.sockets.transport import Request, raise_for
+from meshrun.system.sockets.udprelay import FakeRelay
 
 
 class Clock:

@@ -14,8 +14,8 @@ import pytest
 from meshrun.core import keys
 from meshrun.mesh.coordinator import ha
 from meshrun.mesh.coordinator.ha import CaRecord
-from meshrun.system.fakeetcd import FakeEtcd
-from meshrun.system.statedir import StateDir
+from meshrun.system.control.fakeetcd import FakeEtcd
+from meshrun.system.files.statedir import StateDir
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ to the real etcd's contract: tests/etcd_contract.py), its leases on a clock the 
 from __future__ import annotations
 
 from meshrun.mesh.coordinator.leader import LEASE_TTL_S, Leadership, leader_name
-from meshrun.system.fakeetcd import FakeEtcd
+from meshrun.system.control.fakeetcd import FakeEtcd
 
 
 class Clock:

@@ -15,7 +15,7 @@ from meshrun.core import pairpaths, relays
 from meshrun.core.model import Member
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.node import daemon
-from meshrun.system.coordinatordb import CoordinatorDB
+from meshrun.system.control.coordinatordb import CoordinatorDB
 
 T0 = 1_700_000_000.0
 

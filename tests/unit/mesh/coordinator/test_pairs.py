@@ -18,8 +18,8 @@ from meshrun.core import pairpaths
 from meshrun.core.model import Member
 from meshrun.errors import StateError
 from meshrun.mesh.coordinator.pairs import PairDriver
-from meshrun.system.coordinatordb import CoordinatorDB
-from meshrun.system.statedir import StateDir
+from meshrun.system.control.coordinatordb import CoordinatorDB
+from meshrun.system.files.statedir import StateDir
 
 T0 = 1_700_000_000.0
 

@@ -7,7 +7,7 @@ import pytest
 
 from meshrun.core.model import Member
 from meshrun.mesh.coordinator.pairs import UNKNOWN_SLACK, PairDriver
-from meshrun.system.coordinatordb import CoordinatorDB
+from meshrun.system.control.coordinatordb import CoordinatorDB
 
 T0 = 1_700_000_000
 

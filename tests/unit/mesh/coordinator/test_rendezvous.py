@@ -11,7 +11,7 @@ import pytest
 from meshrun.errors import AuthError, CoordinatorError, HostError, StateError, UsageError
 from meshrun.mesh.coordinator import rendezvous
 from meshrun.mesh.coordinator.rendezvous import MemoryKV, RendezvousService, http_status
-from meshrun.system.transport import Request
+from meshrun.system.sockets.transport import Request
 
 NODES = {"10.77.0.2", "10.77.0.3"}
 A, B = sorted(NODES)

@@ -1,7 +1,7 @@
 """meshrun.mesh.coordinator.rendezvous's budgets (issue 35, item 4): a job's rendezvous may not fill the
 coordinators' shared store. torch's own rendezvous for 1000 nodes fits; a flooding job is refused with a typed
 error (429 for its write rate, 400 for what it holds) while other jobs and the control plane's writes go on;
-and the compaction in meshrun.system.etcdjobs.EtcdKV keeps etcd (the fake's model of its quota, then a real
+and the compaction in meshrun.system.control.etcdjobs.EtcdKV keeps etcd (the fake's model of its quota, then a real
 etcd with a 32 MiB quota) far from full however much a job overwrites."""
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from meshrun.mesh.coordinator.rendezvous import (
     WriteRateExceeded,
     http_status,
 )
-from meshrun.system import etcdjobs
-from meshrun.system.etcdjobs import EtcdKV, JobReplica
-from meshrun.system.fakeetcd import NOSPACE, FakeEtcd
-from meshrun.system.transport import Request
+from meshrun.system.control import etcdjobs
+from meshrun.system.control.etcdjobs import EtcdKV, JobReplica
+from meshrun.system.control.fakeetcd import NOSPACE, FakeEtcd
+from meshrun.system.sockets.transport import Request
 
 NODE, OTHER = "10.77.0.2", "10.77.0.9"
 

@@ -2,7 +2,7 @@
 
 The roster runs on a real CoordinatorDB (SQLite in tmp_path) with a real PairDriver loading the pair states
 saved there; admin, the CLI and the whole loop run on a real coordinator state (tests/fakemesh.py), whose
-agents keep their site LAN path on a FakeLanLink (meshrun.system.lanlink): no root, no kernel.
+agents keep their site LAN path on a FakeLanLink (meshrun.system.kernel.lanlink): no root, no kernel.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from meshrun.mesh.coordinator import admin
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.mesh.node.lan import LanPaths
-from meshrun.system.coordinatordb import CoordinatorDB
-from meshrun.system.lanlink import FakeLanLink
+from meshrun.system.control.coordinatordb import CoordinatorDB
+from meshrun.system.kernel.lanlink import FakeLanLink
 
 T0 = 1_700_000_000.0
 NET = JOB_NETWORK  # overlay 10.213.0.0/16 on meshrun0
