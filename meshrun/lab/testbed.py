@@ -717,13 +717,7 @@ class World:
         once (SIGKILL, no chance to say goodbye) and its namespace deleted, so its gateway's LAN has nobody
         there. Returns the monotonic time of the loss. The node stays in `nodes`; nothing of it answers."""
         n = self.node(name)
-        pids = [p for p in _pids_in(n.netns) if p != os.getpid()]
-        for p in pids:
-            procs.signal_pid(p, signal.SIGKILL)
-        at = time.monotonic()
-        deadline = at + 5
-        while time.monotonic() < deadline and any(procs.alive(p) for p in pids):
-            time.sleep(0.02)
+        pids, at = _kill_now([p for p in _pids_in(n.netns) if p != os.getpid()])
         proc = self._anchors.pop(n.anchor_pid, None)
         if proc is not None:
             _reap(proc)
@@ -737,13 +731,7 @@ class World:
         uplink cut until `power_on`. Returns the monotonic time it went down. Its state directory stays."""
         n = self.node(name)
         n.cut_uplink()
-        pids = [p for p in _pids_in(n.netns) if p not in (os.getpid(), n.anchor_pid)]
-        for p in pids:
-            procs.signal_pid(p, signal.SIGKILL)
-        at = time.monotonic()
-        deadline = at + 5
-        while time.monotonic() < deadline and any(procs.alive(p) for p in pids):
-            time.sleep(0.02)
+        pids, at = _kill_now([p for p in _pids_in(n.netns) if p not in (os.getpid(), n.anchor_pid)])
         n.run("find", str(RUN_WIREGUARD), "-mindepth", "1", "-delete", check=False)
         self._say(f"powered off {name}: {len(pids)} process(es) killed, uplink cut")
         return at
@@ -846,6 +834,18 @@ def _stale_names(prefix: str) -> list[str]:
         rf"|[a-z][a-z0-9]{{0,9}}-[{NODE_LETTERS}])$"
     )
     return [name for name in _list_netns() if pat.match(name)]
+
+
+def _kill_now(pids: list[int]) -> tuple[list[int], float]:
+    """SIGKILL every one of `pids` at once, as a machine that dies; (the pids, the monotonic time of the
+    kill), after waiting up to 5 s for them to be gone."""
+    for p in pids:
+        procs.signal_pid(p, signal.SIGKILL)
+    at = time.monotonic()
+    deadline = at + 5
+    while time.monotonic() < deadline and any(procs.alive(p) for p in pids):
+        time.sleep(0.02)
+    return pids, at
 
 
 def _pids_in(netns: str) -> list[int]:

@@ -67,16 +67,13 @@ class EnrolmentAPI:
             return self.abandon(req) if req.path == "/v1/join/abandon" else self.membership(req)
         return Response.error(404, f"no such endpoint {req.method} {req.path}")
 
-    def abandon(self, req: Request) -> Response:
-        """A node whose join failed after it was enrolled (and rolled back there) gives its name back at once.
-
-        Only the holder of the enrolment's private key can (the same proof as a join), and only for an
-        enrolment that never completed; otherwise its name would be held for PENDING_GRACE_S."""
+    def _proven(self, req: Request, purpose) -> tuple[str, str] | Response:
+        """(name, public key) of a request that proves it holds that key (the enrolment proof, bound to
+        `purpose(body)`), or the error answer: 400 malformed, 401 not proven."""
         b = req.body if isinstance(req.body, dict) else {}
         try:
             name = check_name(str(b["name"]))
             public_key = b["public_key"]
-            token_id = str(b["token_id"])
             if not keys.is_public_key(public_key):
                 raise ValueError("public_key is not a canonical WireGuard key")
             auth.check_enrol_proof(
@@ -84,7 +81,7 @@ class EnrolmentAPI:
                 self.network.name,
                 name,
                 public_key,
-                f"abandon:{token_id}",
+                purpose(b),
                 b.get("possession"),
                 time.time(),
             )
@@ -92,6 +89,17 @@ class EnrolmentAPI:
             return Response.error(400, UsageError("malformed request", "use the meshrun client"))
         except (AuthError, UsageError) as exc:
             return Response.error(401, exc)
+        return name, public_key
+
+    def abandon(self, req: Request) -> Response:
+        """A node whose join failed after it was enrolled (and rolled back there) gives its name back at once.
+
+        Only the holder of the enrolment's private key can (the same proof as a join), and only for an
+        enrolment that never completed; otherwise its name would be held for PENDING_GRACE_S."""
+        proven = self._proven(req, lambda b: f"abandon:{str(b['token_id'])}")
+        if isinstance(proven, Response):
+            return proven
+        name, public_key = proven
         released = self.db.abandon(name, public_key)
         if released:
             log.info("%s gave back its enrolment (its join failed on the node)", name)
@@ -104,25 +112,10 @@ class EnrolmentAPI:
         public ports before it starts its etcd member again (nothing of the overlay reaches it any more). Only
         the holder of the key can ask (the enrolment proof, over MEMBERSHIP_PURPOSE), so the answer says
         nothing to anyone else."""
-        b = req.body if isinstance(req.body, dict) else {}
-        try:
-            name = check_name(str(b["name"]))
-            public_key = b["public_key"]
-            if not keys.is_public_key(public_key):
-                raise ValueError("public_key is not a canonical WireGuard key")
-            auth.check_enrol_proof(
-                self.shared_with(public_key),
-                self.network.name,
-                name,
-                public_key,
-                MEMBERSHIP_PURPOSE,
-                b.get("possession"),
-                time.time(),
-            )
-        except (KeyError, ValueError, TypeError):
-            return Response.error(400, UsageError("malformed request", "use the meshrun client"))
-        except (AuthError, UsageError) as exc:
-            return Response.error(401, exc)
+        proven = self._proven(req, lambda b: MEMBERSHIP_PURPOSE)
+        if isinstance(proven, Response):
+            return proven
+        name, public_key = proven
         removed = self.db.is_removed_key(public_key)
         if removed:
             log.warning("%s (%s) asked whether it is a member: it was removed", name, req.client_ip)
