@@ -56,6 +56,7 @@ def one_round(mesh: Mesh, relay: str, wait: float = 30) -> dict:
     """Cut `relay`'s uplink under a running ping; returns {"relay", "moved_to", "moved_s", "flowing_s"}."""
     world = mesh.world
     dst = mesh.overlay_ip(PAIR[1])
+    mesh.wait_ping(PAIR[0], dst, timeout=60)  # the pair carries packets through `relay` before it is cut
     pinger = world.node(PAIR[0]).popen("ping", "-D", "-n", "-i", "0.1", "-W", "1", dst, stdout=-1, text=True)
     moved_to, moved = None, None
     try:

@@ -110,8 +110,10 @@ def down(
     from meshrun.mesh.coordinator import ha
 
     app = Application.for_command(state_dir)
-    replicated = app.state.exists and ha.replicated(app.state.read_json("member.json"))
-    if replicated and purge:
+    rec = app.state.read_json("member.json") if app.state.exists else {}
+    replicated = ha.replicated(rec)
+    # One that the others removed while it was away (ha.refuse_removed) is in no cluster any more.
+    if replicated and purge and not rec.get("removed"):
         raise UsageError(
             "this coordinator is one of several: its etcd member would be left in their cluster",
             "first `meshrun coordinator remove NAME` on another coordinator, then `meshrun leave --purge` here",

@@ -39,7 +39,15 @@ class Running:
     def __init__(self, mesh: Mesh, *args: str) -> None:
         self.mesh = mesh
         self.proc = mesh.meshrun_popen(
-            mesh.coordinator, *args, cwd=EXAMPLES, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            mesh.coordinator,
+            *args,
+            cwd=EXAMPLES,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            # As a terminal's shell starts it: SIGHUP at its default. A suite run under nohup would otherwise hand
+            # its ignored SIGHUP down to `meshrun train`, and the closed-terminal test would hang up nothing.
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
         )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)

@@ -100,8 +100,7 @@ class CoordinatorService:
                 # public ports, since nothing of the overlay reaches a removed member any more.
                 by = ha.removed_by(state, self.member, net) if etcd_member else None
                 if by is not None:
-                    ha.stop_member(state)
-                    raise ha.removed_error(by, str(self.member["name"]))
+                    raise ha.refuse_removed(state, self.member, by)
                 self.device = self.device or iface.device_for(state, net, self.member)
                 self.member = _interface_up(self.device, state, net, str(self.member["overlay_ip"]), self.member)
                 ha.ensure_member(state, self.member, net, ha.control_ips(self.member))

@@ -921,8 +921,12 @@ def removed_by(state: StateDir, rec: dict, network: Network, timeout: float = 5.
     return None
 
 
-def removed_error(by: str, name: str) -> StateError:
-    """What a coordinator removed while it was away says instead of starting."""
+def refuse_removed(state: StateDir, rec: dict, by: str) -> StateError:
+    """A coordinator that `by` says was removed while it was away: its etcd member stopped if it ran, its record
+    marked removed (so `meshrun down --purge` may delete what is left), and the error it stops with."""
+    stop_member(state)
+    state.write_json("member.json", dict(rec, removed=True))
+    name = str(rec["name"])
     return StateError(
         f"{by} says this coordinator ({name}) was removed from the network for good while it was away "
         f"(`meshrun coordinator remove {name} --force`): its etcd member was not started",
