@@ -79,6 +79,69 @@ def settled(mesh, timeout: float = 90) -> dict:
         time.sleep(1)
 
 
+def test_with_the_coordinator_cut_off_for_60_s_direct_and_relayed_pairs_keep_a_job_running(symmetric):
+    """The coordinator's uplink is down for 60 s while a gloo job runs over direct pairs and a peer-relayed one:
+    the agents keep everything as last known and say so, the job finishes, they hear from it again after."""
+    mesh = symmetric
+    pairs = settled(mesh)
+    relay = pairs[frozenset(("dcc-a", "dcd-a"))]["relay"]
+    assert relay in ("dca-a", "dcb-a")
+    ranks = ["dca-a", "dcc-a", "dcd-a"]  # dcc-a <-> dcd-a is peer-relayed, the rest direct
+    master = mesh.overlay_ip(ranks[0])
+    procs = []
+    for r, name in enumerate(ranks):
+        env = {
+            "MASTER_ADDR": master,
+            "MASTER_PORT": "29533",
+            "RANK": str(r),
+            "WORLD_SIZE": "3",
+            "GLOO_SOCKET_IFNAME": "meshrun0",
+        }
+        procs.append(
+            mesh.world.node(name).popen(
+                mesh.python,
+                str(SCRIPTS / "steady_allreduce.py"),
+                "--iters",
+                "180",
+                "--gap",
+                "0.5",
+                env=env,
+                stdout=-1,
+                stderr=-1,
+                text=True,
+            )
+        )
+    hq = mesh.world.node("hq-a")
+    try:
+        time.sleep(8)  # connected and running
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+        hq.cut_uplink()
+        cut_at = time.monotonic()
+        time.sleep(30)
+        # The agents say so, and keep every tunnel as it was.
+        st = mesh.status("dcc-a")
+        assert any("the coordinator has not answered" in w for w in st["warnings"]), st["warnings"]
+        assert {r["name"]: r for r in st["peers"]}["dcd-a"]["relay"] == relay
+        time.sleep(max(0.0, 60 - (time.monotonic() - cut_at)))
+        assert all(p.poll() is None for p in procs), "a rank stopped while the coordinator was away"
+        hq.cut_uplink(restore=True)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        hq.cut_uplink(restore=True)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-2000:] for o in outs]
+    final = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert final["done"] == 180, final
+    # Once the coordinator is back, the agents hear from it again.
+    deadline = time.monotonic() + 60
+    while any("the coordinator has not answered" in w for w in mesh.status("dcc-a")["warnings"]):
+        assert time.monotonic() < deadline, "the agent never heard from the coordinator again"
+        time.sleep(1)
+
+
 def test_a_peer_relay_that_loses_its_uplink_hands_the_pair_on_within_10_s_mid_transfer(symmetric):
     """Both ends and the relay say who relays; the relay loses its uplink 4 s into a 64 MiB transfer: the
     pair is on another relay within 10 s, and the transfer completes intact."""
@@ -150,69 +213,6 @@ def test_a_peer_relay_that_loses_its_uplink_hands_the_pair_on_within_10_s_mid_tr
     assert got["bytes"] == sent["bytes"] == 64 << 20 and got["sha256"] == sent["sha256"]
     print(f"relay {relay} cut: pair on {mesh.relay_of('dcc-a', 'dcd-a')} after {moved:.1f} s, pings after {back:.1f} s")
     assert mesh.relay_of("dcc-a", "dcd-a") in (other, "coordinator")
-
-
-def test_with_the_coordinator_cut_off_for_60_s_direct_and_relayed_pairs_keep_a_job_running(symmetric):
-    """The coordinator's uplink is down for 60 s while a gloo job runs over direct pairs and a peer-relayed one:
-    the agents keep everything as last known and say so, the job finishes, they hear from it again after."""
-    mesh = symmetric
-    pairs = settled(mesh)
-    relay = pairs[frozenset(("dcc-a", "dcd-a"))]["relay"]
-    assert relay in ("dca-a", "dcb-a")
-    ranks = ["dca-a", "dcc-a", "dcd-a"]  # dcc-a <-> dcd-a is peer-relayed, the rest direct
-    master = mesh.overlay_ip(ranks[0])
-    procs = []
-    for r, name in enumerate(ranks):
-        env = {
-            "MASTER_ADDR": master,
-            "MASTER_PORT": "29533",
-            "RANK": str(r),
-            "WORLD_SIZE": "3",
-            "GLOO_SOCKET_IFNAME": "meshrun0",
-        }
-        procs.append(
-            mesh.world.node(name).popen(
-                mesh.python,
-                str(SCRIPTS / "steady_allreduce.py"),
-                "--iters",
-                "180",
-                "--gap",
-                "0.5",
-                env=env,
-                stdout=-1,
-                stderr=-1,
-                text=True,
-            )
-        )
-    hq = mesh.world.node("hq-a")
-    try:
-        time.sleep(8)  # connected and running
-        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
-        hq.cut_uplink()
-        cut_at = time.monotonic()
-        time.sleep(30)
-        # The agents say so, and keep every tunnel as it was.
-        st = mesh.status("dcc-a")
-        assert any("the coordinator has not answered" in w for w in st["warnings"]), st["warnings"]
-        assert {r["name"]: r for r in st["peers"]}["dcd-a"]["relay"] == relay
-        time.sleep(max(0.0, 60 - (time.monotonic() - cut_at)))
-        assert all(p.poll() is None for p in procs), "a rank stopped while the coordinator was away"
-        hq.cut_uplink(restore=True)
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        hq.cut_uplink(restore=True)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-2000:] for o in outs]
-    final = json.loads(outs[0][0].strip().splitlines()[-1])
-    assert final["done"] == 180, final
-    # Once the coordinator is back, the agents hear from it again.
-    deadline = time.monotonic() + 60
-    while any("the coordinator has not answered" in w for w in mesh.status("dcc-a")["warnings"]):
-        assert time.monotonic() < deadline, "the agent never heard from the coordinator again"
-        time.sleep(1)
 
 
 def test_same_site_nodes_talk_privately(fresh_mesh):
