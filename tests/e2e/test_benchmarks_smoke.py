@@ -9,6 +9,7 @@ tests/e2e/test_diloco_wan_smoke.py: its --smoke mode runs every variant, so it s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -57,7 +58,13 @@ def coordinator_load_run(tmp_path_factory):
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        subprocess.run(["ip", "netns", "del", f"mrload{proc.pid}"], check=False, capture_output=True)
+        # wireguard-go daemonizes out of the process group: whatever still runs in the run's namespace goes too.
+        netns = f"mrload{proc.pid}"
+        left = subprocess.run(["ip", "netns", "pids", netns], check=False, capture_output=True, text=True).stdout
+        for pid in left.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", netns], check=False, capture_output=True)
     path.unlink(missing_ok=True)
 
 
