@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshrun.lab.mesh import Mesh  # noqa: E402
 from meshrun.lab.testbed import DatacenterSpec, World  # noqa: E402
+from meshrun.lab.wgbinary import wg_version, wireguard_binary  # noqa: E402
 
 
 def need_root() -> None:
@@ -68,34 +69,6 @@ def join_all(mesh: Mesh, names: list[str]) -> list[float]:
 
     with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:  # one thread each: all start together
         return list(pool.map(timed, names))
-
-
-def wg_version() -> str:
-    try:
-        out = subprocess.run(["wireguard-go", "--version"], capture_output=True, text=True, timeout=5).stdout
-        return out.strip().splitlines()[0] if out.strip() else "?"
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-
-
-def wireguard_binary() -> dict:
-    """The exact userspace WireGuard meshrun starts here: path, what it prints, its Debian package version
-    and its SHA-256 (0.0.20231211 and 0.0.20230223 both print v0.0.20230223: only these tell them apart)."""
-    import hashlib
-    import shutil
-
-    from meshrun.system.kernel.device import WIREGUARD_GO
-
-    path = shutil.which(WIREGUARD_GO)
-    out: dict = {"backend": "wireguard-go", "path": path, "prints": wg_version(), "package": None, "sha256": None}
-    if path:
-        out["sha256"] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            res = subprocess.run(
-                ["dpkg-query", "-W", "-f=${Version}", "wireguard-go"], capture_output=True, text=True, timeout=5
-            )
-            out["package"] = res.stdout.strip() or None
-    return out
 
 
 def environment() -> dict:

@@ -468,6 +468,27 @@ def datapath(d: dict) -> tuple[str, str]:
     )
 
 
+def gpu_datapath(d: dict) -> tuple[str, str]:
+    c = d["cells"]
+
+    def cell(name: str) -> str:
+        x = c[name]
+        return f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f}; {x['of_lan']:.2f} of the LAN)"
+
+    env = d["environment"]
+    sockets = ", ".join(
+        f"{k} {c[f'meshrun0 same-site {k}']['median']:.2f}" for k in ("1x1", "4x4") if f"meshrun0 same-site {k}" in c
+    )
+    return (
+        f"2 nodes of a site on one {env.get('gpu', 'GPU')} (`./dev.sh gpu-check`), NCCL {env.get('nccl', '?')} "
+        "all-reduce 256 MiB, bus bandwidth GB/s: the site LAN path and meshrun0 vs the raw site LAN",
+        f"raw site LAN {c['lan same-site default']['median']:.2f}; site LAN path {cell('lanpath same-site default')}; "
+        f"meshrun0 same-site {cell('meshrun0 same-site default')} with NCCL's own socket choice (what `meshrun "
+        f"train` leaves it; {sockets} when set), across sites {cell('meshrun0 cross-site default')}; "
+        f"{d['rounds']} rounds per cell",
+    )
+
+
 def ha_failover(d: dict) -> tuple[str, str]:
     c, n, idle, busy = d["coordinator_loss_s"], d["node_loss_s"], d["idle"], d["job_running"]
     worst = max([n, *c.values()], key=lambda x: x["max"])
@@ -550,6 +571,7 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("sites", sites, "benchmarks/sites.py"),
     ("sites_lanpath", sites_lanpath, "benchmarks/sites.py --trust-sites --name sites_lanpath"),
     ("datapath", datapath, "benchmarks/datapath.py"),
+    ("gpu_datapath", gpu_datapath, "-m meshrun.lab.gpucheck"),
     ("ha_failover", ha_failover, "benchmarks/ha_failover.py"),
     (
         "ha_failover_node",

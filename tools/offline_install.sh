@@ -183,6 +183,11 @@ run_pip install --no-deps "$here"/wheels/meshrun-*.whl \
 # install` runs venv/bin/meshrun with systemd's PATH) and the jobs it starts included: the machine's own
 # programs stay first, the bundled ones fill in.
 site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# A --python inside a virtual environment (torch is often installed so): a venv made from it sees only the base
+# Python's packages, so its own site directories go into ours, after our wheels (a .pth adds them at the end).
+"$pypath" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/null \
+  && "$pypath" -c 'import site, sys; print("\n".join(p for p in site.getsitepackages() if p.startswith(sys.prefix)))' \
+    >"$site/meshrun_offline_venv.pth"
 # (A .pth file runs a line that starts with `import`: one line.)
 printf '%s%s\n' "import os; p = os.environ.get('PATH') or '$SYSTEM_PATH'; " \
   "os.environ['PATH'] = p if '$prefix/bin' in p.split(os.pathsep) else p + os.pathsep + '$prefix/bin'" \
@@ -240,7 +245,7 @@ version=$("$prefix/bin/meshrun" --version 2>&1 </dev/null) \
 # Not fatal: a coordinator that does not train needs no torch.
 if ! err=$("$vpy" -c 'import torch' 2>&1 </dev/null); then
   say "warning: torch is not importable by $pypath (${err##*$'\n'}): install it for that Python where this" \
-    "machine trains, or pass --python a Python that has it (not a virtual environment's: its packages are not seen)"
+    "machine trains, or pass --python a Python that has it"
 fi
 
 if [ "$(readlink "$LINK" 2>/dev/null || true)" != "$prefix/bin/meshrun" ]; then

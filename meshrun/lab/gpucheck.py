@@ -43,6 +43,7 @@ from pathlib import Path
 from meshrun.errors import HostError, MeshrunError
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec, World
+from meshrun.lab.wgbinary import wg_version, wireguard_binary
 from meshrun.system.files.statedir import atomic_write
 from meshrun.system.machine.cmd import run as run_command
 
@@ -213,7 +214,7 @@ def environment(backend: str) -> dict:
         "kernel": platform.release(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "wireguard_go": cmd("wireguard-go", "--version"),
+        "wireguard_go": wg_version(),
         "wireguard": wireguard_binary(),
         "meshrun_commit": cmd("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"),
     }
@@ -239,22 +240,6 @@ def cmd(*argv: str) -> str:
         return "unavailable"
     lines = res.stdout.strip().splitlines()
     return lines[0] if res.returncode == 0 and lines else "unavailable"
-
-
-def wireguard_binary() -> dict:
-    """wireguard-go's path, SHA-256 and Debian package version (what benchmarks/common.py records: the binary
-    prints the same version for several releases); the package is None where it was unpacked by hand."""
-    import shutil
-
-    path = shutil.which("wireguard-go")
-    digest = cmd("sha256sum", path).split()[0] if path else "unavailable"
-    package = cmd("dpkg-query", "-W", "-f=${Version}", "wireguard-go")
-    return {
-        "backend": "wireguard-go",
-        "path": path,
-        "sha256": None if digest == "unavailable" else digest,
-        "package": None if package == "unavailable" else package,
-    }
 
 
 def run_bench(

@@ -15,6 +15,7 @@ wrote: nothing outside /opt/meshrun but the link /usr/local/bin/meshrun.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -243,6 +244,13 @@ def test_the_bundle_installs_offline_meshrun_runs_on_its_programs_and_uninstall_
     for check, want in VERSION_CHECKS.items():
         assert want in m.ok(f"{PREFIX}/bin/{check}"), check
     assert m.ok("meshrun --version").strip() == f"meshrun {__version__}"  # through the link, on a root shell's PATH
+    # What a results file records as the WireGuard binary: the bundled one behind the wrapper, with its package.
+    probe = "import json; from meshrun.lab.wgbinary import wireguard_binary as w; print(json.dumps(w()))"
+    wg = json.loads(m.ok(f"{PREFIX}/venv/bin/python -c '{probe}'"))
+    assert wg["wrapper"] == f"{PREFIX}/bin/wireguard-go" and wg["path"] == f"{PREFIX}/root/usr/bin/wireguard-go", wg
+    assert wg["package"].startswith("0.0.2023") and wg["sha256"] == hashlib.sha256(
+        m.view(wg["path"]).read_bytes()
+    ).hexdigest(), wg
     # A systemd unit runs the venv's meshrun with systemd's PATH, which lacks PREFIX/bin.
     unit = m.ok("meshrun service install --dry-run --role coordinator")
     assert f"ExecStart={PREFIX}/venv/bin/meshrun up --foreground" in unit
@@ -283,6 +291,20 @@ def test_the_bundle_installs_offline_meshrun_runs_on_its_programs_and_uninstall_
     assert _outside_prefix(_written(baseline, after)) == []
     # The same files (bytecode aside: Python writes it on first import, and meshrun ran in between).
     assert {p for p in after if "__pycache__" not in p} == {p for p in before if "__pycache__" not in p}
+
+    # As on the GPU machine of the design brief: the `python3` on PATH is a virtual environment's, and torch is
+    # installed only in it. The install sees that environment's packages (a venv made from a venv's Python does
+    # not), so the jobs' meshrun imports the torch the machine trains with.
+    torch_env = "/tmp/torch-env"  # /tmp: a tmpfs of the simulated machine, not a place install.sh writes
+    m.ok(
+        f"{FRESH_PYTHON} -m venv --without-pip {torch_env} && site=$({torch_env}/bin/python -c "
+        "'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])') && mkdir $site/torch "
+        "&& echo \"__version__ = 'the-venv-torch'\" > $site/torch/__init__.py"
+    )
+    out = m.ok("/tmp/checkout/dev.sh gpu-check --help", env={"PATH": f"{torch_env}/bin:{SYSTEM_PATH}"})
+    assert f"into {PREFIX} for {torch_env}/bin/python3" in out and "torch is not importable" not in out, out
+    assert m.ok(f"{PREFIX}/venv/bin/python -c 'import torch; print(torch.__version__)'").strip() == "the-venv-torch"
+    assert m.ok(f"{PREFIX}/venv/bin/python -c 'import typer; print(typer.__file__)'").startswith(f"{PREFIX}/venv/")
 
     # A bundled program that does not run here (as on a machine whose glibc is older than Debian 12's): one line
     # naming it and the fix, and the install it was to replace back as it was.
