@@ -248,9 +248,10 @@ def test_the_bundle_installs_offline_meshrun_runs_on_its_programs_and_uninstall_
     probe = "import json; from meshrun.lab.wgbinary import wireguard_binary as w; print(json.dumps(w()))"
     wg = json.loads(m.ok(f"{PREFIX}/venv/bin/python -c '{probe}'"))
     assert wg["wrapper"] == f"{PREFIX}/bin/wireguard-go" and wg["path"] == f"{PREFIX}/root/usr/bin/wireguard-go", wg
-    assert wg["package"].startswith("0.0.2023") and wg["sha256"] == hashlib.sha256(
-        m.view(wg["path"]).read_bytes()
-    ).hexdigest(), wg
+    assert (
+        wg["package"].startswith("0.0.2023")
+        and wg["sha256"] == hashlib.sha256(m.view(wg["path"]).read_bytes()).hexdigest()
+    ), wg
     # A systemd unit runs the venv's meshrun with systemd's PATH, which lacks PREFIX/bin.
     unit = m.ok("meshrun service install --dry-run --role coordinator")
     assert f"ExecStart={PREFIX}/venv/bin/meshrun up --foreground" in unit
