@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NODES = ["dca-a", "dcb-a", "dcc-a", "dcd-a"]
 PAIR = ("dcc-a", "dcd-a")
 TARGET_S = 10.0
-# Between a round's restore and the next cut: a relay that failed a pair is not chosen for it again for AVOID_S,
-# and a pair the coordinator relays stays there, so the next loss must find the member cut last round eligible.
+# Between a round's restore and the next cut: a relay that failed a pair is not chosen for it again for AVOID_S
+# (a pair the coordinator took over goes back to a member then), so each round's cut finds the pair on a member.
 RESTORED_S = AVOID_S + 5
 
 

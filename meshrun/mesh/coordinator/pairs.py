@@ -297,6 +297,20 @@ class PairDriver:
             return self.me
         return relay
 
+    def _is_coordinator(self, relay: str) -> bool:
+        """Whether relay name `relay` ("" = the first coordinator) is a coordinator's."""
+        if relay in (relays.COORDINATOR, self.me):
+            return True
+        m = self.members.get(relay)
+        return m is not None and m.is_coordinator
+
+    def _book_return(self, key: Key, st: pairpaths.PairState) -> None:
+        """A pair a coordinator relays because member relays failed it is looked at again when the first of
+        them may relay it again (AVOID_S after it failed): `_set_relay` then moves it back to a member."""
+        until = self.avoid.get(key)
+        if st.mode == pairpaths.RELAYED and until and self._is_coordinator(st.relay):
+            self._book(key, min(until.values()))
+
     def _set_relay(self, key: Key, st: pairpaths.PairState, now: float) -> pairpaths.PairState:
         """`st` with a usable relay and its port if it is relayed (the ones it had, if still usable), the index
         kept. A port is free on its relay: one port names one pair there (core/relays.RELAY_PORTS)."""
@@ -306,6 +320,12 @@ class PairDriver:
             relay = None
         elif old_relay is not None and key not in self.reroute and self._relay_usable(key, old_relay, now):
             relay = old_relay
+            if self._is_coordinator(old_relay):
+                # Coordinators are the fallback: a pair handed to one (its member relays had just failed it, or
+                # none qualified) goes back to a member as soon as one does (see `_book_return`).
+                choice = self._choose_relay(key, now)
+                if not self._is_coordinator(choice):
+                    relay = choice
         else:
             relay = self._choose_relay(key, now)
         self.reroute.discard(key)
@@ -420,6 +440,7 @@ class PairDriver:
                 self._book(key, now)
             else:
                 self._book(key, pairpaths.next_due(st, hs, fresh))
+            self._book_return(key, st)
         # A relay whose tunnel with one end of a pair it carries stopped being direct (or that may no
         # longer relay) hands that pair to another at once.
         for relay in sorted(moved | self._relays_gone):
@@ -431,6 +452,7 @@ class PairDriver:
                     if new != st:
                         self.pairs[key] = writes[key] = new
                         changed = True
+                    self._book_return(key, new)
         self._relays_gone = set()
         if writes or drop:
             self.db.save_pairs(writes, drop)

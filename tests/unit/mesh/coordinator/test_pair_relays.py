@@ -13,7 +13,7 @@ from fakemesh import FakeMesh
 
 from meshrun.core import pairpaths, relays
 from meshrun.core.model import Member
-from meshrun.mesh.coordinator.pairs import PairDriver
+from meshrun.mesh.coordinator.pairs import AVOID_S, PairDriver
 from meshrun.mesh.node import daemon
 from meshrun.system.control.coordinatordb import CoordinatorDB
 
@@ -130,6 +130,22 @@ def test_a_failed_relay_hands_the_pair_to_another_and_is_avoided_for_it(db):
     assert drv.mode("n0", "n1").relay == ""  # every member failed it: the coordinator
     # A report about a pair that is not relayed changes nothing.
     assert drv.relay_failed("n2", [key(3)], now=T0 + 23) == 0
+
+
+def test_a_pair_the_coordinator_took_over_goes_back_to_a_member_once_one_may_relay_it_again(db):
+    """Every member relay failed the pair, so the coordinator carries it; when the first of them may relay it
+    again (AVOID_S after it failed) the pair moves back to a member, with no report needed to wake it."""
+    drv, _ = world(db)
+    for t, end, other in ((T0 + 20, "n0", 1), (T0 + 21, "n1", 0), (T0 + 22, "n1", 0)):
+        drv.relay_failed(end, [key(other)], now=t)
+        drv.update(None, t)
+    assert drv.mode("n0", "n1").relay == ""
+    drv.take_changes()
+    drv.update(None, T0 + 20 + AVOID_S - 1)  # every member still avoided: the coordinator keeps it
+    assert drv.mode("n0", "n1").relay == "" and drv.take_changes() == set()
+    assert drv.update(None, T0 + 20 + AVOID_S + 0.5)  # n2's avoidance over: the ends must hear of it
+    assert drv.mode("n0", "n1").relay == "n2" and ("n0", "n1") in drv.take_changes()
+    assert drv.relaying("") == [] and db.pairs()[("n0", "n1")].relay == "n2"
 
 
 def test_a_relay_that_loses_its_tunnel_to_an_end_or_leaves_hands_its_pairs_on(db):
