@@ -10,7 +10,8 @@ not its API is left to the slower rule (the supervisor's LOST_AFTER_S).
 Probes overlap (`Probes`): one is sent every period whether or not the last has been answered, since a
 silent machine's probe waits PROBE_TIMEOUT_S, longer than the period. Sent one after the other, a gone
 machine's misses came a timeout apart, and MIN_MISSES of them took 4.5 s whatever GONE_AFTER_S said
-(benchmarks/results/loss_detection.json, 2026-11-27: 4.6 and 5.3 s medians with GONE_AFTER_S 4 and 3).
+(benchmarks/results/loss_detection.json, 2026-11-27: 4.6 and 5.3 s medians with GONE_AFTER_S 4 and 3, period
+1 s). Overlapping, with 1 s / 1.5 s / 3 s: 4.0 s (3.7-4.5); the values below are what that left to cut.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from collections import deque
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 
-PROBE_EVERY_S = 1.0
-PROBE_TIMEOUT_S = 1.5  # one SYN, no retransmission (Linux resends a SYN after 1 s, then 3 s)
-# 3 s: under load (busy loops on every core, an iperf3 flood through meshrun0) 0 of 179 probes was missed and
-# the slowest answer took 0.23 s (benchmarks/results/loss_detection.json), so three 1.5 s timeouts in a row
-# say the machine is gone; each second here is a second of every survivor's standstill (issue 39: < 15 s).
-GONE_AFTER_S = 3.0
+PROBE_EVERY_S = 0.5
+PROBE_TIMEOUT_S = 1.0  # one SYN, no retransmission (Linux resends a SYN after 1 s, then 3 s)
+# Under load (busy loops on every core, an iperf3 flood through meshrun0) 0 of 179 probes was missed and the
+# slowest answer took 0.23 s (benchmarks/results/loss_detection.json, 2026-11-27, with 1 s / 1.5 s / 3 s), so
+# three 1 s timeouts in a row over 2 s of silence say the machine is gone, with a 4x margin on the slowest
+# answer; each second here is a second of every survivor's standstill (issue 39: progress again < 15 s).
+GONE_AFTER_S = 2.0
 MIN_MISSES = 3
 MAX_IN_FLIGHT = 2  # probes of one node awaiting their answer: PROBE_TIMEOUT_S spans two periods
 TICK_S = 0.1  # how often a prober sends what is due and settles what was answered

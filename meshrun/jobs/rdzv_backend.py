@@ -69,6 +69,34 @@ def keep_alive_interval(max_nodes: int) -> int:
     return max(KEEP_ALIVE, math.ceil(per_round / (WRITE_PER_S / 2)))
 
 
+SYNC_POLL_PER_NODE_S, SYNC_POLL_MIN_S = 0.01, 0.1  # see sync_poll_s
+
+
+def sync_poll_s(max_nodes: int) -> float:
+    """Seconds between a waiting node's looks at the rendezvous state in a job of up to `max_nodes`: torch's
+    1 s from 100 nodes on, down to SYNC_POLL_MIN_S for small jobs. Every wait of a re-forming group (leave the
+    last round, join, wait for the others) costs at least one of these, and each is a second of every
+    survivor's standstill after a loss; the looks are reads, about max_nodes / poll a second (at most 100 below
+    100 nodes), where torch's own rate takes over."""
+    return min(1.0, max(SYNC_POLL_MIN_S, SYNC_POLL_PER_NODE_S * max(1, max_nodes)))
+
+
+def poll_faster(dr, poll_s: float) -> bool:
+    """Make torch's rendezvous executor (module `dr`, torch's dynamic_rendezvous) wait `poll_s` where it waits
+    its fixed second for other nodes' changes (its SYNC action: `_delay(seconds=1)`); its other, random delays
+    stay. False (nothing changed) where this torch has no such module-level `_delay`."""
+    original = getattr(dr, "_meshrun_original_delay", None) or getattr(dr, "_delay", None)
+    if original is None:
+        return False
+
+    def delay(seconds) -> None:
+        original(poll_s if seconds == 1 else seconds)
+
+    dr._meshrun_original_delay = original
+    dr._delay = delay
+    return True
+
+
 def handler_factory():
     """The `torchrun.handlers` entry point: torch calls it and registers what it returns."""
     return create_handler
@@ -128,6 +156,7 @@ def create_handler(params):
     job_dir = os.environ.get("MESHRUN_JOB_DIR")
     if job_dir:
         follow_regroups(handler, functools.partial(read_regroup, job_dir))
+    poll_faster(dr, sync_poll_s(params.max_nodes))
     return handler
 
 

@@ -546,3 +546,45 @@ def test_torchrun_survives_the_loss_of_a_coordinator_and_then_of_a_node(kv, tmp_
             x.kill()
         for c in coordinators:
             c.stop()
+
+
+# --------------------------------------------------------------------------- torch's rendezvous polling
+def test_small_jobs_poll_the_rendezvous_faster_and_large_ones_at_torchs_pace():
+    assert rdzv_backend.sync_poll_s(3) == rdzv_backend.SYNC_POLL_MIN_S
+    assert rdzv_backend.sync_poll_s(50) == pytest.approx(0.5)
+    assert rdzv_backend.sync_poll_s(100) == rdzv_backend.sync_poll_s(1000) == 1.0  # torch's own second
+    assert rdzv_backend.sync_poll_s(0) == rdzv_backend.SYNC_POLL_MIN_S
+
+
+def test_only_torchs_fixed_second_of_waiting_is_shortened_and_never_twice():
+    """torch's executor waits `_delay(seconds=1)` between looks at the others' changes (SYNC) and random spans
+    elsewhere: only the first becomes the poll. Patched again (a second handler in one process), the wrapper
+    wraps torch's own function, not itself."""
+    import types
+
+    slept: list = []
+    dr = types.SimpleNamespace(_delay=slept.append)
+    assert rdzv_backend.poll_faster(dr, 0.1)
+    dr._delay(1)
+    dr._delay((0, 0.3))
+    assert rdzv_backend.poll_faster(dr, 0.2)
+    dr._delay(1)
+    assert slept == [0.1, (0, 0.3), 0.2]
+    assert not rdzv_backend.poll_faster(types.SimpleNamespace(), 0.1)  # another torch: nothing to change
+
+
+def test_the_handler_puts_the_faster_poll_into_torchs_rendezvous(coordinators, monkeypatch):
+    """What torchrun's agent gets: torch's own delay, wrapped; its one-second wait sleeps the job's poll."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous import utils
+
+    handler = rdzv_backend.create_handler(params([c.addr for c in coordinators]))  # a job of 2 nodes
+    try:
+        assert dr._meshrun_original_delay is utils._delay and dr._delay is not utils._delay
+        slept: list = []
+        monkeypatch.setattr(utils.time, "sleep", slept.append)
+        dr._delay(1)
+        assert slept == [rdzv_backend.SYNC_POLL_MIN_S]
+    finally:
+        monkeypatch.undo()
+        handler.shutdown()
