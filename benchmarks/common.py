@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshrun.lab.mesh import Mesh  # noqa: E402
 from meshrun.lab.testbed import DatacenterSpec, World  # noqa: E402
-from meshrun.lab.wgbinary import wg_version, wireguard_binary  # noqa: E402
+from meshrun.system.machine.wgbinary import wg_version, wireguard_binary  # noqa: E402
 
 
 def need_root() -> None:

@@ -524,17 +524,6 @@ def _every_round(x: dict, target_s: float = FAILOVER_TARGET_S) -> str:
     return f"{target_s:.0f} s target in every round: {'met' if x['max'] < target_s else '**missed**'}"
 
 
-def ha_failover_node(d: dict) -> tuple[str, str]:
-    n, c = d["node_loss_s"], d["coordinator_loss_s"]
-    return (
-        "the same world and job, the leader lost then a node, since a node's machine is called gone from missed "
-        "TCP handshakes (probes overlapping) and the survivors' rendezvous drops it at once and completes when "
-        "they all joined",
-        f"progress again {_seconds(n)} after the node's loss, worst round {n['max']:.1f} s against a "
-        f"{_every_round(n)} ({n['n']} rounds), " + ", ".join(f"{_seconds(v)} after the {k}'s" for k, v in c.items()),
-    )
-
-
 def loss_detection(d: dict) -> tuple[str, str]:
     u, r = d["under_load"], d["rule"]
     return (
@@ -572,12 +561,7 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("sites_lanpath", sites_lanpath, "benchmarks/sites.py --trust-sites --name sites_lanpath"),
     ("datapath", datapath, "benchmarks/datapath.py"),
     ("gpu_datapath", gpu_datapath, "-m meshrun.lab.gpucheck"),
-    ("ha_failover", ha_failover, "benchmarks/ha_failover.py"),
-    (
-        "ha_failover_node",
-        ha_failover_node,
-        "benchmarks/ha_failover.py --lose leader --rounds 5 --window 10 --name ha_failover_node",
-    ),
+    ("ha_failover", ha_failover, "benchmarks/ha_failover.py --rounds 5 --window 10"),
     ("loss_detection", loss_detection, "benchmarks/loss_detection.py"),
 ]
 

@@ -32,9 +32,10 @@ MONITOR_INTERVAL = "0.5"
 # who the new group is, and it completes once they all joined (meshrun.jobs.rdzv_backend.follow_regroups).
 ELASTIC_LAST_CALL_S = 3
 # NCCL's socket count (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD) is left to NCCL: measured on an H200
-# through meshrun0 (benchmarks/results/gpu_datapath.json), its own choice moved 256 MiB all-reduces at 0.62 GB/s
-# same-site and 0.61 across sites, against 0.32 for the 4 x 4 meshrun used to set and 0.27-0.43 for 1x1, 2x8 and
-# 8x2. A user's own values (--env, the job file) still pass through.
+# through meshrun0, its own choice moved 256 MiB all-reduces at 0.48 GB/s same-site and across sites, against
+# 0.31 for the 4 x 4 meshrun used to set and 0.34 for 1 x 1 (benchmarks/results/gpu_datapath.json, 2026-11-27;
+# the day before 0.62 against 0.32, and 0.27-0.43 for 1x1, 2x8 and 8x2: results/archive/). On a trusted site's
+# LAN path NCCL's choice ran at the raw LAN's speed. A user's own values (--env, the job file) still pass through.
 # Set to "1" for `meshrun train --site-fabric`: meshrun.train.sites then asks NCCL for the fabric in site groups.
 ENV_SITE_FABRIC = "MESHRUN_SITE_FABRIC"
 # Set to "1" for `meshrun train --mixed-accelerators` (meshrun.core.presets.ENV_MIXED): scripts use gloo.

@@ -43,9 +43,9 @@ from pathlib import Path
 from meshrun.errors import HostError, MeshrunError
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec, World
-from meshrun.lab.wgbinary import wg_version, wireguard_binary
 from meshrun.system.files.statedir import atomic_write
 from meshrun.system.machine.cmd import run as run_command
+from meshrun.system.machine.wgbinary import wg_version, wireguard_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

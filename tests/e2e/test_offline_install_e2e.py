@@ -245,7 +245,7 @@ def test_the_bundle_installs_offline_meshrun_runs_on_its_programs_and_uninstall_
         assert want in m.ok(f"{PREFIX}/bin/{check}"), check
     assert m.ok("meshrun --version").strip() == f"meshrun {__version__}"  # through the link, on a root shell's PATH
     # What a results file records as the WireGuard binary: the bundled one behind the wrapper, with its package.
-    probe = "import json; from meshrun.lab.wgbinary import wireguard_binary as w; print(json.dumps(w()))"
+    probe = "import json; from meshrun.system.machine.wgbinary import wireguard_binary as w; print(json.dumps(w()))"
     wg = json.loads(m.ok(f"{PREFIX}/venv/bin/python -c '{probe}'"))
     assert wg["wrapper"] == f"{PREFIX}/bin/wireguard-go" and wg["path"] == f"{PREFIX}/root/usr/bin/wireguard-go", wg
     assert (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 from pathlib import Path
 
-from meshrun.lab import wgbinary
+from meshrun.system.machine import wgbinary
 
 # What tools/offline_install.sh writes for a program the machine lacks (prefix /opt/meshrun).
 WRAPPER = (

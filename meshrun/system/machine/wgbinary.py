@@ -12,8 +12,10 @@ import gzip
 import hashlib
 import re
 import shutil
-import subprocess
 from pathlib import Path
+
+from meshrun.errors import MeshrunError
+from meshrun.system.machine.cmd import run
 
 WRAPPER_MARK = "# meshrun-offline:"  # the first comment of every wrapper install.sh writes
 CHANGELOG_TOP = re.compile(r"^wireguard-go \(([^)]+)\)")
@@ -22,10 +24,10 @@ CHANGELOG_TOP = re.compile(r"^wireguard-go \(([^)]+)\)")
 def wg_version() -> str:
     """The first line `wireguard-go --version` prints, or "?"."""
     try:
-        out = subprocess.run(["wireguard-go", "--version"], capture_output=True, text=True, timeout=5).stdout
-        return out.strip().splitlines()[0] if out.strip() else "?"
-    except (OSError, subprocess.TimeoutExpired):
+        out = run(["wireguard-go", "--version"], check=False, quiet=True, timeout=5).stdout
+    except MeshrunError:
         return "?"
+    return out.strip().splitlines()[0] if out.strip() else "?"
 
 
 def offline_target(path: Path) -> Path | None:
@@ -67,9 +69,7 @@ def wireguard_binary() -> dict:
     with contextlib.suppress(OSError):
         out["sha256"] = hashlib.sha256(binary.read_bytes()).hexdigest()
     if out["package"] is None:
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            res = subprocess.run(
-                ["dpkg-query", "-W", "-f=${Version}", "wireguard-go"], capture_output=True, text=True, timeout=5
-            )
-            out["package"] = res.stdout.strip() or None
+        with contextlib.suppress(MeshrunError):
+            res = run(["dpkg-query", "-W", "-f=${Version}", "wireguard-go"], check=False, quiet=True, timeout=5)
+            out["package"] = (res.stdout.strip() or None) if res.returncode == 0 else None
     return out
