@@ -137,12 +137,14 @@ def test_an_elastic_diloco_job_loses_a_node_and_finishes_on_two_losing_at_most_o
     assert re.search(r"meshrun: job \S+ finished on 2 node\(s\) \(lost dc4-a mid-job", text), text[-3000:]
     # Progress lost: the last outer step the 3-node group logged before the survivors resumed, less the
     # step they resumed at (output arrives in order per node, so the lines before "resumed" are the old group's).
+    # One step beyond it is no loss: the old group finished that step, and a rank that had written its snapshot
+    # passes it on, but rank 0 was ended (the group re-forming) before printing its line, so nobody printed it.
     m = re.search(r"\] resumed rank=0 world_size=2 sync=(\d+) ", text)
     assert m, text[-3000:]
-    last_old = max(_outer_steps(text[: m.start()]))
-    assert last_old - 1 <= int(m.group(1)) <= last_old, (last_old, m.group(0), text[-3000:])  # at most one lost
+    resumed, last_old = int(m.group(1)), max(_outer_steps(text[: m.start()]))
+    assert last_old - 1 <= resumed <= last_old + 1, (last_old, m.group(0), text[-3000:])  # at most one lost
     logged = _outer_steps(text)
-    assert sorted(set(logged)) == list(range(1, 300 // 20 + 1))  # no outer step skipped
+    assert sorted(set(logged) | {resumed}) == list(range(1, 300 // 20 + 1))  # no outer step skipped
     digests = set(re.findall(r"\] param_checksum rank=\d+ sync=15 digest=(\w+)", text))
     assert len(digests) == 1, text[-3000:]
 
