@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshrun.lab.mesh import Mesh  # noqa: E402
 from meshrun.lab.testbed import DatacenterSpec, World  # noqa: E402
-from meshrun.system.machine.wgbinary import wg_version, wireguard_binary  # noqa: E402
+from meshrun.system.machine.wgbinary import wireguard_binary  # noqa: E402
 
 
 def need_root() -> None:
@@ -75,14 +75,15 @@ def environment() -> dict:
     """What the numbers were measured on: machine, date, load, torch, and the WireGuard binary."""
     import torch
 
+    wg = wireguard_binary()
     return {
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "kernel": platform.release(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "wireguard_go": wg_version(),
-        "wireguard": wireguard_binary(),
+        "wireguard_go": wg["prints"],
+        "wireguard": wg,
         "loadavg_at_start": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -45,7 +45,7 @@ from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec, World
 from meshrun.system.files.statedir import atomic_write
 from meshrun.system.machine.cmd import run as run_command
-from meshrun.system.machine.wgbinary import wg_version, wireguard_binary
+from meshrun.system.machine.wgbinary import wireguard_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -207,15 +207,15 @@ class BenchTable:
 
 def environment(backend: str) -> dict:
     """The machine the table was measured on: GPU, driver, NCCL, torch, kernel, wireguard-go, date."""
-
+    wg = wireguard_binary()
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "backend": backend,
         "kernel": platform.release(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "wireguard_go": wg_version(),
-        "wireguard": wireguard_binary(),
+        "wireguard_go": wg["prints"],
+        "wireguard": wg,
         "meshrun_commit": cmd("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"),
     }
     try:

@@ -274,11 +274,9 @@ class PairDriver:
     def _relay_usable(self, key: Key, relay: str, now: float) -> bool:
         if self.avoid.get(key, {}).get(relay, 0.0) > now:
             return False
-        if relay == relays.COORDINATOR:
-            return True
-        m = self.members.get(relay)
-        if m is not None and m.is_coordinator:
+        if self._is_coordinator(relay):
             return True  # every node keeps a tunnel with every coordinator
+        m = self.members.get(relay)
         return m is not None and m.relay and self._direct(key[0], relay) and self._direct(relay, key[1])
 
     def _choose_relay(self, key: Key, now: float) -> str:
