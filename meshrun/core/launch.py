@@ -1,11 +1,12 @@
 """Pure training-launch planning: nodes + options -> per-node torchrun argv and environment.
 
 Nothing here starts a process or opens a socket (each node's share, meshrun.jobs.share, does
-that). Every node runs torch's own elastic launcher (``python -m torch.distributed.run``, i.e. torchrun)
+that). Every node runs torch's own elastic launcher (torchrun) through ``python -m meshrun.jobs.agent``,
+which forks the workers from a process that imported torch once (a restart does not import it again),
 with the c10d rendezvous pointed at the store the coordinator hosts on its overlay IP, so
 every node passes ``is_host=0``, and announces its own overlay IP with ``--local-addr``
 (without it a node announces its hostname, which other datacenters cannot resolve or reach).
-Each worker runs under ``meshrun.jobs.worker``, which prefixes its output with node and rank and
+Each worker runs under ``meshrun.jobs.worker``'s wrapper, which prefixes its output with node and rank and
 records its exit code.
 """
 
@@ -23,8 +24,10 @@ from meshrun.errors import UsageError
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # meshrun.jobs.rdzv_backend: torch's c10d rendezvous, with the agent's store bound to the overlay.
 RDZV_BACKEND = "meshrun"
-# torchrun polls its workers this often (seconds); a failure is noticed within it.
-MONITOR_INTERVAL = "0.5"
+# The agent that runs torchrun's elastic launch with warm workers (see the module's docstring).
+AGENT_MODULE = "meshrun.jobs.agent"
+# torchrun polls its workers this often (seconds; torch's default): a regroup's restart starts within it.
+MONITOR_INTERVAL = "0.1"
 # An elastic rendezvous's wait for more nodes once MIN joined (torch's default: 30). Every round of a meshrun
 # job has its nodes started or restarted at once by the supervisor, so they join within a second or two of
 # each other. A node later than this joins by the next round (its waiting restarts the group), which costs a
@@ -100,7 +103,7 @@ class NodeLaunch:
     env: dict[str, str] = field(default_factory=dict)  # merged over the agent's environment
 
     def shell(self) -> str:
-        """A copy-pasteable line: ``VAR=... python3 -m torch.distributed.run ...``."""
+        """A copy-pasteable line: ``VAR=... python3 -m meshrun.jobs.agent ...`` (torchrun's options)."""
         parts = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
         parts += [shlex.quote(a) for a in self.argv]
         return " ".join(parts)
@@ -307,11 +310,11 @@ def plan(
         nproc = opts.nproc_per_node if opts.nproc_per_node is not None else (n.gpus if n.gpus > 0 else 1)
         if nproc < 1:
             raise UsageError(f"node {n.name!r} would run {nproc} workers", "pass --nproc-per-node 1 or more")
-        worker = ["-m", "meshrun.jobs.worker"] + (["--module"] if opts.module else []) + [opts.script]
+        worker = (["-m"] if opts.module else []) + [opts.script]  # torchrun's -m: SCRIPT is a module
         argv = (
             opts.python,
             "-m",
-            "torch.distributed.run",
+            AGENT_MODULE,
             "--nnodes",
             spec,
             "--nproc-per-node",

@@ -32,7 +32,7 @@ from meshrun.system.files.projects import ProjectDir
 from meshrun.system.files.statedir import StateDir
 from meshrun.system.kernel import net
 from meshrun.system.kernel.firewall import JobGuard
-from meshrun.system.machine import procs
+from meshrun.system.machine import procs, warmfork
 
 # Bytes read at most for one line: a worker's capped line (MAX_LINE characters, up to 4 bytes each in UTF-8)
 # with its prefix and redraw marker comes whole; anything longer (torchrun's own) is passed on in pieces.
@@ -278,10 +278,15 @@ def restart_workers(
     if share is None:
         return 0
     signalled = 0
-    for agent in procs.children(share):  # torchrun
+    for agent in procs.children(share):  # torchrun (meshrun.jobs.agent)
+        # Its own children are multiprocessing's forkserver, which keeps torch imported for the next workers,
+        # and resource tracker: left alone. The workers and their scripts are below them.
+        helpers = {pid for pid in procs.children(agent) if warmfork.is_helper(procs.argv(pid))}
         for pid in procs.descendants(agent):
+            if pid == agent or pid in helpers:
+                continue
             born = procs.started_at(pid)
-            if pid != agent and born is not None and born < started_before and procs.signal_pid(pid, signal.SIGTERM):
+            if born is not None and born < started_before and procs.signal_pid(pid, signal.SIGTERM):
                 signalled += 1
     return signalled
 

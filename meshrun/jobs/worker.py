@@ -1,28 +1,32 @@
-"""Runs inside each torchrun worker: ``python -m meshrun.jobs.worker [--module] SCRIPT ARGS...``.
+"""Runs as each torchrun worker: ``python -m meshrun.jobs.worker [--module] SCRIPT ARGS...``, or `forked`.
 
-Starts the script as a child (``sys.executable -u SCRIPT ARGS`` or ``-u -m MODULE ARGS``),
-copies its stdout/stderr to ours as lines prefixed ``[NODE rRANK] `` (meshrun.core.termtext: read in
-bounded chunks, lines capped, carriage-return redraws such as a tqdm bar passed on at most twice a
-second and marked, control sequences but colours removed), forwards
+Starts the script as a child (``sys.executable -u SCRIPT ARGS`` or ``-u -m MODULE ARGS``; under
+meshrun.jobs.agent, `forked`: a fork of this process, which already imported torch, running the script as
+that command would, `run_as_main`), copies its stdout/stderr to ours as lines prefixed ``[NODE rRANK] ``
+(meshrun.core.termtext: read in bounded chunks, lines capped, carriage-return redraws such as a tqdm bar
+passed on at most twice a second and marked, control sequences but colours removed), forwards
 SIGTERM/SIGINT/SIGHUP to it, and exits as it did: same exit code, or the same signal
 re-raised on ourselves so torchrun sees the same death. When ``MESHRUN_JOB_DIR`` is set the
 child's exit is recorded in ``$MESHRUN_JOB_DIR/exit-r{RANK}-a{RESTART}.json`` for the agent.
-Stdlib only: it must not import torch (the child does).
+Stdlib only: it must not import torch (the child does, or the forkserver it came from did).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import runpy
 import signal
 import sys
 import threading
 import time
+import traceback
 
 from meshrun.core import termtext
 from meshrun.errors import StateError
 from meshrun.system.files.statedir import atomic_write
-from meshrun.system.machine import procs
+from meshrun.system.machine import procs, warmfork
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 USAGE = "usage: python -m meshrun.jobs.worker [--module] SCRIPT [ARGS...]"
@@ -93,7 +97,52 @@ def record_exit(code: int | None, sig: int | None) -> None:
         sys.stderr.write(f"meshrun.jobs.worker: cannot record the exit: {exc}\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_as_main(module: bool, args: list[str]) -> int:
+    """Run SCRIPT (with `module`, MODULE) with ARGS in this process as ``python -u`` would in a new one:
+    argv, sys.path[0], ``__main__``, the exit code of SystemExit, an uncaught exception printed through
+    sys.excepthook (exit 1). Returns the exit code; -SIGINT for an uncaught KeyboardInterrupt (Python then
+    ends by that signal)."""
+    target = args[0]
+    sys.argv = list(args)
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(target))
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        sys.stderr.write(f"{exc.code}\n")
+        return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return -signal.SIGINT
+    except BaseException:  # noqa: BLE001 - as the interpreter would: print it, exit 1
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
+
+
+def _spawn(module: bool, args: list[str]):
+    return procs.popen([sys.executable, "-u"] + (["-m"] if module else []) + args, stdout=procs.PIPE, stderr=procs.PIPE)
+
+
+def _fork(module: bool, args: list[str]):
+    return warmfork.fork_call(functools.partial(run_as_main, module, args))
+
+
+def forked(*argv: str) -> None:
+    """The entrypoint of meshrun.jobs.agent's workers (in a fork of its forkserver): `main` with the script
+    run in a fork of this process, whose imports (torch) it inherits; exits as the script did."""
+    rc = main(list(argv), start=_fork)
+    if rc:
+        sys.exit(rc)
+
+
+def main(argv: list[str] | None = None, start=_spawn) -> int:
+    """The wrapper: start the script with `start(module, args)` (a Popen-like child with stdout and stderr
+    pipes), pass its lines and signals on, record and return its exit (see the module's docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
     module = False
     if args and args[0] == "--module":
@@ -103,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         sys.stderr.write(USAGE + "\n")
         return 2
-    cmd = [sys.executable, "-u"] + (["-m"] if module else []) + args
     child = None
     pending: list[int] = []
 
@@ -120,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in FORWARDED:
         signal.signal(s, forward)
     try:
-        child = procs.popen(cmd, stdout=procs.PIPE, stderr=procs.PIPE)
+        child = start(module, args)
     except OSError as exc:
-        sys.stderr.write(f"meshrun.jobs.worker: cannot start {cmd[0]}: {exc}\n")
+        sys.stderr.write(f"meshrun.jobs.worker: cannot start {args[0]}: {exc}\n")
         record_exit(127, None)
         return 127
     for signum in pending:
@@ -146,9 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     sig = -rc if rc < 0 else None
     # A signal death is recorded as the shell reports it (128 + N) so "exit_code != 0" means failed.
     record_exit(128 + sig if sig else rc, sig)
+    # Nothing left to pass signals on to: they act on this process again (a forked worker's agent stops the
+    # finished ones with SIGTERM when another rank failed, and waits for them to go).
+    for s in FORWARDED:
+        signal.signal(s, signal.SIG_DFL)
     if sig:
-        for s in FORWARDED:
-            signal.signal(s, signal.SIG_DFL)
         try:
             signal.signal(sig, signal.SIG_DFL)
         except (OSError, ValueError):  # SIGKILL/SIGSTOP cannot be caught, so they are default already

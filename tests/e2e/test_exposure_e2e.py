@@ -180,7 +180,7 @@ def test_only_wireguard_and_enrolment_answer_from_the_internet_during_and_after_
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
                 except OSError:
                     continue
-                if any(k in cmd for k in (b"meshrun.jobs.", b"torch.distributed.run", b"ddp_train")):
+                if any(k in cmd for k in (b"meshrun.jobs.", b"multiprocessing", b"ddp_train")):
                     os.kill(pid, signal.SIGKILL)
     finally:
         follow.kill()

@@ -81,7 +81,7 @@ def test_a_job_with_three_mismatched_nodes_is_refused_within_5_s_starting_nothin
         assert "pass --skip-preflight if you know better" in res.stderr
         # nothing started anywhere
         for n in ("dc2-a", "dc3-a", "dc4-a"):
-            assert not _procs_in(mesh, n, "torch.distributed.run") and not _procs_in(mesh, n, "meshrun.jobs.share")
+            assert not _procs_in(mesh, n, "meshrun.jobs.agent") and not _procs_in(mesh, n, "meshrun.jobs.share")
         assert not list((mesh.state_dir(dc2) / "jobs").glob("*/share.json"))
         # --dry-run shows the same table
         dry = mesh.meshrun(mesh.coordinator, "train", "--no-sync", "--dry-run", "train.py", cwd=code, check=False)

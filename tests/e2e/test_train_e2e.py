@@ -63,7 +63,8 @@ def _workers(mesh: Mesh) -> list[str]:
                 line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "meshrun.jobs.worker" in line or "torch.distributed.run" in line or "ddp_train.py" in line:
+            # Forked workers and their scripts show the forkserver's command line (meshrun.jobs.agent).
+            if any(k in line for k in ("meshrun.jobs.", "multiprocessing", "torch.distributed.run", "ddp_train.py")):
                 found.append(f"{pid} {line}")
     return found
 
@@ -141,7 +142,8 @@ def test_job_file_runs_a_module_and_the_command_line_wins(mesh, tmp_path):
     assert re.findall(r"^# (dc\d-a)$", res.stdout, re.M) == ["dc1-a", "dc2-a"]
     assert res.stdout.count("join_timeout=77") == 2 and "join_timeout=600" not in res.stdout
     assert res.stdout.count("MESHRUN_JOBFILE_TEST=yes") == 2
-    assert res.stdout.count("meshrun.jobs.worker --module ddp_train --epochs 1 --steps-per-epoch 5") == 2
+    assert res.stdout.count("meshrun.jobs.agent ") == 2
+    assert res.stdout.count(" -m ddp_train --epochs 1 --steps-per-epoch 5") == 2
     res = train(mesh, "--config", str(job))
     assert res.returncode == 0, res.stdout + res.stderr
     sums = dict(re.findall(r"\[(dc\d-a) r\d\] param_checksum rank=\d value=(\w+)", res.stdout))

@@ -34,7 +34,7 @@ def expected_argv(ip: str, nproc: str, nnodes: str = "3") -> tuple[str, ...]:
     return (
         "python3",
         "-m",
-        "torch.distributed.run",
+        "meshrun.jobs.agent",
         "--nnodes",
         nnodes,
         "--nproc-per-node",
@@ -52,9 +52,7 @@ def expected_argv(ip: str, nproc: str, nnodes: str = "3") -> tuple[str, ...]:
         "--max-restarts",
         "0",
         "--monitor-interval",
-        "0.5",
-        "-m",
-        "meshrun.jobs.worker",
+        "0.1",
         "train.py",
         "--epochs",
         "3",
@@ -215,7 +213,7 @@ def test_options_module_restarts_port_timeout_python():
     )[0]
     a = list(p.argv)
     assert a[0] == "/opt/py/bin/python"
-    assert a[-4:] == ["-m", "meshrun.jobs.worker", "--module", "pkg.train"]
+    assert a[-2:] == ["-m", "pkg.train"]  # torchrun's -m: the script is a module
     assert a[a.index("--max-restarts") + 1] == "2"
     assert a[a.index("--rdzv-endpoint") + 1] == "10.77.0.1:29555"
     assert a[a.index("--rdzv-conf") + 1] == "is_host=0,join_timeout=60"

@@ -1,4 +1,8 @@
-"""meshrun.jobs.worker: prefixes, exit code and signal passthrough, exit records."""
+"""meshrun.jobs.worker: prefixes, exit code and signal passthrough, exit records.
+
+Every test runs the wrapper both ways it is used: ``python -m meshrun.jobs.worker`` (the script in a new
+interpreter) and `worker.forked` (the script in a fork of the wrapper, as meshrun.jobs.agent's workers run).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,16 @@ import pytest
 from support import REPO_ROOT
 
 ROOT = REPO_ROOT
+SPAWNED = [sys.executable, "-m", "meshrun.jobs.worker"]
+FORKED = [sys.executable, "-c", "import sys; from meshrun.jobs import worker; worker.forked(*sys.argv[1:])"]
+WORKER = SPAWNED
+
+
+@pytest.fixture(autouse=True, params=["spawned", "forked"])
+def how(request, monkeypatch):
+    """Which way the wrapper starts the script in this test."""
+    monkeypatch.setattr(sys.modules[__name__], "WORKER", SPAWNED if request.param == "spawned" else FORKED)
+    return request.param
 
 
 def run_worker(
@@ -32,7 +46,7 @@ def run_worker(
     full_env.update(env or {})
     target = ["--module", "child"] if module else [str(script)]
     return subprocess.run(
-        [sys.executable, "-m", "meshrun.jobs.worker", *target, *args],
+        [*WORKER, *target, *args],
         cwd=tmp_path,
         env=full_env,
         capture_output=True,
@@ -124,7 +138,7 @@ def sigterm_worker(tmp_path: Path, code: str) -> tuple[bytes, int]:
     script.write_text(textwrap.dedent(code))
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
     p = subprocess.Popen(
-        [sys.executable, "-m", "meshrun.jobs.worker", str(script)],
+        [*WORKER, str(script)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -164,7 +178,7 @@ def test_unhandled_sigterm_kills_child_and_worker_alike(tmp_path):
 
 def test_usage_without_script():
     r = subprocess.run(
-        [sys.executable, "-m", "meshrun.jobs.worker"],
+        WORKER,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         timeout=30,
@@ -261,7 +275,7 @@ def test_a_slow_progress_bar_reaches_the_reader_while_it_runs(tmp_path):
     script.write_text("import sys, time\nsys.stderr.write('\\repoch 1/3'); sys.stderr.flush()\ntime.sleep(30)\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
     p = subprocess.Popen(
-        [sys.executable, "-m", "meshrun.jobs.worker", str(script)],
+        [*WORKER, str(script)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -281,3 +295,66 @@ def test_a_slow_progress_bar_reaches_the_reader_while_it_runs(tmp_path):
             p.kill()
             p.wait()
         p.stderr.close()
+
+
+def test_the_script_runs_as_python_would_run_it(tmp_path):
+    """__main__, argv, the script's directory first on sys.path, its own start method and a child of its own."""
+    (tmp_path / "helper.py").write_text("VALUE = 'from beside the script'\n")
+    r = run_worker(
+        tmp_path,
+        """
+        import multiprocessing as mp, os, sys
+        import helper
+
+        def square(x):
+            return x * x
+
+        if __name__ == "__main__":
+            mp.set_start_method("spawn")
+            with mp.Pool(1) as pool:
+                squared = pool.map(square, [3])
+            print(__name__, os.path.basename(__file__), sys.argv[1:], helper.VALUE, squared, mp.current_process().name)
+        """,
+        "--lr",
+        "0.1",
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode() == (
+        "[dc1-gpu0 r3] __main__ child.py ['--lr', '0.1'] from beside the script [9] MainProcess\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "code, rc, err",
+    [
+        ("raise ValueError('boom')", 1, "ValueError: boom"),
+        ("import sys; sys.exit('bad config: lr')", 1, "bad config: lr"),
+        ("raise SystemExit(None)", 0, ""),
+        ("raise KeyboardInterrupt", -signal.SIGINT, "KeyboardInterrupt"),
+    ],
+)
+def test_an_ending_is_passed_on_as_python_ends(tmp_path, code, rc, err):
+    r = run_worker(tmp_path, code)
+    assert r.returncode == rc
+    assert err in r.stderr.decode()
+    assert all(line.startswith("[dc1-gpu0 r3] ") for line in r.stderr.decode().splitlines())
+
+
+def test_output_is_unbuffered_and_exit_hooks_run(tmp_path):
+    r = run_worker(
+        tmp_path,
+        """
+        import atexit, os, signal, sys
+        atexit.register(lambda: print("exit hook ran"))
+        print("before the end")          # no flush: -u passes it on at once
+        sys.stderr.write("half a line")
+        if len(sys.argv) > 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        """,
+    )
+    assert r.returncode == 0
+    assert r.stdout.decode() == "[dc1-gpu0 r3] before the end\n[dc1-gpu0 r3] exit hook ran\n"
+    r = run_worker(tmp_path, (tmp_path / "child.py").read_text(), "die")
+    assert r.returncode == -signal.SIGKILL
+    assert r.stdout.decode() == "[dc1-gpu0 r3] before the end\n"
+    assert r.stderr.decode() == "[dc1-gpu0 r3] half a line\n"

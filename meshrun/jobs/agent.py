@@ -1,0 +1,102 @@
+"""torchrun with warm workers: ``python -m meshrun.jobs.agent [torchrun's options] [-m] SCRIPT ARGS...``.
+
+torch's own elastic agent (torch.distributed.run's options, rendezvous, restarts and exit) with one change:
+its workers are forked from a forkserver that imported torch once, when the agent started (during its first
+rendezvous), instead of each being a new Python that imports torch again. That import is about 3 s on a
+2-core node, and 2 s more for a script's first optimizer (PRELOAD); after a lost node every survivor's
+restarted workers waited for both before resuming (benchmarks/results/ha_failover.json). Each worker is
+meshrun.jobs.worker's wrapper (prefixed lines, exit records, signals passed on, `worker.forked`) around the
+script, which it forks in turn and runs as ``python -u SCRIPT ARGS`` (``-m MODULE``) would
+(`worker.run_as_main`).
+
+The forkserver and multiprocessing's resource tracker are the agent's children; the workers are theirs.
+A regroup ends the workers only (meshrun.jobs.share.restart_workers), so the next ones are warm too.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+from meshrun.errors import MeshrunError, UsageError
+from meshrun.system.machine import warmfork
+
+# What the forkserver imports before it forks a worker: torch; torch._dynamo, which torch imports when a script
+# makes its first optimizer (about 2 s more on a 2-core node: every training script pays it at every start);
+# and the wrapper each worker runs.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "meshrun.jobs.worker")
+START_METHOD = "forkserver"
+
+
+def _preformat(record: logging.LogRecord) -> bool:
+    """A logging filter: a record's traceback turned into its text here, with the standard formatter's format.
+
+    torch's log formatter imports torch._dynamo (about 3.5 s on a 2-core node) to format any traceback, and
+    the agent logs one for every worker that failed or was ended by a regroup: the restart waited for it."""
+    if record.exc_info and not record.exc_text:
+        record.exc_text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+    record.exc_info = None
+    return True
+
+
+# The logger of the agent's "failed (exitcode: ...)" line, which carries the traceback of its own wait.
+FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+def quick_tracebacks() -> None:
+    """Put `_preformat` on the failure line's logger and on every handler of torch's loggers and the root's."""
+    logging.getLogger(FAILURE_LOGGER).addFilter(_preformat)
+    loggers = [logging.getLogger()] + [
+        lg for name, lg in logging.Logger.manager.loggerDict.items() if name.split(".")[0] == "torch"
+    ]
+    for lg in loggers:
+        for handler in getattr(lg, "handlers", ()):  # a PlaceHolder has none
+            if _preformat not in handler.filters:
+                handler.addFilter(_preformat)
+
+
+def worker_args(module: bool, script: str, script_args: list[str]) -> tuple[str, ...]:
+    """The arguments of `meshrun.jobs.worker.forked` for SCRIPT (or MODULE) and its arguments."""
+    return ("--module" if module else "--", script, *script_args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse torchrun's command line, start the warm forkserver, run torch's elastic launch; raises as
+    torchrun does (ChildFailedError when the workers failed: the exit status is then 1)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+
+    from meshrun.jobs import worker
+
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.no_python:
+        raise UsageError("meshrun.jobs.agent runs Python scripts only (--no-python given)", "drop --no-python")
+    if args.standalone:
+        raise UsageError(
+            "meshrun.jobs.agent takes its rendezvous from the command line (--standalone given)",
+            "pass --rdzv-backend and --rdzv-endpoint (meshrun's launch plan does)",
+        )
+    if args.master_port is None:  # as torchrun's run() does (used by the static backend only)
+        args.master_port = 29500
+    args.start_method = START_METHOD
+    config, _cmd, _cmd_args = torchrun.config_from_args(args)  # also sets OMP_NUM_THREADS as torchrun does
+    warmfork.start_forkserver(PRELOAD)  # after config_from_args: the forkserver keeps this environment
+    quick_tracebacks()  # once torch's loggers are all made
+
+    @record  # torchrun's error summary when workers fail
+    def launch() -> None:
+        elastic_launch(config=config, entrypoint=worker.forked)(
+            *worker_args(args.module, args.training_script, list(args.training_script_args))
+        )
+
+    launch()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except MeshrunError as exc:
+        sys.stderr.write(f"meshrun.jobs.agent: {exc}\n")
+        sys.exit(2)

@@ -1,0 +1,130 @@
+"""Processes forked from a Python that already imported torch, instead of new interpreters that import it again.
+
+A new Python that imports torch takes about 3 s on a 2-core node; a re-formed group's workers all wait for
+it after every lost node (benchmarks/results/ha_failover.json). multiprocessing's forkserver, started once
+per torchrun agent with torch preloaded, forks each worker from that state instead (meshrun.jobs.agent);
+the worker then forks the user's script (`fork_call`), so the script starts with torch already imported.
+
+Each of these touches the interpreter's process state (file descriptors, signals, multiprocessing's
+globals), which is why they live in the system layer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import itertools
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.process
+import multiprocessing.util
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+# multiprocessing's helper processes, started by a torchrun agent that forks its workers (meshrun.jobs.agent):
+# they keep torch imported for the next workers, so a regroup must not end them (meshrun.jobs.share).
+HELPER_MARK = "from multiprocessing."
+
+
+def start_forkserver(preload: Sequence[str]) -> int | None:
+    """Start multiprocessing's forkserver now, importing `preload` once in it; returns its pid (None if this
+    Python's multiprocessing has no forkserver to ask). Started before torchrun's rendezvous, the import
+    overlaps it; later forkserver workers are forked from that state. A module that fails to import is
+    skipped by multiprocessing (the workers import it themselves)."""
+    multiprocessing.set_forkserver_preload(list(preload))
+    multiprocessing.forkserver.ensure_running()
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+
+def is_helper(argv: Sequence[str] | None) -> bool:
+    """True for the command line of multiprocessing's forkserver or resource tracker."""
+    return bool(argv) and any(HELPER_MARK in a for a in argv)
+
+
+class Forked:
+    """A child made by `fork_call`: `pid`, binary `stdout`/`stderr` pipes, and Popen's `send_signal` and
+    `wait` (its exit code, or -N when signal N ended it)."""
+
+    def __init__(self, pid: int, stdout: io.BufferedReader, stderr: io.BufferedReader) -> None:
+        self.pid, self.stdout, self.stderr = pid, stdout, stderr
+        self.returncode: int | None = None
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def fork_call(run: Callable[[], int]) -> Forked:
+    """Fork; in the child, fds 1 and 2 become new pipes (read through the returned Forked), stdout and stderr
+    are unbuffered as under ``python -u``, the job signals have their default actions, multiprocessing
+    believes it is a new main process, and `run()`'s return value is the exit code (-N: die of signal N).
+    The child never returns from here. Call it before starting threads: only the calling thread is copied."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's exit code is what the tests read
+        code = 1
+        try:
+            os.close(out_r)
+            os.close(err_r)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.close(out_w)
+            os.close(err_w)
+            _fresh_process()
+            code = run()
+        except BaseException:  # noqa: BLE001 - nothing may return into the parent's code
+            traceback.print_exc()  # onto the new fd 2: the parent reads it as the child's output
+            code = 1
+        finally:
+            _exit(code)
+    os.close(out_w)
+    os.close(err_w)
+    return Forked(pid, os.fdopen(out_r, "rb", buffering=0), os.fdopen(err_r, "rb", buffering=0))
+
+
+def _fresh_process() -> None:
+    """What a new ``python -u`` would have that a fork of a forkserver worker does not."""
+    enc = sys.stdout.encoding if sys.stdout else "utf-8"
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=enc, write_through=True)
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding=enc, errors="backslashreplace", write_through=True
+    )
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    # The script may choose its own start method and have its own children, as in a new interpreter.
+    multiprocessing.context._default_context._actual_context = None
+    me = multiprocessing.process._current_process
+    me._identity, me._name, me._parent_pid, me._parent_name = (), "MainProcess", None, None
+    multiprocessing.process._parent_process = None
+    multiprocessing.process._children = set()
+    multiprocessing.process._process_counter = itertools.count(1)
+    # The wrapper's finalizers are its own; the exit hooks stay: the forkserver's imports registered them,
+    # as the same imports would have in a new interpreter (torch's DataLoader's among them).
+    multiprocessing.util._finalizer_registry.clear()
+
+
+def _exit(code: int) -> None:
+    """End the forked child as a new interpreter would: exit hooks, flushed output, then the code or signal."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code if 0 <= code < 256 else 1)

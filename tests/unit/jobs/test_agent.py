@@ -1,0 +1,174 @@
+"""meshrun.jobs.agent: torchrun whose workers are forked with torch already imported, restarts included.
+
+A real agent on loopback (meshrun's rendezvous backend at a local store, two workers): the scripts see torch
+imported before their first line, a failed attempt is restarted the same way, and a regroup
+(meshrun.jobs.share.restart_workers) ends the workers but not the forkserver that keeps torch imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch.distributed.elastic")  # the agent is torchrun's
+
+from realetcd import free_port  # noqa: E402
+from support import REPO_ROOT  # noqa: E402
+
+from meshrun.jobs import agent, share  # noqa: E402
+from meshrun.system.files.statedir import StateDir  # noqa: E402
+from meshrun.system.machine import procs, warmfork  # noqa: E402
+
+SCRIPT = """\
+import os, sys, time
+warm = "torch" in sys.modules  # before this script imported anything: the fork brought it
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"rank={os.environ['RANK']} attempt={attempt} warm={warm} main={__name__} path0={sys.path[0]}", flush=True)
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = __import__("torch").ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print(f"rank={dist.get_rank()} sum={int(t.item())}", flush=True)
+if os.environ.get("FAIL_FIRST") and attempt == "0" and dist.get_rank() == 1:
+    sys.exit(3)
+if os.environ.get("WAIT_FOR_REGROUP") and attempt == "0":
+    time.sleep(120)
+dist.destroy_process_group()
+"""
+
+
+def agent_cmd(script: Path, port: int, restarts: int = 1) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "meshrun.jobs.agent",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "meshrun",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "t",
+        "--rdzv-conf",
+        "is_host=0",
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.1",
+        str(script),
+    ]
+
+
+@pytest.fixture
+def store_port():
+    """A rendezvous store as a coordinator hosts it (meshrun's backend: a store per round for the workers;
+    torch's c10d backend hands restarted workers the first round's addresses, pytorch/pytorch#135712)."""
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    yield port
+    del server
+
+
+def agent_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "MESHRUN_", "TORCHELASTIC"))}
+    return {**env, "PYTHONPATH": str(REPO_ROOT), "MESHRUN_NODE_NAME": "n1", **extra}
+
+
+def test_workers_start_warm_and_a_failed_attempt_restarts_warm(tmp_path, store_port):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    r = subprocess.run(
+        agent_cmd(script, store_port),
+        cwd=tmp_path,
+        env=agent_env(FAIL_FIRST="1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    starts = re.findall(r"^\[n1 r(\d)\] rank=\1 attempt=(\d) warm=(\w+) main=(\S+) path0=(\S+)$", r.stdout, re.M)
+    assert sorted((rank, attempt) for rank, attempt, *_ in starts) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert {(warm, main, path0) for *_, warm, main, path0 in starts} == {("True", "__main__", str(tmp_path))}
+    assert r.stdout.count("sum=3") == 4  # both ranks, both attempts: a working gloo group each time
+    assert "exitcode: 3" in r.stderr  # torch's own account of the failed attempt
+
+
+def test_a_regroup_ends_the_workers_but_not_the_forkserver(tmp_path, store_port):
+    """restart_workers, as a node's share runs it: the workers go and come back warm; torch's helpers stay."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    job = StateDir(tmp_path / "job")
+    job.create()
+    lock = procs.DaemonLock(job / "share.lock").acquire("the test's share")  # this process plays the share
+    p = subprocess.Popen(
+        agent_cmd(script, store_port),
+        cwd=tmp_path,
+        env=agent_env(WAIT_FOR_REGROUP="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        seen = [p.stdout.readline() for _ in range(4)]  # two starts, two sums
+        assert sum("sum=3" in line for line in seen) == 2, seen
+        helpers = {pid for pid in procs.children(p.pid) if warmfork.is_helper(procs.argv(pid))}
+        assert helpers, procs.descendants(p.pid)
+        assert share.restart_workers(job, time.time()) >= 2  # both workers (and their scripts)
+        restarted = [p.stdout.readline() for _ in range(2)]
+        assert all("attempt=1" in line for line in restarted), restarted
+        # The same forkserver forked the new workers: it was not ended and made again.
+        assert all(procs.alive(pid) for pid in helpers)
+        assert {pid for pid in procs.children(p.pid) if warmfork.is_helper(procs.argv(pid))} == helpers
+        out, _ = p.communicate(timeout=120)
+        out = "".join(restarted) + out
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        lock.release()
+    assert p.returncode == 0, out
+    assert re.findall(r"attempt=1 warm=(\w+)", out) == ["True", "True"]
+    assert out.count("sum=3") == 2
+    assert all(procs.alive(pid) is False for pid in helpers)  # they end with the agent
+
+
+def test_the_agent_refuses_no_python_and_standalone(tmp_path):
+    for flag in ("--no-python", "--standalone"):
+        r = subprocess.run(
+            [sys.executable, "-m", "meshrun.jobs.agent", flag, "--nnodes", "1", "x.py"],
+            cwd=tmp_path,
+            env=agent_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and r.stderr.startswith("meshrun.jobs.agent: "), r.stderr
+        assert flag in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_traceback_is_formatted_before_torchs_formatter_sees_it():
+    """torch's formatter would import torch._dynamo (seconds) for a record that still carries exc_info."""
+    try:
+        raise RuntimeError("worker 1 failed")
+    except RuntimeError:
+        record = logging.LogRecord("torch.x", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    assert agent._preformat(record) is True
+    assert record.exc_info is None
+    assert record.exc_text.startswith("Traceback") and record.exc_text.endswith("RuntimeError: worker 1 failed")
+
+
+@pytest.mark.parametrize("module", [False, True])
+def test_worker_args(module):
+    assert agent.worker_args(module, "train", ["--x", "1"]) == (("--module" if module else "--"), "train", "--x", "1")
