@@ -29,18 +29,17 @@ from collections.abc import Callable, Sequence
 HELPER_MARK = "from multiprocessing."
 
 
-def start_forkserver(preload: Sequence[str]) -> int | None:
-    """Start multiprocessing's forkserver now, importing `preload` once in it; returns its pid (None if this
-    Python's multiprocessing has no forkserver to ask). Started before torchrun's rendezvous, the import
-    overlaps it; later forkserver workers are forked from that state. A module that fails to import is
-    skipped by multiprocessing (the workers import it themselves)."""
+def start_forkserver(preload: Sequence[str]) -> None:
+    """Start multiprocessing's forkserver now, importing `preload` once in it. Started before torchrun's
+    rendezvous, the import overlaps it; later forkserver workers are forked from that state. A module that
+    fails to import is skipped by multiprocessing (the workers import it themselves)."""
     multiprocessing.set_forkserver_preload(list(preload))
     multiprocessing.forkserver.ensure_running()
-    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
 
 
 def is_helper(argv: Sequence[str] | None) -> bool:
-    """True for the command line of multiprocessing's forkserver or resource tracker."""
+    """True for the command line of multiprocessing's forkserver or resource tracker. The workers forked from
+    the forkserver keep its command line too: ask it of the agent's own children only."""
     return bool(argv) and any(HELPER_MARK in a for a in argv)
 
 

@@ -86,17 +86,30 @@ def agent_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(REPO_ROOT), "MESHRUN_NODE_NAME": "n1", **extra}
 
 
+def stop(p: subprocess.Popen) -> None:
+    """End an agent that is still running with everything below it: its forkserver lives as long as the
+    workers it forked hold their end of its pipe, and they outlive an agent killed alone."""
+    if p.poll() is None:
+        procs.kill_tree(p.pid, grace=5)
+        p.wait()
+
+
 def test_workers_start_warm_and_a_failed_attempt_restarts_warm(tmp_path, store_port):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    r = subprocess.run(
+    p = subprocess.Popen(
         agent_cmd(script, store_port),
         cwd=tmp_path,
         env=agent_env(FAIL_FIRST="1"),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
     )
+    try:
+        out, err = p.communicate(timeout=240)
+    finally:
+        stop(p)
+    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     assert r.returncode == 0, r.stdout + r.stderr
     starts = re.findall(r"^\[n1 r(\d)\] rank=\1 attempt=(\d) warm=(\w+) main=(\S+) path0=(\S+)$", r.stdout, re.M)
     assert sorted((rank, attempt) for rank, attempt, *_ in starts) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
@@ -134,9 +147,7 @@ def test_a_regroup_ends_the_workers_but_not_the_forkserver(tmp_path, store_port)
         out, _ = p.communicate(timeout=120)
         out = "".join(restarted) + out
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        stop(p)
         lock.release()
     assert p.returncode == 0, out
     assert re.findall(r"attempt=1 warm=(\w+)", out) == ["True", "True"]
