@@ -94,17 +94,17 @@ def stop(p: subprocess.Popen) -> None:
         p.wait()
 
 
-def test_workers_start_warm_and_a_failed_attempt_restarts_warm(tmp_path, store_port):
+def start_agent(tmp_path: Path, port: int, stderr: int, **env: str) -> subprocess.Popen:
+    """An agent running SCRIPT with two workers, its output read as text."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    p = subprocess.Popen(
-        agent_cmd(script, store_port),
-        cwd=tmp_path,
-        env=agent_env(FAIL_FIRST="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    return subprocess.Popen(
+        agent_cmd(script, port), cwd=tmp_path, env=agent_env(**env), stdout=subprocess.PIPE, stderr=stderr, text=True
     )
+
+
+def test_workers_start_warm_and_a_failed_attempt_restarts_warm(tmp_path, store_port):
+    p = start_agent(tmp_path, store_port, subprocess.PIPE, FAIL_FIRST="1")
     try:
         out, err = p.communicate(timeout=240)
     finally:
@@ -120,19 +120,10 @@ def test_workers_start_warm_and_a_failed_attempt_restarts_warm(tmp_path, store_p
 
 def test_a_regroup_ends_the_workers_but_not_the_forkserver(tmp_path, store_port):
     """restart_workers, as a node's share runs it: the workers go and come back warm; torch's helpers stay."""
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
     job = StateDir(tmp_path / "job")
     job.create()
     lock = procs.DaemonLock(job / "share.lock").acquire("the test's share")  # this process plays the share
-    p = subprocess.Popen(
-        agent_cmd(script, store_port),
-        cwd=tmp_path,
-        env=agent_env(WAIT_FOR_REGROUP="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    p = start_agent(tmp_path, store_port, subprocess.DEVNULL, WAIT_FOR_REGROUP="1")
     try:
         seen = [p.stdout.readline() for _ in range(4)]  # two starts, two sums
         assert sum("sum=3" in line for line in seen) == 2, seen
@@ -152,7 +143,8 @@ def test_a_regroup_ends_the_workers_but_not_the_forkserver(tmp_path, store_port)
     assert p.returncode == 0, out
     assert re.findall(r"attempt=1 warm=(\w+)", out) == ["True", "True"]
     assert out.count("sum=3") == 2
-    assert all(procs.alive(pid) is False for pid in helpers)  # they end with the agent
+    # They end with the agent, once they see its end of their pipe close.
+    assert all(procs.wait_gone(pid, timeout=30) for pid in helpers)
 
 
 def test_the_agent_refuses_no_python_and_standalone(tmp_path):
