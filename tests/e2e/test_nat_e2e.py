@@ -14,6 +14,7 @@ from support import TESTS, joined_mesh, relay_world
 
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec
+from meshrun.mesh.node.daemon import SYNC_GRACE_S, SYNC_WAIT
 
 SCRIPTS = TESTS / "scripts"
 RELAY_WORLD = relay_world()
@@ -117,10 +118,15 @@ def test_with_the_coordinator_cut_off_for_60_s_direct_and_relayed_pairs_keep_a_j
         assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
         hq.cut_uplink()
         cut_at = time.monotonic()
-        time.sleep(30)
-        # The agents say so, and keep every tunnel as it was.
-        st = mesh.status("dcc-a")
-        assert any("the coordinator has not answered" in w for w in st["warnings"]), st["warnings"]
+        # The agents say so, and keep every tunnel as it was. An agent learns it when its sync fails: a long-poll
+        # already in flight at the cut times out SYNC_WAIT + SYNC_GRACE_S (35 s) after it began.
+        deadline = cut_at + SYNC_WAIT + SYNC_GRACE_S + 10
+        while True:
+            st = mesh.status("dcc-a")
+            if any("the coordinator has not answered" in w for w in st["warnings"]):
+                break
+            assert time.monotonic() < deadline, st["warnings"]
+            time.sleep(1)
         assert {r["name"]: r for r in st["peers"]}["dcd-a"]["relay"] == relay
         time.sleep(max(0.0, 60 - (time.monotonic() - cut_at)))
         assert all(p.poll() is None for p in procs), "a rank stopped while the coordinator was away"

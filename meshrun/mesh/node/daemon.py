@@ -34,6 +34,7 @@ log = logging.getLogger("meshrun.mesh.node.daemon")
 
 SYNC_WAIT = 20.0
 FAST_WAIT = 2.0  # long-poll while a path is unproven
+SYNC_GRACE_S = 15.0  # a sync call's timeout beyond its long-poll wait: a coordinator gone is noticed after both
 PROBE_WINDOW_S = 10.0  # = paths.ATTEMPT_S: how long a new path gets to handshake
 RELAY_CHECK_S = 1.0  # every relayed peer is tried through its relay this often (one TCP SYN)
 RELAY_FAILS = 3  # consecutive misses before the relay is reported down (a new one within 10 s)
@@ -335,7 +336,7 @@ class AgentService:
     def sync_once(self, wait: float) -> None:
         """One long-poll: report, receive the member list, apply what changed."""
         body = dict(self.heartbeat(self.device.peers()), version=self.version, wait=wait, delta=True)
-        answer = self.call("POST", "/v1/sync", body, wait + 15)
+        answer = self.call("POST", "/v1/sync", body, wait + SYNC_GRACE_S)
         stale = set(body["stale"])
         self.told.update((k, k not in stale) for k in body["peers"])
         self.rtt_told.update(body["rtt"])
