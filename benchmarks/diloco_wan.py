@@ -1,53 +1,65 @@
 #!/usr/bin/env python
-"""DiLoCo, SparseLoCo and DeMo vs DDP over a shaped WAN: 3 workers in 3 NAT'd datacenters, links 200 Mbit/s.
+"""SparseLoCo and DiLoCo vs an equally tuned DDP on a real corpus, under a protocol fixed before its runs.
+
+The protocol (``PROTOCOL`` below, also in benchmarks/README.md) was written down on 2026-11-27, before any of its
+runs, and is what every figure in results/diloco_wan*.json comes from:
+
+- **Task.** examples/diloco_charlm.py ``--data stdlib --model transformer``: the running Python's standard
+  library source (about 31 MB of .py in 3.11) as byte tokens, files split 80 / 10 / 10 into training, *tuning*
+  and *test* splits by a hash of their path; a decoder-only transformer (width 96, 3 blocks, 4 heads: 0.39 M
+  parameters); every worker reads its own shard of the training split once, so no token is trained on twice
+  (one pass: nothing to memorise). 240 steps of 8 x 64 tokens per worker.
+- **Seeds.** Tuning uses ``tune_seeds`` only; the measured rounds use ``final_seeds``, one a round, which no
+  tuning or exploratory run has used (``--tune-seeds`` / ``--final-seeds`` may not overlap: refused).
+- **Splits.** A tuning run passes ``--eval tune``: the script does not even load the test split. Only the
+  measured rounds pass ``--eval test``; they come after every tuning run.
+- **Equal tuning.** DDP and every variant get the same grid of the same knobs: learning rate (1, 2, 4, 8 e-3) x
+  schedule (constant or cosine to 10 %), linear warm-up over the first 10 % of the steps in both: 8 runs each
+  (DeMo: its signum lr's own 4 values). A choice at the grid's edge is flagged in the tuning record. What is not
+  tuned is fixed for all runs: DiLoCo's H = 30, and the outer
+  step of the sparse variants (SparseLoCo's: outer lr 1, no momentum, error decay 0.95) and of the dense ones
+  (DiLoCo's: 0.7, Nesterov 0.9). The rule: the lowest mean tuning loss over the tuning seeds; among the
+  configurations within 0.5 % of it, the one with the fewest payload bytes. The no-communication run takes DDP's
+  choice.
+- **Workers.** Run once per worker count of ``workers`` (3 and 8); each writes its own results file.
+- **Targets** (issue 38), for the best variant at 8 workers: >= 1000x fewer bytes than DDP (the smaller of the
+  wire and the payload ratio), held-out test loss <= 1.02x DDP's on the median of the per-seed ratios and no
+  seed above 1.03x; and, from issue 28, < 5 % of the training loop blocked in communication; the wall verdict
+  against the no-communication run as before (none when that run's own rounds spread more than 15 %).
 
 Two phases, in one run:
 
-1. **Tuning, on the tuning split.** examples/diloco_charlm.py splits its corpus three ways: 80 % trains,
-   10 % is the *tuning* split, 10 % the *test* split. Every variant's hyperparameters are chosen on the
-   tuning split's loss only: DDP's AdamW lr; DeMo's signum lr; for each DiLoCo variant, H, the outer
-   (lr, momentum), the inner lr (DDP's choice or larger) and, for the sparse ones, the error feedback's decay
-   over a grid, all with the first seed of ``--seeds``. The rule: the lowest tuning loss, and
-   among the configurations within 0.5 % of it, the one that sends the fewest bytes. The test split's
-   loss of a tuning run is never read (it is dropped from the record). The loss does not depend on the
-   network (same math, same order), so tuning runs on loopback (``torchrun --standalone``), one run per
-   configuration.
-2. **Measured rounds, over meshrun.** The testbed of ``meshrun.lab.testbed`` (a coordinator
-   datacenter that does not train, one datacenter per worker, each gateway's internet link shaped
-   with tbf both ways), real ``meshrun init`` / ``join`` over wireguard-go, then every variant with its
-   chosen configuration through ``meshrun train``, ``--rounds`` times (at least 3), the order
-   reversed every other round (the machine's load drifts). Round i trains every variant with the i-th seed
-   of ``--seeds`` (model init and data order), so the held-out loss ratio is paired per round and its spread
-   is the seeds': one seed alone moved sparse_int2's ratio by a whole percent (1.021x to 1.032x), ten times
-   the margin a single-seed verdict was decided by. Each measurement keeps min / median / max.
+1. **Tuning, on the tuning split**, on loopback (``torchrun --standalone``): the loss does not depend on the
+   network (same math, same order). The tuning record keeps each run's seed, its tuning loss and its bytes.
+2. **Measured rounds** over meshrun (the testbed of ``meshrun.lab.testbed``: a coordinator datacenter, one
+   datacenter per worker, every gateway's internet link shaped with tbf both ways, wireguard-go) or, with
+   ``--local``, torchrun in one namespace per worker on a shaped bridge. Every variant once a round with the
+   round's final seed, the order reversed every other round (the machine's load drifts); min / median / max.
 
 Variants (``--variants``, run in this order):
 
 - ``ddp``: fp32 gradient all-reduce every step: the bytes and loss reference
 - ``local``: the same workers with no communication at all: the wall-time reference
-- ``demo_ddp``: data parallelism with meshrun.train.demo.DeMo instead of DDP's all-reduce (int2 values)
-- ``diloco_fp8``, ``diloco_fp4``, ``diloco_int2``: DiLoCo with FP8 E4M3 / FP4 E2M1 / 2-bit pseudo-gradients
-- ``streaming_fp4``: Streaming DiLoCo, 2 fragments, overlap 1 step, FP4
-- ``sparse_int2``: SparseLoCo: the largest of every 64 elements (6-bit positions), 2-bit values, error decay tuned;
-  vectors (biases) dense in 2 bits
-- ``diloco_fp16`` (not run by default): fp16 pseudo-gradients, what meshrun shipped before issue 16
+- ``sparse_int2``: SparseLoCo: the largest of every 64 elements (6-bit positions), 2-bit values, gathered (every
+  worker receives the others' payloads: what a worker receives grows with the workers); vectors dense in 2 bits;
+  one collective per sync
+- ``sparse_shared``: the same selection made by one worker a sync, in turn, and every worker's values summed as
+  int8 codes on that worker's grid (meshrun.train.compress.SharedSparse): what a worker receives does not grow
+  with the workers
+- not run by default: ``demo_ddp`` (DeMo, int2), ``diloco_fp8``, ``diloco_fp4``, ``diloco_int2``,
+  ``streaming_fp4``, ``diloco_fp16``
 
-What is reported, per variant: bytes on the wire (what its datacenter's gateway forwarded to the internet:
-WireGuard framing, rendezvous and agent traffic included) and the payload the script counted; the held-out
-test loss; the wall time end to end and of the training loop; and the time the training loop spent
-*blocked* in communication (the script's ``comm_blocked_s``: waiting on a sync's collective, what overlap
-hides), as a share of the loop and per sync. Targets (issue 28), for the best variant: >= 2000x fewer
-bytes than DDP (the smaller of the wire and payload ratios), held-out loss <= 1.02x DDP's (the median of
-the per-round ratios; the report says when the seeds' ratios lie on both sides of it), blocked < 5 %
-of the loop; and, as before, wall <= 1.1x the no-communication run. The wall verdicts compare against the
-no-communication run's own rounds: when those spread more than 15 % (max - min over the median, end to
-end or loop) no wall verdict is given, and the report says so. Nothing is retried or filtered.
+What is reported, per variant: bytes on the wire (meshrun: what its datacenter's gateway forwarded to the
+internet, WireGuard framing, rendezvous and agent traffic included; --local: what the worker's veth sent, IP and
+TCP headers included) and the payload the script counted; the held-out test loss; wall times; the time the loop
+spent blocked in communication. Nothing is retried or filtered.
 
-Needs root (network namespaces), wireguard-go, iproute2, iptables and torch. Usage:
+Needs root (network namespaces), wireguard-go (without --local), iproute2, iptables and torch. Usage:
 
-    sudo python benchmarks/diloco_wan.py                      # tuning + 3 rounds: about 75 minutes on 2 cores
-    sudo python benchmarks/diloco_wan.py --no-tune --rounds 3  # the given settings, no tuning: about 40 minutes
-    sudo python benchmarks/diloco_wan.py --smoke --json /tmp/smoke.json   # five variants at a tiny size: ~1.5 min
+    sudo python benchmarks/diloco_wan.py --local --workers 8   # the protocol at 8 workers (tuning + 3 rounds)
+    sudo python benchmarks/diloco_wan.py --local --workers 3   # and at 3: results/diloco_wan.json
+    sudo python benchmarks/diloco_wan.py --workers 3           # the rounds over meshrun instead of a bridge
+    sudo python benchmarks/diloco_wan.py --smoke --json /tmp/smoke.json   # every path at a tiny size: ~1.5 min
     sudo python benchmarks/diloco_wan.py --variants ddp,local,sparse_int2 -v   # stream every rank's output
 """
 
@@ -77,131 +89,137 @@ from meshrun.lab.testbed import DatacenterSpec, World  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 SCRIPT = "diloco_charlm.py"
-DEFAULT_JSON = REPO / "benchmarks" / "results" / "diloco_wan.json"
+RESULTS = REPO / "benchmarks" / "results"
 COORD_DC = "coord"
-TARGET_BYTES_RATIO = 2000.0  # fewer bytes than DDP, at least (the best variant)
-TARGET_LOSS_RATIO = 1.02  # held-out test loss vs DDP's, at most
 TARGET_BLOCKED = 0.05  # share of the training loop blocked in communication, below
 TARGET_WALL_RATIO = 1.10  # wall time vs the no-communication run, at most
 BASELINE_SPREAD_MAX = 0.15  # the no-communication run's rounds: (max - min) / median above this: no wall verdict
 TIE = 0.005  # tuning: configurations within this share of the best tuning loss count as equal; fewest bytes wins
 FINAL_RE = re.compile(r"\bfinal (val_loss=.*)$")
 DILOCO = ["--mode", "diloco"]
-# Script arguments per variant, and what is tuned for it: "lr" (DDP's AdamW lr), "demo_lr" (DeMo's signum lr),
-# "outer" (DiLoCo's H and outer lr / momentum, inner lr from DDP), "sparse" (as "outer", and the error feedback's
-# decay), None (runs with DDP's lr).
+SPARSE_OUTER = {"sync_every": 30, "outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95}  # SparseLoCo's
+DENSE_OUTER = {"sync_every": 30, "outer_lr": 0.7, "outer_momentum": 0.9}  # DiLoCo's (Douillard et al. 2023)
+
+# Fixed on 2026-11-27 before any run of it (issue 38). A change is a new protocol: write it here first, with its
+# date, and draw new final seeds (a seed a tuning or exploratory run has used never measures).
+PROTOCOL: dict = {
+    "fixed": "2026-11-27, before any run of this protocol",
+    "task": {  # examples/diloco_charlm.py's arguments, every run
+        "data": "stdlib",
+        "model": "transformer",
+        "hidden": 96,
+        "layers": 3,
+        "heads": 4,
+        "seq_len": 64,
+        "batch_size": 8,
+        "steps": 240,
+        "val_batches": 128,
+    },
+    "tune_seeds": [101],
+    "final_seeds": [7001, 7002, 7003],
+    "grid": {"lr": [1e-3, 2e-3, 4e-3, 8e-3], "schedule": ["constant", "cosine"]},
+    "demo_lr": [3e-4, 1e-3, 3e-3, 1e-2],  # DeMo's signum lr takes the place of "lr" in the same grid
+    "warmup": 24,  # linear warm-up, inner steps, every run and schedule (10 % of the steps)
+    "fixed_per_variant": {"sparse": SPARSE_OUTER, "dense": DENSE_OUTER},
+    "rule": f"lowest mean tuning loss over the tuning seeds; within {TIE:.1%} of it, the fewest payload bytes",
+    "workers": [3, 8],
+    "targets": {
+        "bytes_ratio_min": 1000.0,  # fewer bytes than DDP, at least, the best variant (at 8 workers)
+        "loss_ratio_max": 1.02,  # held-out loss vs DDP's: the median of the per-seed ratios, at most
+        "loss_ratio_seed_max": 1.03,  # and no seed's ratio above this
+    },
+}
+TARGET_BYTES_RATIO = PROTOCOL["targets"]["bytes_ratio_min"]
+TARGET_LOSS_RATIO = PROTOCOL["targets"]["loss_ratio_max"]
+TARGET_LOSS_SEED = PROTOCOL["targets"]["loss_ratio_seed_max"]
+
+# Script arguments per variant, and its fixed (untuned) settings: "sparse" / "dense" (DiLoCo's outer step and H,
+# PROTOCOL["fixed_per_variant"]), "demo" (lr is DeMo's), None (DDP and the no-communication run).
 VARIANTS: dict[str, tuple[list[str], str | None]] = {
-    "ddp": (["--mode", "ddp"], "lr"),
+    "ddp": (["--mode", "ddp"], None),
     "local": (["--mode", "local"], None),
-    "demo_ddp": (["--mode", "demo", "--demo-compression", "int2", "--demo-density", "0.03125"], "demo_lr"),
-    "diloco_fp16": ([*DILOCO, "--compression", "fp16", "--fragments", "1"], "outer"),
-    "diloco_fp8": ([*DILOCO, "--compression", "fp8", "--fragments", "1"], "outer"),
-    "diloco_fp4": ([*DILOCO, "--compression", "fp4", "--fragments", "1"], "outer"),
-    "streaming_fp4": ([*DILOCO, "--compression", "fp4", "--fragments", "2"], "outer"),
-    "diloco_int2": ([*DILOCO, "--compression", "int2", "--fragments", "1"], "outer"),
-    "sparse_int2": (
-        [*DILOCO, "--compression", "sparse-int2", "--density", "0.015625", "--fragments", "1"],
+    "sparse_int2": ([*DILOCO, "--compression", "sparse-int2", "--density", "0.015625", "--fragments", "1"], "sparse"),
+    "sparse_shared": (
+        [*DILOCO, "--compression", "sparse-shared", "--density", "0.015625", "--fragments", "1"],
         "sparse",
     ),
+    "demo_ddp": (["--mode", "demo", "--demo-compression", "int2", "--demo-density", "0.03125"], "demo"),
+    "diloco_fp16": ([*DILOCO, "--compression", "fp16", "--fragments", "1"], "dense"),
+    "diloco_fp8": ([*DILOCO, "--compression", "fp8", "--fragments", "1"], "dense"),
+    "diloco_fp4": ([*DILOCO, "--compression", "fp4", "--fragments", "1"], "dense"),
+    "streaming_fp4": ([*DILOCO, "--compression", "fp4", "--fragments", "2"], "dense"),
+    "diloco_int2": ([*DILOCO, "--compression", "int2", "--fragments", "1"], "dense"),
 }
-DEFAULT_VARIANTS = [v for v in VARIANTS if v != "diloco_fp16"]
-# --smoke: at a tiny size, once (numbers mean nothing; the code paths run): the baselines, DeMo, and the dense and
-# sparse DiLoCo paths (the other codecs are the same path with another compressor, unit-tested for identical
-# workers); kept short, it runs in CI.
+DEFAULT_VARIANTS = ["ddp", "local", "sparse_int2", "sparse_shared"]
+# --smoke: at a tiny size, once (numbers mean nothing; the code paths run): the baselines and the gathered and
+# summed sparse paths (the dense codecs and DeMo take the same script paths, unit-tested); kept short, it runs in CI.
+# Its seeds and grid are its own.
 SMOKE = {
-    "variants": "ddp,local,demo_ddp,diloco_int2,sparse_int2",
+    "variants": "ddp,local,sparse_int2,sparse_shared",
     "workers": 2,
-    "steps": 4,
-    "sync_every": 2,
-    "hidden": 16,
-    "batch_size": 2,
-    "seq_len": 8,
-    "val_batches": 1,
     "rounds": 1,
-    "tune_h": [2, 4],
-    "tune_outer": [(0.8, 0.5)],
-    "tune_inner_lr": ["ddp"],
-    "tune_error_decay": [0.95],
-    "seeds": [0],
-    "tune_lr": [5e-3],
-    "tune_demo_lr": [1e-3],
     "timeout": 240,
+    "task": {
+        **PROTOCOL["task"],
+        **{"steps": 8, "hidden": 16, "layers": 1, "heads": 2, "batch_size": 2, "seq_len": 16, "val_batches": 1},
+    },
+    "sync_every": 4,
+    "warmup": 2,
+    "grid": {"lr": [3e-3], "schedule": ["constant", "cosine"]},
+    "demo_lr": [1e-3],
+    "tune_seeds": [5],
+    "final_seeds": [6],
 }
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def _pairs(text: str) -> list[tuple[float, float]]:
-    out = []
-    for part in text.split(","):
-        lr, _, mom = part.partition(":")
-        out.append((float(lr), float(mom)))
-    return out
+def _seeds(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, default=3, help="worker datacenters (one node each)")
+    p.add_argument("--workers", type=int, default=3, help="workers (one node each) [3; the protocol: 3 and 8]")
     p.add_argument("--rate-mbit", type=int, default=200, help="every datacenter's internet link, both directions")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps per worker (a multiple of every H)")
-    p.add_argument("--hidden", type=int, default=256, help="GRU width (256: 0.66 M parameters, 2.6 MB fp32)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument(
-        "--val-batches",
-        type=int,
-        default=32,
-        help="batches per held-out loss (32 x 16 windows span the whole tuning / test split: less noise than 8)",
-    )
     p.add_argument(
         "--threads",
         type=int,
         default=1,
         help="torch threads per worker: the simulated nodes share this machine's cores",
     )
-    p.add_argument("--tune-lr", default="2e-3,3e-3,5e-3", help="DDP's AdamW lr grid (DiLoCo's inner lr follows it)")
-    p.add_argument("--tune-demo-lr", default="1e-3,3e-3,1e-2", help="DeMo's signum lr grid")
-    p.add_argument("--tune-h", default="20", help="DiLoCo H grid (each divides --steps and is even)")
-    p.add_argument("--tune-outer", default="1.0:0,1.3:0", help="DiLoCo outer lr:momentum grid (Nesterov)")
     p.add_argument(
-        "--tune-inner-lr",
-        default="ddp,5e-3",
-        help="DiLoCo inner AdamW lr grid ('ddp': DDP's choice; a sparse pseudo-gradient wants larger steps)",
+        "--tune-seeds",
+        default=",".join(map(str, PROTOCOL["tune_seeds"])),
+        help="seeds of the tuning runs (the protocol's unless given)",
     )
     p.add_argument(
-        "--tune-error-decay",
-        default="0.9,0.95",
-        help="sparse variants' error feedback decay grid (SparseLoCo: 0.95)",
-    )
-    p.add_argument(
-        "--seeds",
-        default="0,1,2",
-        help="round i trains with seed i (mod the list): model init and data order; every variant of a round "
-        "shares it, so each loss ratio is paired. Tuning uses the first",
+        "--final-seeds",
+        default=",".join(map(str, PROTOCOL["final_seeds"])),
+        help="round i trains every variant with the i-th: model init and data order, paired across variants; "
+        "none may be a tuning seed",
     )
     p.add_argument(
         "--no-tune",
         action="store_true",
-        help="skip tuning: use --lr, --demo-lr, --sync-every, --outer-*, --error-decay",
+        help="skip tuning: every variant trains with --lr and --schedule (exploration, not the protocol)",
     )
-    p.add_argument("--lr", type=float, default=5e-3, help="with --no-tune: AdamW lr, DDP and DiLoCo inner alike")
+    p.add_argument("--lr", type=float, default=2e-3, help="with --no-tune: the lr (DeMo: --demo-lr)")
     p.add_argument("--demo-lr", type=float, default=1e-3, help="with --no-tune: DeMo's lr")
-    p.add_argument("--sync-every", type=int, default=50, help="with --no-tune: DiLoCo H")
-    p.add_argument("--outer-lr", type=float, default=0.8, help="with --no-tune: DiLoCo outer lr")
-    p.add_argument("--outer-momentum", type=float, default=0.5, help="with --no-tune: DiLoCo outer momentum")
-    p.add_argument("--error-decay", type=float, default=0.95, help="with --no-tune: the sparse variants' error decay")
+    p.add_argument("--schedule", choices=["constant", "cosine"], default="cosine", help="with --no-tune")
     p.add_argument(
         "--variants",
         default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated, run in this order [{','.join(DEFAULT_VARIANTS)}]; also diloco_fp16",
+        help=f"comma-separated, run in this order [{','.join(DEFAULT_VARIANTS)}]; also {', '.join(VARIANTS)}",
     )
     p.add_argument("--prefix", default=None, help="testbed namespace prefix [dlw + 4 random hex digits]")
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run before it is cancelled")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"result file [{DEFAULT_JSON.relative_to(REPO)}]")
-    p.add_argument("--rounds", type=int, default=3, help="measured rounds of every variant, alternating order")
-    p.add_argument("--smoke", action="store_true", help="five variants at a tiny size, 1 round: checks the code")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="result file [results/diloco_wan.json at 3 workers, results/diloco_wan_wN.json at N]",
+    )
+    p.add_argument("--rounds", type=int, default=None, help="measured rounds [one per final seed]")
+    p.add_argument("--smoke", action="store_true", help="every path at a tiny size, 1 round: checks the code")
     p.add_argument(
         "--local",
         action="store_true",
@@ -209,31 +227,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="stream every rank's output")
     args = p.parse_args(argv)
-    args.tune_lr, args.tune_demo_lr = _floats(args.tune_lr), _floats(args.tune_demo_lr)
-    args.tune_h, args.tune_outer = [int(h) for h in _floats(args.tune_h)], _pairs(args.tune_outer)
-    inner = [x.strip() for x in args.tune_inner_lr.split(",") if x.strip()]
-    args.tune_inner_lr = [x if x == "ddp" else float(x) for x in inner]
-    args.tune_error_decay = _floats(args.tune_error_decay)
     try:
-        args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        args.tune_seeds, args.final_seeds = _seeds(args.tune_seeds), _seeds(args.final_seeds)
     except ValueError:
-        p.error(f"--seeds {args.seeds!r} must be whole numbers, comma-separated")
+        p.error(
+            f"--tune-seeds {args.tune_seeds!r} / --final-seeds {args.final_seeds!r}: whole numbers, comma-separated"
+        )
+    args.task = dict(PROTOCOL["task"])
+    args.sync_every = {"sparse": SPARSE_OUTER["sync_every"], "dense": DENSE_OUTER["sync_every"]}
+    args.warmup, args.grid, args.demo_grid = PROTOCOL["warmup"], PROTOCOL["grid"], PROTOCOL["demo_lr"]
     if args.smoke:
-        for k, v in SMOKE.items():
-            setattr(args, k, v)
-    if args.rounds < 1:
-        p.error(f"--rounds {args.rounds} must be at least 1")
-    if not args.seeds or min(args.seeds) < 0:
-        p.error(f"--seeds {args.seeds} must be one or more whole numbers, 0 or more")
-    hs = [args.sync_every] if args.no_tune else args.tune_h
-    bad = [h for h in hs if h < 2 or args.steps % h or h % 2]
-    if bad:
-        p.error(f"H {bad} must be even (2 fragments) and divide --steps {args.steps}")
+        args.variants, args.workers, args.timeout = SMOKE["variants"], SMOKE["workers"], SMOKE["timeout"]
+        args.task = dict(SMOKE["task"])
+        args.sync_every = {"sparse": SMOKE["sync_every"], "dense": SMOKE["sync_every"]}
+        args.warmup, args.grid, args.demo_grid = SMOKE["warmup"], SMOKE["grid"], SMOKE["demo_lr"]
+        args.tune_seeds, args.final_seeds, args.rounds = SMOKE["tune_seeds"], SMOKE["final_seeds"], SMOKE["rounds"]
+    if not args.tune_seeds or not args.final_seeds or min(args.tune_seeds + args.final_seeds) < 0:
+        p.error("--tune-seeds and --final-seeds must each be one or more whole numbers, 0 or more")
+    shared = sorted(set(args.tune_seeds) & set(args.final_seeds))
+    if shared:
+        p.error(f"--final-seeds {shared} are tuning seeds too: a measured round must use a seed no tuning run used")
+    args.rounds = len(args.final_seeds) if args.rounds is None else args.rounds
+    if not 1 <= args.rounds <= len(args.final_seeds):
+        p.error(f"--rounds {args.rounds} must be 1 to {len(args.final_seeds)}: one fresh final seed a round")
+    if args.workers < 1:
+        p.error(f"--workers {args.workers} must be at least 1")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
     if not variants or unknown:
         p.error(f"--variants {args.variants!r}: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     args.variants = variants
+    bad = sorted({h for h in args.sync_every.values() if h < 2 or args.task["steps"] % h or h % 2})
+    if bad:
+        p.error(f"H {bad} must be even (2 fragments) and divide the steps {args.task['steps']}")
+    if args.json is None:
+        args.json = RESULTS / ("diloco_wan.json" if args.workers == 3 else f"diloco_wan_w{args.workers}.json")
     args.prefix = args.prefix or f"dlw{secrets.token_hex(2)}"  # concurrent runs must not share one
     return args
 
@@ -243,37 +271,28 @@ def say(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------- pure: configurations and verdicts
-def grid(kind: str | None, args: argparse.Namespace) -> list[dict]:
-    """The configurations tuned for a variant of this kind (one fixed one with --no-tune; none for None)."""
-    if kind is None:
-        return [{}]
-    if kind == "lr":
-        return [{"lr": args.lr}] if args.no_tune else [{"lr": lr} for lr in args.tune_lr]
-    if kind == "demo_lr":
-        return [{"lr": args.demo_lr}] if args.no_tune else [{"lr": lr} for lr in args.tune_demo_lr]
+def fixed(kind: str | None, args: argparse.Namespace) -> dict:
+    """A variant's untuned settings: DiLoCo's H and outer step for its kind (PROTOCOL["fixed_per_variant"])."""
+    if kind in ("sparse", "dense"):
+        return {**PROTOCOL["fixed_per_variant"][kind], "sync_every": args.sync_every[kind]}
+    return {}
+
+
+def grid(variant: str, args: argparse.Namespace) -> list[dict]:
+    """The configurations tuned for `variant`: the same lr x schedule grid for every variant (DeMo: its lr values),
+    each with the variant's fixed settings; one with --no-tune; none for the no-communication run (DDP's)."""
+    kind = VARIANTS[variant][1]
+    if variant == "local":
+        return []
+    lrs = args.demo_grid if kind == "demo" else args.grid["lr"]
     if args.no_tune:
-        fixed = {"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
-        return [{**fixed, "error_decay": args.error_decay} if kind == "sparse" else fixed]
-    inner = getattr(args, "tune_inner_lr", None) or ["ddp"]
-    decays = args.tune_error_decay if kind == "sparse" else [None]
-    return [
-        {
-            "sync_every": h,
-            "outer_lr": a,
-            "outer_momentum": m,
-            **({} if lr == "ddp" else {"lr": lr}),
-            **({} if beta is None else {"error_decay": beta}),
-        }
-        for h in args.tune_h
-        for a, m in args.tune_outer
-        for lr in inner
-        for beta in decays
-    ]
+        return [{**fixed(kind, args), "lr": args.demo_lr if kind == "demo" else args.lr, "schedule": args.schedule}]
+    return [{**fixed(kind, args), "lr": lr, "schedule": sch} for lr in lrs for sch in args.grid["schedule"]]
 
 
 def pick(runs: list[dict], tie: float = TIE) -> dict:
-    """The tuning run to keep: the lowest *tuning* loss; among those within `tie` of it, the fewest payload bytes
-    (then the first in grid order). Failed runs never win. Only "tune_loss" and "payload_bytes" are read."""
+    """The tuning configuration to keep: the lowest *tuning* loss; among those within `tie` of it, the fewest payload
+    bytes (then the first in grid order). Failed runs never win. Only "tune_loss" and "payload_bytes" are read."""
     ok = [r for r in runs if "error" not in r and r.get("tune_loss") is not None]
     if not ok:
         raise ValueError("every tuning run failed")
@@ -282,13 +301,16 @@ def pick(runs: list[dict], tie: float = TIE) -> dict:
     return min(near, key=lambda r: (r.get("payload_bytes") or 0, ok.index(r)))
 
 
-def script_args(args: argparse.Namespace, variant: str, params: dict, seed: int) -> list[str]:
-    """The script's arguments for one run of `variant` with `params` (lr, sync_every, outer_lr, outer_momentum,
-    error_decay) and `seed`."""
-    out = [*VARIANTS[variant][0], "--steps", str(args.steps), "--hidden", str(args.hidden)]
-    out += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--threads", str(args.threads)]
-    out += ["--val-batches", str(args.val_batches), "--seed", str(seed)]
-    for key in ("lr", "sync_every", "outer_lr", "outer_momentum", "error_decay"):
+def script_args(args: argparse.Namespace, variant: str, params: dict, seed: int, split: str) -> list[str]:
+    """The script's arguments for one run of `variant` with `params` (lr, schedule, sync_every, outer_lr,
+    outer_momentum, error_decay) and `seed`, evaluating the held-out `split` ("tune" or "test") only."""
+    if split not in ("tune", "test"):
+        raise ValueError(f"split {split!r}: tune or test")
+    out = list(VARIANTS[variant][0])
+    for key, value in args.task.items():
+        out += [f"--{key.replace('_', '-')}", str(value)]
+    out += ["--threads", str(args.threads), "--warmup", str(args.warmup), "--seed", str(seed), "--eval", split]
+    for key in ("lr", "schedule", "sync_every", "outer_lr", "outer_momentum", "error_decay"):
         if key in params:
             out += [f"--{key.replace('_', '-')}", str(params[key])]
     return out
@@ -409,6 +431,12 @@ def compare(ddp: dict, local: dict, r: dict, noise: dict, steps: int) -> dict:
     out["targets"] = {
         "bytes": _target(f">= {TARGET_BYTES_RATIO:g}x fewer bytes than DDP", bytes_ratio, TARGET_BYTES_RATIO, True),
         "loss": _target(f"<= {TARGET_LOSS_RATIO:g}x DDP's held-out loss", out["loss_ratio"], TARGET_LOSS_RATIO, False),
+        "loss_seed": _target(
+            f"no seed above {TARGET_LOSS_SEED:g}x DDP's held-out loss",
+            out["loss_paired"]["max"] if out["loss_paired"] else out["loss_ratio"],
+            TARGET_LOSS_SEED,
+            False,
+        ),
         "blocked": _target(
             f"< {TARGET_BLOCKED:.0%} of the training loop blocked in communication",
             out["blocked_share"],
@@ -671,13 +699,14 @@ class LinkTarget:
         return procs
 
 
-def run_variant(target, args: argparse.Namespace, variant: str, params: dict, seed: int) -> dict:
-    """One training run of `variant` with `params` and `seed` on `target`; returns its measurements."""
-    say(f"{variant} {params or ''} seed {seed}:")
+def run_variant(target, args: argparse.Namespace, variant: str, params: dict, seed: int, split: str) -> dict:
+    """One training run of `variant` with `params` and `seed` on `target`, evaluated on the held-out `split` only
+    ("tune": the test split is not loaded); returns its measurements."""
+    say(f"{variant} {params or ''} seed {seed}, {split} split:")
     before = target.counters()
     lines: list[str] = []
     t0 = time.monotonic()
-    argv = script_args(args, variant, params, seed)
+    argv = script_args(args, variant, params, seed, split)
     procs = target.start(argv)
 
     def pump(proc: subprocess.Popen) -> None:
@@ -713,6 +742,7 @@ def run_variant(target, args: argparse.Namespace, variant: str, params: dict, se
         "variant": variant,
         "params": params,
         "seed": seed,
+        "split": split,
         "exit_code": code,
         "wall_s": round(wall, 2),
         "wire_bytes_per_worker": {k: after[k] - before[k] for k in after},
@@ -735,7 +765,7 @@ def run_variant(target, args: argparse.Namespace, variant: str, params: dict, se
     result.update(
         {
             "train_loop_s": f.get("wall_s"),
-            "test_loss": f.get("test_loss", f.get("val_loss")),
+            "test_loss": f.get("test_loss"),  # None in a tuning run: its script never loaded the test split
             "tune_loss": f.get("tune_loss"),
             "payload_bytes_per_worker": f.get("bytes_sent"),
             "world_size": f.get("world_size"),
@@ -747,62 +777,75 @@ def run_variant(target, args: argparse.Namespace, variant: str, params: dict, se
     )
     if result["comm_blocked_s"] is not None and result["train_loop_s"]:
         result["blocked_share"] = result["comm_blocked_s"] / result["train_loop_s"]
-    m = re.search(r"\bparams=(\d+)", "\n".join(lines))
-    if m:
-        result["params_count"] = int(m.group(1))
+    for key in ("params", "train_tokens", "shard_tokens", "tokens_per_step"):
+        m = re.search(rf"\b{key}=(\d+)", "\n".join(lines))
+        if m:
+            result["params_count" if key == "params" else key] = int(m.group(1))
     say(f"{variant}: done in {wall:.1f} s, test loss {result['test_loss']}, tuning loss {result['tune_loss']}")
     return result
 
 
 def tune(args: argparse.Namespace) -> dict:
-    """Phase 1: every variant's configuration chosen on the tuning split (loopback). {"runs", "chosen"}."""
+    """Phase 1: every variant's configuration chosen on the tuning split, with the tuning seeds (loopback).
+
+    Returns {"split", "seeds", "runs", "chosen"}: a record per run (its seed, configuration, tuning loss, bytes)
+    and the choice. No run reads the test split (``--eval tune``).
+    """
     target = LoopbackTarget(args.workers)
     runs: dict[str, list[dict]] = {}
     chosen: dict[str, dict] = {}
-    inner_lr = args.lr
-    order = sorted(args.variants, key=lambda v: v != "ddp")  # DDP first: the others' inner lr is its choice
-    for variant in order:
-        kind = VARIANTS[variant][1]
-        if kind is None:
+    edges: dict[str, str] = {}  # a choice at the grid's edge: the best lr may lie outside it
+    for variant in args.variants:
+        configs = grid(variant, args)
+        if not configs:
             continue
-        configs = grid(kind, args)
-        if kind in ("outer", "sparse"):  # inner lr: the grid's, else DDP's choice
-            configs = [{**c, "lr": c.get("lr", inner_lr)} for c in configs]
-            configs = [c for i, c in enumerate(configs) if c not in configs[:i]]  # "ddp" may repeat a value
-        if len(configs) == 1:  # nothing to choose between: no tuning run
+        if len(configs) == 1:  # nothing to choose between (--no-tune): no tuning run
             chosen[variant] = configs[0]
             continue
         runs[variant] = []
+        scored = []
         for params in configs:
-            res = run_variant(target, args, variant, params, args.seeds[0])
-            record = {k: res.get(k) for k in ("params", "tune_loss", "payload_bytes_per_worker", "exit_code", "error")}
-            record["payload_bytes"] = record.pop("payload_bytes_per_worker")
-            runs[variant].append({k: v for k, v in record.items() if v is not None})  # no test loss: never read
-        chosen[variant] = pick(runs[variant])["params"]
-        if variant == "ddp":
-            inner_lr = chosen["ddp"]["lr"]
+            records = []
+            for seed in args.tune_seeds:
+                res = run_variant(target, args, variant, params, seed, "tune")
+                keep = ("seed", "params", "tune_loss", "payload_bytes_per_worker", "exit_code", "error")
+                record = {k: res.get(k) for k in keep}
+                record["payload_bytes"] = record.pop("payload_bytes_per_worker")
+                records.append({k: v for k, v in record.items() if v is not None})
+            runs[variant] += records
+            losses = [r.get("tune_loss") for r in records]
+            failed = next((r["error"] for r in records if "error" in r), None)
+            score = {"params": params, "payload_bytes": records[0].get("payload_bytes")}
+            if failed or None in losses:
+                score["error"] = failed or "no tuning loss"
+            else:
+                score["tune_loss"] = statistics.mean(losses)
+            scored.append(score)
+        chosen[variant] = pick(scored)["params"]
+        lrs = sorted({c["lr"] for c in configs})
+        if len(lrs) > 1 and chosen[variant]["lr"] in (lrs[0], lrs[-1]):
+            side = "lowest" if chosen[variant]["lr"] == lrs[0] else "highest"
+            edges[variant] = f"lr {chosen[variant]['lr']:g} is the grid's {side}"
         say(f"{variant}: chose {chosen[variant]} on the tuning split")
-    if "local" in args.variants:
-        chosen["local"] = {"lr": inner_lr}
-    for variant in args.variants:  # DiLoCo variants without a grid still train with DDP's lr
-        chosen.setdefault(variant, {})
-        if VARIANTS[variant][1] in ("outer", "sparse"):
-            chosen[variant].setdefault("lr", inner_lr)
+    if "local" in args.variants and "ddp" in chosen:
+        chosen["local"] = {k: v for k, v in chosen["ddp"].items() if k in ("lr", "schedule")}
     return {
-        "split": "tuning (10 % of the corpus, between the training and the test split)",
+        "split": "tuning (the stdlib files whose path hashes to the tuning tenth)",
+        "seeds": list(args.tune_seeds),
         "runs": runs,
         "chosen": chosen,
+        "at_grid_edge": edges,
     }
 
 
 def run_rounds(target, args: argparse.Namespace, chosen: dict[str, dict]) -> dict[str, dict]:
-    """Phase 2: every variant once per round, the order reversed every other round (the machine's load drifts);
-    round i trains every variant with seed ``args.seeds[i % len]``."""
+    """Phase 2: every variant once per round on the test split, the order reversed every other round (the
+    machine's load drifts); round i trains every variant with final seed i."""
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     for i in range(args.rounds):
-        seed = args.seeds[i % len(args.seeds)]
+        seed = args.final_seeds[i]
         for variant in args.variants if i % 2 == 0 else args.variants[::-1]:
-            runs[variant].append(run_variant(target, args, variant, chosen.get(variant, {}), seed))
+            runs[variant].append(run_variant(target, args, variant, chosen.get(variant, {}), seed, "test"))
     return {v: aggregate(r) for v, r in runs.items()}
 
 
@@ -828,12 +871,14 @@ def summary(cfg: dict, res: dict[str, dict], comps: dict[str, dict], noise: dict
         else f"over meshrun: {cfg['workers']} workers in {cfg['workers']} datacenters + coordinator, every internet "
         f"link {cfg['rate_mbit']} Mbit/s, wireguard-go overlay"
     )
+    task = cfg["task"]
     lines = [
-        f"DiLoCo / SparseLoCo / DeMo variants vs DDP {where}",
-        f"model: char GRU hidden {cfg['hidden']} ({params} params), {cfg['steps']} steps x "
-        f"{cfg['batch_size']}x{cfg['seq_len']} tokens per worker ({cfg['tokens_total']:,} tokens in all); "
-        f"{cfg['rounds']} round(s), seeds {cfg['seeds']} by round, medians (min-max); hyperparameters "
-        + ("as given (--no-tune)" if cfg["no_tune"] else "chosen on the tuning split"),
+        f"SparseLoCo / DiLoCo variants vs DDP {where}",
+        f"model: byte-level transformer {task['hidden']} wide, {task['layers']} blocks ({params} params) on the Python "
+        f"stdlib source, {task['steps']} steps x {task['batch_size']}x{task['seq_len']} tokens per worker "
+        f"({cfg['tokens_total']:,} tokens in all, each trained on once); {cfg['rounds']} round(s), final seeds "
+        f"{cfg['final_seeds'][: cfg['rounds']]} by round, medians (min-max); hyperparameters "
+        + ("as given (--no-tune)" if cfg["no_tune"] else f"chosen on the tuning split, seeds {cfg['tune_seeds']}"),
         f"{'variant':<14}{'wall e2e s':>20}{'loop s':>20}{'wire/worker':>14}{'payload':>12}{'test loss':>10}"
         f"{'blocked':>21}  chosen",
     ]
@@ -894,30 +939,10 @@ def main(argv: list[str] | None = None) -> int:
     specs = [DatacenterSpec(COORD_DC, rate_mbit=args.rate_mbit)] + [
         DatacenterSpec(dc, rate_mbit=args.rate_mbit) for dc in worker_dcs
     ]
-    cfg = {
-        k: getattr(args, k)
-        for k in (
-            "workers",
-            "rate_mbit",
-            "steps",
-            "hidden",
-            "batch_size",
-            "seq_len",
-            "threads",
-            "variants",
-            "local",
-            "rounds",
-            "no_tune",
-            "tune_lr",
-            "tune_demo_lr",
-            "tune_h",
-            "tune_error_decay",
-            "seeds",
-            "smoke",
-        )
-    }
-    cfg["tune_outer"] = [list(p) for p in args.tune_outer]
-    cfg["tokens_total"] = args.steps * args.batch_size * args.seq_len * args.workers
+    keys = ("workers", "rate_mbit", "threads", "variants", "local", "rounds", "no_tune", "smoke", "task", "warmup")
+    cfg = {k: getattr(args, k) for k in (*keys, "tune_seeds", "final_seeds", "grid", "demo_grid", "sync_every")}
+    cfg["steps"] = args.task["steps"]
+    cfg["tokens_total"] = args.task["steps"] * args.task["batch_size"] * args.task["seq_len"] * args.workers
     load_at_start = os.getloadavg()[0]
     t_start = time.monotonic()
     tuning = tune(args)
@@ -945,14 +970,16 @@ def main(argv: list[str] | None = None) -> int:
     comps = {}
     if {"ddp", "local"} <= set(results):
         comps = {
-            v: compare(results["ddp"], results["local"], results[v], noise, args.steps)
+            v: compare(results["ddp"], results["local"], results[v], noise, args.task["steps"])
             for v in results
             if v not in ("ddp", "local")
         }
     text, one = summary(cfg, results, comps, noise)
     report = {
         "benchmark": "diloco_wan",
-        "format": 2,  # 2: tuned on the tuning split, held-out test loss, blocked time (benchmarks/readme_figures.py)
+        # 2: tuned on the tuning split, held-out test loss, blocked time; 3: the fixed protocol (issue 38)
+        "format": 3,
+        "protocol": PROTOCOL if not args.smoke else {**PROTOCOL, "smoke": True},
         "command": " ".join(["sudo python benchmarks/diloco_wan.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {
@@ -966,6 +993,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {
             "bytes_ratio_min": TARGET_BYTES_RATIO,
             "loss_ratio_max": TARGET_LOSS_RATIO,
+            "loss_ratio_seed_max": TARGET_LOSS_SEED,
             "blocked_share_max": TARGET_BLOCKED,
             "wall_ratio_vs_local_max": TARGET_WALL_RATIO,
             "baseline_spread_max": BASELINE_SPREAD_MAX,

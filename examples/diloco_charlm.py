@@ -35,7 +35,25 @@ its signum step; --demo-compression, --demo-density).
 
 The corpus is split three ways: the first 80 % trains, the next 10 % is the *tuning* split (choose
 hyperparameters on tune_loss) and the last 10 % the *test* split, never tuned on (test_loss, also
-printed as val_loss).
+printed as val_loss). ``--eval tune`` reads the tuning split only: the test split is then not even loaded
+(what a tuning run must do; val_loss is then the tuning loss).
+
+Two corpora and two models:
+
+- ``--data PATH`` (default: examples/data/tiny_corpus.txt, 180 KB of templated text): character ids, random
+  windows (a worker sees its shard many times over), ``--model gru``: the quick smoke-test task.
+- ``--data stdlib``: the Python standard library's own source, from the interpreter that runs the script
+  (every machine that has Python has it: about 31 MB of .py files in 3.11), byte tokens (vocabulary 256).
+  Each file goes to one split by a hash of its path (80 / 10 / 10: no file is in two splits), and every
+  worker reads its shard of the training split *once*, in an order the seed picks: a token is never trained
+  on twice by a worker, so nothing can be memorised. A run that would need more windows than its shard has
+  stops before training with the numbers. With ``--model transformer`` (a small decoder-only, pre-norm
+  transformer: ``--hidden`` wide, ``--layers`` blocks, ``--heads`` heads) this is the task
+  benchmarks/diloco_wan.py measures.
+
+``--schedule constant|cosine`` with ``--warmup W``: the inner learning rate rises linearly over the first W
+steps, then stays (constant) or follows a cosine to 10 % of ``--lr`` at ``--steps`` (cosine); DDP, the
+local baseline, DiLoCo's inner optimizer and DeMo alike.
 
 Rank 0 prints one line per sync (diloco) or per --sync-every steps (ddp, local):
     outer_step 3 step=150 train_loss=0.4321 bytes_sent=123456
@@ -55,9 +73,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import math
 import os
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -74,6 +94,9 @@ except ImportError:  # run from a checkout without installing meshrun
     from meshrun.train.diloco import AUTO, COMPRESSIONS, DiLoCo, default_backend, state_digest
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
+STDLIB = "stdlib"  # --data stdlib: the running interpreter's standard library source, byte tokens
+SPLITS = ("train", "tune", "test")
+COSINE_FLOOR = 0.1  # a cosine schedule ends at this share of --lr
 
 
 class CharGRU(nn.Module):
@@ -88,6 +111,30 @@ class CharGRU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.gru(self.embed(x))
         return self.head(out)
+
+
+class ByteTransformer(nn.Module):
+    """Decoder-only transformer: token and learned position embeddings, pre-norm causal blocks, a linear head."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+        block = nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        # An encoder stack with a causal mask is a decoder-only model (no cross-attention to drop).
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        h = self.tokens(x) + self.positions.weight[:n]
+        # Made per call, not kept as a buffer: DiLoCo averages a model's floating-point buffers at every sync.
+        causal = nn.Transformer.generate_square_subsequent_mask(n, device=x.device)
+        h = self.blocks(h, mask=causal, is_causal=True)
+        return self.head(self.norm(h))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -125,7 +172,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--model", choices=["gru", "transformer"], default="gru")
+    p.add_argument("--hidden", type=int, default=128, help="GRU width, or the transformer's model width")
+    p.add_argument("--layers", type=int, default=2, help="GRU layers, or transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="transformer attention heads (divides --hidden)")
+    p.add_argument(
+        "--eval",
+        default="tune,test",
+        help="held-out splits to evaluate at the end, comma-separated: tune, test [tune,test]; "
+        "a split not named is not loaded",
+    )
+    p.add_argument("--schedule", choices=["constant", "cosine"], default="constant", help="inner lr schedule")
+    p.add_argument("--warmup", type=int, default=0, help="inner steps of linear lr warm-up [0]")
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -135,7 +193,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU threads per worker [0: the node's cores / its local workers]; set it when "
         "several nodes share one machine (e.g. the namespace testbed)",
     )
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument(
+        "--data", default=str(DEFAULT_DATA), help=f"a UTF-8 text file, or '{STDLIB}' [examples/data/tiny_corpus.txt]"
+    )
     p.add_argument(
         "--step-time",
         type=float,
@@ -144,24 +204,86 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "CPU-only testbed [0: no padding]",
     )
     args = p.parse_args(argv)
-    for name in ("steps", "sync_every", "fragments", "batch_size", "seq_len", "hidden", "val_batches"):
+    for name in (
+        "steps",
+        "sync_every",
+        "fragments",
+        "batch_size",
+        "seq_len",
+        "hidden",
+        "layers",
+        "heads",
+        "val_batches",
+    ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     if args.threads < 0:
         p.error(f"--threads={args.threads} must be 0 (automatic) or more")
     if args.step_time < 0:
         p.error(f"--step-time={args.step_time} must be 0 (no padding) or more")
+    if args.warmup < 0:
+        p.error(f"--warmup={args.warmup} must be 0 (none) or more steps")
+    if args.model == "transformer" and args.hidden % args.heads:
+        p.error(f"--heads={args.heads} must divide --hidden={args.hidden}")
+    args.eval = [x.strip() for x in args.eval.split(",") if x.strip()]
+    bad = [x for x in args.eval if x not in SPLITS[1:]]
+    if bad or not args.eval:
+        p.error(f"--eval={','.join(args.eval) or '(empty)'}: name one or both of tune, test")
+    if args.data != STDLIB:
+        args.data = Path(args.data)
+        if not args.data.is_file():
+            p.error(f"--data={args.data}: no such file; give a UTF-8 text file or '{STDLIB}'")
     return args
 
 
-def load_corpus(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Encode the text as character ids; returns (train 80 %, tuning 10 %, test 10 %, vocabulary size)."""
-    text = path.read_text(encoding="utf-8")
+def lr_at(step: int, base: float, warmup: int, total: int, schedule: str) -> float:
+    """The inner learning rate of 1-based ``step``: linear warm-up over ``warmup`` steps, then ``base`` (constant)
+    or a cosine from ``base`` at the warm-up's end to COSINE_FLOOR * ``base`` at ``total``."""
+    scale = min(1.0, step / warmup) if warmup else 1.0
+    if schedule == "cosine":
+        done = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
+        scale *= COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * done))
+    return base * scale
+
+
+def stdlib_split(relpath: str) -> str:
+    """The split of a standard-library file, by a hash of its path: train 80 %, tune 10 %, test 10 %."""
+    bucket = int.from_bytes(hashlib.sha256(relpath.encode()).digest()[:4], "big") % 10
+    return "train" if bucket < 8 else "tune" if bucket == 8 else "test"
+
+
+def stdlib_files() -> list[tuple[str, Path]]:
+    """(path relative to the stdlib, path) of every .py file of the running interpreter's standard library, sorted
+    (installed packages excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] not in ("site-packages", "dist-packages"):
+            found.append((rel.as_posix(), path))
+    return sorted(found)
+
+
+def load_corpus(data: Path | str, splits: tuple[str, ...] = SPLITS) -> tuple[dict[str, torch.Tensor], int]:
+    """The corpus's ``splits`` as token ids, and the vocabulary size; a split not asked for is not read.
+
+    A text file: character ids, cut 80 / 10 / 10 in order. ``STDLIB``: byte ids (uint8), files split by
+    ``stdlib_split``, concatenated in path order with a NUL byte between files.
+    """
+    if data == STDLIB:
+        parts: dict[str, list[bytes]] = {s: [] for s in splits}
+        for rel, path in stdlib_files():
+            split = stdlib_split(rel)
+            if split in parts:
+                parts[split].append(path.read_bytes())
+        return {s: torch.frombuffer(bytearray(b"\0".join(parts[s])), dtype=torch.uint8) for s in splits}, 256
+    text = Path(data).read_text(encoding="utf-8")
     vocab = sorted(set(text))
     index = {c: i for i, c in enumerate(vocab)}
     ids = torch.tensor([index[c] for c in text], dtype=torch.long)
     a, b = int(len(ids) * 0.8), int(len(ids) * 0.9)
-    return ids[:a], ids[a:b], ids[b:], len(vocab)
+    cut = {"train": ids[:a], "tune": ids[a:b], "test": ids[b:]}
+    return {s: cut[s] for s in splits}, len(vocab)
 
 
 def batches(shard: torch.Tensor, batch: int, seq: int, gen: torch.Generator, device: torch.device):
@@ -172,6 +294,21 @@ def batches(shard: torch.Tensor, batch: int, seq: int, gen: torch.Generator, dev
         yield window[:, :-1], window[:, 1:]
 
 
+def windows(shard: torch.Tensor, seq: int) -> int:
+    """How many disjoint ``seq``-token windows (each with its next-token targets) ``shard`` holds."""
+    return max(0, (len(shard) - 1) // seq)
+
+
+def single_pass(shard: torch.Tensor, batch: int, seq: int, gen: torch.Generator, device: torch.device, skip: int):
+    """This worker's shard once, as disjoint windows in an order ``gen`` draws: every target token is trained on at
+    most once. Starts after ``skip`` batches (a resumed worker does not replay them); ends when the shard does."""
+    order = torch.randperm(windows(shard, seq), generator=gen)
+    for first in range(skip * batch, len(order) - batch + 1, batch):
+        starts = (order[first : first + batch] * seq).tolist()
+        window = torch.stack([shard[s : s + seq + 1] for s in starts]).to(device=device, dtype=torch.long)
+        yield window[:, :-1], window[:, 1:]
+
+
 @torch.no_grad()
 def validate(model: nn.Module, val: torch.Tensor, n_batches: int, batch: int, seq: int, device: torch.device) -> float:
     """Mean cross-entropy over fixed, evenly spaced validation windows (same for every run)."""
@@ -179,7 +316,7 @@ def validate(model: nn.Module, val: torch.Tensor, n_batches: int, batch: int, se
     starts = torch.linspace(0, len(val) - seq - 2, n_batches * batch).long()
     losses = []
     for chunk in starts.split(batch):
-        window = torch.stack([val[s : s + seq + 1] for s in chunk.tolist()]).to(device)
+        window = torch.stack([val[s : s + seq + 1] for s in chunk.tolist()]).to(device=device, dtype=torch.long)
         logits = model(window[:, :-1])
         losses.append(nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten()).item())
     model.train()
@@ -202,12 +339,25 @@ def main(argv: list[str] | None = None) -> None:
         # gloo everywhere in a --mixed-accelerators job (CUDA, ROCm and CPU workers together), else nccl on GPUs
         dist.init_process_group(default_backend())
 
-    train, tune, test, vocab = load_corpus(args.data)
+    # The held-out splits named by --eval are read now (a file read is no collective: fine before training).
+    corpus, vocab = load_corpus(args.data, ("train", *args.eval))
+    train = corpus["train"]
     shard_len = len(train) // world
     shard = train[rank * shard_len : (rank + 1) * shard_len]  # each worker sees only its own shard
+    once = args.data == STDLIB
+    if once and windows(shard, args.seq_len) < args.steps * args.batch_size:
+        raise SystemExit(
+            f"diloco_charlm.py: --steps {args.steps} x --batch-size {args.batch_size} needs "
+            f"{args.steps * args.batch_size} windows of {args.seq_len} tokens, but a worker's shard of the stdlib "
+            f"corpus ({len(shard)} tokens, {world} workers) holds {windows(shard, args.seq_len)}: lower --steps or "
+            "--batch-size, or train on fewer workers"
+        )
 
     torch.manual_seed(args.seed)
-    model = CharGRU(vocab, embed=64, hidden=args.hidden, layers=2).to(device)
+    if args.model == "transformer":
+        model: nn.Module = ByteTransformer(vocab, args.hidden, args.layers, args.heads, args.seq_len).to(device)
+    else:
+        model = CharGRU(vocab, embed=64, hidden=args.hidden, layers=args.layers).to(device)
     numel = sum(p.numel() for p in model.parameters())
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
     net: nn.Module = model
@@ -247,8 +397,13 @@ def main(argv: list[str] | None = None) -> None:
     log_every = args.sync_every or 20
     first = opt.step_count + 1 if isinstance(opt, DiLoCo) else 1
     # A resumed worker must not replay the batches of the steps before it: the stream depends on `first`.
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1 + 1_000_003 * (first - 1))
-    data = batches(shard, args.batch_size, args.seq_len, gen, device)
+    if once:
+        gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
+        data = single_pass(shard, args.batch_size, args.seq_len, gen, device, skip=first - 1)
+    else:
+        gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1 + 1_000_003 * (first - 1))
+        data = batches(shard, args.batch_size, args.seq_len, gen, device)
+    scheduled = opt if isinstance(opt, DeMo) else inner  # whose learning rate the schedule sets
 
     def bytes_sent(steps: int) -> int:
         if isinstance(opt, (DiLoCo, DeMo)):
@@ -271,7 +426,9 @@ def main(argv: list[str] | None = None) -> None:
             extra = ""
         print(
             f"start mode={args.mode} world_size={world} params={numel} steps={args.steps} first_step={first}"
-            f"{extra} device={device.type}",
+            f"{extra} model={args.model} data={'stdlib' if once else 'file'} train_tokens={len(train)} "
+            f"shard_tokens={len(shard)} tokens_per_step={args.batch_size * args.seq_len} "
+            f"schedule={args.schedule} warmup={args.warmup} device={device.type}",
             flush=True,
         )
     t0 = time.perf_counter()
@@ -279,6 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(first, args.steps + 1):
         started = time.perf_counter()
         x, y = next(data)
+        for group in scheduled.param_groups:
+            group["lr"] = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
         loss = nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten())
         loss.backward()
         syncs = opt.sync_count if isinstance(opt, DiLoCo) else 0
@@ -306,8 +465,13 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter() - t0
 
     if rank == 0:
-        tune_loss = validate(model, tune, args.val_batches, args.batch_size, args.seq_len, device)
-        test_loss = validate(model, test, args.val_batches, args.batch_size, args.seq_len, device)
+        held_out = {
+            f"{split}_loss": validate(model, corpus[split], args.val_batches, args.batch_size, args.seq_len, device)
+            for split in args.eval
+        }
+        # val_loss: the test loss, or the tuning loss in a run that reads no test split (--eval tune)
+        val_loss = held_out.get("test_loss", held_out.get("tune_loss"))
+        losses = " ".join(f"{k}={v:.4f}" for k, v in held_out.items())
         extra = ""
         if isinstance(opt, DiLoCo):
             extra = (
@@ -318,10 +482,9 @@ def main(argv: list[str] | None = None) -> None:
             extra = f" comm_blocked_s={opt.comm_blocked_s:.4f} per_step={opt.payload_bytes_per_step}"
         ddp_bytes = 4 * numel * args.steps if world > 1 else 0
         print(
-            f"final val_loss={test_loss:.4f} bytes_sent={bytes_sent(args.steps)} tune_loss={tune_loss:.4f} "
-            f"test_loss={test_loss:.4f} wall_s={wall:.3f} "
+            f"final val_loss={val_loss:.4f} bytes_sent={bytes_sent(args.steps)} {losses} wall_s={wall:.3f} "
             f"mode={args.mode} world_size={world} steps={args.steps}{extra} ddp_bytes={ddp_bytes} "
-            f"ppl={math.exp(test_loss):.2f}",
+            f"ppl={math.exp(val_loss):.2f} eval={','.join(args.eval)}",
             flush=True,
         )
     if world > 1:

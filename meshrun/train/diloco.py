@@ -156,12 +156,12 @@ from torch import nn
 from meshrun.core import presets
 from meshrun.errors import StateError, UsageError
 from meshrun.train import snapshots
-from meshrun.train.compress import DEFAULT_DENSITY, SparseCodec, make_codec
+from meshrun.train.compress import DEFAULT_DENSITY, SharedSparse, SparseCodec, make_codec
 from meshrun.train.sites import SiteGroups, all_gather_single
 from meshrun.train.snapshots import auto_snapshot_dir, state_digest
 
 AUTO = "auto"
-COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp8", "fp4", "int2", "sparse-fp4", "sparse-int2")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp8", "fp4", "int2", "sparse-fp4", "sparse-int2", "sparse-shared")
 DEFAULT_SYNC_EVERY = 100  # H when neither the script nor the job's preset gives one (the paper's low end)
 DEFAULT_OUTER_LR = 0.7  # the DiLoCo paper's outer Nesterov step
 DEFAULT_OUTER_MOMENTUM = 0.9
@@ -412,6 +412,11 @@ class DiLoCo:
                     f"sites={sites.layout.sites} are not two or more sites of equal size",
                     "give every site as many ranks, or drop sites= (DiLoCo then averages over every rank)",
                 )
+            if isinstance(self._codec, SharedSparse):
+                raise UsageError(
+                    "compression='sparse-shared' is not supported with sites= yet",
+                    "use compression='sparse-int2' with sites=, or drop sites=",
+                )
             process_group = sites.world
         self._sites = sites
         self.process_group = process_group
@@ -577,14 +582,25 @@ class DiLoCo:
         parts = []
         nbytes = 0
         dev = self._comm_device
-        for bucket in self._make_buckets(indices):
+        if isinstance(self._codec, SharedSparse):
+            part, nbytes = self._start_shared(indices)
+            parts.append(part)
+        gathers: list[tuple[list[int], Any, torch.Tensor, torch.Tensor]] = []
+        for bucket in self._make_buckets(indices) if not parts else []:
             dtype = self._compute_dtype(self._params[bucket[0]])
             flat = torch.cat(
                 [(self._global[i].to(dtype) - self._params[i].to(device=dev, dtype=dtype)).reshape(-1) for i in bucket]
             )
+            if self._codec is not None and self._sites is None:
+                codec = self._codec_for(bucket)
+                gathers.append((bucket, codec, self._encode(codec, flat, bucket), flat))
+                continue
             work, finish, sent = self._start_average(flat, bucket)
             parts.append((bucket, work, finish))
             nbytes += sent
+        if gathers:
+            parts.extend(self._start_gather_payloads(gathers))
+            nbytes += sum(payload.numel() for _, _, payload, _ in gathers)
         buffer_part = None
         if 0 in fragments and self._buffers and self.world_size > 1:
             # Buffers are averaged in their own dtype (no outer optimizer, no compression).
@@ -595,37 +611,106 @@ class DiLoCo:
         return _InFlight(fragments, indices, due, parts, buffer_part, nbytes if self.world_size > 1 else 0)
 
     def _start_average(self, flat: torch.Tensor, bucket: list[int]) -> tuple[Any, Callable[[], torch.Tensor], int]:
-        """Start averaging ``flat`` as configured: (handle or None, read the result, bytes contributed)."""
+        """Start averaging ``flat`` by all-reduce (or per site): (handle or None, read the result, bytes contributed).
+
+        The gathered formats go through ``_encode`` and ``_start_gather_payloads`` instead: one collective per sync.
+        """
         if self._sites is not None:
             return self._start_site_average(flat, bucket)
         world, group = self.world_size, self.process_group
-        if self._codec is None:
-            wire = flat if self.compression == "none" else (flat / world).to(_WIRE_DTYPE[self.compression])
-            work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True) if world > 1 else None
-            if self.compression == "none":
-                return work, lambda: wire / world, wire.numel() * wire.element_size()
-            return work, lambda: wire.to(flat.dtype), wire.numel() * wire.element_size()
+        wire = flat if self.compression == "none" else (flat / world).to(_WIRE_DTYPE[self.compression])
+        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True) if world > 1 else None
+        if self.compression == "none":
+            return work, lambda: wire / world, wire.numel() * wire.element_size()
+        return work, lambda: wire.to(flat.dtype), wire.numel() * wire.element_size()
+
+    def _carry(self, flat: torch.Tensor, bucket: list[int]) -> None:
+        """Add the (decayed) error feedback of ``bucket`` to its pseudo-gradient ``flat``, in place."""
         assert self._error_feedback is not None
-        codec = self._codec_for(bucket)
         carried = torch.cat([self._error_feedback[i].to(flat.dtype).reshape(-1) for i in bucket])
         flat += carried if self.error_decay == 1 else self.error_decay * carried
-        payload, approx = codec.encode(flat)
-        residual = flat - approx
+
+    def _keep_residual(self, residual: torch.Tensor, bucket: list[int]) -> None:
+        """Store what was not sent of ``bucket`` (flat, in bucket order) as its error feedback."""
+        assert self._error_feedback is not None
         offset = 0
         for i in bucket:
             ef = self._error_feedback[i]
             ef.copy_(residual[offset : offset + ef.numel()].view_as(ef))
             offset += ef.numel()
+
+    def _encode(self, codec: Any, flat: torch.Tensor, bucket: list[int]) -> torch.Tensor:
+        """A gathered format's payload for ``flat`` (error feedback added, the residual kept)."""
+        self._carry(flat, bucket)
+        payload, approx = codec.encode(flat)
+        self._keep_residual(flat - approx, bucket)
+        return payload
+
+    def _start_gather_payloads(
+        self, gathers: list[tuple[list[int], Any, torch.Tensor, torch.Tensor]]
+    ) -> list[tuple[list[int], Any, Callable[[], torch.Tensor]]]:
+        """One ``all_gather`` of every bucket's payload, concatenated (a collective per bucket would pay its
+        framing per bucket: the vectors' is larger than their payload); one part per bucket, the handle on the
+        first (``_merge`` waits for it before reading any)."""
+        world, group = self.world_size, self.process_group
+        payload = torch.cat([p for _, _, p, _ in gathers])
         gathered = [torch.empty_like(payload) for _ in range(world)] if world > 1 else [payload]
         work = dist.all_gather(gathered, payload, group=group, async_op=True) if world > 1 else None
+        parts = []
+        offset = 0
+        for bucket, codec, mine, flat in gathers:
+            lo, hi = offset, offset + mine.numel()
+            offset = hi
+
+            def average(codec: Any = codec, lo: int = lo, hi: int = hi, flat: torch.Tensor = flat) -> torch.Tensor:
+                total = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+                for part in gathered:  # fixed rank order: identical result on every worker
+                    # a copy: a slice at an odd offset cannot be viewed as its bf16 / fp32 scales
+                    total += codec.decode(part[lo:hi].clone(), flat.numel())
+                return (total / world).to(flat.dtype)
+
+            parts.append((bucket, work if not parts else None, average))
+        return parts
+
+    def _start_shared(self, indices: list[int]) -> tuple[tuple[list[int], Any, Callable[[], torch.Tensor]], int]:
+        """sparse-shared (``SharedSparse``): the leader of this sync (sync count mod world size) broadcasts its
+        selection, then every worker's codes are all-reduced (asynchronously). Returns (the part, bytes sent)."""
+        codec = self._codec
+        assert isinstance(codec, SharedSparse)
+        dev, world, group = self._comm_device, self.world_size, self.process_group
+        mats = [i for i in indices if self._params[i].dim() > 1]
+        vecs = [i for i in indices if self._params[i].dim() <= 1]
+
+        def pseudo(bucket: list[int]) -> torch.Tensor:
+            if not bucket:
+                return torch.zeros(0, dtype=torch.float32, device=dev)
+            flat = torch.cat(
+                [
+                    (self._global[i].float() - self._params[i].to(device=dev, dtype=torch.float32)).reshape(-1)
+                    for i in bucket
+                ]
+            )
+            self._carry(flat, bucket)
+            return flat
+
+        matrices, vectors = pseudo(mats), pseudo(vecs)
+        leader = self.sync_count % world
+        if self.rank == leader:
+            header = codec.header(matrices, vectors)
+        else:
+            header = torch.empty(codec.header_bytes(matrices.numel(), vectors.numel()), dtype=torch.uint8, device=dev)
+        if world > 1:  # the codes depend on the leader's choice: wait for it (counted as blocked)
+            self._wait(dist.broadcast(header, src=self._global_rank(leader), group=group, async_op=True))
+        codes, sent_m, sent_v = codec.contribution(header, matrices, vectors, world)
+        self._keep_residual(matrices - sent_m, mats)
+        self._keep_residual(vectors - sent_v, vecs)
+        work = dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=group, async_op=True) if world > 1 else None
 
         def average() -> torch.Tensor:
-            total = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-            for part in gathered:  # fixed rank order: identical result on every worker
-                total += codec.decode(part, flat.numel())
-            return (total / world).to(flat.dtype)
+            return codec.average(header, codes, matrices.numel(), world)
 
-        return work, average, payload.numel()
+        nbytes = codes.numel() * codes.element_size() + (header.numel() if self.rank == leader else 0)
+        return (mats + vecs, work, average), nbytes
 
     def _start_site_average(self, flat: torch.Tensor, bucket: list[int]) -> tuple[Any, Callable[[], torch.Tensor], int]:
         """Site mode: this rank's shard of ``flat`` averaged across sites; reading it all-gathers the site."""

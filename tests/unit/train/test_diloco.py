@@ -33,6 +33,9 @@ from meshrun.train.compress import (
     FP8_BLOCK,
     INT2_BLOCK,
     INT8_CHUNK,
+    SHARED_BLOCK,
+    SHARED_CLIP,
+    SharedSparse,
     SparseCodec,
     dequantize_fp4,
     dequantize_int2,
@@ -186,7 +189,7 @@ def _sc_resume(rank: int, world: int) -> dict:
 
 def _sc_compression(rank: int, world: int) -> dict:
     out = {}
-    for comp in ("none", "fp16", "bf16", "int8", "fp8", "fp4", "int2", "sparse-int2", "sparse-fp4"):
+    for comp in ("none", "fp16", "bf16", "int8", "fp8", "fp4", "int2", "sparse-int2", "sparse-fp4", "sparse-shared"):
         model = _mlp(0)
         opt = DiLoCo(
             model,
@@ -206,6 +209,37 @@ def _sc_compression(rank: int, world: int) -> dict:
             "blocked": opt.comm_blocked_s,
             "sync_s": opt.sync_s,
         }
+    return out
+
+
+def _sc_one_collective(rank: int, world: int) -> dict:
+    """The collectives one sync of a gathered or summed format starts (no state check: its digest gather is
+    another collective, of 8 bytes)."""
+    out = {}
+    for comp in ("sparse-int2", "sparse-shared", "fp4"):
+        model = _mlp(0)
+        opt = DiLoCo(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every=2, compression=comp, check_state=False
+        )
+        calls: list[str] = []
+        originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce", "broadcast")}
+
+        def counting(name: str):
+            def call(*args, **kw):
+                calls.append(name)
+                return originals[name](*args, **kw)
+
+            return call
+
+        _train(model, opt, range(1), rank)
+        for name in originals:
+            setattr(dist, name, counting(name))
+        try:
+            opt.sync_now()
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        out[comp] = calls
     return out
 
 
@@ -374,6 +408,7 @@ SCENARIOS = {
         _sc_ef,
         _sc_resume,
         _sc_compression,
+        _sc_one_collective,
         _sc_buffers,
         _sc_streaming,
         _sc_overlap_runs_in_background,
@@ -420,7 +455,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def world3(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return _spawn(
         3,
-        ["math_sgd", "math_nesterov", "ef", "streaming", "state_check", "compression", "blocked"],
+        ["math_sgd", "math_nesterov", "ef", "streaming", "state_check", "compression", "one_collective", "blocked"],
         str(tmp_path_factory.mktemp("w3")),
     )
 
@@ -968,18 +1003,22 @@ def test_a_new_run_of_another_model_starts_fresh_and_only_its_own_run_is_refused
 def test_every_format_ends_bit_identical_on_every_worker(world: int, world2: list[dict], world3: list[dict]) -> None:
     results = world2 if world == 2 else world3
     res = results[0]["compression"]
-    assert {"fp8", "sparse-int2", "sparse-fp4"} <= set(res)
+    assert {"fp8", "sparse-int2", "sparse-fp4", "sparse-shared"} <= set(res)
     exact, start = res["none"]["params"], _params(_mlp(0))
     for comp in res:
         # The state check compared every sync's digests (a mismatch raises); the models agree too.
         _assert_ranks_equal(results, "compression", comp)
-        assert res[comp]["syncs"] == 3 and res[comp]["total"] == 3 * res[comp]["last"]
+        assert res[comp]["syncs"] == 3
         assert 0 <= res[comp]["blocked"] <= res[comp]["sync_s"]
-    for comp in ("sparse-int2", "sparse-fp4"):
+        if comp != "sparse-shared":  # the leader of a shared sync sends its header too
+            assert res[comp]["total"] == 3 * res[comp]["last"]
+    for comp in ("sparse-int2", "sparse-fp4", "sparse-shared"):
         # A sparse update moves the model, only less far than the dense one in 3 syncs.
         moved = sum(float((res[comp]["params"][k] - start[k]).abs().sum()) for k in start)
         dense = sum(float((exact[k] - start[k]).abs().sum()) for k in start)
         assert 0 < moved < dense, (comp, moved, dense)
+        if comp == "sparse-shared":
+            continue
         codec = make_codec(comp)
         assert res[comp]["last"] == codec.payload_bytes(MATRIX_NUMEL) + codec.values.payload_bytes(VECTOR_NUMEL)
         # The biases went dense: every element moved. Of the weights, at most what 3 syncs of every worker
@@ -994,6 +1033,29 @@ def test_every_format_ends_bit_identical_on_every_worker(world: int, world2: lis
     expected += math.ceil(VECTOR_NUMEL / 4) + 2 * math.ceil(VECTOR_NUMEL / INT2_BLOCK)
     assert res["sparse-int2"]["last"] == expected
     assert res["sparse-int2"]["last"] < res["int2"]["last"] / 4  # 9 % of this model is biases, sent dense
+    # sparse-shared: one int8 code per selected weight and per bias element from every worker; the leader of
+    # sync i (rank i mod world) sends the header too: bf16 scales per 128 codes and the 6-bit positions.
+    codes = sent + VECTOR_NUMEL
+    header = 2 * math.ceil(codes / SHARED_BLOCK) + math.ceil(sent * 6 / 8)
+    for rank, r in enumerate(results):
+        led = sum(1 for i in range(3) if i % world == rank)
+        shared = r["compression"]["sparse-shared"]
+        assert shared["total"] == 3 * codes + led * header, (rank, shared)
+        assert shared["last"] == codes + (header if 2 % world == rank else 0)
+        # Every weight a shared sync moves is one the leader picked: at most one of each 64 per sync.
+        weights = [(shared["params"][k] != start[k]).sum().item() for k in ("0.weight", "2.weight")]
+        assert 0 < sum(weights) <= 3 * math.ceil(MATRIX_NUMEL / 64)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sync_is_one_collective_for_every_bucket(world: int, world2: list[dict], world3: list[dict]) -> None:
+    # The weights and the biases (sent dense) are two buckets of a sparse format: one all_gather carries both
+    # (a collective each paid its framing twice). sparse-shared: the leader's broadcast, then one all_reduce.
+    results = world2 if world == 2 else world3
+    for r in results:
+        calls = r["one_collective"]
+        assert calls["sparse-int2"] == ["all_gather"] and calls["fp4"] == ["all_gather"], calls
+        assert calls["sparse-shared"] == ["broadcast", "all_reduce"], calls
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -1023,8 +1085,8 @@ def test_fp16_bf16_int8_close_to_fp32_and_bytes(world2: list[dict]) -> None:
     assert res["int2"]["last"] == math.ceil(NUMEL / 4) + 2 * math.ceil(NUMEL / INT2_BLOCK)
     assert res["fp8"]["last"] == NUMEL + 2 * math.ceil(NUMEL / FP8_BLOCK)
     for comp in res:
-        assert res[comp]["syncs"] == 3 and res[comp]["total"] == 3 * res[comp]["last"]
-        assert res[comp]["ddp"] == 6 * 4 * NUMEL
+        assert res[comp]["syncs"] == 3 and res[comp]["ddp"] == 6 * 4 * NUMEL
+        assert comp == "sparse-shared" or res[comp]["total"] == 3 * res[comp]["last"]  # its leader sends more
 
 
 def test_fp16_overflow_raises_instead_of_writing_inf() -> None:
@@ -1234,6 +1296,70 @@ def test_sparse_default_sends_one_of_every_64_with_a_6_bit_position() -> None:
     assert set(approx.nonzero().view(-1).tolist()) == {5, 127, 128, 222, 257}
     assert torch.equal(codec.decode(payload.clone(), x.numel()), approx)
     assert make_codec("sparse-int2", 1 / 1000).position_bits == 10  # chunk 1024: the power of two nearest
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 18, 19, 200])
+def test_shared_codes_of_every_worker_sum_without_overflow_to_their_exact_mean(world: int) -> None:
+    codec = make_codec("sparse-shared")
+    assert isinstance(codec, SharedSparse) and (codec.chunk, codec.k, codec.position_bits) == (64, 1, 6)
+    g = torch.Generator().manual_seed(world)
+    xs = [(torch.randn(64 * 7 + 5, generator=g), torch.randn(9, generator=g)) for _ in range(world)]
+    xs[-1] = (xs[-1][0] * 50, xs[-1][1])  # one worker far outside the leader's range: its codes clamp
+    header = codec.header(*xs[0])
+    assert header.numel() == codec.header_bytes(64 * 7 + 5, 9)
+    parts = [codec.contribution(header, m, v, world) for m, v in xs]
+    levels, dtype = SharedSparse.levels(world), SharedSparse.code_dtype(world)
+    assert dtype == (torch.int8 if world <= 18 else torch.int16) and levels >= 7
+    top = torch.iinfo(dtype).max
+    assert all(int(c.abs().max()) <= levels and c.dtype == dtype for c, _, _ in parts) and world * levels <= top
+    summed = torch.stack([c.to(torch.int32) for c, _, _ in parts]).sum(dim=0)
+    assert int(summed.abs().max()) <= top  # the all_reduce in the codes' type cannot overflow
+    average = codec.average(header, summed.to(dtype), 64 * 7 + 5, world)
+    mean = torch.stack([torch.cat([m, v]) for _, m, v in parts]).mean(dim=0)
+    torch.testing.assert_close(average, mean, rtol=1e-6, atol=1e-7)
+    # The positions are the leader's largest of each chunk, the same for every worker.
+    rows = torch.nn.functional.pad(xs[0][0], (0, -xs[0][0].numel() % 64)).view(-1, 64)
+    picked = set((rows.abs().argmax(dim=1) + torch.arange(rows.shape[0]) * 64).tolist())
+    for _, m, _ in parts:
+        assert set(m.nonzero().view(-1).tolist()) <= picked
+
+
+def test_shared_grid_rounds_within_half_a_level_and_clamps_at_the_leaders_range() -> None:
+    codec = SharedSparse(density=1 / 64)
+    world = 3
+    leader = torch.zeros(64)
+    leader[10] = 1.0  # the leader's only large element: the grid spans +-SHARED_CLIP
+    other = torch.zeros(64)
+    other[10] = 0.3
+    big = torch.zeros(64)
+    big[10] = 5.0
+    header = codec.header(leader, torch.zeros(0))
+    step = SHARED_CLIP / SharedSparse.levels(world)
+    _, sent, _ = codec.contribution(header, other, torch.zeros(0), world)
+    assert set(sent.nonzero().view(-1).tolist()) == {10} and abs(float(sent[10]) - 0.3) <= step / 2
+    _, clamped, _ = codec.contribution(header, big, torch.zeros(0), world)
+    assert float(clamped[10]) == pytest.approx(SHARED_CLIP)  # the rest (3.0) stays in the error feedback
+
+
+def test_shared_error_feedback_is_bounded_beside_a_hot_element() -> None:
+    # As sparse-int2's (world size 1: the worker leads every sync): the neighbours of a hot element are sent
+    # once their carried bias outgrows it, and the error stops growing.
+    with_ef, without = (
+        _single_errors(2400, True, comp="sparse-shared"),
+        _single_errors(2400, False, comp="sparse-shared"),
+    )
+    assert max(with_ef[-400:]) <= 1.2 * max(with_ef[1200:2000]) and max(with_ef) < 2.0
+    assert without[-1] > 2400 * 0.002 * 0.8 > 2 * max(with_ef)
+
+
+def test_shared_format_is_refused_with_sites() -> None:
+    class FakeSites:  # only .hierarchical is read before the refusal
+        hierarchical = True
+        layout = None
+
+    with pytest.raises(UsageError, match="sparse-shared") as info:
+        _make(compression="sparse-shared", sites=FakeSites())
+    assert "sparse-int2" in info.value.fix
 
 
 @settings(max_examples=60, deadline=None)
