@@ -235,10 +235,32 @@ def _best_diloco(d: dict) -> tuple[str, dict] | None:
     return name, comps[name]
 
 
-def diloco_wan(d: dict) -> tuple[str, str]:
-    what = (
-        f"DiLoCo vs DDP, {d['config']['workers']} workers on {d['config']['rate_mbit']} Mbit/s links, same token budget"
+def _task_text(d: dict) -> str:
+    """The protocol's task in words (results of format 3): model, parameters, tokens, passes."""
+    cfg, res = d["config"], d["results"]
+    t = cfg["task"]
+    params = next((r["params_count"] for r in res.values() if r.get("params_count")), None)
+    size = f"{params / 1e6:.2f} M-parameter " if params else ""
+    return (
+        f"a {size}byte-level transformer (width {t['hidden']}, {t['layers']} blocks) on the Python standard "
+        f"library's source, {t['steps']} steps x {t['batch_size'] * t['seq_len']} tokens a worker "
+        f"({cfg['tokens_total']:,} tokens, each trained on once)"
     )
+
+
+def diloco_wan(d: dict) -> tuple[str, str]:
+    if d.get("format", 1) >= 3:
+        cfg = d["config"]
+        where = "a shaped bridge, no WireGuard" if cfg.get("local") else "meshrun"
+        what = (
+            f"SparseLoCo vs an equally tuned DDP, {cfg['workers']} workers on {cfg['rate_mbit']} Mbit/s links "
+            f"({where}): {_task_text(d)}"
+        )
+    else:
+        what = (
+            f"DiLoCo vs DDP, {d['config']['workers']} workers on {d['config']['rate_mbit']} Mbit/s links, "
+            "same token budget"
+        )
     best = _best_diloco(d)
     if best is None:
         return what, "no comparison (a run failed)"
@@ -253,16 +275,24 @@ def diloco_wan(d: dict) -> tuple[str, str]:
     def summary(name: str, c: dict) -> str:
         share = c["blocked_share"]
         blocked = "" if share is None else f", {share:.1%} of the loop blocked in communication"
-        missed = [k for k in ("bytes", "loss", "blocked") if c["targets"].get(k, {}).get("met") is False]
+        keys = ("bytes", "loss", "loss_seed", "blocked")
+        missed = [k.replace("_", " ") for k in keys if c["targets"].get(k, {}).get("met") is False]
+        lp = c.get("loss_paired")
+        worst = f", worst seed {lp['max']:.3f}x" if lp and lp["n"] > 1 and d.get("format", 1) >= 3 else ""
         return (
-            f"{name}: {_bytes_ratio(c):.0f}x fewer bytes than DDP, held-out loss {c['loss_ratio']:.3f}x DDP's{blocked}"
-            + (f" (missed: {', '.join(missed)})" if missed else " (every target met)")
+            f"{name}: {_bytes_ratio(c):.0f}x fewer bytes than DDP, held-out loss {c['loss_ratio']:.3f}x DDP's"
+            f"{worst}{blocked}" + (f" (missed: {', '.join(missed)})" if missed else " (every target met)")
         )
 
     # The headline variant, and the one that saves the most bytes when that is another.
     comps = {k: v for k, v in d["comparison"].items() if "error" not in v}
     fewest = max(comps, key=lambda k: _bytes_ratio(comps[k]))
     parts = [summary(name, c)] + ([summary(fewest, comps[fewest])] if fewest != name else [])
+    if d.get("format", 1) >= 3:
+        return what, (
+            f"{'; '.join(parts)} (medians of {d['config']['rounds']} fresh seeds, a protocol fixed before the runs; "
+            "transfer to large models not shown: see Low-bandwidth training)"
+        )
     return what, f"{'; '.join(parts)} (medians of {d['config']['rounds']} round(s); see Low-bandwidth training)"
 
 
@@ -299,14 +329,15 @@ def _chosen(d: dict, variant: str) -> str:
     if "outer_lr" in params:
         parts.append(f"outer {params['outer_lr']:g}/{params['outer_momentum']:g}")
     if "lr" in params:
-        parts.append(f"{'inner ' if 'sync_every' in params else ''}lr {params['lr']:g}")
+        schedule = f" {params['schedule']}" if "schedule" in params else ""
+        parts.append(f"{'inner ' if 'sync_every' in params else ''}lr {params['lr']:g}{schedule}")
     if "error_decay" in params:
         parts.append(f"error decay {params['error_decay']:g}")
     return ", ".join(parts) or "-"
 
 
 def _targets_cell(c: dict) -> str:
-    names = {"bytes": "bytes", "loss": "loss", "blocked": "blocked", "wall": "wall"}
+    names = {"bytes": "bytes", "loss": "loss", "loss_seed": "worst seed", "blocked": "blocked", "wall": "wall"}
     out = []
     for key, label in names.items():
         t = c["targets"].get(key)
@@ -326,7 +357,28 @@ def diloco_table(d: dict) -> str:
     rounds = cfg.get("rounds", "?")
     res = d["results"]
     lines = []
-    if new:
+    if d.get("format", 1) >= 3:
+        noise = d.get("baseline_noise") or {}
+        t = d["targets"]
+        lines.append(
+            f"Measured {d['date'][:10]} by `{d['command']}`: {cfg['workers']} workers on {cfg['rate_mbit']} Mbit/s "
+            f"links, {_task_text(d)}. Protocol fixed {d['protocol']['fixed'][:10]} before its runs "
+            "(benchmarks/README.md): every variant and DDP tuned alike on the tuning split with seed"
+            f"{'s' if len(cfg['tune_seeds']) > 1 else ''} {', '.join(map(str, cfg['tune_seeds']))} (learning rate x "
+            "schedule, constant or cosine), then "
+            f"{rounds} round{'' if rounds == 1 else 's'} in alternating order with the fresh seeds "
+            f"{', '.join(map(str, cfg['final_seeds'][:rounds]))}, the only runs that read the test split; medians "
+            f"(min-max) of the per-seed ratios to DDP's run (DDP's held-out loss: {res['ddp']['test_loss']:.4f}). "
+            f"Targets (issue 38): >= {t['bytes_ratio_min']:g}x fewer bytes than DDP, held-out loss <= "
+            f"{t['loss_ratio_max']:g}x DDP's and no seed above {t['loss_ratio_seed_max']:g}x; < "
+            f"{t['blocked_share_max']:.0%} of the training loop blocked in communication."
+        )
+        edges = (d.get("tuning") or {}).get("at_grid_edge") or {}
+        if edges:
+            lines.append("At the tuning grid's edge: " + "; ".join(f"{v}: {why}" for v, why in edges.items()) + ".")
+        if noise.get("refused"):
+            lines.append(f"No wall-time verdict: {noise['why']}.")
+    elif new:
         noise = d.get("baseline_noise") or {}
         lines.append(
             f"Measured {d['date'][:10]} by `{d['command']}`: {cfg['workers']} workers on {cfg['rate_mbit']} Mbit/s "
@@ -398,9 +450,12 @@ def _spread_text(d: dict) -> str:
     return f"{walls[0]:.1f}-{walls[-1]:.1f} s" if walls else "unknown"
 
 
+DILOCO_FILES = ("diloco_wan", "diloco_wan_w8")  # 3 workers, then 8
+
+
 def _diloco_block() -> str:
-    d = _load("diloco_wan")
-    body = diloco_table(d) if d is not None else "(no results/diloco_wan.json)"
+    tables = [diloco_table(d) for d in (_load(name) for name in DILOCO_FILES) if d is not None]
+    body = "\n\n".join(tables) if tables else "(no results/diloco_wan.json)"
     return f"{DILOCO_START}\n{body}\n{DILOCO_END}"
 
 
@@ -556,7 +611,8 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("preflight_time", preflight_time, "benchmarks/preflight_time.py"),
     ("relay_vs_direct", relay_vs_direct, "benchmarks/relay_vs_direct.py"),
     ("relay_failover", relay_failover, "benchmarks/relay_failover.py"),
-    ("diloco_wan", diloco_wan, "benchmarks/diloco_wan.py"),
+    ("diloco_wan", diloco_wan, "benchmarks/diloco_wan.py --local --workers 3"),
+    ("diloco_wan_w8", diloco_wan, "benchmarks/diloco_wan.py --local --workers 8"),
     ("sites", sites, "benchmarks/sites.py"),
     ("sites_lanpath", sites_lanpath, "benchmarks/sites.py --trust-sites --name sites_lanpath"),
     ("datapath", datapath, "benchmarks/datapath.py"),

@@ -62,7 +62,13 @@ Compression (the pseudo-gradient only; floating-point buffers travel in their ow
   contributions and averages them in rank order, so all
   workers get bit-identical results. Each worker *contributes* its payload once but *receives*
   ``world_size - 1`` payloads: fine for the handful of datacenters meshrun targets; for many
-  workers a reduce-scatter scheme (torchft's fp8 path) is bandwidth-optimal.
+  workers a reduce-scatter scheme (torchft's fp8 path) is bandwidth-optimal. A sync's buckets (the
+  sparse formats' vectors are a bucket of their own) travel in *one* all_gather, their payloads
+  concatenated: a collective per bucket paid its framing per bucket.
+- ``"sparse-shared"`` (``meshrun.train.compress.SharedSparse``): the sparse selection is made by one
+  worker per sync, in turn (sync count mod world size), and broadcast; every worker's values at those
+  positions are summed as int8 codes in one ``all_reduce``, so what a worker receives does not grow
+  with the workers. Error feedback as above. Not with ``sites=`` (refused).
 
 What ``bytes_sent_total`` / ``last_sync_bytes`` count: the payload this worker contributes to
 collectives per sync (pseudo-gradient, scales, floating-point buffers), plus the model or state

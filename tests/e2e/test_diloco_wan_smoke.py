@@ -1,9 +1,10 @@
-"""benchmarks/diloco_wan.py --smoke: DDP, no communication, DeMo-DDP, DiLoCo int2 and SparseLoCo through both phases,
-tuning on loopback and a measured round over meshrun, at a tiny size (the other codecs take the same path).
+"""benchmarks/diloco_wan.py --smoke: DDP, no communication, SparseLoCo gathered and summed (sparse-shared) through
+both phases of the fixed protocol, tuning on loopback and a measured round over meshrun, at a tiny size.
 
 The numbers mean nothing at this size; what is checked is that the benchmark still runs against the current
-meshrun and example script, that its result has what the generated tables read (tuning record without test
-loss, held-out loss, blocked time, the baseline's noise verdict), and that every DiLoCo variant's workers end on
+meshrun and example script (the stdlib corpus, the transformer), that its result has what the generated tables
+read (tuning records with their seeds and no test loss, held-out loss, blocked time, the baseline's noise
+verdict), that the measured round used a seed no tuning run used, and that every DiLoCo variant's workers end on
 the same model. The result goes to a temporary file, never to benchmarks/results/.
 """
 
@@ -29,27 +30,25 @@ def test_diloco_wan_smoke_runs_every_variant_and_its_result_renders(tmp_path):
     )
     assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     report = json.loads(out.read_text())
-    assert report["format"] == 2 and report["summary"] in proc.stdout
+    assert report["format"] == 3 and report["summary"] in proc.stdout and report["protocol"]["smoke"]
     assert report["environment"]["wireguard"]["sha256"], report["environment"]
     results = report["results"]
-    expected = {"ddp", "local", "demo_ddp", "diloco_int2", "sparse_int2"}
+    expected = {"ddp", "local", "sparse_int2", "sparse_shared"}
     assert set(results) == expected and not [v for v, r in results.items() if "error" in r]
-    # phase 1 chose each DiLoCo variant's H among 2 and 4 on the tuning split, and kept no test loss
+    # phase 1 chose every tuned variant's schedule on the tuning split, with the tuning seed, and kept no test loss
     tuning = report["tuning"]
-    assert {v for v in tuning["runs"]} == {"diloco_int2", "sparse_int2"}
-    for runs in tuning["runs"].values():
+    assert set(tuning["runs"]) == {"ddp", "sparse_int2", "sparse_shared"}
+    for variant, runs in tuning["runs"].items():
         assert len(runs) == 2 and all("tune_loss" in r and "test_loss" not in r for r in runs)
-    for variant in tuning["runs"]:
-        assert (
-            tuning["chosen"][variant]["sync_every"] in (2, 4)
-            and results[variant]["params"] == tuning["chosen"][variant]
-        )
-    for variant in ("diloco_int2", "sparse_int2"):
+        assert {r["seed"] for r in runs} == set(report["config"]["tune_seeds"])
+        assert results[variant]["params"] == tuning["chosen"][variant]
+    final = {r["seed"] for v in results.values() for r in v["rounds"]}
+    assert final == set(report["config"]["final_seeds"]) and not final & set(report["config"]["tune_seeds"])
+    for variant in ("sparse_int2", "sparse_shared"):
         r = results[variant]
         assert len(r["param_checksums"]) == 1, (variant, r["param_checksums"])  # both workers, one model
         assert r["blocked_share"] is not None and 0 <= r["blocked_share"] < 1 and r["test_loss"] > 0
-    assert results["sparse_int2"]["payload_bytes_per_worker"] < results["diloco_int2"]["payload_bytes_per_worker"]
-    assert results["demo_ddp"]["payload_bytes_per_worker"] < results["ddp"]["payload_bytes_per_worker"] / 20
+        assert r["payload_bytes_per_worker"] < results["ddp"]["payload_bytes_per_worker"] / 20
     # one round: the baseline's spread is unknown, so no wall verdict, and the report says so
     assert report["baseline_noise"]["refused"] and "one round" in report["baseline_noise"]["why"]
     assert "NO WALL VERDICT" in proc.stdout

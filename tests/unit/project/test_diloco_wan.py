@@ -3,7 +3,9 @@ a noisy baseline gets no wall verdict, and the generated DiLoCo tables read the 
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 from support import REPO_ROOT
@@ -19,6 +21,13 @@ def _module(name: str):
 
 dw = _module("diloco_wan")
 rf = _module("readme_figures")
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_tuning_keeps_the_lowest_tuning_loss_and_never_reads_the_test_loss():
@@ -42,39 +51,133 @@ def test_tuning_keeps_the_lowest_tuning_loss_and_never_reads_the_test_loss():
         dw.pick([{"params": {}, "error": "x"}])
 
 
-def test_the_tuning_phase_tunes_ddp_first_and_keeps_no_test_loss(monkeypatch):
-    args = dw.parse_args(
-        ["--variants", "ddp,local,sparse_int2,demo_ddp", "--tune-lr", "3e-3,7e-3"]
-        + ["--tune-h", "20,30", "--tune-outer", "0.8:0.5,1.0:0", "--tune-inner-lr", "ddp,5e-3,7e-3"]
-        + ["--tune-error-decay", "0.9,0.95", "--seeds", "4,5,6"]
-    )
+def test_every_variant_gets_the_same_grid_of_the_same_knobs_and_the_tuning_keeps_no_test_loss(monkeypatch):
+    args = dw.parse_args(["--variants", "ddp,local,sparse_int2,sparse_shared,demo_ddp", "--tune-seeds", "4,5"])
     seen = []
 
-    def fake_run(target, args, variant, params, seed):
-        assert seed == 4  # tuning: the first seed only
-        seen.append((variant, dict(params)))
-        loss = {3e-3: 0.5, 7e-3: 0.4}.get(params.get("lr"), 0.3) if variant == "ddp" else 0.3 + params.get("lr", 0)
-        if variant == "sparse_int2":
-            loss = 0.3 if params["sync_every"] == 30 and params["outer_momentum"] == 0 else 0.35
-            loss -= 0.01 if params["lr"] == 5e-3 else 0
-            loss -= 0.001 if params["error_decay"] == 0.9 else 0
-        return {"params": params, "tune_loss": loss, "test_loss": 0.0, "payload_bytes_per_worker": 10, "exit_code": 0}
+    def fake_run(target, args, variant, params, seed, split):
+        assert split == "tune" and seed in (4, 5)
+        seen.append((variant, dict(params), seed))
+        loss = 0.3 + 10 * abs(params["lr"] - {"ddp": 4e-3, "demo_ddp": 1e-3}.get(variant, 2e-3))
+        loss += 0.01 if params["schedule"] == "constant" else 0
+        return {"params": params, "seed": seed, "tune_loss": loss, "payload_bytes_per_worker": 10, "exit_code": 0}
 
     monkeypatch.setattr(dw, "run_variant", fake_run)
     tuning = dw.tune(args)
-    assert seen[0][0] == "ddp" and tuning["chosen"]["ddp"] == {"lr": 7e-3}
-    # inner lr: DDP's choice (7e-3) and 5e-3; the grid's own 7e-3 is the same run as DDP's, run once
-    assert sorted({p["lr"] for v, p in seen if v == "sparse_int2"}) == [5e-3, 7e-3]
-    # H (20, 30) x outer (2) x inner lr (2) x error decay (2: a sparse variant's)
-    assert len([v for v, _ in seen if v == "sparse_int2"]) == 16
-    chosen = {"sync_every": 30, "outer_lr": 1.0, "outer_momentum": 0.0, "lr": 5e-3, "error_decay": 0.9}
-    assert tuning["chosen"]["sparse_int2"] == chosen
-    assert dw.script_args(args, "sparse_int2", chosen, 5)[-14:] == [
-        *("--val-batches", "32", "--seed", "5", "--lr", "0.005", "--sync-every", "30"),
-        *("--outer-lr", "1.0", "--outer-momentum", "0.0", "--error-decay", "0.9"),
-    ]
-    assert tuning["chosen"]["local"] == {"lr": 7e-3} and tuning["chosen"]["demo_ddp"] == {"lr": 1e-3}
+    by_variant = {v: [(p["lr"], p["schedule"]) for w, p, _ in seen if w == v] for v in args.variants}
+    # The same number of runs, over learning rate x schedule, for DDP and every variant (DeMo: its own lrs)
+    grid = sorted((lr, sch) for lr in (1e-3, 2e-3, 4e-3, 8e-3) for sch in ("constant", "cosine"))
+    for v in ("ddp", "sparse_int2", "sparse_shared"):
+        assert sorted(set(by_variant[v])) == grid and len(by_variant[v]) == 16  # 8 configurations x 2 seeds
+    assert len(by_variant["demo_ddp"]) == 16 and not by_variant["local"]
+    assert tuning["chosen"]["ddp"] == {"lr": 4e-3, "schedule": "cosine"}
+    assert tuning["chosen"]["local"] == tuning["chosen"]["ddp"]
+    # What is not tuned is the protocol's, for every configuration of a variant
+    assert all(p["sync_every"] == 30 and p["error_decay"] == 0.95 for v, p, _ in seen if v.startswith("sparse"))
+    assert tuning["chosen"]["sparse_shared"] == {**dw.SPARSE_OUTER, "lr": 2e-3, "schedule": "cosine"}
+    assert tuning["at_grid_edge"] == {}  # 4e-3 lies inside 1e-3..8e-3
     assert not any("test_loss" in r for runs in tuning["runs"].values() for r in runs)
+    assert {r["seed"] for runs in tuning["runs"].values() for r in runs} == {4, 5}
+
+
+class _Proc:
+    """A finished training run: what diloco_charlm.py prints for the arguments it was given."""
+
+    def __init__(self, argv: list[str]) -> None:
+        split, seed = argv[argv.index("--eval") + 1], int(argv[argv.index("--seed") + 1])
+        lr = float(argv[argv.index("--lr") + 1]) if "--lr" in argv else 2e-3
+        loss = 2.0 + abs(lr - 2e-3) + seed * 1e-4
+        self.stdout = iter(
+            [
+                "start mode=x params=391264 train_tokens=100 shard_tokens=50 tokens_per_step=512\n",
+                f"final val_loss={loss} bytes_sent=1000 {split}_loss={loss} wall_s=1.0 world_size=3 eval={split}\n",
+            ]
+        )
+        self.pid = 1
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+class _Target:
+    """Where runs go, in the order they were started (a seam of the benchmark's: LoopbackTarget's interface)."""
+
+    started: list[list[str]] = []
+
+    def __init__(self, workers: int = 0) -> None:
+        pass
+
+    def counters(self) -> dict[str, int]:
+        return {"w": 0}
+
+    def start(self, argv: list[str]) -> list[_Proc]:
+        _Target.started.append(list(argv))
+        return [_Proc(argv)]
+
+
+def test_the_final_rounds_use_fresh_seeds_and_nothing_before_them_reads_the_test_split(monkeypatch):
+    args = dw.parse_args(["--variants", "ddp,local,sparse_int2,sparse_shared"])
+    assert args.tune_seeds == dw.PROTOCOL["tune_seeds"] and args.final_seeds == dw.PROTOCOL["final_seeds"]
+    _Target.started = []
+    monkeypatch.setattr(dw, "LoopbackTarget", _Target)
+    tuning = dw.tune(args)
+    tuned = len(_Target.started)
+    results = dw.run_rounds(_Target(), args, tuning["chosen"])
+    runs = _Target.started
+    assert tuned == 3 * 8 and len(runs) == tuned + 4 * 3
+    splits = [argv[argv.index("--eval") + 1] for argv in runs]
+    # Every run before the measured rounds evaluates the tuning split only; the rounds only the test split
+    assert splits == ["tune"] * tuned + ["test"] * (len(runs) - tuned)
+    seeds = [int(argv[argv.index("--seed") + 1]) for argv in runs]
+    tuning_seeds = {r["seed"] for records in tuning["runs"].values() for r in records}
+    assert tuning_seeds == set(seeds[:tuned]) == set(dw.PROTOCOL["tune_seeds"])
+    assert set(seeds[tuned:]) == set(dw.PROTOCOL["final_seeds"]) and not tuning_seeds & set(seeds[tuned:])
+    assert not any("test_loss" in r for records in tuning["runs"].values() for r in records)
+    for variant, r in results.items():
+        assert [x["seed"] for x in r["rounds"]] == dw.PROTOCOL["final_seeds"] and r["test_loss"] > 2
+        assert all(x["split"] == "test" and x["tune_loss"] is None for x in r["rounds"])
+    # A final seed that a tuning run used is refused before anything runs
+    with pytest.raises(SystemExit):
+        dw.parse_args(["--tune-seeds", "1,2", "--final-seeds", "2,3,4"])
+
+
+def test_a_tuning_run_of_the_example_never_opens_a_test_file(monkeypatch):
+    charlm = _example("diloco_charlm")
+    opened = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: opened.append(self) or real(self))
+    corpus, vocab = charlm.load_corpus(charlm.STDLIB, ("train", "tune"))
+    assert set(corpus) == {"train", "tune"} and vocab == 256
+    root = Path(charlm.sysconfig.get_paths()["stdlib"])
+    splits = {charlm.stdlib_split(p.relative_to(root).as_posix()) for p in opened}
+    assert splits == {"train", "tune"}
+    files = charlm.stdlib_files()
+    test_files = [rel for rel, _ in files if charlm.stdlib_split(rel) == "test"]
+    assert 0.05 < len(test_files) / len(files) < 0.15  # a tenth of the files, none of them opened
+    # A file belongs to one split, whatever the run: the split is a function of its path alone
+    assert charlm.stdlib_split("json/decoder.py") == charlm.stdlib_split("json/decoder.py")
+
+
+def test_the_single_pass_never_repeats_a_window_and_a_resumed_worker_skips_what_it_trained():
+    charlm = _example("diloco_charlm")
+    import torch
+
+    shard = torch.arange(1000) % 256
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    first = [x[:, 0].tolist() for x, _ in charlm.single_pass(shard, 4, 10, gen(), torch.device("cpu"), skip=0)]
+    starts = [s for batch in first for s in batch]
+    assert len(starts) == len(set(starts)) == 4 * (charlm.windows(shard, 10) // 4)  # every window once, at most
+    resumed = [x[:, 0].tolist() for x, _ in charlm.single_pass(shard, 4, 10, gen(), torch.device("cpu"), skip=5)]
+    assert resumed == first[5:]
+
+
+def test_the_lr_schedule_warms_up_then_holds_or_follows_a_cosine():
+    charlm = _example("diloco_charlm")
+    assert charlm.lr_at(1, 1.0, 10, 100, "constant") == pytest.approx(0.1)
+    assert charlm.lr_at(10, 1.0, 10, 100, "cosine") == pytest.approx(1.0)
+    assert charlm.lr_at(100, 1.0, 10, 100, "constant") == 1.0
+    assert charlm.lr_at(100, 1.0, 10, 100, "cosine") == pytest.approx(charlm.COSINE_FLOOR)
+    assert charlm.lr_at(55, 1.0, 10, 100, "cosine") == pytest.approx(0.55)  # halfway: the mean of 1 and 0.1
 
 
 def _run(wall: float, loop: float, **kw) -> dict:
@@ -136,15 +239,19 @@ def test_the_verdicts_bytes_held_out_loss_blocked_time_and_wall():
 
 
 def test_each_round_has_its_own_seed_and_the_loss_verdict_is_the_median_of_paired_ratios(monkeypatch):
-    args = dw.parse_args(["--variants", "ddp,local,sparse_int2", "--rounds", "4", "--seeds", "0,1,2"])
+    args = dw.parse_args(["--variants", "ddp,local,sparse_int2", "--tune-seeds", "9", "--final-seeds", "0,1,2,3"])
     seen = []
     # Per seed: DDP's loss and the sparse run's; seed 1 is a hard one for sparse, seed 2 for DDP.
-    losses = {"ddp": {0: 0.300, 1: 0.290, 2: 0.310}, "sparse_int2": {0: 0.3066, 1: 0.2990, 2: 0.3140}}
+    losses = {
+        "ddp": {0: 0.300, 1: 0.290, 2: 0.310, 3: 0.300},
+        "sparse_int2": {0: 0.3066, 1: 0.2990, 2: 0.3140, 3: 0.3066},
+    }
 
-    def fake_run(target, args, variant, params, seed):
+    def fake_run(target, args, variant, params, seed, split):
+        assert split == "test"
         seen.append((variant, seed))
-        # DDP's wire bytes over the sparse run's: 2020x, 1980x, 2000x by seed
-        wire = 2_000_000 if variant == "ddp" else {0: 990, 1: 1010, 2: 1000}[seed]
+        # DDP's wire bytes over the sparse run's: 1010x, 990x, 1000x, 1010x by seed
+        wire = 1_000_000 if variant == "ddp" else {0: 990, 1: 1010, 2: 1000, 3: 990}[seed]
         payload = 2_000_000 if variant == "ddp" else 500
         return _run(
             100,
@@ -159,28 +266,31 @@ def test_each_round_has_its_own_seed_and_the_loss_verdict_is_the_median_of_paire
     res = dw.run_rounds(None, args, {})
     assert seen[:3] == [("ddp", 0), ("local", 0), ("sparse_int2", 0)]  # round 0, in order
     assert seen[3:6] == [("sparse_int2", 1), ("local", 1), ("ddp", 1)]  # round 1 reversed, seed 1
-    assert [s for v, s in seen if v == "ddp"] == [0, 1, 2, 0]  # 4 rounds, 3 seeds: the list wraps
+    assert [s for v, s in seen if v == "ddp"] == [0, 1, 2, 3]  # a fresh final seed every round
     c = dw.compare(res["ddp"], res["local"], res["sparse_int2"], {"refused": True, "why": "x"}, steps=200)
     ratios = sorted([0.3066 / 0.300, 0.2990 / 0.290, 0.3140 / 0.310, 0.3066 / 0.300])  # 1.013 1.022 1.022 1.031
     assert c["loss_paired"]["n"] == 4 and c["loss_paired"]["max"] == pytest.approx(ratios[-1])
     assert c["loss_ratio"] == pytest.approx((ratios[1] + ratios[2]) / 2)  # the median of the paired ratios
     assert c["targets"]["loss"]["met"] is False
     assert "lie on both sides of the target" in c["targets"]["loss"]["note"]
-    # The bytes verdict is on the median too (2010x: met), and says that one round missed it.
-    assert c["targets"]["bytes"]["met"] and c["wire_fewer_paired"]["min"] == pytest.approx(2_000_000 / 1010)
-    assert "wire ratios (1980-2020x) lie on both sides" in c["targets"]["bytes"]["note"]
-    with pytest.raises(SystemExit):
-        dw.parse_args(["--seeds", "0,x"])
-    with pytest.raises(SystemExit):
-        dw.parse_args(["--seeds", "-1"])
+    assert c["targets"]["loss_seed"]["met"] is False and c["targets"]["loss_seed"]["value"] == pytest.approx(
+        1.031, 1e-3
+    )
+    # The bytes verdict is on the median too (1005x: met), and says that one round missed it.
+    assert c["targets"]["bytes"]["met"] and c["wire_fewer_paired"]["min"] == pytest.approx(1_000_000 / 1010)
+    assert "wire ratios (990-1010x) lie on both sides" in c["targets"]["bytes"]["note"]
+    for bad in (["--final-seeds", "0,x"], ["--final-seeds", "-1"], ["--rounds", "4"]):  # 4 rounds, 3 final seeds
+        with pytest.raises(SystemExit):
+            dw.parse_args(bad)
 
 
-def test_smoke_mode_is_tiny_and_validates_h():
+def test_smoke_mode_is_tiny_and_has_seeds_of_its_own():
     args = dw.parse_args(["--smoke"])
-    assert (args.steps, args.workers, args.rounds) == (4, 2, 1) and args.tune_h == [2, 4]
-    assert set(args.variants) >= {"ddp", "local", "demo_ddp", "diloco_int2", "sparse_int2"}
-    with pytest.raises(SystemExit):
-        dw.parse_args(["--tune-h", "25,50"])  # 25 is odd: 2 fragments cannot split it
+    assert (args.task["steps"], args.workers, args.rounds) == (8, 2, 1) and args.sync_every["sparse"] == 4
+    assert set(args.variants) == {"ddp", "local", "sparse_int2", "sparse_shared"}
+    assert not set(args.tune_seeds + args.final_seeds) & set(dw.PROTOCOL["tune_seeds"] + dw.PROTOCOL["final_seeds"])
+    assert dw.parse_args(["--workers", "8"]).json.name == "diloco_wan_w8.json"
+    assert dw.parse_args([]).json.name == "diloco_wan.json"
 
 
 def test_the_generated_table_reads_the_new_format():
@@ -282,3 +392,59 @@ def test_every_measured_run_gets_a_project_of_its_own():
     target.start(["--mode", "diloco"])
     projects = [argv[argv.index("--project") + 1] for argv in started]
     assert len(set(projects)) == 2 and all(argv.index("--project") < argv.index(dw.SCRIPT) for argv in started)
+
+
+def test_the_generated_table_reads_the_protocol_format():
+    comparison = {
+        "wire_bytes_ratio": 1500.0,
+        "payload_bytes_ratio": 3000.0,
+        "payload_bytes_per_step": 300.0,
+        "loss_ratio": 1.015,
+        "loss_paired": {"min": 1.010, "median": 1.015, "max": 1.031, "n": 3},
+        "blocked_share": 0.02,
+        "blocked_per_sync_s": 0.05,
+        "targets": {
+            "bytes": {"met": True},
+            "loss": {"met": True},
+            "loss_seed": {"met": False},
+            "blocked": {"met": True},
+            "wall": {"met": None, "refused": "noise"},
+        },
+    }
+    d = {
+        "format": 3,
+        "date": "2026-11-27T18:00:00+0000",
+        "command": "sudo python benchmarks/diloco_wan.py --local --workers 8",
+        "protocol": {"fixed": "2026-11-27, before any run of this protocol"},
+        "config": {
+            **{"workers": 8, "rate_mbit": 200, "rounds": 3, "local": True, "tokens_total": 983_040},
+            **{"tune_seeds": [101], "final_seeds": [7001, 7002, 7003], "steps": 240},
+            "task": {"hidden": 96, "layers": 3, "steps": 240, "batch_size": 8, "seq_len": 64},
+        },
+        "targets": {
+            **{"bytes_ratio_min": 1000.0, "loss_ratio_max": 1.02, "loss_ratio_seed_max": 1.03},
+            "blocked_share_max": 0.05,
+        },
+        "baseline_noise": {"refused": True, "why": "the no-communication run's rounds spread 20% (limit 15%)"},
+        "tuning": {
+            "chosen": {"sparse_shared": {**dw.SPARSE_OUTER, "lr": 4e-3, "schedule": "cosine"}},
+            "at_grid_edge": {"ddp": "lr 0.008 is the grid's highest"},
+        },
+        "results": {
+            "ddp": {"test_loss": 2.1, "params_count": 391_264, "rounds": [{"wire_bytes_mean": 900_000_000}] * 3},
+            "local": {"rounds": [{"wall_s": 100, "train_loop_s": 80}] * 3},
+            "sparse_shared": {"rounds": [{"wall_s": 101, "train_loop_s": 81, "wire_bytes_mean": 600_000}] * 3},
+        },
+        "comparison": {"sparse_shared": comparison},
+    }
+    table = rf.diloco_table(d)
+    assert "a 0.39 M-parameter byte-level transformer (width 96, 3 blocks)" in table and "983,040 tokens" in table
+    assert "Protocol fixed 2026-11-27 before its runs" in table and "seed 101" in table
+    assert "fresh seeds 7001, 7002, 7003, the only runs that read the test split" in table
+    assert "no seed above 1.03x" in table and "ddp: lr 0.008 is the grid's highest" in table
+    row = next(line for line in table.splitlines() if line.startswith("| sparse_shared"))
+    assert "inner lr 0.004 cosine, error decay 0.95" in row and "worst seed **MISSED**" in row
+    what, result = rf.diloco_wan(d)
+    assert what.startswith("SparseLoCo vs an equally tuned DDP, 8 workers on 200 Mbit/s links (a shaped bridge")
+    assert "held-out loss 1.015x DDP's, worst seed 1.031x" in result and "(missed: loss seed)" in result
+    assert "transfer to large models not shown" in result
