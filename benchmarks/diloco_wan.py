@@ -1,22 +1,22 @@
 #!/usr/bin/env python
 """SparseLoCo and DiLoCo vs an equally tuned DDP on a real corpus, under a protocol fixed before its runs.
 
-The protocol (``PROTOCOL`` below, also in benchmarks/README.md) was written down on 2026-11-27, before any of its
-runs, and is what every figure in results/diloco_wan*.json comes from:
+The protocol (``PROTOCOL`` below, also in benchmarks/README.md; version 2) was written down on 2026-11-27, before
+any of its runs, and is what every figure in results/diloco_wan*.json comes from:
 
 - **Task.** examples/diloco_charlm.py ``--data stdlib --model transformer``: the running Python's standard
   library source (about 31 MB of .py in 3.11) as byte tokens, files split 80 / 10 / 10 into training, *tuning*
   and *test* splits by a hash of their path; a decoder-only transformer (width 96, 3 blocks, 4 heads: 0.39 M
   parameters); every worker reads its own shard of the training split once, so no token is trained on twice
-  (one pass: nothing to memorise). 240 steps of 8 x 64 tokens per worker.
+  (one pass: nothing to memorise). 480 steps of 4 x 64 tokens per worker.
 - **Seeds.** Tuning uses ``tune_seeds`` only; the measured rounds use ``final_seeds``, one a round, which no
   tuning or exploratory run has used (``--tune-seeds`` / ``--final-seeds`` may not overlap: refused).
 - **Splits.** A tuning run passes ``--eval tune``: the script does not even load the test split. Only the
   measured rounds pass ``--eval test``; they come after every tuning run.
-- **Equal tuning.** DDP and every variant get the same grid of the same knobs: learning rate (1, 2, 4, 8 e-3) x
-  schedule (constant or cosine to 10 %), linear warm-up over the first 10 % of the steps in both: 8 runs each
-  (DeMo: its signum lr's own 4 values). A choice at the grid's edge is flagged in the tuning record. What is not
-  tuned is fixed for all runs: DiLoCo's H = 30, and the outer
+- **Equal tuning.** DDP and every variant get the same grid of the same knobs: learning rate (4, 8, 16 e-3) x
+  schedule (constant or cosine to 10 %), linear warm-up over the first 10 % of the steps in both: 6 runs each
+  (DeMo: its signum lr's own 3 values). A choice at the grid's edge is flagged in the tuning record. What is not
+  tuned is fixed for all runs: DiLoCo's H = 16 (30 syncs), and the outer
   step of the sparse variants (SparseLoCo's: outer lr 1, no momentum, error decay 0.95) and of the dense ones
   (DiLoCo's: 0.7, Nesterov 0.9). The rule: the lowest mean tuning loss over the tuning seeds; among the
   configurations within 0.5 % of it, the one with the fewest payload bytes. The no-communication run takes DDP's

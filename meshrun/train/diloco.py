@@ -588,22 +588,26 @@ class DiLoCo:
         parts = []
         nbytes = 0
         dev = self._comm_device
+        gathers: list[tuple[list[int], Any, torch.Tensor, torch.Tensor]] = []
         if isinstance(self._codec, SharedSparse):
             part, nbytes = self._start_shared(indices)
             parts.append(part)
-        gathers: list[tuple[list[int], Any, torch.Tensor, torch.Tensor]] = []
-        for bucket in self._make_buckets(indices) if not parts else []:
-            dtype = self._compute_dtype(self._params[bucket[0]])
-            flat = torch.cat(
-                [(self._global[i].to(dtype) - self._params[i].to(device=dev, dtype=dtype)).reshape(-1) for i in bucket]
-            )
-            if self._codec is not None and self._sites is None:
-                codec = self._codec_for(bucket)
-                gathers.append((bucket, codec, self._encode(codec, flat, bucket), flat))
-                continue
-            work, finish, sent = self._start_average(flat, bucket)
-            parts.append((bucket, work, finish))
-            nbytes += sent
+        else:
+            for bucket in self._make_buckets(indices):
+                dtype = self._compute_dtype(self._params[bucket[0]])
+                flat = torch.cat(
+                    [
+                        (self._global[i].to(dtype) - self._params[i].to(device=dev, dtype=dtype)).reshape(-1)
+                        for i in bucket
+                    ]
+                )
+                if self._codec is not None and self._sites is None:  # gathered: one collective for every bucket
+                    codec = self._codec_for(bucket)
+                    gathers.append((bucket, codec, self._encode(codec, flat, bucket), flat))
+                    continue
+                work, finish, sent = self._start_average(flat, bucket)
+                parts.append((bucket, work, finish))
+                nbytes += sent
         if gathers:
             parts.extend(self._start_gather_payloads(gathers))
             nbytes += sum(payload.numel() for _, _, payload, _ in gathers)
@@ -700,6 +704,13 @@ class DiLoCo:
             return flat
 
         matrices, vectors = pseudo(mats), pseudo(vecs)
+        if not bool(torch.isfinite(matrices).all() and torch.isfinite(vectors).all()):
+            # int8 codes cannot carry a NaN to the others as a gathered payload's scale does: stop here (the
+            # others' collective then fails on the closed connection, and torchrun ends the job's workers)
+            raise UsageError(
+                "this worker's pseudo-gradient is not finite (compression='sparse-shared')",
+                "lower the learning rate or sync_every: training diverged",
+            )
         leader = self.sync_count % world
         if self.rank == leader:
             header = codec.header(matrices, vectors)

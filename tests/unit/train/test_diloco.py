@@ -1352,6 +1352,16 @@ def test_shared_error_feedback_is_bounded_beside_a_hot_element() -> None:
     assert without[-1] > 2400 * 0.002 * 0.8 > 2 * max(with_ef)
 
 
+def test_a_diverged_worker_stops_a_shared_sync_naming_why() -> None:
+    model = nn.Linear(2, 1)
+    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1, compression="sparse-shared")
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))
+    with pytest.raises(UsageError, match="not finite") as info:
+        opt.sync_now()
+    assert "diverged" in info.value.fix and torch.isfinite(opt.global_parameters()["weight"]).all()
+
+
 def test_shared_format_is_refused_with_sites() -> None:
     class FakeSites:  # only .hierarchical is read before the refusal
         hierarchical = True
