@@ -743,11 +743,7 @@ class DiLoCo:
             shard = flat[lo:hi] + (ef[lo:hi] if self.error_decay == 1 else self.error_decay * ef[lo:hi])
             payload, approx = codec.encode(shard)
             ef[lo:hi] = shard - approx  # the residual of what this rank sent; the rest is others' to send
-            offset = 0
-            for j in bucket:
-                e = self._error_feedback[j]
-                e.copy_(ef[offset : offset + e.numel()].view_as(e))
-                offset += e.numel()
+            self._keep_residual(ef, bucket)
             gathered = [torch.empty_like(payload) for _ in range(sites)]
             work = dist.all_gather(gathered, payload, group=g.cross, async_op=True)
 
