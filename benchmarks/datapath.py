@@ -39,8 +39,9 @@ knob): s1-a -> s2-a's overlay address, a cross-site WireGuard pair, with the int
 made a WAN of --wan-rtt-ms round trip and --wan-loss-pct loss each way. This host's kernel has no sch_netem
 (the testbed's DatacenterSpec.delay_ms needs it, tests/vm.py), so the WAN is a delay line: iptables in the
 testbed's internet namespace queues every packet between s1-a's and s2-a's public addresses (NFQUEUE, both
-ways; GSO packets are segmented by the kernel first) to a process in that namespace (this script,
---delay-line) that drops each with the loss probability and releases the rest after half the RTT, in order.
+ways; GSO packets are segmented by the kernel first) to a process in that namespace (meshrun.lab.wan,
+meshrun.system.kernel.delayline) that drops each with the loss probability and releases the rest after half the
+RTT, in order.
 The ping RTT over the overlay is recorded before and with the WAN, and the delay line's CPU time. iperf3 with
 -P 1, 4 and 16 (--wan-seconds, first second omitted), --rounds rounds in alternating order; the rules and the
 delay line are removed afterwards. No raw path crosses the sites (NAT), so meshrun0 only; no target.
@@ -51,7 +52,6 @@ delay line are removed afterwards. No raw path crosses the sites (NAT), so meshr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -77,7 +77,6 @@ RATIOS = {"lan_path_over_raw_lan": ("lan_path", "raw_s1"), "meshrun0_over_raw_la
 MEASURES = ("iperf3_1_gbit", "iperf3_8_gbit", "gloo_GBps")
 WAN_STREAMS = [1, 4, 16]
 IPERF_PORT, WAN_PORT = 5301, 5302
-QUEUE = 7
 
 
 # --------------------------------------------------------------------------- worker (runs in a node)
@@ -110,109 +109,6 @@ def worker(a) -> int:
         print("RESULT " + json.dumps({"times_s": times, "correct": ok}), flush=True)
     dist.destroy_process_group()
     return 0
-
-
-# --------------------------------------------------------------------------- delay line (the WAN, no netem)
-
-
-def delay_line(a) -> int:
-    """NFQUEUE --queue: drop each packet with probability --loss-pct/100, accept the rest --delay-ms after they
-    arrived, in order (a batch verdict accepts every packet up to an id). Prints its counters on SIGTERM."""
-    import collections
-    import errno
-    import random
-    import select
-    import signal
-    import socket
-    import struct
-
-    NETLINK_NETFILTER, SUBSYS = 12, 3
-    MSG_PACKET, MSG_VERDICT, MSG_CONFIG, MSG_BATCH = 0, 1, 2, 3
-    NLM_F_REQUEST, NLM_F_ACK, NLMSG_ERROR = 1, 4, 2
-
-    def attr(t: int, data: bytes) -> bytes:
-        return struct.pack("=HH", 4 + len(data), t) + data + b"\0" * (-len(data) % 4)
-
-    def msg(kind: int, payload: bytes, flags: int = NLM_F_REQUEST) -> bytes:
-        body = struct.pack("=BB", 0, 0) + struct.pack("!H", a.queue) + payload
-        return struct.pack("=IHHII", 16 + len(body), (SUBSYS << 8) | kind, flags, 0, 0) + body
-
-    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE
-    s.bind((0, 0))
-    for payload in (
-        attr(1, struct.pack("!BBH", 1, 0, socket.AF_INET)),  # NFQA_CFG_CMD: bind the queue
-        attr(2, struct.pack("!IB", 128, 1)),  # NFQA_CFG_PARAMS: copy the metadata only
-        attr(3, struct.pack("!I", 200000)),  # NFQA_CFG_QUEUE_MAXLEN
-    ):
-        s.send(msg(MSG_CONFIG, payload, NLM_F_REQUEST | NLM_F_ACK))
-        ack = s.recv(65536)
-        if struct.unpack_from("=H", ack, 4)[0] == NLMSG_ERROR and struct.unpack_from("=i", ack, 16)[0] != 0:
-            raise SystemExit(f"NFQUEUE config refused: errno {-struct.unpack_from('=i', ack, 16)[0]}")
-    s.setblocking(False)
-    delay, loss = a.delay_ms / 1000.0, a.loss_pct / 100.0
-    q: collections.deque = collections.deque()
-    stats = {"packets": 0, "dropped": 0, "enobufs": 0, "max_queued": 0}
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    print("READY", flush=True)
-    buf = bytearray(1 << 16)
-    while not stop:
-        timeout = max(0.0, q[0][0] - time.monotonic()) if q else 0.2
-        try:
-            select.select([s], [], [], timeout)
-        except InterruptedError:
-            continue
-        for _ in range(4096):
-            try:
-                n = s.recv_into(buf)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno == errno.ENOBUFS:  # messages lost, not packets: a later batch verdict covers them
-                    stats["enobufs"] += 1
-                    continue
-                raise
-            now = time.monotonic()
-            off = 0
-            while off + 16 <= n:
-                ln, typ = struct.unpack_from("=IH", buf, off)
-                if ln < 16:
-                    break
-                if typ == (SUBSYS << 8) | MSG_PACKET:
-                    p = off + 20
-                    while p + 4 <= off + ln:
-                        alen, atype = struct.unpack_from("=HH", buf, p)
-                        if alen < 4:
-                            break
-                        if atype & 0x3FFF == 1:  # NFQA_PACKET_HDR: packet id first
-                            pid = struct.unpack_from("!I", buf, p + 4)[0]
-                            stats["packets"] += 1
-                            if loss and random.random() < loss:
-                                stats["dropped"] += 1
-                                s.send(msg(MSG_VERDICT, attr(2, struct.pack("!II", 0, pid))))
-                            else:
-                                q.append((now + delay, pid))
-                            break
-                        p += (alen + 3) & ~3
-                off += (ln + 3) & ~3
-        stats["max_queued"] = max(stats["max_queued"], len(q))
-        now, last = time.monotonic(), None
-        while q and q[0][0] <= now:
-            last = q.popleft()[1]
-        if last is not None:
-            try:
-                s.send(msg(MSG_BATCH, attr(2, struct.pack("!II", 1, last))))
-            except BlockingIOError:
-                time.sleep(0.0005)
-                s.send(msg(MSG_BATCH, attr(2, struct.pack("!II", 1, last))))
-    t = os.times()
-    stats["cpu_s"] = t.user + t.system
-    print("STATS " + json.dumps(stats), flush=True)
-    return 0
-
-
-# --------------------------------------------------------------------------- driver
 
 
 def busy_jiffies() -> int:
@@ -337,15 +233,9 @@ def main() -> int:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--iface", help=argparse.SUPPRESS)
-    ap.add_argument("--delay-line", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--queue", type=int, default=QUEUE, help=argparse.SUPPRESS)
-    ap.add_argument("--delay-ms", type=float, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--loss-pct", type=float, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
-    if a.delay_line:
-        return delay_line(a)
 
     from common import alternating, need_root, prefix, sites_mesh, spread, verdict, write_result
 
@@ -501,28 +391,14 @@ def run_wan(world, mesh, ov: dict, a) -> dict:
     """Part 2: s1-a -> s2-a over meshrun0 with a delay line between the two sites' public addresses."""
     from common import alternating, spread
 
+    from meshrun.lab import wan
+
     an, bn = world.node("s1-a"), world.node("s2-a")
     path = path_of(mesh, "s1-a", "s2-a")
     rtt_before = ping_rtt_ms(an, ov["s2-a"])
-    ipt = ["ip", "netns", "exec", world.inet, "iptables", "-w"]
-    rules = []
-    for src, dst in ((an.public_ip, bn.public_ip), (bn.public_ip, an.public_ip)):
-        rules.append(["FORWARD", "-s", src, "-d", dst, "-j", "NFQUEUE", "--queue-num", str(a.queue)])
-    line = subprocess.Popen(
-        ["ip", "netns", "exec", world.inet, sys.executable, str(Path(__file__).resolve()), "--delay-line"]
-        + ["--queue", str(a.queue), "--delay-ms", str(a.wan_rtt_ms / 2), "--loss-pct", str(a.wan_loss_pct)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    stats: dict = {}
     runs: dict[str, list[dict]] = {str(k): [] for k in WAN_STREAMS}
     order = []
-    try:
-        if line.stdout.readline().strip() != "READY":
-            raise SystemExit(f"the delay line did not start: {line.stderr.read()[-2000:]}")
-        for rule in rules:
-            subprocess.run([*ipt, "-A", *rule], check=True)
+    with wan.delayed(world, "s1-a", "s2-a", a.wan_rtt_ms, a.wan_loss_pct) as stats:
         rtt = ping_rtt_ms(an, ov["s2-a"])
         print(f"WAN: {path}; overlay RTT {rtt_before} ms -> {rtt} ms with the delay line", flush=True)
         srv = start_server(bn, WAN_PORT)
@@ -537,18 +413,6 @@ def run_wan(world, mesh, ov: dict, a) -> dict:
         finally:
             srv.kill()
             srv.wait()
-    finally:
-        for rule in rules:
-            subprocess.run([*ipt, "-D", *rule], check=False, capture_output=True)
-        if line.poll() is None:
-            line.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            out, err = line.communicate(timeout=10)
-            m = re.search(r"^STATS (\{.*\})$", out, re.M)
-            stats = json.loads(m.group(1)) if m else {"error": err[-1000:]}
-        if line.poll() is None:
-            line.kill()
-            line.wait()
     rtt_after = ping_rtt_ms(an, ov["s2-a"], count=5)
     return {
         "from": "s1-a",

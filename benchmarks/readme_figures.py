@@ -544,6 +544,49 @@ def gpu_datapath(d: dict) -> tuple[str, str]:
     )
 
 
+def gpu_wan(d: dict) -> tuple[str, str]:
+    c = {k.removeprefix("wan cross-site "): v for k, v in d["cells"].items()}
+
+    def cell(k: str) -> str:
+        x = c[k]
+        return f"{x['median']:.3f} ({x['min']:.3f}-{x['max']:.3f}, {x['n']} rounds)"
+
+    env, buf = d["environment"], "default+NCCL_BUFFSIZE=16777216"
+    sockets = ", ".join(f"{k} {c[k]['median']:.3f}" for k in ("1x1", "2x8", "4x4") if k in c)
+    return (
+        f"2 nodes of different sites on one {env.get('gpu', 'GPU')} (`./dev.sh gpu-check --wan-only`), NCCL "
+        f"{env.get('nccl', '?')} all-reduce 16 MiB through meshrun0 over a 60 ms RTT, 0.1% loss WAN (a delay line), "
+        "bus bandwidth GB/s: NCCL's socket settings and its buffer",
+        f"NCCL's default {cell('default')}; sockets {sockets} (none wins); NCCL_BUFFSIZE 16 MiB {cell(buf)}, "
+        f"{c[buf]['of_default']:.2f}x the default: what `meshrun train` sets for a job across sites",
+    )
+
+
+def _wg_runs(d: dict) -> dict[str, dict[str, list[float]]]:
+    """Every variant's iperf3 Gbit/s, 1 stream ("one") and n streams ("many"), over the file's run(s)."""
+    runs = [d] if "table" in d else list(d["runs"].values())
+    out: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        for v, rows in run["runs"].items():
+            for k in ("one", "many"):
+                out.setdefault(v, {}).setdefault(k, []).extend(x[k]["gbit"] for x in rows)
+    return out
+
+
+def wg_ceiling(d: dict) -> tuple[str, str]:
+    g = _wg_runs(d)
+    names = {"raw": "no WireGuard (veth)", "wg": "one tunnel as meshrun runs it", "wg_gomaxprocs1": "GOMAXPROCS=1"}
+    names |= {"wg_gogc400": "GOGC=400", "wg_jumbo": "jumbo frames (8920)", "wg_x2": "2 tunnels", "wg_x4": "4 tunnels"}
+    names |= {"wg_jumbo_x4": "jumbo and 4 tunnels"}
+    cpus = (d.get("environment") or {}).get("cpus") or d["runs"]["run1"]["environment"]["cpus"]
+    parts = [f"{names.get(v, v)} {_spread(x['one'], '{:.1f}')} / {_spread(x['many'], '{:.1f}')}" for v, x in g.items()]
+    return (
+        f"wireguard-go's ceiling on {cpus} CPUs, both ends on the machine, nothing shaped: iperf3 Gbit/s, 1 stream / 8 "
+        "streams, per variant",
+        "; ".join(parts),
+    )
+
+
 def ha_failover(d: dict) -> tuple[str, str]:
     c, n, idle, busy = d["coordinator_loss_s"], d["node_loss_s"], d["idle"], d["job_running"]
     worst = max([n, *c.values()], key=lambda x: x["max"])
@@ -617,6 +660,9 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("sites_lanpath", sites_lanpath, "benchmarks/sites.py --trust-sites --name sites_lanpath"),
     ("datapath", datapath, "benchmarks/datapath.py"),
     ("gpu_datapath", gpu_datapath, "-m meshrun.lab.gpucheck"),
+    ("gpu_wan", gpu_wan, "-m meshrun.lab.gpucheck --wan-only --wan-rtt-ms 60 --wan-loss-pct 0.1 --settings ..."),
+    ("wg_ceiling", wg_ceiling, "benchmarks/wg_ceiling.py"),
+    ("wg_ceiling_gpu", wg_ceiling, "benchmarks/wg_ceiling.py (on the GPU machine)"),
     ("ha_failover", ha_failover, "benchmarks/ha_failover.py --rounds 5 --window 10"),
     ("loss_detection", loss_detection, "benchmarks/loss_detection.py"),
 ]

@@ -77,7 +77,7 @@ echo "offline_bundle: building meshrun's wheel" >&2
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   git ls-files -z -co --exclude-standard | while IFS= read -r -d '' f; do
     if [ -e "$f" ] || [ -L "$f" ]; then printf '%s\0' "$f"; fi  # not a tracked file deleted here
-  done | cpio -0 -pdm --quiet "$tmp/src"
+  done | tar --null --no-recursion -T - -cf - | tar -xf - -C "$tmp/src"  # tar: cpio is not on a minimal host
   commit=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo "+changes")
 else
   cp -a . "$tmp/src/" && rm -rf "$tmp/src"/.venv* "$tmp/src/build" "$tmp/src/.offline"

@@ -39,6 +39,13 @@ ELASTIC_LAST_CALL_S = 3
 # 0.31 for the 4 x 4 meshrun used to set and 0.34 for 1 x 1 (benchmarks/results/gpu_datapath.json, 2026-11-27;
 # the day before 0.62 against 0.32, and 0.27-0.43 for 1x1, 2x8 and 8x2: results/archive/). On a trusted site's
 # LAN path NCCL's choice ran at the raw LAN's speed. A user's own values (--env, the job file) still pass through.
+# NCCL's staging buffer per channel and peer for a job whose nodes span sites (a WAN between some of them). NCCL
+# keeps one buffer of data in flight per channel, so over a WAN it moves at most about NCCL_BUFFSIZE per round
+# trip: on an H100 through meshrun0 across a 60 ms RTT, 0.1 % loss WAN, 16 MiB all-reduces ran at 0.053 GB/s
+# (0.051-0.054) with 16 MiB against 0.033 (0.028-0.036) at NCCL's 4 MiB default, where no socket setting helped
+# (benchmarks/results/gpu_wan.json). It costs GPU memory (16 MiB per buffer instead of 4), so it is set only
+# where a WAN is: a job within one site keeps NCCL's default. A user's own value (--env, the job file) wins.
+WAN_NCCL_BUFFSIZE = str(16 << 20)
 # Set to "1" for `meshrun train --site-fabric`: meshrun.train.sites then asks NCCL for the fabric in site groups.
 ENV_SITE_FABRIC = "MESHRUN_SITE_FABRIC"
 # Set to "1" for `meshrun train --mixed-accelerators` (meshrun.core.presets.ENV_MIXED): scripts use gloo.
@@ -46,7 +53,7 @@ ENV_MIXED = "MESHRUN_MIXED_ACCELERATORS"
 # The caller's variables `meshrun train` forwards to every worker (over meshrun's own values).
 FORWARD_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
 # What meshrun sets to keep a job's collectives on the overlay: a shell's own value overrides it.
-MESHRUN_SETS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_NET", "NCCL_IB_DISABLE")
+MESHRUN_SETS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_NET", "NCCL_IB_DISABLE", "NCCL_BUFFSIZE")
 # Of those, the ones that pin the interface: from a shell (a profile left from single-VPC work) they bring back the
 # cross-datacenter hang, so they are refused unless given on purpose (--env, a job file, --use-shell-ifname).
 SHELL_PINS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
@@ -168,10 +175,11 @@ def worker_env(
     """The variables meshrun sets for one node's torchrun and workers.
 
     Pins Gloo and NCCL to the overlay interface, makes NCCL's socket transport the process-wide
-    default (``NCCL_NET=Socket``: an overlay carries sockets only), disables InfiniBand and opens several
-    TCP streams per peer. With `site_fabric` (``meshrun train --site-fabric``) InfiniBand is not disabled
+    default (``NCCL_NET=Socket``: an overlay carries sockets only) and disables InfiniBand; how many TCP
+    streams per peer is NCCL's choice. With `site_fabric` (``meshrun train --site-fabric``) InfiniBand is not disabled
     and ``MESHRUN_SITE_FABRIC=1`` tells meshrun.train.sites to ask for it in the site group only;
-    ``NCCL_NET=Socket`` stays the default, so every other communicator still never tries it.
+    ``NCCL_NET=Socket`` stays the default, so every other communicator still never tries it. When `site` says the
+    job spans several sites, ``NCCL_BUFFSIZE`` is WAN_NCCL_BUFFSIZE (16 MiB: NCCL's data in flight per round trip).
     Every variable in `user_env` is included and wins over meshrun's defaults, except
     ``MESHRUN_NODE_NAME``, ``MESHRUN_OVERLAY_IP`` and ``MESHRUN_INTERFACE``, which are always the node's
     name, address and overlay interface, ``MESHRUN_SITE_FABRIC`` (set by `site_fabric` only), and, with
@@ -203,6 +211,8 @@ def worker_env(
     if not site_fabric:
         # NCCL reads it once per process: with it no communicator, the site group's included, can use IB.
         env["NCCL_IB_DISABLE"] = "1"
+    if site is not None and site.count > 1:
+        env["NCCL_BUFFSIZE"] = WAN_NCCL_BUFFSIZE  # see WAN_NCCL_BUFFSIZE
     env.update(job_env or {})
     env.update(user_env)
     env.pop(ENV_SITE_FABRIC, None)  # meshrun's to set: it must agree with NCCL_IB_DISABLE above

@@ -56,6 +56,7 @@ NCCL_LINE = re.compile(r"NCCL INFO (NET/\S+ : Using .*|Channel \d+/\d+ : .* via 
 SITES, NODES_PER_SITE = 2, 2
 LAN_IFNAME = "eth0"  # each node's interface on its site network (meshrun.lab.testbed)
 SETTINGS = ("default", "1x1", "2x8", "4x4", "8x2")  # NCCL socket threads x sockets per thread
+SETTING = re.compile(r"(default|\d+x\d+)(\+NCCL_[A-Z0-9_]+=[\w.-]+)*")  # a setting, NCCL variables of its own added
 BENCH_NODES = ("s1-a", "s1-b", "s2-a")  # a site's pair, and a node of another site
 LAN_PATH_SITE, LAN_PATH_NODES = "s2", ("s2-a", "s2-b")  # trusted (`meshrun site trust`): the site LAN path's pair
 # What NCCL logs about the network, its sockets and the graphs it built (NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH).
@@ -95,21 +96,30 @@ class BenchJob:
         return f"{self.path} {self.sockets}"
 
     def train_args(self, plan: CheckPlan, mib: int, rounds: int, backward: bool = False) -> list[str]:
-        """`meshrun train`'s arguments for this job (run from examples/). `backward`: the pairs' other order."""
-        env: list[str] = []
+        """`meshrun train`'s arguments for this job (run from examples/). `backward`: the pairs' other order.
+        A setting's ``+NCCL_X=V`` parts go to the job's environment, the sockets part to nccl_bench."""
+        sockets, *extra = self.sockets.split("+")
+        env = [x for var in extra for x in ("--env", var)]
         if self.path == "lan":  # the data path on the site network, meshrun only for the rendezvous
-            env = ["--env", f"NCCL_SOCKET_IFNAME=={LAN_IFNAME}", "--env", f"GLOO_SOCKET_IFNAME={LAN_IFNAME}"]
+            env += ["--env", f"NCCL_SOCKET_IFNAME=={LAN_IFNAME}", "--env", f"GLOO_SOCKET_IFNAME={LAN_IFNAME}"]
         # "lanpath": meshrun0's address as for any job; the trusted site's routes take it onto the LAN path.
-        pairs = "same" if self.path in ("lan", "lanpath") else ("cross,same" if backward else "same,cross")
-        bench = ["--sockets", self.sockets, "--mib", str(mib), "--rounds", str(rounds), "--pairs", pairs]
+        # "wan": meshrun0 across the sites with the delay line between them (meshrun.lab.wan), that pair only.
+        both = "cross,same" if backward else "same,cross"
+        pairs = {"lan": "same", "lanpath": "same", "wan": "cross"}.get(self.path, both)
+        bench = ["--sockets", sockets, "--mib", str(mib), "--rounds", str(rounds), "--pairs", pairs]
         return ["--nodes", ",".join(self.nodes), *env, *plan.train_args("nccl_bench.py", "INIT,NET,GRAPH"), *bench]
 
 
-def bench_jobs(plan: CheckPlan, settings: tuple[str, ...] = SETTINGS, lan_path: bool = False) -> list[BenchJob]:
+def bench_jobs(
+    plan: CheckPlan, settings: tuple[str, ...] = SETTINGS, lan_path: bool = False, wan: bool = False
+) -> list[BenchJob]:
     """The jobs of one pass: the raw site LAN at NCCL's default, then meshrun0 at each setting (gloo: one), then,
-    with `lan_path` (the trusted site's pair is on it), the site LAN path at NCCL's default. Pure."""
+    with `lan_path` (the trusted site's pair is on it), the site LAN path at NCCL's default. With `wan`: only the
+    cross-site pair over the WAN, at each setting. Pure."""
     if plan.backend == "gloo":
         settings = ("default",)  # socket threads and sockets are NCCL's: gloo has one setting
+    if wan:
+        return [BenchJob("wan", s, BENCH_NODES) for s in settings]
     jobs = [BenchJob("lan", "default", BENCH_NODES[:2])]
     jobs += [BenchJob("meshrun0", s, BENCH_NODES) for s in settings]
     return jobs + ([BenchJob("lanpath", "default", LAN_PATH_NODES)] if lan_path else [])
@@ -167,6 +177,7 @@ class BenchTable:
     nccl: dict[str, list[str]] = field(default_factory=dict)  # job label -> NCCL's lines (first run of it)
     speeds: dict[str, str] = field(default_factory=dict)  # interface -> /sys/class/net/IF/speed
     failures: list[str] = field(default_factory=list)
+    wan: dict = field(default_factory=dict)  # the WAN part's set-up and delay line counters (empty: none)
 
     def add(self, job: BenchJob, result: dict | None, text: str, rc: int, pass_no: int, secs: float) -> None:
         self.order.append(f"pass {pass_no}: {job.label} ({secs:.0f} s, exit {rc})")
@@ -195,6 +206,7 @@ class BenchTable:
             "jobs": self.order,
             "failures": self.failures,
             "nccl_lines": self.nccl,
+            **({"wan": self.wan} if self.wan else {}),
         }
 
     def rows(self) -> list[str]:
@@ -254,10 +266,13 @@ def run_bench(
     out=print,
     job_timeout_s: float = 240,
     lan_path: bool = False,
+    table: BenchTable | None = None,
+    wan: bool = False,
 ) -> BenchTable:
-    """Passes of bench_jobs (forward, then backward, ...) while `budget_s` lasts; the table, written as it fills."""
-    table = BenchTable(plan.backend, mib, environment(plan.backend))
-    jobs = bench_jobs(plan, settings, lan_path)
+    """Passes of bench_jobs (forward, then backward, ...) while `budget_s` lasts; the table (`table`, or a new
+    one), written as it fills. `wan`: the WAN's jobs (the caller has the delay line in place)."""
+    table = table or BenchTable(plan.backend, mib, environment(plan.backend))
+    jobs = bench_jobs(plan, settings, lan_path, wan)
     t0, longest = time.monotonic(), 0.0
     logs: list[str] = []
     passes = 1 if plan.backend == "gloo" else 99
@@ -270,7 +285,7 @@ def run_bench(
                 return table
             out(f"[{_stamp()}] bench pass {pass_no}: {job.label} ...")
             started = time.monotonic()
-            job_id = f"bench{pass_no}-{job.path}-{job.sockets}"
+            job_id = re.sub(r"[^A-Za-z0-9_.-]", "_", f"bench{pass_no}-{job.path}-{job.sockets}")[:64]
             try:
                 res = mesh.meshrun(
                     "hq-a",
@@ -302,6 +317,69 @@ def run_bench(
             if out_path is not None:
                 atomic_write(out_path, json.dumps(table.as_json(), indent=1) + "\n", mode=0o644)
     return table
+
+
+@dataclass(frozen=True)
+class WanPlan:
+    """The WAN part of the table: the cross-site pair over `rtt_ms` more round trip and `loss_pct` % loss each way
+    (meshrun.lab.wan), all-reducing `mib` MiB, passes while `budget_s` lasts; `only`: without the LAN table."""
+
+    rtt_ms: float
+    loss_pct: float = 0.0
+    mib: int = 32
+    budget_s: float = 200
+    only: bool = False
+
+
+def run_wan_bench(
+    world: World,
+    mesh: Mesh,
+    plan: CheckPlan,
+    settings: tuple[str, ...],
+    wan_plan: WanPlan,
+    rounds_per_job: int,
+    table: BenchTable | None,
+    out_path: Path | None,
+    log_path: Path | None,
+    out=print,
+) -> BenchTable:
+    """The WAN's jobs (bench_jobs with `wan`) with the delay line between the cross-site pair; into `table`."""
+    from meshrun.lab import wan
+
+    a, b = BENCH_NODES[0], BENCH_NODES[2]
+    dst = mesh.overlay_ip(b)
+    before = overlay_rtt_ms(world, a, dst)
+    with wan.delayed(world, a, b, wan_plan.rtt_ms, wan_plan.loss_pct) as stats:
+        rtt = overlay_rtt_ms(world, a, dst)
+        out(f"[{_stamp()}] WAN {a}-{b}: overlay RTT {before} ms -> {rtt} ms, {wan_plan.loss_pct:g} % loss each way")
+        table = table or BenchTable(plan.backend, wan_plan.mib, environment(plan.backend))
+        table.wan = {"pair": [a, b], "rtt_ms_added": wan_plan.rtt_ms, "loss_pct_each_way": wan_plan.loss_pct}
+        table.wan |= {"mib": wan_plan.mib, "overlay_rtt_ms_before": before, "overlay_rtt_ms_with_wan": rtt}
+        table = run_bench(
+            mesh,
+            plan,
+            settings,
+            wan_plan.mib,
+            wan_plan.budget_s,
+            rounds_per_job,
+            out_path,
+            log_path,
+            out,
+            table=table,
+            wan=True,
+        )
+    table.wan["delay_line"] = stats
+    table.wan["emulation"] = "NFQUEUE delay line in the internet namespace (meshrun.lab.wan)"
+    if out_path is not None:
+        atomic_write(out_path, json.dumps(table.as_json(), indent=1) + "\n", mode=0o644)
+    return table
+
+
+def overlay_rtt_ms(world: World, node: str, dst: str, count: int = 5) -> float | None:
+    """The mean ping round trip from `node` to `dst` in ms; None if nothing answered."""
+    res = world.node(node).run("ping", "-c", str(count), "-i", "0.2", "-W", "2", "-q", dst, check=False, timeout=30)
+    m = re.search(r"= [\d.]+/([\d.]+)/", res.stdout)
+    return float(m.group(1)) if m else None
 
 
 def _stamp() -> str:
@@ -366,9 +444,11 @@ def run(
     log_path: Path | None = None,
     job_timeout_s: float = 240,
     lan_path: bool = True,
+    wan: WanPlan | None = None,
 ) -> int:
     """Build the world, run the check, print the summary, then the bandwidth table; the check's exit code
-    (a bench job that fails makes it 1 too). `lan_path`: site s2 is trusted, its pair measured on the LAN path."""
+    (a bench job that fails makes it 1 too). `lan_path`: site s2 is trusted, its pair measured on the LAN path.
+    `wan`: then the cross-site pair again at each setting over a WAN (`WanPlan.only`: instead of the table)."""
     if os.geteuid() != 0:
         raise HostError("the GPU check builds network namespaces and needs root", "run it with sudo")
     gpus = gpu_count()
@@ -383,7 +463,7 @@ def run(
             out(plan.message)
         for n in nodes:
             mesh.join(n, "--site", n.dc)
-        if bench and lan_path:
+        if bench and lan_path and not (wan and wan.only):
             lan_path = trust_site(mesh, out)
         out(f"[{_stamp()}] world up; groups check ({plan.backend})")
         res = mesh.meshrun("hq-a", "train", *plan.train_args(), cwd=EXAMPLES, timeout=600, check=False)
@@ -394,12 +474,26 @@ def run(
                 out_path = RESULTS
             if plan.backend == "gloo":
                 mib = min(mib, 16)  # the path, not the speed: a CPU machine's gloo at 256 MiB takes long
-            table = run_bench(
-                mesh, plan, settings, mib, budget_s, rounds_per_job, out_path, log_path, out, job_timeout_s, lan_path
-            )
+            if wan is None or not wan.only:
+                table = run_bench(
+                    mesh,
+                    plan,
+                    settings,
+                    mib,
+                    budget_s,
+                    rounds_per_job,
+                    out_path,
+                    log_path,
+                    out,
+                    job_timeout_s,
+                    lan_path,
+                )
+            if wan is not None:
+                table = run_wan_bench(world, mesh, plan, settings, wan, rounds_per_job, table, out_path, log_path, out)
     if table is not None:
         out("")
-        out(f"all-reduce bus bandwidth, {mib} MiB, two nodes (lan: {LAN_IFNAME}, no meshrun):")
+        wan_note = f"; wan: {wan.mib} MiB, {wan.rtt_ms:g} ms more RTT, {wan.loss_pct:g} % loss" if wan else ""
+        out(f"all-reduce bus bandwidth, {mib} MiB, two nodes (lan: {LAN_IFNAME}, no meshrun{wan_note}):")
         for row in table.rows():
             out(row)
         for iface, speed in sorted(table.speeds.items()):
@@ -455,7 +549,9 @@ def report_check(res, out=print) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m meshrun.lab.gpucheck", description=__doc__.splitlines()[0])
     p.add_argument("--no-bench", action="store_true", help="only the groups check, no bandwidth table")
-    p.add_argument("--settings", default=",".join(SETTINGS), help="NCCL socket settings: default and/or TxS")
+    p.add_argument(
+        "--settings", default=",".join(SETTINGS), help="NCCL socket settings: default and/or TxS, each +NCCL_VAR=V ..."
+    )
     p.add_argument("--mib", type=int, default=256, help="all-reduce size, MiB (gloo: at most 16)")
     p.add_argument("--budget-s", type=float, default=300, help="no new pass of the bench after this many seconds")
     p.add_argument("--rounds-per-job", type=int, default=2)
@@ -463,14 +559,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="the table as JSON [NCCL: benchmarks/results/gpu_datapath.json]")
     p.add_argument("--log", type=Path, help="every bench job's whole output, in one file")
     p.add_argument("--no-lan-path", action="store_true", help="do not trust site s2 nor measure the site LAN path")
+    p.add_argument("--wan-rtt-ms", type=float, help="then the cross-site pair again, over a WAN of this much RTT")
+    p.add_argument("--wan-loss-pct", type=float, default=0.0, help="the WAN's loss each way, percent [0]")
+    p.add_argument("--wan-mib", type=int, default=32, help="all-reduce size over the WAN, MiB [32]")
+    p.add_argument("--wan-budget-s", type=float, default=200, help="no new WAN pass after this many seconds [200]")
+    p.add_argument("--wan-only", action="store_true", help="the WAN rows without the LAN table")
     a = p.parse_args(argv)
     settings = tuple(x.strip() for x in a.settings.split(",") if x.strip())
     for x in settings:
-        if x != "default" and not re.fullmatch(r"\d+x\d+", x):
-            p.error(f"--settings: {x!r} is neither 'default' nor TxS")
+        if not SETTING.fullmatch(x):
+            p.error(
+                f"--settings: {x!r} is not 'default' or TxS, either optionally +NCCL_VAR=VALUE ..., "
+                "e.g. 4x4+NCCL_BUFFSIZE=16777216"
+            )
+    if a.wan_only and a.wan_rtt_ms is None:
+        p.error("--wan-only needs --wan-rtt-ms: the WAN's round trip, e.g. --wan-rtt-ms 60")
+    wan = None
+    if a.wan_rtt_ms is not None:
+        wan = WanPlan(a.wan_rtt_ms, a.wan_loss_pct, a.wan_mib, a.wan_budget_s, a.wan_only)
     try:
         return run(
             bench=not a.no_bench,
+            wan=wan,
             settings=settings,
             mib=a.mib,
             budget_s=a.budget_s,

@@ -35,6 +35,7 @@ CASES = {
     "loss_detection": ["--rounds", "1", "--load-seconds", "3"],
     "datapath": ["--rounds", "1", "--seconds", "1", "--mib", "1", "--iters", "1", "--warmup", "1"]
     + ["--wan-seconds", "2", "--wan-rounds", "1"],
+    "wg_ceiling": ["--rounds", "1", "--seconds", "1", "--streams", "2", "--variants", "raw,wg,wg_x2"],
 }
 # On loopback and mostly asleep (it waits for long-polls to settle, a join storm to pass): it runs beside the others.
 LOAD_ARGS = ["--sizes", "10", "--window", "3", "--probes", "2", "--rounds", "1", "--name", "smoke_coordinator_load"]

@@ -166,6 +166,19 @@ def test_site_fabric_lets_nccl_load_infiniband_but_keeps_sockets_the_process_wid
     assert p.env["NCCL_IB_DISABLE"] == "1" and p.env["MESHRUN_SITE_FABRIC"] == "1"
 
 
+def test_a_job_across_sites_gets_nccl_s_larger_wan_buffer_and_one_site_keeps_nccl_s_default():
+    for p in launch.plan(SITE_NODES, opts()):
+        assert p.env["NCCL_BUFFSIZE"] == str(16 << 20)
+    one_site = [NodeInfo(n.name, n.overlay_ip, 8, Placement("fra", 0, 1, n.site.addr)) for n in SITE_NODES[:2]]
+    assert all("NCCL_BUFFSIZE" not in p.env for p in launch.plan(one_site, opts()))
+    # Nodes with no placement (a --local share) are not known to cross a WAN.
+    assert "NCCL_BUFFSIZE" not in launch.worker_env("meshrun0", "n", {})
+    # The user's own value wins, and a shell's is announced as overriding meshrun's.
+    (p,) = launch.plan(SITE_NODES[:1], opts(), {"NCCL_BUFFSIZE": "4194304"})
+    assert p.env["NCCL_BUFFSIZE"] == "4194304"
+    assert launch.shell_env({"NCCL_BUFFSIZE": "1"}, {}).override == ("NCCL_BUFFSIZE",)
+
+
 def test_user_socket_settings_pass_through():
     env = launch.worker_env("meshrun0", "n", {"NCCL_SOCKET_NTHREADS": "16"})
     assert env["NCCL_SOCKET_NTHREADS"] == "16" and "NCCL_NSOCKS_PERTHREAD" not in env

@@ -162,4 +162,30 @@ def test_a_socket_setting_is_default_or_threads_x_sockets(capsys):
 
     with pytest.raises(SystemExit):
         main(["--settings", "default,four"])
-    assert "neither 'default' nor TxS" in capsys.readouterr().err
+    assert "'four' is not 'default' or TxS" in capsys.readouterr().err
+    for bad in ("4x4+FOO=1", "default+NCCL_BUFFSIZE", "+NCCL_BUFFSIZE=1"):  # only NCCL's own variables, with values
+        with pytest.raises(SystemExit):
+            main(["--settings", bad])
+        assert repr(bad) in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--wan-only"])
+    assert "--wan-only needs --wan-rtt-ms" in capsys.readouterr().err
+
+
+def test_over_a_wan_the_bench_measures_the_cross_site_pair_at_every_setting_with_its_nccl_variables():
+    plan = check_plan(1, NODES)
+    jobs = bench_jobs(plan, ("default", "4x4+NCCL_BUFFSIZE=16777216"), lan_path=True, wan=True)
+    assert [j.label for j in jobs] == ["wan default", "wan 4x4+NCCL_BUFFSIZE=16777216"]
+    args = jobs[1].train_args(plan, 16, 3)
+    # The setting's NCCL variables reach the job's environment; nccl_bench gets the sockets part only.
+    assert args[:4] == ["--nodes", "s1-a,s1-b,s2-a", "--env", "NCCL_BUFFSIZE=16777216"]
+    assert args[-8:] == ["--sockets", "4x4", "--mib", "16", "--rounds", "3", "--pairs", "cross"]
+    assert jobs[1].train_args(plan, 16, 3, backward=True)[-1] == "cross"
+    assert [j.label for j in bench_jobs(check_plan(0, NODES), ("default", "4x4"), wan=True)] == ["wan default"]
+    table = BenchTable("nccl", 256, {})
+    table.add(jobs[1], {"pairs": {"cross": {"rounds": [0.05]}}}, "", 0, 0, 30.0)
+    table.wan = {"rtt_ms_added": 60.0}
+    data = table.as_json()
+    assert data["cells"]["wan cross-site 4x4+NCCL_BUFFSIZE=16777216"]["median"] == 0.05
+    assert data["wan"] == {"rtt_ms_added": 60.0}
+    assert "wan" not in BenchTable("nccl", 256, {}).as_json()
