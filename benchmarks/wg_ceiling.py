@@ -89,6 +89,14 @@ class Pair:
         self.under_a, self.under_b = f"192.168.{100 + index}.1", f"192.168.{100 + index}.2"
         self.dst: list[str] = []  # the receiver's address of each path (tunnel, or the veth)
         self.offload: dict = {}
+        try:
+            self._build(tag, index, env, mtu, wg_bin)
+        except BaseException:
+            self.down()  # nothing half-built stays: its namespaces and wireguard-go processes go
+            raise
+
+    def _build(self, tag: str, index: int, env: dict, mtu: int, wg_bin: str) -> None:
+        tunnels = self.tunnels
         for ns in (self.a, self.b):
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -120,15 +128,10 @@ class Pair:
                 (self.a, self.b, f"10.{index}.{t}.1", self.under_b, f"10.{index}.{t}.2"),
                 (self.b, self.a, f"10.{index}.{t}.2", self.under_a, f"10.{index}.{t}.1"),
             ):
-                kf = Path(f"/run/wgceil-{names[ns]}.key")
-                kf.write_text(keys[ns])
-                kf.chmod(0o600)
-                try:
-                    sh("ip", "netns", "exec", ns, "wg", "set", names[ns], "listen-port", str(port), "private-key",
-                       str(kf), "peer", pubs[other], "allowed-ips", f"{addr}/32",
-                       "endpoint", f"{other_under}:{port}")  # fmt: skip
-                finally:
-                    kf.unlink()
+                # The private key goes in on stdin: never in a file or on a command line.
+                sh("ip", "netns", "exec", ns, "wg", "set", names[ns], "listen-port", str(port), "private-key",
+                   "/dev/stdin", "peer", pubs[other], "allowed-ips", f"{addr}/32", "endpoint", f"{other_under}:{port}",
+                   input=keys[ns])  # fmt: skip
                 sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", names[ns])
                 sh("ip", "-n", ns, "link", "set", names[ns], "mtu", str(mtu - 80), "up")
             self.dst.append(f"10.{index}.{t}.2")
