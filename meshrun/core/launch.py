@@ -42,7 +42,7 @@ ELASTIC_LAST_CALL_S = 3
 # NCCL's staging buffer per channel and peer for a job whose nodes span sites (a WAN between some of them). NCCL
 # keeps one buffer of data in flight per channel, so over a WAN it moves at most about NCCL_BUFFSIZE per round
 # trip: on an H100 through meshrun0 across a 60 ms RTT, 0.1 % loss WAN, 16 MiB all-reduces ran at 0.053 GB/s
-# (0.051-0.054) with 16 MiB against 0.033 (0.028-0.036) at NCCL's 4 MiB default, where no socket setting helped
+# (0.051-0.054) with 16 MiB against 0.032 (0.028-0.036) at NCCL's 4 MiB default, where no socket setting helped
 # (benchmarks/results/gpu_wan.json). It costs GPU memory (16 MiB per buffer instead of 4), so it is set only
 # where a WAN is: a job within one site keeps NCCL's default. A user's own value (--env, the job file) wins.
 WAN_NCCL_BUFFSIZE = str(16 << 20)
