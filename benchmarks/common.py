@@ -71,6 +71,13 @@ def join_all(mesh: Mesh, names: list[str]) -> list[float]:
         return list(pool.map(timed, names))
 
 
+def busy_jiffies() -> int:
+    """Non-idle jiffies of the whole machine (/proc/stat: user nice system irq softirq steal)."""
+    f = open("/proc/stat").readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
+    return user + nice + system + irq + softirq + steal
+
+
 def environment() -> dict:
     """What the numbers were measured on: machine, date, load, torch, and the WireGuard binary."""
     import torch

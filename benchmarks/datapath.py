@@ -111,15 +111,10 @@ def worker(a) -> int:
     return 0
 
 
-def busy_jiffies() -> int:
-    """Non-idle jiffies of the whole machine (/proc/stat: user nice system irq softirq steal)."""
-    f = open("/proc/stat").readline().split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-    return user + nice + system + irq + softirq + steal
-
-
 def iperf(a_node, dst: str, port: int, seconds: float, streams: int, omit: int = 0) -> dict:
     """iperf3 TCP from a_node to dst:port (a server already listens); receiver's Gbit/s, bytes, busy CPU s."""
+    from common import busy_jiffies
+
     j0, t0 = busy_jiffies(), time.monotonic()
     argv = ["iperf3", "-c", dst, "-p", str(port), "-t", f"{seconds:g}", "-P", str(streams), "-J"]
     res = a_node.run(*argv, *(["-O", str(omit)] if omit else []), timeout=seconds + omit + 60, check=False)
@@ -191,12 +186,6 @@ def direct_verified(mesh, a: str, b: str) -> bool:
     pairs = {frozenset((p["a"], p["b"])): p for p in mesh.status("hq-a").get("pairs", [])}
     p = _last_pair[(a, b)] = pairs.get(frozenset((a, b)))
     return bool(p and p["path"].startswith("direct") and p["verified"])
-
-
-def ping_rtt_ms(node, dst: str, count: int = 10) -> float | None:
-    res = node.run("ping", "-c", str(count), "-i", "0.2", "-W", "2", dst, check=False, timeout=count + 20)
-    m = re.search(r"= [\d.]+/([\d.]+)/", res.stdout)
-    return float(m.group(1)) if m else None
 
 
 def ratio_block(values: list[float], target: float | None) -> dict:
@@ -395,11 +384,11 @@ def run_wan(world, mesh, ov: dict, a) -> dict:
 
     an, bn = world.node("s1-a"), world.node("s2-a")
     path = path_of(mesh, "s1-a", "s2-a")
-    rtt_before = ping_rtt_ms(an, ov["s2-a"])
+    rtt_before = wan.rtt_ms(an, ov["s2-a"], count=10)
     runs: dict[str, list[dict]] = {str(k): [] for k in WAN_STREAMS}
     order = []
     with wan.delayed(world, "s1-a", "s2-a", a.wan_rtt_ms, a.wan_loss_pct) as stats:
-        rtt = ping_rtt_ms(an, ov["s2-a"])
+        rtt = wan.rtt_ms(an, ov["s2-a"], count=10)
         print(f"WAN: {path}; overlay RTT {rtt_before} ms -> {rtt} ms with the delay line", flush=True)
         srv = start_server(bn, WAN_PORT)
         try:
@@ -413,7 +402,7 @@ def run_wan(world, mesh, ov: dict, a) -> dict:
         finally:
             srv.kill()
             srv.wait()
-    rtt_after = ping_rtt_ms(an, ov["s2-a"], count=5)
+    rtt_after = wan.rtt_ms(an, ov["s2-a"], count=5)
     return {
         "from": "s1-a",
         "to": "s2-a (overlay)",

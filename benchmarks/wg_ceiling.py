@@ -65,12 +65,6 @@ def sh(*argv: str, check: bool = True, timeout: float = 60, input: str | None = 
     return subprocess.run(list(argv), input=input, capture_output=True, text=True, check=check, timeout=timeout)
 
 
-def busy_jiffies() -> int:
-    f = open("/proc/stat").readline().split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-    return user + nice + system + irq + softirq + steal
-
-
 def proc_jiffies(pids: list[int]) -> int:
     total = 0
     for pid in pids:
@@ -170,6 +164,8 @@ def wait_until(check, what: str, timeout: float = 15) -> None:
 
 def measure(pair: Pair, streams: int, seconds: float) -> dict:
     """iperf3 from a to b over the pair's paths, `streams` spread over them; Gbit/s, CPU per GB."""
+    from common import busy_jiffies
+
     paths = pair.dst[: max(1, min(streams, len(pair.dst)))]
     per = [streams // len(paths) + (1 if i < streams % len(paths) else 0) for i in range(len(paths))]
     servers = [

@@ -348,9 +348,9 @@ def run_wan_bench(
 
     a, b = BENCH_NODES[0], BENCH_NODES[2]
     dst = mesh.overlay_ip(b)
-    before = overlay_rtt_ms(world, a, dst)
+    before = wan.rtt_ms(world.node(a), dst)
     with wan.delayed(world, a, b, wan_plan.rtt_ms, wan_plan.loss_pct) as stats:
-        rtt = overlay_rtt_ms(world, a, dst)
+        rtt = wan.rtt_ms(world.node(a), dst)
         out(f"[{_stamp()}] WAN {a}-{b}: overlay RTT {before} ms -> {rtt} ms, {wan_plan.loss_pct:g} % loss each way")
         table = table or BenchTable(plan.backend, wan_plan.mib, environment(plan.backend))
         table.wan = {"pair": [a, b], "rtt_ms_added": wan_plan.rtt_ms, "loss_pct_each_way": wan_plan.loss_pct}
@@ -373,13 +373,6 @@ def run_wan_bench(
     if out_path is not None:
         atomic_write(out_path, json.dumps(table.as_json(), indent=1) + "\n", mode=0o644)
     return table
-
-
-def overlay_rtt_ms(world: World, node: str, dst: str, count: int = 5) -> float | None:
-    """The mean ping round trip from `node` to `dst` in ms; None if nothing answered."""
-    res = world.node(node).run("ping", "-c", str(count), "-i", "0.2", "-W", "2", "-q", dst, check=False, timeout=30)
-    m = re.search(r"= [\d.]+/([\d.]+)/", res.stdout)
-    return float(m.group(1)) if m else None
 
 
 def _stamp() -> str:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 
 from meshrun.errors import NetworkError
-from meshrun.lab.testbed import World, sh
+from meshrun.lab.testbed import Node, World, sh
 from meshrun.system.machine import procs
 
 QUEUE = 7  # NFQUEUE number in the internet namespace
@@ -65,3 +65,10 @@ def delayed(world: World, a: str, b: str, rtt_ms: float, loss_pct: float = 0.0, 
             out, err = line.communicate()
         m = re.search(r"^STATS (\{.*\})$", out or "", re.M)
         stats.update(json.loads(m.group(1)) if m else {"error": (err or "")[-1000:]})
+
+
+def rtt_ms(node: Node, dst: str, count: int = 5) -> float | None:
+    """The mean ping round trip from `node` to `dst` in ms (`count` pings 0.2 s apart); None if nothing answered."""
+    res = node.run("ping", "-c", str(count), "-i", "0.2", "-W", "2", "-q", dst, check=False, timeout=count + 20)
+    m = re.search(r"= [\d.]+/([\d.]+)/", res.stdout)
+    return float(m.group(1)) if m else None
