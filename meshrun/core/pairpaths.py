@@ -8,13 +8,23 @@ only would drop packets: WireGuard filters inbound packets by the sending peer's
 A pair starts `private` when both nodes sit behind the same public IP and report private
 candidates (same VPC/LAN: no hairpin through the gateway), else `public`. Each side re-creates
 its peer entry on a mode change, so a handshake newer than the change proves the new path.
-Without one within ATTEMPT_S, the pair falls back: private -> public -> relayed. A relayed pair's
-WireGuard peers point at its relay's port for the pair (core/relays), so their handshakes prove the
-relayed path, and the pair stays relayed (a new relay when its relay fails, core/relays).
+Without one within ATTEMPT_S, the pair falls back: private -> public -> relayed. The window runs from
+when both ends have applied the change (`started`, which the driver knows from their reports), not from
+the choice: an end that is slow, stopped or offline is no evidence against a path it never tried.
+
+A relayed pair's WireGuard peers point at its relay's port for the pair (core/relays), so their handshakes
+prove the relayed path, not a direct one. It tries direct again after `retry_delay(tries)`: a handshake lost
+twice on a lossy link, or a NAT that changed, should not leave a pair on a relay for good. Each try that
+fails costs the pair up to ATTEMPT_S without a path (an end has one endpoint per peer), so the waits double
+(RETRY_S, 2 x, 4 x) and after MAX_TRIES failed attempts the pair stays relayed: two symmetric NATs cost
+three short gaps in the first two hours, then none. A pair whose direct tunnel had worked and went stale
+tries after RETRY_MIN_S. The driver forgets the failures (tries = 0) when an end's address changes: what
+stopped the direct path may be gone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from dataclasses import dataclass
 
@@ -22,6 +32,9 @@ from meshrun.core.model import Member, split_endpoint
 
 ATTEMPT_S = 10.0  # how long a new path gets to produce a handshake
 STALE_S = 180.0  # WireGuard rekeys every 120 s while a tunnel is used; older = broken
+RETRY_MIN_S = 60.0  # a relayed pair tries direct again at the earliest this long after it was relayed
+RETRY_S = 900.0  # ... after one failed attempt; doubling with each one after it
+MAX_TRIES = 4  # failed direct attempts after which a pair stays relayed (until an end's address changes)
 PRIVATE, PUBLIC, RELAYED = "private", "public", "relayed"
 LABELS = {PRIVATE: "direct (private)", PUBLIC: "direct (public)", RELAYED: "relayed"}
 
@@ -33,17 +46,23 @@ class PairState:
     verified: bool = False  # a handshake newer than `since` was seen
     relay: str = ""  # a relayed pair's relay: a member's name ("" = the coordinator); see core/relays
     port: int = 0  # a relayed pair's UDP port on its relay (core/relays.RELAY_PORTS; 0: not relayed)
+    tries: int = 0  # direct attempts that failed since the pair's last working direct tunnel
 
     def record(self) -> dict:
-        """The state as the stores keep it (JSON): the port only when there is one."""
+        """The state as the stores keep it (JSON): the port and tries only when there are some."""
         out = {"mode": self.mode, "since": self.since, "verified": self.verified, "relay": self.relay}
-        return out | ({"port": self.port} if self.port else {})
+        return out | ({"port": self.port} if self.port else {}) | ({"tries": self.tries} if self.tries else {})
 
     @classmethod
     def from_record(cls, d: dict) -> PairState:
-        """`record`'s inverse; records written before relays or ports have neither."""
+        """`record`'s inverse; records written before relays, ports or retries have none."""
         return cls(
-            str(d["mode"]), float(d["since"]), bool(d["verified"]), str(d.get("relay", "")), int(d.get("port", 0))
+            str(d["mode"]),
+            float(d["since"]),
+            bool(d["verified"]),
+            str(d.get("relay", "")),
+            int(d.get("port", 0)),
+            int(d.get("tries", 0)),
         )
 
 
@@ -93,41 +112,69 @@ def _since(handshake: int, since: float) -> bool:
     return handshake >= int(since)
 
 
-def step(state: PairState, a: Member, b: Member, handshake: int, now: float, fresh: bool | None = None) -> PairState:
+def retry_delay(tries: int) -> float | None:
+    """How long a relayed pair waits before it tries direct again, after `tries` failed attempts (None: it
+    does not, MAX_TRIES failed)."""
+    if tries >= MAX_TRIES:
+        return None
+    return RETRY_MIN_S if tries <= 0 else RETRY_S * 2 ** (tries - 1)
+
+
+def step(
+    state: PairState,
+    a: Member,
+    b: Member,
+    handshake: int,
+    now: float,
+    fresh: bool | None = None,
+    started: float | None = 0.0,
+) -> PairState:
     """Next state of pair (a, b) given the newest handshake either side reports (unix s, 0 = none) and,
-    where the nodes say so, whether the tunnel is fresh (None: a handshake in the last STALE_S)."""
+    where the nodes say so, whether the tunnel is fresh (None: a handshake in the last STALE_S).
+
+    `started`: when both ends had applied the state's mode (the attempt window runs from the later of it
+    and `state.since`); None while one of them has not, so an unproven path is kept, not failed."""
     fresh = _fresh(handshake, now, fresh)
     if state.mode == RELAYED:
         # The ends' handshakes now cross the relay (each end's WireGuard has one endpoint per peer: the relay's
-        # port), so they prove the relayed path, not a direct one: a relayed pair stays relayed. The relay's
-        # health is the ends' probes' business (relay-down reports), not the handshake's.
+        # port), so they prove the relayed path, not a direct one. The relay's health is the ends' probes'
+        # business (relay-down reports), not the handshake's. Direct is tried again when its time comes.
+        wait = retry_delay(state.tries)
+        if wait is not None and now >= state.since + wait:
+            return PairState(PRIVATE if same_site(a, b) else PUBLIC, now, tries=state.tries)
         if fresh and not state.verified and _since(handshake, state.since):
-            return PairState(state.mode, state.since, True, state.relay, state.port)
+            return dataclasses.replace(state, verified=True)
         return state
     if fresh and (state.verified or _since(handshake, state.since)):
         return state if state.verified else PairState(state.mode, state.since, True)
-    if not state.verified and now - state.since < ATTEMPT_S:
+    if not state.verified and (started is None or now - max(state.since, started) < ATTEMPT_S):
         return state
     # Unproven after the attempt window, or a verified tunnel gone stale: fall back one step.
-    return PairState(PUBLIC, now) if state.mode == PRIVATE else PairState(RELAYED, now)
+    if state.mode == PRIVATE:
+        return PairState(PUBLIC, now, tries=state.tries)
+    return PairState(RELAYED, now, tries=0 if state.verified else state.tries + 1)
 
 
-def next_due(state: PairState, handshake: int, fresh: bool | None = None) -> float | None:
+def next_due(state: PairState, handshake: int, fresh: bool | None = None, started: float | None = 0.0) -> float | None:
     """When `step` may next change `state` by time alone, with `handshake` as the newest one reported
-    (None: only a new report can change it). Before this time, `step` with the same inputs returns
-    `state` unchanged, so a driver need not look at the pair until then or until a report changes.
+    and `started` as for `step` (None: only a new report can change it). Before this time, `step` with the
+    same inputs returns `state` unchanged, so a driver need not look at the pair until then or until a
+    report changes.
 
     With `fresh` given (the nodes report their tunnels going stale), a verified fresh pair has no
     timer at all: a mesh of n nodes keeps no n(n-1)/2 timers running.
     """
     if state.mode == RELAYED:
-        return None  # waits for a handshake after `since`
+        wait = retry_delay(state.tries)
+        return None if wait is None else state.since + wait  # the next direct attempt
     if state.verified:
         if fresh is not None:
             return None if fresh else state.since
         # Stale at handshake + STALE_S; a verified pair without any handshake falls back at once.
         return float(handshake) + STALE_S if handshake else state.since
-    return state.since + ATTEMPT_S  # the attempt window closes
+    if started is None:
+        return None  # the window opens when both ends have applied the mode (a report)
+    return max(state.since, started) + ATTEMPT_S  # the attempt window closes
 
 
 def endpoint_for(mode: str, peer: Member) -> str | None:

@@ -252,6 +252,7 @@ def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
     finally:
         db.close()
     nodes = sorted(m.name for m in members if not m.is_coordinator)
+    now = time.time()
     out = []
     for i, a in enumerate(nodes):
         for b in nodes[i + 1 :]:
@@ -263,9 +264,16 @@ def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
                     "path": pairpaths.LABELS.get(v.mode, "?") if v else "probing",
                     "relay": (v.relay or "coordinator") if v and v.mode == pairpaths.RELAYED else None,
                     "verified": bool(v and v.verified),
+                    # A relayed pair's next direct try (pairpaths.retry_delay), in seconds from now.
+                    "direct_try_in_s": _next_direct_try(v, now),
                 }
             )
     return out
+
+
+def _next_direct_try(v: pairpaths.PairState | None, now: float) -> int | None:
+    wait = pairpaths.retry_delay(v.tries) if v is not None and v.mode == pairpaths.RELAYED else None
+    return None if wait is None else max(0, int(v.since + wait - now))
 
 
 def pair_labels(state: StateDir) -> dict[frozenset[str], str]:
@@ -281,6 +289,13 @@ def _age(s: int | None) -> str:
     if s < 7200:
         return f"{s // 60}m ago"
     return f"{s // 3600}h ago"
+
+
+def _next_try(p: dict) -> str:
+    s = p.get("direct_try_in_s")
+    if s is None:
+        return ""
+    return f", next direct try in {s}s" if s < 120 else f", next direct try in {s // 60}m"
 
 
 def _bytes(n: int) -> str:
@@ -401,7 +416,7 @@ def render(st: dict, full: bool = False) -> str:
                 [
                     p["a"],
                     p["b"],
-                    p["path"] + (f" by {p['relay']}" if p.get("relay") else ""),
+                    p["path"] + (f" by {p['relay']}" if p.get("relay") else "") + _next_try(p),
                     "yes" if p["verified"] else "-" if p["path"] == "probing" else "no",
                 ]
                 for p in pairs_shown

@@ -6,15 +6,18 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import signal
 import threading
 import time
 
 import pytest
 from support import TESTS, joined_mesh, relay_world
 
+from meshrun.core import pairpaths
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec
 from meshrun.mesh.node.daemon import SYNC_GRACE_S, SYNC_WAIT
+from meshrun.system.machine import procs
 
 SCRIPTS = TESTS / "scripts"
 RELAY_WORLD = relay_world()
@@ -243,6 +246,38 @@ def test_same_site_nodes_talk_privately(fresh_mesh):
     after = world.gateway_counters("site")
     forwarded = after["forward_packets"] - before["forward_packets"]
     assert forwarded < 50, (before, after)  # keepalives to the coordinator only, not 400 ping packets
+
+
+def coordinator_pair(mesh: Mesh, a: str, b: str) -> dict:
+    return next(p for p in mesh.status("hq-a")["pairs"] if {p["a"], p["b"]} == {a, b})
+
+
+def test_a_peer_whose_agent_is_stopped_while_a_node_joins_goes_direct_once_it_runs(fresh_mesh):
+    """dcb-a's agent is stopped (SIGSTOP: an overloaded or suspended host) while dcc-a joins, for twice a path's
+    attempt window: the coordinator does not fail dcb-a <-> dcc-a's direct path for want of a handshake dcb-a
+    could not make (before, the pair was relayed, and relayed for good); once the agent runs again the pair is
+    direct, and verified."""
+    dcs = [DatacenterSpec("hq"), DatacenterSpec("dca"), DatacenterSpec("dcb"), DatacenterSpec("dcc")]
+    mesh = fresh_mesh(dcs, "hq-a", nodes=["dca-a", "dcb-a"])
+    wait_pairs(mesh, ["dca-a", "dcb-a"])
+    agent = mesh.status("dcb-a")["daemon_pid"]
+    assert procs.signal_pid(agent, signal.SIGSTOP)
+    try:
+        mesh.join("dcc-a")
+        mesh.wait_ping("dcc-a", mesh.overlay_ip("dca-a"), timeout=60)
+        time.sleep(2 * pairpaths.ATTEMPT_S)
+        held = coordinator_pair(mesh, "dcb-a", "dcc-a")
+        assert held["path"] == "direct (public)" and not held["verified"], held
+    finally:
+        assert procs.signal_pid(agent, signal.SIGCONT)
+    mesh.wait_ping("dcb-a", mesh.overlay_ip("dcc-a"), timeout=60)
+    deadline = time.monotonic() + 30
+    while not (row := coordinator_pair(mesh, "dcb-a", "dcc-a"))["verified"]:
+        assert time.monotonic() < deadline, row
+        time.sleep(1)
+    assert row["path"] == "direct (public)", row
+    peers = {p["name"]: p for p in mesh.status("dcb-a")["peers"]}
+    assert peers["dcc-a"]["path"] == "direct (public)", peers["dcc-a"]
 
 
 def test_small_mtu_hop_does_not_hang(fresh_mesh):

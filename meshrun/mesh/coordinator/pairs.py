@@ -7,14 +7,21 @@ that last called it fresh is still heard from; both ends calling it stale (or on
 after calling it fresh) make it stale. A pair's state (`meshrun.core.pairpaths`) changes only when its
 inputs do or when time makes it: so the driver looks at a pair only when a node's report changed
 it, when a node became judgeable (new member, first report since start, an endpoint and candidates
-known), or when the pair's next due time (`pairpaths.next_due`: only unproven paths have one) came,
-kept in a heap. A tick with nothing new steps no pair at all, and the work grows with the change,
-not with the n(n-1)/2 pairs of the mesh.
+known), or when the pair's next due time (`pairpaths.next_due`: unproven paths, and relayed ones for
+their next direct try) came, kept in a heap. A tick with nothing new steps no pair at all, and the work
+grows with the change, not with the n(n-1)/2 pairs of the mesh.
 
 States live in the coordinator's SQLite database, one row per pair, written when it changes (an old
 pairpaths.json is imported once and removed). Reports are not persisted: after a coordinator restart a
 pair is left as it was until both its nodes have reported again (each agent's first sync with a
 restarted coordinator carries a full report), so a working pair is never judged stale for want of news.
+
+A new path's attempt window opens once both ends have reported twice since it was chosen (`started`): an
+agent applies the member list a sync returns before it sends the next, so its second report after the
+change comes from a node that has the new path. Until then the pair waits for their reports, not a timer:
+a node that is stopped, overloaded or offline fails no path. A relayed pair whose end's address changed
+(it moved, or its NAT did) forgets its failed direct attempts, so it tries direct again soon
+(`pairpaths.retry_delay`).
 
 With several coordinators only the leading one drives the pairs (`update`); the others `follow` what it
 wrote into the replicated store, and a coordinator that starts or stops leading starts over (`restart`).
@@ -78,6 +85,9 @@ class PairDriver:
         # as it last called it stale} since start: one int each (a million at 1000 members).
         self.reports: dict[str, dict[str, int]] = {}
         self.heard: dict[str, float] = {}  # node name -> unix time of its last report
+        self.heard_before: dict[str, float] = {}  # ... and of the one before it (see `_started`)
+        self.started: dict[Key, tuple[float, float]] = {}  # unproven pair -> (its since, when its window opened)
+        self.waiting: dict[str, set[Key]] = {}  # node -> unproven pairs whose window waits for its report
         self.timed: set[str] = set()  # nodes that do not say what is stale (older agents): judged by time
         self.pairs: dict[Key, pairpaths.PairState] = db.pairs()
         if state is not None:
@@ -162,13 +172,19 @@ class PairDriver:
         state.remove("pairpaths.json")
 
     # inputs ----------------------------------------------------------------
-    def report(self, node: str, delta: dict[str, int], full: bool, stale: set[str] | None = None) -> bool:
+    def report(
+        self, node: str, delta: dict[str, int], full: bool, stale: set[str] | None = None, now: float | None = None
+    ) -> bool:
         """Record `node`'s handshakes {peer key: unix s} and which of them it calls stale (None: a node
         that does not say; judged by time); True while a full report is still owed (the node's pairs
         are judged only once one arrived since this coordinator started). Each pair whose handshake
-        or liveness changed is looked at in the next update; no other is."""
+        or liveness changed is looked at in the next update, and each whose window waited for this node's
+        report; no other is. `now`: the report's time (unix s; tests move it)."""
         names = self.names
-        self.heard[node] = time.time()
+        with self.lock:
+            self.heard_before[node] = self.heard.get(node, 0.0)
+            self.heard[node] = time.time() if now is None else now
+            self.dirty.update(self.waiting.pop(node, ()))
         if stale is None:
             self.timed.add(node)
         else:
@@ -380,8 +396,17 @@ class PairDriver:
         member-list version), else None: the driver keeps the last one.
         """
         drop: list[str] = []
+        writes: dict[Key, pairpaths.PairState] = {}
         if members is not None:
+            moved_addr = {
+                m.name
+                for m in members
+                if (old := self.members.get(m.name)) is not None
+                and old.public_key == m.public_key
+                and (old.endpoint, old.candidates) != (m.endpoint, m.candidates)
+            }
             drop = self._refresh(members)
+            self._retry_soon(moved_addr, writes)
         with self.lock:
             pending, self.pending = self.pending, set()
             dirty, self.dirty = self.dirty, set()
@@ -406,7 +431,6 @@ class PairDriver:
         work = self._take(urgent)
         moved: set[str] = set()  # nodes one of whose pairs changed state: the pairs they relay are checked
         created = changed = False
-        writes: dict[Key, pairpaths.PairState] = {}
         for key in work:
             if key[0] not in self.judged or key[1] not in self.judged:
                 continue  # kept as it is until both nodes are judged again
@@ -419,7 +443,7 @@ class PairDriver:
                 created = True
                 self.changed.add(key)
             else:
-                st = pairpaths.step(old, a, b, hs, now, fresh)
+                st = pairpaths.step(old, a, b, hs, now, fresh, self._started(key, old, now))
                 if st.mode != old.mode:
                     log.info("path %s <-> %s: %s -> %s", a.name, b.name, old.mode, st.mode)
                     changed = True
@@ -437,7 +461,9 @@ class PairDriver:
                 # pair every tick did. An unchanged state stays so until next_due or new inputs.
                 self._book(key, now)
             else:
-                self._book(key, pairpaths.next_due(st, hs, fresh))
+                self._book(key, pairpaths.next_due(st, hs, fresh, self._started(key, st, now)))
+            if st.verified or st.mode == pairpaths.RELAYED:
+                self.started.pop(key, None)
             self._book_return(key, st)
         # A relay whose tunnel with one end of a pair it carries stopped being direct (or that may no
         # longer relay) hands that pair to another at once.
@@ -455,6 +481,35 @@ class PairDriver:
         if writes or drop:
             self.db.save_pairs(writes, drop)
         return created or changed
+
+    def _started(self, key: Key, st: pairpaths.PairState, now: float) -> float | None:
+        """When the attempt window of unproven pair `key` in state `st` opened: when both ends had reported twice
+        since `st.since`, as first seen (None until then: the pair then waits for the missing reports)."""
+        if st.verified or st.mode == pairpaths.RELAYED:
+            return 0.0  # no window: whatever `step` is given
+        seen = self.started.get(key)
+        if seen is not None and seen[0] == st.since:
+            return seen[1]
+        with self.lock:
+            late = [n for n in key if self.heard_before.get(n, 0.0) <= st.since]
+            for n in late:
+                self.waiting.setdefault(n, set()).add(key)
+            opened = min(now, max(self.heard.get(n, 0.0) for n in key))  # the later second report
+        if late:
+            return None
+        self.started[key] = (st.since, opened)
+        return opened
+
+    def _retry_soon(self, names: set[str], writes: dict[Key, pairpaths.PairState]) -> None:
+        """The relayed pairs of these nodes (whose address changed) forget their failed direct attempts."""
+        for name in sorted(names):
+            for other in self.members:
+                key = pairpaths.pair_key(name, other)
+                st = self.pairs.get(key)
+                if st is not None and st.mode == pairpaths.RELAYED and st.tries:
+                    log.info("%s's address changed: %s <-> %s tries direct again", name, key[0], key[1])
+                    self.pairs[key] = writes[key] = dataclasses.replace(st, tries=0)
+                    self._book(key, pairpaths.next_due(writes[key], 0))
 
     def _refresh(self, members: list[Member]) -> list[str]:
         """Take a new member list: nodes that are new or changed are judged again, removed ones lose
@@ -475,10 +530,12 @@ class PairDriver:
             self.carried = {k: None for k in self.carried if k[0] not in gone and k[1] not in gone}
         for name in drop:
             self.judged.discard(name)
+            self.waiting.pop(name, None)
             if name in self.by_relay:
                 self._relays_gone.add(name)
             for other in partners:
                 key = pairpaths.pair_key(name, other)
+                self.started.pop(key, None)
                 if self.pairs.pop(key, None) is not None:
                     self.booked.pop(key, None)  # its heap entry is now stale
                     self.changed.discard(key)
@@ -486,6 +543,7 @@ class PairDriver:
             for name in drop:
                 self.reports.pop(name, None)
                 self.heard.pop(name, None)
+                self.heard_before.pop(name, None)
                 self.timed.discard(name)
                 self.pending.discard(name)
             for name, m in live.items():

@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS pairs(           -- the coordinator's path for each n
   verified INTEGER NOT NULL,
   relay TEXT NOT NULL DEFAULT '',           -- a relayed pair's relay (a member's name; '' = the coordinator)
   port INTEGER NOT NULL DEFAULT 0,          -- the UDP port its relay forwards it on (core/relays.RELAY_PORTS)
+  tries INTEGER NOT NULL DEFAULT 0,         -- failed direct attempts since its last direct tunnel
   PRIMARY KEY(a, b)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS pairs_b ON pairs(b);
 CREATE TABLE IF NOT EXISTS removals(        -- every key ever removed, and when: removal is final
@@ -213,6 +214,8 @@ class CoordinatorDB:
             self.conn.execute("ALTER TABLE pairs ADD COLUMN relay TEXT NOT NULL DEFAULT ''")
         if "port" not in pair_cols:
             self.conn.execute("ALTER TABLE pairs ADD COLUMN port INTEGER NOT NULL DEFAULT 0")
+        if "tries" not in pair_cols:
+            self.conn.execute("ALTER TABLE pairs ADD COLUMN tries INTEGER NOT NULL DEFAULT 0")
         self.conn.execute(
             "INSERT OR IGNORE INTO removals(public_key, name, removed_at) "
             "SELECT public_key, name, removed_at FROM members WHERE removed_at IS NOT NULL"
@@ -586,10 +589,13 @@ class CoordinatorDB:
     def pairs(self) -> dict[tuple[str, str], PairState]:
         """Every stored pair path {(a, b): state}, a < b (none in a database from before the table)."""
         try:
-            rows = self.conn.execute("SELECT a, b, mode, since, verified, relay, port FROM pairs").fetchall()
+            rows = self.conn.execute("SELECT a, b, mode, since, verified, relay, port, tries FROM pairs").fetchall()
         except sqlite3.OperationalError:  # read-only open of a database made by an older meshrun
             return {}
-        return {(r[0], r[1]): PairState(r[2], float(r[3]), bool(r[4]), r[5] or "", int(r[6] or 0)) for r in rows}
+        return {
+            (r[0], r[1]): PairState(r[2], float(r[3]), bool(r[4]), r[5] or "", int(r[6] or 0), int(r[7] or 0))
+            for r in rows
+        }
 
     def save_pairs(self, states: Mapping[tuple[str, str], PairState], drop: Iterable[str] = ()) -> None:
         """Write the pairs whose state changed and delete every pair of the nodes in `drop` (removed
@@ -599,10 +605,13 @@ class CoordinatorDB:
             for name in drop:
                 c.execute("DELETE FROM pairs WHERE a=? OR b=?", (name, name))
             c.executemany(
-                "INSERT INTO pairs(a, b, mode, since, verified, relay, port) VALUES(?,?,?,?,?,?,?) ON CONFLICT(a, b) "
-                "DO UPDATE SET mode=excluded.mode, since=excluded.since, verified=excluded.verified, "
-                "relay=excluded.relay, port=excluded.port",
-                [(a, b, st.mode, st.since, int(st.verified), st.relay, st.port) for (a, b), st in states.items()],
+                "INSERT INTO pairs(a, b, mode, since, verified, relay, port, tries) VALUES(?,?,?,?,?,?,?,?) "
+                "ON CONFLICT(a, b) DO UPDATE SET mode=excluded.mode, since=excluded.since, "
+                "verified=excluded.verified, relay=excluded.relay, port=excluded.port, tries=excluded.tries",
+                [
+                    (a, b, st.mode, st.since, int(st.verified), st.relay, st.port, st.tries)
+                    for (a, b), st in states.items()
+                ],
             )
 
     # moving between SQLite and etcd ------------------------------------------
@@ -698,8 +707,8 @@ class CoordinatorDB:
             for r in dump["pairs"]:
                 st = PairState.from_record(r)
                 c.execute(
-                    "INSERT INTO pairs(a, b, mode, since, verified, relay, port) VALUES(?,?,?,?,?,?,?)",
-                    (r["a"], r["b"], st.mode, st.since, int(st.verified), st.relay, st.port),
+                    "INSERT INTO pairs(a, b, mode, since, verified, relay, port, tries) VALUES(?,?,?,?,?,?,?,?)",
+                    (r["a"], r["b"], st.mode, st.since, int(st.verified), st.relay, st.port, st.tries),
                 )
 
 

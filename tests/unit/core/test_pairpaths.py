@@ -59,16 +59,82 @@ def test_a_verified_pair_whose_tunnel_goes_stale_falls_back():
     verified = pairpaths.PairState(pairpaths.PUBLIC, T0, True)
     later = T0 + pairpaths.STALE_S + 1
     assert pairpaths.step(verified, A, B, int(T0), later) == pairpaths.PairState(pairpaths.RELAYED, later)
+    assert pairpaths.step(pairpaths.PairState(pairpaths.PUBLIC, T0), A, B, 0, T0 + 10).tries == 1  # a failed try
 
 
-def test_a_relayed_pairs_handshake_proves_the_relayed_path_and_it_stays_relayed():
-    """Its handshakes cross the relay: one after the relay began verifies the relayed path, none moves it."""
-    relayed = pairpaths.PairState(pairpaths.RELAYED, T0, relay="r", port=51821)
+def test_a_relayed_pairs_handshake_proves_the_relayed_path_not_a_direct_one():
+    """Its handshakes cross the relay: one after the relay began verifies the relayed path, none moves it
+    before its next direct try is due."""
+    relayed = pairpaths.PairState(pairpaths.RELAYED, T0, relay="r", port=51821, tries=1)
+    due = T0 + pairpaths.RETRY_S
+    assert pairpaths.next_due(relayed, 0) == due
     assert pairpaths.step(relayed, A, B, int(T0) - 1, T0 + 50) == relayed  # nothing new
-    proven = pairpaths.PairState(pairpaths.RELAYED, T0, True, "r", 51821)
+    proven = pairpaths.PairState(pairpaths.RELAYED, T0, True, "r", 51821, tries=1)
     assert pairpaths.step(relayed, A, B, int(T0) + 30, T0 + 50) == proven
-    assert pairpaths.step(proven, A, B, int(T0) + 30, T0 + 5000) == proven  # stale or not: the relay's probes say
-    assert pairpaths.next_due(proven, int(T0) + 30) is None
+    assert pairpaths.step(proven, A, B, int(T0) + 30, due - 1) == proven  # stale or not: the relay's probes say
+    assert pairpaths.next_due(proven, int(T0) + 30) == due
+
+
+def test_a_relayed_pair_tries_direct_again_later_each_time_it_fails():
+    """Each failed attempt doubles the wait (RETRY_S, 2 x, 4 x); after MAX_TRIES the pair stays relayed; a try
+    that works forgets the failures; a same-site pair tries its private path first."""
+    st = pairpaths.PairState(pairpaths.PUBLIC, T0)
+    waits = []
+    now = T0
+    for _ in range(pairpaths.MAX_TRIES - 1):
+        now = st.since + pairpaths.ATTEMPT_S
+        st = pairpaths.step(st, A, B, 0, now)  # the window closed without a handshake
+        assert st.mode == pairpaths.RELAYED
+        due = pairpaths.next_due(st, 0)
+        assert pairpaths.step(st, A, B, 0, due - 0.5) == st
+        waits.append(due - st.since)
+        now = due
+        st = pairpaths.step(st, A, B, 0, now)
+        assert st == pairpaths.PairState(pairpaths.PUBLIC, now, tries=len(waits))
+    assert waits == [900.0, 1800.0, 3600.0]
+    last = pairpaths.step(st, A, B, 0, now + pairpaths.ATTEMPT_S)
+    assert (last.mode, last.tries) == (pairpaths.RELAYED, pairpaths.MAX_TRIES)
+    assert pairpaths.next_due(last, 0) is None and pairpaths.step(last, A, B, 0, now + 10**6) == last
+    worked = pairpaths.step(st, A, B, int(now) + 1, now + 2)
+    assert worked == pairpaths.PairState(pairpaths.PUBLIC, now, True)  # tries forgotten
+    lan = pairpaths.PairState(pairpaths.RELAYED, T0, True, "r", 51821, tries=2)
+    again = pairpaths.step(lan, A_LAN, B_LAN, 0, T0 + 2 * pairpaths.RETRY_S)
+    assert again == pairpaths.PairState(pairpaths.PRIVATE, T0 + 2 * pairpaths.RETRY_S, tries=2)
+    # private failed -> public (still the same attempt) -> relayed with one more failure
+    st = pairpaths.step(again, A_LAN, B_LAN, 0, again.since + pairpaths.ATTEMPT_S)
+    assert (st.mode, st.tries) == (pairpaths.PUBLIC, 2)
+    st = pairpaths.step(st, A_LAN, B_LAN, 0, st.since + pairpaths.ATTEMPT_S)
+    assert (st.mode, st.tries) == (pairpaths.RELAYED, 3)
+
+
+def test_a_direct_tunnel_gone_stale_is_relayed_then_tried_again_within_a_minute():
+    verified = pairpaths.PairState(pairpaths.PUBLIC, T0, True)
+    later = T0 + pairpaths.STALE_S + 1
+    relayed = pairpaths.step(verified, A, B, int(T0), later)
+    assert relayed == pairpaths.PairState(pairpaths.RELAYED, later, tries=0)
+    assert pairpaths.next_due(relayed, int(T0)) == later + pairpaths.RETRY_MIN_S
+
+
+def test_the_attempt_window_opens_when_both_ends_have_applied_the_path():
+    """`started` None (an end has not applied the new path: stopped, overloaded, offline) keeps an unproven
+    path, however long; once given, the window runs ATTEMPT_S from it."""
+    st = pairpaths.PairState(pairpaths.PUBLIC, T0)
+    assert pairpaths.step(st, A, B, 0, T0 + 3600, started=None) == st
+    assert pairpaths.next_due(st, 0, started=None) is None
+    opened = T0 + 40
+    assert pairpaths.next_due(st, 0, started=opened) == opened + pairpaths.ATTEMPT_S
+    assert pairpaths.step(st, A, B, 0, opened + pairpaths.ATTEMPT_S - 0.1, started=opened) == st
+    assert pairpaths.step(st, A, B, 0, opened + pairpaths.ATTEMPT_S, started=opened).mode == pairpaths.RELAYED
+    # A handshake verifies it whether or not the window opened.
+    assert pairpaths.step(st, A, B, int(T0) + 5, T0 + 6, started=None).verified
+
+
+def test_state_records_round_trip_and_old_records_have_no_tries():
+    st = pairpaths.PairState(pairpaths.RELAYED, T0, True, "r", 51821, tries=3)
+    assert st.record()["tries"] == 3 and pairpaths.PairState.from_record(st.record()) == st
+    assert "tries" not in pairpaths.PairState(pairpaths.PUBLIC, T0).record()
+    old = {"mode": "relayed", "since": T0, "verified": True, "relay": "r", "port": 51821}
+    assert pairpaths.PairState.from_record(old).tries == 0
 
 
 def test_endpoint_for_each_mode_and_pair_key_order():

@@ -158,6 +158,8 @@ def test_render_names_the_relay_what_this_node_relays_and_a_silent_coordinator()
     pairs = copy.deepcopy(STATUS)
     pairs["pairs"] = [{"a": "gpu-b", "b": "gpu-f", "path": "relayed", "relay": "coordinator", "verified": False}]
     assert re.search(r"^gpu-b +gpu-f +relayed by coordinator +no$", render(pairs), re.M)
+    pairs["pairs"][0]["direct_try_in_s"] = 840
+    assert re.search(r"^gpu-b +gpu-f +relayed by coordinator, next direct try in 14m +no$", render(pairs), re.M)
 
 
 def _probes(monkeypatch, answers: list[float | None], accepted: bool = True) -> list[float | None]:

@@ -48,6 +48,9 @@ def world(db, n: int = 5, cut: tuple[int, int] = (0, 1), relay=lambda i: True):
                 seen[key(cut[1] if x == cut[0] else cut[0])] = 0
         drv.report(m.name, seen, full=True, stale={k for k, v in seen.items() if not v})
     drv.update(members, T0)
+    for t in (T0 + 0.5, T0 + 0.6):  # each agent's next two syncs: it has applied the new paths
+        for m in members:
+            drv.report(m.name, {}, full=False, stale=set(), now=t)
     drv.update(None, T0 + 1)
     drv.update(None, T0 + pairpaths.ATTEMPT_S + 1)  # the cut pair's attempt window closed: relayed
     return drv, members
@@ -154,6 +157,8 @@ def test_a_relay_that_loses_its_tunnel_to_an_end_or_leaves_hands_its_pairs_on(db
     # n2's tunnel with n1 goes stale (both ends say so): n2 no longer reaches n1 directly.
     drv.report("n2", {key(1): int(T0)}, full=False, stale={key(1)})
     drv.report("n1", {key(2): int(T0)}, full=False, stale={key(2)})
+    for m in members:  # every agent is still heard from
+        drv.report(m.name, {}, full=False, stale=set(), now=T0 + 199)
     drv.update(None, T0 + 200)
     # That pair is relayed now (by n3), and n0 <-> n1 moves on, to the relay with no pair yet (n4).
     assert drv.mode("n1", "n2").mode == pairpaths.RELAYED and drv.mode("n1", "n2").relay == "n3"

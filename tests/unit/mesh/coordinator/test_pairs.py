@@ -46,6 +46,13 @@ def report_all(drv: PairDriver, members: list[Member], hs: int, full: bool = Tru
         drv.report(m.name, {o.public_key: hs for o in members if o is not m}, full=full)
 
 
+def applied(drv: PairDriver, members: list[Member], since: float) -> None:
+    """Every node syncs twice just after `since` (it has applied what changed then), reporting nothing new."""
+    for t in (since + 0.001, since + 0.002):
+        for m in members:
+            drv.report(m.name, {}, full=False, stale=set(), now=t)
+
+
 def meshed(db, n: int = 6, hs: int = int(T0)) -> tuple[PairDriver, list[Member]]:
     drv = PairDriver(db)
     members = [node(i) for i in range(n)]
@@ -84,15 +91,69 @@ def test_due_timers_step_each_pair_once_when_its_time_comes(db):
     members = [node(i) for i in range(5)]
     report_all(drv, members, 0)  # no handshakes at all: every pair is tried, unproven
     drv.update(members, T0)
+    applied(drv, members, T0)
     drv.update(None, T0 + 1)
     assert drv.steps == 20  # created, then looked at once more
-    drv.update(None, T0 + pairpaths.ATTEMPT_S - 0.5)
+    closes = T0 + 0.002 + pairpaths.ATTEMPT_S  # the window opened at the ends' second sync
+    drv.update(None, closes - 0.5)
     assert drv.steps == 20  # nothing due yet
-    assert drv.update(None, T0 + pairpaths.ATTEMPT_S)
+    assert drv.update(None, closes)
     assert drv.steps == 30 and {st.mode for st in drv.pairs.values()} == {pairpaths.RELAYED}
-    drv.update(None, T0 + pairpaths.ATTEMPT_S + 1)
-    drv.update(None, T0 + 10_000)  # relayed pairs wait for a handshake, not for time
+    drv.update(None, closes + 1)
+    drv.update(None, closes + pairpaths.RETRY_S - 1)  # relayed pairs wait for a handshake or their next try
     assert drv.steps == 40
+    assert drv.update(None, closes + pairpaths.RETRY_S)
+    assert drv.steps == 50 and {(st.mode, st.tries) for st in drv.pairs.values()} == {(pairpaths.PUBLIC, 1)}
+
+
+def test_a_window_waits_for_both_ends_to_have_applied_the_path(db, monkeypatch):
+    """An end that does not sync (stopped, overloaded, offline) fails no path: the pair waits for its reports,
+    without a timer, and its window opens at its second report; a handshake still verifies it meanwhile."""
+    drv = PairDriver(db)
+    members = [node(i) for i in range(3)]
+    report_all(drv, members, 0)
+    drv.update(members, T0)
+    applied(drv, members[:2], T0)  # n2 is stopped
+    drv.update(None, T0 + 1)
+    drv.update(None, T0 + 3600)
+    assert {k: st.mode for k, st in drv.pairs.items()} == {
+        ("n0", "n1"): pairpaths.RELAYED,
+        ("n0", "n2"): pairpaths.PUBLIC,
+        ("n1", "n2"): pairpaths.PUBLIC,
+    }
+    stepped = recording_steps(monkeypatch)
+    drv.update(None, T0 + 7200)
+    assert stepped == [("n0", "n1")]  # its next direct try; the waiting pairs have no timer
+    drv.report("n2", {}, full=False, now=T0 + 7200.5)
+    drv.report("n2", {key(1): int(T0) + 7201}, full=False, now=T0 + 7201)  # n2 runs again, n1 answers
+    drv.update(None, T0 + 7201.5)
+    assert drv.mode("n1", "n2") == pairpaths.PairState(pairpaths.PUBLIC, T0, True)
+    assert drv.mode("n0", "n2") == pairpaths.PairState(pairpaths.PUBLIC, T0)  # its window opened at 7201
+    drv.update(None, T0 + 7201 + pairpaths.ATTEMPT_S - 0.1)
+    assert drv.mode("n0", "n2").mode == pairpaths.PUBLIC
+    drv.update(None, T0 + 7201 + pairpaths.ATTEMPT_S)
+    assert drv.mode("n0", "n2").mode == pairpaths.RELAYED
+
+
+def test_a_relayed_pair_whose_end_moved_tries_direct_again_at_once(db):
+    """An end's address changes (it moved, its NAT rebooted): its relayed pairs forget their failed attempts
+    and try direct within RETRY_MIN_S of being relayed, not hours later; other relayed pairs keep waiting."""
+    drv = PairDriver(db)
+    members = [node(i) for i in range(3)]
+    report_all(drv, members, 0)
+    drv.update(members, T0)
+    applied(drv, members, T0)
+    for t in (T0 + 1, T0 + 11, T0 + 12):
+        drv.update(None, t)
+    assert {(st.mode, st.tries) for st in drv.pairs.values()} == {(pairpaths.RELAYED, 1)}
+    moved = [dataclasses.replace(m, endpoint="203.0.113.7:41000") if m.name == "n2" else m for m in members]
+    drv.update(moved, T0 + 100)
+    assert {k: (st.mode, st.tries) for k, st in drv.pairs.items()} == {
+        ("n0", "n1"): (pairpaths.RELAYED, 1),
+        ("n0", "n2"): (pairpaths.PUBLIC, 0),
+        ("n1", "n2"): (pairpaths.PUBLIC, 0),
+    }
+    assert db.pairs() == drv.pairs
 
 
 def test_same_site_pairs_start_private_and_fall_back_one_step_at_a_time(db):
@@ -101,17 +162,25 @@ def test_same_site_pairs_start_private_and_fall_back_one_step_at_a_time(db):
     report_all(drv, members, 0)
     drv.update(members, T0)
     assert drv.mode("n0", "n1").mode == pairpaths.PRIVATE and drv.mode("n0", "n2").mode == pairpaths.PUBLIC
-    drv.update(None, T0 + pairpaths.ATTEMPT_S)
-    assert drv.mode("n0", "n1") == pairpaths.PairState(pairpaths.PUBLIC, T0 + pairpaths.ATTEMPT_S)
+    applied(drv, members, T0)
+    drv.update(None, T0 + pairpaths.ATTEMPT_S + 0.01)
+    assert drv.mode("n0", "n1") == pairpaths.PairState(pairpaths.PUBLIC, T0 + pairpaths.ATTEMPT_S + 0.01)
     assert drv.take_changes() == {("n0", "n1"), ("n0", "n2"), ("n1", "n2")}
     assert drv.take_changes() == set()
 
 
-def reference(pairs, reports, members, now):
-    """The old driver: every pair of judgeable, reported nodes stepped on every tick."""
+def reference(pairs, reports, members, now, times):
+    """The old driver: every pair of judgeable, reported nodes stepped on every tick. `times`: each node's
+    report times, oldest first (an unproven pair's window opens at both ends' second report after its change)."""
 
     def hs(a, b):
         return max(reports.get(a.name, {}).get(b.public_key, 0), reports.get(b.name, {}).get(a.public_key, 0))
+
+    def started(k, st):
+        after = [[t for t in times.get(n, []) if t > st.since] for n in k]
+        if any(len(ts) < 2 for ts in after):
+            return None
+        return max(ts[1] for ts in after)
 
     nodes = [m for m in members if not m.is_coordinator and m.endpoint and m.candidates and m.name in reports]
     live = {m.name for m in members}
@@ -120,7 +189,10 @@ def reference(pairs, reports, members, now):
         for b in nodes[i + 1 :]:
             k = pairpaths.pair_key(a.name, b.name)
             old = pairs.get(k)
-            new[k] = pairpaths.initial(a, b, hs(a, b), now) if old is None else pairpaths.step(old, a, b, hs(a, b), now)
+            if old is None:
+                new[k] = pairpaths.initial(a, b, hs(a, b), now)
+            else:
+                new[k] = pairpaths.step(old, a, b, hs(a, b), now, None, started(k, old))
     return new
 
 
@@ -135,6 +207,7 @@ def test_same_decisions_as_stepping_every_pair_every_tick(db, seed):
     members = [node(i, site=rng.choice([1, 2, None])) for i in range(5)]
     members[4] = Member(members[4].name, members[4].public_key, members[4].overlay_ip, None, ())  # not seen yet
     next_id, now = 5, T0
+    times: dict[str, list[float]] = {}
     for step in range(120):
         now += rng.choice([0.5, 1, 1, 3, 9.5, 10, 40, 170, 200])
         op = rng.random()
@@ -145,6 +218,7 @@ def test_same_decisions_as_stepping_every_pair_every_tick(db, seed):
             gone = rng.choice(members)
             members = [m for m in members if m is not gone]
             reports.pop(gone.name, None)
+            times.pop(gone.name, None)
         elif op < 0.2:
             members = [node(int(m.name[1:])) if not m.endpoint else m for m in members]  # observed now
         for m in rng.sample(members, k=min(len(members), rng.randrange(0, 4))):
@@ -158,8 +232,9 @@ def test_same_decisions_as_stepping_every_pair_every_tick(db, seed):
                 reports[m.name] = dict(delta)
             else:
                 reports[m.name].update(delta)
-            drv.report(m.name, delta, full)
-        ref = reference(ref, reports, members, now)
+            drv.report(m.name, delta, full, now=now)
+            times.setdefault(m.name, []).append(now)
+        ref = reference(ref, reports, members, now, times)
         # As the service does: the member list on the first tick and whenever it changed; sometimes
         # the same list again (another change the driver does not care about).
         drv.update(list(members) if step == 0 or rng.random() < 0.5 or op < 0.2 else None, now)
@@ -277,9 +352,9 @@ def recording_steps(monkeypatch) -> list[tuple[str, str]]:
     stepped: list[tuple[str, str]] = []
     real = pairpaths.step
 
-    def step(st, a, b, hs, now, fresh=None):
+    def step(st, a, b, hs, now, *rest):
         stepped.append((a.name, b.name))
-        return real(st, a, b, hs, now, fresh)
+        return real(st, a, b, hs, now, *rest)
 
     monkeypatch.setattr(pairpaths, "step", step)
     return stepped
