@@ -15,7 +15,7 @@ from support import TESTS, joined_mesh, relay_world
 
 from meshrun.core import pairpaths
 from meshrun.lab.mesh import Mesh
-from meshrun.lab.testbed import DatacenterSpec
+from meshrun.lab.testbed import DatacenterSpec, sh
 from meshrun.mesh.node.daemon import SYNC_GRACE_S, SYNC_WAIT
 from meshrun.system.machine import procs
 
@@ -278,6 +278,40 @@ def test_a_peer_whose_agent_is_stopped_while_a_node_joins_goes_direct_once_it_ru
     assert row["path"] == "direct (public)", row
     peers = {p["name"]: p for p in mesh.status("dcb-a")["peers"]}
     assert peers["dcc-a"]["path"] == "direct (public)", peers["dcc-a"]
+
+
+def test_a_relayed_pair_whose_end_gets_a_new_address_tries_direct_again_and_goes_direct(fresh_mesh):
+    """The internet drops UDP between dca-a and dcc's gateway while they join: their pair is relayed (by the
+    coordinator). The block is lifted, and the pair stays relayed (its next try is 15 min away: no flapping);
+    then dcc-a gets another address (it moved, or its NAT did): the pair tries direct at once and is direct."""
+    dcs = [DatacenterSpec("hq"), DatacenterSpec("dca"), DatacenterSpec("dcc", nat="symmetric")]
+    mesh = fresh_mesh(dcs, "hq-a")
+    world = mesh.world
+    a_ip, c_ip = world.node("dca-a").public_ip, world.gateway_public_ip("dcc")
+    block = [["-s", a_ip, "-d", c_ip, "-p", "udp", "-j", "DROP"], ["-s", c_ip, "-d", a_ip, "-p", "udp", "-j", "DROP"]]
+    for rule in block:
+        sh(["ip", "netns", "exec", world.inet, "iptables", "-I", "FORWARD", *rule])
+    try:
+        for n in ("dca-a", "dcc-a"):
+            mesh.join(n)
+        deadline = time.monotonic() + 90
+        while not ((row := coordinator_pair(mesh, "dca-a", "dcc-a"))["path"] == "relayed" and row["verified"]):
+            assert time.monotonic() < deadline, row
+            time.sleep(1)
+        assert 0 < row["direct_try_in_s"] <= pairpaths.RETRY_S, row
+    finally:
+        for rule in block:
+            sh(["ip", "netns", "exec", world.inet, "iptables", "-D", "FORWARD", *rule], check=False)
+    time.sleep(2 * pairpaths.ATTEMPT_S)
+    assert coordinator_pair(mesh, "dca-a", "dcc-a")["path"] == "relayed"
+    world.node("dcc-a").run("ip", "addr", "add", "172.31.40.99/24", "dev", "eth0")
+    deadline = time.monotonic() + 90
+    while not ((row := coordinator_pair(mesh, "dca-a", "dcc-a"))["path"] == "direct (public)" and row["verified"]):
+        assert time.monotonic() < deadline, row
+        time.sleep(1)
+    mesh.wait_ping("dca-a", mesh.overlay_ip("dcc-a"), timeout=30)
+    peers = {p["name"]: p for p in mesh.status("dcc-a")["peers"]}
+    assert peers["dca-a"]["path"] == "direct (public)", peers["dca-a"]
 
 
 def test_small_mtu_hop_does_not_hang(fresh_mesh):
