@@ -28,7 +28,16 @@ for the overlay paths: the LAN path is chosen by routing, the socket still has m
 all-reduces then the median of --iters timed ones (each the slower rank's time), as algorithm bandwidth GB/s
 (size / time). For the LAN path the bytes its VXLAN device moved are recorded, to show the path carried it.
 
-Ratios, paired per round: lan_path / raw_s1 and meshrun0 / raw_s2, for iperf3 1 stream, 8 streams and gloo;
+Part 1b, added on 2026-11-28 with per-pair jumbo MTUs (meshrun.mesh.node.jumbo), after the runs above: a third
+site, s3, of two nodes behind one shared public address (cone NAT, so its pair takes the private path, dialled at
+the LAN addresses) on a LAN of 9000-byte frames, untrusted; the benchmark waits until s3-a's `meshrun status`
+shows s3-b at MTU 8940 (proven by its DF echo). Two more paths in the same alternation, measured the same way:
+
+- ``raw_s3``: s3-a -> s3-b's private address (the 9000-byte LAN itself)
+- ``meshrun0_jumbo``: s3-a -> s3-b's overlay address: WireGuard with the LAN's MTU (8940 on 9000)
+
+Ratios, paired per round: lan_path / raw_s1 and meshrun0 / raw_s2, for iperf3 1 stream, 8 streams and gloo
+(and meshrun0_jumbo / raw_s3, and meshrun0_jumbo / meshrun0: the jumbo tunnel against the 1420-byte one);
 each reported as min / median / max of the rounds, and the CPU per GB of each path. Targets: the LAN path
 >= 0.95 of the raw LAN for iperf3 (1 and 8 streams) and for gloo, judged on the median of the per-round
 ratios; the summary also says when a ratio's rounds spread (max - min) more than its distance from 1 (the
@@ -66,14 +75,22 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 TARGET = 0.95  # the LAN path's share of the raw LAN (iperf3 and gloo)
-PATHS = ["raw_s1", "lan_path", "raw_s2", "meshrun0"]
+PATHS = ["raw_s1", "lan_path", "raw_s2", "meshrun0", "raw_s3", "meshrun0_jumbo"]
 PAIRS = {
     "raw_s1": ("s1-a", "s1-b"),
     "lan_path": ("s1-a", "s1-b"),
     "raw_s2": ("s2-a", "s2-b"),
     "meshrun0": ("s2-a", "s2-b"),
+    "raw_s3": ("s3-a", "s3-b"),
+    "meshrun0_jumbo": ("s3-a", "s3-b"),
 }
-RATIOS = {"lan_path_over_raw_lan": ("lan_path", "raw_s1"), "meshrun0_over_raw_lan": ("meshrun0", "raw_s2")}
+RATIOS = {
+    "lan_path_over_raw_lan": ("lan_path", "raw_s1"),
+    "meshrun0_over_raw_lan": ("meshrun0", "raw_s2"),
+    "meshrun0_jumbo_over_raw_jumbo_lan": ("meshrun0_jumbo", "raw_s3"),
+    "meshrun0_jumbo_over_meshrun0": ("meshrun0_jumbo", "meshrun0"),
+}
+JUMBO_LAN, JUMBO_MTU = 9000, 8940  # s3's LAN, and the overlay MTU its pair should get (less 60: IPv4, UDP, WG)
 MEASURES = ("iperf3_1_gbit", "iperf3_8_gbit", "gloo_GBps")
 WAN_STREAMS = [1, 4, 16]
 IPERF_PORT, WAN_PORT = 5301, 5302
@@ -167,6 +184,10 @@ def path_of(mesh, node: str, peer: str) -> str | None:
     return next((r["path"] for r in mesh.status(node)["peers"] if r["name"] == peer), None)
 
 
+def peer_mtu(mesh, node: str, peer: str) -> int | None:
+    return next((r["mtu"] for r in mesh.status(node)["peers"] if r["name"] == peer), None)
+
+
 def wait_for(check, what: str, timeout: float = 90, poke=None) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -233,15 +254,20 @@ def main() -> int:
 
     need_root()
     t_start = time.monotonic()
-    dcs = [DatacenterSpec("hq"), DatacenterSpec("s1", nodes=2), DatacenterSpec("s2", nodes=2)]
+    dcs = [
+        DatacenterSpec("hq"),
+        DatacenterSpec("s1", nodes=2),
+        DatacenterSpec("s2", nodes=2),
+        DatacenterSpec("s3", nat="cone", nodes=2, lan_mtu=JUMBO_LAN),
+    ]
     runs: dict[str, list[dict]] = {p: [] for p in PATHS}
     order: list[list[str]] = []
     wan: dict = {}
     with World(dcs, prefix=prefix("dpa")) as world:
         world.up()
-        mesh = sites_mesh(world)
-        ov = {n: mesh.overlay_ip(n) for n in ("s1-a", "s1-b", "s2-a", "s2-b")}
-        for x, y in (("s1-a", "s1-b"), ("s2-a", "s2-b")):
+        mesh = sites_mesh(world, ("s1", "s2", "s3"))
+        ov = {n: mesh.overlay_ip(n) for n in ("s1-a", "s1-b", "s2-a", "s2-b", "s3-a", "s3-b")}
+        for x, y in (("s1-a", "s1-b"), ("s2-a", "s2-b"), ("s3-a", "s3-b")):
             wait_for(
                 lambda x=x, y=y: direct_verified(mesh, x, y),
                 f"{x}-{y} is verified on a direct path",
@@ -252,12 +278,17 @@ def main() -> int:
         for x, y in (("s1-a", "s1-b"), ("s1-b", "s1-a")):
             wait_for(lambda x=x, y=y: path_of(mesh, x, y) == lanpath.LABEL, f"{x} has {y} on the site LAN path")
         lan_active_after_s = time.monotonic() - t_trust
+        for x, y in (("s3-a", "s3-b"), ("s3-b", "s3-a")):
+            wait_for(lambda x=x, y=y: peer_mtu(mesh, x, y) == JUMBO_MTU, f"{x} has {y} at MTU {JUMBO_MTU}")
         paths_seen = {
             "s1-a->s1-b": path_of(mesh, "s1-a", "s1-b"),
             "s1-b->s1-a": path_of(mesh, "s1-b", "s1-a"),
             "s2-a->s2-b": path_of(mesh, "s2-a", "s2-b"),
             "s1-a->s2-a": path_of(mesh, "s1-a", "s2-a"),
+            "s3-a->s3-b": path_of(mesh, "s3-a", "s3-b"),
         }
+        seen = (("s2-a", "s2-b"), ("s3-a", "s3-b"), ("s3-a", "s1-a"))
+        mtus_seen = {f"{x}->{y}": peer_mtu(mesh, x, y) for x, y in seen}
         lan_status = mesh.status("s1-a")["lan"]
         if not paths_seen["s2-a->s2-b"].startswith("direct"):
             raise SystemExit(f"s2's pair is not on WireGuard over its LAN: {paths_seen}")
@@ -268,8 +299,10 @@ def main() -> int:
             "lan_path": ov["s1-b"],
             "raw_s2": world.node("s2-b").private_ip,
             "meshrun0": ov["s2-b"],
+            "raw_s3": world.node("s3-b").private_ip,
+            "meshrun0_jumbo": ov["s3-b"],
         }
-        servers = [start_server(world.node(n), IPERF_PORT) for n in ("s1-b", "s2-b")]
+        servers = [start_server(world.node(n), IPERF_PORT) for n in ("s1-b", "s2-b", "s3-b")]
         try:
             for r in range(a.rounds):
                 this = alternating(PATHS, r + 1)[-len(PATHS) :]
@@ -327,6 +360,7 @@ def main() -> int:
         return f"{b['median']:.2f} ({b['min']:.2f}-{b['max']:.2f})"
 
     wg = ratios["meshrun0_over_raw_lan"]
+    jumbo, gain = ratios["meshrun0_jumbo_over_raw_jumbo_lan"], ratios["meshrun0_jumbo_over_meshrun0"]
     wan_text = ""
     if wan:
         wan_text = (
@@ -339,11 +373,16 @@ def main() -> int:
         f"{r3(lan['iperf3_8_gbit'])}, gloo {a.mib} MiB {r3(lan['gloo_GBps'])} ({verdict(met)} >= {TARGET} on the "
         f"median{'' if not noisy else '; spread larger than the effect for ' + ', '.join(noisy)}); meshrun0 "
         f"(WireGuard) / raw LAN: {r3(wg['iperf3_1_gbit'])}, {r3(wg['iperf3_8_gbit'])}, gloo {r3(wg['gloo_GBps'])}; "
+        f"meshrun0 with the jumbo LAN's MTU ({JUMBO_MTU}) / raw jumbo LAN: {r3(jumbo['iperf3_1_gbit'])}, "
+        f"{r3(jumbo['iperf3_8_gbit'])}, gloo {r3(jumbo['gloo_GBps'])}, and / meshrun0 at 1420: "
+        f"{r3(gain['iperf3_1_gbit'])}, {r3(gain['iperf3_8_gbit'])}, gloo {r3(gain['gloo_GBps'])}; "
         f"raw LAN {spreads['raw_s1']['iperf3_1_gbit']['median']:.1f} Gbit/s, "
         f"{spreads['raw_s1']['gloo_GBps']['median']:.2f} GB/s; CPU s/GB raw "
         f"{spreads['raw_s1']['cpu_s_per_GB']['median']:.2f}, "
         f"LAN path {spreads['lan_path']['cpu_s_per_GB']['median']:.2f}, meshrun0 "
-        f"{spreads['meshrun0']['cpu_s_per_GB']['median']:.2f}{wan_text}; {a.rounds} rounds alternating, nothing "
+        f"{spreads['meshrun0']['cpu_s_per_GB']['median']:.2f}, jumbo raw "
+        f"{spreads['raw_s3']['cpu_s_per_GB']['median']:.2f}, meshrun0 jumbo "
+        f"{spreads['meshrun0_jumbo']['cpu_s_per_GB']['median']:.2f}{wan_text}; {a.rounds} rounds alternating, nothing "
         f"shaped [{time.monotonic() - t_start:.0f} s]"
     )
     write_result(
@@ -359,6 +398,7 @@ def main() -> int:
                 "paths": {p: {"from": PAIRS[p][0], "to": PAIRS[p][1]} for p in PATHS},
             },
             "paths_seen": paths_seen,
+            "mtus_seen": mtus_seen,
             "lan_status_s1a": lan_status,
             "lan_active_after_trust_s": lan_active_after_s,
             "order": order,

@@ -509,6 +509,14 @@ def datapath(d: dict) -> tuple[str, str]:
         f"CPU per GB (1 stream): raw {sp['raw_s1']['cpu_s_per_GB']['median']:.2f} s, LAN path "
         f"{sp['lan_path']['cpu_s_per_GB']['median']:.2f} s, meshrun0 {sp['meshrun0']['cpu_s_per_GB']['median']:.2f} s"
     )
+    jumbo, gain = d["ratios"].get("meshrun0_jumbo_over_raw_jumbo_lan"), d["ratios"].get("meshrun0_jumbo_over_meshrun0")
+    if jumbo and gain:
+        text += (
+            f". On a 9000-byte LAN, meshrun0 with the LAN's MTU (8940, proven per pair) / raw LAN: "
+            f"{r(jumbo['iperf3_1_gbit'])}, {r(jumbo['iperf3_8_gbit'])}, gloo {r(jumbo['gloo_GBps'])}; against meshrun0 "
+            f"at 1420: {r(gain['iperf3_1_gbit'])}, {r(gain['iperf3_8_gbit'])}, gloo {r(gain['gloo_GBps'])}; CPU per "
+            f"GB {sp['meshrun0_jumbo']['cpu_s_per_GB']['median']:.2f} s"
+        )
     wan = d.get("wan") or {}
     if wan:
         per = "; ".join(f"-P {k} {_spread([x['gbit'] * 1000 for x in v], '{:.0f}')}" for k, v in wan["runs"].items())

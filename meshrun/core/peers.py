@@ -221,6 +221,36 @@ def route_mtus(my_key: str, my_mtu: int, members: Sequence[Member]) -> dict[str,
     return out
 
 
+def jumbo_candidates(my_key: str, members: Sequence[Member], lan_mtu: int, my_mtu: int) -> frozenset[str]:
+    """Overlay IPs of the peers whose tunnel may carry this node's LAN MTU (`lan_mtu`, the LAN interface's less
+    WireGuard's overhead): those on the private path (same site, dialled at their LAN address), when the LAN
+    carries more than the overlay MTU. Whether it really does is the agent's probe (meshrun.mesh.node.jumbo)."""
+    if lan_mtu <= my_mtu:
+        return frozenset()
+    return frozenset(m.overlay_ip for m in members if m.public_key != my_key and m.path == "private")
+
+
+def pair_mtus(
+    my_key: str, my_mtu: int, members: Sequence[Member], jumbo: Mapping[str, int], iface_mtu: int = 0
+) -> tuple[int, dict[str, int]]:
+    """(interface MTU, {overlay IP: route MTU}) for per-pair MTUs: the interface is raised to `iface_mtu` (a
+    jumbo LAN's, while pairs on it are probed or proven), every peer gets its own MTU as a /32 route where it
+    is below the interface's: `jumbo` {overlay IP: MTU} the proven jumbo pairs, the others as `route_mtus`
+    (their overlay MTU, at most this node's own)."""
+    base = route_mtus(my_key, my_mtu, members)
+    iface = max(my_mtu, iface_mtu, *jumbo.values())
+    if iface == my_mtu:
+        return iface, base
+    out = {}
+    for m in members:
+        if m.public_key == my_key:
+            continue
+        mtu = jumbo.get(m.overlay_ip) or base.get(m.overlay_ip, my_mtu)
+        if mtu < iface:
+            out[m.overlay_ip] = mtu - mtu % WG_PAD
+    return iface, out
+
+
 def desired_for_coordinator(members: Sequence[Member], my_key: str = "") -> list[PeerSpec]:
     """Peers for a coordinator: every node, no endpoint (nodes dial in; WireGuard roams); and every other
     coordinator at the public endpoint it advertises, with a keepalive (coordinators dial each other);

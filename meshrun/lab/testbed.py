@@ -95,6 +95,7 @@ class DatacenterSpec:
     nat: str = "one-to-one"  # "one-to-one" | "cone" | "symmetric"
     nodes: int = 1
     mtu: int = 1500  # MTU of the gateway's internet link (a small-MTU underlay hop)
+    lan_mtu: int = 1500  # MTU of the datacenter's private network (9000: a LAN with jumbo frames)
     rate_mbit: int | None = None  # shaping of the gateway's internet link, both directions
     delay_ms: float = 0.0  # netem delay on the internet link, each direction (a WAN's latency)
     loss_pct: float = 0.0  # netem loss on the internet link, each direction
@@ -125,6 +126,8 @@ class DatacenterSpec:
             )
         if not 576 <= self.mtu <= 9000:
             raise UsageError(f"datacenter {self.name}: MTU {self.mtu} is out of range", "use 576 to 9000")
+        if not 576 <= self.lan_mtu <= 9000:
+            raise UsageError(f"datacenter {self.name}: LAN MTU {self.lan_mtu} is out of range", "use 576 to 9000")
         if self.cgroup not in CGROUP_KINDS:
             raise UsageError(f"datacenter {self.name}: cgroup {self.cgroup!r} is unknown", "use 'v2' or 'v1'")
         if self.rate_mbit is not None and self.rate_mbit <= 0:
@@ -559,6 +562,12 @@ class World:
             sh(["ip", "-n", n.netns, "addr", "add", f"{n.private_ip}/{PRIVATE_PREFIXLEN}", "dev", "eth0"])
             sh(["ip", "-n", n.netns, "link", "set", "eth0", "up"])
             sh(["ip", "-n", n.netns, "route", "add", "default", "via", GATEWAY_PRIVATE_IP])
+        if dc.lan_mtu != 1500:  # every link of the private network (a bridge takes its ports' smallest)
+            links = [(g, "lan0")] + [(n.netns, "eth0") for n in gw.nodes]
+            if gw.lan_netns:
+                links += [(gw.lan_netns, "gw0")] + [(gw.lan_netns, f"p-{n.name}") for n in gw.nodes]
+            for ns, dev in links:
+                sh(["ip", "-n", ns, "link", "set", dev, "mtu", str(dc.lan_mtu)])
         sh(["ip", "-n", g, "addr", "add", f"{GATEWAY_PRIVATE_IP}/{PRIVATE_PREFIXLEN}", "dev", "lan0"])
         sh(["ip", "-n", g, "link", "set", "lan0", "up"])
         # Counting rules (no target): forwarded packets leaving and entering the datacenter.

@@ -111,6 +111,8 @@ def _probe_mtu(st: dict, size: int, target: str | None) -> dict:
         if not fresh:
             return {}
         target = min(fresh, key=lambda p: p["handshake_age_s"])["overlay_ip"]
+    # The pair's own MTU where it has one (a jumbo interface keeps the internet's size as /32 routes).
+    size = next((p["mtu"] for p in st["peers"] if p["overlay_ip"] == target and p.get("mtu")), size)
     full = probe.echo(target, size)
     out = {"target": target, "size": size, "full": full}
     if full is False:

@@ -55,6 +55,7 @@ def sync_peers(
     recreate: frozenset[str] = frozenset(),
     current: Sequence[peers.PeerState] | None = None,
     route_mtus: Mapping[str, int] | None = None,
+    iface_mtu: int | None = None,
     quick_file: bool = True,
 ) -> peers.PeerDiff:
     """Make the interface's peers match `desired` with the minimal diff, and rewrite the wg-quick file.
@@ -64,14 +65,21 @@ def sync_peers(
     wg-quick file (0600: it embeds the private key) is rewritten when peers changed or it is
     missing, unless `quick_file` is False (the caller writes it later: write_quick_file). With
     `route_mtus` ({overlay IP: MTU}, peers.route_mtus), exactly those peers get a /32 route with
-    their smaller MTU. Returns the diff applied.
+    their smaller MTU; with `iface_mtu`, the interface gets that MTU (raised after the routes are in place,
+    lowered before they go: no peer sees a larger MTU than its own). Returns the diff applied.
     """
     d = peers.diff(device.peers() if current is None else current, desired, time.time(), recreate)
     if d:
         log.info("peers: +%d ~%d -%d", len(d.add), len(d.update), len(d.remove))
         device.apply(d)
+    now = device.link_mtu() if iface_mtu is not None else None
+    if iface_mtu is not None and now is not None and iface_mtu < now:
+        device.set_mtu(iface_mtu)
     if route_mtus is not None:
         device.set_route_mtus(route_mtus)
+    if iface_mtu is not None and now is not None and iface_mtu > now:
+        log.info("%s: MTU %d -> %d (per-pair MTUs as /32 routes)", network.interface, now, iface_mtu)
+        device.set_mtu(iface_mtu)
     if quick_file and (d or not (state / f"{network.interface}.conf").exists()):
         write_quick_file(state, network, desired, address=address, mtu=mtu, comment=comment)
     return d

@@ -150,6 +150,9 @@ def gather(state: StateDir, measure: bool = True) -> dict:
     device = iface.device_for(state, network, rec)
     up = device.exists()
     current = device.peers() if up else []
+    # Each peer's MTU: its /32 route's where it has one (a smaller peer, or a jumbo interface), else the interface's.
+    link_mtu = (device.link_mtu() if up else None) or int(rec.get("mtu") or network.mtu)
+    route_mtu = device.current_route_mtus() if up else {}
     now = int(time.time())
     rows = []
     for p in current:
@@ -177,6 +180,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
                 "rx_bytes": p.rx,
                 "tx_bytes": p.tx,
                 "allowed_ips": list(p.allowed_ips),
+                "mtu": route_mtu.get(ip, link_mtu),
                 "latency_ms": None,
                 "answered": None,  # measured: whether its API accepted a connection now (None: not measured)
             }

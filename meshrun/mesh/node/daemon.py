@@ -22,6 +22,8 @@ from meshrun.core import lanpath, memberlist, peers, relays
 from meshrun.core.model import Member, Network
 from meshrun.errors import CoordinatorError, MeshrunError, StateError
 from meshrun.mesh import iface, member, process
+from meshrun.mesh.node.jumbo import CHECK_S as JUMBO_CHECK_S
+from meshrun.mesh.node.jumbo import JumboPairs
 from meshrun.mesh.node.lan import LanPaths
 from meshrun.mesh.process import Extension, ExtensionFactory
 from meshrun.system.files.statedir import StateDir
@@ -61,10 +63,12 @@ def apply_members(
     members: list[Member],
     recreate: frozenset[str] = frozenset(),
     hold_windows: dict[tuple[str, str, str], float] | None = None,
+    jumbo: tuple[int, dict[str, int]] = (0, {}),
 ) -> tuple[frozenset[str], dict[tuple[str, str, str], float]]:
     """Make the interface's peers match `members` (minimal diff) and rewrite the wg-quick file.
 
     Peers in `recreate` changed path: they are re-created so a fresh handshake proves the path.
+    `jumbo` (JumboPairs.plan): the interface MTU to raise to (0: none) and the proven jumbo pairs.
     With `hold_windows` (see `peers.handshake_holds`), peers whose handshake this node must leave
     to the other end for now get no keepalive. Returns (held peer keys, the new hold windows):
     apply again when HOLD_S is up.
@@ -90,6 +94,7 @@ def apply_members(
             "this is a bug in meshrun; please report it",
         ) from None
     mtu = int(rec.get("mtu") or network.mtu)
+    iface_mtu, routes = peers.pair_mtus(rec["public_key"], mtu, members, jumbo[1], jumbo[0])
     d = iface.sync_peers(
         device,
         state,
@@ -99,7 +104,8 @@ def apply_members(
         mtu=mtu,
         recreate=recreate,
         current=current,
-        route_mtus=peers.route_mtus(rec["public_key"], mtu, members),
+        route_mtus=routes,
+        iface_mtu=iface_mtu,
         comment=f"meshrun network {network.name}, node {rec['name']}; managed by meshrun",
     )
     # WireGuard handshakes only when it has something to send: a datagram to each new
@@ -140,6 +146,7 @@ class AgentService:
         probe: Callable[[str], float | None] | None = None,
         make_relay: Callable[[], udprelay.UdpRelay | udprelay.FakeRelay] | None = None,
         lan: LanPaths | None = None,
+        jumbo: JumboPairs | None = None,
     ) -> None:
         self.state = state
         self.rec, self.network = member.load(state)
@@ -152,6 +159,7 @@ class AgentService:
         # The pairs this node relays, and their relay.
         self.relaying = udprelay.Relaying(make_relay, self.network.interface)
         self.lan = lan or LanPaths(state, self.network, self.rec)  # the site LAN path (trusted sites)
+        self.jumbo = jumbo or JumboPairs(state, self.network, self.rec)  # same-site tunnels with the LAN's MTU
         self.rtt: dict[str, float] = {}  # {peer key: rtt bucket} measured, not yet acknowledged
         self.rtt_told: dict[str, float] = {}  # {peer key: rtt bucket} the coordinator acknowledged
         self.misses: dict[str, int] = {}  # relayed peer key -> consecutive failed tries through its relay
@@ -235,6 +243,7 @@ class AgentService:
                 (self.measure_rtt, RTT_EVERY_S),
                 (self.check_coordinator, COORDINATOR_CHECK_S),
                 (self.lan.check, lanpath.PROBE_EVERY_S),
+                (self.check_jumbo, JUMBO_CHECK_S),
             ):
                 threading.Thread(target=self._probe_loop, args=(step, every), name=step.__name__, daemon=True).start()
             try:
@@ -432,6 +441,11 @@ class AgentService:
             except Exception:  # the agent's job is the sync loop: a probe failure must not end it
                 log.exception("%s failed", step.__name__)
 
+    def check_jumbo(self) -> None:
+        """Probe the pairs on trial for the LAN's MTU; apply again when one was proven or failed."""
+        if self.jumbo.check():
+            self._apply(self.members)
+
     def check_relays(self) -> list[str]:
         """Try every relayed peer through its relay once; report the ones that missed RELAY_FAILS times in
         a row (the coordinator gives those pairs another relay). Returns the keys reported."""
@@ -503,7 +517,14 @@ class AgentService:
         """apply_members with handshake holds; a timer applies again when the holds are up."""
         with self.apply_lock:
             held, self.hold_windows = apply_members(
-                self.device, self.state, self.rec, self.network, members, recreate, self.hold_windows
+                self.device,
+                self.state,
+                self.rec,
+                self.network,
+                members,
+                recreate,
+                self.hold_windows,
+                self.jumbo.plan(members),
             )
             if held and (self.release_timer is None or not self.release_timer.is_alive()):
                 self.release_timer = threading.Timer(peers.HOLD_S + 0.05, self._release_holds)

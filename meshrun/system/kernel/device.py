@@ -63,6 +63,12 @@ class Device(Protocol):
     def set_mtu(self, mtu: int) -> None:
         """Change the interface MTU."""
 
+    def link_mtu(self) -> int | None:
+        """The interface's MTU now (None: it is not there)."""
+
+    def current_route_mtus(self) -> dict[str, int]:
+        """{overlay IP: MTU} of the /32 routes with an MTU on the interface now (see set_route_mtus)."""
+
     def set_route_mtus(self, mtus: Mapping[str, int]) -> None:
         """Give exactly these overlay IPs a /32 route with that MTU ({IP: mtu}; see peers.route_mtus)."""
 
@@ -166,6 +172,12 @@ class WireGuardDevice:
 
     def set_mtu(self, mtu: int, up: bool = False) -> None:
         run(["ip", "link", "set", "dev", self.name, "mtu", str(mtu), *(["up"] if up else [])])
+
+    def link_mtu(self) -> int | None:
+        return net.link(self.name).get("mtu")
+
+    def current_route_mtus(self) -> dict[str, int]:
+        return net.route_mtus(self.name)
 
     def set_route_mtus(self, mtus: Mapping[str, int]) -> None:
         if net.set_route_mtus(self.name, mtus):

@@ -55,6 +55,12 @@ class FakeDevice:
     def set_mtu(self, mtu: int) -> None:
         self.mtu = mtu
 
+    def link_mtu(self) -> int | None:
+        return self.mtu if self.present else None
+
+    def current_route_mtus(self) -> dict[str, int]:
+        return dict(self.route_mtus) if self.present else {}
+
     def set_route_mtus(self, mtus) -> None:
         self._require()
         self.route_mtus = dict(mtus)

@@ -67,6 +67,12 @@ def interface_of(address: str) -> str | None:
     return next((dev for dev, addr in netparse.addresses(out) if addr == address), None)
 
 
+def address_mtu(address: str) -> int | None:
+    """The MTU of the interface that holds IPv4 `address` on this machine, or None."""
+    dev = interface_of(address) if address else None
+    return link(dev).get("mtu") if dev else None
+
+
 def default_route_address() -> str | None:
     """The primary address of the default route's device, if there is one."""
     dev = netparse.default_device(run(["ip", "-4", "-o", "route", "show", "default"], check=False, quiet=True).stdout)
@@ -87,12 +93,17 @@ def link(name: str) -> dict:
     return netparse.link(run(["ip", "-j", "link", "show", "dev", name], check=False, quiet=True).stdout)
 
 
+def route_mtus(dev: str) -> dict[str, int]:
+    """{IP: MTU} of the /32 routes with an MTU on `dev` ({} when it has none, or is not there)."""
+    return netparse.route_mtus(run(["ip", "-j", "-4", "route", "show", "dev", dev], check=False, quiet=True).stdout)
+
+
 def set_route_mtus(dev: str, want: Mapping[str, int]) -> bool:
     """Make the /32 routes with an MTU on `dev` exactly `want` {IP: mtu}; True if anything changed.
 
     Routes for other addresses, and `dev`'s own prefix route, are left alone.
     """
-    have = netparse.route_mtus(run(["ip", "-j", "-4", "route", "show", "dev", dev], quiet=True).stdout)
+    have = route_mtus(dev)
     for ip, mtu in sorted(want.items()):
         if have.get(ip) != mtu:
             run(["ip", "-4", "route", "replace", f"{ip}/32", "dev", dev, "mtu", str(mtu)])

@@ -254,6 +254,27 @@ def test_route_mtus_fit_the_smaller_peers_with_wireguard_padding():
     assert route_mtus(small.public_key, 1220, [me, small, same, old]) == {}  # larger peers: no route
 
 
+def test_pair_mtus_raise_the_interface_for_jumbo_pairs_and_keep_every_other_peer_at_its_own():
+    from meshrun.core.peers import jumbo_candidates, pair_mtus
+
+    me = Member("me", "K" * 43 + "=", "10.213.0.3", mtu=1420)
+    lan = Member("lan", "L" * 43 + "=", "10.213.0.2", mtu=1420, path="private")
+    lan2 = Member("lan2", "M" * 43 + "=", "10.213.0.6", mtu=1420, path="private")
+    wan = Member("wan", "W" * 43 + "=", "10.213.0.4", mtu=1420, path="public")
+    small = Member("small", "S" * 43 + "=", "10.213.0.5", mtu=1220, path="public")
+    everyone = [me, lan, lan2, wan, small]
+    assert jumbo_candidates(me.public_key, everyone, 8940, 1420) == {"10.213.0.2", "10.213.0.6"}
+    assert jumbo_candidates(me.public_key, everyone, 1440, 1440) == frozenset()  # the LAN carries no more
+    # Nothing jumbo: as before (the interface at our MTU, routes for smaller peers only).
+    assert pair_mtus(me.public_key, 1420, everyone, {}) == (1420, {"10.213.0.5": 1216})
+    # Raised while pairs are probed: every peer keeps its own size (padding-rounded) as a /32 route.
+    probing = {"10.213.0.2": 1408, "10.213.0.6": 1408, "10.213.0.4": 1408, "10.213.0.5": 1216}
+    assert pair_mtus(me.public_key, 1420, everyone, {}, 8940) == (8940, probing)
+    # One proven: its route goes (it uses the interface's MTU); the one still probed keeps its route.
+    proven = {k: v for k, v in probing.items() if k != "10.213.0.2"}
+    assert pair_mtus(me.public_key, 1420, everyone, {"10.213.0.2": 8940}, 8940) == (8940, proven)
+
+
 def test_a_handshake_report_holds_news_of_liveness_only():
     from meshrun.core.peers import HANDSHAKE_FRESH_S, handshake_report
 
