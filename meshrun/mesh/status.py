@@ -276,8 +276,8 @@ def _pairs(state: StateDir, members: list[Member]) -> list[dict]:
 
 
 def _next_direct_try(v: pairpaths.PairState | None, now: float) -> int | None:
-    wait = pairpaths.retry_delay(v.tries) if v is not None and v.mode == pairpaths.RELAYED else None
-    return None if wait is None else max(0, int(v.since + wait - now))
+    due = pairpaths.next_due(v, 0) if v is not None and v.mode == pairpaths.RELAYED else None
+    return None if due is None else max(0, int(due - now))
 
 
 def pair_labels(state: StateDir) -> dict[frozenset[str], str]:

@@ -14,7 +14,7 @@ import time
 import pytest
 from support import TESTS, joined_mesh, relay_world
 
-from meshrun.core import pairpaths
+from meshrun.core import netparse, pairpaths
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec, sh
 from meshrun.mesh.node.daemon import SYNC_GRACE_S, SYNC_WAIT
@@ -351,10 +351,7 @@ def test_same_site_tunnels_carry_the_jumbo_lan_mtu_where_a_probe_proves_it(fresh
         time.sleep(1)
     assert j["lan_mtu"] == 8940 and j["proven"] == {b_ip: 8940} and not j["probing"], j
     assert json.loads(a.run("ip", "-j", "link", "show", "meshrun0").stdout)[0]["mtu"] == 8940
-    routes = {
-        r["dst"]: r.get("metrics", [{}])[0].get("mtu")
-        for r in json.loads(a.run("ip", "-j", "-4", "route", "show", "dev", "meshrun0").stdout)
-    }
+    routes = netparse.route_mtus(a.run("ip", "-j", "-4", "route", "show", "dev", "meshrun0").stdout)
     assert routes.get(c_ip) == routes.get(hq_ip) == 1408 and b_ip not in routes, routes
     a.run("ping", "-M", "do", "-s", str(8940 - 28), "-c", "2", "-W", "2", b_ip)  # the full size, DF set
     for dst, ip in (("dcj-b", b_ip), ("dcj-c", c_ip), ("hq-a", hq_ip)):
