@@ -43,6 +43,18 @@ each reported as min / median / max of the rounds, and the CPU per GB of each pa
 ratios; the summary also says when a ratio's rounds spread (max - min) more than its distance from 1 (the
 spread larger than the effect) and whether every round met the target.
 
+Part 1c, added on 2026-11-28 with the routed site LAN path (`meshrun site trust NAME --encapsulation none`),
+before its first run, after runs that showed VXLAN itself costing the LAN path 25-50 % here: a fourth site, s4,
+like s1 (two nodes, one-to-one NAT, `--site s4`), trusted with `--encapsulation none`; the benchmark waits until
+s4-a's `meshrun status` shows s4-b on "site LAN, unencrypted, routed" and s4-b's shows s4-a. Two more paths in
+the same alternation, measured the same way:
+
+- ``raw_s4``: s4-a -> s4-b's private address
+- ``lan_routed``: s4-a -> s4-b's overlay address: the routed LAN path (plain routes on eth0, table 51819)
+
+Ratio lan_routed / raw_s4, with the same target (>= 0.95 for iperf3 1 and 8 streams and gloo, on the median)
+judged on its own: the verdict names each encapsulation's.
+
 Part 2, TCP streams over a WAN (what several sockets per peer are for: NCCL opens several, gloo has no such
 knob): s1-a -> s2-a's overlay address, a cross-site WireGuard pair, with the internet between the two sites
 made a WAN of --wan-rtt-ms round trip and --wan-loss-pct loss each way. This host's kernel has no sch_netem
@@ -75,7 +87,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 TARGET = 0.95  # the LAN path's share of the raw LAN (iperf3 and gloo)
-PATHS = ["raw_s1", "lan_path", "raw_s2", "meshrun0", "raw_s3", "meshrun0_jumbo"]
+PATHS = ["raw_s1", "lan_path", "raw_s2", "meshrun0", "raw_s3", "meshrun0_jumbo", "raw_s4", "lan_routed"]
 PAIRS = {
     "raw_s1": ("s1-a", "s1-b"),
     "lan_path": ("s1-a", "s1-b"),
@@ -83,13 +95,17 @@ PAIRS = {
     "meshrun0": ("s2-a", "s2-b"),
     "raw_s3": ("s3-a", "s3-b"),
     "meshrun0_jumbo": ("s3-a", "s3-b"),
+    "raw_s4": ("s4-a", "s4-b"),
+    "lan_routed": ("s4-a", "s4-b"),
 }
 RATIOS = {
     "lan_path_over_raw_lan": ("lan_path", "raw_s1"),
     "meshrun0_over_raw_lan": ("meshrun0", "raw_s2"),
     "meshrun0_jumbo_over_raw_jumbo_lan": ("meshrun0_jumbo", "raw_s3"),
     "meshrun0_jumbo_over_meshrun0": ("meshrun0_jumbo", "meshrun0"),
+    "lan_routed_over_raw_lan": ("lan_routed", "raw_s4"),
 }
+TARGETED = ("lan_path", "lan_routed")  # the ratios judged against TARGET
 JUMBO_LAN, JUMBO_MTU = 9000, 8940  # s3's LAN, and the overlay MTU its pair should get (less 60: IPv4, UDP, WG)
 MEASURES = ("iperf3_1_gbit", "iperf3_8_gbit", "gloo_GBps")
 WAN_STREAMS = [1, 4, 16]
@@ -180,6 +196,12 @@ def lan_dev_bytes(node) -> int:
     return sum(int(x) for x in node.run("sh", "-c", cmd).stdout.split())
 
 
+def wg_pair_bytes(mesh, node: str, peer: str) -> int:
+    """Bytes `node`'s WireGuard peer `peer` moved so far (received plus sent)."""
+    row = next((r for r in mesh.status(node)["peers"] if r["name"] == peer), None)
+    return (row["rx_bytes"] + row["tx_bytes"]) if row else 0
+
+
 def path_of(mesh, node: str, peer: str) -> str | None:
     return next((r["path"] for r in mesh.status(node)["peers"] if r["name"] == peer), None)
 
@@ -259,15 +281,16 @@ def main() -> int:
         DatacenterSpec("s1", nodes=2),
         DatacenterSpec("s2", nodes=2),
         DatacenterSpec("s3", nat="cone", nodes=2, lan_mtu=JUMBO_LAN),
+        DatacenterSpec("s4", nodes=2),
     ]
     runs: dict[str, list[dict]] = {p: [] for p in PATHS}
     order: list[list[str]] = []
     wan: dict = {}
     with World(dcs, prefix=prefix("dpa")) as world:
         world.up()
-        mesh = sites_mesh(world, ("s1", "s2", "s3"))
-        ov = {n: mesh.overlay_ip(n) for n in ("s1-a", "s1-b", "s2-a", "s2-b", "s3-a", "s3-b")}
-        for x, y in (("s1-a", "s1-b"), ("s2-a", "s2-b"), ("s3-a", "s3-b")):
+        mesh = sites_mesh(world, ("s1", "s2", "s3", "s4"))
+        ov = {n: mesh.overlay_ip(n) for s in ("s1", "s2", "s3", "s4") for n in (f"{s}-a", f"{s}-b")}
+        for x, y in (("s1-a", "s1-b"), ("s2-a", "s2-b"), ("s3-a", "s3-b"), ("s4-a", "s4-b")):
             wait_for(
                 lambda x=x, y=y: direct_verified(mesh, x, y),
                 f"{x}-{y} is verified on a direct path",
@@ -278,6 +301,9 @@ def main() -> int:
         for x, y in (("s1-a", "s1-b"), ("s1-b", "s1-a")):
             wait_for(lambda x=x, y=y: path_of(mesh, x, y) == lanpath.LABEL, f"{x} has {y} on the site LAN path")
         lan_active_after_s = time.monotonic() - t_trust
+        routed = mesh.meshrun("hq-a", "site", "trust", "s4", "--encapsulation", "none").stdout.strip()
+        for x, y in (("s4-a", "s4-b"), ("s4-b", "s4-a")):
+            wait_for(lambda x=x, y=y: path_of(mesh, x, y) == lanpath.ROUTED_LABEL, f"{x} has {y} routed on the LAN")
         for x, y in (("s3-a", "s3-b"), ("s3-b", "s3-a")):
             wait_for(lambda x=x, y=y: peer_mtu(mesh, x, y) == JUMBO_MTU, f"{x} has {y} at MTU {JUMBO_MTU}")
         paths_seen = {
@@ -286,13 +312,18 @@ def main() -> int:
             "s2-a->s2-b": path_of(mesh, "s2-a", "s2-b"),
             "s1-a->s2-a": path_of(mesh, "s1-a", "s2-a"),
             "s3-a->s3-b": path_of(mesh, "s3-a", "s3-b"),
+            "s4-a->s4-b": path_of(mesh, "s4-a", "s4-b"),
+            "s4-b->s4-a": path_of(mesh, "s4-b", "s4-a"),
         }
         seen = (("s2-a", "s2-b"), ("s3-a", "s3-b"), ("s3-a", "s1-a"))
         mtus_seen = {f"{x}->{y}": peer_mtu(mesh, x, y) for x, y in seen}
         lan_status = mesh.status("s1-a")["lan"]
+        routed_status = mesh.status("s4-a")["lan"]
         if not paths_seen["s2-a->s2-b"].startswith("direct"):
             raise SystemExit(f"s2's pair is not on WireGuard over its LAN: {paths_seen}")
-        print(f"paths: {paths_seen}; LAN path active {lan_active_after_s:.1f} s after `{trust}`", flush=True)
+        print(
+            f"paths: {paths_seen}; LAN path active {lan_active_after_s:.1f} s after `{trust}`; `{routed}`", flush=True
+        )
 
         dst = {
             "raw_s1": world.node("s1-b").private_ip,
@@ -301,8 +332,10 @@ def main() -> int:
             "meshrun0": ov["s2-b"],
             "raw_s3": world.node("s3-b").private_ip,
             "meshrun0_jumbo": ov["s3-b"],
+            "raw_s4": world.node("s4-b").private_ip,
+            "lan_routed": ov["s4-b"],
         }
-        servers = [start_server(world.node(n), IPERF_PORT) for n in ("s1-b", "s2-b", "s3-b")]
+        servers = [start_server(world.node(n), IPERF_PORT) for n in ("s1-b", "s2-b", "s3-b", "s4-b")]
         try:
             for r in range(a.rounds):
                 this = alternating(PATHS, r + 1)[-len(PATHS) :]
@@ -310,6 +343,7 @@ def main() -> int:
                 for p in this:
                     an, bn = (world.node(n) for n in PAIRS[p])
                     lan0 = lan_dev_bytes(an)
+                    wg0 = wg_pair_bytes(mesh, *PAIRS[p])
                     one = iperf(an, dst[p], IPERF_PORT, a.seconds, 1)
                     eight = iperf(an, dst[p], IPERF_PORT, a.seconds, 8)
                     g = gloo(an, bn, dst[p], "eth0" if p.startswith("raw") else "meshrun0", a)
@@ -323,9 +357,13 @@ def main() -> int:
                         "iperf3_8": eight,
                         "gloo": g,
                         "lan_device_bytes": lan_dev_bytes(an) - lan0,
+                        # What the pair's WireGuard peer moved meanwhile (the LAN paths: next to nothing).
+                        "wireguard_pair_bytes": wg_pair_bytes(mesh, *PAIRS[p]) - wg0,
                     }
                     if p == "lan_path" and path_of(mesh, "s1-a", "s1-b") != lanpath.LABEL:
                         row["left_lan_path"] = True  # the probes dropped it mid-measurement
+                    if p == "lan_routed" and path_of(mesh, "s4-a", "s4-b") != lanpath.ROUTED_LABEL:
+                        row["left_lan_path"] = True
                     runs[p].append(row)
                     print(
                         f"round {r + 1} {p:9s} iperf3 1: {one['gbit']:.2f} 8: {eight['gbit']:.2f} Gbit/s, gloo "
@@ -346,15 +384,17 @@ def main() -> int:
     ratios = {}
     for name, (num, den) in RATIOS.items():
         ratios[name] = {
-            m: ratio_block([x[m] / y[m] for x, y in zip(runs[num], runs[den])], TARGET if num == "lan_path" else None)
+            m: ratio_block([x[m] / y[m] for x, y in zip(runs[num], runs[den])], TARGET if num in TARGETED else None)
             for m in MEASURES
         }
         ratios[name]["cpu_s_per_GB"] = ratio_block(
             [x["cpu_s_per_GB"] / y["cpu_s_per_GB"] for x, y in zip(runs[num], runs[den])], None
         )
-    lan = ratios["lan_path_over_raw_lan"]
+    lan, rtd = ratios["lan_path_over_raw_lan"], ratios["lan_routed_over_raw_lan"]
     met = all(lan[m]["met"] for m in MEASURES)
+    routed_met = all(rtd[m]["met"] for m in MEASURES)
     noisy = [m for m in MEASURES if lan[m]["spread_exceeds_effect"]]
+    routed_noisy = [m for m in MEASURES if rtd[m]["spread_exceeds_effect"]]
 
     def r3(b: dict) -> str:
         return f"{b['median']:.2f} ({b['min']:.2f}-{b['max']:.2f})"
@@ -369,7 +409,11 @@ def main() -> int:
             + " Gbit/s"
         )
     summary = (
-        f"datapath: site LAN path / raw LAN: iperf3 1 stream {r3(lan['iperf3_1_gbit'])}, 8 streams "
+        f"datapath: routed site LAN path (--encapsulation none) / raw LAN: iperf3 1 stream "
+        f"{r3(rtd['iperf3_1_gbit'])}, 8 streams {r3(rtd['iperf3_8_gbit'])}, gloo {r3(rtd['gloo_GBps'])} "
+        f"({verdict(routed_met)} >= {TARGET} on the median"
+        f"{'' if not routed_noisy else '; spread larger than the effect for ' + ', '.join(routed_noisy)}); "
+        f"VXLAN site LAN path / raw LAN: iperf3 1 stream {r3(lan['iperf3_1_gbit'])}, 8 streams "
         f"{r3(lan['iperf3_8_gbit'])}, gloo {a.mib} MiB {r3(lan['gloo_GBps'])} ({verdict(met)} >= {TARGET} on the "
         f"median{'' if not noisy else '; spread larger than the effect for ' + ', '.join(noisy)}); meshrun0 "
         f"(WireGuard) / raw LAN: {r3(wg['iperf3_1_gbit'])}, {r3(wg['iperf3_8_gbit'])}, gloo {r3(wg['gloo_GBps'])}; "
@@ -379,7 +423,8 @@ def main() -> int:
         f"raw LAN {spreads['raw_s1']['iperf3_1_gbit']['median']:.1f} Gbit/s, "
         f"{spreads['raw_s1']['gloo_GBps']['median']:.2f} GB/s; CPU s/GB raw "
         f"{spreads['raw_s1']['cpu_s_per_GB']['median']:.2f}, "
-        f"LAN path {spreads['lan_path']['cpu_s_per_GB']['median']:.2f}, meshrun0 "
+        f"LAN path {spreads['lan_path']['cpu_s_per_GB']['median']:.2f}, routed "
+        f"{spreads['lan_routed']['cpu_s_per_GB']['median']:.2f}, meshrun0 "
         f"{spreads['meshrun0']['cpu_s_per_GB']['median']:.2f}, jumbo raw "
         f"{spreads['raw_s3']['cpu_s_per_GB']['median']:.2f}, meshrun0 jumbo "
         f"{spreads['meshrun0_jumbo']['cpu_s_per_GB']['median']:.2f}{wan_text}; {a.rounds} rounds alternating, nothing "
@@ -400,13 +445,24 @@ def main() -> int:
             "paths_seen": paths_seen,
             "mtus_seen": mtus_seen,
             "lan_status_s1a": lan_status,
+            "lan_status_s4a": routed_status,
             "lan_active_after_trust_s": lan_active_after_s,
             "order": order,
             "runs": runs,
             "spreads": spreads,
             "ratios": ratios,
-            "targets": {"lan_path_over_raw_lan": TARGET, "measures": list(MEASURES), "judged_on": "median of rounds"},
-            "verdict": {"met": met, "spread_exceeds_effect": noisy},
+            "targets": {
+                "lan_path_over_raw_lan": TARGET,
+                "lan_routed_over_raw_lan": TARGET,
+                "measures": list(MEASURES),
+                "judged_on": "median of rounds",
+            },
+            "verdict": {
+                "met": met,
+                "spread_exceeds_effect": noisy,
+                "routed_met": routed_met,
+                "routed_spread_exceeds_effect": routed_noisy,
+            },
             "wan": wan,
             "congestion_control": Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip(),
             "elapsed_s": time.monotonic() - t_start,

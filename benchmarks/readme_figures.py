@@ -501,7 +501,17 @@ def datapath(d: dict) -> tuple[str, str]:
 
     target = d["targets"]["lan_path_over_raw_lan"]
     ok = all(lan[m]["met"] for m in d["targets"]["measures"])
-    text = (
+    text = ""
+    rtd = d["ratios"].get("lan_routed_over_raw_lan")
+    if rtd:
+        rok = all(rtd[m]["met"] for m in d["targets"]["measures"])
+        text = (
+            f"routed site LAN path (`--encapsulation none`) / raw LAN: iperf3 1 stream {r(rtd['iperf3_1_gbit'])}, "
+            f"8 streams {r(rtd['iperf3_8_gbit'])}, gloo {r(rtd['gloo_GBps'])}; target >= {target} "
+            f"{'met' if rok else '**missed**'}; CPU per GB {sp['lan_routed']['cpu_s_per_GB']['median']:.2f} s "
+            f"(raw {sp['raw_s4']['cpu_s_per_GB']['median']:.2f} s). VXLAN "
+        )
+    text += (
         f"site LAN path / raw LAN: iperf3 1 stream {r(lan['iperf3_1_gbit'])}, 8 streams {r(lan['iperf3_8_gbit'])}, "
         f"gloo {cfg['mib']} MiB {r(lan['gloo_GBps'])}; target >= {target} {'met' if ok else '**missed**'}. "
         f"meshrun0 (WireGuard) / raw LAN: {r(wg['iperf3_1_gbit'])}, {r(wg['iperf3_8_gbit'])}, gloo "
@@ -525,8 +535,8 @@ def datapath(d: dict) -> tuple[str, str]:
             f"(a userspace delay line: no netem here), iperf3 Mbit/s: {per}"
         )
     return (
-        "2 nodes of a site, nothing shaped: the site LAN path (VXLAN, unencrypted) and meshrun0 (WireGuard) vs the "
-        "raw site LAN; TCP streams per peer across sites",
+        "2 nodes of a site, nothing shaped: the site LAN path (routed or VXLAN, unencrypted) and meshrun0 "
+        "(WireGuard) vs the raw site LAN; TCP streams per peer across sites",
         text,
     )
 

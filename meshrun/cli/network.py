@@ -226,30 +226,54 @@ def site_list(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
     if json_out:
         app.echo(json.dumps(rows, indent=2))
         return
-    app.echo(f"{'SITE':<20} {'NETWORK':<26} NODES")
+    app.echo(f"{'SITE':<20} {'NETWORK':<34} NODES")
     for r in rows:
-        trust = "trusted (site LAN path)" if r["trusted"] else "encrypted (WireGuard)"
-        app.echo(f"{r['site']:<20} {trust:<26} {', '.join(r['nodes']) or '-'}")
+        trust = f"trusted (site LAN path, {r['encapsulation']})" if r["trusted"] else "encrypted (WireGuard)"
+        app.echo(f"{r['site']:<20} {trust:<34} {', '.join(r['nodes']) or '-'}")
 
 
 @site_app.command("trust")
 @handled
-def site_trust(name: Annotated[str, typer.Argument(metavar="SITE")], state_dir: StateOpt = None) -> None:
-    """Carry the overlay between this site's nodes on the site network, unencrypted (VXLAN on UDP 51819).
+def site_trust(
+    name: Annotated[str, typer.Argument(metavar="SITE")],
+    encapsulation: Annotated[
+        str,
+        typer.Option(
+            "--encapsulation",
+            metavar="vxlan|none",
+            help="vxlan: inside UDP 51819 between the nodes' LAN addresses (passes a cloud VPC's checks). "
+            "none: routed as they are, at the raw LAN's speed; needs one layer-2 LAN that passes packets "
+            "with the overlay's addresses (bare metal, on-premises), not a cloud VPC.",
+        ),
+    ] = "vxlan",
+    state_dir: StateOpt = None,
+) -> None:
+    """Carry the overlay between this site's nodes on the site network, unencrypted.
 
     Only do this for a network whose every host you trust: a host on it can read, and forge, the overlay
     traffic between the site's nodes (SECURITY.md). Pairs across sites, and nodes of other sites, stay on
-    WireGuard; a pair whose LAN path stops answering goes back to WireGuard within seconds.
+    WireGuard; a pair whose LAN path stops answering (or that the network does not carry) goes back to
+    WireGuard within seconds. Run it again with another --encapsulation to change a trusted site's.
 
     \b
-    Example:
+    Examples:
       meshrun site trust dc1
+      meshrun site trust rack7 --encapsulation none
     """
     from meshrun.mesh.coordinator import admin
 
     app = Application.for_command(state_dir)
-    nodes = admin.trust_site(app.state, name, True)
-    app.echo(f"site {name} trusted: its nodes' pairs move to the site LAN path (unencrypted) once it answers")
+    out = admin.trust_site(app.state, name, True, encapsulation)
+    nodes, was = out["nodes"], out["was"]
+    if was is None:
+        app.echo(
+            f"site {name} trusted ({encapsulation}): its nodes' pairs move to the site LAN path (unencrypted) "
+            "once it answers"
+        )
+    elif was != encapsulation:
+        app.echo(f"site {name}: encapsulation {was} -> {encapsulation}; its pairs prove the LAN path again")
+    else:
+        app.echo(f"site {name} was already trusted ({encapsulation}); nothing changed")
     if not nodes:
         app.echo(f"meshrun: note: no node has joined with --site {name} yet", err=True)
 

@@ -346,9 +346,15 @@ def _lan(f: dict) -> Check | None:
             "site LAN path",
             WARN,
             f"{len(down)} of {len(planned)} peers do not answer on it ({', '.join(down[:8])}): on WireGuard instead",
-            f"allow UDP {LAN_PORT} between the site's nodes' LAN addresses (security groups, host firewalls)",
+            "the site's encapsulation is none: the LAN must be one layer-2 segment that passes the overlay's "
+            "addresses (a cloud VPC does not); else `meshrun site trust SITE --encapsulation vxlan`"
+            if lan.get("routed")
+            else f"allow UDP {LAN_PORT} between the site's nodes' LAN addresses (security groups, host firewalls)",
         )
-    return Check("site LAN path", OK, f"{len(planned)} peers on the site network, unencrypted ({lan.get('device')})")
+    how = "routed, no encapsulation" if lan.get("routed") else "VXLAN"
+    return Check(
+        "site LAN path", OK, f"{len(planned)} peers on the site network, unencrypted ({how}, {lan.get('device')})"
+    )
 
 
 def _relay(f: dict) -> Check | None:

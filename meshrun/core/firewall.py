@@ -188,6 +188,10 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) 
             f"    iifname {ifaces} tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider",
             f"    iifname {ifaces} meta l4proto udp ip saddr != @nodes jump outsider",
             f"    iifname {ifaces} meta nfproto ipv6 jump outsider",
+            # A routed site LAN path (core/lanpath) delivers the overlay on the LAN interface itself: what is
+            # addressed to a job node's overlay address is judged wherever it arrives.
+            '    iifname != "lo" ip daddr @nodes tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider',
+            '    iifname != "lo" ip daddr @nodes meta l4proto udp ip saddr != @nodes jump outsider',
             "  }",
             "  chain outsider {",
             *(f'    socket cgroupv2 level {level} "{path}" drop' for level in GUARD_LEVELS),

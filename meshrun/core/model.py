@@ -91,6 +91,7 @@ class Member(_Wire):
     via: str = ""  # for the receiving node, a relayed peer's relay: its public key ("" = the coordinator)
     via_port: int = 0  # for the receiving node, the UDP port its relay forwards this pair's datagrams on (0: none yet)
     lan: bool = False  # for the receiving node: the pair may use its trusted site's LAN path (core/lanpath)
+    lan_routed: bool = False  # ... with no encapsulation (the site was trusted with `--encapsulation none`)
 
     @classmethod
     def from_dict(cls, d: dict) -> Member:
@@ -113,6 +114,7 @@ class Member(_Wire):
             via=_key(d, "via") if d.get("via") else "",
             via_port=_int(d, "via_port", 0, 65535, required=False),
             lan=bool(d.get("lan", False)),
+            lan_routed=bool(d.get("lan_routed", False)),
         )
 
 

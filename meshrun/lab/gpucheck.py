@@ -513,7 +513,7 @@ def trust_site(mesh: Mesh, out=print, timeout_s: float = 40) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         rows = {r["name"]: r["path"] for r in mesh.status(a)["peers"]}
-        if rows.get(b) == lanpath.LABEL:
+        if rows.get(b) in (lanpath.LABEL, lanpath.ROUTED_LABEL):
             out(f"[{_stamp()}] site {LAN_PATH_SITE} trusted: {a}-{b} on the site LAN path")
             return True
         time.sleep(1)

@@ -37,7 +37,10 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
     net.require_admin()
     process.stop(state)
     iface.device_for(state, network, rec).delete()  # and its forward guard (every member has one)
-    lanlink.remove(network.interface)  # the site LAN path, if the agent did not get to it
+    # The site LAN path, if the agent did not get to it (and the LAN interface's filter as it found it).
+    lan = state.read_json("lan.json") if (state / "lan.json").exists() else {}
+    rp = lan.get("rp_filter") if isinstance(lan, dict) else None
+    lanlink.remove(network.interface, (str(rp[0]), str(rp[1])) if isinstance(rp, list) and len(rp) == 2 else None)
     relaykernel.remove(network.interface)  # and the relay's fast path
     if purge:
         state.delete()

@@ -172,7 +172,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
                 "public_key": p.public_key,
                 "endpoint": p.endpoint,
                 # The site LAN path carries the pair's traffic (its WireGuard peer stays, idle, for a fallback).
-                "path": lanpath.LABEL
+                "path": lanpath.label(bool(lan.get("routed")))
                 if m is not None and m.name in on_lan
                 else path_label(m, p.endpoint, p.allowed_ips),
                 "latest_handshake": p.latest_handshake or None,

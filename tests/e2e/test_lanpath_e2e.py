@@ -263,3 +263,110 @@ def test_the_overlay_address_is_not_reachable_from_the_lan_outside_the_lan_path(
         b.run("ip", "route", "del", f"{a_ip}/32", "table", "77", check=False)
     assert (mesh.overlay_ip("dc1-b"), "control") in got, got  # sent the usual way (LAN path), it arrives
     assert all(payload == "control" for _, payload in got), got
+
+
+# Routed: the same site trusted with `--encapsulation none`. These run last: they move fra to it and back.
+
+SPOOF = textwrap.dedent("""\
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 77)
+    s.setsockopt(socket.SOL_IP, 19, 1)  # IP_TRANSPARENT: send from an address this host does not hold
+    s.bind((sys.argv[2], 0))
+    for _ in range(3):
+        s.sendto(sys.argv[3].encode(), (sys.argv[1], 39303))
+""")
+
+
+def eth_bytes(mesh: Mesh, node: str) -> int:
+    """Bytes the node's LAN interface (eth0) moved."""
+    cmd = "cat /sys/class/net/eth0/statistics/rx_bytes /sys/class/net/eth0/statistics/tx_bytes"
+    return sum(int(x) for x in mesh.world.node(node).run("sh", "-c", cmd).stdout.split())
+
+
+def rp_filter(mesh: Mesh, node: str) -> str:
+    return mesh.world.node(node).run("cat", "/proc/sys/net/ipv4/conf/eth0/rp_filter").stdout.strip()
+
+
+def test_routed_the_pair_carries_the_job_unencapsulated_and_a_member_cannot_speak_as_another(mesh, tmp_path):
+    """`meshrun site trust fra --encapsulation none`, on hosts whose reverse-path filter is strict (as some
+    distributions set it): the pair moves to plain routes on eth0 (no VXLAN device), a gloo job's bytes go
+    through eth0 and not WireGuard while ber's stay on WireGuard; dc1-b routing a datagram to dc1-a's overlay
+    address from dc2-a's overlay address is dropped, from its own it arrives; eth0 dropping dc1-a's packets at
+    dc1-b sends the pair back to WireGuard, and lifting it brings it back. Back on VXLAN, the filters are strict
+    again."""
+    wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") == lanpath.LABEL, "dc1-a's peer dc1-b is on the LAN path")
+    site = [mesh.world.node(n) for n in ("dc1-a", "dc1-b")]
+    was = {
+        n.name: (rp_filter(mesh, n.name), n.run("sysctl", "-n", "net.ipv4.conf.all.rp_filter").stdout.strip())
+        for n in site
+    }
+    for n in site:
+        n.run("sysctl", "-qw", "net.ipv4.conf.all.rp_filter=1", "net.ipv4.conf.eth0.rp_filter=1")
+    out = mesh.meshrun(mesh.coordinator, "site", "trust", "fra", "--encapsulation", "none").stdout
+    assert "encapsulation vxlan -> none" in out, out
+    b = site[1]
+    a_ip, a_lan = mesh.overlay_ip("dc1-a"), mesh.world.node("dc1-a").private_ip
+    try:
+        for x, y in (("dc1-a", "dc1-b"), ("dc1-b", "dc1-a")):
+            wait_for(lambda: path_of(mesh, x, y) == lanpath.ROUTED_LABEL, f"{x}'s peer {y} is routed on the LAN")
+        lan = mesh.status("dc1-a")["lan"]
+        assert lan["routed"] is True and lan["device"] == "eth0" and lan["active"] == ["dc1-b"], lan
+        assert rp_filter(mesh, "dc1-a") == "2" and lan["rp_filter"] == ["eth0", "1"], lan  # loosened, and noted
+        assert lan_bytes(mesh, "dc1-a") == 0  # no VXLAN device
+        before = {"wg1": wg_bytes(mesh, "dc1-a", "dc1-b"), "wg2": wg_bytes(mesh, "dc2-a", "dc2-b")}
+        before["eth1"] = eth_bytes(mesh, "dc1-a")
+        coord = mesh.coordinator
+        res = coord.run(
+            *train_argv(mesh, tmp_path, "lan-routed", 16, 0.0),
+            check=False,
+            timeout=300,
+            env={"MESHRUN_STATE_DIR": str(mesh.state_dir(coord))},
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
+        moved = {
+            "wg1": wg_bytes(mesh, "dc1-a", "dc1-b") - before["wg1"],
+            "wg2": wg_bytes(mesh, "dc2-a", "dc2-b") - before["wg2"],
+            "eth1": eth_bytes(mesh, "dc1-a") - before["eth1"],
+        }
+        assert moved["eth1"] >= 48 * MIB and moved["wg1"] < 2 * MIB, moved  # fra: eth0, not WireGuard
+        assert moved["wg2"] >= 48 * MIB, moved  # ber: WireGuard
+
+        # A member of the site speaks only as itself: its datagrams routed straight to dc1-a's LAN address.
+        b.run("ip", "route", "add", f"{a_ip}/32", "via", str(a_lan), "dev", "eth0", "table", "77")
+        b.run("ip", "rule", "add", "pref", "77", "fwmark", "77", "lookup", "77")
+        try:
+            forged, own = mesh.overlay_ip("dc2-a"), mesh.overlay_ip("dc1-b")
+            got = received(
+                mesh,
+                "dc1-a",
+                39303,
+                4,
+                lambda: (
+                    b.run(mesh.python, "-c", SPOOF, a_ip, forged, "forged-member"),
+                    b.run(mesh.python, "-c", SPOOF, a_ip, own, "honest"),
+                ),
+            )
+        finally:
+            b.run("ip", "rule", "del", "pref", "77", check=False)
+            b.run("ip", "route", "del", f"{a_ip}/32", "table", "77", check=False)
+        assert (own, "honest") in got, got  # the way the spoof is sent works: the honest one arrives
+        assert all(payload == "honest" for _, payload in got), got
+
+        # The site network stops carrying dc1-a's overlay packets into dc1-b: back on WireGuard, and back.
+        breaker = ["iptables", "-w", "5", "-I", "INPUT", "-i", "eth0", "-s", a_ip, "-j", "DROP"]
+        b.run(*breaker)
+        try:
+            wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") != lanpath.ROUTED_LABEL, "dc1-a leaves the LAN", 30)
+            assert mesh.ping("dc1-a", mesh.overlay_ip("dc1-b"), count=3), "the pair answers on WireGuard"
+        finally:
+            b.run(*["iptables", "-w", "5", "-D", *breaker[4:]], check=False)
+        wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") == lanpath.ROUTED_LABEL, "dc1-a is back on the LAN", 30)
+    finally:
+        mesh.meshrun(mesh.coordinator, "site", "trust", "fra")
+        for x, y in (("dc1-a", "dc1-b"), ("dc1-b", "dc1-a")):
+            wait_for(lambda: path_of(mesh, x, y) == lanpath.LABEL, f"{x}'s peer {y} is back on VXLAN", 60)
+        assert [rp_filter(mesh, n.name) for n in site] == ["1", "1"]  # as the routed path found them
+        for n in site:
+            eth, all_ = was[n.name]
+            n.run("sysctl", "-qw", f"net.ipv4.conf.all.rp_filter={all_}", f"net.ipv4.conf.eth0.rp_filter={eth}")

@@ -106,10 +106,11 @@ def members(state: StateDir) -> tuple[Network, list[Member]]:
 
 
 def site_table(state: StateDir) -> list[dict]:
-    """Every site named with ``--site`` or trusted: its members (nodes), whether its network is trusted."""
+    """Every site named with ``--site`` or trusted: its members (nodes), whether its network is trusted and with
+    which encapsulation (None when it is not)."""
     db, _ = open_db(state, readonly=True)
     try:
-        trusted = lanpath.trusted_from_meta(db.meta(lanpath.TRUST_META))
+        trusted = lanpath.trust_from_meta(db.meta)
         named: dict[str, list[str]] = {}
         for m in db.members():
             if m.site and not m.is_coordinator:
@@ -117,26 +118,37 @@ def site_table(state: StateDir) -> list[dict]:
     finally:
         db.close()
     return [
-        {"site": s, "nodes": sorted(named.get(s, [])), "trusted": s in trusted} for s in sorted(set(named) | trusted)
+        {"site": s, "nodes": sorted(named.get(s, [])), "trusted": s in trusted, "encapsulation": trusted.get(s)}
+        for s in sorted(set(named) | trusted.keys())
     ]
 
 
-def trust_site(state: StateDir, name: str, trusted: bool = True) -> list[str]:
-    """Mark site `name`'s network trusted (its nodes' pairs take the site LAN path, unencrypted) or not (back to
-    WireGuard); returns the site's nodes. The daemon tells the members on its next tick. UsageError for a name
-    that is not a site name, or for untrusting a site that is not trusted."""
+def trust_site(state: StateDir, name: str, trusted: bool = True, encapsulation: str = "vxlan") -> dict:
+    """Mark site `name`'s network trusted (its nodes' pairs take the site LAN path, unencrypted, with
+    `encapsulation`, core/lanpath) or not (back to WireGuard). Returns {"nodes": the site's nodes, "was": its
+    encapsulation before (None: it was not trusted)}. The daemon tells the members on its next tick.
+    UsageError for a name that is not a site name, an unknown encapsulation, or untrusting a site that is not
+    trusted."""
     if not SITE_RE.match(name or ""):
         raise UsageError(
             f"site name {name!r} is not 1-32 characters of a-z 0-9 - (as `meshrun join --site` takes it)",
             "see the sites with `meshrun site list`",
         )
+    if encapsulation not in lanpath.ENCAPSULATIONS:
+        raise UsageError(
+            f"encapsulation {encapsulation!r} is not one meshrun knows",
+            f"use one of: {', '.join(lanpath.ENCAPSULATIONS)}",
+        )
     db, _ = open_db(state)
     try:
-        now = lanpath.trusted_from_meta(db.meta(lanpath.TRUST_META))
+        now = lanpath.trust_from_meta(db.meta)
         if not trusted and name not in now:
             shown = ", ".join(sorted(now)) or "none"
             raise UsageError(f"site {name!r} is not trusted", f"trusted sites: {shown}")
-        db.set_meta(**{lanpath.TRUST_META: lanpath.trusted_to_meta(now | {name} if trusted else now - {name})})
-        return sorted(m.name for m in db.members() if m.site == name and not m.is_coordinator)
+        was = now.get(name)
+        after = {**now, name: encapsulation} if trusted else {s: e for s, e in now.items() if s != name}
+        db.set_meta(**lanpath.trust_to_meta(after))
+        nodes = sorted(m.name for m in db.members() if m.site == name and not m.is_coordinator)
+        return {"nodes": nodes, "was": was}
     finally:
         db.close()

@@ -28,7 +28,8 @@ class Roster:
         self._cache: tuple[int, list[tuple[Member, dict]], dict[str, int], dict[str, Member]] | None = None
         self._removals = 0  # db.removals when the cache was built
         self._by_name: dict[str, Member] = {}  # the cached list's members by name
-        self.trusted: frozenset[str] = frozenset()  # sites whose network the operator trusts (`meshrun site trust`)
+        # {site whose network the operator trusts (`meshrun site trust`): its encapsulation}
+        self.trusted: dict[str, str] = {}
         v, base, _, _ = self._base()
         self._published_trusted = self.trusted
         self._published_sites = {m.name: m.site for m, _ in base}  # each member's site as last published
@@ -52,7 +53,7 @@ class Roster:
         v, removals = self.db.version(), self.db.removals
         if cache is None or cache[0] != v:
             self._removals = removals
-            self.trusted = lanpath.trusted_from_meta(self.db.meta(lanpath.TRUST_META))
+            self.trusted = lanpath.trust_from_meta(self.db.meta)
             # A member unchanged since the last build keeps its dict (a join changes one member of 1000;
             # the database hands back the same Member object for an unchanged row, so identity tells).
             known = {id(m): (m, d) for m, d in cache[1]} if cache is not None else {}
@@ -102,13 +103,19 @@ class Roster:
             for r in relays:  # a relay hears of it through its own entry (and its answer's `relaying`)
                 if r in key_of:
                     touched.setdefault(r, set()).add(key_of[r])
-            # A site trusted or no longer: its members hear of each other again (their entries' `lan` flips). So
+            # A site trusted or no longer, or its encapsulation changed: its members hear of each other again
+            # (their entries' `lan` or `lan_routed` flips). So
             # do a member whose site changed (its first heartbeat reports it, after the list it got at its join)
             # and the members of its trusted sites, old and new.
             moved = {m.name: {m.site, self._published_sites.get(m.name, "")} for m, _ in base}
             moved = {n: sites for n, sites in moved.items() if len(sites) > 1}
-            for site in (self.trusted ^ self._published_trusted) | {s for v in moved.values() for s in v}:
-                if site not in self.trusted | self._published_trusted:
+            flipped = {
+                s
+                for s in self.trusted.keys() | self._published_trusted.keys()
+                if self.trusted.get(s) != self._published_trusted.get(s)
+            }
+            for site in flipped | {s for v in moved.values() for s in v}:
+                if site not in self.trusted.keys() | self._published_trusted.keys():
                     continue
                 inside = [
                     m for m, _ in base if not m.is_coordinator and (m.site == site or site in moved.get(m.name, ()))
@@ -127,7 +134,7 @@ class Roster:
     def trust_moved(self) -> bool:
         """Whether the trusted sites in the database differ from those last published (`meshrun site trust` ran
         in another process): the caller publishes a new version."""
-        return lanpath.trusted_from_meta(self.db.meta(lanpath.TRUST_META)) != self._published_trusted
+        return lanpath.trust_from_meta(self.db.meta) != self._published_trusted
 
     def wake_all(self) -> None:
         with self.cond:
@@ -157,6 +164,8 @@ class Roster:
             # Both ends in one trusted site: the LAN path (core/lanpath), which each end proves by probing it,
             # whatever path their WireGuard pair takes (nodes with public addresses of their own are "public").
             out["lan"] = True
+            if self.trusted[m.site] == "none":
+                out["lan_routed"] = True
         if st.mode == pairpaths.RELAYED:
             if st.port:
                 out["via_port"] = st.port

@@ -69,11 +69,16 @@ class LanPaths:
                         self.link.delete(self.network.interface)
                         log.info("site LAN path removed (no trusted peer)")
                 else:
-                    self.link.ensure(plan.local_ip)
-                    self.link.set_peers(
-                        list(plan.peers), lanpath.guard_script(self.overlay_ip, plan.peers, self.network.interface)
+                    self.link.ensure(plan.local_ip, plan.routed)
+                    via = self.link.underlay if plan.routed else None
+                    guard = lanpath.guard_script(self.overlay_ip, plan.peers, self.network.interface, routed_via=via)
+                    self.link.set_peers(list(plan.peers), guard)
+                    log.info(
+                        "site LAN path on %s%s to %s",
+                        plan.local_ip,
+                        " (routed, no encapsulation)" if plan.routed else "",
+                        ", ".join(p.name for p in plan.peers),
                     )
-                    log.info("site LAN path on %s to %s", plan.local_ip, ", ".join(p.name for p in plan.peers))
                 self.error = ""
             except MeshrunError as exc:
                 log.warning("no site LAN path: %s (trying again in %.0f s)", exc, RETRY_S)
@@ -87,7 +92,7 @@ class LanPaths:
             self.plan = plan
             # A peer whose path was made anew (its LAN address or this member's moved: the device or its entries
             # were replaced, its active route with them) is proven again before its traffic moves to it.
-            same = set(before.peers) if before.local_ip == plan.local_ip else set()
+            same = set(before.peers) if (before.local_ip, before.routed) == (plan.local_ip, plan.routed) else set()
             self.health.keep(p.overlay_ip for p in plan.peers if p in same)
             self._record()
 
@@ -134,8 +139,12 @@ class LanPaths:
             return [p.name for p in self.plan.peers if p.overlay_ip in self.health.active]
 
     def _record(self) -> None:
+        routed = self.plan.routed and self.plan.local_ip is not None
         rec = {
-            "device": self.link.name if self.plan.local_ip else None,
+            # Routed, the peers' packets come and go on the LAN interface itself.
+            "device": (self.link.underlay if routed else self.link.name) if self.plan.local_ip else None,
+            "routed": routed,
+            "rp_filter": list(self.link.rp_restore) if self.link.rp_restore else None,
             "local": self.plan.local_ip,
             "planned": [p.name for p in self.plan.peers],
             "active": [p.name for p in self.plan.peers if p.overlay_ip in self.health.active],

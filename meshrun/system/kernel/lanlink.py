@@ -1,8 +1,10 @@
-"""The site LAN path on this host: the VXLAN device, its forwarding and neighbour entries, the policy routes, the
-guard (meshrun.core.lanpath says what each is for). `FakeLanLink` keeps the same state in memory for tests.
+"""The site LAN path on this host: the VXLAN device, its forwarding and neighbour entries (or, routed, none:
+plain routes through the LAN interface), the policy routes, the guard (meshrun.core.lanpath says what each is
+for). `FakeLanLink` keeps the same state in memory for tests.
 
 Every change is one `ip`, `bridge` or `nft` call; `LanLink.delete` (and `remove`, for a host whose agent died)
-takes all of it away: the device (its entries and routes go with it), the two `ip rule`s and the guard table.
+takes all of it away: the device (its entries go with it), the routes of both tables, the two `ip rule`s, the
+guard table, and a LAN interface's reverse-path filter put back as it was.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ __all__ = ["FakeLanLink", "LanLink", "bind_device", "probe", "remove"]
 
 def bind_device(device: str | None) -> str | None:
     """The device an overlay listener should bind to (SO_BINDTODEVICE): `device`, unless this host has a site
-    LAN path beside it, whose traffic arrives on the LAN path's device; then None (the address alone), and the
-    LAN path's guard drops what reaches the overlay address on any other interface (core/lanpath)."""
-    if device and Path(f"/sys/class/net/{lanpath.interface_name(device)}").exists():
+    LAN path beside it, whose traffic arrives on the LAN path's device (or, routed, on the LAN interface); then
+    None (the address alone), and the LAN path's guard drops what reaches the overlay address on any other
+    interface (core/lanpath)."""
+    if not device:
+        return device
+    if Path(f"/sys/class/net/{lanpath.interface_name(device)}").exists():
         return None
-    return device
+    # Routed, there is no device: the LAN path's rule tells (one per host, made before any peer is reachable).
+    rules = run(["ip", "-4", "rule", "show", "pref", str(lanpath.ACTIVE_PREF)], check=False, quiet=True).stdout
+    return None if rules.strip() else device
 
 
 def _rules() -> list[list[str]]:
@@ -36,15 +43,30 @@ def _rules() -> list[list[str]]:
     ]
 
 
-def remove(overlay_interface: str) -> None:
-    """Take away every trace of the LAN path (device, rules, guard); what is not there is skipped."""
+def remove(overlay_interface: str, rp_filter: tuple[str, str] | None = None) -> None:
+    """Take away every trace of the LAN path (device, routes, rules, guard); what is not there is skipped.
+    `rp_filter`: (LAN interface, its value before) where a routed LAN path loosened it (lan.json keeps it)."""
     name = lanpath.interface_name(overlay_interface)
     calls = [["ip", "link", "del", name]] + [["ip", "-4", "rule", "del", *rule[:2]] for rule in _rules()]
+    calls += [["ip", "-4", "route", "flush", "table", str(t)] for t in (lanpath.PROBE_TABLE, lanpath.ACTIVE_TABLE)]
     for argv in calls + [["nft", "delete", "table", "inet", lanpath.GUARD_TABLE]]:
         try:
             run(argv, check=False, quiet=True)
         except HostError:  # no nft here: no guard was made either
             pass
+    if rp_filter:
+        _set_rp_filter(*rp_filter)
+
+
+def _rp_filter(dev: str) -> str:
+    return Path(f"/proc/sys/net/ipv4/conf/{dev}/rp_filter").read_text().strip()
+
+
+def _set_rp_filter(dev: str, value: str) -> None:
+    try:
+        Path(f"/proc/sys/net/ipv4/conf/{dev}/rp_filter").write_text(value)
+    except OSError:  # the interface is gone: nothing to put back
+        pass
 
 
 def probe(overlay_ip: str, port: int, source: str, timeout: float = 0.5) -> float | None:
@@ -68,7 +90,10 @@ def probe(overlay_ip: str, port: int, source: str, timeout: float = 0.5) -> floa
 
 
 class LanLink:
-    """The LAN path device of one member: `ensure` it, `set_peers`, `activate`/`deactivate` peers, `delete`."""
+    """The LAN path of one member: `ensure` it, `set_peers`, `activate`/`deactivate` peers, `delete`.
+
+    `underlay` is the LAN interface (routed: where the peers' packets come in); `rp_restore` is (that interface,
+    its reverse-path filter before) while a routed LAN path has loosened it."""
 
     def __init__(self, overlay_interface: str, overlay_ip: str, network_name: str) -> None:
         self.name = lanpath.interface_name(overlay_interface)
@@ -76,18 +101,25 @@ class LanLink:
         self.overlay_ip = overlay_ip
         self.vni = lanpath.vni(network_name)
         self.local_ip: str | None = None
+        self.routed = False
+        self.underlay: str | None = None
+        self.rp_restore: tuple[str, str] | None = None
         self.peers: dict[str, LanPeer] = {}  # overlay IP -> peer, as installed
 
-    def ensure(self, local_ip: str) -> None:
-        """The device on LAN address `local_ip` (made anew when missing or on another address), the rules.
-        HostError when the kernel has no VXLAN."""
-        if self.local_ip == local_ip and Path(f"/sys/class/net/{self.name}").exists():
+    def ensure(self, local_ip: str, routed: bool = False) -> None:
+        """The LAN path on LAN address `local_ip`: the VXLAN device (made anew when missing or on another
+        address) or, `routed`, the LAN interface's reverse-path filter; the rules. HostError when the kernel
+        has no VXLAN, or (routed) no interface holds `local_ip`."""
+        made = routed or Path(f"/sys/class/net/{self.name}").exists()
+        if self.local_ip == local_ip and self.routed == routed and made:
             return
-        run(["ip", "link", "del", self.name], check=False, quiet=True)
-        self.peers = {}
+        self._clear()
+        underlay = net.interface_of(local_ip)
+        if routed:
+            self._ensure_routed(local_ip, underlay)
+            return
         # The guard before the device: until set_peers names the peers, every datagram on the port is dropped.
         run(["nft", "-f", "-"], input=lanpath.guard_script(self.overlay_ip, [], self.overlay_interface))
-        underlay = net.interface_of(local_ip)
         add = ["ip", "link", "add", self.name, "type", "vxlan", "id", str(self.vni), "dstport", str(lanpath.LAN_PORT)]
         # No outer UDP checksum (optional for IPv4; the inner packet has its own): 5-10% faster here.
         add += ["local", local_ip, "nolearning", "noudpcsum"] + (["dev", underlay] if underlay else [])
@@ -109,6 +141,29 @@ class LanLink:
         v6 = Path(f"/proc/sys/net/ipv6/conf/{self.name}/disable_ipv6")
         if v6.exists():
             v6.write_text("1")
+        self.underlay = underlay
+        self._ensure_rules()
+
+    def _ensure_routed(self, local_ip: str, underlay: str | None) -> None:
+        if not underlay:
+            raise HostError(
+                f"no interface holds the LAN address {local_ip}, which the routed site LAN path leaves from",
+                "check the node's address (`ip -4 addr`), or trust the site with `--encapsulation vxlan`",
+            )
+        run(
+            ["nft", "-f", "-"],
+            input=lanpath.guard_script(self.overlay_ip, [], self.overlay_interface, routed_via=underlay),
+        )
+        # A strict reverse-path filter drops a peer's packet from its overlay address on the LAN interface
+        # while this end still routes that address through WireGuard (probing starts on both ends at once):
+        # loose, as the VXLAN device is; put back by delete/remove.
+        if max(int(_rp_filter("all")), int(_rp_filter(underlay))) == 1:
+            self.rp_restore = (underlay, _rp_filter(underlay))
+            _set_rp_filter(underlay, "2")
+        self.local_ip, self.routed, self.underlay = local_ip, True, underlay
+        self._ensure_rules()
+
+    def _ensure_rules(self) -> None:
         have = run(["ip", "-4", "rule", "show"], quiet=True).stdout
         for rule in _rules():
             if not any(line.startswith(f"{rule[1]}:") for line in have.splitlines()):
@@ -122,21 +177,27 @@ class LanLink:
                 self._forget(p)
         for ip, p in want.items():
             if self.peers.get(ip) != p:
-                mac = lanpath.mac_for(p.overlay_ip)
-                run(["bridge", "fdb", "replace", mac, "dev", self.name, "dst", p.lan_ip, "self", "permanent"])
-                run(["ip", "neigh", "replace", ip, "lladdr", mac, "dev", self.name, "nud", "permanent"])
-                self._route("replace", ip, lanpath.PROBE_TABLE)
                 self.peers[ip] = p
+                if not self.routed:
+                    mac = lanpath.mac_for(p.overlay_ip)
+                    run(["bridge", "fdb", "replace", mac, "dev", self.name, "dst", p.lan_ip, "self", "permanent"])
+                    run(["ip", "neigh", "replace", ip, "lladdr", mac, "dev", self.name, "nud", "permanent"])
+                self._route("replace", ip, lanpath.PROBE_TABLE)
         run(["nft", "-f", "-"], input=guard)
 
     def _route(self, verb: str, ip: str, table: int) -> None:
-        run(["ip", "route", verb, f"{ip}/32", "dev", self.name, "src", self.overlay_ip, "table", str(table)])
+        if self.routed:  # the peer's own LAN address is the next hop; onlink: no route to it needs to say so
+            via = ["via", self.peers[ip].lan_ip, "dev", str(self.underlay), "onlink"]
+        else:
+            via = ["dev", self.name]
+        run(["ip", "route", verb, f"{ip}/32", *via, "src", self.overlay_ip, "table", str(table)])
 
     def _forget(self, p: LanPeer) -> None:
         for table in (lanpath.ACTIVE_TABLE, lanpath.PROBE_TABLE):
             run(["ip", "route", "del", f"{p.overlay_ip}/32", "table", str(table)], check=False, quiet=True)
-        run(["ip", "neigh", "del", p.overlay_ip, "dev", self.name], check=False, quiet=True)
-        run(["bridge", "fdb", "del", lanpath.mac_for(p.overlay_ip), "dev", self.name], check=False, quiet=True)
+        if not self.routed:
+            run(["ip", "neigh", "del", p.overlay_ip, "dev", self.name], check=False, quiet=True)
+            run(["bridge", "fdb", "del", lanpath.mac_for(p.overlay_ip), "dev", self.name], check=False, quiet=True)
         self.peers.pop(p.overlay_ip, None)
 
     def activate(self, overlay_ip: str) -> None:
@@ -147,9 +208,12 @@ class LanLink:
         """`overlay_ip`'s traffic back on WireGuard."""
         run(["ip", "route", "del", f"{overlay_ip}/32", "table", str(lanpath.ACTIVE_TABLE)], check=False, quiet=True)
 
+    def _clear(self) -> None:
+        remove(self.overlay_interface, self.rp_restore)
+        self.local_ip, self.routed, self.underlay, self.rp_restore, self.peers = None, False, None, None, {}
+
     def delete(self, overlay_interface: str) -> None:
-        remove(overlay_interface)
-        self.local_ip, self.peers = None, {}
+        self._clear()
 
 
 class FakeLanLink:
@@ -159,16 +223,19 @@ class FakeLanLink:
         self.name = lanpath.interface_name(overlay_interface)
         self.overlay_ip = overlay_ip
         self.local_ip: str | None = None
+        self.routed = False
+        self.underlay: str | None = None
+        self.rp_restore: tuple[str, str] | None = None
         self.peers: dict[str, LanPeer] = {}
         self.active: set[str] = set()
         self.guard = ""
         self.calls: list[tuple] = []
 
-    def ensure(self, local_ip: str) -> None:
-        self.calls.append(("ensure", local_ip))
-        if self.local_ip != local_ip:
+    def ensure(self, local_ip: str, routed: bool = False) -> None:
+        self.calls.append(("ensure", local_ip) + (("routed",) if routed else ()))
+        if self.local_ip != local_ip or self.routed != routed:
             self.peers, self.active = {}, set()
-        self.local_ip = local_ip
+        self.local_ip, self.routed, self.underlay = local_ip, routed, "eth0"
 
     def set_peers(self, peers: list[LanPeer], guard: str) -> None:
         self.calls.append(("set_peers", tuple(p.name for p in peers)))
@@ -188,3 +255,4 @@ class FakeLanLink:
     def delete(self, overlay_interface: str) -> None:
         self.calls.append(("delete",))
         self.local_ip, self.peers, self.active, self.guard = None, {}, set(), ""
+        self.routed, self.underlay = False, None

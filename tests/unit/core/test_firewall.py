@@ -28,6 +28,8 @@ def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
         '    iifname { "meshrun0", "meshrun0-lan" } tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider',
         '    iifname { "meshrun0", "meshrun0-lan" } meta l4proto udp ip saddr != @nodes jump outsider',
         '    iifname { "meshrun0", "meshrun0-lan" } meta nfproto ipv6 jump outsider',
+        '    iifname != "lo" ip daddr @nodes tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider',
+        '    iifname != "lo" ip daddr @nodes meta l4proto udp ip saddr != @nodes jump outsider',
         "  }",
         "  chain outsider {",
         # One rule per level the job's cgroup may be at (a container's cgroup namespace puts it deeper).

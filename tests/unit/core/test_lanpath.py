@@ -98,6 +98,25 @@ def test_no_lan_path_without_an_own_lan_address_or_without_peers():
     assert lanpath.plan(key(0), [me("10.1.0.2:51820"), member(1, "10.1.0.3:51820", lan=False)]) == LanPlan(None)
 
 
+def test_the_plan_is_routed_when_its_peers_are_marked_routed_and_not_when_one_is_not():
+    own = me("10.1.0.2:51820")
+    routed = [member(i, f"10.1.0.{i + 2}:51820", lan_routed=True) for i in (1, 2)]
+    assert lanpath.plan(own.public_key, [own, *routed]).routed
+    mixed = [routed[0], member(2, "10.1.0.4:51820")]  # a list caught between two trust changes: VXLAN
+    assert not lanpath.plan(own.public_key, [own, *mixed]).routed
+    assert not lanpath.plan(own.public_key, [own, member(1, "10.1.0.3:51820")]).routed
+
+
+def test_the_trust_metadata_holds_each_sites_encapsulation():
+    meta = lanpath.trust_to_meta({"dc1": "vxlan", "rack7": "none"})
+    assert meta == {lanpath.TRUST_META: '["dc1", "rack7"]', lanpath.ROUTED_META: '["rack7"]'}
+    assert lanpath.trust_from_meta(meta.get) == {"dc1": "vxlan", "rack7": "none"}
+    # A routed list naming a site no longer trusted routes nothing (trust comes first).
+    assert lanpath.trust_from_meta({lanpath.ROUTED_META: '["rack7"]'}.get) == {}
+    # What coordinators wrote before encapsulations existed: every trusted site is VXLAN.
+    assert lanpath.trust_from_meta({lanpath.TRUST_META: '["dc1"]'}.get) == {"dc1": "vxlan"}
+
+
 def test_peers_sharing_a_lan_address_are_left_out():
     members = [
         me("10.1.0.2:51820"),
@@ -162,6 +181,30 @@ def test_the_guard_takes_another_port():
     assert "udp dport 4789 " in lanpath.guard_script(OWN, PEERS, port=4789)
 
 
+def test_routed_the_guard_admits_on_the_lan_interface_only_the_peers_overlay_addresses():
+    script = lanpath.guard_script(OWN, PEERS, routed_via="eth1")
+    lines = [line.strip() for line in script.splitlines()]
+    assert f'ip daddr {OWN} iifname "eth1" ip saddr != {{ 10.213.0.3, 10.213.0.4 }} drop' in lines
+    # Everything else addressed to this member comes only from the overlay, its LAN path or loopback.
+    assert f'ip daddr {OWN} iifname != {{ "eth1", "lo", "meshrun0", "meshrun0-lan" }} drop' in lines
+    # A host on the LAN cannot use this member to reach WireGuard.
+    assert "type filter hook forward priority filter - 2; policy accept;" in lines
+    assert 'iifname "eth1" oifname "meshrun0" drop' in lines
+    # The VXLAN port stays shut to anyone but the peers (no VXLAN device answers there anyway).
+    assert f"udp dport {lanpath.LAN_PORT} ip saddr != {{ 10.1.0.3, 10.1.0.20 }} drop" in lines
+
+
+def test_routed_without_peers_the_guard_drops_all_the_lan_interface_brings_to_this_member():
+    lines = [line.strip() for line in lanpath.guard_script(OWN, [], routed_via="eth1").splitlines()]
+    assert f'ip daddr {OWN} iifname "eth1" drop' in lines
+
+
+def test_the_vxlan_guard_has_no_forward_chain_and_does_not_admit_the_lan_interface():
+    script = lanpath.guard_script(OWN, PEERS)
+    assert "hook forward" not in script
+    assert f'ip daddr {OWN} iifname != {{ "lo", "meshrun0", "meshrun0-lan" }} drop' in script
+
+
 def _nft_unavailable() -> str | None:
     if shutil.which("nft") is None:
         return "nft is not installed"
@@ -173,12 +216,13 @@ def _nft_unavailable() -> str | None:
     return None
 
 
+@pytest.mark.parametrize("routed_via", [None, "eth1"], ids=["vxlan", "routed"])
 @pytest.mark.parametrize("peers", [PEERS, PEERS[:1], ()], ids=["two", "one", "none"])
-def test_nft_accepts_the_guard(peers):
+def test_nft_accepts_the_guard(peers, routed_via):
     reason = _nft_unavailable()
     if reason:
         pytest.skip(reason)
-    script = lanpath.guard_script(OWN, peers)
+    script = lanpath.guard_script(OWN, peers, routed_via=routed_via)
     res = subprocess.run(["nft", "-c", "-f", "-"], input=script, capture_output=True, text=True)  # -c: changes nothing
     assert res.returncode == 0, res.stderr
 

@@ -172,6 +172,7 @@ class TestMember:
             "via": "",
             "via_port": 0,
             "lan": False,
+            "lan_routed": False,
         }
 
     @pytest.mark.parametrize(

@@ -23,10 +23,16 @@ def key(i: int) -> str:
     return f"{i:042d}A="
 
 
-def member(i: int, lan: bool = True) -> Member:
+def member(i: int, lan: bool = True, routed: bool = False) -> Member:
     """Node i of site dc1: overlay 10.213.0.(i+2), LAN 10.1.0.(i+2)."""
     return Member(
-        f"n{i}", key(i), f"10.213.0.{i + 2}", f"198.51.100.9:{40000 + i}", (f"10.1.0.{i + 2}:51820",), lan=lan
+        f"n{i}",
+        key(i),
+        f"10.213.0.{i + 2}",
+        f"198.51.100.9:{40000 + i}",
+        (f"10.1.0.{i + 2}:51820",),
+        lan=lan,
+        lan_routed=routed,
     )
 
 
@@ -79,6 +85,8 @@ def test_a_plan_makes_the_device_and_its_peers_and_nothing_is_active_yet(lan, st
     assert link.active == set() and lan.active() == []
     assert recorded(state) == {
         "device": "meshrun0-lan",
+        "routed": False,
+        "rp_filter": None,
         "local": "10.1.0.2",
         "planned": ["n1", "n2"],
         "active": [],
@@ -124,7 +132,15 @@ def test_a_plan_without_lan_peers_removes_the_device(lan, state, probe):
     assert lan.link.calls[-1] == ("delete",)
     assert lan.link.local_ip is None and lan.link.peers == {} and lan.link.active == set()
     assert lan.active() == [] and lan.health.active == set() and lan.health.streak == {}
-    assert recorded(state) == {"device": None, "local": None, "planned": [], "active": [], "error": ""}
+    assert recorded(state) == {
+        "device": None,
+        "routed": False,
+        "rp_filter": None,
+        "local": None,
+        "planned": [],
+        "active": [],
+        "error": "",
+    }
 
 
 def test_a_peer_leaving_the_plan_is_forgotten(lan, probe):
@@ -150,7 +166,7 @@ def test_the_same_plan_again_changes_nothing(lan, state):
 
 
 class NoVxlan(FakeLanLink):
-    def ensure(self, local_ip: str) -> None:
+    def ensure(self, local_ip: str, routed: bool = False) -> None:
         super().ensure(local_ip)
         raise HostError("this kernel has no VXLAN, which the site LAN path needs", "load it (`modprobe vxlan`)")
 
@@ -179,7 +195,7 @@ def test_a_host_that_cannot_make_the_device_keeps_every_pair_on_wireguard(state,
 class OnceNoVxlan(FakeLanLink):
     failed = False
 
-    def ensure(self, local_ip: str) -> None:
+    def ensure(self, local_ip: str, routed: bool = False) -> None:
         super().ensure(local_ip)
         if not OnceNoVxlan.failed:
             OnceNoVxlan.failed = True
@@ -239,3 +255,27 @@ def test_a_peers_new_lan_address_is_proven_again_before_its_traffic_moves(lan, p
     assert lan.active() == ["n2"] and lan.link.active == {N2.overlay_ip}  # n2's path did not move
     _activate(lan, probe, N1)
     assert lan.active() == ["n1", "n2"] and lan.link.active == {N1.overlay_ip, N2.overlay_ip}
+
+
+def test_a_routed_site_makes_no_device_and_guards_the_lan_interface(lan, state, probe):
+    lan.apply([ME, member(1, routed=True), member(2, routed=True)])
+    assert lan.link.calls[0] == ("ensure", "10.1.0.2", "routed")
+    assert lan.link.routed and set(lan.link.peers) == {N1.overlay_ip, N2.overlay_ip}
+    assert 'iifname "eth0" ip saddr != { 10.213.0.3, 10.213.0.4 } drop' in lan.link.guard
+    rec = recorded(state)
+    assert rec["routed"] is True and rec["device"] == "eth0" and rec["planned"] == ["n1", "n2"]
+    _activate(lan, probe, N1)
+    assert lan.active() == ["n1"]
+
+
+def test_an_encapsulation_change_makes_the_path_anew_and_every_peer_is_proven_again(lan, state, probe):
+    lan.apply([ME, N1, N2])
+    _activate(lan, probe, N1, N2)
+    assert lan.active() == ["n1", "n2"] and not lan.link.routed
+    lan.apply([ME, member(1, routed=True), member(2, routed=True)])  # `site trust dc1 --encapsulation none`
+    assert lan.link.routed and lan.link.active == set() and lan.active() == []
+    assert recorded(state)["active"] == [] and recorded(state)["routed"] is True
+    _activate(lan, probe, N1, N2)
+    assert lan.active() == ["n1", "n2"] and lan.link.active == {N1.overlay_ip, N2.overlay_ip}
+    lan.apply([ME, N1, N2])  # and back to VXLAN
+    assert not lan.link.routed and lan.active() == [] and recorded(state)["device"] == "meshrun0-lan"

@@ -88,7 +88,7 @@ def test_every_pair_inside_a_trusted_site_is_offered_the_lan_path_and_no_other(d
     """Whatever path its WireGuard pair takes (proven, unproven, public): the ends' probes decide."""
     trust(db, "dc1", "dc2")
     r = roster(db)
-    assert r.trusted == frozenset({"dc1", "dc2"})
+    assert r.trusted == {"dc1": "vxlan", "dc2": "vxlan"}
     assert lan_peers(r, member(db, "a")) == {"b", "c", "d"}
     assert lan_peers(r, member(db, "b")) == {"a"}  # both ends (b-c and b-d have no pair state here)
     assert lan_peers(r, member(db, "d")) == {"a"}
@@ -102,9 +102,34 @@ def test_every_pair_inside_a_trusted_site_is_offered_the_lan_path_and_no_other(d
     assert Member.from_dict(entry).lan is True  # as the agent reads it
 
 
+def test_an_encapsulation_change_is_published_to_the_sites_members_with_the_routed_mark(db):
+    """`meshrun site trust dc1 --encapsulation none` on a trusted site: only dc1's members hear of each other
+    again, now marked routed; back to vxlan, again, without the mark."""
+    trust(db, "dc1", "dc2")
+    r = roster(db)
+    r.publish(db.bump_version())
+    known = r.version
+    db.set_meta(**lanpath.trust_to_meta({"dc1": "none", "dc2": "vxlan"}))
+    assert r.trust_moved()
+    r.publish(db.bump_version())
+    delta = r.delta(member(db, "a"), known)
+    assert delta is not None
+    changed = {d["name"]: d for d in delta["changed"]}
+    assert set(changed) == {"b", "c", "d"}
+    assert all(changed[n]["lan"] is True and changed[n]["lan_routed"] is True for n in changed)
+    assert r.delta(member(db, "e"), known) == {"since": known, "changed": [], "removed": []}  # dc2 stays vxlan
+    assert lanpath.plan(member(db, "a").public_key, [Member.from_dict(d) for d in r.payload(member(db, "a"))]).routed
+    known = r.version
+    db.set_meta(**lanpath.trust_to_meta({"dc1": "vxlan", "dc2": "vxlan"}))
+    r.publish(db.bump_version())
+    delta = r.delta(member(db, "b"), known)
+    assert delta is not None and {d["name"] for d in delta["changed"]} == {"a", "c", "d"}  # dc1's others
+    assert not any(d.get("lan_routed") for d in delta["changed"])
+
+
 def test_nothing_takes_the_lan_path_while_no_site_is_trusted(db):
     r = roster(db)
-    assert r.trusted == frozenset() and not r.trust_moved()
+    assert r.trusted == {} and not r.trust_moved()
     assert all(lan_peers(r, member(db, n)) == set() for n in NODES)
 
 
@@ -143,7 +168,7 @@ def test_a_trust_change_is_published_to_the_sites_members_as_a_delta(db):
 def test_unreadable_trust_metadata_trusts_nothing(db):
     db.set_meta(**{lanpath.TRUST_META: "{not json"})
     r = roster(db)
-    assert r.trusted == frozenset() and not r.trust_moved()
+    assert r.trusted == {} and not r.trust_moved()
     assert lan_peers(r, member(db, "a")) == set()
 
 
@@ -188,15 +213,16 @@ def test_the_site_table_lists_named_and_trusted_sites(mesh):
     join(mesh, "d", "198.51.100.6:40000", "10.3.0.2:51820", None)
     assert admin.site_table(mesh.coord_state) == []  # a node's site is what its agent reports when it syncs
     mesh.sync()
-    assert admin.trust_site(mesh.coord_state, "dc1") == ["a", "b"]
-    assert admin.trust_site(mesh.coord_state, "dc1") == ["a", "b"]  # again: the same, no error
-    assert admin.trust_site(mesh.coord_state, "lab9") == []  # no node there yet
+    assert admin.trust_site(mesh.coord_state, "dc1") == {"nodes": ["a", "b"], "was": None}
+    # Again: the same, no error, and it says it was trusted already.
+    assert admin.trust_site(mesh.coord_state, "dc1") == {"nodes": ["a", "b"], "was": "vxlan"}
+    assert admin.trust_site(mesh.coord_state, "lab9") == {"nodes": [], "was": None}  # no node there yet
     assert admin.site_table(mesh.coord_state) == [
-        {"site": "dc1", "nodes": ["a", "b"], "trusted": True},
-        {"site": "dc2", "nodes": ["c"], "trusted": False},
-        {"site": "lab9", "nodes": [], "trusted": True},
+        {"site": "dc1", "nodes": ["a", "b"], "trusted": True, "encapsulation": "vxlan"},
+        {"site": "dc2", "nodes": ["c"], "trusted": False, "encapsulation": None},
+        {"site": "lab9", "nodes": [], "trusted": True, "encapsulation": "vxlan"},
     ]
-    assert admin.trust_site(mesh.coord_state, "lab9", False) == []
+    assert admin.trust_site(mesh.coord_state, "lab9", False) == {"nodes": [], "was": "vxlan"}
     assert [r["site"] for r in admin.site_table(mesh.coord_state)] == ["dc1", "dc2"]
 
 
@@ -265,15 +291,23 @@ def test_the_cli_trusts_lists_and_untrusts_a_site(mesh, cli):
     res = cli("site", "list", "--json")
     assert res.exit_code == 0
     assert json.loads(res.stdout) == [
-        {"site": "dc1", "nodes": ["a"], "trusted": True},
-        {"site": "dc7", "nodes": [], "trusted": True},
+        {"site": "dc1", "nodes": ["a"], "trusted": True, "encapsulation": "vxlan"},
+        {"site": "dc7", "nodes": [], "trusted": True, "encapsulation": "vxlan"},
     ]
+    # The encapsulation changes in the open, and an unknown one changes nothing.
+    res = cli("site", "trust", "dc7", "--encapsulation", "none")
+    assert res.exit_code == 0 and "site dc7: encapsulation vxlan -> none" in res.stdout
+    res = cli("site", "trust", "dc7", "--encapsulation", "none")
+    assert res.exit_code == 0 and "dc7 was already trusted (none); nothing changed" in res.stdout
+    res = cli("site", "trust", "dc1", "--encapsulation", "ipip")
+    assert res.exit_code != 0 and len(res.stderr.splitlines()) == 1
+    assert "encapsulation 'ipip'" in res.stderr and "vxlan, none" in res.stderr
     res = cli("site", "list")
     assert res.exit_code == 0
     lines = res.stdout.splitlines()
     assert lines[0].split() == ["SITE", "NETWORK", "NODES"]
-    assert lines[1].split()[0] == "dc1" and "trusted (site LAN path)" in lines[1] and lines[1].endswith("a")
-    assert lines[2].split()[0] == "dc7" and lines[2].endswith("-")
+    assert lines[1].split()[0] == "dc1" and "trusted (site LAN path, vxlan)" in lines[1] and lines[1].endswith("a")
+    assert lines[2].split()[0] == "dc7" and "trusted (site LAN path, none)" in lines[2] and lines[2].endswith("-")
     res = cli("site", "untrust", "dc1")
     assert res.exit_code == 0 and "site dc1 untrusted" in res.stdout
     rows = json.loads(cli("site", "list", "--json").stdout)
