@@ -242,8 +242,8 @@ def site_trust(
             "--encapsulation",
             metavar="vxlan|none",
             help="vxlan: inside UDP 51819 between the nodes' LAN addresses (passes a cloud VPC's checks). "
-            "none: routed as they are, at the raw LAN's speed; needs one layer-2 LAN that passes packets "
-            "with the overlay's addresses (bare metal, on-premises), not a cloud VPC.",
+            "none: routed as they are, with no encapsulation to pay for; needs one layer-2 LAN that passes "
+            "packets with the overlay's addresses (bare metal, on-premises), not a cloud VPC.",
         ),
     ] = "vxlan",
     state_dir: StateOpt = None,

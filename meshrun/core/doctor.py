@@ -335,7 +335,9 @@ def _lan(f: dict) -> Check | None:
             "site LAN path",
             WARN,
             f"cannot be made here ({lan['error']}): this site's pairs stay on WireGuard, at its speed",
-            "load the vxlan kernel module, or `meshrun site untrust SITE` on the coordinator",
+            "see the agent's log (daemon.log) for the fix, or `meshrun site untrust SITE` on the coordinator"
+            if lan.get("routed")
+            else "load the vxlan kernel module, or `meshrun site untrust SITE` on the coordinator",
         )
     planned, active = lan.get("planned") or [], set(lan.get("active") or [])
     if not planned:

@@ -438,9 +438,11 @@ def run(
     job_timeout_s: float = 240,
     lan_path: bool = True,
     wan: WanPlan | None = None,
+    lan_encapsulation: str = "vxlan",
 ) -> int:
     """Build the world, run the check, print the summary, then the bandwidth table; the check's exit code
-    (a bench job that fails makes it 1 too). `lan_path`: site s2 is trusted, its pair measured on the LAN path.
+    (a bench job that fails makes it 1 too). `lan_path`: site s2 is trusted (with `lan_encapsulation`), its pair
+    measured on the LAN path.
     `wan`: then the cross-site pair again at each setting over a WAN (`WanPlan.only`: instead of the table)."""
     if os.geteuid() != 0:
         raise HostError("the GPU check builds network namespaces and needs root", "run it with sudo")
@@ -457,7 +459,7 @@ def run(
         for n in nodes:
             mesh.join(n, "--site", n.dc)
         if bench and lan_path and not (wan and wan.only):
-            lan_path = trust_site(mesh, out)
+            lan_path = trust_site(mesh, out, encapsulation=lan_encapsulation)
         out(f"[{_stamp()}] world up; groups check ({plan.backend})")
         res = mesh.meshrun("hq-a", "train", *plan.train_args(), cwd=EXAMPLES, timeout=600, check=False)
         report_check(res, out)
@@ -504,11 +506,12 @@ def run(
     return 0 if ok else (res.returncode or 1)
 
 
-def trust_site(mesh: Mesh, out=print, timeout_s: float = 40) -> bool:
-    """`meshrun site trust` LAN_PATH_SITE and wait until its pair is on the site LAN path; False (said) if not."""
+def trust_site(mesh: Mesh, out=print, timeout_s: float = 40, encapsulation: str = "vxlan") -> bool:
+    """`meshrun site trust` LAN_PATH_SITE with `encapsulation` and wait until its pair is on the site LAN path;
+    False (said) if not."""
     from meshrun.core import lanpath
 
-    mesh.meshrun("hq-a", "site", "trust", LAN_PATH_SITE)
+    mesh.meshrun("hq-a", "site", "trust", LAN_PATH_SITE, "--encapsulation", encapsulation)
     a, b = LAN_PATH_NODES
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -552,6 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="the table as JSON [NCCL: benchmarks/results/gpu_datapath.json]")
     p.add_argument("--log", type=Path, help="every bench job's whole output, in one file")
     p.add_argument("--no-lan-path", action="store_true", help="do not trust site s2 nor measure the site LAN path")
+    p.add_argument(
+        "--lan-encapsulation",
+        choices=("vxlan", "none"),
+        default="vxlan",
+        help="how site s2 is trusted (`meshrun site trust --encapsulation`) [vxlan]",
+    )
     p.add_argument("--wan-rtt-ms", type=float, help="then the cross-site pair again, over a WAN of this much RTT")
     p.add_argument("--wan-loss-pct", type=float, default=0.0, help="the WAN's loss each way, percent [0]")
     p.add_argument("--wan-mib", type=int, default=32, help="all-reduce size over the WAN, MiB [32]")
@@ -582,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
             log_path=a.log,
             job_timeout_s=a.job_timeout_s,
             lan_path=not a.no_lan_path,
+            lan_encapsulation=a.lan_encapsulation,
         )
     except MeshrunError as exc:
         print(f"meshrun gpu-check: {exc}", file=sys.stderr)

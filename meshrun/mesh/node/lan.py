@@ -139,10 +139,11 @@ class LanPaths:
             return [p.name for p in self.plan.peers if p.overlay_ip in self.health.active]
 
     def _record(self) -> None:
-        routed = self.plan.routed and self.plan.local_ip is not None
+        # What is in place, or, when it could not be made, what was asked for (doctor names the fix by it).
+        routed = self.plan.routed if self.plan.local_ip else self.wanted.routed and bool(self.error)
         rec = {
             # Routed, the peers' packets come and go on the LAN interface itself.
-            "device": (self.link.underlay if routed else self.link.name) if self.plan.local_ip else None,
+            "device": (self.link.underlay if self.plan.routed else self.link.name) if self.plan.local_ip else None,
             "routed": routed,
             "rp_filter": list(self.link.rp_restore) if self.link.rp_restore else None,
             "local": self.plan.local_ip,

@@ -194,6 +194,11 @@ def test_the_site_lan_path_is_checked_only_where_one_is_planned():
     assert c.level == WARN and "c" in c.detail and "UDP 51819" in c.fix
     c = only(facts(lan={"planned": [], "active": [], "error": "this kernel has no VXLAN"}), "site LAN path")
     assert c.level == WARN and "VXLAN" in c.detail and "untrust" in c.fix
+    routed = {"device": "eth0", "routed": True, "planned": ["b", "c"], "active": ["b", "c"], "error": ""}
+    c = only(facts(lan=routed), "site LAN path")
+    assert c.level == OK and "routed, no encapsulation, eth0" in c.detail
+    c = only(facts(lan=dict(routed, active=["b"])), "site LAN path")
+    assert c.level == WARN and "layer-2" in c.fix and "--encapsulation vxlan" in c.fix and "51819" not in c.fix
 
 
 def test_job_guards_say_which_cgroup_hierarchy_and_why_jobs_cannot_start():
