@@ -254,3 +254,30 @@ def relay_world():
         DatacenterSpec("dcc", nat="symmetric"),
         DatacenterSpec("dcd", nat="symmetric"),
     ]
+
+
+# A member probing ports from inside its namespace: {"host:port": "connected" or the error's name}.
+PROBE_ALL = """
+import json, socket, sys
+out = {}
+for target in json.loads(sys.argv[1]):
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        out[target] = "connected"
+    except OSError as exc:
+        out[target] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def listening(mesh, node: str, ip: str, skip: set[int]) -> list[str]:
+    """host:port of every TCP socket listening in `node` on `ip` or the wildcard, but `skip`'s ports."""
+    out = []
+    for line in mesh.world.node(node).run("ss", "-tlnH").stdout.splitlines():
+        local = line.split()[3]
+        host, _, port = local.rpartition(":")
+        host = host.strip("[]").split("%")[0]  # "10.213.0.2%meshrun0": bound to the device too
+        if host in (ip, "*", "0.0.0.0", "::") and int(port) not in skip:
+            out.append(f"{ip}:{port}")
+    return sorted(set(out))

@@ -8,13 +8,14 @@ WireGuard transfer counters (`meshrun status`) and the LAN device's counters say
 
 from __future__ import annotations
 
+import json
 import shlex
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from support import joined_mesh
+from support import PROBE_ALL, joined_mesh, listening
 
 from meshrun.core import lanpath
 from meshrun.lab.mesh import Mesh
@@ -111,6 +112,18 @@ def train_argv(mesh: Mesh, project, job_id: str, rounds: int, pause: float) -> l
     ]
 
 
+def run_job(mesh: Mesh, project, job_id: str) -> None:
+    """The job (16 all-reduces of 4 MiB per site pair, no pause) from the coordinator, to its end."""
+    coord = mesh.coordinator
+    res = coord.run(
+        *train_argv(mesh, project, job_id, 16, 0.0),
+        check=False,
+        timeout=300,
+        env={"MESHRUN_STATE_DIR": str(mesh.state_dir(coord))},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_a_trusted_sites_pair_carries_the_job_on_its_lan_and_an_untrusted_one_on_wireguard(mesh, tmp_path):
     wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") == lanpath.LABEL, "dc1-a's peer dc1-b is on the LAN path")
     wait_for(lambda: path_of(mesh, "dc1-b", "dc1-a") == lanpath.LABEL, "dc1-b's peer dc1-a is on the LAN path")
@@ -124,14 +137,7 @@ def test_a_trusted_sites_pair_carries_the_job_on_its_lan_and_an_untrusted_one_on
         "lan1": lan_bytes(mesh, "dc1-a"),
         "lan2": lan_bytes(mesh, "dc2-a"),
     }
-    coord = mesh.coordinator
-    res = coord.run(
-        *train_argv(mesh, tmp_path, "lan-e2e", 16, 0.0),
-        check=False,
-        timeout=300,
-        env={"MESHRUN_STATE_DIR": str(mesh.state_dir(coord))},
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    run_job(mesh, tmp_path, "lan-e2e")
     moved = {
         "wg1": wg_bytes(mesh, "dc1-a", "dc1-b") - before["wg1"],
         "wg2": wg_bytes(mesh, "dc2-a", "dc2-b") - before["wg2"],
@@ -316,14 +322,7 @@ def test_routed_the_pair_carries_the_job_unencapsulated_and_a_member_cannot_spea
         assert lan_bytes(mesh, "dc1-a") == 0  # no VXLAN device
         before = {"wg1": wg_bytes(mesh, "dc1-a", "dc1-b"), "wg2": wg_bytes(mesh, "dc2-a", "dc2-b")}
         before["eth1"] = eth_bytes(mesh, "dc1-a")
-        coord = mesh.coordinator
-        res = coord.run(
-            *train_argv(mesh, tmp_path, "lan-routed", 16, 0.0),
-            check=False,
-            timeout=300,
-            env={"MESHRUN_STATE_DIR": str(mesh.state_dir(coord))},
-        )
-        assert res.returncode == 0, res.stdout + res.stderr
+        run_job(mesh, tmp_path, "lan-routed")
         moved = {
             "wg1": wg_bytes(mesh, "dc1-a", "dc1-b") - before["wg1"],
             "wg2": wg_bytes(mesh, "dc2-a", "dc2-b") - before["wg2"],
@@ -370,3 +369,65 @@ def test_routed_the_pair_carries_the_job_unencapsulated_and_a_member_cannot_spea
         for n in site:
             eth, all_ = was[n.name]
             n.run("sysctl", "-qw", f"net.ipv4.conf.all.rp_filter={all_}", f"net.ipv4.conf.eth0.rp_filter={eth}")
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
+LONG = ["ddp_train.py", "--epochs", "200", "--steps-per-epoch", "10", "--sleep-per-step", "0.2", "--checkpoint", ""]
+
+
+def test_routed_a_site_member_outside_a_job_reaches_none_of_its_ports_on_the_lan_interface(mesh):
+    """A job on dc1-a and dc2-a while fra is routed: dc1-b, a member of the same trusted site but not of the job,
+    tries every port the job listens on at dc1-a's overlay address (its packets arrive on dc1-a's eth0, not on
+    an overlay device): none connects, while a listener that is not the job's answers it; without dc1-a's job
+    guard the same probe gets in."""
+    out = mesh.meshrun(mesh.coordinator, "site", "trust", "fra", "--encapsulation", "none").stdout
+    assert "encapsulation vxlan -> none" in out, out
+    a_ip = mesh.overlay_ip("dc1-a")
+    job, decoy = None, None
+    try:
+        for x, y in (("dc1-a", "dc1-b"), ("dc1-b", "dc1-a")):
+            wait_for(lambda: path_of(mesh, x, y) == lanpath.ROUTED_LABEL, f"{x}'s peer {y} is routed on the LAN")
+        job = mesh.meshrun(
+            mesh.coordinator,
+            "train",
+            "--detach",
+            "--nodes",
+            "dc1-a,dc2-a",
+            "--job-id",
+            "routed-guard",
+            *LONG,
+            cwd=EXAMPLES,
+        ).stdout.strip()
+        decoy = mesh.world.node("dc1-a").popen(
+            mesh.python,
+            "-c",
+            f"import socket, time\ns = socket.socket()\ns.bind(('{a_ip}', 28889)); s.listen()\ntime.sleep(600)",
+        )
+        deadline = time.monotonic() + 120
+        while "training on 2 rank(s)" not in mesh.meshrun(mesh.coordinator, "logs", job).stdout:
+            assert time.monotonic() < deadline, mesh.meshrun(mesh.coordinator, "logs", job).stdout
+            time.sleep(1)
+        net = json.loads((mesh.state_dir(mesh.coordinator) / "member.json").read_text())["network"]
+        skip = {28889, net["listen_port"], net["api_port"]}  # the decoy, WireGuard, the node's API (not the job's)
+        targets = listening(mesh, "dc1-a", a_ip, skip)
+        assert len(targets) >= 2, targets  # torchrun's store (rank 0 is dc1-a), Gloo's listener
+        probe = [mesh.python, "-c", PROBE_ALL]
+        seen = json.loads(mesh.world.node("dc1-b").run(*probe, json.dumps([*targets, f"{a_ip}:28889"])).stdout)
+        assert seen.pop(f"{a_ip}:28889") == "connected"  # the routed path carries dc1-b's connections
+        assert "connected" not in seen.values(), seen
+        # The negative control: without dc1-a's job guard the same probe gets in (the job is cancelled next).
+        dc1 = mesh.world.node("dc1-a")
+        table = next(
+            line.split()[2] for line in dc1.run("nft", "list", "tables").stdout.splitlines() if "meshrun_job_" in line
+        )
+        dc1.run("nft", "delete", "table", "inet", table)
+        assert "connected" in json.loads(mesh.world.node("dc1-b").run(*probe, json.dumps(targets)).stdout).values()
+    finally:
+        if decoy is not None:
+            decoy.kill()
+            decoy.wait()
+        if job:
+            mesh.meshrun(mesh.coordinator, "cancel", job, check=False)
+        mesh.meshrun(mesh.coordinator, "site", "trust", "fra")
+        for x, y in (("dc1-a", "dc1-b"), ("dc1-b", "dc1-a")):
+            wait_for(lambda: path_of(mesh, x, y) == lanpath.LABEL, f"{x}'s peer {y} is back on VXLAN", 60)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT, joined_mesh
+from support import PROBE_ALL, REPO_ROOT, joined_mesh, listening
 
 from meshrun.core import auth, keys
 from meshrun.core.token import parse_token
@@ -413,30 +413,6 @@ def test_the_token_is_read_from_stdin_and_never_appears_in_a_command_line(mesh, 
 
 
 LONG = ["ddp_train.py", "--epochs", "200", "--steps-per-epoch", "10", "--sleep-per-step", "0.2", "--checkpoint", ""]
-PROBE_ALL = """
-import json, socket, sys
-out = {}
-for target in json.loads(sys.argv[1]):
-    host, port = target.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-        out[target] = "connected"
-    except OSError as exc:
-        out[target] = type(exc).__name__
-print(json.dumps(out))
-"""
-
-
-def listening(mesh: Mesh, node: str, ip: str, skip: set[int]) -> list[str]:
-    """host:port of every TCP socket listening in `node` on `ip` or the wildcard, but `skip`'s ports."""
-    out = []
-    for line in mesh.world.node(node).run("ss", "-tlnH").stdout.splitlines():
-        local = line.split()[3]
-        host, _, port = local.rpartition(":")
-        host = host.strip("[]").split("%")[0]  # "10.213.0.2%meshrun0": bound to the device too
-        if host in (ip, "*", "0.0.0.0", "::") and int(port) not in skip:
-            out.append(f"{ip}:{port}")
-    return sorted(set(out))
 
 
 def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
