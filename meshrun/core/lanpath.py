@@ -14,10 +14,10 @@ the site network, so NCCL, Gloo or anything bound to the overlay address works a
   source/destination check passes. Nothing is learned from the wire: each end derives the other's device MAC
   from its overlay address (`mac_for`) and installs the forwarding and neighbour entries itself.
 - "none" (`LanPlan.routed`): the packet goes out as it is, routed to the peer's LAN address as its next hop on
-  the LAN interface (Flannel's host-gw, Kilo's `--encapsulate=never`). It costs nothing the raw LAN does not
-  (measured: benchmarks/results/datapath.json), but needs the pair on one layer-2 segment that passes packets
-  with addresses it never assigned: bare metal and on-premises switches, not a cloud VPC. Where the network
-  drops them the probes fail and the pair stays on WireGuard.
+  the LAN interface (Flannel's host-gw, Kilo's `--encapsulate=never`): no header, no device, the LAN's MTU
+  (benchmarks/results/datapath.json measures it beside VXLAN). It needs the pair on one layer-2 segment that
+  passes packets with addresses it never assigned: bare metal and on-premises switches, not a cloud VPC. Where
+  the network drops them the probes fail and the pair stays on WireGuard.
 
 The path is used only while it answers: every peer is probed through it (a TCP handshake to the peer's API port
 with PROBE_MARK, which policy routing sends through PROBE_TABLE, the LAN routes of every planned peer);
