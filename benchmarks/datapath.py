@@ -196,18 +196,22 @@ def lan_dev_bytes(node) -> int:
     return sum(int(x) for x in node.run("sh", "-c", cmd).stdout.split())
 
 
-def wg_pair_bytes(mesh, node: str, peer: str) -> int:
-    """Bytes `node`'s WireGuard peer `peer` moved so far (received plus sent)."""
-    row = next((r for r in mesh.status(node)["peers"] if r["name"] == peer), None)
-    return (row["rx_bytes"] + row["tx_bytes"]) if row else 0
+def peer_row(mesh, node: str, peer: str) -> dict:
+    """`peer`'s row in `node`'s `meshrun status` ({} when it has none): one status call."""
+    return next((r for r in mesh.status(node)["peers"] if r["name"] == peer), {})
+
+
+def wg_bytes(row: dict) -> int:
+    """Bytes a status row's WireGuard peer moved so far (received plus sent; 0 for no row)."""
+    return row.get("rx_bytes", 0) + row.get("tx_bytes", 0)
 
 
 def path_of(mesh, node: str, peer: str) -> str | None:
-    return next((r["path"] for r in mesh.status(node)["peers"] if r["name"] == peer), None)
+    return peer_row(mesh, node, peer).get("path")
 
 
 def peer_mtu(mesh, node: str, peer: str) -> int | None:
-    return next((r["mtu"] for r in mesh.status(node)["peers"] if r["name"] == peer), None)
+    return peer_row(mesh, node, peer).get("mtu")
 
 
 def wait_for(check, what: str, timeout: float = 90, poke=None) -> float:
@@ -343,10 +347,11 @@ def main() -> int:
                 for p in this:
                     an, bn = (world.node(n) for n in PAIRS[p])
                     lan0 = lan_dev_bytes(an)
-                    wg0 = wg_pair_bytes(mesh, *PAIRS[p])
+                    wg0 = wg_bytes(peer_row(mesh, *PAIRS[p]))
                     one = iperf(an, dst[p], IPERF_PORT, a.seconds, 1)
                     eight = iperf(an, dst[p], IPERF_PORT, a.seconds, 8)
                     g = gloo(an, bn, dst[p], "eth0" if p.startswith("raw") else "meshrun0", a)
+                    after = peer_row(mesh, *PAIRS[p])
                     row = {
                         "round": r + 1,
                         "iperf3_1_gbit": one["gbit"],
@@ -358,12 +363,11 @@ def main() -> int:
                         "gloo": g,
                         "lan_device_bytes": lan_dev_bytes(an) - lan0,
                         # What the pair's WireGuard peer moved meanwhile (the LAN paths: next to nothing).
-                        "wireguard_pair_bytes": wg_pair_bytes(mesh, *PAIRS[p]) - wg0,
+                        "wireguard_pair_bytes": wg_bytes(after) - wg0,
                     }
-                    if p == "lan_path" and path_of(mesh, "s1-a", "s1-b") != lanpath.LABEL:
+                    lan_label = {"lan_path": lanpath.LABEL, "lan_routed": lanpath.ROUTED_LABEL}.get(p)
+                    if lan_label and after.get("path") != lan_label:
                         row["left_lan_path"] = True  # the probes dropped it mid-measurement
-                    if p == "lan_routed" and path_of(mesh, "s4-a", "s4-b") != lanpath.ROUTED_LABEL:
-                        row["left_lan_path"] = True
                     runs[p].append(row)
                     print(
                         f"round {r + 1} {p:9s} iperf3 1: {one['gbit']:.2f} 8: {eight['gbit']:.2f} Gbit/s, gloo "

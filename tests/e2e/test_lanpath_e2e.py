@@ -95,11 +95,16 @@ def wg_bytes(mesh: Mesh, node: str, peer: str) -> int:
     return row["rx_bytes"] + row["tx_bytes"]
 
 
-def lan_bytes(mesh: Mesh, node: str) -> int:
-    """Bytes the node's LAN path device moved (0 when it has none)."""
-    cmd = f"cat /sys/class/net/{LAN_DEV}/statistics/rx_bytes /sys/class/net/{LAN_DEV}/statistics/tx_bytes"
+def dev_bytes(mesh: Mesh, node: str, dev: str) -> int:
+    """Bytes the node's interface `dev` moved, received plus sent (0 when it has none)."""
+    cmd = f"cat /sys/class/net/{dev}/statistics/rx_bytes /sys/class/net/{dev}/statistics/tx_bytes"
     res = mesh.world.node(node).run("sh", "-c", cmd + " 2>/dev/null || true")
     return sum(int(x) for x in res.stdout.split())
+
+
+def lan_bytes(mesh: Mesh, node: str) -> int:
+    """Bytes the node's LAN path device moved (0 when it has none)."""
+    return dev_bytes(mesh, node, LAN_DEV)
 
 
 def train_argv(mesh: Mesh, project, job_id: str, rounds: int, pause: float) -> list[str]:
@@ -284,12 +289,6 @@ SPOOF = textwrap.dedent("""\
 """)
 
 
-def eth_bytes(mesh: Mesh, node: str) -> int:
-    """Bytes the node's LAN interface (eth0) moved."""
-    cmd = "cat /sys/class/net/eth0/statistics/rx_bytes /sys/class/net/eth0/statistics/tx_bytes"
-    return sum(int(x) for x in mesh.world.node(node).run("sh", "-c", cmd).stdout.split())
-
-
 def rp_filter(mesh: Mesh, node: str) -> str:
     return mesh.world.node(node).run("cat", "/proc/sys/net/ipv4/conf/eth0/rp_filter").stdout.strip()
 
@@ -321,12 +320,12 @@ def test_routed_the_pair_carries_the_job_unencapsulated_and_a_member_cannot_spea
         assert rp_filter(mesh, "dc1-a") == "2" and lan["rp_filter"] == ["eth0", "1"], lan  # loosened, and noted
         assert lan_bytes(mesh, "dc1-a") == 0  # no VXLAN device
         before = {"wg1": wg_bytes(mesh, "dc1-a", "dc1-b"), "wg2": wg_bytes(mesh, "dc2-a", "dc2-b")}
-        before["eth1"] = eth_bytes(mesh, "dc1-a")
+        before["eth1"] = dev_bytes(mesh, "dc1-a", "eth0")
         run_job(mesh, tmp_path, "lan-routed")
         moved = {
             "wg1": wg_bytes(mesh, "dc1-a", "dc1-b") - before["wg1"],
             "wg2": wg_bytes(mesh, "dc2-a", "dc2-b") - before["wg2"],
-            "eth1": eth_bytes(mesh, "dc1-a") - before["eth1"],
+            "eth1": dev_bytes(mesh, "dc1-a", "eth0") - before["eth1"],
         }
         assert moved["eth1"] >= 48 * MIB and moved["wg1"] < 2 * MIB, moved  # fra: eth0, not WireGuard
         assert moved["wg2"] >= 48 * MIB, moved  # ber: WireGuard

@@ -157,8 +157,9 @@ class LanLink:
         # A strict reverse-path filter drops a peer's packet from its overlay address on the LAN interface
         # while this end still routes that address through WireGuard (probing starts on both ends at once):
         # loose, as the VXLAN device is; put back by delete/remove.
-        if max(int(_rp_filter("all")), int(_rp_filter(underlay))) == 1:
-            self.rp_restore = (underlay, _rp_filter(underlay))
+        before = _rp_filter(underlay)
+        if max(int(_rp_filter("all")), int(before)) == 1:
+            self.rp_restore = (underlay, before)
             _set_rp_filter(underlay, "2")
         self.local_ip, self.routed, self.underlay = local_ip, True, underlay
         self._ensure_rules()
