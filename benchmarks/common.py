@@ -71,11 +71,15 @@ def join_all(mesh: Mesh, names: list[str]) -> list[float]:
         return list(pool.map(timed, names))
 
 
-def busy_jiffies() -> int:
-    """Non-idle jiffies of the whole machine (/proc/stat: user nice system irq softirq steal)."""
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, steal) jiffies of the whole machine so far (/proc/stat).
+
+    Busy is user nice system irq softirq: the CPU this machine's own work used. Steal (the hypervisor ran
+    someone else on our CPU) is apart: it is no cost of the path measured, but it slows whatever runs while it
+    lasts, so a measurement records it to show when the host, not the path, took the time."""
     f = open("/proc/stat").readline().split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-    return user + nice + system + irq + softirq + steal
+    return user + nice + system + irq + softirq, steal
 
 
 def environment() -> dict:

@@ -164,7 +164,7 @@ def wait_until(check, what: str, timeout: float = 15) -> None:
 
 def measure(pair: Pair, streams: int, seconds: float) -> dict:
     """iperf3 from a to b over the pair's paths, `streams` spread over them; Gbit/s, CPU per GB."""
-    from common import busy_jiffies
+    from common import cpu_jiffies
 
     paths = pair.dst[: max(1, min(streams, len(pair.dst)))]
     per = [streams // len(paths) + (1 if i < streams % len(paths) else 0) for i in range(len(paths))]
@@ -182,7 +182,7 @@ def measure(pair: Pair, streams: int, seconds: float) -> dict:
                 lambda i=i: f":{BASE_PORT + i}" in sh("ip", "netns", "exec", pair.b, "ss", "-ltn").stdout,
                 "iperf3 server",
             )
-        j0, w0 = busy_jiffies(), proc_jiffies(pair.wg_pids())
+        (j0, s0), w0 = cpu_jiffies(), proc_jiffies(pair.wg_pids())
         clients = [
             subprocess.Popen(
                 [
@@ -208,7 +208,7 @@ def measure(pair: Pair, streams: int, seconds: float) -> dict:
             for i, (d, n) in enumerate(zip(paths, per))
         ]
         outs = [c.communicate(timeout=seconds + 60) for c in clients]
-        j1, w1 = busy_jiffies(), proc_jiffies(pair.wg_pids())
+        (j1, s1), w1 = cpu_jiffies(), proc_jiffies(pair.wg_pids())
     finally:
         for s in servers:
             if s.poll() is None:
@@ -230,6 +230,7 @@ def measure(pair: Pair, streams: int, seconds: float) -> dict:
         "retransmits": retr,
         "cpu_s_per_GB": (j1 - j0) / hz / gbytes,
         "wg_cpu_s_per_GB": (w1 - w0) / hz / gbytes,
+        "steal_s": (s1 - s0) / hz,
     }
 
 
