@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
+from meshrun.lab.gpucheck import spread  # noqa: E402, F401 (one definition: the GPU check's tables use it too)
 from meshrun.lab.mesh import Mesh  # noqa: E402
 from meshrun.lab.testbed import DatacenterSpec, World  # noqa: E402
 from meshrun.system.machine.wgbinary import wireguard_binary  # noqa: E402
@@ -125,14 +126,6 @@ def two_ranks(rank0, rank1, argv: list[str], timeout: float) -> tuple[str, str, 
                 p.kill()
                 p.wait()
     return out0, err0, out1, err1
-
-
-def spread(values: list[float]) -> dict:
-    """{"min", "median", "max", "n"} of a benchmark's rounds."""
-    import statistics
-
-    v = sorted(float(x) for x in values)
-    return {"min": v[0], "median": statistics.median(v), "max": v[-1], "n": len(v)} if v else {"n": 0}
 
 
 def alternating(variants: list[str], rounds: int) -> list[str]:

@@ -527,6 +527,12 @@ def datapath(d: dict) -> tuple[str, str]:
             f"at 1420: {r(gain['iperf3_1_gbit'])}, {r(gain['iperf3_8_gbit'])}, gloo {r(gain['gloo_GBps'])}; CPU per "
             f"GB {sp['meshrun0_jumbo']['cpu_s_per_GB']['median']:.2f} s"
         )
+    steal = d.get("steal_share")
+    if steal:
+        text += (
+            f". The hypervisor took {steal['median']:.0%} of this machine's CPUs during the "
+            f"median iperf3 measurement (at most {steal['max']:.0%})"
+        )
     wan = d.get("wan") or {}
     if wan:
         per = "; ".join(f"-P {k} {_spread([x['gbit'] * 1000 for x in v], '{:.0f}')}" for k, v in wan["runs"].items())

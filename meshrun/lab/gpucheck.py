@@ -158,11 +158,9 @@ def nccl_net_lines(text: str, limit: int = 60) -> list[str]:
 
 
 def spread(values: list[float]) -> dict:
-    return (
-        {"min": min(values), "median": round(statistics.median(values), 4), "max": max(values), "n": len(values)}
-        if values
-        else {"n": 0}
-    )
+    """{"min", "median", "max", "n"} of a measurement's rounds ({"n": 0} for none); the benchmarks' too."""
+    v = sorted(float(x) for x in values)
+    return {"min": v[0], "median": statistics.median(v), "max": v[-1], "n": len(v)} if v else {"n": 0}
 
 
 @dataclass

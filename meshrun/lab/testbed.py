@@ -730,6 +730,7 @@ class World:
         proc = self._anchors.pop(n.anchor_pid, None)
         if proc is not None:
             _reap(proc)
+        _remove_job_cgroups([n.netns])  # host-wide: they would outlive the namespace that names them
         sh(["ip", "netns", "del", n.netns], check=False)
         self._say(f"lost {name}: {len(pids)} process(es) killed, namespace {n.netns} deleted")
         return at

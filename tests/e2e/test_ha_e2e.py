@@ -20,11 +20,13 @@ import time
 import pytest
 from support import CHARLM_SMALL, TrainJob
 
+from meshrun.core import firewall as rules
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec
 from meshrun.mesh import process
 from meshrun.mesh.coordinator import ha as ha_mod
 from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel import firewall
 from meshrun.system.machine import procs
 
 A, B, C = "dc1-a", "dc2-a", "dc3-a"
@@ -109,6 +111,12 @@ def join_through(mesh: Mesh, coordinator: str, node: str) -> None:
     )
 
 
+def job_guards(mesh: Mesh, node: str) -> list[str]:
+    """The job guards' nftables tables in `node`'s namespace (each names the job's cgroup)."""
+    out = mesh.world.node(node).run("nft", "list", "tables").stdout
+    return [t for t in rules.inet_tables(out) if rules.is_job_table(t)]
+
+
 def test_three_coordinators_replicate_the_state_and_a_lost_node_leaves_the_job_finishing_on_the_rest(ha):
     mesh = ha
     rows = coordinators(mesh, B)
@@ -123,7 +131,12 @@ def test_three_coordinators_replicate_the_state_and_a_lost_node_leaves_the_job_f
     job = TrainJob(mesh, *elastic("ha-node", "dc4-a,dc5-a,dc6-a"))
     try:
         job.wait_for(r"\] outer_step 3 ", 240)
+        guards = job_guards(mesh, LOST_NODE)
+        assert guards, "the job runs on the node under no guard"
         mesh.world.lose(LOST_NODE)
+        # Cgroups are host-wide: the lost machine's must not outlive its namespace on the test host.
+        left = [t for t in guards if (firewall.cgroup2_root() / rules.CGROUP_PARENT / t).exists()]
+        assert not left, left
         code = job.finish(420)
     finally:
         if job.proc.poll() is None:
