@@ -72,8 +72,9 @@ ways; GSO packets are segmented by the kernel first) to a process in that namesp
 meshrun.system.kernel.delayline) that drops each with the loss probability and releases the rest after half the
 RTT, in order.
 The ping RTT over the overlay is recorded before and with the WAN, and the delay line's CPU time. iperf3 with
--P 1, 4 and 16 (--wan-seconds, first second omitted), --rounds rounds in alternating order; the rules and the
-delay line are removed afterwards. No raw path crosses the sites (NAT), so meshrun0 only; no target.
+-P 1, 4 and 16 (--wan-seconds, first second omitted), --wan-rounds rounds (--rounds, at most 3) in alternating
+order; the rules and the delay line are removed afterwards. No raw path crosses the sites (NAT), so meshrun0 only;
+no target.
 
     sudo .venv/bin/python benchmarks/datapath.py [--rounds 9] [--seconds 5] [--mib 64] [--wan-rtt-ms 60]
 """
