@@ -18,14 +18,14 @@ meshrun picks for a 1500-byte underlay (1420), plus the variant's change:
 - ``wg_jumbo_x4``: both (added after the first GPU run showed each winning alone)
 
 Each round measures every variant, in alternating order (reversed every other round): iperf3 TCP from the first
-namespace to the second for --seconds with 1 stream and with --streams streams (the
-multi-tunnel variants: the streams spread over their tunnels, one iperf3 client and server per tunnel), the
-receiver's Gbit/s, and during the 1-stream run and the n-stream run the busy CPU of the whole machine
-(/proc/stat) and the CPU of the variant's wireguard-go processes, each per GB received. Reported: min / median /
-max over the rounds, and each WireGuard variant's median over ``wg``'s and over ``raw``'s, paired per round. No
-target: the issue asks what keeps wireguard-go below its published class (about 10 Gbit/s on one stream between
-two machines) and to adopt what wins; a variant "wins" only if every round's ratio to ``wg`` is above 1 and its
-median beats the spread of ``wg``.
+namespace to the second for --seconds with 1 stream and with --streams streams (the multi-tunnel variants: the
+streams spread over their tunnels, one iperf3 client and server per tunnel), the receiver's Gbit/s, and during the
+1-stream run and the n-stream run the busy CPU of the whole machine (/proc/stat, what the hypervisor stole recorded
+apart: common.cpu_jiffies) and the CPU of the variant's wireguard-go processes, each per GB received. Reported:
+min / median / max over the rounds, and each WireGuard variant's median over ``wg``'s and over ``raw``'s, paired per
+round. No target: the issue asks what keeps wireguard-go below its published class (about 10 Gbit/s on one stream
+between two machines) and to adopt what wins; a variant "wins" only if every round's ratio to ``wg`` is above 1 and
+its median beats the spread of ``wg``.
 
     sudo .venv/bin/python benchmarks/wg_ceiling.py [--rounds 3] [--seconds 5] [--streams 8]
 """

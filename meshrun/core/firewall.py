@@ -40,6 +40,7 @@ __all__ = [
     "forward_unguard",
     "inet_tables",
     "is_job_table",
+    "job_tables_in",
     "job_guard",
     "job_table",
 ]
@@ -92,6 +93,11 @@ def inet_tables(listing: str) -> list[str]:
         for parts in (line.split() for line in listing.splitlines())
         if len(parts) == 3 and parts[0] == "table" and parts[1] == "inet"
     ]
+
+
+def job_tables_in(listing: str) -> list[str]:
+    """The job guards' tables in what `nft list tables` prints (in whichever network namespace it ran)."""
+    return [t for t in inet_tables(listing) if is_job_table(t)]
 
 
 def check_interface(name: str) -> str:

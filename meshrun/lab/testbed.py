@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: the lab runs its processes through meshrun.system
     import subprocess
 
+from meshrun.core import firewall as rules
 from meshrun.errors import MeshrunError, NetworkError, UsageError
 from meshrun.system.files import statedir
 from meshrun.system.kernel import firewall
@@ -910,7 +911,7 @@ def _remove_job_cgroups(names: Iterable[str]) -> None:
             out = sh(["ip", "netns", "exec", n, "nft", "list", "tables"], check=False).stdout
         except MeshrunError:  # no nft here: no guards either
             return
-        tables += [p[2] for p in (line.split() for line in out.splitlines()) if len(p) == 3]
+        tables += rules.job_tables_in(out)
     firewall.remove_job_cgroups(tables)
 
 

@@ -114,7 +114,7 @@ def join_through(mesh: Mesh, coordinator: str, node: str) -> None:
 def job_guards(mesh: Mesh, node: str) -> list[str]:
     """The job guards' nftables tables in `node`'s namespace (each names the job's cgroup)."""
     out = mesh.world.node(node).run("nft", "list", "tables").stdout
-    return [t for t in rules.inet_tables(out) if rules.is_job_table(t)]
+    return rules.job_tables_in(out)
 
 
 def test_three_coordinators_replicate_the_state_and_a_lost_node_leaves_the_job_finishing_on_the_rest(ha):

@@ -187,7 +187,7 @@ def job_tables() -> list[str]:
     if shutil.which("nft") is None:
         return []
     out = run(["nft", "list", "tables"], check=False, quiet=True).stdout
-    return [t for t in rules.inet_tables(out) if rules.is_job_table(t)]
+    return rules.job_tables_in(out)
 
 
 def _delete_table(name: str) -> None:

@@ -58,6 +58,7 @@ def test_only_inet_tables_are_listed():
     listing = "table ip filter\ntable inet meshrun_job_0123456789abcdef\ntable inet meshrun_forward\ntable ip6 x\n"
     assert firewall.inet_tables(listing) == ["meshrun_job_0123456789abcdef", "meshrun_forward"]
     assert firewall.inet_tables("") == []
+    assert firewall.job_tables_in(listing) == ["meshrun_job_0123456789abcdef"]
 
 
 def test_the_forward_guard_keeps_member_traffic_on_the_overlay():
