@@ -57,6 +57,13 @@ def join(
             help="May relay pairs of other members that cannot connect directly [default: yes].",
         ),
     ] = None,
+    tunnels: Annotated[
+        Optional[int],
+        typer.Option(
+            help="WireGuard tunnels per same-site pair, flows spread over them: more cores for encryption "
+            "(a many-core host; the site network must pass UDP 51811-51817) [default: 1].",
+        ),
+    ] = None,
     foreground: Annotated[bool, typer.Option(help="Run the agent in this process (for systemd).")] = False,
     wait: Annotated[
         float,
@@ -90,6 +97,7 @@ def join(
         mtu=mtu,
         site=site,
         relay=relay,
+        tunnels=tunnels,
         wait=wait,
     )
     verb = "resumed" if res.resumed else "joined"

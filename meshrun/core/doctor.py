@@ -89,6 +89,7 @@ def judge(f: dict) -> list[Check]:
             out.append(_coordinators_seen(f))
         out += _peers(f)
         out.append(_lan(f))
+        out.append(_tunnels(f))
         out.append(_relay(f))
         out.append(_udp(f))
     out.append(_clock(f))
@@ -357,6 +358,42 @@ def _lan(f: dict) -> Check | None:
     return Check(
         "site LAN path", OK, f"{len(planned)} peers on the site network, unencrypted ({how}, {lan.get('device')})"
     )
+
+
+def _tunnels(f: dict) -> Check | None:
+    """Several tunnels per same-site pair (`join --tunnels`, meshrun.core.tunnels): made, and carrying flows?"""
+    t = f.get("tunnels") or {}
+    count = int(t.get("count") or 1)
+    if count < 2:
+        return None
+    if t.get("error"):
+        return Check(
+            "tunnels",
+            WARN,
+            f"{count} tunnels per pair asked for, none made here ({t['error']}): every pair on "
+            f"{f.get('interface_name') or 'the overlay interface'} alone",
+            "see the agent's log (daemon.log); or `meshrun leave`, then `meshrun join --tunnels 1`",
+        )
+    peers = t.get("peers") or {}
+    if not peers:
+        return Check("tunnels", OK, f"{count} tunnels per pair, no same-site peer on the private path yet")
+    full = [n for n, p in peers.items() if len(p.get("live") or []) == count - 1]
+    none = [n for n, p in peers.items() if not p.get("live")]
+    detail = f"{len(full)} of {len(peers)} same-site peers on all {count} tunnels"
+    if none and len(none) == len(peers):
+        last = t.get("ports") or []
+        return Check(
+            "tunnels",
+            WARN,
+            f"no same-site peer answers on the extra tunnels ({', '.join(sorted(none)[:8])})",
+            f"join the peers with --tunnels too, and allow UDP {last[0]}-{last[-1]} between the site's nodes' "
+            "LAN addresses (security groups, host firewalls)"
+            if last
+            else "join the peers with --tunnels too",
+        )
+    if none:
+        detail += f"; {len(none)} on one (they run one tunnel, or its ports are closed: {', '.join(sorted(none)[:8])})"
+    return Check("tunnels", OK, detail)
 
 
 def _relay(f: dict) -> Check | None:

@@ -182,6 +182,7 @@ def guard_script(
     overlay_interface: str = "meshrun0",
     port: int = LAN_PORT,
     routed_via: str | None = None,
+    tunnels: Iterable[str] = (),
 ) -> str:
     """The nft script that (re)creates the LAN path's guard, table inet GUARD_TABLE.
 
@@ -195,10 +196,10 @@ def guard_script(
     from it into the overlay's interface (a host on the LAN must not use this member as a door into WireGuard).
 
     It also drops whatever reaches `own_overlay_ip` on an interface other than the overlay's, the LAN path's
-    device (or `routed_via`) and loopback: the overlay's listeners that meshrun binds to the WireGuard device
-    (SO_BINDTODEVICE) are bound to the address alone while a LAN path exists (they must answer on its device
-    too, meshrun.system.kernel.lanlink.bind_device), and this rule keeps the host's other interfaces away from
-    them."""
+    device (or `routed_via`), the extra `tunnels` (core/tunnels) and loopback: the overlay's listeners that
+    meshrun binds to the WireGuard device (SO_BINDTODEVICE) are bound to the address alone while a LAN path
+    exists (they must answer on its device too, meshrun.system.kernel.lanlink.bind_device), and this rule keeps
+    the host's other interfaces away from them."""
     peers = sorted(peers, key=lambda p: ipaddress.IPv4Address(p.lan_ip))
     own = ipaddress.IPv4Address(own_overlay_ip)
     lans = ", ".join(p.lan_ip for p in peers)
@@ -208,7 +209,7 @@ def guard_script(
         f"    udp dport {port} @th,368,32 != {_hex(own_overlay_ip)} drop",
     ]
     rules += [f"    udp dport {port} ip saddr {p.lan_ip} @th,336,32 != {_hex(p.overlay_ip)} drop" for p in peers]
-    names = [overlay_interface, interface_name(overlay_interface), "lo"]
+    names = [overlay_interface, interface_name(overlay_interface), "lo", *tunnels]
     forward = []
     if routed_via:
         overlays = ", ".join(p.overlay_ip for p in peers)

@@ -69,6 +69,7 @@ def gather(state: StateDir, shell_env) -> dict:
         ],
         "sync": st.get("sync") or {},
         "lan": st.get("lan") or {},
+        "tunnels": st.get("tunnels") or {},
         "job_guards": {"cgroup": firewall.hierarchy(), "problem": firewall.available()},
         "relaying": {"pairs": len(st.get("relaying") or []), "forwarding": st.get("relay_forwarding")},
         "now": time.time(),

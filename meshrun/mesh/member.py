@@ -7,7 +7,7 @@ from meshrun.core.model import Member, Network
 from meshrun.errors import StateError
 from meshrun.mesh import iface, process
 from meshrun.system.files.statedir import StateDir
-from meshrun.system.kernel import lanlink, net, relaykernel
+from meshrun.system.kernel import lanlink, net, relaykernel, tunnellink
 
 
 def load(state: StateDir) -> tuple[dict, Network]:
@@ -42,6 +42,15 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
     rp = lan.get("rp_filter") if isinstance(lan, dict) else None
     lanlink.remove(network.interface, (str(rp[0]), str(rp[1])) if isinstance(rp, list) and len(rp) == 2 else None)
     relaykernel.remove(network.interface)  # and the relay's fast path
+    # The extra tunnels per pair, and the host's multipath hash policy as the agent found it.
+    extra = state.read_json("tunnels.json") if (state / "tunnels.json").exists() else {}
+    extra = extra if isinstance(extra, dict) else {}
+    policy, pids = extra.get("hash_policy"), extra.get("pids")
+    tunnellink.remove(
+        network.interface,
+        policy if isinstance(policy, str) and policy.isdigit() else None,
+        pids if isinstance(pids, dict) else None,
+    )
     if purge:
         state.delete()
     return network.interface

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import Counter
+from pathlib import Path
 
 from meshrun.core import etcdconf, lanpath, pairpaths, topology
 from meshrun.core.doctor import control_warnings
@@ -18,6 +20,7 @@ from meshrun.mesh.coordinator import admin, ha
 from meshrun.mesh.coordinator.leader import leader_name
 from meshrun.system.control.etcdstate import K_LEADER
 from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.device import WireGuardDevice
 from meshrun.system.sockets import probe
 
 
@@ -134,6 +137,16 @@ def rtt_ms(ip: str, port: int, samples: int = RTT_SAMPLES, timeout: float = 1.0)
     return (round(statistics.median(ok), 3) if ok else None), any(accepted for _, accepted in tries)
 
 
+def _tunnel_bytes(devices: list) -> dict[str, dict[str, int]]:
+    """{extra tunnel device: {peer key: bytes received plus sent}} (a device gone: left out)."""
+    out = {}
+    for name in devices:
+        if isinstance(name, str):
+            with contextlib.suppress(MeshrunError):
+                out[name] = {p.public_key: p.rx + p.tx for p in WireGuardDevice(name, Path("/dev/null")).peers()}
+    return out
+
+
 def gather(state: StateDir, measure: bool = True) -> dict:
     """Collect status as a JSON-able dict (no secrets: public keys only)."""
     rec, network = member.load(state)
@@ -147,9 +160,11 @@ def gather(state: StateDir, measure: bool = True) -> dict:
     by_key = {m.public_key: m for m in members}
     lan = state.read_json("lan.json") if (state / "lan.json").exists() else {}
     on_lan = set(lan.get("active") or [])
+    extra = state.read_json("tunnels.json") if (state / "tunnels.json").exists() else {}
     device = iface.device_for(state, network, rec)
     up = device.exists()
     current = device.peers() if up else []
+    tunnel_bytes = _tunnel_bytes(extra.get("devices") or []) if up else {}
     # Each peer's MTU: its /32 route's where it has one (a smaller peer, or a jumbo interface), else the interface's.
     link_mtu = (device.link_mtu() if up else None) or int(rec.get("mtu") or network.mtu)
     route_mtu = device.current_route_mtus() if up else {}
@@ -159,6 +174,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         m = by_key.get(p.public_key)
         ip = m.overlay_ip if m else (p.allowed_ips[0].split("/")[0] if p.allowed_ips else "")
         relay = None
+        live = (extra.get("peers") or {}).get(m.name, {}).get("live", []) if m is not None else []
         if m is not None and m.path == pairpaths.RELAYED:
             via = by_key.get(m.via) if m.via else None
             relay = via.name if via is not None and via.path != pairpaths.RELAYED else "coordinator"
@@ -174,7 +190,11 @@ def gather(state: StateDir, measure: bool = True) -> dict:
                 # The site LAN path carries the pair's traffic (its WireGuard peer stays, idle, for a fallback).
                 "path": lanpath.label(bool(lan.get("routed")))
                 if m is not None and m.name in on_lan
-                else path_label(m, p.endpoint, p.allowed_ips),
+                else path_label(m, p.endpoint, p.allowed_ips) + (f", {1 + len(live)} tunnels" if live else ""),
+                # Tunnels carrying the pair's flows now, this interface included (`join --tunnels`, core/tunnels).
+                "tunnels": 1 + len(live),
+                # Bytes each extra tunnel moved with the peer, received plus sent (rx/tx_bytes: this interface's).
+                "tunnel_bytes": {dev: b[p.public_key] for dev, b in tunnel_bytes.items() if p.public_key in b},
                 "latest_handshake": p.latest_handshake or None,
                 "handshake_age_s": now - p.latest_handshake if p.latest_handshake else None,
                 "rx_bytes": p.rx,
@@ -224,6 +244,9 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         out["relaying"] = relaying.get("pairs", [])
         out["relay_forwarding"] = relaying.get("forwarding")
         out["lan"] = lan
+        out["tunnels"] = extra
+        if extra.get("error"):
+            out["warnings"].append(f"no extra tunnels ({extra['error']}); every pair on {network.interface} alone")
         if lan.get("error"):
             out["warnings"].append(f"no site LAN path ({lan['error']}); this site's pairs stay on WireGuard")
         sync = state.read_json("sync.json") if (state / "sync.json").exists() else {}

@@ -18,13 +18,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from meshrun.core import lanpath, memberlist, peers, relays
+from meshrun.core import lanpath, memberlist, peers, relays, tunnels
 from meshrun.core.model import Member, Network
 from meshrun.errors import CoordinatorError, MeshrunError, StateError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh.node.jumbo import CHECK_S as JUMBO_CHECK_S
 from meshrun.mesh.node.jumbo import JumboPairs
 from meshrun.mesh.node.lan import LanPaths
+from meshrun.mesh.node.tunnels import Tunnels
 from meshrun.mesh.process import Extension, ExtensionFactory
 from meshrun.system.files.statedir import StateDir
 from meshrun.system.kernel import net
@@ -133,7 +134,7 @@ class AgentService:
     IP)` is one round trip to a member over the overlay in seconds, None when it did not answer (a TCP
     handshake to its API port: relay health and the round trips the relay choice uses), `make_relay` makes
     the forwarder of the pairs this node relays (a FakeRelay in tests), `lan` is the site LAN path (one on a
-    FakeLanLink in tests).
+    FakeLanLink in tests), `extra_tunnels` the tunnels beside the interface (one on a FakeTunnelLink in tests).
     """
 
     def __init__(
@@ -147,6 +148,7 @@ class AgentService:
         make_relay: Callable[[], udprelay.UdpRelay | udprelay.FakeRelay] | None = None,
         lan: LanPaths | None = None,
         jumbo: JumboPairs | None = None,
+        extra_tunnels: Tunnels | None = None,
     ) -> None:
         self.state = state
         self.rec, self.network = member.load(state)
@@ -160,6 +162,8 @@ class AgentService:
         self.relaying = udprelay.Relaying(make_relay, self.network.interface)
         self.lan = lan or LanPaths(state, self.network, self.rec)  # the site LAN path (trusted sites)
         self.jumbo = jumbo or JumboPairs(state, self.network, self.rec)  # same-site tunnels with the LAN's MTU
+        # Several tunnels per same-site pair (`meshrun join --tunnels K`; one: none of this).
+        self.tunnels = extra_tunnels or Tunnels(state, self.network, self.rec)
         self.rtt: dict[str, float] = {}  # {peer key: rtt bucket} measured, not yet acknowledged
         self.rtt_told: dict[str, float] = {}  # {peer key: rtt bucket} the coordinator acknowledged
         self.misses: dict[str, int] = {}  # relayed peer key -> consecutive failed tries through its relay
@@ -229,6 +233,7 @@ class AgentService:
     def run(self) -> None:
         with process.running(self.state):
             self._ensure_interface()
+            self.tunnels.start()  # before the listeners: they bind to the address alone beside tunnels
             signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
             signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
             for start in self.extensions:
@@ -244,6 +249,7 @@ class AgentService:
                 (self.check_coordinator, COORDINATOR_CHECK_S),
                 (self.lan.check, lanpath.PROBE_EVERY_S),
                 (self.check_jumbo, JUMBO_CHECK_S),
+                *([(self.tunnels.check, tunnels.PROBE_EVERY_S)] if self.tunnels.enabled else []),
             ):
                 threading.Thread(target=self._probe_loop, args=(step, every), name=step.__name__, daemon=True).start()
             try:
@@ -253,6 +259,7 @@ class AgentService:
                     ext.close()
                 self.relaying.close()
                 self.lan.close()
+                self.tunnels.close()
                 if self.session is not None:
                     self.session.close()
         # `meshrun coordinator add` made this node a coordinator (its job API rewrote member.json and stopped us).
@@ -401,6 +408,7 @@ class AgentService:
         self.version, self.members = version, members
         self._apply(members, recreate)
         self.lan.apply(members)
+        self._apply_tunnels()
         if "relaying" in answer:
             self._relay(answer["relaying"])
         if not self.ready:
@@ -445,6 +453,11 @@ class AgentService:
         """Probe the pairs on trial for the LAN's MTU; apply again when one was proven or failed."""
         if self.jumbo.check():
             self._apply(self.members)
+            self._apply_tunnels()  # a pair's multipath route carries its MTU
+
+    def _apply_tunnels(self) -> None:
+        plan = self.lan.plan
+        self.tunnels.apply(self.members, self.lan.link.underlay if plan.local_ip and plan.routed else None)
 
     def check_relays(self) -> list[str]:
         """Try every relayed peer through its relay once; report the ones that missed RELAY_FAILS times in
@@ -543,6 +556,7 @@ class AgentService:
 
     def _cleanup_removed(self) -> None:
         self.lan.close()
+        self.tunnels.close()
         try:
             self.device.delete()
         except MeshrunError as exc:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from meshrun.core import lanpath
+from meshrun.core import lanpath, tunnels
 from meshrun.core.model import Member, Network
 from meshrun.errors import MeshrunError
 from meshrun.system.files.statedir import StateDir
@@ -71,7 +71,13 @@ class LanPaths:
                 else:
                     self.link.ensure(plan.local_ip, plan.routed)
                     via = self.link.underlay if plan.routed else None
-                    guard = lanpath.guard_script(self.overlay_ip, plan.peers, self.network.interface, routed_via=via)
+                    guard = lanpath.guard_script(
+                        self.overlay_ip,
+                        plan.peers,
+                        self.network.interface,
+                        routed_via=via,
+                        tunnels=tunnels.device_names(self.network.interface),  # every one this member may run
+                    )
                     self.link.set_peers(list(plan.peers), guard)
                     log.info(
                         "site LAN path on %s%s to %s",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshrun.core import auth, keys
+from meshrun.core import tunnels as tunnel_mod
 from meshrun.core.model import (
     Member,
     Network,
@@ -146,12 +147,14 @@ def join(
     site: str | None = None,
     relay: bool | None = None,
     wait: float = READY_TIMEOUT,
+    tunnels: int | None = None,
 ) -> JoinResult:
     """Enrol this machine and bring up its interface; start the agent unless start=False.
 
     `site`: the site this node is in (its agent reports it; jobs group their ranks by it, see
     meshrun.core.topology). `relay` False: this node never relays other members' pairs (`--no-relay`;
     by default any member with direct tunnels to both ends of a pair may, see meshrun.core.relays).
+    `tunnels`: WireGuard tunnels per same-site pair (`--tunnels`, meshrun.core.tunnels; None: 1, or as before).
     `wait`: seconds the agent has for its first sync with the coordinator (`--wait`) before the join
     is undone.
     Run again on an enrolled node, it resumes with the same key and address. On failure
@@ -163,8 +166,10 @@ def join(
     check_wait(wait)
     if site is not None:
         check_name(site, "--site")
+    if tunnels is not None:
+        tunnel_mod.check_count(tunnels)
     if state.exists:
-        return resume(state, tok, start, site=site, relay=relay, wait=wait)
+        return resume(state, tok, start, site=site, relay=relay, wait=wait, tunnels=tunnels)
     name = check_name(name) if name else default_node_name(platform.node())
     if mtu is not None:
         check_mtu(mtu)
@@ -185,7 +190,17 @@ def join(
     answer = enrol_with(tok, name, private_key, advertised)
     try:
         return _install(
-            answer, state, private_key, advertised, mtu, device, start, site or "", relay is not False, wait
+            answer,
+            state,
+            private_key,
+            advertised,
+            mtu,
+            device,
+            start,
+            site or "",
+            relay is not False,
+            wait,
+            tunnels or 1,
         )
     except BaseException:
         with contextlib.suppress(Exception):  # the name is free again at once, not after the grace
@@ -215,6 +230,7 @@ def _install(
     site: str = "",
     relay: bool = True,
     wait: float = READY_TIMEOUT,
+    tunnels: int = 1,
 ) -> JoinResult:
     """After enrolment: write the state, bring up the interface, apply the peers, start the agent; on
     failure nothing is left here (the caller gives the enrolment back)."""
@@ -227,6 +243,7 @@ def _install(
             f"the coordinator's join answer is malformed ({exc})",
             "use the same meshrun version on the node and the coordinator",
         ) from None
+    tunnel_mod.check_listen_port(network.listen_port, tunnels)
     device = device or iface.device_for(state, network)
     if device.exists():
         raise NetworkError(
@@ -253,6 +270,7 @@ def _install(
             "underlay_mtu": underlay,
             "site": site,
             "relay": relay,
+            "tunnels": tunnels,
         }
         sync_with = answer.get("coordinator_ip")
         if isinstance(sync_with, str) and any(m.overlay_ip == sync_with and m.is_coordinator for m in members):
@@ -283,9 +301,10 @@ def resume(
     site: str | None = None,
     relay: bool | None = None,
     wait: float = READY_TIMEOUT,
+    tunnels: int | None = None,
 ) -> JoinResult:
-    """Bring an enrolled node back (same key, same address): interface and agent; `site` and `relay` (if
-    given) take effect from the agent's next start (UsageError while the agent runs with others)."""
+    """Bring an enrolled node back (same key, same address): interface and agent; `site`, `relay` and
+    `tunnels` (if given) take effect from the agent's next start (UsageError while the agent runs with others)."""
     rec, network = member.load(state)
     if rec.get("role") != "node":
         raise StateError(
@@ -313,6 +332,15 @@ def resume(
                 "run `meshrun leave` (the node keeps its keys and address), then this `meshrun join` again",
             )
         rec["relay"] = relay
+        state.write_json("member.json", rec)
+    if tunnels is not None and tunnels != int(rec.get("tunnels") or 1):
+        if pid is not None:
+            raise UsageError(
+                f"--tunnels {tunnels}: this node's agent is running with {int(rec.get('tunnels') or 1)}",
+                "run `meshrun leave` (the node keeps its keys and address), then this `meshrun join` again",
+            )
+        tunnel_mod.check_listen_port(network.listen_port, tunnels)
+        rec["tunnels"] = tunnels
         state.write_json("member.json", rec)
     if pid is None and start:
         pid = process.spawn(state, timeout=wait, fix=WAIT_FIX)

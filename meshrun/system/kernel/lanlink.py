@@ -13,7 +13,7 @@ import socket
 import time
 from pathlib import Path
 
-from meshrun.core import lanpath
+from meshrun.core import lanpath, tunnels
 from meshrun.core.lanpath import LanPeer
 from meshrun.errors import CommandError, HostError
 from meshrun.system.kernel import net
@@ -24,12 +24,15 @@ __all__ = ["FakeLanLink", "LanLink", "bind_device", "probe", "remove"]
 
 def bind_device(device: str | None) -> str | None:
     """The device an overlay listener should bind to (SO_BINDTODEVICE): `device`, unless this host has a site
-    LAN path beside it, whose traffic arrives on the LAN path's device (or, routed, on the LAN interface); then
-    None (the address alone), and the LAN path's guard drops what reaches the overlay address on any other
-    interface (core/lanpath)."""
+    LAN path beside it, whose traffic arrives on the LAN path's device (or, routed, on the LAN interface), or
+    extra tunnels per pair (core/tunnels); then None (the address alone), and the LAN path's or the tunnels'
+    guard drops what reaches the overlay address on any other interface (core/lanpath, core/tunnels)."""
     if not device:
         return device
     if Path(f"/sys/class/net/{lanpath.interface_name(device)}").exists():
+        return None
+    # Extra tunnels per pair deliver the overlay on their own devices; their guard does what the LAN path's does.
+    if Path(f"/sys/class/net/{tunnels.device_name(device, 1)}").exists():
         return None
     # Routed, there is no device: the LAN path's rule tells (one per host, made before any peer is reachable).
     rules = run(["ip", "-4", "rule", "show", "pref", str(lanpath.ACTIVE_PREF)], check=False, quiet=True).stdout

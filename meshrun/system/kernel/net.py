@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from meshrun.core import netparse
+from meshrun.core import netparse, tunnels
 from meshrun.errors import HostError
 from meshrun.system.machine.cmd import PACKAGES, run
 
@@ -56,9 +56,11 @@ def local_routes() -> list[tuple[str, str]]:
 
 
 def local_addresses(exclude: str | None = None) -> list[str]:
-    """This machine's global-scope IPv4 addresses (candidates for same-site paths)."""
+    """This machine's global-scope IPv4 addresses (candidates for same-site paths), but those of the overlay
+    interface `exclude` and of its extra tunnels, which hold its address too (core/tunnels)."""
     out = run(["ip", "-4", "-o", "addr", "show", "scope", "global"], quiet=True).stdout
-    return [addr for _, addr in netparse.addresses(out, exclude)]
+    skip = set(tunnels.device_names(exclude)) if exclude else set()
+    return [addr for dev, addr in netparse.addresses(out, exclude) if dev not in skip]
 
 
 def interface_of(address: str) -> str | None:

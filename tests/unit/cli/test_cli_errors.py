@@ -112,6 +112,16 @@ class TestJoin:
         )
         assert not state.exists()
 
+    @pytest.mark.parametrize("tunnels", ["0", "9"])
+    def test_bad_tunnels(self, run, state, tunnels):
+        res = run("join", valid_token(), "--name", "gpu-a", "--tunnels", tunnels)
+        assert res.exit_code == 2
+        assert one_error_line(res) == (
+            f"--tunnels {tunnels} is out of range; give 1 (the overlay interface alone) to 8 tunnels per "
+            "same-site pair, e.g. --tunnels 4"
+        )
+        assert not state.exists()
+
     def test_bad_endpoint(self, run, state):
         res = run("join", valid_token(), "--name", "gpu-a", "--endpoint", "a b")
         assert res.exit_code == 2

@@ -368,3 +368,16 @@ def test_a_coordinator_without_a_majority_blocks_and_explains_quorum():
 def test_a_coordinator_whose_etcd_member_is_down_blocks():
     c = only(facts(role="coordinator", control=_control(["ok", "ok", "ok"], pid=None)), "control")
     assert c.level == FAIL and "not running" in c.detail
+
+
+def test_extra_tunnels_are_checked_only_where_a_node_asked_for_them():
+    assert "tunnels" not in levels(facts(tunnels={"count": 1}))
+    up = {"count": 3, "ports": [51811, 51812], "peers": {"b": {"live": [1, 2]}, "c": {"live": [1, 2]}}, "error": ""}
+    c = only(facts(tunnels=up), "tunnels")
+    assert c.level == OK and "2 of 2 same-site peers on all 3 tunnels" in c.detail
+    c = only(facts(tunnels=dict(up, peers={"b": {"live": [1, 2]}, "c": {"live": []}})), "tunnels")
+    assert c.level == OK and "1 on one" in c.detail and "c" in c.detail
+    c = only(facts(tunnels=dict(up, peers={"b": {"live": []}})), "tunnels")
+    assert c.level == WARN and "UDP 51811-51812" in c.fix and "--tunnels" in c.fix
+    c = only(facts(tunnels={"count": 3, "error": "wireguard-go exited", "peers": {}}), "tunnels")
+    assert c.level == WARN and "wireguard-go exited" in c.detail and "--tunnels 1" in c.fix

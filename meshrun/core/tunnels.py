@@ -1,0 +1,181 @@
+"""Several WireGuard tunnels per pair: a same-site pair's overlay traffic spread over K tunnels, flow by flow.
+
+Pure: names, ports, plans, rule and route text; meshrun.system.kernel.tunnellink applies them,
+meshrun.mesh.node.tunnels drives them.
+
+Why: wireguard-go moves one tunnel's packets through one TUN device and one UDP socket, so one tunnel is
+CPU-bound at a few Gbit/s however many cores the host has. K tunnels are K wireguard-go processes (or K kernel
+devices) working side by side: benchmarks/results/wg_ceiling_gpu.json measured 6.0 Gbit/s with 8 streams on one
+tunnel and 12.8 on four on a 16-core host; on a 2-core host there are no cores to spread to and nothing is gained
+(wg_ceiling.json). So it is opt-in per node: `meshrun join --tunnels K` (1 to MAX_TUNNELS; 1, the default: the
+overlay interface alone).
+
+Tunnel 0 is the overlay interface itself. Tunnels 1..K-1 are WireGuard devices of their own (`device_name`),
+with the member's own key, listening on `port(i)`, holding the member's overlay address as a /32 (a multipath
+route takes only the next hops whose device holds a flow's source address: one on the overlay interface alone
+would pin every socket bound to the address, NCCL's, to it; `net.local_addresses` leaves the tunnels out of the
+candidates), and as peers only this member's private-path
+peers (same site, dialled at their LAN address, where `port(i)` is reachable as it is: behind NAT only the port
+WireGuard punched through is mapped), each allowed its own overlay /32 only and dialled at its LAN address and
+`port(i)`. Overlay addresses do not change, so NCCL, Gloo and anything bound to the overlay address work as before.
+
+A tunnel carries a peer's traffic only while it answers (`Health`, as the site LAN path's): every PROBE_EVERY_S
+each (peer, tunnel) is tried with one TCP handshake to the peer's API port carrying `probe_mark(i)`, which policy
+routing sends through tunnel i alone (`probe_table(i)`). A peer with live tunnels gets one multipath /32 route in
+TABLE, consulted after the site LAN path and before main, over the overlay interface and its live tunnels; the
+kernel picks a next hop per flow by its addresses and ports (net.ipv4.fib_multipath_hash_policy = HASH_POLICY,
+set while tunnels exist and put back when they go), so one TCP connection stays on one tunnel (nothing is
+reordered) and several spread. No negotiation: a peer running fewer tunnels never answers on the others, so they
+never carry its traffic, and a pair uses min(K_a, K_b). A tunnel whose probes fail leaves the route, and its
+flows are rehashed over the rest (a TCP connection rides out the move with a retransmit).
+
+NCCL opens one socket per peer by default: one flow, one tunnel. A job gains only with NCCL_SOCKET_NTHREADS x
+NCCL_NSOCKS_PERTHREAD >= K.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from meshrun.core import pairpaths
+from meshrun.core.lanpath import interface_name as lan_interface_name
+from meshrun.core.model import Member
+from meshrun.errors import UsageError
+
+MAX_TUNNELS = 8
+PORT_BASE = 51810  # tunnel i listens on PORT_BASE + i: 51811-51817 (the LAN path has 51819, relays 51821-52332)
+TABLE = 51817  # the multipath routes of the peers with live tunnels
+PREF = 5181  # its `ip rule` priority: after the site LAN path's (5180), before main (32766)
+PROBE_TABLE_BASE = 51800  # tunnel i's probe routes: table PROBE_TABLE_BASE + i
+PROBE_PREF_BASE = 5170  # ... consulted at priority PROBE_PREF_BASE + i (before the LAN path's rules)
+PROBE_MARK_BASE = 0x4D540000  # "MT" and the tunnel's number: a probe's SO_MARK
+PROBE_EVERY_S = 1.0
+HASH_SYSCTL = "net/ipv4/fib_multipath_hash_policy"
+HASH_POLICY = "1"  # layer 4: addresses, protocol and ports (0, the default, hashes addresses only: one tunnel)
+GUARD_TABLE = "meshrun_tunnels"
+LABEL = "tunnels"
+
+
+def check_count(count: int) -> int:
+    """`count` if it is a possible number of tunnels per pair (`--tunnels`), else UsageError."""
+    if not 1 <= count <= MAX_TUNNELS:
+        raise UsageError(
+            f"--tunnels {count} is out of range",
+            f"give 1 (the overlay interface alone) to {MAX_TUNNELS} tunnels per same-site pair, e.g. --tunnels 4",
+        )
+    return count
+
+
+def check_listen_port(listen_port: int, count: int) -> None:
+    """UsageError when the network's WireGuard port is one the extra tunnels would take."""
+    if count > 1 and PORT_BASE < listen_port < PORT_BASE + count:
+        raise UsageError(
+            f"--tunnels {count}: the network's WireGuard port {listen_port} is one of the extra tunnels' ports "
+            f"({PORT_BASE + 1}-{PORT_BASE + count - 1})",
+            f"join with --tunnels {listen_port - PORT_BASE}, or fewer",
+        )
+
+
+def device_name(overlay_interface: str, i: int) -> str:
+    """Extra tunnel `i` (1..MAX_TUNNELS-1) beside overlay interface `overlay_interface` (at most 15 characters)."""
+    return f"{overlay_interface[:11]}-t{i}"
+
+
+def device_names(overlay_interface: str, count: int = MAX_TUNNELS) -> list[str]:
+    """The extra tunnels' devices of a member running `count` tunnels per pair (none for 1)."""
+    return [device_name(overlay_interface, i) for i in range(1, count)]
+
+
+def port(i: int) -> int:
+    """The UDP port extra tunnel `i` listens on (the same on every member: a peer dials it at its LAN address)."""
+    return PORT_BASE + i
+
+
+def probe_mark(i: int) -> int:
+    return PROBE_MARK_BASE + i
+
+
+def probe_table(i: int) -> int:
+    return PROBE_TABLE_BASE + i
+
+
+def probe_pref(i: int) -> int:
+    return PROBE_PREF_BASE + i
+
+
+@dataclass(frozen=True)
+class TunnelPeer:
+    """A peer the extra tunnels reach: its name, key, overlay address, and the LAN address they dial."""
+
+    name: str
+    public_key: str
+    overlay_ip: str
+    lan_ip: str
+
+
+def plan(own_key: str, members: Sequence[Member], count: int) -> tuple[TunnelPeer, ...]:
+    """The peers of the extra tunnels: every peer this member reaches on the private path (the coordinator's
+    `path` for the pair) at an IPv4 LAN address; none when this member runs one tunnel per pair."""
+    if count < 2:
+        return ()
+    out = []
+    for m in members:
+        if m.public_key == own_key or m.path != pairpaths.PRIVATE:
+            continue
+        host = pairpaths.host_of(pairpaths.private_candidate(m))
+        try:
+            if not host or ipaddress.ip_address(host).version != 4:
+                continue
+        except ValueError:
+            continue
+        out.append(TunnelPeer(m.name, m.public_key, m.overlay_ip, host))
+    return tuple(sorted(out, key=lambda p: p.name))
+
+
+def health_key(overlay_ip: str, i: int) -> str:
+    """The key of (peer, tunnel) in the probes' `lanpath.Health` record."""
+    return f"{overlay_ip}#{i}"
+
+
+def route_argv(overlay_ip: str, own_ip: str, devices: Sequence[str], mtu: int | None = None) -> list[str]:
+    """`ip route replace` for a peer over `devices` (the overlay interface first, then its live tunnels): one
+    multipath route in TABLE from this member's overlay address, with the pair's MTU when it has its own."""
+    argv = ["ip", "route", "replace", f"{overlay_ip}/32", "table", str(TABLE), "src", own_ip]
+    argv += ["mtu", str(mtu)] if mtu else []
+    for dev in devices:
+        argv += ["nexthop", "dev", dev]
+    return argv
+
+
+def guard_script(own_overlay_ip: str, interfaces: Iterable[str]) -> str:
+    """The nft script that (re)creates the tunnels' guard, table inet GUARD_TABLE: whatever reaches this member's
+    overlay address on an interface not in `interfaces` (the overlay's, its tunnels', the site LAN path's device
+    or LAN interface) or loopback is dropped. The overlay's listeners, bound to the WireGuard device alone
+    otherwise (SO_BINDTODEVICE), are bound to the address while tunnels exist (they must answer on every tunnel,
+    meshrun.system.kernel.lanlink.bind_device); this keeps the host's other interfaces away from them."""
+    own = ipaddress.IPv4Address(own_overlay_ip)
+    names = sorted({*interfaces, "lo"})
+    ifaces = "{ " + ", ".join(f'"{n}"' for n in names) + " }"
+    return "\n".join(
+        [
+            f"table inet {GUARD_TABLE} {{}}",
+            f"delete table inet {GUARD_TABLE}",
+            f"table inet {GUARD_TABLE} {{",
+            '  comment "meshrun tunnels: the overlay address only from the overlay\'s own interfaces"',
+            "  chain input {",
+            "    type filter hook input priority filter - 2; policy accept;",
+            f"    ip daddr {own} iifname != {ifaces} drop",
+            "  }",
+            "}",
+            "",
+        ]
+    )
+
+
+def overlay_interfaces(overlay_interface: str, count: int, routed_via: str | None = None) -> list[str]:
+    """Every interface overlay traffic may arrive on: the overlay's, the site LAN path's device (or, routed, the
+    LAN interface `routed_via`), and the extra tunnels'."""
+    names = [overlay_interface, lan_interface_name(overlay_interface), *device_names(overlay_interface, count)]
+    return names + ([routed_via] if routed_via else [])

@@ -1,0 +1,96 @@
+"""meshrun.core.tunnels: names, ports, the plan of the extra tunnels' peers, route and guard text."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrun.core import lanpath, relays, tunnels
+from meshrun.core.model import Member
+from meshrun.errors import UsageError
+
+
+def member(i: int, path: str = "private", lan: str | None = None) -> Member:
+    return Member(
+        f"n{i}",
+        f"{i:042d}A=",
+        f"10.213.0.{i + 2}",
+        f"198.51.100.9:{40000 + i}",
+        (f"{lan or f'10.1.0.{i + 2}'}:51820",),
+        path=path,
+    )
+
+
+ME = member(0, path="")
+
+
+@pytest.mark.parametrize("count", [0, -1, tunnels.MAX_TUNNELS + 1])
+def test_a_count_out_of_range_is_refused_naming_it_and_the_range(count):
+    with pytest.raises(UsageError) as exc:
+        tunnels.check_count(count)
+    assert f"--tunnels {count}" in exc.value.message and f"to {tunnels.MAX_TUNNELS}" in exc.value.fix
+
+
+def test_the_extra_ports_miss_the_lan_path_the_relays_and_the_default_wireguard_port():
+    ports = {tunnels.port(i) for i in range(1, tunnels.MAX_TUNNELS)}
+    assert len(ports) == tunnels.MAX_TUNNELS - 1
+    assert not ports & set(relays.RELAY_PORTS)
+    assert lanpath.LAN_PORT not in ports and 51820 not in ports
+
+
+def test_a_network_port_among_the_tunnels_ports_is_refused_with_a_count_that_fits():
+    tunnels.check_listen_port(51820, tunnels.MAX_TUNNELS)
+    tunnels.check_listen_port(51813, 1)  # one tunnel: no extra port
+    with pytest.raises(UsageError) as exc:
+        tunnels.check_listen_port(51813, 4)
+    assert "51813" in exc.value.message and "--tunnels 3" in exc.value.fix
+
+
+def test_device_names_fit_the_kernels_limit_and_differ_from_the_lan_paths():
+    names = tunnels.device_names("a-very-long-iface", tunnels.MAX_TUNNELS)
+    assert len(names) == tunnels.MAX_TUNNELS - 1 and len(set(names)) == len(names)
+    assert all(len(n) <= 15 for n in names)
+    assert lanpath.interface_name("a-very-long-iface") not in names
+    assert tunnels.device_names("meshrun0", 1) == []
+
+
+def test_the_plan_holds_the_private_path_peers_with_an_ipv4_lan_address_only():
+    members = [
+        ME,
+        member(1),
+        member(2, path="public"),
+        member(3, path="relayed"),
+        member(4, lan="[fd00::4]"),
+        member(5),
+    ]
+    plan = tunnels.plan(ME.public_key, members, 3)
+    assert [(p.name, p.lan_ip, p.overlay_ip) for p in plan] == [
+        ("n1", "10.1.0.3", "10.213.0.3"),
+        ("n5", "10.1.0.7", "10.213.0.7"),
+    ]
+    assert tunnels.plan(ME.public_key, members, 1) == ()
+
+
+def test_a_route_spreads_over_its_devices_from_the_overlay_address_with_the_pairs_mtu():
+    argv = tunnels.route_argv("10.213.0.3", "10.213.0.2", ["meshrun0", "meshrun0-t1"], 8920)
+    assert argv == [
+        "ip", "route", "replace", "10.213.0.3/32", "table", str(tunnels.TABLE), "src", "10.213.0.2",
+        "mtu", "8920", "nexthop", "dev", "meshrun0", "nexthop", "dev", "meshrun0-t1",
+    ]  # fmt: skip
+    assert "mtu" not in tunnels.route_argv("10.213.0.3", "10.213.0.2", ["meshrun0", "meshrun0-t1"])
+
+
+def test_the_guard_drops_the_overlay_address_on_every_interface_but_the_overlays_own():
+    names = tunnels.overlay_interfaces("meshrun0", 3, routed_via="eth1")
+    assert names == ["meshrun0", "meshrun0-lan", "meshrun0-t1", "meshrun0-t2", "eth1"]
+    script = tunnels.guard_script("10.213.0.2", names)
+    rule = next(line for line in script.splitlines() if "drop" in line)
+    assert rule.strip() == (
+        'ip daddr 10.213.0.2 iifname != { "eth1", "lo", "meshrun0", "meshrun0-lan", "meshrun0-t1", "meshrun0-t2" } drop'
+    )
+    assert script.startswith(f"table inet {tunnels.GUARD_TABLE} {{}}\ndelete table inet {tunnels.GUARD_TABLE}")
+
+
+def test_the_lan_paths_guard_lets_the_tunnels_through_too():
+    script = lanpath.guard_script("10.213.0.2", [], "meshrun0", tunnels=tunnels.device_names("meshrun0", 3))
+    rule = next(line for line in script.splitlines() if "iifname !=" in line)
+    assert '"meshrun0-t1"' in rule and '"meshrun0-t2"' in rule

@@ -1,0 +1,173 @@
+"""meshrun.mesh.node.tunnels: one member's extra tunnels per pair, peered from member lists, moved by probes.
+
+Tunnels runs on a FakeTunnelLink (meshrun.system.kernel.tunnellink, the kernel state in memory) with a scripted
+probe, on a state directory in tmp_path: no root, no kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support import JOB_NETWORK
+
+from meshrun.core import lanpath, tunnels
+from meshrun.core.model import Member
+from meshrun.errors import HostError
+from meshrun.mesh.node.tunnels import Tunnels
+from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel.tunnellink import FakeTunnelLink
+
+NET = JOB_NETWORK  # overlay 10.213.0.0/16 on meshrun0
+T1, T2 = tunnels.device_names("meshrun0", 3)
+
+
+def member(i: int, path: str = "private") -> Member:
+    return Member(
+        f"n{i}", f"{i:042d}A=", f"10.213.0.{i + 2}", f"198.51.100.9:{40000 + i}", (f"10.1.0.{i + 2}:51820",), path=path
+    )
+
+
+ME = member(0, path="")
+N1, N2 = member(1), member(2)
+
+
+class Probe:
+    """The probe through one tunnel: `answers[(overlay IP, tunnel)]` says whether it answers now."""
+
+    def __init__(self) -> None:
+        self.answers: dict[tuple[str, int], bool] = {}
+
+    def __call__(self, ip: str, port: int, source: str, i: int) -> float | None:
+        return 0.001 if self.answers.get((ip, i), False) else None
+
+
+@pytest.fixture
+def state(tmp_path):
+    s = StateDir(tmp_path / "node")
+    s.create()
+    return s
+
+
+@pytest.fixture
+def probe():
+    return Probe()
+
+
+def make(state, probe, count: int = 3) -> Tunnels:
+    rec = {"public_key": ME.public_key, "overlay_ip": ME.overlay_ip, "tunnels": count}
+    return Tunnels(state, NET, rec, FakeTunnelLink, probe)
+
+
+def rounds(t: Tunnels, n: int) -> None:
+    for _ in range(n):
+        t.check()
+
+
+def test_one_tunnel_makes_nothing(state, probe):
+    t = make(state, probe, count=1)
+    t.start()
+    t.apply([ME, N1])
+    assert not t.enabled and t.link.calls == [] and not (state / "tunnels.json").exists()
+
+
+def test_start_makes_the_devices_and_the_guard_before_any_peer(state, probe):
+    t = make(state, probe)
+    t.start()
+    assert t.link.made and t.link.peers == {}
+    assert '"meshrun0-t1"' in t.link.guard and "10.213.0.2" in t.link.guard
+    assert state.read_json("tunnels.json")["devices"] == [T1, T2]
+
+
+def test_peers_are_planned_but_carry_nothing_until_their_tunnels_answer(state, probe):
+    t = make(state, probe)
+    t.start()
+    t.apply([ME, N1, N2, member(3, path="public")])
+    assert [p.name for p in t.link.peers[T1]] == ["n1", "n2"]
+    assert t.link.routes == {}
+    probe.answers = {(N1.overlay_ip, 1): True, (N1.overlay_ip, 2): True, (N2.overlay_ip, 2): True}
+    rounds(t, lanpath.PROBE_OKS - 1)
+    assert t.link.routes == {}
+    rounds(t, 1)
+    assert t.link.routes == {N1.overlay_ip: (("meshrun0", T1, T2), None), N2.overlay_ip: (("meshrun0", T2), None)}
+    assert t.live_counts() == {"n1": 3, "n2": 2}
+    assert state.read_json("tunnels.json")["peers"]["n1"]["live"] == [1, 2]
+
+
+def test_a_tunnel_that_stops_answering_leaves_the_route_and_the_last_takes_the_route_away(state, probe):
+    t = make(state, probe)
+    t.start()
+    t.apply([ME, N1])
+    probe.answers = {(N1.overlay_ip, 1): True, (N1.overlay_ip, 2): True}
+    rounds(t, lanpath.PROBE_OKS)
+    probe.answers[(N1.overlay_ip, 1)] = False
+    rounds(t, lanpath.PROBE_FAILS)
+    assert t.link.routes[N1.overlay_ip][0] == ("meshrun0", T2)
+    probe.answers[(N1.overlay_ip, 2)] = False
+    rounds(t, lanpath.PROBE_FAILS)
+    assert N1.overlay_ip not in t.link.routes  # main's route: the interface alone
+
+
+def test_a_pair_mtu_is_carried_into_the_route(state, probe):
+    t = make(state, probe)
+    t.start()
+    t.apply([ME, N1])
+    probe.answers = {(N1.overlay_ip, 1): True}
+    rounds(t, lanpath.PROBE_OKS)
+    assert t.link.routes[N1.overlay_ip] == (("meshrun0", T1), None)
+    t.link.mtus[N1.overlay_ip] = 8920  # a jumbo pair proven: its own route's MTU
+    t.apply([ME, N1])
+    assert t.link.routes[N1.overlay_ip] == (("meshrun0", T1), 8920)
+
+
+def test_a_peer_that_leaves_the_private_path_leaves_the_tunnels_and_its_route(state, probe):
+    t = make(state, probe)
+    t.start()
+    t.apply([ME, N1])
+    probe.answers = {(N1.overlay_ip, 1): True}
+    rounds(t, lanpath.PROBE_OKS)
+    t.apply([ME, member(1, path="relayed")])
+    assert t.link.peers[T1] == () and t.link.routes == {}
+    assert state.read_json("tunnels.json")["peers"] == {}
+
+
+def test_devices_made_anew_are_peered_and_proven_again(state, probe):
+    t = make(state, probe)
+    t.start()
+    t.apply([ME, N1])
+    probe.answers = {(N1.overlay_ip, 1): True}
+    rounds(t, lanpath.PROBE_OKS)
+    t.link.made = False  # a wireguard-go died and took its device with it: ensure makes them anew
+    t.apply([ME, N1])
+    assert [p.name for p in t.link.peers[T1]] == ["n1"] and t.link.routes == {}
+    rounds(t, lanpath.PROBE_OKS)
+    assert t.link.routes[N1.overlay_ip][0] == ("meshrun0", T1)
+
+
+def test_a_host_that_cannot_make_them_keeps_the_interface_alone_and_says_why(state, probe):
+    t = make(state, probe)
+    t.link.fail = HostError("wireguard-go is not installed", "install it")
+    t.start()
+    rec = state.read_json("tunnels.json")
+    assert rec["error"] == "wireguard-go is not installed" and rec["devices"] == []
+    t.link.fail = None
+    t.apply([ME, N1])  # within RETRY_S: not tried again
+    assert state.read_json("tunnels.json")["error"]
+    t.retry_at = 0.0
+    t.apply([ME, N1])
+    assert state.read_json("tunnels.json")["error"] == "" and t.link.made
+
+
+def test_close_takes_everything_away(state, probe):
+    t = make(state, probe)
+    t.start()
+    t.apply([ME, N1])
+    t.close()
+    assert not t.link.made and t.link.calls[-1] == ("delete",)
+    assert state.read_json("tunnels.json")["devices"] == []
+
+
+def test_an_agent_that_died_leaves_the_hosts_hash_policy_in_the_record_and_the_next_one_keeps_it(state, probe):
+    state.write_json("tunnels.json", {"count": 3, "hash_policy": "0", "devices": [T1, T2]})
+    t = make(state, probe)
+    assert t.link.hash_restore == "0"  # what `delete` (and so the first `ensure`) puts back
+    state.write_json("tunnels.json", {"count": 3, "hash_policy": None})
+    assert make(state, probe).link.hash_restore is None
