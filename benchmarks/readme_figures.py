@@ -611,6 +611,21 @@ def wg_ceiling(d: dict) -> tuple[str, str]:
     )
 
 
+def tunnels(d: dict) -> tuple[str, str]:
+    r, t, k = d["ratio_tunnels_over_one"], d["table"], f"gbit_{d['streams']}"
+    cpus = (d.get("environment") or {}).get("cpus", "?")
+    shares = ", ".join(f"{dev} {s['median']:.2f}" for dev, s in d["device_share"].items())
+    return (
+        f"`meshrun join --tunnels {d['tunnels']}` vs one tunnel on {cpus} CPUs, one site, nothing shaped: iperf3 "
+        f"Gbit/s, 1 stream and {d['streams']} streams",
+        f"1 stream {t['tunnels']['gbit_1']['median']:.2f} vs {t['one']['gbit_1']['median']:.2f}, ratio "
+        f"{_spread(r['gbit_1']['per_round'])}; {d['streams']} streams {t['tunnels'][k]['median']:.2f} vs "
+        f"{t['one'][k]['median']:.2f}, ratio {_spread(r[k]['per_round'])}: "
+        + ("a win" if r[k]["wins"] else "no win")
+        + f" here (median share of the bytes per device: {shares})",
+    )
+
+
 def ha_failover(d: dict) -> tuple[str, str]:
     c, n, idle, busy = d["coordinator_loss_s"], d["node_loss_s"], d["idle"], d["job_running"]
     worst = max([n, *c.values()], key=lambda x: x["max"])
@@ -687,6 +702,7 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("gpu_wan", gpu_wan, "-m meshrun.lab.gpucheck --wan-only --wan-rtt-ms 60 --wan-loss-pct 0.1 --settings ..."),
     ("wg_ceiling", wg_ceiling, "benchmarks/wg_ceiling.py"),
     ("wg_ceiling_gpu", wg_ceiling, "benchmarks/wg_ceiling.py (on the GPU machine)"),
+    ("tunnels", tunnels, "benchmarks/tunnels.py"),
     ("ha_failover", ha_failover, "benchmarks/ha_failover.py --rounds 5 --window 10"),
     ("loss_detection", loss_detection, "benchmarks/loss_detection.py"),
 ]

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from textwrap import dedent as _dedent
 
 import pytest
 
@@ -254,6 +255,23 @@ def relay_world():
         DatacenterSpec("dcc", nat="symmetric"),
         DatacenterSpec("dcd", nat="symmetric"),
     ]
+
+
+# Prints "ready", then "SOURCE PAYLOAD" for each UDP datagram its address:port (argv 1, 2) gets for argv 3 seconds.
+UDP_LISTEN = _dedent("""\
+    import socket, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((sys.argv[1], int(sys.argv[2])))
+    s.settimeout(0.5)
+    print("ready", flush=True)
+    end = time.monotonic() + float(sys.argv[3])
+    while time.monotonic() < end:
+        try:
+            data, addr = s.recvfrom(2048)
+        except TimeoutError:
+            continue
+        print(addr[0], data.decode(errors="replace"), flush=True)
+""")
 
 
 # A member probing ports from inside its namespace: {"host:port": "connected" or the error's name}.

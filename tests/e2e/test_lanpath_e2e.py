@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import PROBE_ALL, joined_mesh, listening
+from support import PROBE_ALL, UDP_LISTEN, joined_mesh, listening
 
 from meshrun.core import lanpath
 from meshrun.lab.mesh import Mesh
@@ -189,26 +189,10 @@ def test_a_lan_path_broken_mid_job_falls_back_to_wireguard_and_the_job_finishes(
     wait_for(lambda: path_of(mesh, "dc1-a", "dc1-b") == lanpath.LABEL, "dc1-a is back on the LAN path", 30)
 
 
-LISTEN = textwrap.dedent("""\
-    import socket, sys, time
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind((sys.argv[1], int(sys.argv[2])))
-    s.settimeout(0.5)
-    print("ready", flush=True)
-    end = time.monotonic() + float(sys.argv[3])
-    while time.monotonic() < end:
-        try:
-            data, addr = s.recvfrom(2048)
-        except TimeoutError:
-            continue
-        print(addr[0], data.decode(errors="replace"), flush=True)
-""")
-
-
 def received(mesh: Mesh, node: str, port: int, seconds: float, send) -> list[tuple[str, str]]:
     """(source address, payload) of every datagram `node`'s overlay address got on `port` while `send()` ran."""
     listener = mesh.world.node(node).popen(
-        mesh.python, "-c", LISTEN, mesh.overlay_ip(node), str(port), str(seconds), stdout=-1, stderr=-1, text=True
+        mesh.python, "-c", UDP_LISTEN, mesh.overlay_ip(node), str(port), str(seconds), stdout=-1, stderr=-1, text=True
     )
     try:
         assert listener.stdout.readline().strip() == "ready"

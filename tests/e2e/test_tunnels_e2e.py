@@ -15,7 +15,7 @@ import textwrap
 import time
 
 import pytest
-from support import joined_mesh
+from support import UDP_LISTEN, joined_mesh
 
 from meshrun.core import tunnels
 from meshrun.lab.mesh import Mesh
@@ -237,20 +237,6 @@ def test_a_tunnel_whose_wireguard_go_dies_mid_transfer_leaves_the_route_and_the_
     wait_for(lambda: live(mesh, "dc1-a", "dc1-b") == [1, 2], "dc1-a takes the new tunnel again")
 
 
-LISTEN = textwrap.dedent("""\
-    import socket, sys, time
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind((sys.argv[1], int(sys.argv[2])))
-    s.settimeout(0.5)
-    print("ready", flush=True)
-    end = time.monotonic() + float(sys.argv[3])
-    while time.monotonic() < end:
-        try:
-            data, addr = s.recvfrom(2048)
-        except TimeoutError:
-            continue
-        print(addr[0], data.decode(errors="replace"), flush=True)
-""")
 SEND = textwrap.dedent("""\
     import socket, sys
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -267,7 +253,7 @@ def test_a_lan_neighbour_cannot_reach_the_overlay_address_around_wireguard(mesh)
     (WireGuard) they arrive."""
     a, c = mesh.world.node("dc1-a"), mesh.world.node("dc1-c")
     a_ip, c_ip = mesh.overlay_ip("dc1-a"), mesh.overlay_ip("dc1-c")
-    listener = a.popen(mesh.python, "-c", LISTEN, a_ip, "39411", "5", stdout=-1, stderr=-1, text=True)
+    listener = a.popen(mesh.python, "-c", UDP_LISTEN, a_ip, "39411", "5", stdout=-1, stderr=-1, text=True)
     c.run("ip", "route", "add", f"{a_ip}/32", "via", str(a.private_ip), "dev", "eth0", "table", "77")
     c.run("ip", "rule", "add", "pref", "77", "fwmark", "77", "lookup", "77")
     try:

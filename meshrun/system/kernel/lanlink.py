@@ -9,8 +9,6 @@ guard table, and a LAN interface's reverse-path filter put back as it was.
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 from meshrun.core import lanpath, tunnels
@@ -18,6 +16,7 @@ from meshrun.core.lanpath import LanPeer
 from meshrun.errors import CommandError, HostError
 from meshrun.system.kernel import net
 from meshrun.system.machine.cmd import run
+from meshrun.system.sockets import probe as probe_mod
 
 __all__ = ["FakeLanLink", "LanLink", "bind_device", "probe", "remove"]
 
@@ -75,21 +74,7 @@ def _set_rp_filter(dev: str, value: str) -> None:
 def probe(overlay_ip: str, port: int, source: str, timeout: float = 0.5) -> float | None:
     """Seconds for one TCP handshake to `overlay_ip`:`port` through the LAN path only (PROBE_MARK: policy routing
     takes PROBE_TABLE), from `source`; None when it did not answer. A refusal answers too."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, lanpath.PROBE_MARK)
-        s.settimeout(timeout)
-        s.bind((source, 0))
-        t0 = time.perf_counter()
-        try:
-            s.connect((overlay_ip, port))
-        except ConnectionRefusedError:
-            pass
-        return time.perf_counter() - t0
-    except OSError:
-        return None
-    finally:
-        s.close()
+    return probe_mod.marked_handshake(overlay_ip, port, source, lanpath.PROBE_MARK, timeout)
 
 
 class LanLink:

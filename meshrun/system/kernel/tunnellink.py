@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from meshrun.errors import HostError, MeshrunError
 from meshrun.system.kernel import net
 from meshrun.system.kernel.device import WireGuardDevice
 from meshrun.system.machine.cmd import run
+from meshrun.system.sockets import probe as probe_mod
 
 __all__ = ["FakeTunnelLink", "TunnelLink", "probe", "remove"]
 
@@ -55,21 +54,7 @@ def probe(overlay_ip: str, port: int, source: str, i: int, timeout: float = 0.5)
     """Seconds for one TCP handshake to `overlay_ip`:`port` through extra tunnel `i` only (its probe mark: policy
     routing takes its probe table), from `source`; None when it did not answer. A refusal answers too. The answer
     may come back on any tunnel: each end judges the tunnels it sends on."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, tunnels.probe_mark(i))
-        s.settimeout(timeout)
-        s.bind((source, 0))
-        t0 = time.perf_counter()
-        try:
-            s.connect((overlay_ip, port))
-        except ConnectionRefusedError:
-            pass
-        return time.perf_counter() - t0
-    except OSError:
-        return None
-    finally:
-        s.close()
+    return probe_mod.marked_handshake(overlay_ip, port, source, tunnels.probe_mark(i), timeout)
 
 
 class TunnelLink:

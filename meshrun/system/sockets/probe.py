@@ -116,6 +116,26 @@ def tcp_connect(host: str, port: int, timeout: float = 1.0) -> tuple[float | Non
     return time.perf_counter() - t0, True
 
 
+def marked_handshake(host: str, port: int, source: str, mark: int, timeout: float = 0.5) -> float | None:
+    """Seconds for one TCP handshake to host:port from `source` with SO_MARK `mark` (policy routing picks the
+    path: the site LAN path's or one tunnel's probe table); None when it did not answer. A refusal answers too."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+        s.settimeout(timeout)
+        s.bind((source, 0))
+        t0 = time.perf_counter()
+        try:
+            s.connect((host, port))
+        except ConnectionRefusedError:
+            pass
+        return time.perf_counter() - t0
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
 def tcp_rtt(host: str, port: int, timeout: float = 1.0) -> float | None:
     """Seconds for one TCP handshake to host:port (a SYN/SYN-ACK round trip), None if no answer.
 
