@@ -85,6 +85,16 @@ class TunnelLink:
                 self.guard = guard
             return False
         self.delete()
+        try:
+            self._make(guard)
+        except OSError as exc:  # a sysctl the kernel does not have or refuses: the caller removes what was made
+            raise HostError(
+                f"could not set up the extra tunnels ({exc})",
+                "run the agent as root, or `meshrun leave` and join again with --tunnels 1",
+            ) from None
+        return True
+
+    def _make(self, guard: str) -> None:
         # The guard before the devices: no listener unbound from the overlay device is reachable from elsewhere.
         run(["nft", "-f", "-"], input=guard)
         self.guard = guard
@@ -113,7 +123,6 @@ class TunnelLink:
             _sysctl(tunnels.HASH_SYSCTL).write_text(tunnels.HASH_POLICY)
             self.hash_restore = before
         self.made = True
-        return True
 
     def follow_mtu(self) -> None:
         """The devices' MTU: the overlay interface's (raised for a jumbo LAN: meshrun.mesh.node.jumbo)."""
