@@ -8,7 +8,7 @@ and s1-b join with `--site s1 --tunnels K` (--tunnels, 4), s1-c with `--site s1`
 tunnels.json shows every extra tunnel to s1-b live (probes answered), two variants from the same sender:
 
 - ``tunnels``: s1-a -> s1-b's overlay address: K tunnels (meshrun0 and K-1 wireguard-go devices), flows spread
-  by the kernel's multipath hash
+  by meshrun's hash (part 2 below; the kernel's multipath route in part 1)
 - ``one``: s1-a -> s1-c's overlay address: meshrun0 alone (s1-c runs no extra tunnel, so none answers)
 
 Each round measures both, in alternating order (reversed every other round): iperf3 TCP for --seconds with 1
@@ -21,6 +21,15 @@ hand-built tunnels of wg_ceiling.json gained nothing here (2.2 vs 2.0 Gbit/s wit
 "wins" is judged as in wg_ceiling.py: every round's ratio above 1 and the median's gain beyond the spread of
 ``one``. The point on this machine is that meshrun's implementation spreads flows and costs nothing against one
 tunnel; run on a many-core host to see the gain.
+
+Part 2 (2026-11-28, written before its run). Part 1's run (archived:
+results/archive/tunnels_2026-11-26_multipath_route.json) gave one stream 0.58 of one tunnel. Found since, by hand in
+this world: with the kernel's multipath route a connecting socket's data took one tunnel and the accepting end's
+acknowledgements another (each end's tx packet counters, 2 of 4 connections; with --cport, where the two ends
+agreed, one stream ran at one tunnel's rate). meshrun now spreads flows itself, hashing each flow's addresses and
+ports in the same order on both ends (meshrun.core.tunnels.ruleset). The same protocol, unchanged (world,
+variants, 5 rounds, 5 s, 1 and 8 streams, 4 tunnels), runs again. Predicted: 1 stream about 1 (0.9-1.1,
+inside the spread of ``one``), so the cost is gone; 8 streams no win beyond the spread (2 CPUs).
 
     sudo .venv/bin/python benchmarks/tunnels.py [--rounds 5] [--seconds 5] [--streams 8] [--tunnels 4]
 """

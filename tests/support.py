@@ -299,3 +299,17 @@ def listening(mesh, node: str, ip: str, skip: set[int]) -> list[str]:
         if host in (ip, "*", "0.0.0.0", "::") and int(port) not in skip:
             out.append(f"{ip}:{port}")
     return sorted(set(out))
+
+
+def wait_for(check, what: str, timeout: float = 60, ping: tuple | None = None) -> None:
+    """Poll `check()` every 0.5 s until it is true, or AssertionError naming `what` after `timeout` s. `ping`
+    (mesh, node, peer): ping the peer's overlay address from the node first each time (a tunnel to wake)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ping:
+            m, a, b = ping
+            m.ping(a, m.overlay_ip(b))
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting until {what}")

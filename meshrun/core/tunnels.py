@@ -11,22 +11,27 @@ tunnel and 12.8 on four on a 16-core host; on a 2-core host there are no cores t
 overlay interface alone).
 
 Tunnel 0 is the overlay interface itself. Tunnels 1..K-1 are WireGuard devices of their own (`device_name`),
-with the member's own key, listening on `port(i)`, holding the member's overlay address as a /32 (a multipath
-route takes only the next hops whose device holds a flow's source address: one on the overlay interface alone
-would pin every socket bound to the address, NCCL's, to it; `net.local_addresses` leaves the tunnels out of the
-candidates), and as peers only this member's private-path
-peers (same site, dialled at their LAN address, where `port(i)` is reachable as it is: behind NAT only the port
-WireGuard punched through is mapped), each allowed its own overlay /32 only and dialled at its LAN address and
-`port(i)`. Overlay addresses do not change, so NCCL, Gloo and anything bound to the overlay address work as before.
+with the member's own key, listening on `port(i)`, holding the member's overlay address as a /32 (a loose
+reverse-path filter drops whatever arrives on a device without an address; `net.local_addresses` leaves the
+tunnels out of the path candidates), and as peers only this member's private-path peers (same site,
+dialled at their LAN address, where `port(i)` is reachable as it is: behind NAT only the port WireGuard punched
+through is mapped), each allowed its own overlay /32 only and dialled at its LAN address and `port(i)`. Overlay
+addresses do not change, so NCCL, Gloo and anything bound to the overlay address work as before: a socket's own
+route is main's, over the overlay interface, and only its packets are moved.
 
 A tunnel carries a peer's traffic only while it answers (`Health`, as the site LAN path's): every PROBE_EVERY_S
 each (peer, tunnel) is tried with one TCP handshake to the peer's API port carrying `probe_mark(i)`, which policy
-routing sends through tunnel i alone (`probe_table(i)`). A peer with live tunnels gets one multipath /32 route in
-TABLE, consulted after the site LAN path and before main, over the overlay interface and its live tunnels; the
-kernel picks a next hop per flow by its addresses and ports (net.ipv4.fib_multipath_hash_policy = HASH_POLICY,
-set while tunnels exist and put back when they go), so one TCP connection stays on one tunnel (nothing is
-reordered) and several spread. No negotiation: a peer running fewer tunnels never answers on the others, so they
-never carry its traffic, and a pair uses min(K_a, K_b). A tunnel whose probes fail leaves the route, and its
+routing sends through tunnel i alone (`probe_table(i)`). A peer's flows are spread over the overlay interface and
+its live tunnels by `ruleset`: an nft route chain on output hashes each TCP or UDP packet's addresses and ports
+(jhash with the fixed HASH_SEED) onto one of them and marks it `spread_mark(i)`, which policy routing (after the
+site LAN path, before main) sends through `probe_table(i)`. Both ends hash a flow's fields in the same order
+(the lower overlay address and its port first), so a connection and its answers ride one tunnel, in both
+directions. The kernel's own multipath route, which an earlier version used, did not do that: a connecting
+socket's next hop was neither the one `ip route get` gave for its ports nor the one for port 0, while the
+accepting end's was, so data and acknowledgements took different tunnels and one stream ran at 0.58 of one
+tunnel (benchmarks/results/tunnels.json, 2026-11-26). One connection stays on one tunnel (nothing is reordered)
+and several spread. No negotiation: a peer running fewer tunnels never answers on the others, so they never
+carry its traffic, and a pair uses min(K_a, K_b). A tunnel whose probes fail leaves the hash, and the peer's
 flows are rehashed over the rest (a TCP connection rides out the move with a retransmit).
 
 NCCL opens one socket per peer by default: one flow, one tunnel. A job gains only with NCCL_SOCKET_NTHREADS x
@@ -36,7 +41,7 @@ NCCL_NSOCKS_PERTHREAD >= K.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from meshrun.core import pairpaths
@@ -46,14 +51,16 @@ from meshrun.errors import UsageError
 
 MAX_TUNNELS = 8
 PORT_BASE = 51810  # tunnel i listens on PORT_BASE + i: 51811-51817 (the LAN path has 51819, relays 51821-52332)
-TABLE = 51817  # the multipath routes of the peers with live tunnels
-PREF = 5181  # its `ip rule` priority: after the site LAN path's (5180), before main (32766)
-PROBE_TABLE_BASE = 51800  # tunnel i's probe routes: table PROBE_TABLE_BASE + i
-PROBE_PREF_BASE = 5170  # ... consulted at priority PROBE_PREF_BASE + i (before the LAN path's rules)
+PROBE_TABLE_BASE = 51800  # tunnel i's routes to its peers: table PROBE_TABLE_BASE + i
+PROBE_PREF_BASE = 5170  # a probe's rule: priority PROBE_PREF_BASE + i (before the LAN path's rules)
 PROBE_MARK_BASE = 0x4D540000  # "MT" and the tunnel's number: a probe's SO_MARK
+SPREAD_PREF_BASE = 5180  # a spread flow's rule: priority SPREAD_PREF_BASE + i, after the LAN path's (5180)
+SPREAD_MARK_BASE = 0x4D550000  # "MU" and the tunnel's number: a flow hashed onto tunnel i (`ruleset` sets it)
+# The same on every member: both ends of a pair must hash a flow alike. nft's jhash is the kernel's plain Jenkins
+# hash of the fields and this seed; its symhash would be symmetric by itself but is keyed per boot, so two hosts
+# would disagree.
+HASH_SEED = 0x4D54
 PROBE_EVERY_S = 1.0
-HASH_SYSCTL = "net/ipv4/fib_multipath_hash_policy"
-HASH_POLICY = "1"  # layer 4: addresses, protocol and ports (0, the default, hashes addresses only: one tunnel)
 GUARD_TABLE = "meshrun_tunnels"
 LABEL = "tunnels"
 
@@ -105,6 +112,14 @@ def probe_pref(i: int) -> int:
     return PROBE_PREF_BASE + i
 
 
+def spread_mark(i: int) -> int:
+    return SPREAD_MARK_BASE + i
+
+
+def spread_pref(i: int) -> int:
+    return SPREAD_PREF_BASE + i
+
+
 @dataclass(frozen=True)
 class TunnelPeer:
     """A peer the extra tunnels reach: its name, key, overlay address, and the LAN address they dial."""
@@ -139,39 +154,54 @@ def health_key(overlay_ip: str, i: int) -> str:
     return f"{overlay_ip}#{i}"
 
 
-def route_argv(overlay_ip: str, own_ip: str, devices: Sequence[str], mtu: int | None = None) -> list[str]:
-    """`ip route replace` for a peer over `devices` (the overlay interface first, then its live tunnels): one
-    multipath route in TABLE from this member's overlay address, with the pair's MTU when it has its own."""
-    argv = ["ip", "route", "replace", f"{overlay_ip}/32", "table", str(TABLE), "src", own_ip]
-    argv += ["mtu", str(mtu)] if mtu else []
-    for dev in devices:
-        argv += ["nexthop", "dev", dev]
-    return argv
+def _hash_expr(own_ip: ipaddress.IPv4Address, peer_ip: ipaddress.IPv4Address) -> str:
+    # The lower overlay address and its port first, on both ends: the two ends of a flow hash the same fields.
+    if own_ip < peer_ip:
+        return "ip saddr . ip daddr . th sport . th dport"
+    return "ip daddr . ip saddr . th dport . th sport"
 
 
-def guard_script(own_overlay_ip: str, interfaces: Iterable[str]) -> str:
-    """The nft script that (re)creates the tunnels' guard, table inet GUARD_TABLE: whatever reaches this member's
-    overlay address on an interface not in `interfaces` (the overlay's, its tunnels', the site LAN path's device
-    or LAN interface) or loopback is dropped. The overlay's listeners, bound to the WireGuard device alone
-    otherwise (SO_BINDTODEVICE), are bound to the address while tunnels exist (they must answer on every tunnel,
-    meshrun.system.kernel.lanlink.bind_device); this keeps the host's other interfaces away from them."""
+def ruleset(own_overlay_ip: str, interfaces: Iterable[str], spread: Mapping[str, Sequence[int]]) -> str:
+    """The nft script that (re)creates table inet GUARD_TABLE, the tunnels' guard and spread.
+
+    Guard: whatever reaches this member's overlay address on an interface not in `interfaces` (the overlay's, its
+    tunnels', the site LAN path's device or LAN interface) or loopback is dropped. The overlay's listeners, bound
+    to the WireGuard device alone otherwise (SO_BINDTODEVICE), are bound to the address while tunnels exist (they
+    must answer on every tunnel, meshrun.system.kernel.lanlink.bind_device); this keeps the host's other
+    interfaces away from them.
+
+    Spread: `spread` {peer overlay IP: its live tunnels (1..K-1)}; each TCP or UDP packet this member sends to
+    such a peer, unmarked, is hashed onto the overlay interface (no mark) or one of the live tunnels
+    (`spread_mark(i)`), the same way on both ends (module docstring). A peer with no live tunnel is left out."""
     own = ipaddress.IPv4Address(own_overlay_ip)
     names = sorted({*interfaces, "lo"})
     ifaces = "{ " + ", ".join(f'"{n}"' for n in names) + " }"
-    return "\n".join(
-        [
-            f"table inet {GUARD_TABLE} {{}}",
-            f"delete table inet {GUARD_TABLE}",
-            f"table inet {GUARD_TABLE} {{",
-            '  comment "meshrun tunnels: the overlay address only from the overlay\'s own interfaces"',
-            "  chain input {",
-            "    type filter hook input priority filter - 2; policy accept;",
-            f"    ip daddr {own} iifname != {ifaces} drop",
+    peers = sorted((ipaddress.IPv4Address(ip), sorted(set(live))) for ip, live in spread.items() if live)
+    lines = [
+        f"table inet {GUARD_TABLE} {{}}",
+        f"delete table inet {GUARD_TABLE}",
+        f"table inet {GUARD_TABLE} {{",
+        '  comment "meshrun tunnels: the overlay address only from the overlay\'s own interfaces; flows spread"',
+        "  chain input {",
+        "    type filter hook input priority filter - 2; policy accept;",
+        f"    ip daddr {own} iifname != {ifaces} drop",
+        "  }",
+        "  chain spread {",
+        "    type route hook output priority mangle; policy accept;",
+    ]
+    if peers:
+        vmap = ", ".join(f"{ip} : goto peer{n}" for n, (ip, _) in enumerate(peers))
+        lines.append(f"    meta mark 0 meta l4proto {{ tcp, udp }} ip daddr vmap {{ {vmap} }}")
+    lines.append("  }")
+    for n, (ip, live) in enumerate(peers):
+        marks = ", ".join(f"{k} : {hex(spread_mark(i) if i else 0)}" for k, i in enumerate([0, *live]))
+        lines += [
+            f"  chain peer{n} {{",
+            f"    meta mark set jhash {_hash_expr(own, ip)} mod {1 + len(live)} seed {hex(HASH_SEED)}"
+            f" map {{ {marks} }}",
             "  }",
-            "}",
-            "",
         ]
-    )
+    return "\n".join([*lines, "}", ""])
 
 
 def overlay_interfaces(overlay_interface: str, count: int, routed_via: str | None = None) -> list[str]:

@@ -42,15 +42,10 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
     rp = lan.get("rp_filter") if isinstance(lan, dict) else None
     lanlink.remove(network.interface, (str(rp[0]), str(rp[1])) if isinstance(rp, list) and len(rp) == 2 else None)
     relaykernel.remove(network.interface)  # and the relay's fast path
-    # The extra tunnels per pair, and the host's multipath hash policy as the agent found it.
+    # The extra tunnels per pair, and their wireguard-go processes as the agent recorded them.
     extra = state.read_json("tunnels.json") if (state / "tunnels.json").exists() else {}
-    extra = extra if isinstance(extra, dict) else {}
-    policy, pids = extra.get("hash_policy"), extra.get("pids")
-    tunnellink.remove(
-        network.interface,
-        policy if isinstance(policy, str) and policy.isdigit() else None,
-        pids if isinstance(pids, dict) else None,
-    )
+    pids = extra.get("pids") if isinstance(extra, dict) else None
+    tunnellink.remove(network.interface, pids if isinstance(pids, dict) else None)
     if purge:
         state.delete()
     return network.interface

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import PROBE_ALL, UDP_LISTEN, joined_mesh, listening
+from support import PROBE_ALL, UDP_LISTEN, joined_mesh, listening, wait_for
 
 from meshrun.core import lanpath
 from meshrun.lab.mesh import Mesh
@@ -71,18 +71,6 @@ def private_verified(mesh: Mesh, a: str, b: str) -> bool:
     pairs = {(p["a"], p["b"]): p for p in mesh.status(mesh.coordinator).get("pairs", [])}
     p = pairs.get((a, b)) or pairs.get((b, a))
     return bool(p and p["path"] == "direct (private)" and p["verified"])
-
-
-def wait_for(check, what: str, timeout: float = 60, ping: tuple | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if ping:
-            m, a, b = ping
-            m.ping(a, m.overlay_ip(b))
-        if check():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting until {what}")
 
 
 def path_of(mesh: Mesh, node: str, peer: str) -> str:

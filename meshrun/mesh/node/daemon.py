@@ -453,7 +453,7 @@ class AgentService:
         """Probe the pairs on trial for the LAN's MTU; apply again when one was proven or failed."""
         if self.jumbo.check():
             self._apply(self.members)
-            self._apply_tunnels()  # a pair's multipath route carries its MTU
+            self._apply_tunnels()  # the extra tunnels follow the interface's MTU
 
     def _apply_tunnels(self) -> None:
         plan = self.lan.plan

@@ -1,17 +1,17 @@
 """The node agent's extra tunnels per pair (`meshrun join --tunnels K`): made once, peered from each member list,
-each (peer, tunnel) proven by probes, a peer's live tunnels in its multipath route.
+each (peer, tunnel) proven by probes, a peer's flows spread over its live tunnels.
 
 `apply(members)` after every sync makes the devices and their peers match `tunnels.plan`; `check()` every
-PROBE_EVERY_S probes each (peer, tunnel) and rewrites the routes of the peers whose live tunnels changed. The
-overlay interface stays the pair's first next hop all along, so a pair whose tunnels all fail is on it alone as
-soon as its route goes. What is live is written to tunnels.json for `meshrun status` and `doctor` (and for
-`meshrun leave`, which puts the host's hash policy back from it when the agent could not).
+PROBE_EVERY_S probes each (peer, tunnel) and spreads each peer's flows over the tunnels that answer
+(`tunnels.ruleset`). The overlay interface carries a share of every pair's flows all along, so a pair whose
+tunnels all fail is on it alone once they leave the hash. What is live is written to tunnels.json for
+`meshrun status` and `doctor` (and for `meshrun leave`, which finds the wireguard-go processes there when the
+agent could not remove them).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
@@ -46,16 +46,9 @@ class Tunnels:
         self.own_key = rec["public_key"]
         self.overlay_ip = rec["overlay_ip"]
         self.link = make_link(network.interface, self.overlay_ip, self.count, state / "private.key", state.path)
-        # An agent that died left its tunnels and the host's hash policy changed: what the host had is in the
-        # record, and making the tunnels anew (ensure removes the old ones first) puts it back.
-        before = None
-        if (state / "tunnels.json").exists():
-            with contextlib.suppress(MeshrunError, AttributeError):  # unreadable: nothing to put back
-                before = state.read_json("tunnels.json").get("hash_policy")
-        if isinstance(before, str) and before.isdigit():
-            self.link.hash_restore = before
         self.probe = probe
         self.peers: tuple[tunnels.TunnelPeer, ...] = ()  # as installed
+        self.interfaces: list[str] = []  # where overlay traffic may arrive (the guard's)
         self.health = lanpath.Health()
         self.lock = threading.Lock()
         self.error = ""  # why the tunnels could not be made ("" when they could)
@@ -82,25 +75,18 @@ class Tunnels:
             if self.error and time.monotonic() < self.retry_at:
                 return
             try:
-                guard = tunnels.guard_script(
-                    self.overlay_ip, tunnels.overlay_interfaces(self.network.interface, self.count, routed_via)
-                )
-                if self.link.ensure(guard):  # made (anew): no peers, no routes, nothing proven
+                self.interfaces = tunnels.overlay_interfaces(self.network.interface, self.count, routed_via)
+                if self.link.ensure(self.interfaces):  # made (anew): no peers, nothing spread, nothing proven
                     log.info("extra tunnels: %s", ", ".join(self.link.names))
                     self.peers, self.health = (), lanpath.Health()
                 self.error = ""
                 self.link.follow_mtu()
                 if plan != self.peers:
-                    gone = {p.overlay_ip for p in self.peers} - {p.overlay_ip for p in plan}
                     self.link.set_peers(plan)
-                    for ip in gone:
-                        self.link.unroute(ip)
                     self.peers = plan
                     self.health.keep(tunnels.health_key(p.overlay_ip, i) for p in plan for i in range(1, self.count))
                     log.info("%d tunnels per pair to %s", self.count, ", ".join(p.name for p in plan) or "no peer")
-                mtus = self.link.route_mtus() if plan else {}
-                for p in plan:  # a pair MTU may have moved (a jumbo pair proven)
-                    self._route(p, mtus)
+                self._spread()
             except MeshrunError as exc:
                 log.warning("no extra tunnels: %s (trying again in %.0f s)", exc, RETRY_S)
                 self.error = exc.message
@@ -115,12 +101,11 @@ class Tunnels:
     def _live(self, p: tunnels.TunnelPeer) -> list[int]:
         return [i for i in range(1, self.count) if tunnels.health_key(p.overlay_ip, i) in self.health.active]
 
-    def _route(self, p: tunnels.TunnelPeer, mtus: dict[str, int]) -> None:
-        devices = [self.network.interface] + [self.link.names[i - 1] for i in self._live(p)]
-        self.link.route(p.overlay_ip, devices, mtus.get(p.overlay_ip))
+    def _spread(self) -> None:
+        self.link.set_rules(self.interfaces, {p.overlay_ip: self._live(p) for p in self.peers})
 
     def check(self) -> None:
-        """Probe every (peer, tunnel) once (together); rewrite the routes of the peers whose live tunnels changed."""
+        """Probe every (peer, tunnel) once (together); spread anew when a peer's live tunnels changed."""
         with self.lock:
             peers = list(self.peers)
         if not peers:
@@ -134,21 +119,15 @@ class Tunnels:
                 return  # planned anew while probing: the next round judges the new plan
             moved = {p for (p, i), rtt in zip(tries, answers) if self.health.record(tunnels.health_key(p.overlay_ip, i),
                                                                                      rtt is not None)}  # fmt: skip
-            mtus = self.link.route_mtus() if moved else {}
+            if not moved:
+                return
             for p in sorted(moved, key=lambda p: p.name):
-                try:
-                    self._route(p, mtus)
-                    live = self._live(p)
-                    log.info("%s on %d of %d tunnels", p.name, 1 + len(live), self.count)
-                except MeshrunError as exc:
-                    log.warning("could not move %s's route: %s", p.name, exc)
-            if moved:
-                self._record()
-
-    def live_counts(self) -> dict[str, int]:
-        """{peer name: tunnels carrying its traffic now, the overlay interface included}."""
-        with self.lock:
-            return {p.name: 1 + len(self._live(p)) for p in self.peers}
+                log.info("%s on %d of %d tunnels", p.name, 1 + len(self._live(p)), self.count)
+            try:
+                self._spread()
+            except MeshrunError as exc:
+                log.warning("could not spread the flows anew: %s", exc)
+            self._record()
 
     def _record(self) -> None:
         rec = {
@@ -156,7 +135,6 @@ class Tunnels:
             "devices": list(self.link.names) if self.link.made else [],
             "ports": [tunnels.port(i) for i in range(1, self.count)],
             "pids": dict(self.link.pids),
-            "hash_policy": self.link.hash_restore,
             "peers": {p.name: {"live": self._live(p), "lan_ip": p.lan_ip} for p in self.peers},
             "error": self.error,
         }

@@ -70,24 +70,74 @@ def test_the_plan_holds_the_private_path_peers_with_an_ipv4_lan_address_only():
     assert tunnels.plan(ME.public_key, members, 1) == ()
 
 
-def test_a_route_spreads_over_its_devices_from_the_overlay_address_with_the_pairs_mtu():
-    argv = tunnels.route_argv("10.213.0.3", "10.213.0.2", ["meshrun0", "meshrun0-t1"], 8920)
-    assert argv == [
-        "ip", "route", "replace", "10.213.0.3/32", "table", str(tunnels.TABLE), "src", "10.213.0.2",
-        "mtu", "8920", "nexthop", "dev", "meshrun0", "nexthop", "dev", "meshrun0-t1",
-    ]  # fmt: skip
-    assert "mtu" not in tunnels.route_argv("10.213.0.3", "10.213.0.2", ["meshrun0", "meshrun0-t1"])
-
-
 def test_the_guard_drops_the_overlay_address_on_every_interface_but_the_overlays_own():
     names = tunnels.overlay_interfaces("meshrun0", 3, routed_via="eth1")
     assert names == ["meshrun0", "meshrun0-lan", "meshrun0-t1", "meshrun0-t2", "eth1"]
-    script = tunnels.guard_script("10.213.0.2", names)
+    script = tunnels.ruleset("10.213.0.2", names, {})
     rule = next(line for line in script.splitlines() if "drop" in line)
     assert rule.strip() == (
         'ip daddr 10.213.0.2 iifname != { "eth1", "lo", "meshrun0", "meshrun0-lan", "meshrun0-t1", "meshrun0-t2" } drop'
     )
     assert script.startswith(f"table inet {tunnels.GUARD_TABLE} {{}}\ndelete table inet {tunnels.GUARD_TABLE}")
+    assert "vmap" not in script  # nothing live: no flow is moved
+
+
+def chains(script: str) -> dict[str, list[str]]:
+    """{chain name: its rules} of an nft script as ruleset writes it (one statement per line)."""
+    out: dict[str, list[str]] = {}
+    name = None
+    for line in (x.strip() for x in script.splitlines()):
+        if line.startswith("chain "):
+            name = line.split()[1]
+            out[name] = []
+        elif line == "}":
+            name = None
+        elif name and not line.startswith("type "):
+            out[name].append(line)
+    return out
+
+
+def test_flows_to_a_peer_spread_over_the_interface_and_its_live_tunnels_only():
+    script = tunnels.ruleset("10.213.0.2", ["meshrun0"], {"10.213.0.9": [3, 1], "10.213.0.3": [2], "10.213.0.5": []})
+    c = chains(script)
+    assert c["spread"] == [
+        "meta mark 0 meta l4proto { tcp, udp } ip daddr vmap { 10.213.0.3 : goto peer0, 10.213.0.9 : goto peer1 }"
+    ]
+    seed = hex(tunnels.HASH_SEED)
+    assert c["peer0"] == [
+        f"meta mark set jhash ip saddr . ip daddr . th sport . th dport mod 2 seed {seed} "
+        f"map {{ 0 : 0x0, 1 : {hex(tunnels.spread_mark(2))} }}"
+    ]
+    assert c["peer1"] == [
+        f"meta mark set jhash ip saddr . ip daddr . th sport . th dport mod 3 seed {seed} "
+        f"map {{ 0 : 0x0, 1 : {hex(tunnels.spread_mark(1))}, 2 : {hex(tunnels.spread_mark(3))} }}"
+    ]
+
+
+def test_both_ends_of_a_pair_hash_a_flows_fields_in_one_order():
+    """A packet from .2 to .9 carries (saddr .2, daddr .9, sport p2, dport p9); its answer (.9, .2, p9, p2). Each
+    end's expression must read (.2, .9, p2, p9) from the packets it sends, so a flow and its answers share a
+    tunnel."""
+    low = chains(tunnels.ruleset("10.213.0.2", ["meshrun0"], {"10.213.0.9": [1]}))["peer0"][0]
+    high = chains(tunnels.ruleset("10.213.0.9", ["meshrun0"], {"10.213.0.2": [1]}))["peer0"][0]
+    fields = {"ip saddr": "own", "ip daddr": "peer", "th sport": "own port", "th dport": "peer port"}
+
+    def read(rule: str, own: str, peer: str) -> list[str]:
+        expr = rule.split("jhash ")[1].split(" mod ")[0].split(" . ")
+        sent = {"own": own, "peer": peer, "own port": f"{own}:port", "peer port": f"{peer}:port"}
+        return [sent[fields[f]] for f in expr]
+
+    assert read(low, "10.213.0.2", "10.213.0.9") == read(high, "10.213.0.9", "10.213.0.2")
+    assert read(low, "10.213.0.2", "10.213.0.9") == ["10.213.0.2", "10.213.0.9", "10.213.0.2:port", "10.213.0.9:port"]
+    # 10.213.0.10 sorts above 10.213.0.9 as an address, below it as text
+    assert "ip saddr . ip daddr" in chains(tunnels.ruleset("10.213.0.9", ["m"], {"10.213.0.10": [1]}))["peer0"][0]
+
+
+def test_spread_marks_and_rules_sit_after_the_lan_path_and_apart_from_the_probes():
+    assert [tunnels.spread_pref(i) for i in (1, 7)] == [5181, 5187]
+    assert tunnels.spread_pref(1) > lanpath.ACTIVE_PREF > tunnels.probe_pref(7)
+    marks = {tunnels.spread_mark(i) for i in range(1, 8)} | {tunnels.probe_mark(i) for i in range(1, 8)}
+    assert len(marks) == 14 and lanpath.PROBE_MARK not in marks
 
 
 def test_the_lan_paths_guard_lets_the_tunnels_through_too():

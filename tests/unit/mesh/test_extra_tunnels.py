@@ -13,7 +13,6 @@ from meshrun.core import lanpath, tunnels
 from meshrun.core.model import Member
 from meshrun.errors import HostError
 from meshrun.mesh.node.tunnels import Tunnels
-from meshrun.system.files.statedir import StateDir
 from meshrun.system.kernel.tunnellink import FakeTunnelLink
 
 NET = JOB_NETWORK  # overlay 10.213.0.0/16 on meshrun0
@@ -41,13 +40,6 @@ class Probe:
 
 
 @pytest.fixture
-def state(tmp_path):
-    s = StateDir(tmp_path / "node")
-    s.create()
-    return s
-
-
-@pytest.fixture
 def probe():
     return Probe()
 
@@ -72,8 +64,8 @@ def test_one_tunnel_makes_nothing(state, probe):
 def test_start_makes_the_devices_and_the_guard_before_any_peer(state, probe):
     t = make(state, probe)
     t.start()
-    assert t.link.made and t.link.peers == {}
-    assert '"meshrun0-t1"' in t.link.guard and "10.213.0.2" in t.link.guard
+    assert t.link.made and t.link.peers == {} and t.link.spread == {}
+    assert T1 in t.link.interfaces and "meshrun0" in t.link.interfaces
     assert state.read_json("tunnels.json")["devices"] == [T1, T2]
 
 
@@ -82,50 +74,49 @@ def test_peers_are_planned_but_carry_nothing_until_their_tunnels_answer(state, p
     t.start()
     t.apply([ME, N1, N2, member(3, path="public")])
     assert [p.name for p in t.link.peers[T1]] == ["n1", "n2"]
-    assert t.link.routes == {}
+    assert t.link.spread == {}
     probe.answers = {(N1.overlay_ip, 1): True, (N1.overlay_ip, 2): True, (N2.overlay_ip, 2): True}
     rounds(t, lanpath.PROBE_OKS - 1)
-    assert t.link.routes == {}
+    assert t.link.spread == {}
     rounds(t, 1)
-    assert t.link.routes == {N1.overlay_ip: (("meshrun0", T1, T2), None), N2.overlay_ip: (("meshrun0", T2), None)}
-    assert t.live_counts() == {"n1": 3, "n2": 2}
+    assert t.link.spread == {N1.overlay_ip: (1, 2), N2.overlay_ip: (2,)}
     assert state.read_json("tunnels.json")["peers"]["n1"]["live"] == [1, 2]
 
 
-def test_a_tunnel_that_stops_answering_leaves_the_route_and_the_last_takes_the_route_away(state, probe):
+def test_a_tunnel_that_stops_answering_leaves_the_spread_and_the_last_leaves_the_interface_alone(state, probe):
     t = make(state, probe)
     t.start()
     t.apply([ME, N1])
     probe.answers = {(N1.overlay_ip, 1): True, (N1.overlay_ip, 2): True}
     rounds(t, lanpath.PROBE_OKS)
     probe.answers[(N1.overlay_ip, 1)] = False
-    rounds(t, lanpath.PROBE_FAILS)
-    assert t.link.routes[N1.overlay_ip][0] == ("meshrun0", T2)
+    rounds(t, lanpath.PROBE_FAILS - 1)
+    assert t.link.spread[N1.overlay_ip] == (1, 2)
+    rounds(t, 1)
+    assert t.link.spread[N1.overlay_ip] == (2,)
     probe.answers[(N1.overlay_ip, 2)] = False
     rounds(t, lanpath.PROBE_FAILS)
-    assert N1.overlay_ip not in t.link.routes  # main's route: the interface alone
+    assert N1.overlay_ip not in t.link.spread  # main's route: the interface alone
 
 
-def test_a_pair_mtu_is_carried_into_the_route(state, probe):
+def test_the_guard_follows_a_routed_site_lan_path(state, probe):
+    t = make(state, probe)
+    t.start()
+    t.apply([ME, N1], routed_via="eth1")
+    assert "eth1" in t.link.interfaces
+    t.apply([ME, N1])
+    assert "eth1" not in t.link.interfaces
+
+
+def test_a_peer_that_leaves_the_private_path_leaves_the_tunnels_and_the_spread(state, probe):
     t = make(state, probe)
     t.start()
     t.apply([ME, N1])
     probe.answers = {(N1.overlay_ip, 1): True}
     rounds(t, lanpath.PROBE_OKS)
-    assert t.link.routes[N1.overlay_ip] == (("meshrun0", T1), None)
-    t.link.mtus[N1.overlay_ip] = 8920  # a jumbo pair proven: its own route's MTU
-    t.apply([ME, N1])
-    assert t.link.routes[N1.overlay_ip] == (("meshrun0", T1), 8920)
-
-
-def test_a_peer_that_leaves_the_private_path_leaves_the_tunnels_and_its_route(state, probe):
-    t = make(state, probe)
-    t.start()
-    t.apply([ME, N1])
-    probe.answers = {(N1.overlay_ip, 1): True}
-    rounds(t, lanpath.PROBE_OKS)
+    assert t.link.spread == {N1.overlay_ip: (1,)}
     t.apply([ME, member(1, path="relayed")])
-    assert t.link.peers[T1] == () and t.link.routes == {}
+    assert t.link.peers[T1] == () and t.link.spread == {}
     assert state.read_json("tunnels.json")["peers"] == {}
 
 
@@ -137,9 +128,9 @@ def test_devices_made_anew_are_peered_and_proven_again(state, probe):
     rounds(t, lanpath.PROBE_OKS)
     t.link.made = False  # a wireguard-go died and took its device with it: ensure makes them anew
     t.apply([ME, N1])
-    assert [p.name for p in t.link.peers[T1]] == ["n1"] and t.link.routes == {}
+    assert [p.name for p in t.link.peers[T1]] == ["n1"] and t.link.spread == {}
     rounds(t, lanpath.PROBE_OKS)
-    assert t.link.routes[N1.overlay_ip][0] == ("meshrun0", T1)
+    assert t.link.spread == {N1.overlay_ip: (1,)}
 
 
 def test_a_host_that_cannot_make_them_keeps_the_interface_alone_and_says_why(state, probe):
@@ -163,11 +154,3 @@ def test_close_takes_everything_away(state, probe):
     t.close()
     assert not t.link.made and t.link.calls[-1] == ("delete",)
     assert state.read_json("tunnels.json")["devices"] == []
-
-
-def test_an_agent_that_died_leaves_the_hosts_hash_policy_in_the_record_and_the_next_one_keeps_it(state, probe):
-    state.write_json("tunnels.json", {"count": 3, "hash_policy": "0", "devices": [T1, T2]})
-    t = make(state, probe)
-    assert t.link.hash_restore == "0"  # what `delete` (and so the first `ensure`) puts back
-    state.write_json("tunnels.json", {"count": 3, "hash_policy": None})
-    assert make(state, probe).link.hash_restore is None

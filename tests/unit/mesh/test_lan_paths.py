@@ -53,13 +53,6 @@ class Probe:
 
 
 @pytest.fixture
-def state(tmp_path):
-    s = StateDir(tmp_path / "node")
-    s.create()
-    return s
-
-
-@pytest.fixture
 def probe():
     return Probe()
 
