@@ -23,7 +23,7 @@ hand-built tunnels of wg_ceiling.json gained nothing here (2.2 vs 2.0 Gbit/s wit
 tunnel; run on a many-core host to see the gain.
 
 Part 2 (2026-11-28, written before its run). Part 1's run (archived:
-results/archive/tunnels_2026-11-26_multipath_route.json) gave one stream 0.58 of one tunnel. Found since, by hand in
+results/archive/tunnels_2026-11-28_multipath_route.json) gave one stream 0.58 of one tunnel. Found since, by hand in
 this world: with the kernel's multipath route a connecting socket's data took one tunnel and the accepting end's
 acknowledgements another (each end's tx packet counters, 2 of 4 connections; with --cport, where the two ends
 agreed, one stream ran at one tunnel's rate). meshrun now spreads flows itself, hashing each flow's addresses and

@@ -29,10 +29,11 @@ site LAN path, before main) sends through `probe_table(i)`. Both ends hash a flo
 directions. The kernel's own multipath route, which an earlier version used, did not do that: a connecting
 socket's next hop was neither the one `ip route get` gave for its ports nor the one for port 0, while the
 accepting end's was, so data and acknowledgements took different tunnels and one stream ran at 0.58 of one
-tunnel (benchmarks/results/tunnels.json, 2026-11-26). One connection stays on one tunnel (nothing is reordered)
-and several spread. No negotiation: a peer running fewer tunnels never answers on the others, so they never
-carry its traffic, and a pair uses min(K_a, K_b). A tunnel whose probes fail leaves the hash, and the peer's
-flows are rehashed over the rest (a TCP connection rides out the move with a retransmit).
+tunnel (benchmarks/results/archive/tunnels_2026-11-28_multipath_route.json). One connection stays on one
+tunnel (nothing is reordered) and several spread. No negotiation: a peer running fewer tunnels never answers
+on the others, so they never carry its traffic, and a pair uses min(K_a, K_b). A tunnel whose probes fail
+leaves the hash, and the peer's flows are rehashed over the rest (a TCP connection rides out the move with a
+retransmit).
 
 NCCL opens one socket per peer by default: one flow, one tunnel. A job gains only with NCCL_SOCKET_NTHREADS x
 NCCL_NSOCKS_PERTHREAD >= K.
