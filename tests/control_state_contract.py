@@ -264,6 +264,18 @@ class TestEnrol:
         assert (m.endpoint, m.last_handshake, m.candidates) == ("198.51.100.2:40000", 125, ("172.31.40.9:51820",))
         assert db.observe({key(99): ("1.2.3.4:5", 1)}) is False
 
+    def test_a_members_reported_tunnels_are_stored_and_move_the_version_once(self, db):
+        enrol(db, "gpu-a", 1)
+        db.heartbeat("10.213.0.2", [], now=NOW + 5)
+        assert db.member_by_name("gpu-a").tunnels == 1  # not reported yet: one
+        v = db.version()
+        db.heartbeat("10.213.0.2", [], now=NOW + 6, tunnels=4)
+        db.heartbeat("10.213.0.2", [], now=NOW + 7, tunnels=4)
+        db.heartbeat("10.213.0.2", [], now=NOW + 8)  # an agent that does not report it keeps the stored one
+        assert db.member_by_name("gpu-a").tunnels == 4 and db.version() == v + 1
+        db.heartbeat("10.213.0.2", [], now=NOW + 9, tunnels=1)
+        assert db.member_by_name("gpu-a").tunnels == 1 and db.version() == v + 2
+
 
 class TestState:
     def test_meta_is_kept_and_the_version_only_moves_forward(self, db):
@@ -310,7 +322,7 @@ class TestState:
     def test_a_dump_loads_into_an_empty_store_of_any_backend_unchanged(self, db, empty_store):
         for i in (1, 2, 3):
             enrol(db, f"gpu-{i}", i)
-        db.heartbeat("10.213.0.2", ["172.31.40.1:51820"], now=NOW + 5, mtu=1380, site="fra")
+        db.heartbeat("10.213.0.2", ["172.31.40.1:51820"], now=NOW + 5, mtu=1380, site="fra", tunnels=4)
         db.remove_member("gpu-3", now=NOW + 6)
         db.save_pairs({("gpu-1", "gpu-2"): PairState("relayed", NOW, True, "coord")})
         db.set_meta(network='{"x": 1}')

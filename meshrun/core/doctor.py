@@ -376,23 +376,25 @@ def _tunnels(f: dict) -> Check | None:
         )
     peers = t.get("peers") or {}
     if not peers:
-        return Check("tunnels", OK, f"{count} tunnels per pair, no same-site peer on the private path yet")
-    full = [n for n, p in peers.items() if len(p.get("live") or []) == count - 1]
+        return Check(
+            "tunnels", OK, f"{count} tunnels per pair, no same-site peer on the private path runs extra tunnels yet"
+        )
+    # A pair uses as many tunnels as the member with fewer runs (`count` in the record: that pair's).
+    full = [n for n, p in peers.items() if len(p.get("live") or []) == int(p.get("count") or count) - 1]
     none = [n for n, p in peers.items() if not p.get("live")]
-    detail = f"{len(full)} of {len(peers)} same-site peers on all {count} tunnels"
+    detail = f"{len(full)} of {len(peers)} same-site peers with extra tunnels on all of them"
     if none and len(none) == len(peers):
         last = t.get("ports") or []
         return Check(
             "tunnels",
             WARN,
             f"no same-site peer answers on the extra tunnels ({', '.join(sorted(none)[:8])})",
-            f"join the peers with --tunnels too, and allow UDP {last[0]}-{last[-1]} between the site's nodes' "
-            "LAN addresses (security groups, host firewalls)"
+            f"allow UDP {last[0]}-{last[-1]} between the site's nodes' LAN addresses (security groups, host firewalls)"
             if last
-            else "join the peers with --tunnels too",
+            else "allow the extra tunnels' UDP ports between the site's nodes' LAN addresses",
         )
     if none:
-        detail += f"; {len(none)} on one (they run one tunnel, or its ports are closed: {', '.join(sorted(none)[:8])})"
+        detail += f"; {len(none)} answer on none, their ports closed? ({', '.join(sorted(none)[:8])})"
     return Check("tunnels", OK, detail)
 
 

@@ -14,6 +14,7 @@ from meshrun.core.keys import is_public_key
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}\Z")  # \Z: `$` would accept a trailing newline
 SITE_RE = NAME_RE  # `meshrun join --site`: a name like a member's
+MAX_TUNNELS = 8  # `meshrun join --tunnels`: WireGuard tunnels per same-site pair, at most (meshrun.core.tunnels)
 IFACE_RE = re.compile(r"^[A-Za-z0-9_=+.-]{1,15}\Z")
 DEFAULT_PORT = 51820
 DEFAULT_MTU = 1420
@@ -92,6 +93,7 @@ class Member(_Wire):
     via_port: int = 0  # for the receiving node, the UDP port its relay forwards this pair's datagrams on (0: none yet)
     lan: bool = False  # for the receiving node: the pair may use its trusted site's LAN path (core/lanpath)
     lan_routed: bool = False  # ... with no encapsulation (the site was trusted with `--encapsulation none`)
+    tunnels: int = 1  # WireGuard tunnels per same-site pair it runs (`meshrun join --tunnels`), as it reports it
 
     @classmethod
     def from_dict(cls, d: dict) -> Member:
@@ -115,6 +117,7 @@ class Member(_Wire):
             via_port=_int(d, "via_port", 0, 65535, required=False),
             lan=bool(d.get("lan", False)),
             lan_routed=bool(d.get("lan_routed", False)),
+            tunnels=_int(d, "tunnels", 1, MAX_TUNNELS, required=False),
         )
 
 

@@ -30,8 +30,9 @@ directions. The kernel's own multipath route, which an earlier version used, did
 socket's next hop was neither the one `ip route get` gave for its ports nor the one for port 0, while the
 accepting end's was, so data and acknowledgements took different tunnels and one stream ran at 0.58 of one
 tunnel (benchmarks/results/archive/tunnels_2026-11-28_multipath_route.json). One connection stays on one
-tunnel (nothing is reordered) and several spread. No negotiation: a peer running fewer tunnels never answers
-on the others, so they never carry its traffic, and a pair uses min(K_a, K_b). A tunnel whose probes fail
+tunnel (nothing is reordered) and several spread. A pair uses min(K_a, K_b) tunnels: each member reports its K to
+the coordinator with every sync (`Member.tunnels`), and a peer is planned on tunnels 1..min-1 only, so nothing
+is probed or dialled that the peer does not run. A tunnel whose probes fail
 leaves the hash, and the peer's flows are rehashed over the rest (a TCP connection rides out the move with a
 retransmit).
 
@@ -47,10 +48,9 @@ from dataclasses import dataclass
 
 from meshrun.core import pairpaths
 from meshrun.core.lanpath import interface_name as lan_interface_name
-from meshrun.core.model import Member
+from meshrun.core.model import MAX_TUNNELS, Member
 from meshrun.errors import UsageError
 
-MAX_TUNNELS = 8
 PORT_BASE = 51810  # tunnel i listens on PORT_BASE + i: 51811-51817 (the LAN path has 51819, relays 51821-52332)
 PROBE_TABLE_BASE = 51800  # tunnel i's routes to its peers: table PROBE_TABLE_BASE + i
 PROBE_PREF_BASE = 5170  # a probe's rule: priority PROBE_PREF_BASE + i (before the LAN path's rules)
@@ -123,22 +123,31 @@ def spread_pref(i: int) -> int:
 
 @dataclass(frozen=True)
 class TunnelPeer:
-    """A peer the extra tunnels reach: its name, key, overlay address, and the LAN address they dial."""
+    """A peer the extra tunnels reach: its name, key, overlay address, the LAN address they dial, and the
+    tunnels the pair uses (`count`, at least 2: the overlay interface and tunnels 1..count-1)."""
 
     name: str
     public_key: str
     overlay_ip: str
     lan_ip: str
+    count: int
+
+    @property
+    def extra(self) -> range:
+        """The pair's extra tunnels' numbers: 1..count-1."""
+        return range(1, self.count)
 
 
 def plan(own_key: str, members: Sequence[Member], count: int) -> tuple[TunnelPeer, ...]:
     """The peers of the extra tunnels: every peer this member reaches on the private path (the coordinator's
-    `path` for the pair) at an IPv4 LAN address; none when this member runs one tunnel per pair."""
+    `path` for the pair) at an IPv4 LAN address that runs extra tunnels too, each with min(`count`, its own);
+    none when this member runs one tunnel per pair."""
     if count < 2:
         return ()
     out = []
     for m in members:
-        if m.public_key == own_key or m.path != pairpaths.PRIVATE:
+        pair = min(count, m.tunnels)
+        if m.public_key == own_key or m.path != pairpaths.PRIVATE or pair < 2:
             continue
         host = pairpaths.host_of(pairpaths.private_candidate(m))
         try:
@@ -146,7 +155,7 @@ def plan(own_key: str, members: Sequence[Member], count: int) -> tuple[TunnelPee
                 continue
         except ValueError:
             continue
-        out.append(TunnelPeer(m.name, m.public_key, m.overlay_ip, host))
+        out.append(TunnelPeer(m.name, m.public_key, m.overlay_ip, host, pair))
     return tuple(sorted(out, key=lambda p: p.name))
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from meshrun.core.model import SITE_RE, Member, Network, parse_endpoint, split_endpoint
+from meshrun.core.model import MAX_TUNNELS, SITE_RE, Member, Network, parse_endpoint, split_endpoint
 from meshrun.core.ratelimit import RateLimiter
 from meshrun.errors import CoordinatorError, StateError, UsageError
 from meshrun.mesh.coordinator.pairs import PairDriver
@@ -186,6 +186,11 @@ class OverlayAPI:
             relay = body.get("relay")
             if relay is not None and not isinstance(relay, bool):
                 raise ValueError("relay must be true or false")
+            tunnels = body.get("tunnels")
+            if tunnels is not None and (
+                isinstance(tunnels, bool) or not isinstance(tunnels, int) or not 1 <= tunnels <= MAX_TUNNELS
+            ):
+                raise ValueError(f"tunnels must be an integer in 1..{MAX_TUNNELS}")
             rtt = body.get("rtt", {})
             if not isinstance(rtt, dict) or len(rtt) > 64:
                 raise ValueError("rtt must be an object of at most 64 round trips")
@@ -198,9 +203,12 @@ class OverlayAPI:
         if rtt_ms:
             self.pairs.report_rtt(caller.name, rtt_ms)
         heard = (caller.overlay_ip, caller.public_key)
-        if owed or self.heard.get(heard) != (candidates, mtu, site, relay):
-            self.db.heartbeat(caller.overlay_ip, candidates, touch=owed, mtu=mtu, site=site, relay=relay)
-            self.heard[heard] = (candidates, mtu, site, relay)
+        said = (candidates, mtu, site, relay, tunnels)
+        if owed or self.heard.get(heard) != said:
+            self.db.heartbeat(
+                caller.overlay_ip, candidates, touch=owed, mtu=mtu, site=site, relay=relay, tunnels=tunnels
+            )
+            self.heard[heard] = said
         deltas = bool(body.get("delta")) and known > 0  # the agent applies deltas (meshrun >= this one)
         extra = {"report": "full"} if owed else {}
         # A node that owes a full report is answered at once, so its pairs are judged again soon.

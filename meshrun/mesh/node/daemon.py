@@ -333,6 +333,7 @@ class AgentService:
             "full": self.full_report,
             "mtu": int(self.rec.get("mtu") or self.network.mtu),
             "site": str(self.rec.get("site") or ""),
+            "tunnels": self.tunnels.count,
         }
 
     def wait_time(self, current: list[peers.PeerState] | None = None) -> float:

@@ -84,8 +84,8 @@ class Tunnels:
                 if plan != self.peers:
                     self.link.set_peers(plan)
                     self.peers = plan
-                    self.health.keep(tunnels.health_key(p.overlay_ip, i) for p in plan for i in range(1, self.count))
-                    log.info("%d tunnels per pair to %s", self.count, ", ".join(p.name for p in plan) or "no peer")
+                    self.health.keep(tunnels.health_key(p.overlay_ip, i) for p in plan for i in p.extra)
+                    log.info("tunnels per pair: %s", ", ".join(f"{p.name} {p.count}" for p in plan) or "no peer")
                 self._spread()
             except MeshrunError as exc:
                 log.warning("no extra tunnels: %s (trying again in %.0f s)", exc, RETRY_S)
@@ -99,7 +99,7 @@ class Tunnels:
             self._record()
 
     def _live(self, p: tunnels.TunnelPeer) -> list[int]:
-        return [i for i in range(1, self.count) if tunnels.health_key(p.overlay_ip, i) in self.health.active]
+        return [i for i in p.extra if tunnels.health_key(p.overlay_ip, i) in self.health.active]
 
     def _spread(self) -> None:
         self.link.set_rules(self.interfaces, {p.overlay_ip: self._live(p) for p in self.peers})
@@ -110,7 +110,7 @@ class Tunnels:
             peers = list(self.peers)
         if not peers:
             return
-        tries = [(p, i) for p in peers for i in range(1, self.count)]
+        tries = [(p, i) for p in peers for i in p.extra]
         port = self.network.api_port
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(tries))) as pool:
             answers = list(pool.map(lambda t: self.probe(t[0].overlay_ip, port, self.overlay_ip, t[1]), tries))
@@ -122,7 +122,7 @@ class Tunnels:
             if not moved:
                 return
             for p in sorted(moved, key=lambda p: p.name):
-                log.info("%s on %d of %d tunnels", p.name, 1 + len(self._live(p)), self.count)
+                log.info("%s on %d of %d tunnels", p.name, 1 + len(self._live(p)), p.count)
             try:
                 self._spread()
             except MeshrunError as exc:
@@ -135,7 +135,7 @@ class Tunnels:
             "devices": list(self.link.names) if self.link.made else [],
             "ports": [tunnels.port(i) for i in range(1, self.count)],
             "pids": dict(self.link.pids),
-            "peers": {p.name: {"live": self._live(p), "lan_ip": p.lan_ip} for p in self.peers},
+            "peers": {p.name: {"live": self._live(p), "lan_ip": p.lan_ip, "count": p.count} for p in self.peers},
             "error": self.error,
         }
         if rec != self._written:

@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS members(
   removed_at REAL,
   mtu INTEGER NOT NULL DEFAULT 0,            -- the member's overlay MTU as its agent reports it
   site TEXT NOT NULL DEFAULT '',            -- the site its agent reports (`meshrun join --site`)
-  relay INTEGER NOT NULL DEFAULT 1);        -- may relay others' pairs (`meshrun join --no-relay`: 0)
+  relay INTEGER NOT NULL DEFAULT 1,         -- may relay others' pairs (`meshrun join --no-relay`: 0)
+  tunnels INTEGER NOT NULL DEFAULT 1);      -- tunnels per same-site pair it runs (`meshrun join --tunnels`)
 CREATE UNIQUE INDEX IF NOT EXISTS members_active_name ON members(name) WHERE removed_at IS NULL;
 CREATE TABLE IF NOT EXISTS tokens(
   id TEXT PRIMARY KEY,
@@ -209,6 +210,8 @@ class CoordinatorDB:
             self.conn.execute("ALTER TABLE members ADD COLUMN site TEXT NOT NULL DEFAULT ''")
         if "relay" not in cols:
             self.conn.execute("ALTER TABLE members ADD COLUMN relay INTEGER NOT NULL DEFAULT 1")
+        if "tunnels" not in cols:
+            self.conn.execute("ALTER TABLE members ADD COLUMN tunnels INTEGER NOT NULL DEFAULT 1")
         pair_cols = {r[1] for r in self.conn.execute("PRAGMA table_info(pairs)")}
         if "relay" not in pair_cols:
             self.conn.execute("ALTER TABLE pairs ADD COLUMN relay TEXT NOT NULL DEFAULT ''")
@@ -412,7 +415,9 @@ class CoordinatorDB:
             self._bump(c)
             return Member(name, public_key, ip, None, tuple(candidates)), True
 
-    _COLS = "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake, mtu, site, relay"
+    _COLS = (
+        "name, public_key, overlay_ip, endpoint, candidates, is_coordinator, last_handshake, mtu, site, relay, tunnels"
+    )
 
     @staticmethod
     def _row_member(r) -> Member:
@@ -427,6 +432,7 @@ class CoordinatorDB:
             mtu=int(r[7] or 0),
             site=r[8] or "",
             relay=bool(r[9]),
+            tunnels=int(r[10] or 1),
         )
 
     def _member_where(self, c, where: str, args: tuple) -> Member | None:
@@ -519,20 +525,22 @@ class CoordinatorDB:
         mtu: int | None = None,
         site: str | None = None,
         relay: bool | None = None,
+        tunnels: int | None = None,
     ) -> None:
-        """Record a member's self-reported candidates (overlay MTU, site, whether it may relay); bump the
-        version if they changed.
+        """Record a member's self-reported candidates (overlay MTU, site, whether it may relay, its tunnels per
+        same-site pair); bump the version if they changed.
 
         Writes only when the candidates or MTU changed, on the member's first sync ever, or with
         `touch` (the coordinator passes it on a member's first sync since the daemon started,
         so last_seen says when it last reconnected): an idle network's heartbeats cost no
-        disk write (and no fsync). `mtu`, `site` or `relay` None (an agent that does not report it) keeps the
-        stored one.
+        disk write (and no fsync). `mtu`, `site`, `relay` or `tunnels` None (an agent that does not report it)
+        keeps the stored one.
         """
         new = json.dumps(candidates)
         with self._lock:
             old = self.conn.execute(
-                "SELECT candidates, last_seen, mtu, site, relay FROM members WHERE overlay_ip=? AND removed_at IS NULL",
+                "SELECT candidates, last_seen, mtu, site, relay, tunnels FROM members "
+                "WHERE overlay_ip=? AND removed_at IS NULL",
                 (ip,),
             ).fetchone()
         if old is None:
@@ -540,14 +548,15 @@ class CoordinatorDB:
         mtu = old[2] if mtu is None else mtu
         site = old[3] if site is None else site
         relay_int = old[4] if relay is None else int(relay)
-        changed = old[0] != new or old[2] != mtu or old[3] != site or old[4] != relay_int
+        tunnels = old[5] if tunnels is None else tunnels
+        changed = old[0] != new or old[2] != mtu or old[3] != site or old[4] != relay_int or old[5] != tunnels
         if not changed and old[1] is not None and not touch:
             return
         with self.tx(durable=changed) as c:
             c.execute(
-                "UPDATE members SET candidates=?, mtu=?, site=?, relay=?, last_seen=? "
+                "UPDATE members SET candidates=?, mtu=?, site=?, relay=?, tunnels=?, last_seen=? "
                 "WHERE overlay_ip=? AND removed_at IS NULL",
-                (new, mtu, site, relay_int, time.time() if now is None else now, ip),
+                (new, mtu, site, relay_int, tunnels, time.time() if now is None else now, ip),
             )
             if changed:
                 self._bump(c)
@@ -637,7 +646,7 @@ class CoordinatorDB:
         (meshrun.system.control.etcdstate.EtcdCoordinatorDB.load) and `load` reads back."""
         cols = [
             "id", "name", "public_key", "overlay_ip", "candidates", "endpoint", "last_handshake", "is_coordinator",
-            "token_id", "joined_at", "last_seen", "removed_at", "mtu", "site", "relay",
+            "token_id", "joined_at", "last_seen", "removed_at", "mtu", "site", "relay", "tunnels",
         ]  # fmt: skip
         members = []
         for r in self.conn.execute(f"SELECT {', '.join(cols)} FROM members ORDER BY id"):
@@ -674,8 +683,8 @@ class CoordinatorDB:
             for r in dump["members"]:
                 c.execute(
                     "INSERT INTO members(id, name, public_key, overlay_ip, candidates, endpoint, last_handshake, "
-                    "is_coordinator, token_id, joined_at, last_seen, removed_at, mtu, site, relay) "
-                    "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "is_coordinator, token_id, joined_at, last_seen, removed_at, mtu, site, relay, tunnels) "
+                    "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         *(r[k] for k in ("id", "name", "public_key", "overlay_ip")),
                         json.dumps(r["candidates"]),
@@ -683,6 +692,7 @@ class CoordinatorDB:
                         int(r["is_coordinator"]),
                         *(r[k] for k in ("token_id", "joined_at", "last_seen", "removed_at", "mtu", "site")),
                         int(r["relay"]),
+                        int(r.get("tunnels") or 1),  # a dump from before the column: one tunnel
                     ),
                 )
             for r in dump["tokens"]:

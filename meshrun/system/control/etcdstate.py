@@ -102,6 +102,7 @@ class _Row:
     mtu: int
     site: str
     relay: bool
+    tunnels: int = 1
 
     @classmethod
     def parse(cls, raw: bytes) -> _Row:
@@ -122,6 +123,7 @@ class _Row:
             int(d.get("mtu") or 0),
             str(d.get("site") or ""),
             bool(d.get("relay", True)),
+            int(d.get("tunnels") or 1),
         )
 
     def dump(self) -> bytes:
@@ -139,6 +141,7 @@ class _Row:
             mtu=self.mtu,
             site=self.site,
             relay=self.relay,
+            tunnels=self.tunnels,
         )
 
 
@@ -710,8 +713,9 @@ class EtcdCoordinatorDB:
         mtu: int | None = None,
         site: str | None = None,
         relay: bool | None = None,
+        tunnels: int | None = None,
     ) -> None:
-        """A member's self-reported candidates, MTU, site and relay setting (CoordinatorDB.heartbeat): written
+        """A member's self-reported candidates, MTU, site, relay setting and tunnels (CoordinatorDB.heartbeat): written
         on a change, on its first sync ever or with `touch`, the version bumped when something changed."""
 
         def attempt() -> None:
@@ -722,11 +726,13 @@ class EtcdCoordinatorDB:
             new_mtu = old.mtu if mtu is None else mtu
             new_site = old.site if site is None else site
             new_relay = old.relay if relay is None else relay
+            new_tunnels = old.tunnels if tunnels is None else tunnels
             changed = (
                 old.candidates != list(candidates)
                 or old.mtu != new_mtu
                 or old.site != new_site
                 or old.relay != new_relay
+                or old.tunnels != new_tunnels
             )
             if not changed and old.last_seen is not None and not touch:
                 return
@@ -737,6 +743,7 @@ class EtcdCoordinatorDB:
                     "mtu": new_mtu,
                     "site": new_site,
                     "relay": new_relay,
+                    "tunnels": new_tunnels,
                     "last_seen": time.time() if now is None else now,
                 }
             )

@@ -78,6 +78,7 @@ class ControlState(Protocol):
         mtu: int | None = None,
         site: str | None = None,
         relay: bool | None = None,
+        tunnels: int | None = None,
     ) -> None: ...
     def observe(self, observations: dict[str, tuple[str | None, int]]) -> bool: ...
 

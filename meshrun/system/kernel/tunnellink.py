@@ -126,10 +126,10 @@ class TunnelLink:
                 run(["ip", "link", "set", name, "mtu", str(mtu)])
 
     def set_peers(self, peers: Sequence[TunnelPeer]) -> None:
-        """Exactly `peers` on every device (allowed only their own /32, dialled at their LAN address and the
-        device's port), and each one's route through each device (its table: probes and spread flows)."""
-        want = tuple(peers)
+        """Exactly `peers` on the devices of their pair's tunnels (allowed only their own /32, dialled at their
+        LAN address and the device's port), and each one's route through each (its table: probes and spread)."""
         for i, name in enumerate(self.names, start=1):
+            want = tuple(p for p in peers if i in p.extra)
             have = self.peers.get(name, ())
             if have == want:
                 continue
@@ -199,7 +199,7 @@ class FakeTunnelLink:
 
     def set_peers(self, peers: Sequence[TunnelPeer]) -> None:
         self.calls.append(("set_peers", tuple(p.name for p in peers)))
-        self.peers = {name: tuple(peers) for name in self.names}
+        self.peers = {name: tuple(p for p in peers if i in p.extra) for i, name in enumerate(self.names, start=1)}
 
     def delete(self) -> None:
         self.calls.append(("delete",))

@@ -372,12 +372,21 @@ def test_a_coordinator_whose_etcd_member_is_down_blocks():
 
 def test_extra_tunnels_are_checked_only_where_a_node_asked_for_them():
     assert "tunnels" not in levels(facts(tunnels={"count": 1}))
-    up = {"count": 3, "ports": [51811, 51812], "peers": {"b": {"live": [1, 2]}, "c": {"live": [1, 2]}}, "error": ""}
+    up = {
+        "count": 3,
+        "ports": [51811, 51812],
+        "peers": {"b": {"live": [1, 2], "count": 3}, "c": {"live": [1], "count": 2}},  # c runs two
+        "error": "",
+    }
     c = only(facts(tunnels=up), "tunnels")
-    assert c.level == OK and "2 of 2 same-site peers on all 3 tunnels" in c.detail
-    c = only(facts(tunnels=dict(up, peers={"b": {"live": [1, 2]}, "c": {"live": []}})), "tunnels")
-    assert c.level == OK and "1 on one" in c.detail and "c" in c.detail
-    c = only(facts(tunnels=dict(up, peers={"b": {"live": []}})), "tunnels")
-    assert c.level == WARN and "UDP 51811-51812" in c.fix and "--tunnels" in c.fix
+    assert c.level == OK and "2 of 2 same-site peers with extra tunnels on all of them" in c.detail
+    c = only(
+        facts(tunnels=dict(up, peers={"b": {"live": [1, 2], "count": 3}, "c": {"live": [], "count": 3}})), "tunnels"
+    )
+    assert c.level == OK and "1 answer on none" in c.detail and "(c)" in c.detail
+    c = only(facts(tunnels=dict(up, peers={"b": {"live": [], "count": 3}})), "tunnels")
+    assert c.level == WARN and "UDP 51811-51812" in c.fix
+    c = only(facts(tunnels=dict(up, peers={})), "tunnels")
+    assert c.level == OK and "no same-site peer on the private path runs extra tunnels yet" in c.detail
     c = only(facts(tunnels={"count": 3, "error": "wireguard-go exited", "peers": {}}), "tunnels")
     assert c.level == WARN and "wireguard-go exited" in c.detail and "--tunnels 1" in c.fix

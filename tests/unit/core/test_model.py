@@ -173,6 +173,7 @@ class TestMember:
             "via_port": 0,
             "lan": False,
             "lan_routed": False,
+            "tunnels": 1,
         }
 
     @pytest.mark.parametrize(
@@ -182,6 +183,7 @@ class TestMember:
             member(endpoint=None, candidates=(), last_handshake=0),
             member(is_coordinator=True, endpoint="[2001:db8::2]:51820"),
             member(site="dc1"),
+            member(tunnels=4),
         ],
     )
     def test_round_trip(self, m):

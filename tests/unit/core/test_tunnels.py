@@ -9,7 +9,7 @@ from meshrun.core.model import Member
 from meshrun.errors import UsageError
 
 
-def member(i: int, path: str = "private", lan: str | None = None) -> Member:
+def member(i: int, path: str = "private", lan: str | None = None, count: int = 3) -> Member:
     return Member(
         f"n{i}",
         f"{i:042d}A=",
@@ -17,6 +17,7 @@ def member(i: int, path: str = "private", lan: str | None = None) -> Member:
         f"198.51.100.9:{40000 + i}",
         (f"{lan or f'10.1.0.{i + 2}'}:51820",),
         path=path,
+        tunnels=count,
     )
 
 
@@ -68,6 +69,25 @@ def test_the_plan_holds_the_private_path_peers_with_an_ipv4_lan_address_only():
         ("n5", "10.1.0.7", "10.213.0.7"),
     ]
     assert tunnels.plan(ME.public_key, members, 1) == ()
+
+
+def test_a_pair_uses_as_many_tunnels_as_the_member_with_fewer_runs():
+    """A peer that runs fewer tunnels (it reports its `--tunnels` with every sync) is planned on those only; one
+    that runs one is not planned: nothing would answer it on an extra tunnel."""
+    members = [ME, member(1, count=2), member(2, count=8), member(3, count=1), member(4, count=4)]
+    plan = {p.name: p for p in tunnels.plan(ME.public_key, members, 4)}
+    assert {n: p.count for n, p in plan.items()} == {"n1": 2, "n2": 4, "n4": 4}
+    assert list(plan["n1"].extra) == [1] and list(plan["n2"].extra) == [1, 2, 3]
+
+
+def test_a_member_without_a_reported_count_runs_one_tunnel():
+    d = member(1).to_dict()
+    assert d["tunnels"] == 3 and Member.from_dict(d).tunnels == 3
+    d.pop("tunnels")
+    assert Member.from_dict(d).tunnels == 1  # an older agent's, or a coordinator's, record
+    for bad in (0, tunnels.MAX_TUNNELS + 1, "3", 2.0, True):
+        with pytest.raises(ValueError):
+            Member.from_dict({**d, "tunnels": bad})
 
 
 def test_the_guard_drops_the_overlay_address_on_every_interface_but_the_overlays_own():

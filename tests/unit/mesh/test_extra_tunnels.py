@@ -19,9 +19,15 @@ NET = JOB_NETWORK  # overlay 10.213.0.0/16 on meshrun0
 T1, T2 = tunnels.device_names("meshrun0", 3)
 
 
-def member(i: int, path: str = "private") -> Member:
+def member(i: int, path: str = "private", count: int = 3) -> Member:
     return Member(
-        f"n{i}", f"{i:042d}A=", f"10.213.0.{i + 2}", f"198.51.100.9:{40000 + i}", (f"10.1.0.{i + 2}:51820",), path=path
+        f"n{i}",
+        f"{i:042d}A=",
+        f"10.213.0.{i + 2}",
+        f"198.51.100.9:{40000 + i}",
+        (f"10.1.0.{i + 2}:51820",),
+        path=path,
+        tunnels=count,
     )
 
 
@@ -81,6 +87,19 @@ def test_peers_are_planned_but_carry_nothing_until_their_tunnels_answer(state, p
     rounds(t, 1)
     assert t.link.spread == {N1.overlay_ip: (1, 2), N2.overlay_ip: (2,)}
     assert state.read_json("tunnels.json")["peers"]["n1"]["live"] == [1, 2]
+
+
+def test_a_peer_running_fewer_tunnels_is_peered_and_probed_on_those_only(state, probe):
+    t = make(state, probe)
+    t.start()
+    calls = []
+    t.probe = lambda ip, port, source, i: calls.append((ip, i)) or 0.001
+    t.apply([ME, N1, member(2, count=2), member(3, count=1)])
+    assert [p.name for p in t.link.peers[T1]] == ["n1", "n2"] and [p.name for p in t.link.peers[T2]] == ["n1"]
+    rounds(t, lanpath.PROBE_OKS)
+    assert set(calls) == {(N1.overlay_ip, 1), (N1.overlay_ip, 2), (N2.overlay_ip, 1)}  # none to n3
+    assert t.link.spread == {N1.overlay_ip: (1, 2), N2.overlay_ip: (1,)}
+    assert state.read_json("tunnels.json")["peers"]["n2"] == {"live": [1], "lan_ip": "10.1.0.4", "count": 2}
 
 
 def test_a_tunnel_that_stops_answering_leaves_the_spread_and_the_last_leaves_the_interface_alone(state, probe):

@@ -94,6 +94,26 @@ def test_a_sync_with_a_malformed_site_is_refused(mesh, site):
     assert resp.status == 400 and "malformed sync request" in str(resp.body)
 
 
+@pytest.mark.parametrize("tunnels", [0, 9, "4", 2.0, True])
+def test_a_sync_with_a_malformed_tunnel_count_is_refused(mesh, tunnels):
+    a = mesh.join("a", "198.51.100.2:40000")
+    body = {**a.agent.heartbeat([]), "tunnels": tunnels}
+    resp = mesh.coord.overlay.handle(Request("POST", "/v1/sync", a.ip, body))
+    assert resp.status == 400 and "malformed sync request" in str(resp.body)
+
+
+def test_a_members_tunnel_count_reaches_its_peers(mesh):
+    """Each agent reports its `--tunnels` with every sync: the pair's tunnels are planned from it
+    (meshrun.core.tunnels.plan)."""
+    a, b = mesh.join("a", "198.51.100.2:40000"), mesh.join("b", "198.51.100.3:40001")
+    mesh.sync()
+    assert a.agent.heartbeat([])["tunnels"] == 1 and mesh.member_seen_by(b, a).tunnels == 1
+    body = {**a.agent.heartbeat([]), "tunnels": 4}
+    assert mesh.coord.overlay.handle(Request("POST", "/v1/sync", a.ip, body)).status == 200
+    mesh.sync(b)
+    assert mesh.member_seen_by(b, a).tunnels == 4
+
+
 def test_a_bad_site_is_refused_before_anything_is_made(mesh):
     with pytest.raises(UsageError, match="--site 'DC 1' is not a valid name"):
         mesh.join("a", "198.51.100.2:40000", site="DC 1")
