@@ -30,11 +30,10 @@ directions. The kernel's own multipath route, which an earlier version used, did
 socket's next hop was neither the one `ip route get` gave for its ports nor the one for port 0, while the
 accepting end's was, so data and acknowledgements took different tunnels and one stream ran at 0.58 of one
 tunnel (benchmarks/results/archive/tunnels_2026-11-28_multipath_route.json). One connection stays on one
-tunnel (nothing is reordered) and several spread. A pair uses min(K_a, K_b) tunnels: each member reports its K to
-the coordinator with every sync (`Member.tunnels`), and a peer is planned on tunnels 1..min-1 only, so nothing
-is probed or dialled that the peer does not run. A tunnel whose probes fail
-leaves the hash, and the peer's flows are rehashed over the rest (a TCP connection rides out the move with a
-retransmit).
+tunnel (nothing is reordered) and several spread. A pair uses min(K_a, K_b) tunnels: each member reports its
+K to the coordinator with every sync (`Member.tunnels`), and a peer is planned on tunnels 1..min-1 only, so
+nothing is probed or dialled that the peer does not run. A tunnel whose probes fail leaves the hash, and the
+peer's flows are rehashed over the rest (a TCP connection rides out the move with a retransmit).
 
 NCCL opens one socket per peer by default: one flow, one tunnel. A job gains only with NCCL_SOCKET_NTHREADS x
 NCCL_NSOCKS_PERTHREAD >= K.
