@@ -14,12 +14,14 @@ the choice: an end that is slow, stopped or offline is no evidence against a pat
 
 A relayed pair's WireGuard peers point at its relay's port for the pair (core/relays), so their handshakes
 prove the relayed path, not a direct one. It tries direct again after `retry_delay(tries)`: a handshake lost
-twice on a lossy link, or a NAT that changed, should not leave a pair on a relay for good. Each try that
-fails costs the pair up to ATTEMPT_S without a path (an end has one endpoint per peer), so the waits double
-(RETRY_S, 2 x, 4 x) and after MAX_TRIES failed attempts the pair stays relayed: two symmetric NATs cost
-three short gaps in the first two hours, then none. A pair whose direct tunnel had worked and went stale
-tries after RETRY_MIN_S. The driver forgets the failures (tries = 0) when an end's address changes: what
-stopped the direct path may be gone.
+twice on a lossy link, an end slow to report it, or a NAT that changed, should not leave a pair on a relay for
+good. The first retry comes after RETRY_MIN_S, since a single miss is as likely bad luck as a NAT that cannot
+be punched (a VM scenario's 1:1-NAT pair, 4% loss per handshake and agents under TCG, missed its first window
+and would have stayed relayed 15 min). Each try that fails costs the pair up to ATTEMPT_S without a path (an
+end has one endpoint per peer), so the later waits grow (RETRY_S, then 2 x) and after MAX_TRIES failed
+attempts the pair stays relayed: two symmetric NATs cost three short gaps in the first hour, then none. A pair
+whose direct tunnel had worked and went stale also tries after RETRY_MIN_S. The driver forgets the failures
+(tries = 0) when an end's address changes: what stopped the direct path may be gone.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from meshrun.core.model import Member, split_endpoint
 
 ATTEMPT_S = 10.0  # how long a new path gets to produce a handshake
 STALE_S = 180.0  # WireGuard rekeys every 120 s while a tunnel is used; older = broken
-RETRY_MIN_S = 60.0  # a relayed pair tries direct again at the earliest this long after it was relayed
-RETRY_S = 900.0  # ... after one failed attempt; doubling with each one after it
+RETRY_MIN_S = 60.0  # a relayed pair's first try of direct comes this long after it was relayed
+RETRY_S = 900.0  # ... after two failed attempts; doubling with each one after them
 MAX_TRIES = 4  # failed direct attempts after which a pair stays relayed (until an end's address changes)
 PRIVATE, PUBLIC, RELAYED = "private", "public", "relayed"
 LABELS = {PRIVATE: "direct (private)", PUBLIC: "direct (public)", RELAYED: "relayed"}
@@ -117,7 +119,7 @@ def retry_delay(tries: int) -> float | None:
     does not, MAX_TRIES failed)."""
     if tries >= MAX_TRIES:
         return None
-    return RETRY_MIN_S if tries <= 0 else RETRY_S * 2 ** (tries - 1)
+    return RETRY_MIN_S if tries <= 1 else RETRY_S * 2 ** (tries - 2)
 
 
 def step(

@@ -66,7 +66,7 @@ def test_a_relayed_pairs_handshake_proves_the_relayed_path_not_a_direct_one():
     """Its handshakes cross the relay: one after the relay began verifies the relayed path, none moves it
     before its next direct try is due."""
     relayed = pairpaths.PairState(pairpaths.RELAYED, T0, relay="r", port=51821, tries=1)
-    due = T0 + pairpaths.RETRY_S
+    due = T0 + pairpaths.RETRY_MIN_S
     assert pairpaths.next_due(relayed, 0) == due
     assert pairpaths.step(relayed, A, B, int(T0) - 1, T0 + 50) == relayed  # nothing new
     proven = pairpaths.PairState(pairpaths.RELAYED, T0, True, "r", 51821, tries=1)
@@ -76,8 +76,9 @@ def test_a_relayed_pairs_handshake_proves_the_relayed_path_not_a_direct_one():
 
 
 def test_a_relayed_pair_tries_direct_again_later_each_time_it_fails():
-    """Each failed attempt doubles the wait (RETRY_S, 2 x, 4 x); after MAX_TRIES the pair stays relayed; a try
-    that works forgets the failures; a same-site pair tries its private path first."""
+    """The first failed attempt is tried again within a minute (a lost handshake, a slow end), the later ones after
+    RETRY_S, then 2 x; after MAX_TRIES the pair stays relayed; a try that works forgets the failures; a same-site
+    pair tries its private path first."""
     st = pairpaths.PairState(pairpaths.PUBLIC, T0)
     waits = []
     now = T0
@@ -91,7 +92,7 @@ def test_a_relayed_pair_tries_direct_again_later_each_time_it_fails():
         now = due
         st = pairpaths.step(st, A, B, 0, now)
         assert st == pairpaths.PairState(pairpaths.PUBLIC, now, tries=len(waits))
-    assert waits == [900.0, 1800.0, 3600.0]
+    assert waits == [60.0, 900.0, 1800.0]
     last = pairpaths.step(st, A, B, 0, now + pairpaths.ATTEMPT_S)
     assert (last.mode, last.tries) == (pairpaths.RELAYED, pairpaths.MAX_TRIES)
     assert pairpaths.next_due(last, 0) is None and pairpaths.step(last, A, B, 0, now + 10**6) == last

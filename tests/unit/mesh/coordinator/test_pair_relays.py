@@ -56,6 +56,20 @@ def world(db, n: int = 5, cut: tuple[int, int] = (0, 1), relay=lambda i: True):
     return drv, members
 
 
+def failed_twice(drv: PairDriver, members: list[Member]) -> float:
+    """`world`'s cut pair tries direct again (RETRY_MIN_S after it was relayed) and fails again: relayed, its next
+    try RETRY_S away. Returns when it was relayed the second time."""
+    retry = T0 + pairpaths.ATTEMPT_S + 1 + pairpaths.RETRY_MIN_S
+    drv.update(None, retry)
+    assert drv.mode("n0", "n1").mode == pairpaths.PUBLIC
+    for t in (retry + 0.5, retry + 0.6):
+        for m in members:
+            drv.report(m.name, {}, full=False, stale=set(), now=t)
+    drv.update(None, retry + pairpaths.ATTEMPT_S + 1)
+    assert (drv.mode("n0", "n1").mode, drv.mode("n0", "n1").tries) == (pairpaths.RELAYED, 2)
+    return retry + pairpaths.ATTEMPT_S + 1
+
+
 def test_a_relayed_pair_gets_a_member_relay_that_reaches_both_ends(db):
     drv, _ = world(db)
     st = drv.mode("n0", "n1")
@@ -138,21 +152,23 @@ def test_a_failed_relay_hands_the_pair_to_another_and_is_avoided_for_it(db):
 def test_a_pair_the_coordinator_took_over_goes_back_to_a_member_once_one_may_relay_it_again(db):
     """Every member relay failed the pair, so the coordinator carries it; when the first of them may relay it
     again (AVOID_S after it failed) the pair moves back to a member, with no report needed to wake it."""
-    drv, _ = world(db)
-    for t, end, other in ((T0 + 20, "n0", 1), (T0 + 21, "n1", 0), (T0 + 22, "n1", 0)):
+    drv, members = world(db)
+    t0 = failed_twice(drv, members)  # its next direct try is RETRY_S away: it stays relayed meanwhile
+    for t, end, other in ((t0 + 9, "n0", 1), (t0 + 10, "n1", 0), (t0 + 11, "n1", 0)):
         drv.relay_failed(end, [key(other)], now=t)
         drv.update(None, t)
     assert drv.mode("n0", "n1").relay == ""
     drv.take_changes()
-    drv.update(None, T0 + 20 + AVOID_S - 1)  # every member still avoided: the coordinator keeps it
+    drv.update(None, t0 + 9 + AVOID_S - 1)  # every member still avoided: the coordinator keeps it
     assert drv.mode("n0", "n1").relay == "" and drv.take_changes() == set()
-    assert drv.update(None, T0 + 20 + AVOID_S + 0.5)  # n2's avoidance over: the ends must hear of it
+    assert drv.update(None, t0 + 9 + AVOID_S + 0.5)  # n2's avoidance over: the ends must hear of it
     assert drv.mode("n0", "n1").relay == "n2" and ("n0", "n1") in drv.take_changes()
     assert drv.relaying("") == [] and db.pairs()[("n0", "n1")].relay == "n2"
 
 
 def test_a_relay_that_loses_its_tunnel_to_an_end_or_leaves_hands_its_pairs_on(db):
     drv, members = world(db)
+    failed_twice(drv, members)  # its next direct try is RETRY_S away: it stays relayed meanwhile
     assert drv.mode("n0", "n1").relay == "n2"
     # n2's tunnel with n1 goes stale (both ends say so): n2 no longer reaches n1 directly.
     drv.report("n2", {key(1): int(T0)}, full=False, stale={key(1)})

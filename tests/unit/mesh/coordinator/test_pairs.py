@@ -100,9 +100,9 @@ def test_due_timers_step_each_pair_once_when_its_time_comes(db):
     assert drv.update(None, closes)
     assert drv.steps == 30 and {st.mode for st in drv.pairs.values()} == {pairpaths.RELAYED}
     drv.update(None, closes + 1)
-    drv.update(None, closes + pairpaths.RETRY_S - 1)  # relayed pairs wait for a handshake or their next try
+    drv.update(None, closes + pairpaths.RETRY_MIN_S - 1)  # relayed pairs wait for a handshake or their next try
     assert drv.steps == 40
-    assert drv.update(None, closes + pairpaths.RETRY_S)
+    assert drv.update(None, closes + pairpaths.RETRY_MIN_S)
     assert drv.steps == 50 and {(st.mode, st.tries) for st in drv.pairs.values()} == {(pairpaths.PUBLIC, 1)}
 
 
@@ -137,7 +137,7 @@ def test_a_window_waits_for_both_ends_to_have_applied_the_path(db, monkeypatch):
 
 def test_a_relayed_pair_whose_end_moved_tries_direct_again_at_once(db):
     """An end's address changes (it moved, its NAT rebooted): its relayed pairs forget their failed attempts
-    and try direct within RETRY_MIN_S of being relayed, not hours later; other relayed pairs keep waiting."""
+    and try direct within RETRY_MIN_S of being relayed, not RETRY_S later; other relayed pairs keep waiting."""
     drv = PairDriver(db)
     members = [node(i) for i in range(3)]
     report_all(drv, members, 0)
@@ -146,10 +146,16 @@ def test_a_relayed_pair_whose_end_moved_tries_direct_again_at_once(db):
     for t in (T0 + 1, T0 + 11, T0 + 12):
         drv.update(None, t)
     assert {(st.mode, st.tries) for st in drv.pairs.values()} == {(pairpaths.RELAYED, 1)}
+    retry = T0 + 11 + pairpaths.RETRY_MIN_S  # the first retry, within a minute: it fails too
+    drv.update(None, retry)
+    applied(drv, members, retry)
+    for t in (retry + 1, retry + 11, retry + 12):
+        drv.update(None, t)
+    assert {(st.mode, st.tries) for st in drv.pairs.values()} == {(pairpaths.RELAYED, 2)}
     moved = [dataclasses.replace(m, endpoint="203.0.113.7:41000") if m.name == "n2" else m for m in members]
-    drv.update(moved, T0 + 100)
+    drv.update(moved, retry + 100)
     assert {k: (st.mode, st.tries) for k, st in drv.pairs.items()} == {
-        ("n0", "n1"): (pairpaths.RELAYED, 1),
+        ("n0", "n1"): (pairpaths.RELAYED, 2),
         ("n0", "n2"): (pairpaths.PUBLIC, 0),
         ("n1", "n2"): (pairpaths.PUBLIC, 0),
     }
