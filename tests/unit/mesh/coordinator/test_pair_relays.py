@@ -37,6 +37,13 @@ def db(tmp_path):
     d.close()
 
 
+def synced_twice(drv: PairDriver, members: list[Member], since: float) -> None:
+    """Each agent's next two syncs after `since`, reporting nothing new: it has applied the paths chosen then."""
+    for t in (since + 0.5, since + 0.6):
+        for m in members:
+            drv.report(m.name, {}, full=False, stale=set(), now=t)
+
+
 def world(db, n: int = 5, cut: tuple[int, int] = (0, 1), relay=lambda i: True):
     """n nodes, every pair with a fresh handshake except `cut` (two nodes behind symmetric NAT)."""
     drv = PairDriver(db)
@@ -48,9 +55,7 @@ def world(db, n: int = 5, cut: tuple[int, int] = (0, 1), relay=lambda i: True):
                 seen[key(cut[1] if x == cut[0] else cut[0])] = 0
         drv.report(m.name, seen, full=True, stale={k for k, v in seen.items() if not v})
     drv.update(members, T0)
-    for t in (T0 + 0.5, T0 + 0.6):  # each agent's next two syncs: it has applied the new paths
-        for m in members:
-            drv.report(m.name, {}, full=False, stale=set(), now=t)
+    synced_twice(drv, members, T0)
     drv.update(None, T0 + 1)
     drv.update(None, T0 + pairpaths.ATTEMPT_S + 1)  # the cut pair's attempt window closed: relayed
     return drv, members
@@ -62,12 +67,11 @@ def failed_twice(drv: PairDriver, members: list[Member]) -> float:
     retry = T0 + pairpaths.ATTEMPT_S + 1 + pairpaths.RETRY_MIN_S
     drv.update(None, retry)
     assert drv.mode("n0", "n1").mode == pairpaths.PUBLIC
-    for t in (retry + 0.5, retry + 0.6):
-        for m in members:
-            drv.report(m.name, {}, full=False, stale=set(), now=t)
-    drv.update(None, retry + pairpaths.ATTEMPT_S + 1)
+    synced_twice(drv, members, retry)
+    relayed = retry + pairpaths.ATTEMPT_S + 1
+    drv.update(None, relayed)
     assert (drv.mode("n0", "n1").mode, drv.mode("n0", "n1").tries) == (pairpaths.RELAYED, 2)
-    return retry + pairpaths.ATTEMPT_S + 1
+    return relayed
 
 
 def test_a_relayed_pair_gets_a_member_relay_that_reaches_both_ends(db):
