@@ -40,6 +40,10 @@ if os.environ.get("FAIL_FIRST") and attempt == "0" and dist.get_rank() == 1:
     sys.exit(3)
 if os.environ.get("WAIT_FOR_REGROUP") and attempt == "0":
     time.sleep(120)
+if os.environ.get("RELEASE") and attempt == "1":  # held until the test has looked at the agent
+    deadline = time.time() + 120
+    while not os.path.exists(os.environ["RELEASE"]) and time.time() < deadline:
+        time.sleep(0.05)
 dist.destroy_process_group()
 """
 
@@ -123,18 +127,23 @@ def test_a_regroup_ends_the_workers_but_not_the_forkserver(tmp_path, store_port)
     job = StateDir(tmp_path / "job")
     job.create()
     lock = procs.DaemonLock(job / "share.lock").acquire("the test's share")  # this process plays the share
-    p = start_agent(tmp_path, store_port, subprocess.DEVNULL, WAIT_FOR_REGROUP="1")
+    release = tmp_path / "release"
+    p = start_agent(tmp_path, store_port, subprocess.DEVNULL, WAIT_FOR_REGROUP="1", RELEASE=str(release))
     try:
         seen = [p.stdout.readline() for _ in range(4)]  # two starts, two sums
         assert sum("sum=3" in line for line in seen) == 2, seen
         helpers = {pid for pid in procs.children(p.pid) if warmfork.is_helper(procs.argv(pid))}
         assert helpers, procs.descendants(p.pid)
         assert share.restart_workers(job, time.time()) >= 2  # both workers (and their scripts)
-        restarted = [p.stdout.readline() for _ in range(2)]
-        assert all("attempt=1" in line for line in restarted), restarted
-        # The same forkserver forked the new workers: it was not ended and made again.
+        # Two starts and two sums, in no fixed order across ranks: each rank's lines reach the agent's
+        # output through its own reader, so rank 0's sum can come before rank 1's start.
+        restarted = [p.stdout.readline() for _ in range(4)]
+        assert sum("attempt=1" in line for line in restarted) == 2, restarted
+        # The same forkserver forked the new workers: it was not ended and made again. The workers wait for
+        # `release` before they end, so the agent and its helpers are still there to be looked at.
         assert all(procs.alive(pid) for pid in helpers)
         assert {pid for pid in procs.children(p.pid) if warmfork.is_helper(procs.argv(pid))} == helpers
+        release.touch()
         out, _ = p.communicate(timeout=120)
         out = "".join(restarted) + out
     finally:
