@@ -21,6 +21,9 @@ APT_PKGS=(iproute2 iptables nftables wireguard-tools wireguard-go iputils-ping i
 # virtme-ng (a test dependency in pyproject.toml); mke2fs -d (e2fsprogs) builds its Python image; a
 # modular kernel needs an initramfs, which virtme-ng builds around a static busybox (busybox-static).
 VM_APT_PKGS=(qemu-system-x86 linux-image-amd64 e2fsprogs busybox-static)
+# Only the tests: the relay kernel test turns checksum offloads off on its veths (ethtool -K), so the receiving
+# kernel checks every checksum the relay rewrote.
+TEST_APT_PKGS=(ethtool)
 PY=${PYTHON:-python3}
 TORCH=${MESHRUN_TORCH:-torch==2.13.0}
 # wireguard-go before this release has no batched I/O: 4-6x slower (README, Performance).
@@ -78,13 +81,15 @@ quiet_distro_etcd() {
   fi
 }
 
+missing_pkgs() { local p; for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done; }
+
 install_system() {
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     echo "dev.sh: not root or no apt-get: skipping system packages (${APT_PKGS[*]})" >&2
     return
   fi
-  local missing=()
-  for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  local missing
+  mapfile -t missing < <(missing_pkgs "${APT_PKGS[@]}")
   if ! "$PY" -m venv --help >/dev/null 2>&1; then missing+=(python3-venv python3-pip); fi
   if [ ${#missing[@]} -gt 0 ]; then
     echo "dev.sh: apt-get install ${missing[*]}" >&2
@@ -95,12 +100,22 @@ install_system() {
   fast_wireguard_go
 }
 
+install_test_pkgs() {
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 0
+  local missing
+  mapfile -t missing < <(missing_pkgs "${TEST_APT_PKGS[@]}")
+  [ ${#missing[@]} -gt 0 ] || return 0
+  echo "dev.sh: apt-get install ${missing[*]} (for the tests)" >&2
+  apt-get update -qq
+  apt_install "${missing[@]}"
+}
+
 # Best effort: elsewhere than Debian the kernel package has another name; the VM test then says
 # what is missing (skipped outside CI, failed in CI).
 install_vm() {
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 0
-  local missing=()
-  for p in "${VM_APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  local missing
+  mapfile -t missing < <(missing_pkgs "${VM_APT_PKGS[@]}")
   [ ${#missing[@]} -gt 0 ] || return 0
   echo "dev.sh: apt-get install ${missing[*]} (the kernel WireGuard + netem VM test)" >&2
   apt-get update -qq || true
@@ -116,7 +131,7 @@ install_python() {
 case "${1:-}" in
   install) install_system; install_python ;;
   demo) install_system; install_python; shift; exec .venv/bin/meshrun demo "$@" ;;
-  test) install_system; install_vm; install_python; shift
+  test) install_system; install_test_pkgs; install_vm; install_python; shift
         # Lint and format first (ruff, configured in pyproject.toml): seconds, and a red CI says why at once.
         .venv/bin/ruff check .
         .venv/bin/ruff format --check .

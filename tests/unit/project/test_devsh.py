@@ -67,3 +67,12 @@ def test_dev_sh_installs_git_which_the_code_sync_and_its_tests_need():
     assert "git" in line.split()
     first = (REPO / "README.md").read_text().split("\n## ", 1)[0]
     assert re.search(r"system packages with apt-get \([^)]*\bgit\b", first), "the README's list names git"
+
+
+def test_dev_sh_test_installs_ethtool_which_the_relay_kernel_test_needs():
+    # tests/e2e/test_relay_kernel_e2e.py turns checksum offloads off with ethtool; a fresh machine lacked it and
+    # the test's setup failed in CI (2026-11-28). The test installs it, the demo and `install` do not need it.
+    text = (REPO / "dev.sh").read_text()
+    assert "ethtool" in re.search(r"^TEST_APT_PKGS=\((.*)\)$", text, re.M).group(1).split()
+    assert re.search(r"^  test\) .*\binstall_test_pkgs\b", text, re.M)
+    assert not re.search(r"^  (demo|install)\) .*\binstall_test_pkgs\b", text, re.M)
