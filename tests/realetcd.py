@@ -11,7 +11,7 @@ import shutil
 import socket
 from pathlib import Path
 
-import pytest
+from support import cannot_run
 
 from meshrun.core import etcdconf, keys
 from meshrun.system.control import etcd
@@ -28,10 +28,7 @@ def free_port() -> int:
 
 def need_etcd() -> None:
     if not os.access(ETCD, os.X_OK):
-        reason = f"etcd is not installed ({ETCD}; Debian: apt install etcd-server)"
-        if os.environ.get("CI"):
-            pytest.fail(f"the real-etcd tests cannot run in CI: {reason}", pytrace=False)
-        pytest.skip(reason)
+        cannot_run("the real-etcd tests", f"etcd is not installed ({ETCD}; Debian: apt install etcd-server)")
 
 
 def issue(ca: tuple[str, str], tls: Path, name: str, ip: str) -> tuple[Path, Path]:

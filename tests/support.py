@@ -28,6 +28,14 @@ REPO_ROOT = TESTS.parent
 EXAMPLES = REPO_ROOT / "examples"
 
 
+def cannot_run(what: str, reason: str) -> None:
+    """`what` cannot run here for `reason`: fail in CI (`CI` set), where a silent skip would prove nothing, else
+    skip saying why."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} cannot run in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def netns_unavailable_reason() -> str | None:
     """Why namespace tests cannot run here, or None when they can."""
     if os.geteuid() != 0:

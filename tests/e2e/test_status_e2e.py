@@ -70,7 +70,8 @@ def test_status_latency_matches_a_median_of_tcp_connects(mesh):
     must be within 0.2 ms or 10%; at most two rounds may be off by 3x (the old thread-pool measurement
     showed 5-8 ms for 0.5-0.8 ms peers, in every round). How far off such a lone round is is not judged
     beyond a sanity bound: a scheduling stall of a few ms (the hypervisor takes CPU from this machine) moves
-    one round's median of 9 connects by that much, and a bound of 3x + 2 ms failed a CI run on one round."""
+    one round's median of 9 connects by that much, and a bound of 3x + 2 ms failed a clean-clone run of the
+    suite on one round."""
     node = mesh.world.node("dc2-a")
     peers = {
         "coordinator": mesh.overlay_ip("dc1-a"),

@@ -71,7 +71,8 @@ def test_dev_sh_installs_git_which_the_code_sync_and_its_tests_need():
 
 def test_dev_sh_test_installs_ethtool_which_the_relay_kernel_test_needs():
     # tests/e2e/test_relay_kernel_e2e.py turns checksum offloads off with ethtool; a fresh machine lacked it and
-    # the test's setup failed in CI (2026-11-28). The test installs it, the demo and `install` do not need it.
+    # the test's setup failed in a clean-clone run of the suite (2026-11-28). The test command installs it; the
+    # demo and `install` do not need it.
     text = (REPO / "dev.sh").read_text()
     assert "ethtool" in re.search(r"^TEST_APT_PKGS=\((.*)\)$", text, re.M).group(1).split()
     test_case = re.search(r"^  test\) (.*?);;", text, re.M | re.S).group(1)
