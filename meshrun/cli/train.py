@@ -96,6 +96,14 @@ def train(
             "only warns when torch builds differ.",
         ),
     ] = False,
+    workers: Annotated[
+        Optional[str],
+        typer.Option(
+            help="How each worker starts: warm (forked from a process per node that imported torch once: no "
+            "import at a start or restart) or cold (a new Python per worker, as torchrun starts one). Both run "
+            "the script and end it as `python -u` would (docs/jobs.md). [warm]",
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print each node's command and environment, run nothing.")
     ] = False,
@@ -177,6 +185,7 @@ def train(
         "model_size": model_size,
         "step_time": step_time,
         "mixed_accelerators": mixed_accelerators,
+        "workers": workers,
         "use_shell_ifname": use_shell_ifname or None,
     }
     from_file = (
@@ -318,7 +327,7 @@ def jobs(
     ] = None,
     state_dir: StateOpt = None,
 ) -> None:
-    """List the jobs on this coordinator: id, state, nodes, ranks, started, duration, exit.
+    """List the jobs on this coordinator: id, state, nodes, ranks, started, duration, exit, worker kind.
 
     \b
     Examples:
@@ -352,10 +361,11 @@ def jobs(
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started)) if r.started else "-",
             _duration(r.duration(now)) if r.started else "-",
             "-" if r.exit_code is None else str(r.exit_code),
+            r.workers or "-",
         ]
         for r in recs
     ]
-    cols = ["JOB", "STATE", "NODES", "RANKS", "STARTED", "DURATION", "EXIT"]
+    cols = ["JOB", "STATE", "NODES", "RANKS", "STARTED", "DURATION", "EXIT", "WORKERS"]
     widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
     for row in [cols] + rows:
         app.echo("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from meshrun.core import presets
+from meshrun.core.launch import WORKER_KINDS
 from meshrun.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -72,6 +73,12 @@ KEYS: dict[str, tuple[str, Any, str, str]] = {
         lambda v: isinstance(v, bool),
         "true or false",
         "mixed_accelerators = true",
+    ),
+    "workers": (
+        "workers",
+        lambda v: v in WORKER_KINDS,
+        f"one of {', '.join(repr(k) for k in WORKER_KINDS)}",
+        'workers = "cold"',
     ),
     "sync_limit": ("sync_limit_mb", _is_int, "an integer (MiB)", "sync_limit = 50"),
     "job_id": ("job_id", lambda v: isinstance(v, str) and v != "", "a non-empty string", 'job_id = "exp7"'),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from meshrun.core import presets
 from meshrun.core.codeset import PROJECT_RE
-from meshrun.core.launch import TrainOptions, parse_nnodes
+from meshrun.core.launch import DEFAULT_WORKERS, WORKER_KINDS, TrainOptions, parse_nnodes
 from meshrun.core.model import Network
 from meshrun.errors import UsageError
 
@@ -92,6 +92,7 @@ class JobSpec:
     mixed_accelerators: bool = False
     # The run it continues (`meshrun train --resume JOB`: JOB's run, the first job's id); "": a fresh run, its own.
     run_id: str = ""
+    workers: str = DEFAULT_WORKERS  # how each worker starts: warm or cold (meshrun.core.launch.WORKER_KINDS)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +112,8 @@ class JobSpec:
             parse_nnodes(spec.nnodes)
         if spec.project and not PROJECT_RE.match(spec.project):
             raise ValueError(f"project {spec.project!r} is not a valid project name")
+        if spec.workers not in WORKER_KINDS:
+            raise ValueError(f"workers {spec.workers!r} is not one of {', '.join(WORKER_KINDS)}")
         if spec.compression is not None and spec.compression not in presets.CHOICES:
             raise ValueError(f"compression {spec.compression!r} is not one of {', '.join(presets.CHOICES)}")
         if spec.preset is not None:
@@ -150,6 +153,7 @@ class JobSpec:
             mixed_accelerators=self.mixed_accelerators,
             rdzv_coordinators=tuple(coordinators),
             run_id=self.run_id or self.job_id,
+            workers=self.workers,
         )
 
     def bounds(self, available: int) -> tuple[int, int]:
@@ -201,6 +205,7 @@ class JobRecord:
     ended: float | None = None
     exit_code: int | None = None
     message: str = ""
+    workers: str = ""  # how its workers started: warm or cold (JobSpec.workers); "" in a record from before
 
     def __post_init__(self) -> None:
         self.state = JobState(self.state)

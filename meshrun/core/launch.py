@@ -24,8 +24,13 @@ from meshrun.errors import UsageError
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # meshrun.jobs.rdzv_backend: torch's c10d rendezvous, with the agent's store bound to the overlay.
 RDZV_BACKEND = "meshrun"
-# The agent that runs torchrun's elastic launch with warm workers (see the module's docstring).
+# The agent that runs torchrun's elastic launch with warm or cold workers (see the module's docstring).
 AGENT_MODULE = "meshrun.jobs.agent"
+# How each worker starts (`meshrun train --workers`; meshrun.jobs.agent): warm, forked from a forkserver that
+# imported torch once per node (no import at a start or a restart); cold, a new interpreter that imports torch
+# itself (3 s more per start on a 2-core node). Both run the script and end it the same way (meshrun.jobs.worker).
+WORKER_KINDS = ("warm", "cold")
+DEFAULT_WORKERS = "warm"
 # torchrun polls its workers this often (seconds; torch's default): a regroup's restart starts within it.
 MONITOR_INTERVAL = "0.1"
 # An elastic rendezvous's wait for more nodes once MIN joined (torch's default: 30). Every round of a meshrun
@@ -99,6 +104,7 @@ class TrainOptions:
     # The run this job belongs to (MESHRUN_RUN_ID): its own id when it starts fresh, the first job's when it
     # continues one (`meshrun train --resume`), so checkpoints kept under it are found by resumes only.
     run_id: str = ""
+    workers: str = DEFAULT_WORKERS  # WORKER_KINDS
 
 
 @dataclass(frozen=True)
@@ -325,6 +331,8 @@ def plan(
             opts.python,
             "-m",
             AGENT_MODULE,
+            "--workers",
+            opts.workers,
             "--nnodes",
             spec,
             "--nproc-per-node",

@@ -1,13 +1,18 @@
-"""torchrun with warm workers: ``python -m meshrun.jobs.agent [torchrun's options] [-m] SCRIPT ARGS...``.
+"""torchrun with warm or cold workers: ``python -m meshrun.jobs.agent [--workers warm|cold] [torchrun's options]
+[-m] SCRIPT ARGS...``.
 
-torch's own elastic agent (torch.distributed.run's options, rendezvous, restarts and exit) with one change:
-its workers are forked from a forkserver that imported torch once, when the agent started (during its first
-rendezvous), instead of each being a new Python that imports torch again. That import is about 3 s on a
-2-core node, and 2 s more for a script's first optimizer (PRELOAD); after a lost node every survivor's
-restarted workers waited for both before resuming (benchmarks/results/ha_failover.json). Each worker is
-meshrun.jobs.worker's wrapper (prefixed lines, exit records, signals passed on, `worker.forked`) around the
-script, which it forks in turn and runs as ``python -u SCRIPT ARGS`` (``-m MODULE``) would
-(`worker.run_as_main`).
+torch's own elastic agent (torch.distributed.run's options, rendezvous, restarts and exit). Each worker is
+meshrun.jobs.worker's wrapper (prefixed lines, exit records, signals passed on) around the script, which it
+forks and runs as ``python -u SCRIPT ARGS`` (``-m MODULE``) would (`worker.run_as_main`), ending it as that
+interpreter would without tearing its objects down (warmfork.exit_as_interpreter). The kinds differ only in
+where the wrapper comes from:
+
+- warm (the default): forked from a forkserver that imported torch once, when the agent started (during its
+  first rendezvous), instead of each being a new Python that imports torch again. That import is about 3 s on
+  a 2-core node, and 2 s more for a script's first optimizer (PRELOAD); after a lost node every survivor's
+  restarted workers waited for both before resuming (benchmarks/results/ha_failover.json).
+- cold: a new ``python -u -m meshrun.jobs.worker`` per worker, as torchrun starts a script; nothing is forked
+  from a process that imported torch, so the script imports it (and initialises CUDA) itself.
 
 The forkserver and multiprocessing's resource tracker are the agent's children; the workers are theirs.
 A regroup ends the workers only (meshrun.jobs.share.restart_workers), so the next ones are warm too.
@@ -19,6 +24,7 @@ import logging
 import sys
 import traceback
 
+from meshrun.core.launch import DEFAULT_WORKERS, WORKER_KINDS
 from meshrun.errors import MeshrunError, UsageError
 from meshrun.system.machine import warmfork
 
@@ -27,6 +33,7 @@ from meshrun.system.machine import warmfork
 # and the wrapper each worker runs.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "meshrun.jobs.worker")
 START_METHOD = "forkserver"
+WORKER_MODULE = "meshrun.jobs.worker"  # a cold worker: ``python -u -m WORKER_MODULE``
 
 
 def _preformat(record: logging.LogRecord) -> bool:
@@ -61,16 +68,43 @@ def worker_args(module: bool, script: str, script_args: list[str]) -> tuple[str,
     return ("--module" if module else "--", script, *script_args)
 
 
+def split_workers(argv: list[str]) -> tuple[str, list[str]]:
+    """(the worker kind, torchrun's arguments) from the agent's command line: ``--workers KIND`` may come
+    first (meshrun.core.launch puts it there) [launch.DEFAULT_WORKERS]. UsageError for an unknown kind."""
+    kind = DEFAULT_WORKERS
+    if argv[:1] == ["--workers"] or (argv and argv[0].startswith("--workers=")):
+        if "=" in argv[0]:
+            kind, argv = argv[0].split("=", 1)[1], argv[1:]
+        elif len(argv) > 1:
+            kind, argv = argv[1], argv[2:]
+        else:
+            kind, argv = "", argv[1:]
+        if kind not in WORKER_KINDS:
+            raise UsageError(f"--workers {kind!r} is not one of {', '.join(WORKER_KINDS)}", "use warm or cold")
+    return kind, argv
+
+
+def entrypoint(kind: str, module: bool, script: str, script_args: list[str]) -> tuple[object, tuple[str, ...]]:
+    """What torch's elastic launch runs as each worker of `kind`, and its arguments: warm, `worker.forked` in
+    a fork of the forkserver; cold, a new ``python -u -m meshrun.jobs.worker`` (a command, as torchrun runs a
+    script)."""
+    args = worker_args(module, script, script_args)
+    if kind == "cold":
+        return sys.executable, ("-u", "-m", WORKER_MODULE, *args)
+    from meshrun.jobs import worker
+
+    return worker.forked, args
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Parse torchrun's command line, start the warm forkserver, run torch's elastic launch; raises as
-    torchrun does (ChildFailedError when the workers failed: the exit status is then 1)."""
+    """Parse torchrun's command line, start the warm forkserver (warm workers), run torch's elastic launch;
+    raises as torchrun does (ChildFailedError when the workers failed: the exit status is then 1)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
 
-    from meshrun.jobs import worker
-
-    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    kind, rest = split_workers(list(sys.argv[1:] if argv is None else argv))
+    args = torchrun.parse_args(rest)
     if args.no_python:
         raise UsageError("meshrun.jobs.agent runs Python scripts only (--no-python given)", "drop --no-python")
     if args.standalone:
@@ -80,16 +114,17 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.master_port is None:  # as torchrun's run() does (used by the static backend only)
         args.master_port = 29500
-    args.start_method = START_METHOD
+    if kind == "warm":
+        args.start_method = START_METHOD
     config, _cmd, _cmd_args = torchrun.config_from_args(args)  # also sets OMP_NUM_THREADS as torchrun does
-    warmfork.start_forkserver(PRELOAD)  # after config_from_args: the forkserver keeps this environment
+    if kind == "warm":
+        warmfork.start_forkserver(PRELOAD)  # after config_from_args: the forkserver keeps this environment
     quick_tracebacks()  # once torch's loggers are all made
+    run, run_args = entrypoint(kind, args.module, args.training_script, list(args.training_script_args))
 
     @record  # torchrun's error summary when workers fail
     def launch() -> None:
-        elastic_launch(config=config, entrypoint=worker.forked)(
-            *worker_args(args.module, args.training_script, list(args.training_script_args))
-        )
+        elastic_launch(config=config, entrypoint=run)(*run_args)
 
     launch()
 

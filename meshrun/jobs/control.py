@@ -195,7 +195,7 @@ def start(state: StateDir, spec: JobSpec) -> str:
     if ha.replicated(rec):  # first in the store: a job id is unique across coordinators
         replica = JobReplica(ha.client_for(state), spec.job_id, str(rec["name"]))
         try:
-            replica.create(spec.to_dict(), JobRecord(spec.job_id))
+            replica.create(spec.to_dict(), JobRecord(spec.job_id, workers=spec.workers))
         except BaseException:
             replica.client.close()
             raise
@@ -205,7 +205,7 @@ def start(state: StateDir, spec: JobSpec) -> str:
     try:
         d.create()
         d.write_json("spec.json", spec.to_dict())
-        d.write_json("job.json", JobRecord(spec.job_id).to_dict())
+        d.write_json("job.json", JobRecord(spec.job_id, workers=spec.workers).to_dict())
         if replica is not None:
             d.write_json(OWNER_HANDOVER, replica.handover(), secret=True)
         pid = procs.spawn_daemon(

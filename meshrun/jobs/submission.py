@@ -48,6 +48,11 @@ def job_spec(options: dict, cwd: Path) -> JobSpec:
     fields["cwd"] = str(cwd)
     if fields.get("project"):
         check_project(fields["project"])
+    if fields.get("workers") is not None and fields["workers"] not in launch.WORKER_KINDS:
+        raise UsageError(
+            f"--workers {fields['workers']!r} is not one of {', '.join(launch.WORKER_KINDS)}",
+            "use --workers warm (the default) or --workers cold",
+        )
     if fields.get("compression") is not None:
         presets.check_choice(fields["compression"])
     if fields.get("model_size") is not None:
@@ -127,6 +132,7 @@ def resumed(state: StateDir, job_id: str) -> tuple[dict, Path]:
             "model_size",
             "step_time",
             "mixed_accelerators",
+            "workers",
         )
     }
     fields["env"] = dict(old.env)

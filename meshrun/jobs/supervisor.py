@@ -99,6 +99,7 @@ class Supervisor:
         db.close()
         self.record = JobRecord(
             job_id,
+            workers=self.spec.workers,
             created=self.dir.read_json("job.json").get("created", time.time())
             if (self.dir / "job.json").exists()
             else time.time(),
@@ -261,7 +262,8 @@ class Supervisor:
         self.record.nodes = [p.node for p in plans]
         self.record.ranks = sum(nproc(p) for p in plans)
         self.save()
-        self.say(f"job {self.job_id} on {len(plans)} node(s): {', '.join(p.node for p in plans)}")
+        names = ", ".join(p.node for p in plans)
+        self.say(f"job {self.job_id} on {len(plans)} node(s): {names} ({self.spec.workers} workers)")
 
     def _preflight(self, ready: list[tuple]) -> None:
         """Compare the nodes' environments (meshrun.core.preflight); LaunchError with the table if they

@@ -1,27 +1,35 @@
-"""Runs as each torchrun worker: ``python -m meshrun.jobs.worker [--module] SCRIPT ARGS...``, or `forked`.
+"""Runs as each torchrun worker: ``python -m meshrun.jobs.worker [--module] SCRIPT ARGS...`` (a cold worker:
+a new interpreter), or `forked` (a warm one: meshrun.jobs.agent forks it from a forkserver that imported torch).
 
-Starts the script as a child (``sys.executable -u SCRIPT ARGS`` or ``-u -m MODULE ARGS``; under
-meshrun.jobs.agent, `forked`: a fork of this process, which already imported torch, running the script as
-that command would, `run_as_main`), copies its stdout/stderr to ours as lines prefixed ``[NODE rRANK] ``
+Either way the script runs in a fork of this process (`run_as_main` through warmfork.fork_call), as
+``python -u SCRIPT ARGS`` (``-u -m MODULE ARGS``) would run it, and ends as that interpreter would end without
+tearing the script's objects down (warmfork.exit_as_interpreter: threads joined, atexit, files flushed). This
+wrapper copies the script's stdout/stderr to ours as lines prefixed ``[NODE rRANK] ``
 (meshrun.core.termtext: read in bounded chunks, lines capped, carriage-return redraws such as a tqdm bar
 passed on at most twice a second and marked, control sequences but colours removed), forwards
 SIGTERM/SIGINT/SIGHUP to it, and exits as it did: same exit code, or the same signal
 re-raised on ourselves so torchrun sees the same death. When ``MESHRUN_JOB_DIR`` is set the
 child's exit is recorded in ``$MESHRUN_JOB_DIR/exit-r{RANK}-a{RESTART}.json`` for the agent.
-Stdlib only: it must not import torch (the child does, or the forkserver it came from did).
+Stdlib only: it must not import torch (the script does, or the forkserver a warm worker came from did).
 """
 
 from __future__ import annotations
 
+import builtins
 import functools
+import importlib.util
+import io
 import json
+import marshal
 import os
 import runpy
 import signal
 import sys
 import threading
 import time
-import traceback
+import types
+import zipfile
+from importlib.machinery import SourceFileLoader
 
 from meshrun.core import termtext
 from meshrun.errors import StateError
@@ -98,49 +106,89 @@ def record_exit(code: int | None, sig: int | None) -> None:
 
 
 def run_as_main(module: bool, args: list[str]) -> int:
-    """Run SCRIPT (with `module`, MODULE) with ARGS in this process as ``python -u`` would in a new one:
-    argv, sys.path[0], ``__main__``, the exit code of SystemExit, an uncaught exception printed through
-    sys.excepthook (exit 1). Returns the exit code; -SIGINT for an uncaught KeyboardInterrupt (Python then
-    ends by that signal)."""
+    """Run SCRIPT (with `module`, MODULE) with ARGS in this process as ``python -u`` would in a new one, and
+    return the exit code the interpreter would end with (-SIGINT for an uncaught KeyboardInterrupt: Python then
+    ends by that signal).
+
+    As the interpreter does: sys.argv, sys.path[0] (the script's real directory; the working directory for a
+    module), the code run in a new ``__main__`` module that stays in sys.modules (atexit handlers, pickle and
+    the spawn start method find it there), SystemExit's code, an uncaught exception printed through
+    sys.excepthook and kept in sys.last_* (exit 1). Nothing the script made is freed here: its globals, and
+    an uncaught exception's frames, live until the process ends (warmfork.exit_as_interpreter says why)."""
     target = args[0]
     sys.argv = list(args)
-    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(target))
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
     try:
         if module:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            sys.path[0] = os.getcwd()
+            runpy._run_module_as_main(target, alter_argv=True)  # noqa: SLF001 - what ``python -m`` runs
+        elif os.path.isdir(target) or zipfile.is_zipfile(target):  # python runs its __main__.py
+            sys.path[0] = target
+            runpy._run_module_as_main("__main__", alter_argv=False)  # noqa: SLF001
         else:
-            runpy.run_path(target, run_name="__main__")
+            sys.path[0] = os.path.dirname(os.path.realpath(target))
+            main.__dict__.update(__file__=target, __cached__=None, __loader__=SourceFileLoader("__main__", target))
+            exec(_code_of(target), main.__dict__)  # noqa: S102 - running the user's script is the point
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
         sys.stderr.write(f"{exc.code}\n")
         return 1
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        return -signal.SIGINT
-    except BaseException:  # noqa: BLE001 - as the interpreter would: print it, exit 1
-        sys.excepthook(*sys.exc_info())
-        return 1
+    except BaseException as exc:  # noqa: BLE001 - as the interpreter would: print it, exit 1
+        # PyErr_Print keeps the exception, and so its frames and their objects, in sys.last_*.
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        if hasattr(sys, "last_exc"):  # Python 3.12+
+            sys.last_exc = exc
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        return -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     return 0
 
 
-def _spawn(module: bool, args: list[str]):
-    return procs.popen([sys.executable, "-u"] + (["-m"] if module else []) + args, stdout=procs.PIPE, stderr=procs.PIPE)
+def _code_of(path: str):
+    """The code object of the script at `path`: its source compiled as the interpreter compiles a script
+    (encoding cookie honoured, no __future__ of ours), or a .pyc's code. A file that cannot be read ends the
+    run as the interpreter's does: its message and exit code 2."""
+    try:
+        with io.open_code(path) as f:
+            data = f.read()
+    except OSError as exc:
+        sys.stderr.write(f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n")
+        raise SystemExit(2) from None
+    if data[:4] == importlib.util.MAGIC_NUMBER:
+        return marshal.loads(data[16:])
+    return compile(data, path, "exec", dont_inherit=True)
 
 
 def _fork(module: bool, args: list[str]):
     return warmfork.fork_call(functools.partial(run_as_main, module, args))
 
 
+def cuda_initialised() -> bool:
+    """True when this process has initialised CUDA (only possible once torch is imported): a fork of it could
+    not use the GPU (CUDA's state does not survive a fork)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
 def forked(*argv: str) -> None:
-    """The entrypoint of meshrun.jobs.agent's workers (in a fork of its forkserver): `main` with the script
-    run in a fork of this process, whose imports (torch) it inherits; exits as the script did."""
-    rc = main(list(argv), start=_fork)
+    """The entrypoint of meshrun.jobs.agent's warm workers (in a fork of its forkserver): `main`, the script
+    inheriting this process's imports (torch); exits as the script did. Refuses, naming the fix, when the
+    forkserver initialised CUDA, which nothing meshrun preloads does."""
+    if cuda_initialised():
+        sys.stderr.write(
+            "meshrun.jobs.worker: CUDA was initialised before this warm worker was forked, so the script could not"
+            " use the GPU; run the job with `meshrun train --workers cold`\n"
+        )
+        record_exit(1, None)
+        sys.exit(1)
+    rc = main(list(argv))
     if rc:
         sys.exit(rc)
 
 
-def main(argv: list[str] | None = None, start=_spawn) -> int:
+def main(argv: list[str] | None = None, start=_fork) -> int:
     """The wrapper: start the script with `start(module, args)` (a Popen-like child with stdout and stderr
     pipes), pass its lines and signals on, record and return its exit (see the module's docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)

@@ -12,6 +12,7 @@ globals), which is why they live in the system layer.
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import itertools
 import multiprocessing
@@ -21,8 +22,10 @@ import multiprocessing.util
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 # multiprocessing's helper processes, started by a torchrun agent that forks its workers (meshrun.jobs.agent):
 # they keep torch imported for the next workers, so a regroup must not end them (meshrun.jobs.share).
@@ -85,7 +88,7 @@ def fork_call(run: Callable[[], int]) -> Forked:
             traceback.print_exc()  # onto the new fd 2: the parent reads it as the child's output
             code = 1
         finally:
-            _exit(code)
+            exit_as_interpreter(code)
     os.close(out_w)
     os.close(err_w)
     return Forked(pid, os.fdopen(out_r, "rb", buffering=0), os.fdopen(err_r, "rb", buffering=0))
@@ -113,17 +116,48 @@ def _fresh_process() -> None:
     multiprocessing.util._finalizer_registry.clear()
 
 
-def _exit(code: int) -> None:
-    """End the forked child as a new interpreter would: exit hooks, flushed output, then the code or signal."""
+def exit_as_interpreter(code: int) -> NoReturn:
+    """End this process as ``python -u SCRIPT`` ends once the script's code has run, in the interpreter's order
+    (CPython's Py_FinalizeEx): non-daemon threads joined (after threading's own exit hooks, concurrent.futures'
+    among them, so an executor's queued work completes), atexit handlers, open files flushed, stdout and stderr
+    flushed, then exit with `code` (-N: die of signal N, as an uncaught KeyboardInterrupt ends Python).
+
+    What it leaves out is what every multiprocessing child leaves out: the script's objects are not torn down
+    (no module teardown, no garbage collection, no ``__del__`` of its globals). Tearing them down is where a
+    script's last DDP model, freed with the GIL held, joins gloo's threads while one of them waits for the GIL
+    to free a tensor: a hang for ever in a fork, an abort in the interpreter's own finalization
+    (docs/jobs.md, "How a worker ends"). Open files are flushed instead, which is what their teardown would
+    have written; a wrapper written in Python (gzip, zipfile) keeps whatever it had not flushed."""
+    try:
+        threading._shutdown()  # noqa: SLF001 - what Py_FinalizeEx and multiprocessing's _bootstrap call
+    except BaseException:  # noqa: BLE001 - as the interpreter does: print it and go on ending
+        traceback.print_exc()
     try:
         atexit._run_exitfuncs()
     finally:
+        _flush_open_files()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):
                 pass
         if code < 0:
             signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         os._exit(code if 0 <= code < 256 else 1)
+
+
+# The io classes whose teardown writes what they buffered (their close flushes first); all are C types that the
+# garbage collector tracks, so gc.get_objects() finds every one still open.
+_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair)
+
+
+def _flush_open_files() -> None:
+    """Flush every open file object of the process (what their teardown at exit would have written)."""
+    for obj in gc.get_objects():
+        if issubclass(type(obj), _BUFFERED):  # type(): isinstance would ask proxies for __class__
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except (OSError, ValueError, AttributeError):  # a broken pipe, a detached buffer: nothing to save
+                pass

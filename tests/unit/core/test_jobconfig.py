@@ -136,3 +136,18 @@ def test_a_bad_compression_on_the_command_line_is_refused(tmp_path):
         job_spec(dict(NOTHING, script="a.py", compression="max"), tmp_path)
     with pytest.raises(UsageError, match="--step-time -1"):
         job_spec(dict(NOTHING, script="a.py", step_time=-1), tmp_path)
+
+
+def test_the_worker_kind_from_the_job_file_or_the_command_line_reaches_the_launch_options(tmp_path):
+    """`workers` (`--workers`): warm unless asked; cold travels through the spec to every agent's command."""
+    default = job_spec(jobconfig.merge(jobconfig.parse('script = "a.py"\n'), NOTHING), tmp_path)
+    assert default.workers == "warm"
+    spec = job_spec(jobconfig.merge(jobconfig.parse('script = "a.py"\nworkers = "cold"\n'), NOTHING), tmp_path)
+    assert spec.workers == "cold" and JobSpec.from_dict(spec.to_dict()) == spec
+    assert job_spec(jobconfig.merge({}, dict(NOTHING, script="a.py", workers="cold")), tmp_path).workers == "cold"
+    with pytest.raises(UsageError, match="workers = 'lukewarm' must be one of 'warm', 'cold'"):
+        jobconfig.parse('workers = "lukewarm"')
+    with pytest.raises(UsageError, match="--workers 'lukewarm' is not one of warm, cold"):
+        job_spec(dict(NOTHING, script="a.py", workers="lukewarm"), tmp_path)
+    with pytest.raises(ValueError, match="workers 'lukewarm' is not one of warm, cold"):
+        JobSpec.from_dict({**spec.to_dict(), "workers": "lukewarm"})

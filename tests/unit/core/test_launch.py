@@ -30,11 +30,13 @@ def opts(**kw) -> TrainOptions:
     return TrainOptions(**base)
 
 
-def expected_argv(ip: str, nproc: str, nnodes: str = "3") -> tuple[str, ...]:
+def expected_argv(ip: str, nproc: str, nnodes: str = "3", workers: str = "warm") -> tuple[str, ...]:
     return (
         "python3",
         "-m",
         "meshrun.jobs.agent",
+        "--workers",
+        workers,
         "--nnodes",
         nnodes,
         "--nproc-per-node",
@@ -65,6 +67,15 @@ def test_three_node_plan_exact_argv():
     assert plans[0].argv == expected_argv("10.77.0.2", "8")
     assert plans[1].argv == expected_argv("10.77.0.3", "8")
     assert plans[2].argv == expected_argv("10.77.0.4", "1")  # no GPU -> 1 worker
+
+
+def test_cold_workers_are_asked_of_every_agent():
+    plans = launch.plan(NODES, opts(workers="cold"))
+    assert [p.argv for p in plans] == [
+        expected_argv("10.77.0.2", "8", workers="cold"),
+        expected_argv("10.77.0.3", "8", workers="cold"),
+        expected_argv("10.77.0.4", "1", workers="cold"),
+    ]
 
 
 def test_several_coordinators_keep_the_rendezvous_and_every_one_is_named():
@@ -208,7 +219,8 @@ def test_nnodes_min_max_and_fixed_subset():
     assert conf.split(",")[-1] == f"last_call_timeout={launch.ELASTIC_LAST_CALL_S}", conf
     fixed = launch.plan(NODES, opts(nnodes="2"))[0].argv
     assert "last_call_timeout" not in fixed[fixed.index("--rdzv-conf") + 1]
-    assert launch.plan(NODES, opts(nnodes="2:2"))[0].argv[4] == "2"
+    argv = launch.plan(NODES, opts(nnodes="2:2"))[0].argv
+    assert argv[argv.index("--nnodes") + 1] == "2"
 
 
 def test_options_module_restarts_port_timeout_python():

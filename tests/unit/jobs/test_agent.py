@@ -48,11 +48,41 @@ dist.destroy_process_group()
 """
 
 
-def agent_cmd(script: Path, port: int, restarts: int = 1) -> list[str]:
+# The exit race of a DDP script whose model is a global (pytorch examples' shape), forced: when the script
+# returns, gloo's thread is freeing a finished all-reduce, which needs the GIL (its tensor has a Python object),
+# and the model's reducer holds the last reference to the group, whose destructor joins that thread. A DDP model
+# is a reference cycle, so the garbage collector frees it once nothing else holds it, at whatever allocation
+# starts a full collection; here an exit hook starts one, first thing after the script. Freeing the script's
+# globals with the GIL held (the forked worker before the fix) hung for ever; the interpreter's own finalization
+# aborts ("terminate called without an active exception") when gloo's thread gets the GIL too late.
+FORCED_EXIT_RACE = """\
+import atexit, gc, sys, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(8, 8))
+model(torch.randn(4, 8)).sum().backward()
+print(f"rank={dist.get_rank()} returning", flush=True)  # the last output: writing it would let go of the GIL
+sys.setswitchinterval(60)  # this thread keeps the GIL while it runs Python code: gloo's thread waits for it
+work = dist.all_reduce(torch.ones(4), group=model.process_group, async_op=True)
+del work  # gloo's thread now holds the last reference to the work and its tensor
+dist.destroy_process_group()  # the model's reducer now holds the last reference to the group
+atexit.register(gc.collect)  # a full collection once the script is done: frees the model if nothing holds it
+end = time.monotonic() + 1.0
+while time.monotonic() < end:  # the all-reduce completes meanwhile; freeing it waits for the GIL
+    pass
+"""
+
+
+def agent_cmd(script: Path, port: int, restarts: int = 1, workers: str = "warm") -> list[str]:
     return [
         sys.executable,
         "-m",
         "meshrun.jobs.agent",
+        "--workers",
+        workers,
         "--nnodes",
         "1",
         "--nproc-per-node",
@@ -154,6 +184,41 @@ def test_a_regroup_ends_the_workers_but_not_the_forkserver(tmp_path, store_port)
     assert out.count("sum=3") == 2
     # They end with the agent, once they see its end of their pipe close.
     assert all(procs.wait_gone(pid, timeout=30) for pid in helpers)
+
+
+@pytest.mark.parametrize("workers", ["warm", "cold"])
+def test_a_script_returning_while_gloo_frees_its_work_ends(tmp_path, store_port, workers):
+    """FORCED_EXIT_RACE ends with code 0 on both ranks, each kind of worker (it hung for ever when warm)."""
+    script = tmp_path / "train.py"
+    script.write_text(FORCED_EXIT_RACE)
+    p = subprocess.Popen(
+        agent_cmd(script, store_port, restarts=0, workers=workers),
+        cwd=tmp_path,
+        env=agent_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = p.communicate(timeout=120)  # a hang guard: it ends in about 5 s alone (8 s cold)
+    finally:
+        stop(p)
+    assert p.returncode == 0, out + err
+    assert out.count("returning") == 2, out + err
+
+
+@pytest.mark.parametrize("argv", [["--workers", "lukewarm", "x.py"], ["--workers"], ["--workers=", "x.py"]])
+def test_the_agent_refuses_an_unknown_worker_kind(tmp_path, argv):
+    r = subprocess.run(
+        [sys.executable, "-m", "meshrun.jobs.agent", *argv],
+        cwd=tmp_path,
+        env=agent_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("meshrun.jobs.agent: --workers "), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_the_agent_refuses_no_python_and_standalone(tmp_path):

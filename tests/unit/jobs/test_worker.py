@@ -1,7 +1,9 @@
-"""meshrun.jobs.worker: prefixes, exit code and signal passthrough, exit records.
+"""meshrun.jobs.worker: prefixes, exit code and signal passthrough, exit records, a script run and ended as
+``python -u`` runs and ends it.
 
-Every test runs the wrapper both ways it is used: ``python -m meshrun.jobs.worker`` (the script in a new
-interpreter) and `worker.forked` (the script in a fork of the wrapper, as meshrun.jobs.agent's workers run).
+Every test runs the wrapper both ways it is used: ``python -m meshrun.jobs.worker`` (a cold worker: a new
+interpreter) and `worker.forked` (a warm worker's entrypoint, as meshrun.jobs.agent's forkserver runs it); in
+both the script runs in a fork of the wrapper.
 """
 
 from __future__ import annotations
@@ -358,3 +360,74 @@ def test_output_is_unbuffered_and_exit_hooks_run(tmp_path):
     assert r.returncode == -signal.SIGKILL
     assert r.stdout.decode() == "[dc1-gpu0 r3] before the end\n"
     assert r.stderr.decode() == "[dc1-gpu0 r3] half a line\n"
+
+
+def test_work_the_interpreter_waits_for_is_done_after_the_script_returns(tmp_path):
+    """A non-daemon thread, a ThreadPoolExecutor's queued work, an atexit handler that reads the script's
+    globals and a log file the script never closed: each finishes after the script's last line, as under
+    ``python -u`` (the forked path used to kill the first two and lose the third's module)."""
+    r = run_worker(
+        tmp_path,
+        """
+        import atexit, sys, threading, time
+        from concurrent.futures import ThreadPoolExecutor
+
+        MARK = "globals kept"
+
+        def later(name):
+            time.sleep(1)
+            with open(name, "w") as f:
+                f.write("done")
+
+        threading.Thread(target=later, args=("thread.out",)).start()
+        ThreadPoolExecutor(1).submit(later, "executor.out")
+        atexit.register(lambda: print("atexit sees", sys.modules["__main__"].MARK))
+        log = open("train.log", "w")
+        log.write("last line, never flushed by the script")
+        print("returning")
+        """,
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode() == "[dc1-gpu0 r3] returning\n[dc1-gpu0 r3] atexit sees globals kept\n"
+    assert (tmp_path / "thread.out").read_text() == "done"
+    assert (tmp_path / "executor.out").read_text() == "done"
+    assert (tmp_path / "train.log").read_text() == "last line, never flushed by the script"
+
+
+def test_a_script_that_cannot_be_opened_ends_as_python_says(tmp_path):
+    r = subprocess.run(
+        [*WORKER, str(tmp_path / "missing.py")],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "MESHRUN_NODE_NAME": "n", "RANK": "0"},
+        capture_output=True,
+        timeout=30,
+    )
+    assert r.returncode == 2
+    assert r.stderr.decode().endswith(
+        f"can't open file {str(tmp_path / 'missing.py')!r}: [Errno 2] No such file or directory\n"
+    )
+
+
+def test_an_uncaught_exception_keeps_its_frames_as_python_does(tmp_path):
+    """Python keeps the last exception (sys.last_*), so the objects in its frames are not freed before the
+    interpreter ends: a function's local DDP model is not torn down with the GIL held either."""
+    r = run_worker(
+        tmp_path,
+        """
+        import atexit, sys
+
+        class Held:
+            def __del__(self):
+                print("freed before the end")
+
+        def train():
+            model = Held()
+            raise RuntimeError("diverged")
+
+        atexit.register(lambda: print("atexit: last exception", type(sys.last_value).__name__))
+        train()
+        """,
+    )
+    assert r.returncode == 1
+    assert "RuntimeError: diverged" in r.stderr.decode()
+    assert r.stdout.decode() == "[dc1-gpu0 r3] atexit: last exception RuntimeError\n"
