@@ -35,19 +35,24 @@ def demo_basic(rank):
         + f"world_size = {dist.get_world_size()}"
         )
 
-    model = ToyModel().to(rank)
-    ddp_model = DDP(model, device_ids=[rank])
+    # meshrun corpus: CPU without a GPU (RANK is global: LOCAL_RANK picks the device on a node)
+    device = int(os.environ["LOCAL_RANK"]) if torch.accelerator.is_available() else "cpu"
+    torch.manual_seed(0)  # meshrun corpus: the same model and data in every run, so runs can be compared
+    model = ToyModel().to(device)
+    ddp_model = DDP(model, device_ids=[device] if device != "cpu" else None)
 
     loss_fn = nn.MSELoss()
     optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
 
     optimizer.zero_grad()
     outputs = ddp_model(torch.randn(20, 10))
-    labels = torch.randn(20, 5).to(rank)
+    labels = torch.randn(20, 5).to(device)
     loss_fn(outputs, labels).backward()
     optimizer.step()
 
     print(f"training completed in rank {rank}!")
+    digest = hash(tuple(round(x, 6) for p in ddp_model.parameters() for x in p.detach().flatten().tolist()))
+    print(f"final-digest {digest & 0xFFFFFFFF:08x}")  # meshrun corpus: to compare runs
 
 
 def main():
@@ -79,9 +84,12 @@ def main():
     else:
         print(f"[{os.getpid()}] Initializing process group with: {env_dict}")  
         acc = torch.accelerator.current_accelerator()
-        backend = torch.distributed.get_default_backend_for_device(acc)
-        torch.accelerator.set_device_index(rank)
-        dist.init_process_group(backend=backend)
+        if acc is None:  # meshrun corpus: CPU and gloo without a GPU
+            dist.init_process_group(backend="gloo")
+        else:
+            backend = torch.distributed.get_default_backend_for_device(acc)
+            torch.accelerator.set_device_index(local_rank)  # meshrun corpus: the node's device, not the global rank
+            dist.init_process_group(backend=backend)
 
     print(
         f"[{os.getpid()}]: world_size = {dist.get_world_size()}, "
@@ -95,7 +103,7 @@ def main():
 
 if __name__ == "__main__":
     _min_gpu_count = 2
-    if not verify_min_gpu_count(min_gpus=_min_gpu_count):
+    if torch.accelerator.is_available() and not verify_min_gpu_count(min_gpus=_min_gpu_count):  # meshrun corpus
         print(f"Unable to locate sufficient {_min_gpu_count} gpus to run this example. Exiting.")
         sys.exit()
     main()

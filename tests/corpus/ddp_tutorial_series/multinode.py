@@ -10,9 +10,14 @@ from torch.distributed import init_process_group, destroy_process_group
 import os
 
 
+# meshrun corpus: CPU and gloo where there is no GPU (the only change besides the seed and the digest below)
+CUDA = torch.cuda.is_available()
+
+
 def ddp_setup():
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    init_process_group(backend="nccl")
+    if CUDA:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    init_process_group(backend="nccl" if CUDA else "gloo")
 
 class Trainer:
     def __init__(
@@ -25,7 +30,8 @@ class Trainer:
     ) -> None:
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.global_rank = int(os.environ["RANK"])
-        self.model = model.to(self.local_rank)
+        self.device = self.local_rank if CUDA else "cpu"  # meshrun corpus: CPU without a GPU
+        self.model = model.to(self.device)
         self.train_data = train_data
         self.optimizer = optimizer
         self.save_every = save_every
@@ -35,10 +41,10 @@ class Trainer:
             print("Loading snapshot")
             self._load_snapshot(snapshot_path)
 
-        self.model = DDP(self.model, device_ids=[self.local_rank])
+        self.model = DDP(self.model, device_ids=[self.local_rank] if CUDA else None)
 
     def _load_snapshot(self, snapshot_path):
-        loc = f"cuda:{self.local_rank}"
+        loc = f"cuda:{self.local_rank}" if CUDA else "cpu"
         snapshot = torch.load(snapshot_path, map_location=loc)
         self.model.load_state_dict(snapshot["MODEL_STATE"])
         self.epochs_run = snapshot["EPOCHS_RUN"]
@@ -56,8 +62,8 @@ class Trainer:
         print(f"[GPU{self.global_rank}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}")
         self.train_data.sampler.set_epoch(epoch)
         for source, targets in self.train_data:
-            source = source.to(self.local_rank)
-            targets = targets.to(self.local_rank)
+            source = source.to(self.device)
+            targets = targets.to(self.device)
             self._run_batch(source, targets)
 
     def _save_snapshot(self, epoch):
@@ -94,10 +100,14 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
 
 def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str = "snapshot.pt"):
     ddp_setup()
+    torch.manual_seed(0)  # meshrun corpus: the same data and model in every run, so runs can be compared
     dataset, model, optimizer = load_train_objs()
     train_data = prepare_dataloader(dataset, batch_size)
     trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path)
     trainer.train(total_epochs)
+    # meshrun corpus: a digest of the trained parameters, to compare runs
+    digest = hash(tuple(round(x, 6) for p in trainer.model.parameters() for x in p.detach().flatten().tolist()))
+    print(f"final-digest {digest & 0xFFFFFFFF:08x}")
     destroy_process_group()
 
 

@@ -16,6 +16,9 @@ def verify_min_gpu_count(min_gpus: int = 2) -> bool:
 
 def ddp_setup():
     acc = torch.accelerator.current_accelerator()
+    if acc is None:  # meshrun corpus: CPU and gloo without a GPU
+        init_process_group(backend="gloo")
+        return
     rank = int(os.environ["LOCAL_RANK"])
     device: torch.device = torch.device(f"{acc}:{rank}")
     backend = torch.distributed.get_default_backend_for_device(device)
@@ -37,6 +40,7 @@ def get_train_objs(gpt_cfg: GPTConfig, opt_cfg: OptimizerConfig, data_cfg: DataC
 @hydra.main(version_base=None, config_path=".", config_name="gpt2_train_cfg")
 def main(cfg: DictConfig):
     ddp_setup()
+    torch.manual_seed(0)  # meshrun corpus: the same split, model and dropout in every run, so runs can be compared
 
     gpt_cfg = GPTConfig(**cfg['gpt_config'])
     opt_cfg = OptimizerConfig(**cfg['optimizer_config'])
@@ -46,12 +50,15 @@ def main(cfg: DictConfig):
     model, optimizer, train_data, test_data = get_train_objs(gpt_cfg, opt_cfg, data_cfg)
     trainer = Trainer(trainer_cfg, model, optimizer, train_data, test_data)
     trainer.train()
+    # meshrun corpus: a digest of the trained parameters, to compare runs
+    digest = hash(tuple(round(x, 5) for p in model.parameters() for x in p.detach().flatten().tolist()))
+    print(f"final-digest {digest & 0xFFFFFFFF:08x}")
 
     destroy_process_group()
 
 if __name__ == "__main__":
     _min_gpu_count = 2
-    if not verify_min_gpu_count(min_gpus=_min_gpu_count):
+    if torch.accelerator.is_available() and not verify_min_gpu_count(min_gpus=_min_gpu_count):  # meshrun corpus
         print(f"Unable to locate sufficient {_min_gpu_count} gpus to run this example. Exiting.")
         sys.exit()
     main()

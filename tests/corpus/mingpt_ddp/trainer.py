@@ -13,7 +13,6 @@ from torch.utils.data import Dataset, DataLoader
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-import boto3
 from urllib.parse import urlparse
 import fsspec
 import io
@@ -38,6 +37,7 @@ def upload_to_s3(obj, dst):
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     buffer.seek(0)
+    import boto3  # meshrun corpus: imported where it is used (S3 snapshots only), not at the top
     dst = urlparse(dst, allow_fragments=False)
     boto3.client('s3').upload_fileobj(buffer, dst.netloc, dst.path.lstrip('/'))
 
@@ -50,7 +50,8 @@ class Trainer:
         self.global_rank = int(os.environ["RANK"])  
         # set device
         self.acc = torch.accelerator.current_accelerator()
-        self.device: torch.device = torch.device(f"{self.acc}:{self.local_rank}")
+        # meshrun corpus: CPU without a GPU
+        self.device: torch.device = torch.device(f"{self.acc}:{self.local_rank}" if self.acc else "cpu")
         self.device_type = self.device.type
         # data stuff
         self.train_dataset = train_dataset
@@ -58,7 +59,7 @@ class Trainer:
         self.test_loader = self._prepare_dataloader(test_dataset) if test_dataset else None
         # initialize train states
         self.epochs_run = 0
-        self.model = model.to(self.local_rank)
+        self.model = model.to(self.device)  # meshrun corpus: was .to(self.local_rank)
         self.optimizer = optimizer        
         self.save_every = self.config.save_every
         if self.config.use_amp:
@@ -68,7 +69,7 @@ class Trainer:
             self.config.snapshot_path = "snapshot.pt"
         self._load_snapshot()
         # wrap with DDP. this step will synch model across all the processes.
-        self.model = DDP(self.model, device_ids=[self.local_rank])
+        self.model = DDP(self.model, device_ids=[self.local_rank] if self.acc else None)  # meshrun corpus
         
     def _prepare_dataloader(self, dataset: Dataset):
         return DataLoader(
@@ -119,8 +120,8 @@ class Trainer:
             dataloader.sampler.set_epoch(epoch)
         for iter, (source, targets) in enumerate(dataloader):
             step_type = "Train" if train else "Eval"
-            source = source.to(self.local_rank)
-            targets = targets.to(self.local_rank)
+            source = source.to(self.device)  # meshrun corpus: was .to(self.local_rank)
+            targets = targets.to(self.device)
             batch_loss = self._run_batch(source, targets, train)
             if iter % 100 == 0:
                 print(f"[RANK{self.global_rank}] Epoch {epoch} | Iter {iter} | {step_type} Loss {batch_loss:.5f}")
