@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from support import CHARLM_SMALL, REPO_ROOT, TrainJob, joined_mesh
@@ -22,7 +21,6 @@ def test_diloco_charlm_trains_across_two_datacenters(fresh_mesh):
     rank 0's final line parses, its loss is finite and it sent pseudo-gradients (bytes_sent > 0);
     two syncs of fp16 pseudo-gradients go out, so bytes_sent is exactly 2 * 2 bytes * params.
     """
-    t0 = time.monotonic()
     mesh = fresh_mesh(3, "dc1-a")
     for n in ("dc2-a", "dc3-a"):
         mesh.join(n)
@@ -62,7 +60,6 @@ def test_diloco_charlm_trains_across_two_datacenters(fresh_mesh):
     resumed = train(mesh, "--resume", first)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert re.search(r"\] resumed rank=0 world_size=2 sync=\d+ step=20 ", resumed.stdout), resumed.stdout[-3000:]
-    assert time.monotonic() - t0 < 600  # a hang, not a speed target (each job takes 20-60 s here)
 
 
 def train(mesh, *args: str):

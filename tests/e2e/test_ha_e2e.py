@@ -211,9 +211,8 @@ def test_a_coordinator_whose_enrolment_port_does_not_answer_is_not_added_and_not
         "dc6-a a node again", lambda: mesh.status("dc6-a")["role"] == "node" and mesh.status("dc6-a")["daemon_pid"], 60
     )
     assert '"etcd"' not in mesh.world.node("dc6-a").run("ss", "-tlnpH").stdout  # no etcd member left behind
-    assert not mesh.status("dc4-a")["peers"] or all(
-        not p["coordinator"] for p in mesh.status("dc4-a")["peers"] if p["name"] == "dc6-a"
-    )
+    peers = {p["name"]: p for p in mesh.status("dc4-a")["peers"]}
+    assert "dc6-a" in peers and not peers["dc6-a"]["coordinator"], peers  # dc4-a sees dc6-a as a node
 
 
 def test_etcd_answers_the_coordinators_only_never_a_member_nor_the_internet(ha):
@@ -297,7 +296,7 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
     )
     assert after["path"] == "relayed", (before, after)
     join_through(mesh, B, "dc8-a")
-    assert mesh.wait_ping("dc8-a", mesh.overlay_ip("dc4-a"), timeout=60) < 60
+    mesh.wait_ping("dc8-a", mesh.overlay_ip("dc4-a"), timeout=60)  # raises if no answer comes within 60 s
     # B's doctor names the lost coordinator and the way out. Then C's etcd member dies too, with C's daemon
     # held (SIGSTOP) so that it cannot start it again yet: no majority, and B's doctor says so; C's daemon,
     # let go, starts its member again and the majority is back. (Every PID is one C's coordinator recorded.)
@@ -358,7 +357,7 @@ def test_back_to_one_coordinator_with_every_member_kept(ha):
         30,
     )
     for n in sorted(before - {A_NAME, B, LOST_NODE}):  # every member still there reaches B over the overlay
-        assert mesh.wait_ping(n, mesh.overlay_ip(B), timeout=60) < 60
+        mesh.wait_ping(n, mesh.overlay_ip(B), timeout=60)  # raises if no answer comes within 60 s
     # A new token (made now) names B alone, and a node joins with it.
     token = mesh.meshrun(B, "token", "create").stdout.strip().splitlines()[-1]
     from meshrun.core.token import parse_token
