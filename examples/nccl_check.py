@@ -7,6 +7,11 @@ communicator (NCCL creates it at its first collective). ``--hostid-per-node`` se
 the node's name (nodes that are namespaces of one machine, possibly on one GPU). Without a GPU the same
 runs on gloo. Each group's all-reduce result is checked; the last line of every rank is
 ``nccl_check rank=R ok``.
+
+It also checks how a warm worker (meshrun.jobs.agent) treats the GPU: torch was imported before the worker was
+forked, CUDA must not have been initialised (``cuda_at_start=False``: CUDA does not survive a fork), and the
+script ends the way countless training scripts end, a DDP model in a module global and destroy_process_group(),
+which the worker must not tear down in a way that hangs (meshrun.system.machine.warmfork.exit_as_interpreter).
 """
 
 from __future__ import annotations
@@ -35,7 +40,12 @@ def pin_device(gpu_map: str, hostid_per_node: bool) -> bool:
     return True
 
 
+MODEL = None  # a module global, as in many training scripts: alive when the script returns
+
+
 def main() -> None:
+    global MODEL
+    cuda_at_start = torch.cuda.is_available() and torch.cuda.is_initialized()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpu-map", default="", help="NODE=GPU pairs, comma-separated [the local rank's GPU]")
     p.add_argument("--hostid-per-node", action="store_true", help="NCCL_HOSTID = the node's name")
@@ -47,7 +57,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     print(
         f"backend={dist.get_backend()} device={device} interface={os.environ.get('MESHRUN_INTERFACE')} "
-        f"hostid={os.environ.get('NCCL_HOSTID', '-')}",
+        f"hostid={os.environ.get('NCCL_HOSTID', '-')} cuda_at_start={cuda_at_start}",
         flush=True,
     )
 
@@ -73,6 +83,10 @@ def main() -> None:
     check("site group", lambda t: dist.all_reduce(t, group=g.local), float(g.local_size))
     if g.hierarchical:
         check("cross-site groups", lambda t: sites.all_reduce(t, g), float(world))
+    MODEL = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Linear(64, 64).to(device), device_ids=[device.index] if cuda else None
+    )
+    MODEL(torch.randn(8, 64, device=device)).sum().backward()  # the reducer's all-reduce on the backend
     dist.barrier()
     print(f"nccl_check rank={rank} ok", flush=True)
     dist.destroy_process_group()

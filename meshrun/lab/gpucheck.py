@@ -532,6 +532,8 @@ def report_check(res, out=print) -> None:
     for line in text.splitlines():
         if "backend=" in line or "site=" in line or ": ok" in line or "WRONG" in line:
             out(line)
+    if "cuda_at_start=True" in text:  # a warm worker was forked from a process that had initialised CUDA
+        out("CUDA was initialised before a warm worker's script started: its fork cannot use the GPU")
     out("")
     seen = summarize(text)
     for group in ("world group", "site group", "cross-site groups"):

@@ -30,6 +30,7 @@ def test_the_gpu_check_runs_every_group_and_says_when_nccl_was_not_exercised(tmp
     for group in ("world group", "site group", "cross-site groups"):
         assert out.count(f"{group}: ok") == 4, out  # two sites of two nodes: every rank says so
     assert out.count("site=s1") == 2 and out.count("site=s2") == 2
+    assert out.count("cuda_at_start=False") == 4  # warm workers: torch imported before the fork, CUDA not
     assert out.rstrip().endswith("gpu-check passed")
     # The table's path: the pair on the site network with meshrun off the data path, and on meshrun0.
     data = json.loads(table.read_text())

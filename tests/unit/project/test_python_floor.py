@@ -20,21 +20,18 @@ from support import REPO_ROOT, TESTS
 # sys.last_*). Everything else is pure logic on top of those: it is imported here (IMPORT_ALL), which is where a
 # syntax or typing construct newer than the floor fails, and runs in full on the main interpreter.
 FLOOR = [
-    TESTS / "unit" / path
-    for path in (
-        "system/test_archive.py",
-        "system/test_transport.py",
-        "system/test_frontdoor.py",
-        "system/test_longpoll.py",
-        "core/test_jobconfig.py",
-        "core/test_keys.py",
-        "core/test_keys_pki.py",
-        "core/test_token.py",
-        "cli/test_cli_errors.py",
-        "jobs/test_worker.py",
-        "project/test_layers.py",
-        "project/test_devsh.py",
-    )
+    TESTS / "unit" / "system" / "test_archive.py",
+    TESTS / "unit" / "system" / "test_transport.py",
+    TESTS / "unit" / "system" / "test_frontdoor.py",
+    TESTS / "unit" / "system" / "test_longpoll.py",
+    TESTS / "unit" / "core" / "test_jobconfig.py",
+    TESTS / "unit" / "core" / "test_keys.py",
+    TESTS / "unit" / "core" / "test_keys_pki.py",
+    TESTS / "unit" / "core" / "test_token.py",
+    TESTS / "unit" / "cli" / "test_cli_errors.py",
+    TESTS / "unit" / "jobs" / "test_worker.py",
+    TESTS / "unit" / "project" / "test_layers.py",
+    TESTS / "unit" / "project" / "test_devsh.py",
 ]
 # Every meshrun module imports on 3.10 (a syntax or typing construct newer than the floor fails here), but
 # those that need torch, which the floor's venv lacks.
