@@ -142,6 +142,22 @@ def _verdict(d: dict) -> str:
 
 
 def launch_overhead(d: dict) -> tuple[str, str]:
+    if "extra_s_by_variant" in d:  # warm and cold workers, against plain torchrun by hand (2026-11-29 on)
+        by = d["extra_s_by_variant"]
+        parts = []
+        for kind, label in (("meshrun_warm", "warm workers"), ("meshrun_cold", "cold workers")):
+            e = by[kind]
+            part = f"{label} {e['median']:+.2f} s ({e['min']:+.2f} to {e['max']:+.2f}, {e['n']} paired rounds)"
+            if e["max"] - e["min"] > abs(e["median"]):
+                part += ", the spread larger than the effect"
+            parts.append(part)
+        med = d["median_s"]
+        text = "; ".join(parts) + (
+            f"; torchrun by hand {med['torchrun_by_hand']:.1f} s, meshrun's agent by hand "
+            f"{med['agent_by_hand']:.1f} s (a job that joins a gloo group and leaves)"
+        )
+        text += f"; target < +{d['target_extra_s']:g} s (warm) {_verdict(d)}"
+        return "`meshrun train` launch overhead vs plain torchrun started by hand on every node", text
     e = d["extra_s"]
     if isinstance(e, dict):
         text = f"{e['median']:+.2f} s ({e['min']:+.2f} to {e['max']:+.2f}, {e['n']} paired rounds)"
@@ -156,6 +172,31 @@ def launch_overhead(d: dict) -> tuple[str, str]:
     if "target_extra_s" in d:
         text += f"; target < +{d['target_extra_s']:g} s {_verdict(d)}"
     return "`meshrun train` launch overhead vs torchrun by hand", text
+
+
+def exit_stress(d: dict) -> tuple[str, str]:
+    t = d["totals"]
+    labels = (("warm", "warm workers (the default)"), ("cold", "cold workers"), ("torchrun", "plain torchrun"))
+    parts = [
+        f"{label}: {t[k]['hangs']} hangs, {t[k]['crashes']} crashes in {t[k]['runs']} runs"
+        for k, label in labels
+        if t[k]["runs"]
+    ]
+    worst = [
+        f"{name} {by['torchrun']['crashes_per_100']:.0f}"
+        for name, by in d["scripts"].items()
+        if by.get("torchrun", {}).get("crash")
+    ]
+    text = "; ".join(parts)
+    if worst:
+        text += " (plain torchrun's crashes per 100 runs: " + ", ".join(worst) + "; torch's own exit race)"
+    p = d["protocol"]
+    return (
+        f"exits of {len(d['scripts'])} corpus scripts (pytorch/examples' DDP scripts, a module-global DDP model with "
+        f"and without destroy_process_group, DataLoader workers, work after the last line), 2 ranks on one machine "
+        f"beside {p['load']} busy processes: hangs (still running after {p['hang_after_s']:.0f} s) and crashes",
+        text,
+    )
 
 
 RELAY_TARGET = 0.9  # a member-relayed pair's all-reduce against a direct pair's (benchmarks/relay_vs_direct.py)
@@ -690,6 +731,7 @@ ROWS: list[tuple[str, Callable[[dict], tuple[str, str]], str]] = [
     ("time_to_mesh", time_to_mesh, "benchmarks/time_to_mesh.py"),
     ("coordinator_load", coordinator_load, "benchmarks/coordinator_load.py"),
     ("launch_overhead", launch_overhead, "benchmarks/launch_overhead.py"),
+    ("exit_stress", exit_stress, "benchmarks/exit_stress.py"),
     ("preflight_time", preflight_time, "benchmarks/preflight_time.py"),
     ("relay_vs_direct", relay_vs_direct, "benchmarks/relay_vs_direct.py"),
     ("relay_failover", relay_failover, "benchmarks/relay_failover.py"),

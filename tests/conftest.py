@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "test_diloco_e2e.py",
     "test_reliability_e2e.py",
     "test_jobs_e2e.py",
+    "test_corpus_e2e.py",
     "test_rdzv_flood_e2e.py",
     "test_nat_e2e.py",
     "test_diloco_wan_smoke.py",

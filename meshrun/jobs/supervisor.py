@@ -220,6 +220,8 @@ class Supervisor:
         cands = self.candidates()
         if not cands:
             raise LaunchError("no node has joined this network yet", "run `meshrun join TOKEN` on the GPU machines")
+        if self.replica is None:  # the store below imports torch: started now, it overlaps the wait and shipping
+            tcpstore.import_torch_early()
         lo, hi = self.spec.bounds(len(cands))
         want = min(hi, len(cands))
         ready = self._wait_for(cands, want, lo if lo < want else None)

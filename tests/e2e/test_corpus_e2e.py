@@ -187,11 +187,12 @@ def test_a_public_example_ends_as_under_torchrun(mesh, tmp_path, case, cmd):
 
 @pytest.mark.parametrize("destroy", [True, False], ids=["destroy", "no-destroy"])
 def test_a_module_global_ddp_model_ends_every_time(mesh, tmp_path, destroy):
-    """The shape that hung at exit in 2 of 4 fresh worlds: three warm runs and a cold one, each ending 0."""
+    """The shape that hung at exit in 2 of 4 fresh worlds: two warm runs and a cold one, each ending 0 (the
+    stress benchmark runs it a hundred times; benchmarks/exit_stress.py)."""
     args = ("global_ddp.py", "--steps", "10") + (("--destroy",) if destroy else ())
     theirs = torchrun(mesh, "shapes", *args, tmp=tmp_path)
     assert theirs.rc == 0, theirs.out[-3000:]
-    for workers in ("warm", "warm", "warm", "cold") if destroy else ("warm",):
+    for workers in ("warm", "warm", "cold") if destroy else ("warm",):
         ours = meshrun_train(mesh, "shapes", *args, tmp=tmp_path, workers=workers)
         assert ours.rc == 0, ours.out[-3000:]
         same_digest(ours, theirs)

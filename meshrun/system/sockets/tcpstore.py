@@ -9,6 +9,7 @@ WireGuard device, and hands it to the store through `master_listen_fd`.
 from __future__ import annotations
 
 import socket
+import threading
 
 from meshrun.system.kernel import lanlink
 
@@ -28,6 +29,22 @@ def listener(ip: str, port: int = 0, device: str | None = None, backlog: int = 1
         sock.close()
         raise
     return sock
+
+
+def import_torch_early() -> threading.Thread:
+    """Start importing what `serve_store` needs (torch.distributed, about 2-3 s on a 2-core machine) in a thread,
+    so that a caller who will host a store later waits for less of it then; returns the thread (not a daemon:
+    an interpreter ending mid-import would be torn down under it)."""
+
+    def load() -> None:
+        try:
+            import torch.distributed  # noqa: F401
+        except Exception:  # noqa: BLE001 - serve_store imports it again and raises there, where it matters
+            pass
+
+    t = threading.Thread(target=load, name="import-torch", daemon=False)
+    t.start()
+    return t
 
 
 def serve_store(ip: str, port: int = 0, device: str | None = None, multi_tenant: bool = False):
