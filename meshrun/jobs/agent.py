@@ -9,8 +9,8 @@ where the wrapper comes from:
 
 - warm (the default): forked from a forkserver that imported torch once, when the agent started (during its
   first rendezvous), instead of each being a new Python that imports torch again. That import is about 3 s on
-  a 2-core node, and 2 s more for a script's first optimizer (PRELOAD); after a lost node every survivor's
-  restarted workers waited for both before resuming (benchmarks/results/ha_failover.json).
+  a 2-core node; after a lost node every survivor's restarted workers waited for it before resuming
+  (benchmarks/results/ha_failover.json). torch._dynamo is not preloaded (PRELOAD says why).
 - cold: a new ``python -u -m meshrun.jobs.worker`` per worker, as torchrun starts a script; nothing is forked
   from a process that imported torch, so the script imports it (and initialises CUDA) itself.
 
@@ -28,10 +28,12 @@ from meshrun.core.launch import DEFAULT_WORKERS, WORKER_KINDS
 from meshrun.errors import MeshrunError, UsageError
 from meshrun.system.machine import warmfork
 
-# What the forkserver imports before it forks a worker: torch; torch._dynamo, which torch imports when a script
-# makes its first optimizer (about 2 s more on a 2-core node: every training script pays it at every start);
-# and the wrapper each worker runs.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "meshrun.jobs.worker")
+# What the forkserver imports before it forks a worker: torch and the wrapper each worker runs. Not torch._dynamo,
+# which a script's first optimizer imports (2 s more on a 2-core node): with it imported before the fork, the
+# tutorial DDP script (tests/corpus/ddp_tutorial_series/multigpu_torchrun.py) deadlocked as its DDP model was freed
+# (gloo's thread waiting for the GIL that the reducer's destructor held) in 4 of 12 runs under CPU load, and in
+# 0 of 12 without it, alternating (benchmarks/exit_stress.py screening, 2026-11-29).
+PRELOAD = ("torch", "torch.distributed", "meshrun.jobs.worker")
 START_METHOD = "forkserver"
 WORKER_MODULE = "meshrun.jobs.worker"  # a cold worker: ``python -u -m WORKER_MODULE``
 
