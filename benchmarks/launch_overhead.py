@@ -1,6 +1,6 @@
 """Launch overhead of `meshrun train`, warm and cold workers, versus the same job started by hand.
 
-    sudo python benchmarks/launch_overhead.py            # 2 nodes + coordinator, 3 alternating rounds
+    sudo python benchmarks/launch_overhead.py            # 2 nodes + coordinator, 5 alternating rounds
     sudo python benchmarks/launch_overhead.py --nodes 4 --rounds 5
 
 The job is the least a training script does: import torch, join a gloo group, one barrier, leave. Each round runs
@@ -63,12 +63,13 @@ def phases(events: Path, t0: float) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--name", default="launch_overhead")
     args = ap.parse_args()
     from common import alternating, mesh_world, need_root, spread, verdict, write_result
 
     from meshrun.core import launch
+    from meshrun.jobs.supervisor import EVENTS
 
     need_root()
     t_start = time.monotonic()
@@ -105,7 +106,7 @@ def main() -> int:
                     )
                     rc = res.returncode
                     took = time.monotonic() - t0
-                    marks = phases(coord_state / "jobs" / job / "logs" / "events.log", wall0)
+                    marks = phases(coord_state / "jobs" / job / "logs" / f"{EVENTS}.log", wall0)
                     rec = mesh.job_record("dc1-a", job, check=False) or {}
                     if rec.get("ended"):
                         marks["job_ended"] = round(rec["ended"] - wall0, 3)
