@@ -38,8 +38,8 @@ DIGEST = re.compile(r"final-digest (\S+)")
 # torch's own exit race under plain torchrun (see the module's docstring): a worker that printed its result
 # and then died of SIGABRT with this line.
 TORCH_EXIT_RACE = "terminate called without an active exception"
-# It ended about 3 in 10 runs of global_ddp.py --destroy on a loaded 2-core machine (benchmarks/exit_stress.py):
-# five tries leave a test that fails for torch's sake about once in 400 runs.
+# It ended 5 of 20 runs of global_ddp.py --destroy on a loaded 2-core machine (benchmarks/exit_stress.py, a screening
+# run), and 6 of 20 without --destroy: five tries leave a test that fails for torch's sake about once in 400 runs.
 TORCHRUN_TRIES = 5
 _ports = itertools.count(29610)
 
