@@ -229,8 +229,15 @@ def main(argv: list[str] | None = None, start=_fork) -> int:
         threading.Thread(target=pump, args=(child.stdout, sys.stdout.buffer, pre), daemon=True),
         threading.Thread(target=pump, args=(child.stderr, sys.stderr.buffer, pre), daemon=True),
     ]
-    for t in threads:
-        t.start()
+    # A signal sent to this process goes to one of its threads that does not block it; a pump thread taking it
+    # would leave the main thread in wait() with the handler not run, so the child would not get it. The
+    # threads inherit the mask they start with.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        for t in threads:
+            t.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     while True:
         try:
             rc = child.wait()

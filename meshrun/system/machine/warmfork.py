@@ -72,6 +72,13 @@ def fork_call(run: Callable[[], int]) -> Forked:
     The child never returns from here. Call it before starting threads: only the calling thread is copied."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    # What this process buffered is its own: flushed now, the child cannot write it again when it flushes every
+    # open file at its end (multiprocessing flushes before it forks, for the same reason).
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's exit code is what the tests read
         code = 1

@@ -134,8 +134,18 @@ def test_signal_death_passthrough(tmp_path):
     assert rec["signal"] == "SIGKILL" and rec["exit_code"] == 128 + signal.SIGKILL
 
 
-def sigterm_worker(tmp_path: Path, code: str) -> tuple[bytes, int]:
-    """Run `code` under the worker, SIGTERM the worker once the child printed "ready"; (rest of stdout, exit code)."""
+def blocked_signals(pid: int, tid: int) -> set[int]:
+    """The signals thread `tid` of process `pid` blocks (its SigBlk in /proc)."""
+    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            mask = int(line.split()[1], 16)
+            return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+    raise AssertionError(f"no SigBlk for thread {tid} of {pid}")
+
+
+def sigterm_worker(tmp_path: Path, code: str, inspect=None) -> tuple[bytes, int]:
+    """Run `code` under the worker, SIGTERM the worker once the child printed "ready"; (rest of stdout, exit code).
+    `inspect(pid)`, when given, runs on the worker's pid before the signal is sent."""
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(code))
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
@@ -147,6 +157,8 @@ def sigterm_worker(tmp_path: Path, code: str) -> tuple[bytes, int]:
     )
     try:
         assert p.stdout.readline() == b"[n1 r0] ready\n"
+        if inspect:
+            inspect(p.pid)
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=20)
     finally:
@@ -176,6 +188,35 @@ def test_sigterm_is_forwarded_to_the_child(tmp_path):
 def test_unhandled_sigterm_kills_child_and_worker_alike(tmp_path):
     _, code = sigterm_worker(tmp_path, "import time\nprint('ready', flush=True)\ntime.sleep(30)\n")
     assert code == -signal.SIGTERM
+
+
+def test_only_the_main_thread_can_take_the_signals_it_passes_on(tmp_path):
+    """The kernel hands a signal sent to the worker to any thread that does not block it: taken by an output
+    pump, the handler would wait for the main thread to leave wait(), i.e. for the script to end on its own (the
+    floor run once waited out its 20 s here). The pumps block them; the main thread does not."""
+    seen = {}
+    forwarded = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+    def inspect(pid):
+        # The first pump may pass "ready" on before the second has started (the main thread blocks the
+        # signals while it starts them): read once both are up.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seen.clear()
+            tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+            seen.update({tid: blocked_signals(pid, tid) for tid in tids})
+            if len(seen) >= 3 and not forwarded & seen[pid]:
+                return
+            time.sleep(0.05)
+
+    _, code = sigterm_worker(tmp_path, "import time\nprint('ready', flush=True)\ntime.sleep(30)\n", inspect)
+    assert code == -signal.SIGTERM
+    pid = min(seen)  # the main thread's tid is the pid, the lowest
+    assert len(seen) >= 3, seen  # main and the two pumps
+    assert not forwarded & seen[pid]
+    for tid, blocked in seen.items():
+        if tid != pid:
+            assert forwarded <= blocked, (tid, blocked)
 
 
 def test_usage_without_script():
