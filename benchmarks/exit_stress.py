@@ -116,6 +116,9 @@ def one_run(kind: str, case: str, script: list[str], port: int, job: str, hang_a
         rec = {"kind": kind, "outcome": "hang", "seconds": round(time.monotonic() - t0, 2), "rc": None}
         return {**rec, "why": out[-600:]}
     finally:
+        if p.poll() is None:  # interrupted (Ctrl-C, SIGTERM): the run goes with the benchmark
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         shutil.rmtree(d, ignore_errors=True)
     seconds = round(time.monotonic() - t0, 2)
     digests = DIGEST.findall(out)
@@ -152,6 +155,9 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--scripts: unknown {', '.join(unknown)}; choose from {', '.join(SCRIPTS)}")
     t_start = time.monotonic()
+    # SIGTERM ends the benchmark as Ctrl-C does, through the cleanup below: the load and the store are in
+    # sessions of their own, so nothing else would stop them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(args.load)
     ]
