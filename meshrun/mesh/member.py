@@ -37,10 +37,8 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
     net.require_admin()
     process.stop(state)
     iface.device_for(state, network, rec).delete()  # and its forward guard (every member has one)
-    # The site LAN path, if the agent did not get to it (and the LAN interface's filter as it found it).
-    lan = state.read_json("lan.json") if (state / "lan.json").exists() else {}
-    rp = lan.get("rp_filter") if isinstance(lan, dict) else None
-    lanlink.remove(network.interface, (str(rp[0]), str(rp[1])) if isinstance(rp, list) and len(rp) == 2 else None)
+    # The site LAN path, if the agent did not get to it (and the LAN interface's filter as meshrun found it).
+    lanlink.remove(network.interface, lanlink.host_settings(state.path))
     relaykernel.remove(network.interface)  # and the relay's fast path
     # The extra tunnels per pair, and their wireguard-go processes as the agent recorded them.
     extra = state.read_json("tunnels.json") if (state / "tunnels.json").exists() else {}

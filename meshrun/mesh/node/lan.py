@@ -25,7 +25,7 @@ log = logging.getLogger("meshrun.mesh.node.lan")
 
 RETRY_S = 30.0  # a LAN path that could not be made is tried again this long after (a sync must come too)
 REASSERT_EVERY = 10  # probe rounds between re-installing the active routes
-LinkFactory = Callable[[str, str, str], "lanlink.LanLink | lanlink.FakeLanLink"]
+LinkFactory = Callable[[str, str, str, "lanlink.HostSettings"], "lanlink.LanLink | lanlink.FakeLanLink"]
 
 
 class LanPaths:
@@ -43,7 +43,7 @@ class LanPaths:
         self.network = network
         self.own_key = rec["public_key"]
         self.overlay_ip = rec["overlay_ip"]
-        self.link = make_link(network.interface, self.overlay_ip, network.name)
+        self.link = make_link(network.interface, self.overlay_ip, network.name, lanlink.host_settings(state.path))
         self.probe = probe
         self.plan = lanpath.LanPlan(None)  # what is in place
         self.wanted = lanpath.LanPlan(None)  # what the last member list asked for (tried once per change)

@@ -6,6 +6,7 @@ A state directory (0700) holds, per member:
   <iface>.conf   wg-quick file for operators (0600: it embeds the private key)
   peers.json     the last member list from the coordinator (nodes; for status and restarts)
   daemon.lock / daemon.log (rotated) / daemon.out
+  host-settings.json  host settings meshrun changed and their values before (meshrun.system.kernel.hostsettings)
   jobs/, projects/  jobs' files and projects' working directories (meshrun.system.files.joblogs, .projects)
 and on the coordinator also tls.key (0600), tls.crt and coordinator.db (meshrun.system.control.coordinatordb).
 
@@ -38,6 +39,13 @@ def default_state_dir() -> Path:
     return Path(base) / "meshrun"
 
 
+def _cannot_write(target: Path, exc: OSError) -> StateError:
+    return StateError(
+        f"cannot write {target}: {exc.strerror}; the previous version is unchanged",
+        "free disk space or fix permissions, then run the command again",
+    )
+
+
 def atomic_write(target: Path | str, data: bytes | str, mode: int = 0o600) -> Path:
     """Replace `target` with `data` atomically (temp file in the same directory, fsync, rename).
 
@@ -46,7 +54,10 @@ def atomic_write(target: Path | str, data: bytes | str, mode: int = 0o600) -> Pa
     if isinstance(data, str):
         data = data.encode()
     target = Path(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as exc:  # no such directory, no space for an inode, not writable
+        raise _cannot_write(target, exc) from None
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
@@ -57,10 +68,7 @@ def atomic_write(target: Path | str, data: bytes | str, mode: int = 0o600) -> Pa
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise StateError(
-            f"cannot write {target}: {exc.strerror}; the previous version is unchanged",
-            "free disk space or fix permissions, then run the command again",
-        ) from None
+        raise _cannot_write(target, exc) from None
     dfd = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)

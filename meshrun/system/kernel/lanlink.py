@@ -4,21 +4,24 @@ for). `FakeLanLink` keeps the same state in memory for tests.
 
 Every change is one `ip`, `bridge` or `nft` call; `LanLink.delete` (and `remove`, for a host whose agent died)
 takes all of it away: the device (its entries go with it), the routes of both tables, the two `ip rule`s, the
-guard table, and a LAN interface's reverse-path filter put back as it was.
+guard table, and a LAN interface's reverse-path filter put back as it was (meshrun.system.kernel.hostsettings
+records it before the change, so an agent that crashed with it loosened still puts back what it found).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from meshrun.core import lanpath, tunnels
 from meshrun.core.lanpath import LanPeer
 from meshrun.errors import CommandError, HostError
 from meshrun.system.kernel import net
+from meshrun.system.kernel.hostsettings import RECORD, HostSettings
 from meshrun.system.machine.cmd import run
 from meshrun.system.sockets import probe as probe_mod
 
-__all__ = ["FakeLanLink", "LanLink", "bind_device", "probe", "remove"]
+__all__ = ["FakeLanLink", "LanLink", "bind_device", "host_settings", "probe", "remove", "rp_filter_setting"]
 
 
 def bind_device(device: str | None) -> str | None:
@@ -45,9 +48,10 @@ def _rules() -> list[list[str]]:
     ]
 
 
-def remove(overlay_interface: str, rp_filter: tuple[str, str] | None = None) -> None:
+def remove(overlay_interface: str, settings: HostSettings | None = None) -> None:
     """Take away every trace of the LAN path (device, routes, rules, guard); what is not there is skipped.
-    `rp_filter`: (LAN interface, its value before) where a routed LAN path loosened it (lan.json keeps it)."""
+    `settings`: the member's record of host settings, whose reverse-path filters (a routed LAN path loosens
+    its LAN interface's) are put back."""
     name = lanpath.interface_name(overlay_interface)
     calls = [["ip", "link", "del", name]] + [["ip", "-4", "rule", "del", *rule[:2]] for rule in _rules()]
     calls += [["ip", "-4", "route", "flush", "table", str(t)] for t in (lanpath.PROBE_TABLE, lanpath.ACTIVE_TABLE)]
@@ -56,19 +60,29 @@ def remove(overlay_interface: str, rp_filter: tuple[str, str] | None = None) -> 
             run(argv, check=False, quiet=True)
         except HostError:  # no nft here: no guard was made either
             pass
-    if rp_filter:
-        _set_rp_filter(*rp_filter)
+    if settings:
+        settings.restore(RP_FILTER_PREFIX)
 
 
-def _rp_filter(dev: str) -> str:
-    return Path(f"/proc/sys/net/ipv4/conf/{dev}/rp_filter").read_text().strip()
+RP_FILTER_PREFIX = "net/ipv4/conf/"  # the settings remove() puts back: only reverse-path filters are recorded
 
 
-def _set_rp_filter(dev: str, value: str) -> None:
+def host_settings(state_dir: Path) -> HostSettings:
+    """The record of host settings of the member whose state is in `state_dir`. A LAN interface's filter that an
+    older meshrun noted only in lan.json ("rp_filter": [interface, value before]) is moved into it."""
+    settings = HostSettings(state_dir / RECORD)
     try:
-        Path(f"/proc/sys/net/ipv4/conf/{dev}/rp_filter").write_text(value)
-    except OSError:  # the interface is gone: nothing to put back
-        pass
+        old = json.loads((state_dir / "lan.json").read_text()).get("rp_filter")
+    except (OSError, ValueError, AttributeError):
+        old = None
+    if isinstance(old, list) and len(old) == 2 and all(isinstance(x, str) for x in old):
+        settings.adopt(rp_filter_setting(old[0]), old[1])
+    return settings
+
+
+def rp_filter_setting(dev: str) -> str:
+    """The name (path under /proc/sys) of `dev`'s IPv4 reverse-path filter."""
+    return f"{RP_FILTER_PREFIX}{dev}/rp_filter"
 
 
 def probe(overlay_ip: str, port: int, source: str, timeout: float = 0.5) -> float | None:
@@ -81,9 +95,10 @@ class LanLink:
     """The LAN path of one member: `ensure` it, `set_peers`, `activate`/`deactivate` peers, `delete`.
 
     `underlay` is the LAN interface (routed: where the peers' packets come in); `rp_restore` is (that interface,
-    its reverse-path filter before) while a routed LAN path has loosened it."""
+    its reverse-path filter before meshrun first loosened it, as `settings` records it) while a routed LAN path
+    has loosened it."""
 
-    def __init__(self, overlay_interface: str, overlay_ip: str, network_name: str) -> None:
+    def __init__(self, overlay_interface: str, overlay_ip: str, network_name: str, settings: HostSettings) -> None:
         self.name = lanpath.interface_name(overlay_interface)
         self.overlay_interface = overlay_interface
         self.overlay_ip = overlay_ip
@@ -92,6 +107,7 @@ class LanLink:
         self.routed = False
         self.underlay: str | None = None
         self.rp_restore: tuple[str, str] | None = None
+        self.settings = settings
         self.peers: dict[str, LanPeer] = {}  # overlay IP -> peer, as installed
 
     def ensure(self, local_ip: str, routed: bool = False) -> None:
@@ -144,11 +160,14 @@ class LanLink:
         )
         # A strict reverse-path filter drops a peer's packet from its overlay address on the LAN interface
         # while this end still routes that address through WireGuard (probing starts on both ends at once):
-        # loose, as the VXLAN device is; put back by delete/remove.
-        before = _rp_filter(underlay)
-        if max(int(_rp_filter("all")), int(before)) == 1:
-            self.rp_restore = (underlay, before)
-            _set_rp_filter(underlay, "2")
+        # loose, as the VXLAN device is; put back by delete/remove. The value found is recorded before the
+        # change and kept over later ones: a restarted agent finds its own 2 here, not what to put back.
+        settings = self.settings
+        setting = rp_filter_setting(underlay)
+        if max(int(settings.read(rp_filter_setting("all"))), int(settings.read(setting))) == 1:
+            settings.change(setting, "2")
+        original = settings.originals().get(setting)
+        self.rp_restore = (underlay, original) if original is not None else None
         self.local_ip, self.routed, self.underlay = local_ip, True, underlay
         self._ensure_rules()
 
@@ -198,7 +217,7 @@ class LanLink:
         run(["ip", "route", "del", f"{overlay_ip}/32", "table", str(lanpath.ACTIVE_TABLE)], check=False, quiet=True)
 
     def _clear(self) -> None:
-        remove(self.overlay_interface, self.rp_restore)
+        remove(self.overlay_interface, self.settings)
         self.local_ip, self.routed, self.underlay, self.rp_restore, self.peers = None, False, None, None, {}
 
     def delete(self, overlay_interface: str) -> None:
@@ -208,7 +227,9 @@ class LanLink:
 class FakeLanLink:
     """LanLink in memory: `local_ip`, `peers`, `active`, `guard` as the kernel would hold them; `calls` in order."""
 
-    def __init__(self, overlay_interface: str, overlay_ip: str, network_name: str) -> None:
+    def __init__(
+        self, overlay_interface: str, overlay_ip: str, network_name: str, settings: HostSettings | None = None
+    ) -> None:
         self.name = lanpath.interface_name(overlay_interface)
         self.overlay_ip = overlay_ip
         self.local_ip: str | None = None
