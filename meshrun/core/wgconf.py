@@ -9,6 +9,7 @@ import io
 
 import wgconfig
 
+from meshrun.core.keys import is_public_key
 from meshrun.core.peers import PeerSpec, PeerState
 
 
@@ -54,6 +55,23 @@ def read_quick(text: str) -> tuple[dict, dict]:
     cfg = wgconfig.WGConfig()
     cfg.read_from_fileobj(io.StringIO(text))
     return cfg.get_interface(), cfg.get_peers(keys_only=False)
+
+
+def quick_peers(text: str) -> list[PeerSpec]:
+    """The peers of a wg-quick file as render_quick writes them (key, allowed IPs, endpoint, keepalive, name
+    unknown). ValueError when it cannot be parsed."""
+    out = []
+    for key, attrs in read_quick(text)[1].items():
+        if not is_public_key(key):
+            raise ValueError(f"a [Peer] without a valid PublicKey ({str(key)[:60]!r})")
+        allowed = attrs.get("AllowedIPs", [])
+        allowed = [a.strip() for a in allowed.split(",")] if isinstance(allowed, str) else [str(a) for a in allowed]
+        endpoint = attrs.get("Endpoint")
+        keepalive = int(attrs.get("PersistentKeepalive") or 0)
+        out.append(
+            PeerSpec(str(key), tuple(sorted(a for a in allowed if a)), str(endpoint) if endpoint else None, keepalive)
+        )
+    return out
 
 
 def parse_dump(text: str) -> tuple[int, list[PeerState]]:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from meshrun.core import peers
 from meshrun.core.model import Network
-from meshrun.core.wgconf import render_quick
+from meshrun.core.wgconf import quick_peers, render_quick
 from meshrun.system.files.statedir import StateDir
 from meshrun.system.kernel.device import Device, WireGuardDevice
 
@@ -41,6 +41,24 @@ def bring_up(device: Device, state: StateDir, network: Network, address: str, mt
             device.delete()
         raise
     return device.backend()
+
+
+def restore_peers(device: Device, state: StateDir, network: Network) -> int:
+    """Put the peers of the last wg-quick file written back on a device just brought up (a machine that
+    rebooted): what needs the overlay before the state can be read (a coordinator's etcd member, whose state
+    is that state) reaches the others with the peers it last knew. Returns how many; 0 without a readable file."""
+    quick = state / f"{network.interface}.conf"
+    try:
+        last = quick_peers(quick.read_text())
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read the last known peers from %s: %s", quick, exc)
+        return 0
+    d = peers.diff(device.peers(), last, time.time())
+    if d:
+        device.apply(d)
+    return len(last)
 
 
 def sync_peers(

@@ -236,6 +236,28 @@ def test_etcd_answers_the_coordinators_only_never_a_member_nor_the_internet(ha):
     assert try_connect(mesh, "dc4-a", [f"{overlay[B]}:51821"]) == {f"{overlay[B]}:51821": "open"}
 
 
+def test_a_coordinator_whose_machine_stops_and_starts_again_comes_back_with_meshrun_up(ha):
+    """C's machine goes down (every process killed, /run emptied, its disk kept) and comes back: `meshrun up`
+    there brings its interface up with the peers it last knew before its etcd member needs them, and all three
+    coordinators answer again. (Before, the interface came up with no peer and etcd waited for the others
+    through it: `up` failed after 60 s and C stayed unreachable.)"""
+    mesh = ha
+    mesh.world.power_off(C)
+    wait("C seen as unreachable", lambda: coordinators(mesh, A)[C]["etcd"] == "unreachable", 60)
+    mesh.world.power_on(C)
+    on = time.monotonic()
+    back = mesh.meshrun(C, "up", check=False, timeout=120)
+    assert back.returncode == 0, back.stdout + back.stderr
+    rows = wait(
+        "all three coordinators answering",
+        lambda: (r := coordinators(mesh, A)) and all(x["etcd"] == "ok" for x in r.values()) and r,
+        60,
+    )
+    assert set(rows) == {A_NAME, B, C}, rows
+    print(f"{C} back in `coordinator list` {time.monotonic() - on:.1f} s after it powered on")
+    mesh.wait_ping("dc4-a", mesh.overlay_ip(C), timeout=60)
+
+
 def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishes_from_another(ha):
     mesh = ha
     state_b = StateDir(mesh.state_dir(mesh.world.node(B)))

@@ -102,7 +102,14 @@ class CoordinatorService:
                 if by is not None:
                     raise ha.refuse_removed(state, self.member, by)
                 self.device = self.device or iface.device_for(state, net, self.member)
+                fresh = not self.device.exists()
                 self.member = _interface_up(self.device, state, net, str(self.member["overlay_ip"]), self.member)
+                if fresh:
+                    # An interface without peers reaches no other coordinator, and the state that names them
+                    # is in etcd, which needs them: the peers it last knew come back first (a reboot used to
+                    # wait here for an etcd that could not be reached, for ever).
+                    n = iface.restore_peers(self.device, state, net)
+                    log.info("%d peer(s) it last knew back on %s, so etcd can reach the others", n, net.interface)
                 ha.ensure_member(state, self.member, net, ha.control_ips(self.member))
             db, _ = open_db(state, follow=self.ha)
         self.db = db
