@@ -125,8 +125,7 @@ def down(
             app.echo(f"cancelled job {rec.job_id} (the overlay it runs on is going away)")
     if replicated:
         ha.stop_member(app.state)
-    iface = member.take_down(app.state, "coordinator", purge=purge)
-    app.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
+    app.echo(member.take_down(app.state, "coordinator", purge=purge).summary())
 
 
 @token_app.command("create")

@@ -25,8 +25,7 @@ def leave(
     from meshrun.mesh.node import setup as node
 
     app = Application.for_command(state_dir)
-    iface = node.leave(app.state, purge=purge)
-    app.echo(f"stopped; removed {iface}" + ("; state deleted" if purge else ""))
+    app.echo(node.leave(app.state, purge=purge).summary())
 
 
 @root.command()

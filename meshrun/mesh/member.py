@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
 from meshrun.errors import StateError
@@ -23,8 +25,27 @@ def load(state: StateDir) -> tuple[dict, Network]:
         ) from None
 
 
-def take_down(state: StateDir, role: str, purge: bool = False) -> str:
-    """Stop the daemon and remove the interface; delete the state with `purge`. Returns the interface.
+@dataclass(frozen=True)
+class TakenDown:
+    """What `take_down` found and did: the interface's name, whether a daemon was running (and was stopped),
+    whether the interface existed (and was removed), whether the state was deleted."""
+
+    interface: str
+    stopped: bool
+    removed: bool
+    purged: bool
+
+    def summary(self) -> str:
+        """One line for the user that says only what happened ("stopped the daemon; removed meshrun0")."""
+        parts = [
+            "stopped the daemon" if self.stopped else "no daemon was running",
+            f"removed {self.interface}" if self.removed else f"{self.interface} was not there",
+        ]
+        return "; ".join(parts + (["state deleted"] if self.purged else []))
+
+
+def take_down(state: StateDir, role: str, purge: bool = False) -> TakenDown:
+    """Stop the daemon and remove the interface; delete the state with `purge`. Returns what it found and did.
 
     `role` is what the command expects ("coordinator" for `down`, "node" for `leave`).
     """
@@ -35,8 +56,10 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
         other = {"coordinator": "`meshrun down`", "node": "`meshrun leave`"}.get(rec.get("role"), "another command")
         raise StateError(f"{state.path} holds a meshrun {rec.get('role')}, not a {role}", f"use {other} there")
     net.require_admin()
-    process.stop(state)
-    iface.device_for(state, network, rec).delete()  # and its forward guard (every member has one)
+    stopped = process.stop(state)
+    device = iface.device_for(state, network, rec)
+    existed = device.exists()
+    device.delete()  # and its forward guard (every member has one)
     # The site LAN path, if the agent did not get to it (and the LAN interface's filter as meshrun found it).
     lanlink.remove(network.interface, lanlink.host_settings(state.path))
     relaykernel.remove(network.interface)  # and the relay's fast path
@@ -46,7 +69,7 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> str:
     tunnellink.remove(network.interface, pids if isinstance(pids, dict) else None)
     if purge:
         state.delete()
-    return network.interface
+    return TakenDown(network.interface, stopped, existed, purge)
 
 
 def save_members(state: StateDir, version: int, members: list[Member]) -> None:

@@ -253,7 +253,9 @@ def gather(state: StateDir, measure: bool = True) -> dict:
         out["sync"] = sync
         if sync.get("failing_since"):
             out["warnings"].append(
-                f"the coordinator has not answered for {_age(now - int(sync['failing_since']))} "
+                # A fresh clock: `now` was read before the peers were measured, and the agent may have written
+                # sync.json since (a negative age was printed).
+                f"the coordinator has not answered for {_duration(time.time() - float(sync['failing_since']))} "
                 f"({sync.get('error', '?')}); tunnels, paths and relays stay as last known, retrying every "
                 f"{sync.get('retry_s', '?')} s; joins, removals and path changes wait"
             )
@@ -306,6 +308,16 @@ def _next_direct_try(v: pairpaths.PairState | None, now: float) -> int | None:
 def pair_labels(state: StateDir) -> dict[frozenset[str], str]:
     """{frozenset((a, b)): path label} for every node pair ("probing" while undecided)."""
     return {frozenset((p["a"], p["b"])): p["path"] for p in _pairs(state, _members(state, member.load(state)[0]))}
+
+
+def _duration(s: float) -> str:
+    """A span of seconds as status words it ("45 s", "3 min", "2 h"); never negative."""
+    s = max(0, int(s))
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    return f"{s // 3600} h"
 
 
 def _age(s: int | None) -> str:

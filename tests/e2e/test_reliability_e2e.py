@@ -195,8 +195,10 @@ def test_agent_sigkill_then_join_again_keeps_identity(fresh_mesh):
     coord = mesh.status("dc1-a")
     assert [p["public_key"] for p in coord["peers"]] == [before["public_key"]]  # one member, not two
 
-    assert mesh.meshrun("dc2-a", "leave").returncode == 0
+    assert mesh.meshrun("dc2-a", "leave").stdout.strip() == "stopped the daemon; removed meshrun0"
     assert world.node("dc2-a").run("ip", "link", "show", "meshrun0", check=False).returncode != 0
+    # Said again, it says what it found: nothing to stop, nothing to remove.
+    assert mesh.meshrun("dc2-a", "leave").stdout.strip() == "no daemon was running; meshrun0 was not there"
     out = mesh.meshrun("dc2-a", "up").stdout
     assert f"at {before['overlay_ip']}" in out
     again = _member(mesh, "dc2-a")

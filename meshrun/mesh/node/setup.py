@@ -357,6 +357,6 @@ def resume(
     )
 
 
-def leave(state: StateDir, purge: bool = False) -> str:
-    """Stop the agent and remove the interface; state stays unless `purge`. Returns the interface."""
+def leave(state: StateDir, purge: bool = False) -> member.TakenDown:
+    """Stop the agent and remove the interface; state stays unless `purge`. Returns what was found and done."""
     return member.take_down(state, "node", purge)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import re
 
-from meshrun.mesh.status import _age, _bytes, render, rtt_ms
+from meshrun.mesh.status import _age, _bytes, _duration, render, rtt_ms
 
 STATUS = {
     "network": "lab",
@@ -195,3 +195,10 @@ def test_a_peer_whose_port_refuses_has_a_round_trip_but_did_not_answer(monkeypat
 def test_rtt_silent_peer_costs_two_timeouts(monkeypatch):
     asked = _probes(monkeypatch, [None, None] + [0.001] * 9)
     assert rtt_ms("10.0.0.2", 7000) == (None, False) and len(asked) == 2
+
+
+def test_a_span_is_said_in_units_and_never_negative():
+    """The coordinator's silence was once printed as "-2s ago" (a clock read before the agent's last write)."""
+    assert [_duration(x) for x in (-2.7, 0, 45.9, 119, 120, 7199, 7200)] == [
+        "0 s", "0 s", "45 s", "119 s", "2 min", "119 min", "2 h"
+    ]  # fmt: skip
