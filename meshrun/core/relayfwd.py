@@ -9,8 +9,8 @@ pair is relayed), so the relay learns each end's address from what arrives, and 
 pair in two ways, so it is useless to anyone else:
 
 - **by address**: a datagram counts as an end's only when it comes from one of that end's underlay hosts
-  (where the relay's own WireGuard sees that member, its observed endpoint and its candidates), as TURN
-  binds a relay allocation to its peers' IP addresses;
+  (where the relay's own WireGuard sees that member, its observed endpoint and its candidates: LAN addresses
+  only from a relay on the end's own LAN), as TURN binds a relay allocation to its peers' IP addresses;
 - **by key**: a handshake message (initiation or response) is forwarded only if its mac1 is the one made with
   the receiving end's public key (WireGuard's mac1 = MAC(HASH("mac1----" || receiver's public key), message)),
   so it was sent to that end by someone who knows its key; anything that is not a WireGuard message is dropped.
@@ -37,7 +37,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from meshrun.core.model import Member, split_endpoint
+from meshrun.core.model import Member, not_public, split_endpoint
 from meshrun.core.relays import RELAY_PORTS
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "Route",
     "kernel_script",
     "mac1",
+    "end_hosts",
     "mac1_ok",
     "message_type",
     "relayed_pairs",
@@ -171,12 +172,46 @@ class PairForwarder:
         return out
 
 
-def relayed_pairs(relaying: list[list], members: list[Member], observed: dict[str, str | None]) -> list[RelayedPair]:
+def _lan_address(host: str) -> bool:
+    """An address that only its own network can reach (RFC 1918, CGNAT, link-local, loopback; IPv6 not global)."""
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return bool(not_public(host)) if isinstance(addr, ipaddress.IPv4Address) else not addr.is_global
+
+
+def _shares_lan(end: Member, me: Member | None) -> bool:
+    """Whether this relay (`me`) may see `end` at its LAN addresses: both joined with one site, or both behind
+    one public address (as the coordinator observed them)."""
+    if me is None:
+        return False
+    if end.site and end.site == me.site:
+        return True
+    return bool(end.endpoint and me.endpoint and split_endpoint(end.endpoint)[0] == split_endpoint(me.endpoint)[0])
+
+
+def end_hosts(end: Member, observed: str | None, me: Member | None) -> frozenset[str]:
+    """The underlay hosts an end's datagrams may reach this relay from: where its own WireGuard sees the end,
+    the endpoint the coordinator observed, and the end's reported candidates, its LAN ones only when this relay
+    shares its LAN (private ranges repeat across datacenters: a stranger on this relay's LAN may hold the same
+    address as an end's LAN address elsewhere)."""
+    hosts = {split_endpoint(e)[0] for e in (observed, end.endpoint) if e}
+    lan = _shares_lan(end, me)
+    hosts |= {h for h in (split_endpoint(c)[0] for c in end.candidates if c) if lan or not _lan_address(h)}
+    return frozenset(hosts)
+
+
+def relayed_pairs(
+    relaying: list[list], members: list[Member], observed: dict[str, str | None], me: str = ""
+) -> list[RelayedPair]:
     """The pairs to forward, from the coordinator's `relaying` ([[overlay IP, overlay IP, port], ...]) and what
-    this relay knows of each end: where its own WireGuard sees it (`observed` {public key: endpoint}), the
-    endpoint in its member entry and the candidates the member reported. Pairs with an unknown end, a port
-    outside RELAY_PORTS or a port given twice are left out (the ends then report the relay down)."""
+    this relay (public key `me`) knows of each end (end_hosts): where its own WireGuard sees it (`observed`
+    {public key: endpoint}), the endpoint in its member entry and the candidates the member reported. Pairs with
+    an unknown end, a port outside RELAY_PORTS or a port given twice are left out (the ends then report the
+    relay down)."""
     by_ip = {m.overlay_ip: m for m in members}
+    mine = next((m for m in members if me and m.public_key == me), None)
     out, ports = [], set()
     for item in relaying:
         if len(item) != 3:
@@ -185,10 +220,7 @@ def relayed_pairs(relaying: list[list], members: list[Member], observed: dict[st
         if a is None or b is None or not isinstance(port, int) or port not in RELAY_PORTS or port in ports:
             continue
         ports.add(port)
-        hosts = tuple(
-            frozenset(split_endpoint(e)[0] for e in (observed.get(m.public_key), m.endpoint, *m.candidates) if e)
-            for m in (a, b)
-        )
+        hosts = tuple(end_hosts(m, observed.get(m.public_key), mine) for m in (a, b))
         out.append(RelayedPair(port, (a.public_key, b.public_key), hosts))  # type: ignore[arg-type]
     return out
 

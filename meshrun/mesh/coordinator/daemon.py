@@ -343,7 +343,7 @@ class CoordinatorService:
         if self.public_key == self.network.coordinator_public_key:
             names.append(relays.COORDINATOR)
         listed = self.pairs.relay_list(names, {m.name: m.overlay_ip for m in members})
-        if self.relaying.apply(listed, members, self.device):
+        if self.relaying.apply(listed, members, self.device, self.public_key):
             mode = self.relaying.relay.mode if self.relaying.relay is not None else "-"
             ports = [p for _, _, p in listed][:16]
             log.info("relaying %d pairs on ports %s, forwarded by %s", len(listed), ports, mode)

@@ -429,7 +429,7 @@ class AgentService:
         if pairs and not self.rec.get("relay", True):
             log.warning("the coordinator asked this node to relay, but it joined with --no-relay: not relaying")
             pairs = []
-        if not self.relaying.apply(pairs, self.members, self.device):
+        if not self.relaying.apply(pairs, self.members, self.device, self.rec["public_key"]):
             return
         by_ip = {m.overlay_ip: m.name for m in self.members}
         shown = [[by_ip.get(str(a), a), by_ip.get(str(b), b)] for a, b, *_ in pairs]

@@ -224,15 +224,16 @@ class Relaying:
         self.relay: UdpRelay | FakeRelay | None = None
         self.pairs: list[RelayedPair] = []
 
-    def apply(self, listed: list[list], members: list[Member], device) -> bool:
+    def apply(self, listed: list[list], members: list[Member], device, me: str = "") -> bool:
         """Relay exactly `listed` ([[overlay IP, overlay IP, port], ...]); each end's datagrams may come from
-        where `device` (this member's WireGuard) sees it, its entry's endpoint or its candidates. True when the
+        where `device` (this member's WireGuard) sees it, its entry's endpoint or its candidates (relayfwd's
+        end_hosts; `me`: this member's public key, which says whether it shares an end's LAN). True when the
         pairs changed."""
         try:
             observed = {p.public_key: p.endpoint for p in device.peers()}
         except MeshrunError:
             observed = {}
-        pairs = relayfwd.relayed_pairs(listed, members, observed)
+        pairs = relayfwd.relayed_pairs(listed, members, observed, me)
         if pairs == self.pairs:
             return False
         if self.relay is None and pairs:

@@ -11,6 +11,7 @@ from meshrun.core.relayfwd import (
     PairForwarder,
     RelayedPair,
     Route,
+    end_hosts,
     kernel_script,
     mac1,
     mac1_ok,
@@ -149,9 +150,31 @@ def test_the_pairs_to_forward_come_from_the_relays_list_and_what_it_knows_of_the
         RelayedPair(
             first,
             (A_KEY, B_KEY),
-            (frozenset({"192.0.2.1", "198.51.100.1", "172.31.40.46"}), frozenset({"198.51.100.2"})),
+            # a's LAN address is not one this relay can see a datagram of a's come from (another network's).
+            (frozenset({"192.0.2.1", "198.51.100.1"}), frozenset({"198.51.100.2"})),
         )
     ]
+
+
+def test_an_ends_lan_addresses_are_its_hosts_only_at_a_relay_on_its_lan():
+    """Private ranges repeat across datacenters: a stranger on the relay's LAN holding 172.31.40.46 must not
+    count as end a, whose LAN elsewhere has that address. A relay of a's own site, or behind a's public address,
+    may see a there."""
+    a = Member("a", A_KEY, "10.213.0.2", "198.51.100.1:40000", ("172.31.40.46:51820", "100.64.3.4:51820"), site="fra")
+    public_candidate = Member("a", A_KEY, "10.213.0.2", "198.51.100.1:40000", ("192.0.2.77:51820",))
+    r_key = keypair()[0]
+    elsewhere = Member("r", r_key, "10.213.0.5", "203.0.113.5:51820", site="ber")
+    same_site = Member("r", r_key, "10.213.0.5", "203.0.113.5:51820", site="fra")
+    same_nat = Member("r", r_key, "10.213.0.5", "198.51.100.1:40001")
+    assert end_hosts(a, None, elsewhere) == end_hosts(a, None, None) == {"198.51.100.1"}
+    assert end_hosts(a, "10.0.0.7:51820", elsewhere) == {"198.51.100.1", "10.0.0.7"}  # seen there: it is there
+    lan = {"198.51.100.1", "172.31.40.46", "100.64.3.4"}
+    assert end_hosts(a, None, same_site) == end_hosts(a, None, same_nat) == lan
+    assert end_hosts(public_candidate, None, elsewhere) == {"198.51.100.1", "192.0.2.77"}
+    got = relayed_pairs(
+        [["10.213.0.2", "10.213.0.3", RELAY_PORTS[0]]], [a, same_site, Member("b", B_KEY, "10.213.0.3")], {}, r_key
+    )
+    assert got[0].hosts[0] == lan
 
 
 ROUTES = {
