@@ -126,7 +126,10 @@ def _control(f: dict) -> Check:
     ok = [r for r in rows if r.get("etcd") == "ok"]
     need = total // 2 + 1
     leader = next((r["name"] for r in rows if r.get("role") == "leader"), None)
-    down = [r["name"] for r in rows if r.get("etcd") != "ok"]
+    # Without a majority this coordinator's own member answers nothing either (its rows are named by overlay
+    # address then): what to bring back is the others, never itself.
+    me = {f.get("name"), f.get("overlay_ip")} - {None}
+    down = [r["name"] for r in rows if r.get("etcd") != "ok" and not me & {r.get("name"), r.get("overlay_ip")}]
     if total and len(ok) >= need:
         if not down and total == 2:
             return Check("control", WARN, f"etcd: 2 of 2 coordinators answer; {TWO_COORDINATORS}")
@@ -165,11 +168,18 @@ def control_warnings(role: str, peers: list[dict], coordinators: list[dict]) -> 
         total = len(coords)
         lost = [p["name"] for p in coords if _silent(p)]
     if lost and total > 1:
-        out.append(
-            f"coordinator {', '.join(lost)} not heard from: the control plane runs on {total - len(lost)} of {total} "
-            f"(a reboot comes back by itself; gone for good: `meshrun coordinator remove {lost[0]} --force` on "
-            "another coordinator)"
-        )
+        left = total - len(lost)
+        if left >= total // 2 + 1:
+            way = (
+                f"a reboot comes back by itself; gone for good: `meshrun coordinator remove {lost[0]} --force` on "
+                "another coordinator"
+            )
+        else:  # no majority: a removal could not be decided either (it would fail wherever it was run)
+            way = (
+                "no majority: nothing can change until enough come back (`meshrun up` on each); gone for good: "
+                "seed a new cluster from one of them (docs/ha.md, --force-new-cluster)"
+            )
+        out.append(f"coordinator {', '.join(lost)} not heard from: the control plane runs on {left} of {total} ({way})")
     if total == 2:
         out.append(TWO_COORDINATORS)
     return out

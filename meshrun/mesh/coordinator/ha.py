@@ -811,8 +811,10 @@ def add(
                 db.close()
                 undone = remove(state, name, unreachable_wait=0.0)
                 raise CoordinatorError(
-                    f"{name}'s enrolment port does not answer at {endpoint} ({problem}); nothing was changed "
-                    f"({undone})",
+                    # Not "nothing was changed": it was a coordinator for a moment, and what undoing that took
+                    # (a new etcd CA: it had held the old one's key) is said as it is.
+                    f"{name}'s enrolment port does not answer at {endpoint} ({problem}); it was taken out again, "
+                    f"no member heard of it ({undone})",
                     f"open TCP and UDP {split_endpoint(endpoint)[1]} on {name} and check --endpoint, then run "
                     "`meshrun coordinator add` again (--skip-endpoint-check if only this machine cannot reach it)",
                 )

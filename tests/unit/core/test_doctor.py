@@ -226,6 +226,9 @@ def test_a_lost_coordinator_and_a_pair_of_them_are_warned_about_on_nodes_and_coo
     assert "coordinator c1 not heard from" in lost
     rows = [{"name": "c1", "etcd": "ok"}, {"name": "c2", "etcd": "unreachable"}, {"name": "c3", "etcd": "ok"}]
     assert "coordinator c2 not heard from" in doctor.control_warnings("coordinator", [], rows)[0]
+    # Two of three lost: no majority, so no removal can be decided anywhere; the warning says what can be done.
+    (lost,) = doctor.control_warnings("node", [coord("c1", 20), coord("c2", 900), coord("c3", 900)], [])
+    assert "1 of 3" in lost and "no majority" in lost and "remove" not in lost and "--force-new-cluster" in lost
     # In doctor: on a node, one line for the coordinators; on a coordinator, the control check says it.
     c = only(facts(peers=three), "coordinators")
     assert c.level == WARN and "c3" in c.detail
@@ -363,6 +366,17 @@ def test_a_coordinator_without_a_majority_blocks_and_explains_quorum():
     assert c.level == FAIL and "no majority" in c.detail and "1 of 3" in c.detail and "2 are needed" in c.detail
     assert "--force-new-cluster" in c.fix and "c1, c2" in c.fix
     assert doctor.blocking(doctor.judge(facts(role="coordinator", control=_control(["ok", "unreachable", "x"]))))
+
+
+def test_without_a_majority_the_way_out_names_the_others_never_this_coordinator():
+    """Its own member answers nothing without a majority, and the rows are named by overlay address then: the
+    advice once said to bring back this coordinator's own address with `meshrun up` there."""
+    control = _control(["unreachable", "unreachable", "unreachable"])
+    for row in control["coordinators"]:
+        row["name"] = row["overlay_ip"]
+    c = only(facts(role="coordinator", name="c0", overlay_ip="10.0.0.0", control=control), "control")
+    assert c.level == FAIL and "bring back 10.0.0.1, 10.0.0.2 (" in c.fix, c.fix
+    assert "10.0.0.0" not in c.fix
 
 
 def test_a_coordinator_whose_etcd_member_is_down_blocks():
