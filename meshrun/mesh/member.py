@@ -62,6 +62,7 @@ def take_down(state: StateDir, role: str, purge: bool = False) -> TakenDown:
     device.delete()  # and its forward guard (every member has one)
     # The site LAN path, if the agent did not get to it (and the LAN interface's filter as meshrun found it).
     lanlink.remove(network.interface, lanlink.host_settings(state.path))
+    state.remove("lan.json")  # what it recorded is gone (a stale filter value there would be adopted again)
     relaykernel.remove(network.interface)  # and the relay's fast path
     # The extra tunnels per pair, and their wireguard-go processes as the agent recorded them.
     extra = state.read_json("tunnels.json") if (state / "tunnels.json").exists() else {}

@@ -56,6 +56,7 @@ class HostSettings:
             self._save(originals)
 
     def read(self, setting: str) -> str:
+        """`setting`'s current value (OSError when the host has no such setting)."""
         return (self.root / setting).read_text().strip()
 
     def change(self, setting: str, value: str) -> None:
