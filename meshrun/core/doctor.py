@@ -204,6 +204,8 @@ def _coordinators_seen(f: dict) -> Check | None:
     warnings = control_warnings("node", peers, [])
     if warnings:
         return Check("coordinators", WARN, "; ".join(warnings), "see `meshrun coordinator list` on a coordinator")
+    if all(p.get("answered") for p in peers if p.get("coordinator")):
+        return Check("coordinators", OK, f"all {total} coordinators answer now")
     return Check("coordinators", OK, f"all {total} coordinators heard from in the last {_age(HANDSHAKE_STALE_S)}")
 
 

@@ -46,6 +46,12 @@ def gather(state: StateDir, shell_env) -> dict:
     pid = process.pid(state)
     device = iface.device_for(state, network, rec)
     link = net.link(network.interface)
+    if link["exists"] and rec["role"] == "node":
+        # Asked now, as `meshrun status` asks them: by handshake age alone a coordinator powered off counted
+        # as heard from for up to HANDSHAKE_STALE_S (3 min) after.
+        for p in st["peers"]:
+            if p["coordinator"] and p["overlay_ip"]:
+                p["answered"] = mstatus.rtt_ms(p["overlay_ip"], network.api_port, samples=1)[1]
     backend = device.backend() if link["exists"] else None
     # A node's coordinator is the one its agent syncs with (several coordinators: any of them).
     coordinator_ip = st.get("coordinator") or network.coordinator_ip
@@ -64,7 +70,7 @@ def gather(state: StateDir, shell_env) -> dict:
         "coordinator_name": coordinator["name"] if coordinator else None,
         "backend": {"kind": backend, "kernel_module": host.kernel_wireguard()},
         "peers": [
-            {k: p[k] for k in ("name", "overlay_ip", "endpoint", "path", "handshake_age_s", "coordinator")}
+            {k: p[k] for k in ("name", "overlay_ip", "endpoint", "path", "handshake_age_s", "coordinator", "answered")}
             for p in st["peers"]
         ],
         "sync": st.get("sync") or {},

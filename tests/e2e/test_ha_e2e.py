@@ -245,6 +245,10 @@ def test_a_coordinator_whose_machine_stops_and_starts_again_comes_back_with_mesh
     mesh = ha
     mesh.world.power_off(C)
     wait("C seen as unreachable", lambda: coordinators(mesh, A)[C]["etcd"] == "unreachable", 60)
+    # A node's doctor asks the coordinators, as its status does (by handshake age it said all 3 were heard
+    # from for three minutes).
+    seen = only_check(mesh, "dc4-a", "coordinators")
+    assert seen["level"] == "warn" and f"coordinator {C} not heard from" in seen["detail"], seen
     mesh.world.power_on(C)
     on = time.monotonic()
     back = mesh.meshrun(C, "up", check=False, timeout=120)
@@ -338,9 +342,14 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
     wait("a majority again", lambda: control_check(mesh, B)["level"] == "warn", 90)
 
 
-def control_check(mesh: Mesh, on: str) -> dict:
+def only_check(mesh: Mesh, on: str, name: str) -> dict:
+    """`meshrun doctor --json`'s check `name` on `on`."""
     res = mesh.meshrun(on, "doctor", "--json", check=False, timeout=120)
-    return next(c for c in json.loads(res.stdout)["checks"] if c["name"] == "control")
+    return next(c for c in json.loads(res.stdout)["checks"] if c["name"] == name)
+
+
+def control_check(mesh: Mesh, on: str) -> dict:
+    return only_check(mesh, on, "control")
 
 
 def test_back_to_one_coordinator_with_every_member_kept(ha):

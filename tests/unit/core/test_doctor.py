@@ -232,6 +232,11 @@ def test_a_lost_coordinator_and_a_pair_of_them_are_warned_about_on_nodes_and_coo
     # In doctor: on a node, one line for the coordinators; on a coordinator, the control check says it.
     c = only(facts(peers=three), "coordinators")
     assert c.level == WARN and "c3" in c.detail
+    # Doctor asks them too: an answer now is what it reports, a fresh handshake without one is a loss.
+    answering = [dict(coord(n, 20), answered=True) for n in ("c1", "c2", "c3")]
+    assert only(facts(peers=answering), "coordinators").detail == "all 3 coordinators answer now"
+    answering[2]["answered"] = False
+    assert "coordinator c3 not heard from" in only(facts(peers=answering), "coordinators").detail
     two = {
         "coordinators": [{"name": "c1", "etcd": "ok", "role": "leader"}, {"name": "c2", "etcd": "ok"}],
         "etcd_pid": 7,
