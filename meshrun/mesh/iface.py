@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from meshrun.core import peers
 from meshrun.core.model import Network
 from meshrun.core.wgconf import quick_peers, render_quick
+from meshrun.errors import StateError
 from meshrun.system.files.statedir import StateDir
 from meshrun.system.kernel.device import Device, WireGuardDevice
 
@@ -47,13 +48,13 @@ def restore_peers(device: Device, state: StateDir, network: Network) -> int:
     """Put the peers of the last wg-quick file written back on a device just brought up (a machine that
     rebooted): what needs the overlay before the state can be read (a coordinator's etcd member, whose state
     is that state) reaches the others with the peers it last knew. Returns how many; 0 without a readable file."""
-    quick = state / f"{network.interface}.conf"
-    try:
-        last = quick_peers(quick.read_text())
-    except FileNotFoundError:
+    name = f"{network.interface}.conf"
+    if not (state / name).exists():
         return 0
-    except (OSError, ValueError) as exc:
-        log.warning("cannot read the last known peers from %s: %s", quick, exc)
+    try:
+        last = quick_peers(state.read(name).decode(errors="replace"))
+    except (StateError, ValueError) as exc:
+        log.warning("cannot read the last known peers from %s: %s", state / name, exc)
         return 0
     d = peers.diff(device.peers(), last, time.time())
     if d:
