@@ -96,7 +96,7 @@ def rotate_ca(state_dir: StateOpt = None) -> None:
     from meshrun.mesh.coordinator import ha
 
     app = Application.for_command(state_dir)
-    app.echo(ha.rotate(app.state))
+    app.echo(ha.rotate(app.state, say=lambda text: app.echo(f"meshrun: {text}", err=True)))
 
 
 @coordinator_app.command("list")

@@ -431,11 +431,15 @@ def _read_text(d: StateDir, name: str) -> str:
         return ""
 
 
-def rotate_ca(db: EtcdCoordinatorDB, network_name: str, timeout: float = ROTATE_TIMEOUT_S) -> str:
+def rotate_ca(
+    db: EtcdCoordinatorDB, network_name: str, timeout: float = ROTATE_TIMEOUT_S, say=lambda text: None
+) -> str:
     """Replace the etcd members' CA (see CaRecord) and wait until the old one is trusted no more; "" when done,
     else what is left, in words. The new CA's key enters etcd only after every coordinator restarted its member
-    on the new bundle (a connection opened before, a removed coordinator's say, is cut by that restart)."""
+    on the new bundle (a connection opened before, a removed coordinator's say, is cut by that restart). `say`
+    hears every few seconds that it still waits."""
     client = db.client
+    progress = Progress(say, "waiting for every coordinator to restart its etcd member on the new CA")
     new_cert, new_key = keys.new_ca(f"meshrun {network_name} etcd")
     _update_ca(client, lambda rec: begin_rotation(rec, new_cert))
     deadline = time.monotonic() + timeout
@@ -480,17 +484,19 @@ def rotate_ca(db: EtcdCoordinatorDB, network_name: str, timeout: float = ROTATE_
                 f"the etcd CA rotation goes on without this command ({', '.join(late) or 'a coordinator'} has not "
                 "caught up yet): the old CA is trusted until every coordinator has"
             )
+        progress.tick()
         time.sleep(0.5)
 
 
-def rotate(state: StateDir) -> str:
-    """`meshrun coordinator rotate-ca`, on a coordinator: replace the etcd members' CA (see `rotate_ca`)."""
+def rotate(state: StateDir, say=lambda text: None) -> str:
+    """`meshrun coordinator rotate-ca`, on a coordinator: replace the etcd members' CA (see `rotate_ca`); `say`
+    hears that it still waits."""
     rec, network = member.load(state)
     if rec.get("role") != "coordinator" or not replicated(rec):
         raise UsageError("this network has one coordinator: it has no etcd CA", "run it where there are several")
     db = open_state(state, rec)
     try:
-        left = rotate_ca(db, network.name)
+        left = rotate_ca(db, network.name, say=say)
     finally:
         db.close()
     if left:
@@ -638,17 +644,38 @@ def check_endpoint(endpoint: str, network: Network) -> str:
         ) from None
 
 
-def wait_daemon(call, timeout: float = 60.0) -> None:
+PROGRESS_S = 5.0  # an operator's command that waits says so at least this often
+
+
+class Progress:
+    """`tick()` in a wait loop says "still WHAT (N s)" through `say` at most every PROGRESS_S seconds, so no
+    operator's command is silent longer (`clock` for tests)."""
+
+    def __init__(self, say, what: str, every: float = PROGRESS_S, clock=time.monotonic) -> None:
+        self.say, self.what, self.every, self.clock = say, what, every, clock
+        self.start = clock()
+        self.next = self.start + every
+
+    def tick(self) -> None:
+        now = self.clock()
+        if now >= self.next:
+            self.say(f"  still {self.what} ({now - self.start:.0f} s) ...")
+            self.next = now + self.every
+
+
+def wait_daemon(call, timeout: float = 60.0, say=lambda text: None) -> None:
     """Wait until `call()` (a request to the new coordinator's overlay API) answers (until then its node agent may
-    still answer there, refusing an unsigned request)."""
+    still answer there, refusing an unsigned request); `say` hears that it still waits every few seconds."""
     deadline = time.monotonic() + timeout
     last: MeshrunError | None = None
+    progress = Progress(say, "waiting for the coordinator service")
     while time.monotonic() < deadline:
         try:
             call()
             return
         except MeshrunError as exc:
             last = exc
+            progress.tick()
             time.sleep(0.5)
     raise CoordinatorError(
         f"the new coordinator did not answer within {timeout:.0f} s ({last})",
@@ -702,9 +729,9 @@ def public_endpoint(endpoint: str, network: Network, resolve=net.resolve) -> str
     return endpoint
 
 
-def _failure(call, wait: float, every: float) -> str | None:
+def _failure(call, wait: float, every: float, progress: Progress | None = None) -> str | None:
     """None once `call()` succeeds within `wait` seconds (tried at least once, then every `every` s), else the
-    last failure's message."""
+    last failure's message; `progress` ticks between tries."""
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -713,6 +740,8 @@ def _failure(call, wait: float, every: float) -> str | None:
         except MeshrunError as exc:
             if time.monotonic() >= deadline:
                 return exc.message
+        if progress is not None:
+            progress.tick()
         time.sleep(every)
 
 
@@ -799,13 +828,16 @@ def add(
                 db.delete_coordinator(name)
             raise
         say(f"waiting for {name}'s coordinator service ...")
-        wait_daemon(
-            lambda: transport.call(target.overlay_ip, network.api_port, "GET", "/v1/time", timeout=3),
-        )
+        wait_daemon(lambda: transport.call(target.overlay_ip, network.api_port, "GET", "/v1/time", timeout=3), say=say)
         if check_endpoint_tls:
             say(f"checking that {name}'s enrolment port answers at {endpoint} (TCP, pinned TLS) ...")
             host, port = split_endpoint(endpoint)
-            problem = _failure(lambda: transport.check_tls(host, port, info.fingerprint, timeout=3), ENROL_CHECK_S, 1.0)
+            problem = _failure(
+                lambda: transport.check_tls(host, port, info.fingerprint, timeout=3),
+                ENROL_CHECK_S,
+                1.0,
+                Progress(say, f"checking {name}'s enrolment port"),
+            )
             if problem is not None:
                 say(f"{name}'s enrolment port does not answer at {endpoint}: taking it out again ...")
                 db.close()
@@ -976,6 +1008,7 @@ def remove(
                 lambda: transport.call(info.overlay_ip, network.api_port, "GET", "/v1/time", timeout=5),
                 0.0 if force else unreachable_wait,
                 2.0,
+                Progress(say, f"asking {name}"),
             )
             is None
         )
@@ -1019,7 +1052,7 @@ def remove(
             # It kept a copy of its certificate and could read the CA's key: those left move to a new CA.
             with contextlib.suppress(MeshrunError):
                 db.client.delete(K_TLS_ACK + name.encode())
-            left_over = rotate_ca(db, network.name)
+            left_over = rotate_ca(db, network.name, say=say)
             return outcome + (f"; {left_over}" if left_over else "; the etcd CA was replaced")
     finally:
         db.close()

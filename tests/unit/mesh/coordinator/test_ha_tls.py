@@ -184,3 +184,15 @@ def test_a_certificate_due_for_renewal_is_renewed_without_a_restart(tmp_path, mo
     renewed = world.files("a")[1]
     assert renewed != short and keys.cert_matches_key(renewed, key) and keys.cert_ips(renewed) == ["10.0.0.1"]
     assert world.restarts == []
+
+
+def test_a_wait_says_it_still_waits_at_most_every_five_seconds():
+    """An operator's command that waits (a new coordinator's service, its enrolment port, a CA rotation) is
+    never silent longer than PROGRESS_S: `coordinator add` once waited 14-20 s without a line."""
+    now = [100.0]
+    said: list[str] = []
+    progress = ha.Progress(said.append, "waiting for dc6-a", clock=lambda: now[0])
+    for _ in range(40):  # 20 s in half-second steps, as the wait loops tick
+        now[0] += 0.5
+        progress.tick()
+    assert said == [f"  still waiting for dc6-a ({s} s) ..." for s in (5, 10, 15, 20)]
