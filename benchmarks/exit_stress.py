@@ -193,6 +193,9 @@ def main() -> int:
         + f" [{time.monotonic() - t_start:.0f} s]"
     )
     data = {
+        # Kinds alternate run by run: a round is one run of each kind that still runs, so there are as many rounds
+        # with every kind in them as the smallest count.
+        "rounds": min((n for n in runs.values() if n), default=0),
         "protocol": {
             "runs_per_script": runs,
             "load": args.load,

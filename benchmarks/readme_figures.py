@@ -190,6 +190,8 @@ def exit_stress(d: dict) -> tuple[str, str]:
     text = "; ".join(parts)
     if worst:
         text += " (plain torchrun's crashes per 100 runs: " + ", ".join(worst) + "; torch's own exit race)"
+    if d.get("deviation"):  # said in the file when a run did not keep to its protocol
+        text += f"; not as the protocol says: {d['deviation']}"
     p = d["protocol"]
     return (
         f"exits of {len(d['scripts'])} corpus scripts (pytorch/examples' DDP scripts, a module-global DDP model with "
