@@ -8,8 +8,10 @@ fail, because a CI run that silently skips the end-to-end tests proves nothing.
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
     # A stable sort: the order inside a file, and of the other files, stays as collected.
     items.sort(key=order)
+
+
+# Tests marked `timing` compare what they measure against a reference taken beside it, or a rate window: they
+# take this lock alone, so they never run beside a test marked `load` (a flood, iperf3 at a link's ceiling, busy
+# loops, the TCG VM), which take it shared among themselves. A file in /tmp: the two xdist workers share it.
+LOAD_LOCK = Path(tempfile.gettempdir()) / "meshrun-tests-load.lock"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Setup, call and teardown of a `timing` test hold LOAD_LOCK exclusively, of a `load` test shared."""
+    kind = (
+        fcntl.LOCK_EX
+        if item.get_closest_marker("timing")
+        else fcntl.LOCK_SH
+        if item.get_closest_marker("load")
+        else None
+    )
+    if kind is None:
+        yield
+        return
+    with open(LOAD_LOCK, "a") as lock:
+        fcntl.flock(lock, kind)
+        yield
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -321,3 +321,13 @@ def wait_for(check, what: str, timeout: float = 60, ping: tuple | None = None) -
             return
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting until {what}")
+
+
+def hang_guard(design_s: float) -> float:
+    """The most seconds an end-to-end test lets a thing designed to take `design_s` take: three times that.
+
+    An end-to-end bound catches a hang or a regression by a factor, not a target missed by a loaded 2-core
+    CI machine: the targets are measured side by side in benchmarks/ (issue 57). Every wall-clock bound in
+    tests/e2e/ goes through this, so a grep shows each design value next to its bound.
+    """
+    return 3 * design_s

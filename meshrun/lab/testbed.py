@@ -649,6 +649,14 @@ class World:
             if next(d for d in self.dcs if d.name == n.dc).cgroup == "v1"
             else ("{ mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null || true; }")
         )
+        # A node's DNS: the host's resolv.conf names a server the world's internet cannot reach, so every
+        # lookup waited out the resolver's 5 s timeout, and torch's c10d reverse-resolves each store connection's
+        # own address (a warning, after 5 s: +5 s on every rank's start, most of a small job's 10 s). A node
+        # gets the resolver of a machine with no DNS server instead (127.0.0.1, refused at once), as fast as a
+        # cloud resolver's NXDOMAIN; docs/troubleshooting.md names the slow case for real machines. A host
+        # whose /etc/resolv.conf cannot be covered (none, a dangling link) keeps it: slower, not broken.
+        resolv = n.workdir / "resolv.conf"
+        dns = f"{{ printf 'nameserver 127.0.0.1\\n' > {resolv} && mount --bind {resolv} /etc/resolv.conf || true; }}"
         argv = [
             "ip",
             "netns",
@@ -660,7 +668,7 @@ class World:
             "private",
             "sh",
             "-c",
-            f"mount -t tmpfs tmpfs {RUN_WIREGUARD} && {cgroups} && exec sleep infinity",
+            f"mount -t tmpfs tmpfs {RUN_WIREGUARD} && {dns} && {cgroups} && exec sleep infinity",
         ]
         logger.debug("start anchor [%s]: %s", n.name, " ".join(argv))
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+from support import hang_guard
+
 
 def test_bench_json_on_two_nodes(fresh_mesh):
     mesh = fresh_mesh(3, "dc1-a")
@@ -39,4 +41,4 @@ def test_bench_json_on_two_nodes(fresh_mesh):
     assert [r["size"] for r in rows] == [1 << 20, 2 << 20]
     assert all(r["busbw_GBps"] > 0 and r["correct"] for r in rows)
     assert data["best_busbw_GBps"] > 0 and data["flagged"] == []
-    assert took < 60, f"meshrun bench took {took:.0f} s"
+    assert took < hang_guard(20), f"meshrun bench took {took:.0f} s"  # 8-15 s here

@@ -91,7 +91,13 @@ def run_benchmark(script: str, args: list[str], timeout: float) -> subprocess.Co
     return proc
 
 
-@pytest.mark.parametrize("script", list(CASES), ids=list(CASES))
+# Busy loops, iperf3 at a link's ceiling: never beside a test marked `timing` (tests/conftest.py).
+LOADS = {"loss_detection", "wan_efficiency", "datapath", "wg_ceiling"}
+
+
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=pytest.mark.load) if s in LOADS else s for s in CASES], ids=list(CASES)
+)
 def test_benchmark_runs_at_a_tiny_size(script, result_file):
     name, path = result_file
     proc = run_benchmark(script, [*CASES[script], "--name", name], timeout=400)

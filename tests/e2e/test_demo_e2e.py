@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from support import hang_guard
+
 from meshrun.lab.demo import DEMO_RUNS
 
 OURS = re.compile(r"^demo[0-9a-f]{4}-", re.M)
@@ -36,7 +38,7 @@ def test_demo_runs_green():
     assert "Gloo's full-mesh connect failed" in out or "failed after" in out
     assert "all 3 ranks ended with identical parameters" in out
     assert out.rstrip().endswith("demo finished: one job trained across every datacenter")
-    assert took < 240  # a hang, not a speed target (about 55 s here)
+    assert took < hang_guard(80)  # a hang, not a speed target (about 55 s here)
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not OURS.search(listing), listing
     assert not (DEMO_RUNS / f"{stale}.json").exists()

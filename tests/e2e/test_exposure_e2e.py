@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT, joined_mesh
+from support import REPO_ROOT, hang_guard, joined_mesh
 
 from meshrun.core import auth
 from meshrun.lab.mesh import Mesh
@@ -246,6 +246,7 @@ def test_a_local_user_on_the_coordinator_cannot_control_jobs_and_replays_are_ref
     ), log[-2000:]
 
 
+@pytest.mark.load
 def test_a_join_succeeds_while_the_enrolment_port_is_flooded(mesh, tmp_path):
     coord = mesh.world.node("dc1-a")
     daemon = mesh.status(coord)["daemon_pid"]
@@ -265,8 +266,8 @@ def test_a_join_succeeds_while_the_enrolment_port_is_flooded(mesh, tmp_path):
         took = time.monotonic() - t0
         threads_after = _threads(daemon)
         # A join takes 1-3 s here unflooded; the flood must not starve it (which would be its 35 s timeouts in
-        # a row): a bound with a margin for a loaded CI machine, not the join-time target (benchmarks/).
-        assert "joined" in res.stdout and took < 30, (
+        # a row): a hang guard, not the join-time target (benchmarks/time_to_mesh.py).
+        assert "joined" in res.stdout and took < hang_guard(10), (
             f"join took {took:.1f} s under the flood; coordinator threads {threads} -> {threads_after}"
         )
         assert threads_after <= 40, f"the coordinator grew to {threads_after} threads (join took {took:.1f} s)"

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from support import REPO_ROOT, joined_mesh, meshrun_process
+from support import REPO_ROOT, hang_guard, joined_mesh, meshrun_process
 
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec
@@ -23,6 +23,9 @@ from meshrun.system.machine.procs import alive, descendants
 
 EXAMPLES = REPO_ROOT / "examples"
 CHECKSUM = re.compile(r"\[(\S+) r(\d+)\] param_checksum rank=\d+ value=(\w+)")
+# A job that lost a node (below MIN, or any for a fixed size) stops within this (docs/jobs.md); the detection
+# alone is measured by benchmarks/loss_detection.py (2.7 s).
+STOP_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -184,32 +187,32 @@ def _kill_nodes(mesh: Mesh, *names: str) -> float:
     return at
 
 
-def test_a_lost_node_stops_a_fixed_size_job_within_30_s_naming_it(mesh):
+def test_a_lost_node_stops_a_fixed_size_job_naming_it(mesh):
     run = Running(mesh, "train", *LONG)
     run.wait_for(r"\] step 5\b")
     try:
         t0 = _kill_nodes(mesh, "dc2-a")
-        code = run.finish(timeout=60)
+        code = run.finish(timeout=hang_guard(STOP_S) + 30)
     finally:
         mesh.meshrun("dc2-a", "up")
     took = time.monotonic() - t0
-    assert code != 0 and took < 30, (code, took, run.text[-3000:])
+    assert code != 0 and took < hang_guard(STOP_S), (code, took, run.text[-3000:])
     assert re.search(r"meshrun: job \S+ failed: lost node dc2-a \(its agent stopped answering\)", run.text), run.text[
         -3000:
     ]
 
 
-def test_an_elastic_job_below_min_stops_within_30_s(mesh):
+def test_an_elastic_job_below_min_stops_saying_how_many_nodes_are_left(mesh):
     run = Running(mesh, "train", "--nnodes", "2:3", "--max-restarts", "3", *LONG)
     run.wait_for(r"\] step 5\b")
     try:
         t0 = _kill_nodes(mesh, "dc2-a", "dc3-a")
-        code = run.finish(timeout=60)
+        code = run.finish(timeout=hang_guard(STOP_S) + 30)
         took = time.monotonic() - t0  # the job's stop alone: bringing the nodes back below is not part of it
     finally:
         for n in ("dc2-a", "dc3-a"):
             mesh.meshrun(n, "up")
-    assert code != 0 and took < 30, (code, took, run.text[-3000:])
+    assert code != 0 and took < hang_guard(STOP_S), (code, took, run.text[-3000:])
     assert re.search(r"meshrun: job \S+ stopped: 1 of 2 nodes left", run.text), run.text[-3000:]
 
 

@@ -243,6 +243,7 @@ print(json.dumps({"reports": reports, "burst": burst}))
 """
 
 
+@pytest.mark.load
 def test_a_member_flooding_the_job_api_and_the_sync_api_changes_nothing(mesh):
     """Finding 3: a member's connections to a node's job API are closed as they are accepted (the source
     filter), however many it holds and however slowly it sends, so the coordinator starts a job DURING the

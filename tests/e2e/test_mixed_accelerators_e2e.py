@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT, joined_mesh
+from support import REPO_ROOT, hang_guard, joined_mesh
 
 EXAMPLES = REPO_ROOT / "examples"
 FAKE_BUILD = '''"""Test double: torch here reports a CUDA 12.8 build (tests/e2e/test_mixed_accelerators_e2e.py)."""
@@ -131,7 +131,7 @@ def test_a_diloco_job_mixes_builds_with_a_warning_and_a_ddp_job_is_still_refused
         # the same nodes, a plain DDP job: refused before anything starts
         t1 = time.monotonic()
         ddp = _train(mesh, "diloco_charlm.py", "--mode", "ddp", *SCRIPT_ARGS)
-        assert ddp.returncode != 0 and time.monotonic() - t1 < 30, ddp.stdout + ddp.stderr
+        assert ddp.returncode != 0 and time.monotonic() - t1 < hang_guard(10), ddp.stdout + ddp.stderr  # pre-flight
         blocks = re.findall(r"^meshrun: BLOCK (dc\d-a): (.*)$", ddp.stderr, re.M)
         assert len(blocks) == 1 and "build of torch where the others have" in blocks[0][1], ddp.stderr
         assert "declare it with --mixed-accelerators" in blocks[0][1]
@@ -139,4 +139,4 @@ def test_a_diloco_job_mixes_builds_with_a_warning_and_a_ddp_job_is_still_refused
     finally:
         mesh.meshrun(dc3, "leave", check=False)
         mesh.meshrun(dc3, "up", check=False)
-    assert time.monotonic() - t0 < 120
+    assert time.monotonic() - t0 < hang_guard(40)

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from support import TESTS, joined_mesh, relay_world
+from support import TESTS, hang_guard, joined_mesh, relay_world
 
 from meshrun.core import netparse, pairpaths
 from meshrun.lab.mesh import Mesh
@@ -23,6 +23,8 @@ from meshrun.system.machine import procs
 SCRIPTS = TESTS / "scripts"
 RELAY_WORLD = relay_world()
 RELAY_NODES = ["dca-a", "dcb-a", "dcc-a", "dcd-a"]
+
+HANDOFF_S = 10  # a relayed pair whose relay is lost has another within this (docs/how-it-works.md)
 
 
 def wait_pairs(mesh: Mesh, names: list[str], timeout: float = 60) -> None:
@@ -152,6 +154,7 @@ def test_with_the_coordinator_cut_off_for_60_s_direct_and_relayed_pairs_keep_a_j
         time.sleep(1)
 
 
+@pytest.mark.timing
 def test_a_peer_relay_that_loses_its_uplink_hands_the_pair_on_within_10_s_mid_transfer(symmetric):
     """Both ends and the relay say who relays; the relay loses its uplink 4 s into a 64 MiB transfer: the
     pair is on another relay within 10 s, and the transfer completes intact."""
@@ -198,16 +201,16 @@ def test_a_peer_relay_that_loses_its_uplink_hands_the_pair_on_within_10_s_mid_tr
         cut_at = time.monotonic()
         world.node(relay).cut_uplink()
         moved = None
-        while time.monotonic() - cut_at < 30:
+        while time.monotonic() - cut_at < hang_guard(HANDOFF_S) + 10:
             now_relay = mesh.relay_of("dcc-a", "dcd-a")
             if now_relay not in (relay, None):
                 moved = time.monotonic() - cut_at
                 break
             time.sleep(0.25)
         assert moved is not None, "the pair kept its dead relay"
-        # The design: 3 missed probes a second apart, then a new relay within a sync (benchmarks/ha_failover.py
-        # measures it); twice that here, for a loaded CI machine.
-        assert moved < 20, f"the pair took {moved:.1f} s to move to another relay"
+        # The design: 3 missed probes a second apart, then a new relay within a sync: within HANDOFF_S
+        # (benchmarks/ha_failover.py measures it); a hang guard here.
+        assert moved < hang_guard(HANDOFF_S), f"the pair took {moved:.1f} s to move to another relay"
         back = mesh.wait_ping("dcc-a", d_ip, timeout=20) + moved
         send_out, send_err = send.communicate(timeout=120)
         recv_out, recv_err = recv.communicate(timeout=60)

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from support import joined_mesh
+from support import hang_guard, joined_mesh
 
 from meshrun.lab.testbed import DatacenterSpec
 
@@ -62,7 +62,7 @@ def test_progress_bars_of_hundreds_of_kib_end_with_the_job_and_few_lines(mesh, t
     took = time.monotonic() - t0
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-5000:]
-    assert took < 240, took
+    assert took < hang_guard(80), took  # 10-20 s here
     # every rank's last line, attributed to its node
     lasts = dict(re.findall(r"^\[(dc\d-a) r(\d)\] rank \2 last line, world 2$", res.stdout, re.M))
     assert sorted(lasts.values()) == ["0", "1"] and set(lasts) == {"dc1-a", "dc2-a"}, res.stdout[-3000:]

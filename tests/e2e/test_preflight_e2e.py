@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import joined_mesh
+from support import hang_guard, joined_mesh
 
 from meshrun.lab.mesh import Mesh
 
@@ -66,9 +66,10 @@ def test_a_job_with_three_mismatched_nodes_is_refused_within_5_s_starting_nothin
         res = mesh.meshrun(mesh.coordinator, "train", "--no-sync", "train.py", cwd=code, check=False, timeout=60)
         took = time.monotonic() - t0
         out = res.stdout + res.stderr
-        # Refused by the pre-flight, before any node starts torch: seconds (1-10 s seen, a cold first job on a
-        # loaded machine the slowest); a job that started would take its rendezvous timeout, minutes.
-        assert res.returncode != 0 and took < 45, (res.returncode, took, out)
+        # Refused by the pre-flight, before any node starts torch: 1-10 s seen (a cold first job on a loaded
+        # machine the slowest; benchmarks/preflight_time.py measures it); a job that started would take its
+        # rendezvous timeout, minutes.
+        assert res.returncode != 0 and took < hang_guard(15), (res.returncode, took, out)
         blocks = dict(re.findall(r"^meshrun: BLOCK (dc\d-a): (.*)$", res.stderr, re.M))
         assert set(blocks) == {"dc2-a", "dc3-a", "dc4-a"}, out
         assert blocks["dc2-a"].startswith(

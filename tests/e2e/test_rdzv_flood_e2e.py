@@ -108,6 +108,7 @@ def train(mesh: Mesh, job_id: str, node: str, script: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.load
 def test_a_flooding_job_node_is_refused_and_the_control_plane_goes_on(ha):
     mesh = ha
     api_port = json.loads((mesh.state_dir(mesh.world.node(A)) / "member.json").read_text())["network"]["api_port"]

@@ -92,6 +92,7 @@ def _one_error_line(res: subprocess.CompletedProcess) -> str:
 # --------------------------------------------------------------------------- coordinator crash
 
 
+@pytest.mark.timing
 def test_coordinator_sigkill_and_restart_keeps_tunnels_and_state(fresh_mesh):
     mesh = fresh_mesh(4, "dc1-a")
     world = mesh.world

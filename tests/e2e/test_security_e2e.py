@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import hang_guard
 
 from meshrun.core.token import JoinToken, parse_token
 from meshrun.lab.mesh import Mesh
@@ -22,6 +23,8 @@ from meshrun.mesh import member
 from meshrun.system.files.statedir import StateDir
 
 ERROR_PREFIX = "meshrun: error:"
+
+REMOVAL_S = 5  # a removed member's key is gone from every member (a long-poll answers at once)
 
 
 def _b64(secret: bytes) -> str:
@@ -153,7 +156,7 @@ def test_refused_join_leaves_nothing_behind(refusal_world, case):
     res = mesh.meshrun(node, "join", token, "--name", "dc3-a", check=False, timeout=60)
     took = time.monotonic() - t0
     assert res.returncode != 0, res.stdout
-    assert took < 15, f"refusal took {took:.1f} s"
+    assert took < hang_guard(5), f"refusal took {took:.1f} s"  # one TLS round trip: at once
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith(ERROR_PREFIX), lines[0]
@@ -340,8 +343,8 @@ def test_remove_node_cuts_it_off_and_overlay_api_is_overlay_only(fresh_mesh):
     assert "removed dc3-a" in out
     t0 = time.monotonic()
 
-    # Within one sync interval every member dropped its key, and it reaches nobody.
-    deadline = t0 + 10
+    # Within a sync (pushed at once by the long-poll: REMOVAL_S) every member dropped its key; it reaches nobody.
+    deadline = t0 + hang_guard(REMOVAL_S)
     while time.monotonic() < deadline and (key3 in _wg_peers(mesh, "dc1-a") or key3 in _wg_peers(mesh, "dc2-a")):
         time.sleep(0.5)
     assert key3 not in _wg_peers(mesh, "dc1-a"), "the coordinator still has the removed node's key"
@@ -349,7 +352,7 @@ def test_remove_node_cuts_it_off_and_overlay_api_is_overlay_only(fresh_mesh):
     for n in ("dc1-a", "dc2-a"):
         assert not mesh.ping("dc3-a", ips[n], count=2, wait=1), f"the removed node still reaches {n}"
         assert not mesh.ping(n, ips["dc3-a"], count=2, wait=1), f"{n} still reaches the removed node"
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < hang_guard(REMOVAL_S) + 8  # and the 4 pings above, 2 s each at most
     # A request from the removed node's overlay address gets nowhere.
     assert not _tcp_ok(mesh, "dc3-a", coord_ip, api)
     members = json.loads(mesh.meshrun("dc1-a", "status", "--json").stdout)

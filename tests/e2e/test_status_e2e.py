@@ -63,6 +63,7 @@ def test_every_node_pair_is_listed_on_the_coordinator_right_after_the_joins(mesh
     assert len(re.findall(r"^dc\d-a\s+dc\d-a\s", pairs_section, re.M)) == 3, text
 
 
+@pytest.mark.timing
 def test_status_latency_matches_a_median_of_tcp_connects(mesh):
     """Each peer's RTT as `status` measures it against a median of TCP connects to the same peer, taken
     right before and after it. This 2-core machine's scheduling moves a batch's median by a few tenths

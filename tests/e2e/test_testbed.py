@@ -192,6 +192,7 @@ def test_small_mtu_hop_and_shaping(world_factory):
         assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
 
 
+@pytest.mark.timing
 def test_per_node_uplinks_each_get_their_rate_and_the_lan_is_not_shaped(world_factory):
     """A datacenter whose nodes each have their own 40 Mbit/s to the internet (as cloud VMs do): two nodes
     sending at once both get about 40, and the LAN between them is not shaped."""

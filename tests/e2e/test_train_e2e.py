@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT, joined_mesh, meshrun_process
+from support import REPO_ROOT, hang_guard, joined_mesh, meshrun_process
 
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec
@@ -49,7 +49,8 @@ def test_failing_rank_sets_exit_code_and_is_named(mesh):
     assert res.returncode == 3, res.stdout + res.stderr
     m = re.search(r"failed: rank 1 on (dc\d-a) exited with code 3 \(first failure\)", res.stderr)
     assert m, res.stderr
-    assert time.monotonic() - t0 < 90  # the surviving node is stopped, not left in torchrun's exit barrier
+    # The surviving node is stopped (10-20 s here), not left in torchrun's exit barrier (300 s).
+    assert time.monotonic() - t0 < hang_guard(30)
 
 
 def _workers(mesh: Mesh) -> list[str]:
@@ -175,6 +176,6 @@ def test_elastic_job_starts_without_a_node_that_is_down(mesh):
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert "2/3 nodes ready (waiting for: dc3-a)" in res.stderr
         assert re.search(r"meshrun: job \S+ finished on 2 node\(s\)", res.stderr), res.stderr
-        assert time.monotonic() - t0 < 100
+        assert time.monotonic() - t0 < hang_guard(35)  # the grace period, then a 5-step job
     finally:
         mesh.meshrun("dc3-a", "up")

@@ -40,6 +40,7 @@ def vm_run(tmp_path_factory):
     return vm.run(SCENARIO, tmp_path_factory.mktemp("vm"), timeout=1500)  # ~7 min alone, twice that beside a worker
 
 
+@pytest.mark.load
 def test_kernel_wireguard_mesh_under_wan_delay_and_loss(vm_run):
     checks = {c["check"]: c for c in vm_run["checks"]}
     context = f"guest log:\n{vm_run['log'][-4000:]}\nvng:\n{vm_run['vng'][-2000:]}"
