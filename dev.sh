@@ -141,10 +141,11 @@ case "${1:-}" in
         # Lint and format first (ruff, configured in pyproject.toml): seconds, and a red CI says why at once.
         .venv/bin/ruff check .
         .venv/bin/ruff format --check .
-        # Two test processes (pytest-xdist), a test file each at a time: the end-to-end tests mostly wait on
-        # namespaces, jobs and timers, so two of them fit 2 cores. MESHRUN_TEST_WORKERS=0 runs them one by one.
+        # Three test processes (pytest-xdist), a test file each at a time: with two, 2 cores were 30% idle over a
+        # whole run (the end-to-end tests wait on timers, handshakes and jobs); three kept them busy and took
+        # 30 min where two took 36 (tests/DURATIONS.md). MESHRUN_TEST_WORKERS=0 runs them one by one.
         # Files start in the order tests/conftest.py collects them (the VM test first, then the longest).
-        exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+        exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
           tests "$@" ;;
   # With no .venv and a bundle: the check runs this checkout's code (PYTHONPATH) with the installed dependencies.
   gpu-check) shift

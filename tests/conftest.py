@@ -28,7 +28,7 @@ from support import (
 )
 
 E2E = TESTS / "e2e"
-# The collection order, which is the order two workers taking one file at a time start them in with
+# The collection order, which is the order the workers taking one file at a time start them in with
 # `--dist loadfile --no-loadscope-reorder` (./dev.sh test; without the second option xdist sorts the files by
 # their number of tests, and the one-test VM file started 42 minutes in, beside the heaviest end-to-end tests,
 # and took 16 minutes instead of 7). The VM test goes first, beside the unit tests: under TCG the guest needs
@@ -36,22 +36,25 @@ E2E = TESTS / "e2e"
 # its 45 s beside them). Then the longest files (minutes each on the 2-core CI machines, from a CI run's
 # --durations): one of them starting last would stretch the run by its whole length.
 FIRST = "test_vm_e2e.py"
-LONGEST_FIRST = (
+LONGEST_FIRST = (  # from a clean-clone run's junit file (tests/DURATIONS.md), longest first
     "test_benchmarks_smoke.py",
+    "test_nat_e2e.py",
     "test_ha_e2e.py",
-    "test_diloco_e2e.py",
+    "test_corpus_e2e.py",
+    "test_lanpath_e2e.py",
     "test_reliability_e2e.py",
     "test_jobs_e2e.py",
-    "test_corpus_e2e.py",
+    "test_diloco_e2e.py",
+    "test_member_attacks_e2e.py",
     "test_rdzv_flood_e2e.py",
-    "test_nat_e2e.py",
-    "test_diloco_wan_smoke.py",
     "test_demo_e2e.py",
     "test_train_e2e.py",
-    "test_lanpath_e2e.py",
-    "test_python_floor.py",
     "test_gpucheck_e2e.py",
+    "test_diloco_wan_smoke.py",
+    "test_relay_attacks_e2e.py",
+    "test_doctor_e2e.py",
     "test_sites_e2e.py",
+    "test_python_floor.py",
 )
 HEAVY = {"test_python_floor.py"}  # a unit test by what it checks, run among the end-to-end ones for its minutes
 
