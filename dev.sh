@@ -141,11 +141,12 @@ case "${1:-}" in
         # Lint and format first (ruff, configured in pyproject.toml): seconds, and a red CI says why at once.
         .venv/bin/ruff check .
         .venv/bin/ruff format --check .
-        # Three test processes (pytest-xdist), a test file each at a time: with two, 2 cores were 30% idle over a
-        # whole run (the end-to-end tests wait on timers, handshakes and jobs); three kept them busy and took
-        # 30 min where two took 36 (tests/DURATIONS.md). MESHRUN_TEST_WORKERS=0 runs them one by one.
+        # Two test processes (pytest-xdist), a test file each at a time. Two leave 2 cores about 30% idle over a
+        # run (the end-to-end tests wait on timers, handshakes and jobs); three took 30 min where two take 36, but
+        # each of two runs at three failed once where tests raced the load (tests/DURATIONS.md):
+        # MESHRUN_TEST_WORKERS=3 to try it, 0 runs them one by one.
         # Files start in the order tests/conftest.py collects them (the VM test first, then the longest).
-        exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
+        exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
           tests "$@" ;;
   # With no .venv and a bundle: the check runs this checkout's code (PYTHONPATH) with the installed dependencies.
   gpu-check) shift

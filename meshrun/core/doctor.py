@@ -18,6 +18,10 @@ from meshrun.core.lanpath import LAN_PORT
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 HANDSHAKE_STALE_S = 180  # WireGuard re-handshakes every 2 min while traffic flows; keepalives keep it flowing
 PEER_LINES_MAX = 12  # above this many healthy peers, one summary line
+# torch's c10d store reverse-resolves each connection's own address before a rank's process group exists: a
+# resolver this slow to name the overlay address (or to say it cannot) delays every rank's start as much.
+REVERSE_DNS_WARN_S = 1.0
+REVERSE_DNS_LIMIT_S = 6.0  # glibc's timeout is 5 s a try: how long doctor waits for the lookup
 # meshrun sets these for every job; one set elsewhere to another value sends traffic off the overlay.
 PINNED = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 # Not set by meshrun, passed to jobs as they are, and each able to take a job off the overlay.
@@ -94,6 +98,7 @@ def judge(f: dict) -> list[Check]:
         out.append(_udp(f))
     out.append(_clock(f))
     out.append(_job_guards(f))
+    out.append(_reverse_dns(f))
     out += _environment(f)
     out += _variables(f)
     return [c for c in out if c is not None]
@@ -479,6 +484,22 @@ def _job_guards(f: dict) -> Check | None:
         message, fix = g["problem"]
         return Check("job guards", FAIL, f"jobs cannot start here: {message}", fix)
     return Check("job guards", OK, f"a job's ports admit only its nodes; {g.get('cgroup')}")
+
+
+def _reverse_dns(f: dict) -> Check | None:
+    """How long the resolver took to name this member's overlay address (docs/troubleshooting.md)."""
+    if "reverse_dns_s" not in f:
+        return None
+    took, ip = f["reverse_dns_s"], f.get("overlay_ip")
+    fix = (
+        "make the resolver in /etc/resolv.conf answer (or name the overlay addresses in /etc/hosts): "
+        "torch looks this up before every rank's process group exists"
+    )
+    if took is None:
+        return Check("resolver", WARN, f"looking {ip} up had not ended after {REVERSE_DNS_LIMIT_S:g} s", fix)
+    if took >= REVERSE_DNS_WARN_S:
+        return Check("resolver", WARN, f"naming {ip} took {took:.1f} s: every rank's start waits as long", fix)
+    return Check("resolver", OK, f"{ip} looked up in {took * 1000:.0f} ms")
 
 
 def _environment(f: dict) -> list[Check]:

@@ -77,6 +77,7 @@ def gather(state: StateDir, shell_env) -> dict:
         "lan": st.get("lan") or {},
         "tunnels": st.get("tunnels") or {},
         "job_guards": {"cgroup": firewall.hierarchy(), "problem": firewall.available()},
+        "reverse_dns_s": probe.reverse_lookup_s(rec["overlay_ip"], doctor.REVERSE_DNS_LIMIT_S),
         "relaying": {"pairs": len(st.get("relaying") or []), "forwarding": st.get("relay_forwarding")},
         "now": time.time(),
         "shell_env": _watched(dict(shell_env)),

@@ -1,5 +1,6 @@
-"""`meshrun doctor` in the namespace world: healthy members, a node behind a cone NAT, an interface
-taken down, and variables that override meshrun's interface pinning (in the daemon and in the shell)."""
+"""`meshrun doctor` in the namespace world: healthy members, a node behind a cone NAT, a resolver that never
+answers, an interface taken down, and variables that override meshrun's interface pinning (in the daemon and in
+the shell)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from support import joined_mesh
 
 from meshrun.core.model import DEFAULT_IFACE
-from meshrun.lab.testbed import DatacenterSpec
+from meshrun.lab.testbed import DatacenterSpec, sh
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,7 @@ def test_a_healthy_node_and_the_coordinator_pass_every_check(mesh):
         "disk",
         "torch",
         "environment",
+        "resolver",
     } <= set(checks), res.stdout
     assert all(levels == ["ok"] for levels in checks.values()), res.stdout
     assert "reachable from outside: 3 of 3 probes" in res.stdout
@@ -99,6 +101,29 @@ def test_variables_that_override_the_pinning_are_named(mesh):
     finally:
         mesh.meshrun(node, "leave")
         mesh.meshrun(node, "up")
+
+
+def test_a_resolver_that_never_answers_is_named_with_what_it_costs_every_job(mesh, tmp_path):
+    """dc2-a's resolver is a server whose DNS the internet drops (a firewall that eats DNS): torch would wait
+    for it at every rank's start, so doctor warns and names the fix; with the resolver back, ok again."""
+    node, world = mesh.world.node("dc2-a"), mesh.world
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text(f"nameserver {world.gateway_public_ip('dc1')}\n")
+    drop = ["-p", "udp", "--dport", "53", "-j", "DROP"]
+    sh(["ip", "netns", "exec", world.inet, "iptables", "-I", "FORWARD", *drop])
+    node.run("mount", "--bind", str(resolv), "/etc/resolv.conf")
+    try:
+        res = mesh.meshrun(node, "doctor", "--json", check=False)
+    finally:
+        node.run("umount", "/etc/resolv.conf")
+        sh(["ip", "netns", "exec", world.inet, "iptables", "-D", "FORWARD", *drop])
+    data = json.loads(res.stdout)
+    (check,) = [c for c in data["checks"] if c["name"] == "resolver"]
+    assert check["level"] == "warn" and re.search(r"took [5-9]\.\d s|had not ended", check["detail"]), check
+    assert "/etc/resolv.conf" in check["fix"] and res.returncode == 0, check  # a warning: jobs still run
+    checks = json.loads(mesh.meshrun(node, "doctor", "--json").stdout)["checks"]
+    (again,) = [c for c in checks if c["name"] == "resolver"]
+    assert again["level"] == "ok", again
 
 
 def test_an_interface_taken_down_is_named_and_fails(mesh):

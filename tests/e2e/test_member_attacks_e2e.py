@@ -493,14 +493,16 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
         assert "meshrun_job_" not in mesh.world.node(n).run("nft", "list", "tables").stdout, n
 
 
+# Datagrams on UDP 9999: says "ready" once bound, waits argv[1] s for the first, then until 2 s pass without one.
 UDP_COUNT = """
 import socket, sys, time
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("0.0.0.0", 9999)); s.settimeout(float(sys.argv[1]))
+print("ready", flush=True)
 n = 0
 try:
     while True:
-        s.recv(100); n += 1
+        s.recv(100); n += 1; s.settimeout(2.0)
 except OSError:
     pass
 print(n)
@@ -532,8 +534,10 @@ def inject(mesh: Mesh, via: str, target: str) -> int:
         key, own = rec["public_key"], f"{rec['overlay_ip']}/32"
     dc3.run("wg", "set", net["interface"], "peer", key, "allowed-ips", f"{own},{lan_ip}/32")
     dc3.run("ip", "route", "replace", f"{lan_ip}/32", "dev", net["interface"])
-    counter = mesh.world.node(target).popen(mesh.python, "-c", UDP_COUNT, "4", stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    counter = mesh.world.node(target).popen(mesh.python, "-c", UDP_COUNT, "6", stdout=subprocess.PIPE, text=True)
+    # Bound before the first datagram leaves (a fixed 0.5 s was not enough beside two busy test workers: the
+    # negative control saw 0 of 20 arrive).
+    assert counter.stdout.readline().strip() == "ready"
     dc3.run(mesh.python, "-c", UDP_SEND, lan_ip)
     return int(counter.communicate(timeout=30)[0].strip())
 

@@ -1,4 +1,5 @@
-"""Network probes over plain sockets: path MTU towards an endpoint, ICMP echo of a given size, TCP round-trip time.
+"""Network probes over plain sockets: path MTU towards an endpoint, ICMP echo of a given size, TCP round-trip time,
+how long the resolver takes to name an address.
 
 Path MTU: UDP datagrams with DF set (IP_PMTUDISC_DO) to the peer's WireGuard port. A router
 on a smaller hop answers "fragmentation needed"; the kernel then caches the path MTU and
@@ -12,6 +13,7 @@ import errno
 import os
 import socket
 import struct
+import threading
 import time
 
 IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
@@ -166,3 +168,24 @@ def send_udp(host: str, port: int, payload: bytes, count: int = 3, gap: float = 
             if i + 1 < count:
                 time.sleep(gap)
     return sent
+
+
+def reverse_lookup_s(ip: str, limit: float = 6.0) -> float | None:
+    """Seconds the resolver takes to look up the host name of `ip` (an answer or a failure, either way), or None
+    when it had not ended after `limit` seconds (the lookup is left to end in a daemon thread).
+
+    torch's c10d store does this lookup for each connection's own address before a rank's process group exists
+    (a slow resolver: every rank's start waits for its timeout, glibc's 5 s).
+    """
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            socket.getnameinfo((ip, 0), 0)
+        except OSError:
+            pass
+        done.set()
+
+    t0 = time.perf_counter()
+    threading.Thread(target=lookup, name="reverse-lookup", daemon=True).start()
+    return time.perf_counter() - t0 if done.wait(limit) else None

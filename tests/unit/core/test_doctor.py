@@ -56,6 +56,7 @@ HEALTHY = {
     },
     "shell_env": {},
     "daemon_env": {},
+    "reverse_dns_s": 0.002,
 }
 
 
@@ -99,6 +100,7 @@ def test_healthy_facts_are_all_ok_and_do_not_block():
         "disk",
         "torch",
         "environment",
+        "resolver",
     } == {c.name for c in checks}
     assert not doctor.blocking(checks)
     assert "NCCL 2.27.3" in only(HEALTHY, "torch").detail and "8 GPU(s) NVIDIA H100" in only(HEALTHY, "torch").detail
@@ -251,6 +253,15 @@ def test_a_relay_forwarding_in_userspace_is_a_warning_with_the_fix():
     assert only(facts(relaying=kernel), "relay").level == OK
     c = only(facts(relaying={"pairs": 1, "forwarding": "userspace (the relay's sockets)"}), "relay")
     assert c.level == WARN and "nftables" in c.fix
+
+
+@pytest.mark.parametrize(
+    "took,level,phrase", [(0.002, OK, "2 ms"), (5.0, WARN, "took 5.0 s"), (None, WARN, "after 6 s")]
+)
+def test_a_slow_reverse_lookup_warns_that_every_rank_waits_for_it(took, level, phrase):
+    c = only(facts(reverse_dns_s=took), "resolver")
+    assert c.level == level and phrase in c.detail and "10." in c.detail, c
+    assert level == OK or ("/etc/resolv.conf" in c.fix and "/etc/hosts" in c.fix)
 
 
 @pytest.mark.parametrize("offset,level", [(0.4, OK), (-9.0, WARN), (600.0, FAIL)])

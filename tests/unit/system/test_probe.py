@@ -1,9 +1,11 @@
 """meshrun.system.sockets.probe's TCP handshake on loopback: a listener accepts, a closed port refuses (the machine
-answered, nothing listens)."""
+answered, nothing listens); the reverse lookup's timing, and its limit for a resolver that never answers."""
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 from meshrun.system.sockets import probe
 
@@ -18,3 +20,14 @@ def test_a_listener_accepts_and_a_closed_port_refuses_but_answers():
     rtt, accepted = probe.tcp_connect("127.0.0.1", port)  # closed now: the kernel answers with a reset
     assert not accepted and rtt is not None
     assert probe.tcp_rtt("127.0.0.1", port) is not None  # liveness counts a refusal as an answer
+
+
+def test_a_reverse_lookup_is_timed_and_one_that_never_ends_is_none(monkeypatch):
+    took = probe.reverse_lookup_s("127.0.0.1")  # /etc/hosts names it: no resolver asked
+    assert took is not None and 0 <= took < 1
+    release = threading.Event()
+    monkeypatch.setattr(socket, "getnameinfo", lambda *a: release.wait(10))  # a resolver that never answers
+    t0 = time.monotonic()
+    assert probe.reverse_lookup_s("10.213.0.2", limit=0.2) is None
+    assert time.monotonic() - t0 < 5  # the limit, not the lookup, ended the wait
+    release.set()
