@@ -40,7 +40,8 @@ def init(
       meshrun init --endpoint 203.0.113.1
       meshrun init --endpoint vpn.example.com:51820 --cidr 10.77.0.0/16 --uses 4 --name hq
     The token is the last line of output; give it to `meshrun join` on each node.
-    Open UDP and TCP 51820 on this machine (UDP 51820 on every node).
+    Open UDP and TCP 51820 on this machine (UDP 51820 on every node), and UDP 51821-52332 on every member that
+    may relay (one port per pair it relays; `meshrun join --no-relay` for a member that must not).
     """
     from meshrun.mesh.coordinator import setup
 
