@@ -331,3 +331,15 @@ def hang_guard(design_s: float) -> float:
     tests/e2e/ goes through this, so a grep shows each design value next to its bound.
     """
     return 3 * design_s
+
+
+def coordinator_pairs(mesh) -> dict[frozenset, dict]:
+    """{frozenset((a, b)): row} as `meshrun status --json` on the (single) coordinator lists its "pairs", read
+    in this process from the coordinator's database: a wait polling it every second starts no Python and
+    measures no peer each time (a `status` costs about 0.3 s of CPU). Several coordinators keep it in etcd,
+    which only their namespaces reach: ask `mesh.status` there."""
+    from meshrun.mesh import status
+    from meshrun.system.files.statedir import StateDir
+
+    rows = status.pair_rows(StateDir(mesh.state_dir(mesh.coordinator)))
+    return {frozenset((p["a"], p["b"])): p for p in rows}

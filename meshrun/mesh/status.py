@@ -305,9 +305,15 @@ def _next_direct_try(v: pairpaths.PairState | None, now: float) -> int | None:
     return None if due is None else max(0, int(due - now))
 
 
+def pair_rows(state: StateDir) -> list[dict]:
+    """Every node pair as `status --json` lists it ("pairs"), read from a coordinator's state directory alone:
+    no daemon asked, no peer measured."""
+    return _pairs(state, _members(state, member.load(state)[0]))
+
+
 def pair_labels(state: StateDir) -> dict[frozenset[str], str]:
     """{frozenset((a, b)): path label} for every node pair ("probing" while undecided)."""
-    return {frozenset((p["a"], p["b"])): p["path"] for p in _pairs(state, _members(state, member.load(state)[0]))}
+    return {frozenset((p["a"], p["b"])): p["path"] for p in pair_rows(state)}
 
 
 def _duration(s: float) -> str:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import PROBE_ALL, UDP_LISTEN, joined_mesh, listening, wait_for
+from support import PROBE_ALL, UDP_LISTEN, coordinator_pairs, joined_mesh, listening, wait_for
 
 from meshrun.core import lanpath
 from meshrun.lab.mesh import Mesh
@@ -70,8 +70,7 @@ def mesh(tmp_path_factory):
 
 
 def private_verified(mesh: Mesh, a: str, b: str) -> bool:
-    pairs = {(p["a"], p["b"]): p for p in mesh.status(mesh.coordinator).get("pairs", [])}
-    p = pairs.get((a, b)) or pairs.get((b, a))
+    p = coordinator_pairs(mesh).get(frozenset((a, b)))
     return bool(p and p["path"] == "direct (private)" and p["verified"])
 
 

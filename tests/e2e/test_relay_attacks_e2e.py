@@ -13,7 +13,7 @@ import secrets
 import time
 
 import pytest
-from support import TESTS, joined_mesh, relay_world
+from support import TESTS, coordinator_pairs, joined_mesh, relay_world
 
 SCRIPTS = TESTS / "scripts"
 WORLD = relay_world()
@@ -25,7 +25,7 @@ def settled(mesh, timeout: float = 90) -> dict:
     handshake went through)."""
     deadline = time.monotonic() + timeout
     while True:
-        pairs = {frozenset((p["a"], p["b"])): p for p in mesh.status("hq-a")["pairs"]}
+        pairs = coordinator_pairs(mesh)
         if len(pairs) == 6 and all(p["verified"] for p in pairs.values()):
             return pairs
         assert time.monotonic() < deadline, pairs

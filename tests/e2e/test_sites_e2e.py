@@ -17,7 +17,7 @@ import textwrap
 import time
 
 import pytest
-from support import joined_mesh
+from support import coordinator_pairs, joined_mesh
 
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec
@@ -117,8 +117,7 @@ def wait_private_pair(mesh: Mesh, a: str, b: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         mesh.ping(a, mesh.overlay_ip(b))
-        pairs = {(p["a"], p["b"]): p for p in mesh.status(mesh.coordinator).get("pairs", [])}
-        p = pairs.get((a, b))
+        p = coordinator_pairs(mesh).get(frozenset((a, b)))
         if p and p["path"] == "direct (private)" and p["verified"]:
             return
         time.sleep(1)

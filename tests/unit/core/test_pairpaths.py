@@ -144,3 +144,16 @@ def test_endpoint_for_each_mode_and_pair_key_order():
     assert pairpaths.endpoint_for(pairpaths.RELAYED, B) == "198.51.100.3:40001"
     assert pairpaths.pair_key("b", "a") == pairpaths.pair_key("a", "b") == ("a", "b")
     assert pairpaths.host_of("[2001:db8::1]:51820") == "2001:db8::1" and pairpaths.host_of(None) is None
+
+
+def test_a_test_may_shorten_the_first_retry_only_and_never_lengthen_it(monkeypatch):
+    """RETRY_MIN_ENV (an e2e world's processes) shortens the first retry; later ones, and a bad or longer value,
+    keep the real timers."""
+    relayed = pairpaths.PairState(pairpaths.RELAYED, T0, relay="r", port=51821, tries=1)
+    monkeypatch.setenv(pairpaths.RETRY_MIN_ENV, "15")
+    assert pairpaths.retry_delay(1) == 15 and pairpaths.next_due(relayed, 0) == T0 + 15
+    assert pairpaths.step(relayed, A, B, 0, T0 + 15).mode == pairpaths.PUBLIC  # tried again at 15 s
+    assert pairpaths.retry_delay(2) == pairpaths.RETRY_S
+    for bad in ("600", "soon", ""):
+        monkeypatch.setenv(pairpaths.RETRY_MIN_ENV, bad)
+        assert pairpaths.retry_delay(1) == pairpaths.RETRY_MIN_S == 60, bad
