@@ -71,8 +71,9 @@ ExecStart={exec_start}
 Restart=on-failure
 RestartSec=5s
 # A stop or restart ends the daemon only: wireguard-go (the tunnels), the jobs' supervisors and
-# shares run in their own sessions and must outlive an upgrade. `meshrun leave`/`down` removes the
-# interface, `meshrun cancel` stops a job.
+# shares run in their own sessions and outlive it (a restart; an upgrade waits for the jobs to end:
+# docs/howto/upgrade-with-running-jobs.md). `meshrun leave`/`down` removes the interface,
+# `meshrun cancel` stops a job.
 KillMode=process
 TimeoutStopSec=20s
 LimitNOFILE=65536
