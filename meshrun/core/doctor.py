@@ -81,8 +81,24 @@ def _age(s: float) -> str:
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
 
 
+def removed(role: str, name: str, by: str | None = None) -> tuple[str, str]:
+    """(what, fix) for a member the network removed for good (its record's "removed"): what status, doctor and
+    `coordinator list` say there. Nothing else applies to it: `meshrun up` refuses, and it takes no part in the
+    network's state, so no other member is suggested to bring back or remove from here."""
+    who = f"{by} says this coordinator" if role == "coordinator" and by else f"this {role}"
+    what = f"{who} ({name}) was removed from the network for good: it takes no part in it any more"
+    fix = "clean up with `meshrun down --purge`" if role == "coordinator" else "clean up with `meshrun leave --purge`"
+    again = "join again with a new token (`meshrun token create` on a coordinator)"
+    if role == "coordinator":
+        again += " and `meshrun coordinator add` it"
+    return what, f"{fix}; to take part again, {again}"
+
+
 def judge(f: dict) -> list[Check]:
-    """Every check for the facts `f` (see meshrun.mesh.doctor.gather for the keys)."""
+    """Every check for the facts `f` (see meshrun.mesh.doctor.gather for the keys); a removed member gets only
+    the one that says so (`removed`)."""
+    if f.get("removed"):
+        return [Check("membership", FAIL, *removed(f["role"], f["name"], f.get("removed_by")))]
     out = [_daemon(f), _interface(f), _backend(f)]
     if f.get("control"):
         out.append(_control(f))

@@ -42,6 +42,9 @@ def _watched(env: dict[str, str] | None) -> dict[str, str]:
 
 def gather(state: StateDir, shell_env) -> dict:
     rec, network = member.load(state)
+    if rec.get("removed"):  # nothing else applies to it (core/doctor.judge), and its network state may not answer
+        return {"role": rec["role"], "name": rec["name"], "network": network.name, "removed": True,
+                "removed_by": rec.get("removed_by")}  # fmt: skip
     st = mstatus.gather(state, measure=False)
     pid = process.pid(state)
     device = iface.device_for(state, network, rec)

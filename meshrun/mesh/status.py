@@ -13,8 +13,9 @@ from pathlib import Path
 
 from meshrun.core import etcdconf, lanpath, pairpaths, topology
 from meshrun.core.doctor import control_warnings
+from meshrun.core.doctor import removed as removed_member
 from meshrun.core.model import Member
-from meshrun.errors import ControlStateError, MeshrunError, UsageError
+from meshrun.errors import ControlStateError, MeshrunError, StateError, UsageError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh.coordinator import admin, ha
 from meshrun.mesh.coordinator.leader import leader_name
@@ -54,6 +55,8 @@ def coordinators(state: StateDir) -> list[dict]:
     rec, network = member.load(state)
     if rec.get("role") != "coordinator":
         raise UsageError(f"{state.path} belongs to a node", "run `meshrun coordinator list` on a coordinator")
+    if rec.get("removed"):  # the network's coordinators are no business of a removed one: it would list ghosts
+        raise StateError(*removed_member("coordinator", str(rec["name"]), rec.get("removed_by")))
     if not ha.replicated(rec):
         return [
             {
@@ -148,8 +151,12 @@ def _tunnel_bytes(devices: list) -> dict[str, dict[str, int]]:
 
 
 def gather(state: StateDir, measure: bool = True) -> dict:
-    """Collect status as a JSON-able dict (no secrets: public keys only)."""
+    """Collect status as a JSON-able dict (no secrets: public keys only). A coordinator the others removed
+    while it was away reads nothing of the network's state (it would wait on an etcd that left it): its
+    status says it was removed, and what to do there."""
     rec, network = member.load(state)
+    if rec.get("role") == "coordinator" and rec.get("removed"):
+        return _removed_coordinator(state, rec, network)
     unreadable = ""
     try:
         members = _members(state, rec)
@@ -261,6 +268,34 @@ def gather(state: StateDir, measure: bool = True) -> dict:
             )
     out["warnings"] += control_warnings(rec["role"], rows, out.get("coordinators") or [])
     return out
+
+
+def _removed_coordinator(state: StateDir, rec: dict, network) -> dict:
+    """`gather` on a coordinator marked removed (meshrun.mesh.coordinator.ha.refuse_removed): its own facts, no
+    peers, pairs or coordinators, and the one warning of what to do."""
+    device = iface.device_for(state, network, rec)
+    up = device.exists()
+    what, fix = removed_member("coordinator", str(rec["name"]), rec.get("removed_by"))
+    return {
+        "network": network.name,
+        "role": rec["role"],
+        "name": rec["name"],
+        "overlay_ip": rec["overlay_ip"],
+        "cidr": network.cidr,
+        "interface": network.interface,
+        "interface_up": up,
+        "backend": device.backend() if up else rec.get("backend"),
+        "listen_port": network.listen_port,
+        "api_port": network.api_port,
+        "mtu": int(rec.get("mtu") or network.mtu),
+        "latency": RTT_LABEL,
+        "daemon_pid": process.pid(state),
+        "removed": True,
+        "peers": [],
+        "warnings": [f"{what}; {fix}"],
+        "pairs": [],
+        "coordinators": [],
+    }
 
 
 def _sites(state: StateDir, members: list[Member]) -> dict[str, str]:
@@ -392,7 +427,8 @@ def render(st: dict, full: bool = False) -> str:
         f"interface {iface}  udp/{st['listen_port']}  mtu {st['mtu']}  daemon {daemon}",
     ]
     if st.get("removed"):
-        head.append("this node was REMOVED from the network by the coordinator")
+        by = "by the coordinator" if st["role"] == "node" else "by the other coordinators"
+        head.append(f"this {st['role']} was REMOVED from the network {by}")
     coords = [r for r in st["peers"] if r.get("coordinator")]
     if st["role"] == "node" and len(coords) > 1 and st.get("coordinator"):
         name = next((r["name"] for r in coords if r["overlay_ip"] == st["coordinator"]), st["coordinator"])

@@ -18,7 +18,7 @@ import signal
 import time
 
 import pytest
-from support import CHARLM_SMALL, TrainJob
+from support import CHARLM_SMALL, TrainJob, hang_guard
 
 from meshrun.core import firewall as rules
 from meshrun.lab.mesh import Mesh
@@ -375,6 +375,19 @@ def test_back_to_one_coordinator_with_every_member_kept(ha):
     assert '"etcd"' not in mesh.world.node(A).run("ss", "-tlnpH").stdout  # no etcd member came back
     assert "meshrun0" not in mesh.world.node(A).run("ip", "-o", "link").stdout
     assert ha_mod.etcd_pid(state_a) is None and process.pid(state_a) is None
+    # There, status, doctor and `coordinator list` say so at once (they asked an etcd that had left it, 26 s, and
+    # suggested `meshrun up`, which refuses, or removing a live coordinator) and suggest only what works there.
+    t = time.monotonic()
+    st = mesh.status(A)
+    assert st["removed"] and st["peers"] == [] and st["pairs"] == [] and st["coordinators"] == [], st
+    assert len(st["warnings"]) == 1 and f"{B} says this coordinator ({A_NAME}) was removed" in st["warnings"][0], st
+    doc = json.loads(mesh.meshrun(A, "doctor", "--json", check=False, timeout=120).stdout)
+    assert [(c["name"], c["level"]) for c in doc["checks"]] == [("membership", "FAIL")], doc
+    listed = mesh.meshrun(A, "coordinator", "list", check=False, timeout=120)
+    assert listed.returncode != 0 and "was removed from the network for good" in listed.stderr, listed
+    for said in (st["warnings"][0], doc["checks"][0]["fix"], listed.stderr):
+        assert "meshrun down --purge" in said and "meshrun up" not in said and "coordinator remove" not in said, said
+    assert time.monotonic() - t < hang_guard(5), "a removed coordinator's own commands waited on the network"
     mesh.meshrun(A, "down", "--purge", timeout=60)
     out = mesh.meshrun(B, "coordinator", "remove", C, timeout=180).stdout
     assert f"{C} is a node again" in out and "back in SQLite" in out, out

@@ -379,3 +379,7 @@ def test_remove_node_cuts_it_off_and_overlay_api_is_overlay_only(fresh_mesh):
     assert st.get("interface_up") is False
     assert node3.run("ip", "link", "show", "meshrun0", check=False).returncode != 0
     assert "removed" in mesh.meshrun(node3, "status").stdout.lower()
+    # Its doctor says that alone, with what works there (not `meshrun up`, which would enrol nothing).
+    doc = json.loads(mesh.meshrun(node3, "doctor", "--json", check=False).stdout)
+    assert [(c["name"], c["level"]) for c in doc["checks"]] == [("membership", "FAIL")], doc
+    assert "meshrun leave --purge" in doc["checks"][0]["fix"] and "meshrun up" not in doc["checks"][0]["fix"], doc

@@ -38,7 +38,7 @@ import logging
 import time
 from pathlib import Path
 
-from meshrun.core import etcdconf, keys
+from meshrun.core import doctor, etcdconf, keys
 from meshrun.core.etcdconf import TWO_COORDINATORS
 from meshrun.core.model import Member, Network, not_public, parse_endpoint, refuse_ipv6, split_endpoint
 from meshrun.errors import ControlStateError, CoordinatorError, MeshrunError, StateError, UsageError
@@ -959,13 +959,13 @@ def refuse_removed(state: StateDir, rec: dict, by: str) -> StateError:
     """A coordinator that `by` says was removed while it was away: its etcd member stopped if it ran, its record
     marked removed (so `meshrun down --purge` may delete what is left), and the error it stops with."""
     stop_member(state)
-    state.write_json("member.json", dict(rec, removed=True))
+    state.write_json("member.json", dict(rec, removed=True, removed_by=by))
     name = str(rec["name"])
+    _, fix = doctor.removed("coordinator", name, by)
     return StateError(
         f"{by} says this coordinator ({name}) was removed from the network for good while it was away "
         f"(`meshrun coordinator remove {name} --force`): its etcd member was not started",
-        "clean up with `meshrun down --purge`; to serve again, join as a node with a new token "
-        "(`meshrun token create` on a coordinator) and `meshrun coordinator add` it",
+        fix,
     )
 
 

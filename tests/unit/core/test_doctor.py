@@ -420,3 +420,18 @@ def test_extra_tunnels_are_checked_only_where_a_node_asked_for_them():
     assert c.level == OK and "no same-site peer on the private path runs extra tunnels yet" in c.detail
     c = only(facts(tunnels={"count": 3, "error": "wireguard-go exited", "peers": {}}), "tunnels")
     assert c.level == WARN and "wireguard-go exited" in c.detail and "--tunnels 1" in c.fix
+
+
+@pytest.mark.parametrize("role", ["coordinator", "node"])
+def test_a_removed_member_is_told_so_and_only_what_works_there(role):
+    """It gets one check, a FAIL that names who removed it (a coordinator: the one that told it) and the way out;
+    never `meshrun up` (which refuses there) nor another member to bring back or remove."""
+    facts = {"role": role, "name": "dca-a", "removed": True, "removed_by": "hq-a" if role == "coordinator" else None}
+    (check,) = doctor.judge(facts)
+    assert (check.name, check.level) == ("membership", doctor.FAIL)
+    assert "dca-a" in check.detail and "removed from the network for good" in check.detail
+    assert ("hq-a says this coordinator" in check.detail) == (role == "coordinator")
+    purge = "meshrun down --purge" if role == "coordinator" else "meshrun leave --purge"
+    assert purge in check.fix and "meshrun token create" in check.fix
+    assert "meshrun up" not in check.fix and "coordinator remove" not in check.fix
+    assert ("coordinator add" in check.fix) == (role == "coordinator")

@@ -87,7 +87,7 @@ def test_render_down_removed_no_peers():
         == """\
 network lab  coordinator coord  10.213.0.1 in 10.213.0.0/16
 interface meshrun0 DOWN  udp/51820  mtu 1420  daemon not running
-this node was REMOVED from the network by the coordinator
+this coordinator was REMOVED from the network by the other coordinators
 
 NAME  SITE  OVERLAY IP  PATH  ENDPOINT  HANDSHAKE  RTT  RX  TX
 (no peers yet)"""
