@@ -141,12 +141,12 @@ case "${1:-}" in
         # Lint and format first (ruff, configured in pyproject.toml): seconds, and a red CI says why at once.
         .venv/bin/ruff check .
         .venv/bin/ruff format --check .
-        # Two test processes (pytest-xdist), a test file each at a time. Two leave 2 cores about 30% idle over a
-        # run (the end-to-end tests wait on timers, handshakes and jobs); three took 30 min where two take 36, but
-        # each of two runs at three failed once where tests raced the load (tests/DURATIONS.md):
-        # MESHRUN_TEST_WORKERS=3 to try it, 0 runs them one by one.
+        # Three test processes (pytest-xdist), a test file each at a time: two left 2 cores about 30% idle over a
+        # run (the end-to-end tests wait on timers, handshakes and jobs) and took 36 min, three keep them about 80%
+        # busy and take 30 (tests/DURATIONS.md). Tests that measure time take a lock that keeps the loads away
+        # (tests/conftest.py). MESHRUN_TEST_WORKERS=N for another count, 0 runs them one by one.
         # Files start in the order tests/conftest.py collects them (the VM test first, then the longest).
-        exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+        exec .venv/bin/python -m pytest -q -ra -n "${MESHRUN_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
           tests "$@" ;;
   # With no .venv and a bundle: the check runs this checkout's code (PYTHONPATH) with the installed dependencies.
   gpu-check) shift
