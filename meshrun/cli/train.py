@@ -241,7 +241,15 @@ def train(
     app.exit(_follow(app, job, cancel_on_interrupt=True).exit_code or 0)
 
 
-def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | None = None, rank: int | None = None):
+def _follow(
+    app: Application,
+    job: str,
+    cancel_on_interrupt: bool,
+    node: str | None = None,
+    rank: int | None = None,
+    tail: int | None = None,
+    since: float | None = None,
+):
     """Print the job as it runs until it ends; Ctrl-C cancels it (train) or stops following (logs)."""
     from meshrun.jobs import control
 
@@ -257,7 +265,7 @@ def _follow(app: Application, job: str, cancel_on_interrupt: bool, node: str | N
 
     old = signal.signal(signal.SIGINT, interrupted)
     try:
-        rec = control.follow(app.state, job, printer, node, rank, stop=stop)
+        rec = control.follow(app.state, job, printer, node, rank, stop=stop, tail=tail, since=since)
     finally:
         printer.finish()
         signal.signal(signal.SIGINT, old)
@@ -385,6 +393,12 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
     node: Annotated[Optional[str], typer.Option(help="Only this node's lines.")] = None,
     rank: Annotated[Optional[int], typer.Option(help="Only this rank's lines.")] = None,
+    tail: Annotated[
+        Optional[int], typer.Option("--tail", "-n", min=0, help="Start with the last N lines (then -f goes on).")
+    ] = None,
+    since: Annotated[
+        Optional[str], typer.Option(help="Only lines from this long ago on: 90s, 30m, 12h, 7d.", show_default=False)
+    ] = None,
     state_dir: StateOpt = None,
 ) -> None:
     """Print a job's output from its start (every rank, prefixed [node rRANK]); -f follows it.
@@ -393,15 +407,19 @@ def logs(
     Works while the job runs, after it ended, and after a coordinator restart. Examples:
       meshrun logs ddp_train-20261122-101500-ab12 -f
       meshrun logs JOB --node gpu-a --rank 3
+      meshrun logs JOB -f --tail 50           # a long job: its last 50 lines, then what comes
+      meshrun logs JOB --since 2h             # what arrived in the last two hours
     """
+    from meshrun.core.token import parse_duration
     from meshrun.jobs import control
 
+    start = time.time() - parse_duration(since, "--since") if since is not None else None
     app = Application.for_command(state_dir)
     if follow:
-        rec = _follow(app, job, cancel_on_interrupt=False, node=node, rank=rank)
+        rec = _follow(app, job, cancel_on_interrupt=False, node=node, rank=rank, tail=tail, since=start)
     else:
         printer = JobPrinter(app)
-        rec = control.follow(app.state, job, printer, node, rank, keep_going=False)
+        rec = control.follow(app.state, job, printer, node, rank, keep_going=False, tail=tail, since=start)
         printer.finish()
     if rec.final:
         app.echo(

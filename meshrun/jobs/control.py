@@ -278,18 +278,24 @@ def follow(
     rank: int | None = None,
     keep_going: bool = True,
     stop: threading.Event | None = None,
+    tail: int | None = None,
+    since: float | None = None,
 ) -> JobRecord:
     """Print the job's lines from the start, in arrival order (`out(line, is_meshrun_line)`).
 
     With `keep_going`, follow until the job has ended and everything was printed (or `stop` is
     set); otherwise print what is there and return. `node`/`rank` keep only those lines (the
-    supervisor's own lines are always shown). Returns the job's record as it was last read.
+    supervisor's own lines are always shown). `since` (unix s) keeps the lines that arrived at the
+    coordinator from then on; `tail` starts with the last `tail` lines there are now (after the other
+    filters), then goes on with every new one. Returns the job's record as it was last read.
     A node's line always starts with that node's prefix (`[node rN] ` or `[node] `), whatever the node
     sent; its text is as stored: a redraw keeps its marker and escapes are left for the printer to
     remove (meshrun.core.termtext, as `meshrun train` and `meshrun logs` do).
     """
     logs = _dir(state, job_id) / "logs"
     offsets: dict[str, int] = {}
+    since_ms = None if since is None else int(since * 1000)
+    first = True
     while True:
         rec = record(state, job_id)
         batch: list[tuple[int, int, str, str]] = []
@@ -298,15 +304,21 @@ def follow(
             lines, offsets[path.name] = joblogs.read_from(path, offsets.get(path.name, 0), final=rec.final)
             for i, text in enumerate(lines):
                 m = MIRROR_RE.match(text)
-                if m:
+                if m and (since_ms is None or int(m.group(1)) >= since_ms):
                     batch.append((int(m.group(1)), i, path.stem, m.group(2)))
+        shown: list[tuple[str, bool]] = []
         for _, _, source, text in heapq.merge(*[sorted(b for b in batch if b[2] == s) for s in {b[2] for b in batch}]):
             if source == EVENTS:
-                out(text, True)
+                shown.append((text, True))
                 continue
             text = attributed(source, text)
             if line_matches(text, node, rank):
-                out(text, False)
+                shown.append((text, False))
+        if first and tail is not None:
+            shown = shown[len(shown) - tail :] if tail else []
+        first = False
+        for text, ours in shown:
+            out(text, ours)
         if not keep_going or (rec.final and not batch) or (stop is not None and stop.is_set()):
             return rec
         time.sleep(0.25)

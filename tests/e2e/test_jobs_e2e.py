@@ -139,6 +139,9 @@ def test_closing_the_terminal_leaves_the_job_running(mesh):
     assert sorted(r["nodes"]) == ["dc1-a", "dc2-a", "dc3-a"] and r["ranks"] == 3
     logs = mesh.meshrun(mesh.coordinator, "logs", job)
     sums = checksums(logs.stdout)
+    # --since and --tail choose where the replay starts: all of it from 30 days ago, none of it at its last 0 lines.
+    assert mesh.meshrun(mesh.coordinator, "logs", job, "--since", "30d").stdout == logs.stdout
+    assert mesh.meshrun(mesh.coordinator, "logs", job, "--tail", "0").stdout == ""
     # Every node, every rank, once each (which node got which rank is the rendezvous' choice).
     assert sorted(k.split()[0] for k in sums) == ["dc1-a", "dc2-a", "dc3-a"], logs.stdout[-3000:]
     assert sorted(k.split()[1] for k in sums) == ["r0", "r1", "r2"], logs.stdout[-3000:]

@@ -271,6 +271,18 @@ class TestOtherCommands:
         assert res.exit_code == 2
         assert "No such option: --no-such-option" in res.stderr
 
+    @pytest.mark.parametrize("since", ["yesterday", "0s", "31d"])
+    def test_logs_since_names_the_bad_duration_before_reading_anything(self, run, state, since):
+        res = run("logs", "some-job", "--since", since)
+        assert res.exit_code != 0
+        msg = one_error_line(res)
+        assert f"--since {since!r}" in msg and "e.g. --since 12h" in msg
+        assert not state.exists()
+
+    def test_logs_tail_is_not_negative(self, run):
+        res = run("logs", "some-job", "--tail", "-1")
+        assert res.exit_code == 2 and "'--tail'" in res.stderr and "greater than or equal to 0" in res.stderr
+
     def test_version(self, run):
         res = run("--version")
         assert (res.exit_code, res.stdout, res.stderr) == (0, f"meshrun {__version__}\n", "")

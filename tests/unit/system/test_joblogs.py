@@ -172,3 +172,28 @@ def test_follow_shows_each_line_as_its_nodes_and_filters_by_rank(tmp_path):
     seen.clear()
     control.follow(state, "j1", lambda line, ours: seen.append(line), rank=1, keep_going=False)
     assert seen == ["job j1 succeeded"]  # the forged "r1" line is not rank 1's
+
+
+def test_follow_starts_at_the_tail_or_at_a_time(tmp_path):
+    """--tail N: the last N lines there are (after the other filters), --since: those that arrived from then on
+    (the coordinator's arrival time of each line, in ms, starts it in the mirror)."""
+    state = StateDir(tmp_path / "state")
+    job = StateDir(state / "jobs" / "j1")
+    job.create()
+    job.write_json("job.json", JobRecord("j1", state="succeeded", exit_code=0).to_dict())
+    logs = StateDir(job / "logs")
+    logs.create()
+    (logs / "dc1-a.log").write_bytes(b"100 [dc1-a r0] a\n102 [dc1-a r0] b\n105 [dc1-a r0] c\n")
+    (logs / "dc2-a.log").write_bytes(b"101 [dc2-a r1] x\n106 [dc2-a r1] y\n")
+    (logs / "_meshrun.log").write_bytes(b"107 job j1 succeeded\n")
+
+    def seen(**kw) -> list[str]:
+        out: list[str] = []
+        control.follow(state, "j1", lambda line, ours: out.append(line), keep_going=False, **kw)
+        return out
+
+    assert seen(tail=3) == ["[dc1-a r0] c", "[dc2-a r1] y", "job j1 succeeded"]
+    assert seen(tail=2, rank=1) == ["[dc2-a r1] y", "job j1 succeeded"]  # meshrun's own lines are always shown
+    assert seen(tail=0) == [] and len(seen(tail=99)) == 6
+    assert seen(since=0.102) == ["[dc1-a r0] b", "[dc1-a r0] c", "[dc2-a r1] y", "job j1 succeeded"]
+    assert seen(since=0.102, tail=1) == ["job j1 succeeded"]
