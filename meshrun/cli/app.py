@@ -22,7 +22,7 @@ from meshrun.errors import MeshrunError
 from meshrun.system.files.statedir import StateDir, default_state_dir
 
 root = typer.Typer(
-    add_completion=False,
+    add_completion=True,  # --install-completion and --show-completion, as typer offers them
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,

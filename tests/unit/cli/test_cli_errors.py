@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import typer
@@ -286,6 +287,21 @@ class TestOtherCommands:
     def test_version(self, run):
         res = run("--version")
         assert (res.exit_code, res.stdout, res.stderr) == (0, f"meshrun {__version__}\n", "")
+
+    def test_the_shell_completes_commands_and_options(self, tmp_path):
+        """Completion is on (`meshrun --install-completion`): what bash asks of the installed command."""
+        exe = Path(sys.executable).with_name("meshrun")
+
+        def complete(words: str) -> list[str]:
+            env = {**os.environ, "_MESHRUN_COMPLETE": "complete_bash", "COMP_WORDS": words}
+            env["COMP_CWORD"] = str(len(words.split()) - 1)
+            return subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60).stdout.split()
+
+        assert "logs" in complete("meshrun lo") and "--tail" in complete("meshrun logs JOB --ta")
+        script = subprocess.run(
+            [str(exe), "--show-completion", "bash"], capture_output=True, text=True, timeout=60, env=dict(os.environ)
+        ).stdout
+        assert "_MESHRUN_COMPLETE=complete_bash" in script
 
     def test_version_via_python_m(self, tmp_path):
         res = subprocess.run(
