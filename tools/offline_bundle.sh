@@ -83,6 +83,8 @@ else
   cp -a . "$tmp/src/" && rm -rf "$tmp/src"/.venv* "$tmp/src/build" "$tmp/src/.offline"
   commit=unknown
 fi
+# The copy is no checkout: the commit goes into the wheel here (`meshrun --version`; tools/build_backend.py).
+if [ "$commit" != unknown ]; then echo "$commit" >"$tmp/src/meshrun/_commit"; fi
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$tmp/wheels" "$tmp/src" >&2
 wheel=$(cd "$tmp/wheels" && echo meshrun-*.whl)
 [ -f "$tmp/wheels/$wheel" ] || die "pip built no meshrun wheel in $tmp/wheels: see pip's output above"

@@ -99,7 +99,11 @@ def handled(fn):
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"meshrun {__version__}")
+        import meshrun
+        from meshrun.system.files import provenance
+
+        commit = provenance.describe(Path(meshrun.__file__).parent)
+        typer.echo(f"meshrun {__version__}" + (f" (commit {commit})" if commit else ""))
         raise typer.Exit()
 
 

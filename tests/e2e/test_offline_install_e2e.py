@@ -29,6 +29,7 @@ import pytest
 from support import REPO_ROOT
 
 from meshrun import __version__
+from meshrun.system.files import provenance
 
 PREFIX = "/opt/meshrun"
 FRESH_PYTHON = "/usr/bin/python3"  # Debian's, as on a machine that has only its distribution's Python
@@ -243,7 +244,9 @@ def test_the_bundle_installs_offline_meshrun_runs_on_its_programs_and_uninstall_
 
     for check, want in VERSION_CHECKS.items():
         assert want in m.ok(f"{PREFIX}/bin/{check}"), check
-    assert m.ok("meshrun --version").strip() == f"meshrun {__version__}"  # through the link, on a root shell's PATH
+    # Through the link, on a root shell's PATH; the commit the bundle was built from, stamped into its wheel.
+    commit = provenance.checkout_commit(REPO_ROOT)
+    assert commit and m.ok("meshrun --version").strip() == f"meshrun {__version__} (commit {commit})"
     # What a results file records as the WireGuard binary: the bundled one behind the wrapper, with its package.
     probe = "import json; from meshrun.system.machine.wgbinary import wireguard_binary as w; print(json.dumps(w()))"
     wg = json.loads(m.ok(f"{PREFIX}/venv/bin/python -c '{probe}'"))

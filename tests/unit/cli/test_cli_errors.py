@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from support import REPO_ROOT
 from typer.testing import CliRunner
 
 from meshrun import __version__
@@ -52,6 +53,14 @@ def run(state):
         return res
 
     return invoke
+
+
+def head() -> str:
+    """This checkout's commit as `git` says it (+changes when files differ): what `--version` names here."""
+    git = ["git", "-C", str(REPO_ROOT)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "."]).returncode == 1
+    return commit + ("+changes" if dirty else "")
 
 
 def one_error_line(res) -> str:
@@ -286,7 +295,7 @@ class TestOtherCommands:
 
     def test_version(self, run):
         res = run("--version")
-        assert (res.exit_code, res.stdout, res.stderr) == (0, f"meshrun {__version__}\n", "")
+        assert (res.exit_code, res.stdout, res.stderr) == (0, f"meshrun {__version__} (commit {head()})\n", "")
 
     def test_the_shell_completes_commands_and_options(self, tmp_path):
         """Completion is on (`meshrun --install-completion`): what bash asks of the installed command."""
@@ -311,7 +320,7 @@ class TestOtherCommands:
             env={**os.environ, "MESHRUN_STATE_DIR": str(tmp_path / "s")},
             timeout=60,
         )
-        assert (res.returncode, res.stdout, res.stderr) == (0, f"meshrun {__version__}\n", "")
+        assert (res.returncode, res.stdout, res.stderr) == (0, f"meshrun {__version__} (commit {head()})\n", "")
 
     def test_join_garbage_via_python_m(self, tmp_path):
         res = subprocess.run(
