@@ -26,6 +26,14 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+try:
+    from meshrun.train import report  # `meshrun jobs` shows the step and the loss (rank 0, under meshrun only)
+except ImportError:  # run where meshrun is not installed
+
+    def report(step: int, total: int | None = None, **numbers: float) -> None:
+        pass
+
+
 IN, HIDDEN, OUT = 16, 32, 1
 
 
@@ -138,6 +146,7 @@ def main(argv=None) -> int:
                 time.sleep(args.sleep_per_step)
         dist.all_reduce(total)
         mean = total.item() / (world * max(1, args.steps_per_epoch))
+        report((epoch + 1) * args.steps_per_epoch, args.epochs * args.steps_per_epoch, loss=mean)
         if rank == 0:
             print(f"epoch {epoch + 1} loss {mean:.4f}", flush=True)
             if args.checkpoint:

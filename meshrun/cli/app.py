@@ -99,10 +99,9 @@ def handled(fn):
 
 def _version(value: bool) -> None:
     if value:
-        import meshrun
         from meshrun.system.files import provenance
 
-        commit = provenance.describe(Path(meshrun.__file__).parent)
+        commit = provenance.describe(provenance.PACKAGE)
         typer.echo(f"meshrun {__version__}" + (f" (commit {commit})" if commit else ""))
         raise typer.Exit()
 

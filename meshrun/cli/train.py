@@ -335,7 +335,9 @@ def jobs(
     ] = None,
     state_dir: StateOpt = None,
 ) -> None:
-    """List the jobs on this coordinator: id, state, nodes, ranks, started, duration, exit, worker kind.
+    """List the jobs on this coordinator: id, state, nodes, ranks, started, duration, how far (the step and
+    steps a second, where the script reports them with meshrun.train.report or a tqdm bar), its last output,
+    the node with rank 0, how often its group re-formed, exit, worker kind.
 
     \b
     Examples:
@@ -344,6 +346,7 @@ def jobs(
       meshrun jobs --prune                  # finished jobs' logs and job directories
       meshrun jobs --prune-project charlm   # a project's working directory on every node
     """
+    from meshrun.core import progress
     from meshrun.jobs import control, outputs
 
     app = Application.for_command(state_dir)
@@ -368,12 +371,16 @@ def jobs(
             str(r.ranks or "-"),
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started)) if r.started else "-",
             _duration(r.duration(now)) if r.started else "-",
+            *progress.cells(r.progress, r.last_output, now),
+            r.rank0 or "-",
+            str(r.regroups),
             "-" if r.exit_code is None else str(r.exit_code),
             r.workers or "-",
         ]
         for r in recs
     ]
-    cols = ["JOB", "STATE", "NODES", "RANKS", "STARTED", "DURATION", "EXIT", "WORKERS"]
+    cols = ["JOB", "STATE", "NODES", "RANKS", "STARTED", "DURATION", "STEP", "RATE", "LAST OUTPUT", "RANK 0"]
+    cols += ["REGROUPS", "EXIT", "WORKERS"]
     widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
     for row in [cols] + rows:
         app.echo("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())

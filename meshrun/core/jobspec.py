@@ -206,6 +206,12 @@ class JobRecord:
     exit_code: int | None = None
     message: str = ""
     workers: str = ""  # how its workers started: warm or cold (JobSpec.workers); "" in a record from before
+    # As its supervisor follows it: how far rank 0 is (meshrun.core.progress.Progress.record: {} before its
+    # first step), which node has rank 0, when the newest line arrived (unix s), how often the group re-formed.
+    progress: dict = field(default_factory=dict)
+    rank0: str = ""
+    last_output: float | None = None
+    regroups: int = 0
 
     def __post_init__(self) -> None:
         self.state = JobState(self.state)

@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from meshrun.core import codeset, launch, liveness, preflight, presets, topology
+from meshrun.core import codeset, launch, liveness, preflight, presets, progress, topology
 from meshrun.core.jobspec import EXIT_CANCELLED, JobRecord, JobSpec, JobState, ShareEnd
 from meshrun.core.outcome import Outcome
 from meshrun.errors import LaunchError, MeshrunError
@@ -72,6 +72,9 @@ STORE_PORTS = 100  # how many ports from rdzv_port up a job's store may take
 OUTPUT_DRAIN_S = 15.0  # a standby copies what the shares printed last for at most this long after the end
 EVENTS = "_meshrun"  # the supervisor's own lines, among the nodes' logs
 OWNER_HANDOVER = "owner.json"  # a replicated job's ownership, from job control's `start` to its supervisor
+# How often following the output saves the record (progress, last output): `meshrun jobs` is this fresh, and a
+# replicated job's record is written to etcd no more often.
+PROGRESS_SAVE_S = 5.0
 
 
 class Supervisor:
@@ -121,6 +124,8 @@ class Supervisor:
         self.packed: Packed | None = None  # the code as shipped (elastic additions get the same)
         self.sites: dict | None = None  # every candidate's site within the job, numbered once at the start
         self.leaving = threading.Event()  # a replicated job's supervisor stops (SIGTERM), the job goes on
+        self.progress = progress.Progress()  # how far rank 0 is (its report lines, a tqdm bar)
+        self.progress_saved = 0.0
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -372,9 +377,12 @@ class Supervisor:
                 if self._is_lost(s.name):
                     return  # called gone: its output is no longer the job's
                 last_ok = time.monotonic()
-                now_ms = int(time.time() * 1000)
+                now = time.time()
                 for line in ans.get("lines", []):
-                    mirror.write(f"{now_ms} {line}")
+                    if not self._took(s.name, line, now):
+                        mirror.write(f"{int(now * 1000)} {line}")
+                if ans.get("lines"):
+                    self._heard(now)
                 offset = int(ans.get("offset", offset))
                 if ans.get("done"):
                     with self.lock:
@@ -382,6 +390,27 @@ class Supervisor:
                     return
         finally:
             mirror.close()
+
+    def _took(self, node: str, line: str, at: float) -> bool:
+        """Rank 0's lines tell how far the job is (meshrun.core.progress); True for a report line, which the
+        record keeps instead of the logs. Only the node's own prefix counts (a line can print any other)."""
+        prefix = f"[{node} r0] "
+        if not line.startswith(prefix):
+            return False
+        with self.lock:
+            self.record.rank0 = node
+            return self.progress.see(line[len(prefix) :], at)
+
+    def _heard(self, now: float) -> None:
+        """Lines arrived at `now`: the record's progress and last output, saved every PROGRESS_SAVE_S."""
+        with self.lock:
+            self.record.last_output = now
+            self.record.progress = self.progress.record()
+            due = now - self.progress_saved >= PROGRESS_SAVE_S
+            if due:
+                self.progress_saved = now
+        if due and self.owning:
+            self.save()
 
     def _is_lost(self, name: str) -> bool:
         with self.lock:
@@ -459,6 +488,7 @@ class Supervisor:
                 return
             running = [self.shares[n] for n in self.outcome.running() if n != lost]
             gone = [self.shares[lost].overlay_ip] if lost in self.shares else []
+            self.record.regroups += bool(running)
         if not running:
             return
         self.say(f"re-forming the group without {lost}: restarting the workers on {', '.join(s.name for s in running)}")

@@ -163,6 +163,7 @@ from meshrun.core import presets
 from meshrun.errors import StateError, UsageError
 from meshrun.train import snapshots
 from meshrun.train.compress import DEFAULT_DENSITY, SharedSparse, SparseCodec, make_codec
+from meshrun.train.progress import report
 from meshrun.train.sites import SiteGroups, all_gather_single
 from meshrun.train.snapshots import auto_snapshot_dir, state_digest
 
@@ -813,6 +814,7 @@ class DiLoCo:
         self.last_sync_bytes = job.nbytes
         self.bytes_sent_total += job.nbytes
         self.sync_count += 1
+        report(self.step_count, outer_step=self.sync_count)  # `meshrun jobs` shows it (rank 0, under meshrun)
         if self.check_state and self.world_size > 1:
             # Compared at the next sync (or finish): waiting here would make every sync a barrier.
             digest = state_digest(self._shared_tensors(job.indices))

@@ -137,7 +137,15 @@ def test_closing_the_terminal_leaves_the_job_running(mesh):
     r = wait_final(mesh, job)
     assert r["state"] == "succeeded" and r["exit_code"] == 0, r
     assert sorted(r["nodes"]) == ["dc1-a", "dc2-a", "dc3-a"] and r["ranks"] == 3
+    # How far it got, as the example reports it (meshrun.train.report each epoch, rank 0): in the record and the
+    # table, not in the logs.
+    progress = r["progress"]
+    assert (progress["step"], progress["total"]) == (60, 60) and progress["numbers"]["loss"] > 0, r
+    assert progress["rate"] > 0 and r["rank0"] in r["nodes"] and r["last_output"] >= progress["at"], r
+    table = mesh.meshrun(mesh.coordinator, "jobs").stdout
+    assert re.search(rf"^{re.escape(job)} .* 60/60 .* {r['rank0']} ", table, re.M), table
     logs = mesh.meshrun(mesh.coordinator, "logs", job)
+    assert "@meshrun:progress" not in logs.stdout + logs.stderr
     sums = checksums(logs.stdout)
     # --since and --tail choose where the replay starts: all of it from 30 days ago, none of it at its last 0 lines.
     assert mesh.meshrun(mesh.coordinator, "logs", job, "--since", "30d").stdout == logs.stdout

@@ -14,6 +14,7 @@ from meshrun.errors import MeshrunError
 from meshrun.system.machine.cmd import run
 
 STAMP = "_commit"  # in the package directory of a built wheel: "1e21bf8" or "1e21bf8+changes"
+PACKAGE = Path(__file__).resolve().parents[2]  # meshrun's package directory, this module in meshrun/system/files
 _GIT = ["git", "-c", "core.fsmonitor=false", "-c", "safe.directory=*"]
 
 

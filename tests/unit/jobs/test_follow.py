@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.core import liveness
+from meshrun.core import liveness, progress
+from meshrun.core.jobspec import JobRecord
 from meshrun.core.outcome import Outcome
 from meshrun.errors import NetworkError
 from meshrun.jobs import supervisor
@@ -42,8 +43,10 @@ def follower(
     """A Supervisor with just what `_follow` and `_watch` use (its constructor reads a coordinator's state)."""
     sup = supervisor.Supervisor.__new__(supervisor.Supervisor)
     sup.job_id, sup.lock = "j1", threading.Lock()
+    sup.dir = StateDir(tmp_path)
     sup.logs = StateDir(tmp_path / "logs")
     sup.logs.create()
+    sup.record, sup.progress, sup.progress_saved = JobRecord("j1"), progress.Progress(), 0.0
     sup.outcome = Outcome(elastic=True, min_nodes=1, shares=dict.fromkeys(shares))
     sup.replica = None if owning else Replica()
     said: list[str] = []
@@ -133,3 +136,30 @@ def test_the_coordinators_own_share_does_not_hide_that_its_link_is_cut(tmp_path)
     local.name = "dc1-a"  # the coordinator trains too: always "reachable" from itself
     watched(sup, [local, Machine("dc2-a", silent_after=2), Machine("dc3-a", silent_after=2)], 1.0)
     assert sup.outcome.lost == {} and said == []
+
+
+class ReportingShare:
+    """A share that printed a report and a tqdm bar as rank 0, an ordinary line, and lines that only look like
+    rank 0's: a report from rank 1, and one from another node's prefix."""
+
+    name = "dc2-a"
+
+    def output(self, job_id: str, offset: int) -> dict:
+        lines = [
+            "[dc2-a r0] " + progress.line(40, 100, loss=1.5),
+            "[dc2-a r0] epoch 1 loss 1.5",
+            "[dc2-a r1] " + progress.line(99, 100),
+            "[dc2-a r0] [dc3-a r0] " + progress.line(98, 100),
+        ]
+        return {"lines": lines, "offset": 40, "done": True, "status": {}}
+
+
+def test_rank_0s_reports_go_to_the_record_not_to_the_logs(tmp_path):
+    sup, _ = follower(tmp_path, owning=True)
+    sup._follow(ReportingShare())
+    rec = JobRecord.from_dict(sup.dir.read_json("job.json"))  # saved while following
+    assert rec.progress["step"] == 40 and rec.progress["total"] == 100 and rec.progress["numbers"] == {"loss": 1.5}
+    assert rec.rank0 == "dc2-a" and rec.last_output is not None
+    mirrored = (sup.logs / "dc2-a.log").read_text()
+    assert "epoch 1 loss 1.5" in mirrored and mirrored.count(progress.MARK) == 2  # rank 1's and the forged one
+    assert "[dc2-a r0] " + progress.MARK not in mirrored

@@ -289,7 +289,7 @@ def test_the_docs_name_commands_at_all():
         ("```sh\nmeshrun trian train.py\n```", "`meshrun trian` is no command"),
         ("```sh\nmeshrun coordinator ad gpu-b\n```", "`meshrun coordinator ad` is no command"),
         ("```sh\nmeshrun site trust fra --force\n```", "`meshrun site trust` has no option --force"),
-        ("```sh\n$ meshrun logs JOB --follow --tail 5\n```", "`meshrun logs` has no option --tail"),
+        ("```sh\n$ meshrun logs JOB --follow --head 5\n```", "`meshrun logs` has no option --head"),
         ("```sh\nmeshrun train --nnodes 2 \\\n    --nproc 4 train.py\n```", "`meshrun train` has no option --nproc"),
         ("`meshrun token create | meshrun join - --nmae gpu-a`", "`meshrun join` has no option --nmae"),
         ("`meshrun --verbos status`", "`meshrun` has no option --verbos"),
