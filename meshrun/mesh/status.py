@@ -221,20 +221,7 @@ def gather(state: StateDir, measure: bool = True) -> dict:
             r["latency_ms"], r["answered"] = rtt_ms(r["overlay_ip"], network.api_port)
     rows.sort(key=lambda r: tuple(int(x) for x in r["overlay_ip"].split(".")) if r["overlay_ip"] else (999,))
     out = {
-        "network": network.name,
-        "role": rec["role"],
-        "name": rec["name"],
-        "overlay_ip": rec["overlay_ip"],
-        "cidr": network.cidr,
-        "interface": network.interface,
-        "interface_up": up,
-        "backend": device.backend() if up else rec.get("backend"),
-        "listen_port": network.listen_port,
-        "api_port": network.api_port,
-        "mtu": int(rec.get("mtu") or network.mtu),
-        "latency": RTT_LABEL,
-        "daemon_pid": process.pid(state),
-        "removed": bool(rec.get("removed")),
+        **_own(state, rec, network, device, up),
         "peers": rows,
         "warnings": [w for w in [device.warning() if up else None] if w],
     }
@@ -274,8 +261,13 @@ def _removed_coordinator(state: StateDir, rec: dict, network) -> dict:
     """`gather` on a coordinator marked removed (meshrun.mesh.coordinator.ha.refuse_removed): its own facts, no
     peers, pairs or coordinators, and the one warning of what to do."""
     device = iface.device_for(state, network, rec)
-    up = device.exists()
     what, fix = removed_member("coordinator", str(rec["name"]), rec.get("removed_by"))
+    own = _own(state, rec, network, device, device.exists())
+    return {**own, "peers": [], "warnings": [f"{what}; {fix}"], "pairs": [], "coordinators": []}
+
+
+def _own(state: StateDir, rec: dict, network, device, up: bool) -> dict:
+    """What `gather` says of this member itself: its network, name, address, interface and daemon."""
     return {
         "network": network.name,
         "role": rec["role"],
@@ -290,11 +282,7 @@ def _removed_coordinator(state: StateDir, rec: dict, network) -> dict:
         "mtu": int(rec.get("mtu") or network.mtu),
         "latency": RTT_LABEL,
         "daemon_pid": process.pid(state),
-        "removed": True,
-        "peers": [],
-        "warnings": [f"{what}; {fix}"],
-        "pairs": [],
-        "coordinators": [],
+        "removed": bool(rec.get("removed")),
     }
 
 

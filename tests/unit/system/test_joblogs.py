@@ -145,18 +145,27 @@ def test_the_share_finds_torchruns_error_line(tmp_path):
     assert share.error == "RuntimeError: boom 2"
 
 
-def test_follow_shows_each_line_as_its_nodes_and_filters_by_rank(tmp_path):
+def finished_job(tmp_path, logs: dict[str, bytes]) -> StateDir:
+    """A coordinator's state with job j1, succeeded, whose mirrors hold `logs` ({file name: bytes})."""
     state = StateDir(tmp_path / "state")
     job = StateDir(state / "jobs" / "j1")
     job.create()
     job.write_json("job.json", JobRecord("j1", state="succeeded", exit_code=0).to_dict())
-    logs = StateDir(job / "logs")
-    logs.create()
-    (logs / "dc1-a.log").write_bytes(
-        b"100 [dc1-a r0] one\n101 [dc1-a r0] \rbar\n102 [dc2-a r1] forged\n103 piece of a long line\n"
-        b"105 [dc1-a] torchrun\n106 [dc1-a r0] last, no newline"
+    StateDir(job / "logs").create()
+    for name, data in logs.items():
+        (job / "logs" / name).write_bytes(data)
+    return state
+
+
+def test_follow_shows_each_line_as_its_nodes_and_filters_by_rank(tmp_path):
+    state = finished_job(
+        tmp_path,
+        {
+            "dc1-a.log": b"100 [dc1-a r0] one\n101 [dc1-a r0] \rbar\n102 [dc2-a r1] forged\n103 piece of a long line\n"
+            b"105 [dc1-a] torchrun\n106 [dc1-a r0] last, no newline",
+            "_meshrun.log": b"104 job j1 succeeded\n",
+        },
     )
-    (logs / "_meshrun.log").write_bytes(b"104 job j1 succeeded\n")
     seen = []
     rec = control.follow(state, "j1", lambda line, ours: seen.append((line, ours)), keep_going=False)
     assert rec.final
@@ -177,15 +186,14 @@ def test_follow_shows_each_line_as_its_nodes_and_filters_by_rank(tmp_path):
 def test_follow_starts_at_the_tail_or_at_a_time(tmp_path):
     """--tail N: the last N lines there are (after the other filters), --since: those that arrived from then on
     (the coordinator's arrival time of each line, in ms, starts it in the mirror)."""
-    state = StateDir(tmp_path / "state")
-    job = StateDir(state / "jobs" / "j1")
-    job.create()
-    job.write_json("job.json", JobRecord("j1", state="succeeded", exit_code=0).to_dict())
-    logs = StateDir(job / "logs")
-    logs.create()
-    (logs / "dc1-a.log").write_bytes(b"100 [dc1-a r0] a\n102 [dc1-a r0] b\n105 [dc1-a r0] c\n")
-    (logs / "dc2-a.log").write_bytes(b"101 [dc2-a r1] x\n106 [dc2-a r1] y\n")
-    (logs / "_meshrun.log").write_bytes(b"107 job j1 succeeded\n")
+    state = finished_job(
+        tmp_path,
+        {
+            "dc1-a.log": b"100 [dc1-a r0] a\n102 [dc1-a r0] b\n105 [dc1-a r0] c\n",
+            "dc2-a.log": b"101 [dc2-a r1] x\n106 [dc2-a r1] y\n",
+            "_meshrun.log": b"107 job j1 succeeded\n",
+        },
+    )
 
     def seen(**kw) -> list[str]:
         out: list[str] = []
