@@ -290,7 +290,8 @@ def test_the_bundle_installs_offline_meshrun_runs_on_its_programs_and_uninstall_
     # did, and the check runs from it.
     before = m.upper_entries()
     out = m.ok("/tmp/checkout/dev.sh gpu-check --help")
-    assert f"installed meshrun {__version__} into {PREFIX}" in out and "usage: python -m meshrun.lab.gpucheck" in out
+    installed = f"installed meshrun {__version__} (commit {provenance.checkout_commit(REPO_ROOT)}) into {PREFIX}"
+    assert installed in out and "usage: python -m meshrun.lab.gpucheck" in out
     after = m.upper_entries()
     assert _outside_prefix(_written(baseline, after)) == []
     # The same files (bytecode aside: Python writes it on first import, and meshrun ran in between).
@@ -326,7 +327,9 @@ def test_the_bundle_installs_offline_meshrun_runs_on_its_programs_and_uninstall_
     files = lambda entries: {p: e for p, e in entries.items() if e[0] in ("file", "link", "whiteout")}  # noqa: E731
     # Every file as it was (a directory's overlayfs flags aside: it was moved away and back).
     assert set(now) == set(installed) and files(now) == files(installed)
-    assert m.ok("meshrun --version").strip() == f"meshrun {__version__}"
+    assert (
+        m.ok("meshrun --version").strip() == f"meshrun {__version__} (commit {provenance.checkout_commit(REPO_ROOT)})"
+    )
 
     assert m.ok(f"{PREFIX}/uninstall.sh").strip() == f"install.sh: removed {PREFIX} and /{LINK}"
     left = _written(baseline, m.upper_entries())
