@@ -47,7 +47,10 @@ def join(
     ] = None,
     site: Annotated[
         Optional[str],
-        typer.Option(help="The site this node is in: nodes that share a private network (a datacenter, a fabric)."),
+        typer.Option(
+            help="The site this node is in: nodes that share a private network (a datacenter, a VPC, a fabric). "
+            "Its pairs with the site's other nodes use that network, even where each node has its own public IP."
+        ),
     ] = None,
     relay: Annotated[
         Optional[bool],

@@ -5,8 +5,9 @@ Pure; the coordinator runs `step` for a pair of nodes when what both nodes repor
 tells both sides the result, so the two ends of a pair always agree (a pair relayed on one side
 only would drop packets: WireGuard filters inbound packets by the sending peer's allowed IPs).
 
-A pair starts `private` when both nodes sit behind the same public IP and report private
-candidates (same VPC/LAN: no hairpin through the gateway), else `public`. Each side re-creates
+A pair starts `private` when both nodes share a LAN (joined with one `--site`, or behind one public IP) and
+report private candidates (same VPC/LAN: no hairpin through the gateway, no internet gateway's egress between
+elastic IPs), else `public`. Each side re-creates
 its peer entry on a mode change, so a handshake newer than the change proves the new path.
 Without one within ATTEMPT_S, the pair falls back: private -> public -> relayed. The window runs from
 when both ends have applied the change (`started`, which the driver knows from their reports), not from
@@ -93,10 +94,25 @@ def private_candidate(m: Member) -> str | None:
     return None
 
 
-def same_site(a: Member, b: Member) -> bool:
-    """Both behind one public IP (as the coordinator observed them) and both with a LAN candidate."""
+def shares_lan(a: Member, b: Member) -> bool:
+    """Whether a and b sit on one private network: both joined with one site (`meshrun join --site`: the cloud's
+    usual VPC, where each node has its own public IP), or both behind one public IP (as the coordinator observed
+    them) and not joined with two different sites.
+
+    Two declared sites never share a LAN, whatever their addresses: private ranges repeat across datacenters, so
+    a 172.31.x.x in another site is someone else's machine."""
+    if a.site and b.site:
+        return a.site == b.site
     ha, hb = host_of(a.endpoint), host_of(b.endpoint)
-    return bool(ha and ha == hb and private_candidate(a) and private_candidate(b))
+    return bool(ha and ha == hb)
+
+
+def same_site(a: Member, b: Member) -> bool:
+    """The pair starts on its private path: it shares a LAN (`shares_lan`) and both ends reported a LAN candidate.
+    Declared same-site ends with their own public IPs are dialled at their LAN addresses too; a LAN that does not
+    carry their WireGuard (another datacenter under the same site name, a security group) fails the attempt
+    window and the pair falls back to public."""
+    return shares_lan(a, b) and bool(private_candidate(a) and private_candidate(b))
 
 
 def _fresh(handshake: int, now: float, fresh: bool | None) -> bool:

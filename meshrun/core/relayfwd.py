@@ -37,6 +37,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from meshrun.core import pairpaths
 from meshrun.core.model import Member, not_public, split_endpoint
 from meshrun.core.relays import RELAY_PORTS
 
@@ -181,23 +182,13 @@ def _lan_address(host: str) -> bool:
     return bool(not_public(host)) if isinstance(addr, ipaddress.IPv4Address) else not addr.is_global
 
 
-def _shares_lan(end: Member, me: Member | None) -> bool:
-    """Whether this relay (`me`) may see `end` at its LAN addresses: both joined with one site, or both behind
-    one public address (as the coordinator observed them)."""
-    if me is None:
-        return False
-    if end.site and end.site == me.site:
-        return True
-    return bool(end.endpoint and me.endpoint and split_endpoint(end.endpoint)[0] == split_endpoint(me.endpoint)[0])
-
-
 def end_hosts(end: Member, observed: str | None, me: Member | None) -> frozenset[str]:
     """The underlay hosts an end's datagrams may reach this relay from: where its own WireGuard sees the end,
     the endpoint the coordinator observed, and the end's reported candidates, its LAN ones only when this relay
     shares its LAN (private ranges repeat across datacenters: a stranger on this relay's LAN may hold the same
     address as an end's LAN address elsewhere)."""
     hosts = {split_endpoint(e)[0] for e in (observed, end.endpoint) if e}
-    lan = _shares_lan(end, me)
+    lan = me is not None and pairpaths.shares_lan(end, me)
     hosts |= {h for h in (split_endpoint(c)[0] for c in end.candidates if c) if lan or not _lan_address(h)}
     return frozenset(hosts)
 

@@ -194,6 +194,8 @@ def gather(state: StateDir, measure: bool = True) -> dict:
                 "overlay_ip": ip,
                 "public_key": p.public_key,
                 "endpoint": p.endpoint,
+                # The peer's own LAN addresses: where a pair of one site dials it on the private path.
+                "candidates": list(m.candidates) if m else [],
                 # The site LAN path carries the pair's traffic (its WireGuard peer stays, idle, for a fallback).
                 "path": lanpath.label(bool(lan.get("routed")))
                 if m is not None and m.name in on_lan

@@ -252,6 +252,67 @@ def test_same_site_nodes_talk_privately(fresh_mesh):
     assert forwarded < 50, (before, after)  # keepalives to the coordinator only, not 400 ping packets
 
 
+def peer_rows(mesh: Mesh, node: str) -> dict[str, dict]:
+    return {p["name"]: p for p in mesh.status(node)["peers"]}
+
+
+def test_a_declared_sites_nodes_with_their_own_public_ips_talk_privately_and_encrypted(fresh_mesh):
+    """The cloud's usual VPC: fra's three nodes each have their own public IP (one-to-one NAT, an elastic IP each)
+    and join with --site fra, untrusted. fra-a and fra-b dial each other at their LAN addresses: status says
+    direct (private), and an iperf3 run between their overlay addresses crosses the LAN inside WireGuard (the
+    pair's WireGuard counters carry it) while fra's gateway forwards next to none of it (before, the pair was
+    direct (public): every byte out through the gateway and back). fra-c cannot reach fra-a on the LAN (a
+    security group): that pair falls back to public after its attempt window. ber-a, of another site, holds the
+    same private address as fra-a: nothing of its is ever sent to a private address (a counter on its uplink)."""
+    dcs = [DatacenterSpec("hq"), DatacenterSpec("fra", nodes=3), DatacenterSpec("ber")]
+    mesh = fresh_mesh(dcs, "hq-a")
+    world = mesh.world
+    fra_a, fra_b, fra_c, ber_a = (world.node(n) for n in ("fra-a", "fra-b", "fra-c", "ber-a"))
+    assert fra_a.public_ip != fra_b.public_ip and ber_a.private_ip == fra_a.private_ip  # the layout under test
+    fra_c.run("iptables", "-I", "OUTPUT", "-d", fra_a.private_ip, "-j", "DROP")
+    fra_c.run("iptables", "-I", "INPUT", "-s", fra_a.private_ip, "-j", "DROP")
+    # A counting rule (no target): ber-a's WireGuard datagrams to any private address.
+    ber_a.run("iptables", "-I", "OUTPUT", "-d", "172.16.0.0/12", "-p", "udp", "--sport", "51820")
+    for n in ("fra-a", "fra-b", "fra-c"):
+        mesh.join(n, "--site", "fra")
+    mesh.join("ber-a", "--site", "ber")
+    wait_pairs(mesh, ["fra-a", "fra-b", "fra-c", "ber-a"], timeout=60)
+    deadline = time.monotonic() + 60
+    while True:
+        rows = {n: peer_rows(mesh, n) for n in ("fra-a", "fra-c")}
+        paths = {(n, p): r["path"] for n in rows for p, r in rows[n].items() if r["latest_handshake"]}
+        want = {
+            ("fra-a", "fra-b"): "direct (private)",
+            ("fra-c", "fra-b"): "direct (private)",
+            ("fra-c", "fra-a"): "direct (public)",
+            ("fra-a", "ber-a"): "direct (public)",
+        }
+        if all(paths.get(k) == v for k, v in want.items()):
+            break
+        assert time.monotonic() < deadline, paths
+        time.sleep(1)
+    ab, ca = rows["fra-a"]["fra-b"], rows["fra-c"]["fra-a"]
+    assert ab["endpoint"] == f"{fra_b.private_ip}:51820", ab
+    assert ca["endpoint"].split(":")[0] == fra_a.public_ip, ca
+    assert rows["fra-a"]["ber-a"]["endpoint"].split(":")[0] == ber_a.public_ip, rows["fra-a"]["ber-a"]
+
+    before, wg_before = world.gateway_counters("fra"), peer_rows(mesh, "fra-a")["fra-b"]
+    server = fra_b.popen("iperf3", "-s", "-1", "-p", "5211", stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        out = fra_a.run("iperf3", "-c", mesh.overlay_ip("fra-b"), "-p", "5211", "-t", "2", "-J", timeout=60).stdout
+    finally:
+        server.wait(timeout=30)
+    sent = json.loads(out)["end"]["sum_sent"]["bytes"]
+    after, wg_after = world.gateway_counters("fra"), peer_rows(mesh, "fra-a")["fra-b"]
+    gateway = after["lan_rx_bytes"] - before["lan_rx_bytes"] + after["lan_tx_bytes"] - before["lan_tx_bytes"]
+    assert sent > 1 << 20 and gateway < 0.05 * sent, (sent, before, after)
+    assert wg_after["tx_bytes"] - wg_before["tx_bytes"] >= sent, (sent, wg_before, wg_after)  # inside WireGuard
+    counted = ber_a.run("iptables", "-nvxL", "OUTPUT").stdout
+    to_private = int(next(ln.split()[0] for ln in counted.splitlines() if "172.16.0.0/12" in ln))
+    assert to_private == 0, counted  # ber-a never dialled fra-a's (or anyone's) LAN address
+
+
 def coordinator_pair(mesh: Mesh, a: str, b: str) -> dict:
     return coordinator_pairs(mesh)[frozenset((a, b))]
 

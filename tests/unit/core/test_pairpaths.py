@@ -28,6 +28,37 @@ def test_same_site_needs_one_public_ip_and_both_lan_candidates():
     assert not pairpaths.same_site(A_LAN, member("b", K_B, None, ["172.31.40.47:51820"]))  # not observed yet
 
 
+def sited(m: Member, site: str) -> Member:
+    return Member(m.name, m.public_key, m.overlay_ip, m.endpoint, m.candidates, site=site)
+
+
+def test_a_declared_site_is_one_lan_even_when_each_end_has_its_own_public_ip():
+    """The cloud's usual VPC: each node with its own elastic IP, both joined with --site fra. Without the site the
+    pair went public (through the internet gateway and back); with it, private, dialled at the LAN address."""
+    assert not pairpaths.same_site(A, B)  # the old rule's answer for this pair
+    a, b = sited(A, "fra"), sited(B, "fra")
+    assert pairpaths.shares_lan(a, b) and pairpaths.same_site(a, b)
+    assert pairpaths.initial(a, b, 0, T0).mode == pairpaths.PRIVATE
+    assert pairpaths.endpoint_for(pairpaths.PRIVATE, b) == "172.31.40.47:51820"
+    # Declared sites only when both declared one: one end without a site is judged by the public IP alone.
+    assert not pairpaths.same_site(a, B) and pairpaths.same_site(sited(A_LAN, "fra"), B_LAN)
+    # A site's pairs that cannot reach each other on the LAN fall back to public after the attempt window.
+    st = pairpaths.step(pairpaths.initial(a, b, 0, T0), a, b, 0, T0 + pairpaths.ATTEMPT_S)
+    assert st == pairpaths.PairState(pairpaths.PUBLIC, T0 + pairpaths.ATTEMPT_S)
+
+
+def test_two_declared_sites_never_dial_each_others_private_address():
+    """Private ranges repeat across datacenters: fra's 172.31.40.46 and ber's are different machines. Even behind
+    one public address (a CGNAT shared by two datacenters) two declared sites are not one LAN, and a relayed pair
+    of them that tries direct again tries public."""
+    a, b = sited(A, "fra"), sited(member("b", K_B, "198.51.100.3:40001", ["172.31.40.46:51820"]), "ber")
+    assert not pairpaths.shares_lan(a, b) and not pairpaths.same_site(a, b)
+    assert pairpaths.initial(a, b, 0, T0).mode == pairpaths.PUBLIC
+    assert not pairpaths.same_site(sited(A_LAN, "fra"), sited(B_LAN, "ber"))  # one public IP, two sites
+    relayed = pairpaths.PairState(pairpaths.RELAYED, T0, True, "r", 51821, tries=1)
+    assert pairpaths.step(relayed, a, b, 0, T0 + pairpaths.RETRY_MIN_S).mode == pairpaths.PUBLIC
+
+
 def test_initial_mode_private_for_one_site_else_public_and_a_fresh_handshake_is_proof():
     assert pairpaths.initial(A_LAN, B_LAN, 0, T0) == pairpaths.PairState(pairpaths.PRIVATE, T0)
     assert pairpaths.initial(A, B, 0, T0) == pairpaths.PairState(pairpaths.PUBLIC, T0)

@@ -170,6 +170,9 @@ def test_an_ends_lan_addresses_are_its_hosts_only_at_a_relay_on_its_lan():
     assert end_hosts(a, "10.0.0.7:51820", elsewhere) == {"198.51.100.1", "10.0.0.7"}  # seen there: it is there
     lan = {"198.51.100.1", "172.31.40.46", "100.64.3.4"}
     assert end_hosts(a, None, same_site) == end_hosts(a, None, same_nat) == lan
+    # Behind one public address but joined with another site: another datacenter's LAN (a CGNAT's shared IP).
+    same_nat_elsewhere = Member("r", r_key, "10.213.0.5", "198.51.100.1:40001", site="ber")
+    assert end_hosts(a, None, same_nat_elsewhere) == {"198.51.100.1"}
     assert end_hosts(public_candidate, None, elsewhere) == {"198.51.100.1", "192.0.2.77"}
     got = relayed_pairs(
         [["10.213.0.2", "10.213.0.3", RELAY_PORTS[0]]], [a, same_site, Member("b", B_KEY, "10.213.0.3")], {}, r_key
