@@ -282,18 +282,21 @@ UDP_LISTEN = _dedent("""\
 """)
 
 
-# A member probing ports from inside its namespace: {"host:port": "connected" or the error's name}.
+# A member probing ports from inside its namespace, all at once (a dropped one costs its 2 s timeout):
+# {"host:port": "connected" or the error's name}.
 PROBE_ALL = """
 import json, socket, sys
-out = {}
-for target in json.loads(sys.argv[1]):
+from concurrent.futures import ThreadPoolExecutor
+def one(target):
     host, port = target.rsplit(":", 1)
     try:
         socket.create_connection((host, int(port)), timeout=2).close()
-        out[target] = "connected"
+        return "connected"
     except OSError as exc:
-        out[target] = type(exc).__name__
-print(json.dumps(out))
+        return type(exc).__name__
+targets = json.loads(sys.argv[1])
+with ThreadPoolExecutor(max(1, min(32, len(targets)))) as pool:
+    print(json.dumps(dict(zip(targets, pool.map(one, targets)))))
 """
 
 

@@ -10,6 +10,13 @@ Two kinds:
   reaches the socket (arriving on the WireGuard interface or on the site LAN path's device, core/lanpath).
   One table per job and node (`job_table`), so removing it is one command and the
   host's own tables are never touched.
+  On the member itself a job's ports answer the job's own processes only (`ProcessGate`): every other local
+  process sends with the member's overlay address, which the address check admits, and loopback is not the
+  overlay. So each table also tags the new connections its job's processes open (bits MARK_MASK of the
+  connection's conntrack mark, set to the job's `job_mark`, by the sending socket's cgroup), drops a new
+  connection arriving on loopback at the job's sockets without its job's tag, and refuses one that a process
+  of no job opens to the job's nodes' job ports (`ProcessGate.ports`: the rendezvous store's range and the
+  ephemeral ports torch's stores, Gloo and NCCL bind; the overlay API's port is exempt).
 - The **forward guard**, on every member: a member that forwards overlay traffic (the coordinator relays
   pairs; a node whose host forwards, as Docker and Kubernetes hosts do) forwards only overlay-to-overlay;
   a packet from a member for any other interface (that host's LAN or VPC) is dropped, whatever the host's
@@ -22,6 +29,7 @@ import hashlib
 import ipaddress
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from meshrun.core import lanpath
 from meshrun.errors import UsageError
@@ -31,6 +39,8 @@ __all__ = [
     "FORWARD_TABLE",
     "GUARD_LEVELS",
     "JOB_TABLE_PREFIX",
+    "MARK_MASK",
+    "ProcessGate",
     "add_allowed",
     "check_interface",
     "delete_guard",
@@ -41,7 +51,9 @@ __all__ = [
     "inet_tables",
     "is_job_table",
     "job_tables_in",
+    "job_gate",
     "job_guard",
+    "job_mark",
     "job_table",
 ]
 
@@ -55,6 +67,11 @@ JOB_TABLE_PREFIX = "meshrun_job_"
 GUARD_LEVELS = range(2, 17)
 FORWARD_TABLE = "meshrun_forward"
 CGROUP_PARENT = "meshrun"  # jobs' cgroups live in <cgroup2 root>/meshrun/<table name>
+# The conntrack mark's bits a job guard uses to tag its job's connections (the rest are left to others: Docker,
+# Kubernetes and Tailscale use the packet mark, firewalld and Cilium low conntrack bits). 4095 values: two
+# jobs on one member share a tag with odds 1 in 4095, which lets each reach the other's ports, nothing more.
+MARK_MASK = 0xFFF00000
+_MARK_SHIFT = 20
 _IFACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}\Z")
 _TABLE_RE = re.compile(rf"^{JOB_TABLE_PREFIX}[0-9a-f]{{16}}\Z")
 # Job ids as meshrun.core.jobspec accepts them; a node is a member name, or "<member>/store" for the supervisor's
@@ -165,16 +182,18 @@ def socket_match_caveat(release: str, proc_cgroups: str) -> str | None:
     )
 
 
-def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) -> str:
+def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str], gate: ProcessGate | None = None) -> str:
     """The script that (re)creates a job guard: table `table` whose cgroup is CGROUP_PARENT/`table`
-    (level 2 below the cgroup2 root nft sees), admitting new connections on `interface` only from `allowed`.
+    (level 2 below the cgroup2 root nft sees), admitting new connections on `interface` only from `allowed`,
+    and with `gate`, on this member only from the job's own processes (`ProcessGate`). Without one (etcd's
+    guard: its clients prove themselves with certificates) local processes are not judged.
 
     `allowed` are the overlay addresses of the job's nodes (the coordinator's too when it hosts the job's
     store). Only new connections are judged (TCP SYN without ACK, any UDP datagram): connections the job
-    opened itself get their answers, and loopback or the host's other interfaces are not the overlay's
-    business. IPv6 on the overlay to the job's sockets is dropped (the overlay is IPv4). The script first
-    creates and deletes the table, so applying it replaces an older guard of the same name in one transaction.
-    UsageError naming a bad table name, interface or address.
+    opened itself get their answers; the host's other interfaces are not the overlay's business, and loopback
+    is judged by the gate alone. IPv6 on the overlay to the job's sockets is dropped (the overlay is IPv4). The
+    script first creates and deletes the table, so applying it replaces an older guard of the same name in one
+    transaction. UsageError naming a bad table name, interface or address.
     """
     table, iface = _check_table(table), check_interface(interface)
     ips = _addresses(allowed)
@@ -182,6 +201,7 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) 
     ifaces = f'{{ "{iface}", "{lanpath.interface_name(iface)}" }}'
     elements = f" elements = {{ {', '.join(ips)} }};" if ips else ""
     path = f"{CGROUP_PARENT}/{table}"
+    gated, local = _gate_rules(gate, path) if gate is not None else ([], [])
     return "\n".join(
         [
             f"table inet {table} {{}}",
@@ -198,14 +218,98 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str]) 
             # addressed to a job node's overlay address is judged wherever it arrives.
             '    iifname != "lo" ip daddr @nodes tcp flags & (syn | ack) == syn ip saddr != @nodes jump outsider',
             '    iifname != "lo" ip daddr @nodes meta l4proto udp ip saddr != @nodes jump outsider',
+            *local,
             "  }",
             "  chain outsider {",
             *(f'    socket cgroupv2 level {level} "{path}" drop' for level in GUARD_LEVELS),
             "  }",
+            *gated,
             "}",
             "",
         ]
     )
+
+
+@dataclass(frozen=True)
+class ProcessGate:
+    """Which of a member's own processes may open connections to a job's ports (see the module docstring).
+
+    `mark`: the job's tag (`job_mark`). `ports`: inclusive TCP port ranges that are the job's on its nodes
+    (their listeners pick them at bind time); `exempt`: ports inside those ranges that are not (the overlay API)."""
+
+    mark: int
+    ports: tuple[tuple[int, int], ...] = ()
+    exempt: tuple[int, ...] = ()
+
+    def record(self) -> dict:
+        """The gate as a share's spec keeps it (JSON)."""
+        return {"mark": self.mark, "ports": [list(r) for r in self.ports], "exempt": list(self.exempt)}
+
+    @classmethod
+    def from_record(cls, d: dict | None) -> ProcessGate | None:
+        """`record`'s inverse; None for none (a spec written before gates: the guard judges addresses only)."""
+        if not d:
+            return None
+        return cls(int(d["mark"]), tuple((int(a), int(b)) for a, b in d["ports"]), tuple(int(p) for p in d["exempt"]))
+
+
+def job_mark(job_id: str) -> int:
+    """The tag (bits MARK_MASK, never 0) of `job_id`'s connections: the same on every member and in every
+    process that asks."""
+    n = int.from_bytes(hashlib.sha256(f"meshrun-job-mark/{job_id}".encode()).digest()[:4], "big")
+    return (n % (MARK_MASK >> _MARK_SHIFT) + 1) << _MARK_SHIFT
+
+
+def job_gate(job_id: str, rdzv_port: int, store_ports: int, api_port: int, local_ports: tuple[int, int]) -> ProcessGate:
+    """The gate of a job's guard: its tag, the rendezvous stores' range (rdzv_port + 1 up, `store_ports` - 1
+    ports) and the ephemeral range (`local_ports`, this host's ip_local_port_range: other members are assumed to
+    use the same, Linux's default 32768-60999 unless changed), the overlay API's port exempt."""
+    ranges = ((rdzv_port + 1, rdzv_port + store_ports - 1), local_ports)
+    for lo, hi in ranges:
+        if not 1 <= lo <= hi <= 65535:
+            raise UsageError(f"port range {lo}-{hi} is not within 1-65535", "check the network's rdzv_port")
+    return ProcessGate(job_mark(job_id), ranges, (api_port,))
+
+
+def _gate_rules(gate: ProcessGate, path: str) -> tuple[list[str], list[str]]:
+    """The gate's lines: (its chains, the input chain's loopback rules)."""
+    mark, mask = gate.mark, MARK_MASK
+    if not mark or mark & ~mask:
+        raise UsageError(f"job mark {mark:#x} is not within {mask:#x}", "use firewall.job_mark(job_id)")
+    untagged = f"ct mark & {mask:#010x} != {mark:#010x}"
+    keep = f"ct mark & {~mask & 0xFFFFFFFF:#010x}"  # the bits outside MARK_MASK are others'
+    chains = [
+        # Before the output judge (filter - 1) of every table: a job's processes on this member may hold
+        # sockets in more than one of its cgroups (the coordinator's store and its share), each tags its own.
+        "  chain tag {",
+        "    type filter hook output priority filter - 2; policy accept;",
+        "    tcp flags & (syn | ack) == syn jump tag_own",
+        "    meta l4proto udp ct state new jump tag_own",
+        "  }",
+        "  chain tag_own {",
+        *(f'    socket cgroupv2 level {level} "{path}" ct mark set {keep} | {mark:#010x}' for level in GUARD_LEVELS),
+        "  }",
+    ]
+    local = [
+        f'    iifname "lo" tcp flags & (syn | ack) == syn {untagged} jump outsider',
+        f'    iifname "lo" meta l4proto udp ct state new {untagged} jump outsider',
+    ]
+    out: list[str] = []
+    if gate.ports:
+        ports = ", ".join(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in gate.ports)
+        exempt = f"tcp dport != {{ {', '.join(str(p) for p in gate.exempt)} }} " if gate.exempt else ""
+        out = [
+            "  chain output {",
+            "    type filter hook output priority filter - 1; policy accept;",
+            # Refused at once (a reset), not dropped: a user's own tool learns it is not allowed, not a hang.
+            # Any job's tag passes here: this table cannot tell which job a remote port is, and every job's
+            # processes were started by the coordinator (a stale table, or another job on the same nodes, must not
+            # stop them). Untagged is a process that is no job's: a user's, a container's, a service's.
+            f"    ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & {mask:#010x} == 0 {exempt}"
+            f"tcp dport {{ {ports} }} reject with tcp reset",
+            "  }",
+        ]
+    return chains + out, local
 
 
 def add_allowed(table: str, ips: Iterable[str]) -> str:

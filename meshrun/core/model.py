@@ -20,6 +20,7 @@ DEFAULT_PORT = 51820
 DEFAULT_MTU = 1420
 DEFAULT_IFACE = "meshrun0"
 DEFAULT_RDZV_PORT = 29400
+STORE_PORTS = 100  # a job's rendezvous store takes a port from rdzv_port + 1 up to rdzv_port + STORE_PORTS - 1
 
 
 class _Wire:

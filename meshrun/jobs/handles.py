@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from meshrun.core import liveness
+from meshrun.core.firewall import ProcessGate
 from meshrun.core.model import Member, Network
 from meshrun.errors import LaunchError
 from meshrun.jobs import share as shares
@@ -151,10 +152,19 @@ class RemoteShare:
 class LocalShare:
     """The coordinator's own share (`--with-coordinator`, `init --train`): the same share process, run here."""
 
-    def __init__(self, state: StateDir, job_id: str, name: str, overlay_ip: str, interface: str = "meshrun0") -> None:
+    def __init__(
+        self,
+        state: StateDir,
+        job_id: str,
+        name: str,
+        overlay_ip: str,
+        interface: str = "meshrun0",
+        gate: ProcessGate | None = None,
+    ) -> None:
         self.name, self.overlay_ip = name, overlay_ip
         self.state = state
         self.interface = interface
+        self.gate = gate  # its guard's: the job's processes alone reach its ports from here
         self.dir = StateDir(joblogs.job_dir(state, job_id) / "share")
 
     def health(self) -> dict:
@@ -180,7 +190,7 @@ class LocalShare:
             str(workdir.workdir(self.state, project, cwd)),
             self.state,
             project,
-            {"interface": self.interface, "allow": allow},
+            {"interface": self.interface, "allow": allow, "gate": self.gate.record() if self.gate else None},
         )
 
     def allow(self, job_id: str, ips: list[str]) -> None:

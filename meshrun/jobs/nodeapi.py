@@ -311,7 +311,11 @@ class JobAPI:
                 str(where),
                 self.state,
                 project,
-                {"interface": self.network.interface, "allow": allow},
+                {
+                    "interface": self.network.interface,
+                    "allow": allow,
+                    "gate": self.firewall.job_gate(job_id, self.network).record(),
+                },
             )
         except MeshrunError as exc:
             log.warning("job %s could not start: %s", job_id, exc)

@@ -19,6 +19,7 @@ from meshrun.mesh import member
 from meshrun.system.files import archive
 from meshrun.system.files.archive import Packed
 from meshrun.system.files.statedir import StateDir
+from meshrun.system.kernel import firewall
 
 __all__ = [
     "candidates",
@@ -47,7 +48,8 @@ def candidates(state: StateDir, spec: JobSpec, network: Network, members: list[M
         nodes = [m for m in nodes if m.name in spec.nodes]
     out: list[ShareHandle] = [RemoteShare(network, m, member.job_key(state, m.public_key)) for m in nodes]
     if spec.with_coordinator or rec.get("train"):
-        out.insert(0, LocalShare(state, spec.job_id, rec["name"], network.coordinator_ip, network.interface))
+        gate = firewall.job_gate(spec.job_id, network)
+        out.insert(0, LocalShare(state, spec.job_id, rec["name"], network.coordinator_ip, network.interface, gate))
     return out
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.core import termtext
+from meshrun.core.firewall import ProcessGate
 from meshrun.core.jobspec import ShareEnd
 from meshrun.core.termtext import LINE_RE, is_noise
 from meshrun.errors import LaunchError, MeshrunError
@@ -73,7 +74,8 @@ class Share:
         spec = self.dir.read_json("share.json").get("guard")
         if not spec:
             return None
-        g = JobGuard(self.job_id, self.node, str(spec["interface"])).create([str(ip) for ip in spec["allow"]])
+        gate = ProcessGate.from_record(spec.get("gate"))
+        g = JobGuard(self.job_id, self.node, str(spec["interface"]), gate).create([str(ip) for ip in spec["allow"]])
         try:
             g.join()
         except OSError as exc:
@@ -187,8 +189,9 @@ def start_share(
 
     With `project` (and the member's `state`) the share holds that project's directory while it runs
     (LaunchError from the share when another job has it) and its workers get $MESHRUN_OUTPUT_DIR. With
-    `guard` ({"interface", "allow": [overlay IPs]}) every port the job opens answers only those addresses
-    on the overlay (meshrun.system.kernel.firewall.JobGuard, made before torchrun starts, removed after it).
+    `guard` ({"interface", "allow": [overlay IPs], "gate": ProcessGate.record()}) every port the job opens
+    answers only those addresses on the overlay, and on this member only the job's own processes
+    (meshrun.system.kernel.firewall.JobGuard, made before torchrun starts, removed after it).
     """
     job_dir.write_json(
         "share.json",

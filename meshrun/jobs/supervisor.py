@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from meshrun.core import codeset, launch, liveness, preflight, presets, progress, topology
 from meshrun.core.jobspec import EXIT_CANCELLED, JobRecord, JobSpec, JobState, ShareEnd
+from meshrun.core.model import STORE_PORTS
 from meshrun.core.outcome import Outcome
 from meshrun.errors import LaunchError, MeshrunError
 from meshrun.jobs.handles import LocalShare, RemoteShare
@@ -50,7 +51,7 @@ from meshrun.system.control.etcdjobs import JobReplica
 from meshrun.system.files import joblogs
 from meshrun.system.files.archive import Packed
 from meshrun.system.files.statedir import StateDir
-from meshrun.system.kernel.firewall import JobGuard
+from meshrun.system.kernel.firewall import JobGuard, job_gate
 from meshrun.system.machine import procs
 from meshrun.system.sockets import tcpstore
 
@@ -68,7 +69,6 @@ FAIL_GRACE_S = 3.0
 # for a node that may be down.
 ELASTIC_GRACE_S = 10.0
 SCALE_UP_EVERY_S = 5.0
-STORE_PORTS = 100  # how many ports from rdzv_port up a job's store may take
 OUTPUT_DRAIN_S = 15.0  # a standby copies what the shares printed last for at most this long after the end
 EVENTS = "_meshrun"  # the supervisor's own lines, among the nodes' logs
 OWNER_HANDOVER = "owner.json"  # a replicated job's ownership, from job control's `start` to its supervisor
@@ -249,7 +249,9 @@ class Supervisor:
         if self.replica is not None:
             self.replica.allow(self.allowed)  # who may use the job's rendezvous at the coordinators
         else:
-            self.guard = JobGuard(self.job_id, f"{self.rec['name']}/store", self.network.interface).create(self.allowed)
+            node = f"{self.rec['name']}/store"
+            gate = job_gate(self.job_id, self.network)
+            self.guard = JobGuard(self.job_id, node, self.network.interface, gate).create(self.allowed)
             self.guard.join()
         self.store, self.store_port = self._host_store()
         self.sites = placements(self.candidates(), topology.assign(self.members, self.pairs))

@@ -63,6 +63,13 @@ def py(mesh: Mesh, node: str, code: str, *args: str, timeout: float = 120, check
     return mesh.world.node(node).run(mesh.python, "-c", code, *args, timeout=timeout, check=check)
 
 
+def as_nobody(mesh: Mesh, node: str, code: str, *args: str) -> subprocess.CompletedProcess:
+    """Python `code` run by the unprivileged user `nobody` on `node` (the system's interpreter: the test's venv
+    may sit where nobody cannot read it)."""
+    argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3", "-c", code, *args]
+    return mesh.world.node(node).run(*argv, timeout=120)
+
+
 JOIN = """
 import json, sys
 from meshrun.system.sockets import transport
@@ -435,6 +442,7 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
         cwd=EXAMPLES,
     ).stdout.strip()
     node_ips = {n: mesh.overlay_ip(n) for n in ("dc1-a", "dc2-a", "dc3-a")}
+    decoy_at = f"{node_ips['dc1-a']}:28888"
     decoy = mesh.world.node("dc1-a").popen(
         mesh.python,
         "-c",
@@ -451,9 +459,16 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
             targets += listening(mesh, n, node_ips[n], skip | {28888})
         # the job's store on the coordinator, torchrun's store on the rank-0 node, every worker's Gloo listener
         assert len(targets) >= 5, targets
-        seen = json.loads(py(mesh, "dc3-a", PROBE_ALL, json.dumps(targets + [f"{node_ips['dc1-a']}:28888"])).stdout)
-        assert seen.pop(f"{node_ips['dc1-a']}:28888") == "connected"  # the probe reaches what is not the job's
+        seen = json.loads(py(mesh, "dc3-a", PROBE_ALL, json.dumps(targets + [decoy_at])).stdout)
+        assert seen.pop(decoy_at) == "connected"  # the probe reaches what is not the job's
         assert "connected" not in seen.values(), seen
+        # A member's own unprivileged user gains nothing either: nobody on the coordinator and on dc1-a (the
+        # cgroup-v1 host) reaches none of the job's ports, on its own machine (over loopback) or on the others
+        # (refused on its way out), while the job's ranks keep training; what is not the job's still answers.
+        for n in ("hq-a", "dc1-a"):
+            seen = json.loads(as_nobody(mesh, n, PROBE_ALL, json.dumps(targets + [decoy_at])).stdout)
+            assert seen.pop(decoy_at) == "connected", (n, seen)
+            assert "connected" not in seen.values(), (n, seen)
         for n in ("dc1-a", "dc2-a"):
             tables = mesh.world.node(n).run("nft", "list", "ruleset").stdout
             assert "meshrun job scanned-job" in tables and node_ips["dc3-a"] not in tables
@@ -477,6 +492,8 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
         dc1.run("nft", "delete", "table", "inet", table)
         mine = [t for t in targets if t.startswith(node_ips["dc1-a"] + ":")]
         assert "connected" in json.loads(py(mesh, "dc3-a", PROBE_ALL, json.dumps(mine)).stdout).values()
+        # ... and nobody on dc1-a reaches them too: its guard was what stopped it.
+        assert "connected" in json.loads(as_nobody(mesh, "dc1-a", PROBE_ALL, json.dumps(mine)).stdout).values()
     finally:
         decoy.kill()
         decoy.wait()

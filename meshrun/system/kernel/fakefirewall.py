@@ -8,7 +8,8 @@ id, interface or address raises the same UsageError), keeps the state the kernel
 
 The protocol, as the callers follow it:
 
-- `JobGuard(job_id, node, interface)`: no effect; names the guard of one job on one member.
+- `JobGuard(job_id, node, interface, gate=None)`: no effect; names the guard of one job on one member (`gate`:
+  its processes alone reach its ports from the member, `job_gate(job_id, network)`).
 - `guard.create(allowed)`: before anything of the job listens (the share before torchrun, the supervisor
   before its store); the table exists afterwards, its set is `allowed`.
 - `guard.join(pid=0)`: right after `create`, moving the share (or the supervisor) into the job's cgroup so
@@ -29,21 +30,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshrun.core import firewall as rules
+from meshrun.core.model import STORE_PORTS, Network
 from meshrun.errors import CommandError
+from meshrun.system.kernel.firewall import DEFAULT_LOCAL_PORTS
 
 
 class FakeJobGuard:
     """`meshrun.system.kernel.firewall.JobGuard` on a FakeFirewall."""
 
-    def __init__(self, fw: FakeFirewall, job_id: str, node: str, interface: str) -> None:
+    def __init__(
+        self, fw: FakeFirewall, job_id: str, node: str, interface: str, gate: rules.ProcessGate | None = None
+    ) -> None:
         self.fw = fw
         self.table = rules.job_table(job_id, node)
         self.comment = f"meshrun job {job_id} on {node}"
         self.interface = rules.check_interface(interface)
+        self.gate = gate
 
     def create(self, allowed: Iterable[str]) -> FakeJobGuard:
         allowed = list(allowed)
-        rules.job_guard(self.table, self.comment, self.interface, allowed)  # the real checks
+        rules.job_guard(self.table, self.comment, self.interface, allowed, self.gate)  # the real checks
         self.fw.calls.append(("create", self.table, self.interface, allowed))
         self.fw.tables[self.table] = set(allowed)
         self.fw.cgroups.setdefault(self.table, set())
@@ -75,8 +81,13 @@ class FakeFirewall:
         self.allowed: list[tuple[str, str, list[str]]] = []  # every module-level allow(job_id, node, ips)
         self.sweeps = 0
 
-    def JobGuard(self, job_id: str, node: str, interface: str) -> FakeJobGuard:  # named as the real module's class
-        return FakeJobGuard(self, job_id, node, interface)
+    def JobGuard(  # named as the real module's class
+        self, job_id: str, node: str, interface: str, gate: rules.ProcessGate | None = None
+    ) -> FakeJobGuard:
+        return FakeJobGuard(self, job_id, node, interface, gate)
+
+    def job_gate(self, job_id: str, network: Network) -> rules.ProcessGate:
+        return rules.job_gate(job_id, network.rdzv_port, STORE_PORTS, network.api_port, DEFAULT_LOCAL_PORTS)
 
     def _allow(self, table: str, ips: list[str]) -> None:
         rules.add_allowed(table, ips)  # the same checks as the real one

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from meshrun.core import firewall as rules
+from meshrun.core.model import STORE_PORTS, Network
 from meshrun.errors import CommandError, HostError
 from meshrun.system.machine import host
 from meshrun.system.machine.cmd import run
@@ -48,7 +49,9 @@ __all__ = [
     "available",
     "cgroup2_root",
     "install_forward_guard",
+    "job_gate",
     "job_tables",
+    "local_port_range",
     "remove_forward_guard",
     "remove_job_cgroups",
     "sweep",
@@ -57,6 +60,8 @@ __all__ = [
 log = logging.getLogger("meshrun.system.kernel.firewall")
 
 CGROUP_FS = Path("/sys/fs/cgroup")
+LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+DEFAULT_LOCAL_PORTS = (32768, 60999)  # Linux's default ip_local_port_range
 PRIVATE_CGROUP2 = Path("/run/meshrun/cgroup2")  # where meshrun mounts cgroup v2 on a host that has v1 only
 FRESH_S = 60.0  # sweep leaves a guard this young alone: its share may not have joined it yet
 RMDIR_WAIT_S = 2.0  # a killed process leaves its cgroup a moment after the kill: rmdir waits this long
@@ -182,6 +187,21 @@ def _nft(script: str, root: Path | None = None) -> None:
     )
 
 
+def local_port_range(path: Path = LOCAL_PORT_RANGE) -> tuple[int, int]:
+    """This network namespace's ephemeral ports (net.ipv4.ip_local_port_range), Linux's default when unreadable."""
+    try:
+        lo, hi = (int(x) for x in path.read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_LOCAL_PORTS
+    return (lo, hi) if 1 <= lo <= hi <= 65535 else DEFAULT_LOCAL_PORTS
+
+
+def job_gate(job_id: str, network: Network) -> rules.ProcessGate:
+    """The gate of `job_id`'s guards on this member (meshrun.core.firewall.ProcessGate): its processes alone
+    reach its ports from here, the stores' range and this host's ephemeral range."""
+    return rules.job_gate(job_id, network.rdzv_port, STORE_PORTS, network.api_port, local_port_range())
+
+
 def job_tables() -> list[str]:
     """The job guards' tables in this network namespace ([] without nft)."""
     if shutil.which("nft") is None:
@@ -239,10 +259,11 @@ class JobGuard:
     `create` -> `join` -> (`allow`)* -> `remove`, `remove` also after a failure anywhere on the way.
     """
 
-    def __init__(self, job_id: str, node: str, interface: str) -> None:
+    def __init__(self, job_id: str, node: str, interface: str, gate: rules.ProcessGate | None = None) -> None:
         self.table = rules.job_table(job_id, node)
         self.comment = f"meshrun job {job_id} on {node}"
         self.interface = rules.check_interface(interface)
+        self.gate = gate  # None: local processes are not judged (etcd's guard: its clients hold certificates)
         self.root: Path | None = None
 
     @property
@@ -259,7 +280,7 @@ class JobGuard:
         UsageError for a bad address; CommandError when nft refuses the script. Nothing is left on failure.
         """
         self.root = _require()
-        script = rules.job_guard(self.table, self.comment, self.interface, allowed)
+        script = rules.job_guard(self.table, self.comment, self.interface, allowed, self.gate)
         parent = self.root / rules.CGROUP_PARENT
         try:
             parent.mkdir(mode=0o755, exist_ok=True)

@@ -47,6 +47,47 @@ def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
     assert firewall.delete_guard(table) == f"delete table inet {table}\n"
 
 
+def test_a_gated_guard_lets_only_the_jobs_processes_reach_its_ports_from_the_member():
+    """Every local process sends with the member's overlay address: the gate tags the job's own new connections
+    (by the sending socket's cgroup), judges loopback arrivals by the tag, and refuses connections no job tagged
+    to the job's nodes' job ports on their way out (the overlay API's port exempt)."""
+    table = firewall.job_table("exp7", "hq-a/store")
+    gate = firewall.job_gate("exp7", 29400, 100, 51821, (32768, 60999))
+    mark = firewall.job_mark("exp7")
+    assert gate == firewall.ProcessGate(mark, ((29401, 29499), (32768, 60999)), (51821,))
+    assert firewall.ProcessGate.from_record(gate.record()) == gate and firewall.ProcessGate.from_record(None) is None
+    lines = firewall.job_guard(table, "c", "meshrun0", ["10.213.0.2"], gate).splitlines()
+    untagged = f"ct mark & 0xfff00000 != {mark:#010x}"
+    # Loopback (the member's own addresses, 127.0.0.1, ::1): only the job's tag passes to the job's sockets.
+    assert f'    iifname "lo" tcp flags & (syn | ack) == syn {untagged} jump outsider' in lines
+    assert f'    iifname "lo" meta l4proto udp ct state new {untagged} jump outsider' in lines
+    tag = lines.index("  chain tag_own {")
+    assert lines[tag + 1 : tag + 16] == [
+        f'    socket cgroupv2 level {n} "meshrun/{table}" ct mark set ct mark & 0x000fffff | {mark:#010x}'
+        for n in range(2, 17)
+    ]
+    # Tagged before any table's output judge runs (another cgroup of the same job may hold the sender).
+    assert "    type filter hook output priority filter - 2; policy accept;" in lines
+    # On the way out, a connection no job tagged (another job's may hold a port of these nodes).
+    assert (
+        "    ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & 0xfff00000 == 0 tcp dport != { 51821 } "
+        "tcp dport { 29401-29499, 32768-60999 } reject with tcp reset"
+    ) in lines
+    # Without a gate (etcd's guard, whose clients hold certificates) nothing local is judged.
+    plain = firewall.job_guard(table, "c", "meshrun0", ["10.213.0.2"])
+    assert "ct mark" not in plain and "hook output" not in plain and 'iifname "lo" tcp' not in plain
+
+
+def test_a_jobs_mark_is_stable_within_its_bits_and_tells_jobs_apart():
+    marks = {firewall.job_mark(f"job{i}") for i in range(200)}
+    assert firewall.job_mark("exp7") == firewall.job_mark("exp7")
+    assert all(m and m & ~firewall.MARK_MASK == 0 for m in marks) and len(marks) > 190
+    with pytest.raises(UsageError, match="0x1"):
+        firewall.job_guard(firewall.job_table("j", "n"), "c", "meshrun0", [], firewall.ProcessGate(0x1))
+    with pytest.raises(UsageError, match="69901-70099"):
+        firewall.job_gate("j", 69900, 200, 51821, (32768, 60999))
+
+
 def test_a_job_table_name_is_stable_and_unique_per_job_and_member():
     assert firewall.job_table("exp7", "dc1-a") == firewall.job_table("exp7", "dc1-a")
     names = {firewall.job_table(j, n) for j in ("exp7", "exp8") for n in ("dc1-a", "dc1-b", "dc1-a/store")}
