@@ -285,6 +285,9 @@ def server(args) -> int:
                 "token": tok.encode(),
                 "version": cur["svc"].roster.version,
                 "keys": [k for _, k, _, _ in members],
+                # Each agent's overlay key (what the real agent computes from its own private key and signs its
+                # syncs with), from the coordinator's side: the same key.
+                "overlay_keys": [cur["svc"].overlay_keys(k).hex() for _, k, _, _ in members[: args.agents]],
                 "storm_private": [p for _, _, _, p in members[args.agents :]],
                 "backend": backend,
                 "wg_pid": getattr(device, "pid", None),
@@ -358,8 +361,8 @@ class KeptConnection:
     """One agent's kept-alive connection to the overlay API, as the agent's `transport.Session` keeps it:
     a connection the server closed while idle is opened again and the request sent once more."""
 
-    def __init__(self, port: int, src: str) -> None:
-        self.port, self.src = port, src
+    def __init__(self, port: int, src: str, key: bytes) -> None:
+        self.port, self.src, self.key = port, src, key  # key: the agent's overlay key, its syncs are signed with
         self.rw: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     def close(self) -> None:
@@ -368,7 +371,10 @@ class KeptConnection:
             self.rw = None
 
     async def sync(self, body: bytes) -> tuple[int, int, float, bool]:
-        """One POST /v1/sync; (status, version, seconds, whether a full report is asked for)."""
+        """One POST /v1/sync, signed as the agent signs it; (status, version, seconds, whether a full report is
+        asked for)."""
+        from meshrun.core import auth
+
         t0 = time.monotonic()
         for again in (False, True):
             reused = self.rw is not None
@@ -376,8 +382,10 @@ class KeptConnection:
                 self.rw = await asyncio.open_connection("127.0.0.1", self.port, local_addr=(self.src, 0), limit=1 << 24)
             reader, writer = self.rw
             try:
+                mac = auth.sign(self.key, "POST", "/v1/sync", body, time.time()).encode()
                 writer.write(
                     b"POST /v1/sync HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
+                    b"Authorization: " + mac + b"\r\n"
                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
                 )
                 await writer.drain()
@@ -426,8 +434,9 @@ async def post_join(port: int, src: str, body: dict, fingerprint: str) -> tuple[
 class Agents:
     """Simulated agents; agent i has key keys[i] and source address loop_ip(i)."""
 
-    def __init__(self, port: int, keys: list[str], wait: float) -> None:
+    def __init__(self, port: int, keys: list[str], wait: float, overlay_keys: list[str]) -> None:
         self.port, self.keys, self.wait = port, keys, wait
+        self.overlay_keys = [bytes.fromhex(k) for k in overlay_keys]  # agent i signs its syncs with [i]
         self.members: list[int] = []  # the agents that are members (joined), in join order
         self.version: dict[int, int] = {}
         self.last_sync: dict[int, float] = {}
@@ -488,7 +497,7 @@ class Agents:
 
     async def agent(self, i: int, start_delay: float) -> None:
         await asyncio.sleep(start_delay)
-        conn = KeptConnection(self.port, loop_ip(i))
+        conn = KeptConnection(self.port, loop_ip(i), self.overlay_keys[i])
         full = True
         while not self.stop:
             v = self.version.get(i, 0)
@@ -527,7 +536,7 @@ class Agents:
 async def probe(port: int, agents: Agents, srcs: list[int], seconds: float, out: list[float]) -> None:
     """Non-waiting syncs (wait=0) from `srcs`, once a second each, for `seconds`, each source on its own
     kept-alive connection beside its agent's long-poll."""
-    conns = {i: KeptConnection(port, loop_ip(i)) for i in srcs}
+    conns = {i: KeptConnection(port, loop_ip(i), agents.overlay_keys[i]) for i in srcs}
     end = time.monotonic() + seconds
     while time.monotonic() < end:
 
@@ -632,7 +641,7 @@ async def one_size(n: int, args) -> dict:
 
     srv = Server(n, args.device)
     port, pid, wg_pid = srv.hello["port"], srv.proc.pid, srv.hello["wg_pid"]
-    agents = Agents(port, srv.hello["keys"], SYNC_WAIT)
+    agents = Agents(port, srv.hello["keys"], SYNC_WAIT, srv.hello["overlay_keys"])
     agents.members = list(range(n))
     t_setup = time.monotonic()
     tasks = [asyncio.create_task(agents.agent(i, random.uniform(0, 5))) for i in range(n)]

@@ -10,10 +10,12 @@ each node's endpoint. Time is the real clock; tests that need another `now` pass
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshrun.core import auth
 from meshrun.mesh.coordinator.daemon import CoordinatorService
 from meshrun.mesh.coordinator.setup import InitOptions, init
 from meshrun.mesh.node import setup as node
@@ -24,6 +26,13 @@ from meshrun.system.sockets.transport import Request, raise_for
 from meshrun.system.sockets.udprelay import FakeRelay
 
 COORD_ENDPOINT = "203.0.113.1"
+
+
+def signed_request(method: str, path: str, client_ip: str, body: object, key: bytes | None) -> Request:
+    """A request as meshrun.system.sockets.transport sends it: the JSON body's bytes and, with `key`, their MAC."""
+    raw = json.dumps(body).encode() if body is not None else b""
+    headers = {"Authorization": auth.sign(key, method, path, raw, time.time())} if key is not None else {}
+    return Request(method, path, client_ip, body, raw=raw, headers=headers)
 
 
 @dataclass
@@ -96,9 +105,13 @@ class FakeMesh:
         self.nodes[name] = n
         return n
 
+    def request(self, n: Node, method: str, path: str, body: object) -> Request:
+        """`n`'s request as its agent sends it to the coordinator: from its overlay address, signed with its key."""
+        return signed_request(method, path, n.ip, body, n.agent._key_for(self.network.coordinator_ip))
+
     def _caller(self, n: Node):
         def call(method: str, path: str, body: dict, timeout: float) -> dict:
-            resp = self.coord.overlay.handle(Request(method, path, n.ip, body))
+            resp = self.coord.overlay.handle(self.request(n, method, path, body))
             raise_for(resp.status, resp.body, "coordinator")
             return resp.body
 

@@ -33,6 +33,7 @@ __all__ = [
     "VERSION",
     "WINDOW_S",
     "job_key",
+    "overlay_key",
     "sign",
     "Verifier",
     "enrol_proof",
@@ -56,6 +57,15 @@ def job_key(shared: bytes, coordinator_public_key: str, node_public_key: str) ->
     return _kdf(shared, f"job/{coordinator_public_key}/{node_public_key}")
 
 
+def overlay_key(shared: bytes, a_public_key: str, b_public_key: str) -> bytes:
+    """The key of overlay API requests between two members (an agent to a coordinator, a coordinator to another),
+    from the X25519 secret they share: the same on both sides, whichever asks. Only root on either end can
+    compute it (it reads the private key), so a request that carries its MAC came from meshrun, not from another
+    user of that machine, who sends with the same overlay address."""
+    lo, hi = sorted((a_public_key, b_public_key))
+    return _kdf(shared, f"overlay/{lo}/{hi}")
+
+
 def body_hash(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
@@ -73,13 +83,21 @@ def sign(key: bytes, method: str, path: str, body: bytes, now: float, nonce: str
     return f"{SCHEME} {VERSION} {ts} {nonce} {digest} {_mac(key, method, path, ts, nonce, digest)}"
 
 
-class Verifier:
-    """Checks Authorization headers against one key and remembers the nonces it accepted."""
+JOB_SENDER = "job control comes only from `meshrun` run as root on the coordinator"
+OVERLAY_SENDER = "these requests come only from meshrun's agent, run as root on a member"
 
-    def __init__(self, key: bytes, window: float = WINDOW_S, max_nonces: int = MAX_NONCES) -> None:
+
+class Verifier:
+    """Checks Authorization headers against one key and remembers the nonces it accepted. `sender` says, in an
+    unsigned request's error, who sends these requests (JOB_SENDER, OVERLAY_SENDER)."""
+
+    def __init__(
+        self, key: bytes, window: float = WINDOW_S, max_nonces: int = MAX_NONCES, sender: str = JOB_SENDER
+    ) -> None:
         self.key = key
         self.window = window
         self.max_nonces = max_nonces
+        self.sender = sender
         self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> time accepted, oldest first
         self._lock = threading.Lock()
 
@@ -88,9 +106,7 @@ class Verifier:
         `body` once the body is in). AuthError saying why not: unsigned, malformed, wrong key, stale, replayed."""
         parts = (header or "").split()
         if len(parts) != 6 or parts[0] != SCHEME:
-            raise AuthError(
-                "the request is not signed", "job control comes only from `meshrun` run as root on the coordinator"
-            )
+            raise AuthError("the request is not signed", self.sender)
         _, version, ts_text, nonce, digest, mac = parts
         if (
             version != VERSION
@@ -104,8 +120,8 @@ class Verifier:
         ts = int(ts_text)
         if not hmac.compare_digest(mac, _mac(self.key, method, path, ts, nonce, digest)):
             raise AuthError(
-                "the request's signature does not match this node's job key",
-                "only root on the coordinator can control jobs; if this node was re-created, join it again",
+                "the request's signature does not match the key it must be signed with",
+                f"{self.sender}; if a member was re-created, join it again",
             )
         if abs(now - ts) > self.window:
             raise AuthError(

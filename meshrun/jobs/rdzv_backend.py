@@ -42,8 +42,10 @@ from datetime import datetime, timedelta, timezone
 
 from meshrun.core.jobspec import JOB_ID_RE
 from meshrun.errors import CoordinatorError, MeshrunError, UsageError
-from meshrun.jobs.share import Regroup, read_regroup
+from meshrun.jobs.share import STATE_ENV, Regroup, read_regroup
+from meshrun.mesh import member
 from meshrun.mesh.coordinator.rendezvous import MAX_VALUE, PATH_PREFIX, WRITE_PER_S
+from meshrun.system.files.statedir import StateDir
 from meshrun.system.sockets import transport
 
 log = logging.getLogger("meshrun.jobs.rdzv_backend")
@@ -205,11 +207,14 @@ def follow_regroups(handler, regroup: Callable[[], Regroup]) -> bool:
 
 def coordinators_backend(params):
     """(RendezvousBackend, Store) at the coordinators that torchrun's ``--rdzv-conf`` names."""
+    state = os.environ.get(STATE_ENV)
     client = Coordinators(
         parse_coordinators(params.get("coordinators", "")),
         params.run_id,
         call_timeout=_positive(params, "call_timeout", CALL_TIMEOUT),
         failover_timeout=_positive(params, "failover_timeout", FAILOVER_TIMEOUT),
+        # Signed with the member's key (root reads it): the coordinators refuse a rendezvous write that is not.
+        key_for=member.OverlayKeys(StateDir(state)).by_ip if state else None,
     )
     read_timeout = timedelta(seconds=_positive(params, "read_timeout", READ_TIMEOUT))
     return coordinator_backend(client), coordinator_store(client, read_timeout)
@@ -258,6 +263,7 @@ class Coordinators:
         call: Callable[..., dict] = transport.call,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        key_for: Callable[[str], bytes | None] | None = None,
     ) -> None:
         if not addrs:
             raise UsageError("no coordinator to rendezvous at", "pass --rdzv-conf coordinators=IP:PORT+...")
@@ -270,6 +276,7 @@ class Coordinators:
         self.path = PATH_PREFIX + job_id
         self.call_timeout, self.failover_timeout = call_timeout, failover_timeout
         self._call, self._sleep, self._clock = call, sleep, clock
+        self._key_for = key_for  # a coordinator's overlay key by its address (meshrun.mesh.member.OverlayKeys.by_ip)
         self._current = 0  # index of the coordinator that answered last
         self._lock = threading.Lock()
 
@@ -285,7 +292,8 @@ class Coordinators:
                 index = (first + step) % len(self.addrs)
                 host, port = self.addrs[index]
                 try:
-                    answer = self._call(host, port, "POST", self.path, body, timeout=self.call_timeout)
+                    signed = {"key": self._key_for(host)} if self._key_for is not None else {}
+                    answer = self._call(host, port, "POST", self.path, body, timeout=self.call_timeout, **signed)
                 except MeshrunError as err:
                     if err.status is not None and err.status not in RETRY_STATUSES:
                         raise

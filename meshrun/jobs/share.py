@@ -39,6 +39,7 @@ from meshrun.system.machine import procs, warmfork
 # with its prefix and redraw marker comes whole; anything longer (torchrun's own) is passed on in pieces.
 LINE_CAP = 4 * termtext.MAX_LINE + 256
 # torchrun's own lines that name what went wrong (the last one is the most specific)
+STATE_ENV = "MESHRUN_STATE_DIR"  # the member's state directory, for torchrun's agent (meshrun.jobs.rdzv_backend)
 ERROR_RE = re.compile(r"^\S*(Error|Exception)\b.*?: \S|^RuntimeError|^ERROR:")
 
 
@@ -60,6 +61,7 @@ class Share:
         self.node = str(spec.get("node", ""))
         self.argv = [str(a) for a in spec["argv"]]
         self.env = {str(k): str(v) for k, v in spec.get("env", {}).items()}
+        self.state = str(spec.get("state") or "")  # the member's: its rendezvous requests are signed with its key
         self.cwd = str(spec.get("cwd") or self.dir / "code")
         # The project's persistent directory: the working directory of a shipped job, $MESHRUN_OUTPUT_DIR always.
         self.project = ProjectDir(StateDir(spec["state"]), str(spec["project"])) if spec.get("project") else None
@@ -87,6 +89,8 @@ class Share:
 
     def start(self) -> None:
         env = {**os.environ, **self.env, "MESHRUN_JOB_DIR": str(self.dir.path)}
+        if self.state:
+            env[STATE_ENV] = self.state  # meshrun.jobs.rdzv_backend signs its requests to the coordinators
         if self.project is not None:
             env["MESHRUN_OUTPUT_DIR"] = str(self.project.work)
             env["MESHRUN_PROJECT"] = self.project.name

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from meshrun.core import auth, keys
 from meshrun.core.model import Member, Network
-from meshrun.errors import StateError
+from meshrun.errors import MeshrunError, StateError
 from meshrun.mesh import iface, process
 from meshrun.system.files.statedir import StateDir
 from meshrun.system.kernel import lanlink, net, relaykernel, tunnellink
@@ -101,3 +102,40 @@ def job_key(state: StateDir, peer_public_key: str) -> bytes:
     if rec.get("role") == "coordinator":
         return auth.job_key(shared, own, peer_public_key)
     return auth.job_key(shared, peer_public_key, own)
+
+
+class OverlayKeys:
+    """The overlay-request keys (meshrun.core.auth.overlay_key) this member shares with others, by their public
+    keys: computed from the private key on first use, kept in memory, never stored or sent. `by_ip` finds a
+    coordinator's from its overlay address in the last member list (None for an address it does not know), and
+    keeps what it found (a coordinator keeps its address and key)."""
+
+    def __init__(self, state: StateDir) -> None:
+        self.state = state
+        self._keys: dict[str, bytes] = {}
+        self._by_ip: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, peer_public_key: str) -> bytes:
+        with self._lock:
+            if peer_public_key not in self._keys:
+                private = self.state.read("private.key").decode().strip()
+                shared = keys.shared_secret(private, peer_public_key)
+                self._keys[peer_public_key] = auth.overlay_key(shared, keys.public_key(private), peer_public_key)
+            return self._keys[peer_public_key]
+
+    def by_ip(self, overlay_ip: str) -> bytes | None:
+        if overlay_ip in self._by_ip:
+            return self._by_ip[overlay_ip]
+        try:
+            _, network = load(self.state)
+            _, members = load_members(self.state)
+        except (MeshrunError, OSError):
+            return None
+        pub = next((m.public_key for m in members if m.overlay_ip == overlay_ip), None)
+        if pub is None and overlay_ip == network.coordinator_ip:
+            pub = network.coordinator_public_key  # the first coordinator, before any member list
+        if not pub:
+            return None
+        self._by_ip[overlay_ip] = key = self(pub)
+        return key

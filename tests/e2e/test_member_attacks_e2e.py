@@ -231,12 +231,15 @@ print(json.dumps({"connections": len(held), "longest": max(held, default=0.0)}))
 # 640,000 keys, about 70 MiB in the coordinator if it kept them); then a burst of small syncs.
 FLOOD_SYNC = """
 import json, sys, time
+from meshrun.mesh import member
+from meshrun.system.files.statedir import StateDir
 from meshrun.system.sockets import transport
 from meshrun.errors import MeshrunError
-host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+host, port, n, state = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+key = member.OverlayKeys(StateDir(state)).by_ip(host)  # a malicious member is root on its machine: it signs
 def sync(body):
     try:
-        transport.call(host, port, "POST", "/v1/sync", body, timeout=30)
+        transport.call(host, port, "POST", "/v1/sync", body, timeout=30, key=key)
         return 200
     except MeshrunError as exc:
         return exc.status
@@ -263,7 +266,16 @@ def test_a_member_flooding_the_job_api_and_the_sync_api_changes_nothing(mesh):
 
     before_coord = proc_status(coord)
     got = json.loads(
-        py(mesh, "dc3-a", FLOOD_SYNC, net["coordinator_ip"], str(net["api_port"]), "40", timeout=300).stdout
+        py(
+            mesh,
+            "dc3-a",
+            FLOOD_SYNC,
+            net["coordinator_ip"],
+            str(net["api_port"]),
+            "40",
+            str(mesh.state_dir(mesh.world.node("dc3-a"))),
+            timeout=300,
+        ).stdout
     )
     assert got["reports"][0] == 200 and got["reports"].count(200) >= 30, got["reports"]  # they were taken in
     assert 429 in got["burst"], got["burst"]  # rate-limited

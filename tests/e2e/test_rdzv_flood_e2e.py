@@ -35,9 +35,12 @@ FLOODERS = 4
 FLOOD = f"""
 import base64, collections, json, os, sys, threading, time
 from meshrun.errors import MeshrunError
+from meshrun.mesh import member
 from meshrun.mesh.coordinator.rendezvous import MAX_VALUE
+from meshrun.system.files.statedir import StateDir
 from meshrun.system.sockets import transport
 job, port, seconds, ip = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+key = member.OverlayKeys(StateDir(sys.argv[5])).by_ip(ip)  # root on a job node: it signs as torchrun's agent does
 value = base64.b64encode(os.urandom(MAX_VALUE)).decode()
 seen, lock, deadline = collections.Counter(), threading.Lock(), time.monotonic() + seconds
 state = {{"gone": 0, "answered": time.monotonic()}}  # unanswered in a row; the last 200 or 429
@@ -47,7 +50,7 @@ def flood(n):
     while time.monotonic() < deadline and not (state["gone"] >= 6 and time.monotonic() - state["answered"] > 30):
         body = {{"op": "set", "key": f"flood/{{n}}/{{sent % 4}}", "value": value}}
         try:
-            transport.call(ip, port, "POST", f"/v1/rdzv/{{job}}", body, timeout=3)
+            transport.call(ip, port, "POST", f"/v1/rdzv/{{job}}", body, timeout=3, key=key)
             status = "200"
         except MeshrunError as exc:
             status = str(exc.status)
@@ -108,6 +111,48 @@ def train(mesh: Mesh, job_id: str, node: str, script: str) -> subprocess.Popen:
     )
 
 
+# An unprivileged user's request to an overlay API, sent from a member (its overlay address): "STATUS BODY".
+NOBODY_POST = """
+import http.client, sys
+host, port, path, body = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].encode()
+c = http.client.HTTPConnection(host, port, timeout=20)
+c.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+r = c.getresponse()
+print(r.status, r.read().decode(errors="replace")[:400])
+"""
+
+
+def nobody_post(mesh: Mesh, node: str, ip: str, port: int, path: str, body: dict) -> tuple[int, str]:
+    argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3", "-c", NOBODY_POST]
+    out = mesh.world.node(node).run(*argv, ip, str(port), path, json.dumps(body), timeout=60).stdout
+    status, _, text = out.strip().partition(" ")
+    return int(status), text
+
+
+def test_a_members_other_users_are_refused_by_the_coordinators(ha):
+    """Issue 58: an unprivileged user on a member sends with the member's overlay address, which named the caller.
+    Now the requests that change something need a MAC only root can make: `nobody` on a coordinator cannot demote
+    another (before: 200, and it stopped its etcd member and deleted its data) nor forward reports to the leader,
+    and `nobody` on a node can neither sync, report a relay down, nor write a job's rendezvous (which torchrun's
+    root agents unpickle); each gets 403 and nothing changes."""
+    mesh = ha
+    net = json.loads((mesh.state_dir(mesh.world.node(A)) / "member.json").read_text())["network"]
+    b_ip, a_ip = mesh.overlay_ip(B), mesh.overlay_ip(A)
+    refused = [
+        (A, b_ip, "/v1/coordinators/demote", {}),
+        (A, b_ip, "/v1/forward", {"reports": []}),
+        (ATTACKER, a_ip, "/v1/sync", {"version": 0, "peers": {}, "full": True}),
+        (ATTACKER, a_ip, "/v1/relay-down", {"peers": [], "via": ""}),
+        (ATTACKER, b_ip, "/v1/rdzv/flood", {"op": "set", "key": "torch.rendezvous.flood.0/x", "value": "eA=="}),
+    ]
+    for node, ip, path, body in refused:
+        status, text = nobody_post(mesh, node, ip, net["api_port"], path, body)
+        assert status == 403 and "not signed" in text, (node, path, status, text)
+    assert json.loads((mesh.state_dir(mesh.world.node(B)) / "member.json").read_text())["role"] == "coordinator"
+    names = {c["name"] for c in json.loads(mesh.meshrun(A, "coordinator", "list", "--json").stdout)}
+    assert len(names) == 3 and {B, C} <= names, names  # the first is named "coordinator"
+
+
 @pytest.mark.load
 def test_a_flooding_job_node_is_refused_and_the_control_plane_goes_on(ha):
     mesh = ha
@@ -127,6 +172,7 @@ def test_a_flooding_job_node_is_refused_and_the_control_plane_goes_on(ha):
             str(api_port),
             str(FLOOD_S),
             mesh.overlay_ip(B),  # a coordinator other than the one that started the job
+            str(mesh.state_dir(mesh.world.node(ATTACKER))),
             stdout=subprocess.PIPE,
             text=True,
         )

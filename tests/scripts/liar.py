@@ -22,6 +22,7 @@ from meshrun.system.sockets import transport
 def main(state_dir: str, seconds: float) -> None:
     state = StateDir(state_dir)
     rec, network = member.load(state)
+    key = member.OverlayKeys(state).by_ip(network.coordinator_ip)  # root on its machine: it signs as its agent
     sent = accepted = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -46,7 +47,7 @@ def main(state_dir: str, seconds: float) -> None:
         if rtt:
             sent += 1
             try:
-                transport.call(network.coordinator_ip, network.api_port, "POST", "/v1/sync", body, timeout=5)
+                transport.call(network.coordinator_ip, network.api_port, "POST", "/v1/sync", body, timeout=5, key=key)
                 accepted += 1
             except Exception:  # noqa: BLE001 - a refused lie is counted, not fatal
                 pass

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from meshrun.core import keys, peers, relays
 from meshrun.core.model import Member, Network
 from meshrun.errors import ControlStateError, MeshrunError, NetworkError
-from meshrun.mesh import iface, process
+from meshrun.mesh import iface, member, process
 from meshrun.mesh.coordinator import ha
 from meshrun.mesh.coordinator.admin import open_db
 from meshrun.mesh.coordinator.enrolment import EnrolmentAPI
@@ -151,6 +151,7 @@ class CoordinatorService:
         self.quick_written_at = 0.0  # monotonic time the wg-quick file was last written
         self.quick_stale = False  # peers changed since; written by a later tick (QUICK_FILE_GAP)
         private = state.read("private.key").decode().strip()
+        self.overlay_keys = member.OverlayKeys(state)  # what the overlay API's signed requests are checked with
         self.enrolment = EnrolmentAPI(
             self.db, self.network, self.roster, lambda pub: keys.shared_secret(private, pub), self._enrolled, self.ip
         )
@@ -164,6 +165,7 @@ class CoordinatorService:
             forward=self._take_forward if self.ha else None,
             demote=self._demote if self.ha else None,
             rendezvous=self._rendezvous().serve if self.ha else None,
+            keys=self.overlay_keys,
         )
         self.extensions = list(extensions)
         if self.ha:
@@ -399,7 +401,9 @@ class CoordinatorService:
     def _send_forward(self, leader_ip: str, batch: dict) -> dict:
         if self.forward_with is not None:
             return self.forward_with(leader_ip, batch)
-        return transport.call(leader_ip, self.network.api_port, "POST", "/v1/forward", batch, timeout=5)
+        leader = self.roster.member_by_ip(leader_ip)
+        key = self.overlay_keys(leader.public_key) if leader is not None else None
+        return transport.call(leader_ip, self.network.api_port, "POST", "/v1/forward", batch, timeout=5, key=key)
 
     def _take_forward(self, batch: dict) -> dict:
         if not self.leading:

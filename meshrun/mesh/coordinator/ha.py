@@ -1038,7 +1038,10 @@ def remove(
         etcd.wait_healthy(db.client, HEALTHY_TIMEOUT_S)
         if reachable:
             try:
-                transport.call(info.overlay_ip, network.api_port, "POST", "/v1/coordinators/demote", {}, timeout=15)
+                key = member.OverlayKeys(state)(info.public_key)  # it obeys root on a coordinator only
+                transport.call(
+                    info.overlay_ip, network.api_port, "POST", "/v1/coordinators/demote", {}, timeout=15, key=key
+                )
             except MeshrunError as exc:
                 outcome = (
                     f"{name} left the cluster but did not restart as a node ({exc.message}): run `meshrun up` there"

@@ -2,7 +2,11 @@
 
 It listens on the coordinator's overlay IP with the socket bound to the WireGuard device, so
 every caller's source address was authenticated by WireGuard (AllowedIPs = that member's /32):
-the caller is identified by it, as in innernet. POST /v1/sync is the agents' long-poll
+the caller is identified by it, as in innernet. An address names a machine, not a process: every user
+and container on a member sends with it. So the requests that change something (SIGNED: the agents'
+syncs and relay reports, the coordinators' forwards and demotions, the jobs' rendezvous) also carry a MAC
+under the key the caller's and this coordinator's WireGuard keys give (meshrun.core.auth.overlay_key),
+which only root can compute; without one they get 403 before their body is read. POST /v1/sync is the agents' long-poll
 (heartbeat in, member list out); GET /v1/members lists the members. For `meshrun doctor`:
 GET /v1/time answers the coordinator's clock, POST /v1/probe-udp sends a few datagrams from an
 ephemeral port to the caller's observed endpoint (the caller counts what arrives: is its WireGuard
@@ -24,9 +28,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from meshrun.core import auth
 from meshrun.core.model import MAX_TUNNELS, SITE_RE, Member, Network, parse_endpoint, split_endpoint
 from meshrun.core.ratelimit import RateLimiter
-from meshrun.errors import CoordinatorError, StateError, UsageError
+from meshrun.errors import AuthError, CoordinatorError, StateError, UsageError
 from meshrun.mesh.coordinator.pairs import PairDriver
 from meshrun.mesh.coordinator.roster import Roster
 from meshrun.system.control.state import ControlState
@@ -43,6 +48,14 @@ RDZV_PER_S = 50.0
 PROBE_COUNT = 3
 PROBE_INTERVAL_S = 2.0
 PROBE_PAYLOAD = b"meshrun doctor: is this port reachable from outside?"
+
+
+SIGNED = ("/v1/sync", "/v1/relay-down", "/v1/forward", "/v1/coordinators/demote")  # POSTs that need a MAC
+
+
+def signed(req: Request) -> bool:
+    """Whether `req` must carry a MAC under the caller's overlay key (module docstring)."""
+    return req.method == "POST" and (req.path in SIGNED or req.path.startswith("/v1/rdzv/"))
 
 
 def _gone() -> Response:
@@ -65,7 +78,13 @@ class OverlayAPI:
         forward: Callable[[dict], dict] | None = None,
         demote: Callable[[], None] | None = None,
         rendezvous: Callable[[Request], Response] | None = None,
+        keys: Callable[[str], bytes] | None = None,
     ) -> None:
+        # A caller's overlay key by its public key (meshrun.mesh.member.OverlayKeys); None: the signed requests
+        # are refused, all of them (nothing can prove itself).
+        self.keys = keys
+        self.verifiers: dict[str, auth.Verifier] = {}  # public key -> its verifier (it remembers nonces)
+        self.verifiers_lock = threading.Lock()
         self.forward = forward  # the leader takes a follower's reports (Reports.take); None: one coordinator
         self.demote = demote  # another coordinator took this one out of the cluster
         self.rendezvous = rendezvous  # a job's rendezvous (RendezvousService.serve), with several coordinators
@@ -104,7 +123,23 @@ class OverlayAPI:
                     f"at most {SYNC_PER_S:g} a second; the agent backs off by itself",
                 ),
             )
+        if signed(req):
+            try:
+                req.expect_sha256 = self._verifier(caller.public_key).head(
+                    req.headers.get("Authorization"), req.method, req.path, time.time()
+                )
+            except AuthError as exc:
+                log.warning("refused %s %s from %s: %s", req.method, req.path, caller.name, exc.message)
+                return Response.error(403, exc)
         return None
+
+    def _verifier(self, public_key: str) -> auth.Verifier:
+        if self.keys is None:
+            raise AuthError("this coordinator checks no overlay keys", "run it as meshrun's daemon")
+        with self.verifiers_lock:
+            if public_key not in self.verifiers:
+                self.verifiers[public_key] = auth.Verifier(self.keys(public_key), sender=auth.OVERLAY_SENDER)
+            return self.verifiers[public_key]
 
     def handle(self, req: Request) -> Response:
         if not req.gated:  # called directly (tests, in-process agents), not through the server's gate
@@ -114,6 +149,11 @@ class OverlayAPI:
         caller = self.roster.member_by_ip(req.client_ip)
         if caller is None:  # removed between the gate and now
             return _gone()
+        if signed(req):
+            try:
+                auth.Verifier.body(req.expect_sha256, req.sha256())
+            except AuthError as exc:
+                return Response.error(403, exc)
         if req.method == "POST" and req.path == "/v1/sync":
             resp = self.sync(caller, req.body if isinstance(req.body, dict) else {})
             return resp if isinstance(resp, Response) or req.deferrable else self._block(resp)

@@ -154,6 +154,7 @@ class AgentService:
         self.rec, self.network = member.load(state)
         self.device = device or iface.device_for(state, self.network, self.rec)
         self.session: transport.Session | None = None
+        self.overlay_keys = member.OverlayKeys(state)  # the coordinators check what this agent sends with them
         self.call = call or self._call_coordinator
         # A call beside the long-poll (which holds the session): a relay found down is reported at once.
         self.call_now = call or self._call_once
@@ -206,11 +207,19 @@ class AgentService:
             self.session.close()
             self.session = None
 
+    def _key_for(self, coordinator_ip: str) -> bytes | None:
+        """The overlay key this agent shares with the coordinator at `coordinator_ip` (None: one it knows not)."""
+        pub = next((m.public_key for m in self.members if m.overlay_ip == coordinator_ip), None)
+        if pub is None and coordinator_ip == self.network.coordinator_ip:
+            pub = self.network.coordinator_public_key  # the first coordinator, before any member list
+        return self.overlay_keys(pub) if pub else None
+
     def _call_once(self, method: str, path: str, body: dict, timeout: float) -> dict:
         ips = self.coordinator_ips()
         for ip in ips:
             try:
-                return transport.call(ip, self.network.api_port, method, path, body, timeout=timeout)
+                key = self._key_for(ip)
+                return transport.call(ip, self.network.api_port, method, path, body, timeout=timeout, key=key)
             except CoordinatorError as exc:
                 if exc.status or ip == ips[-1]:
                     raise
@@ -224,7 +233,7 @@ class AgentService:
             self.session = transport.Session(self.coordinator_ip, self.network.api_port)
         session = self.session
         try:
-            return session.call(method, path, body, timeout=timeout)
+            return session.call(method, path, body, timeout=timeout, key=self._key_for(session.host))
         except CoordinatorError as exc:
             if session.host == self.coordinator_ip:  # else the probe thread moved on already (and ended this call)
                 self._failover(exc)

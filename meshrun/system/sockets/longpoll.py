@@ -184,11 +184,14 @@ class LongPollServer(LoopServer):
             if sep:
                 headers[name.strip().title()] = value.strip()
         keep = version == "HTTP/1.1" and headers.get("Connection", "").lower() != "close"
+        expect = ""
         if self.gate is not None:
-            refused = await self._call(self.gate, Request(method, path, ip, headers=headers))
+            head = Request(method, path, ip, headers=headers)
+            refused = await self._call(self.gate, head)
             if refused is not None:  # its body is not read: the connection cannot carry another request
                 await self._write(writer, refused, False)
                 return False
+            expect = head.expect_sha256  # the body hash the request's MAC covers (checked by the handler)
         length = body_length(headers.get("Content-Length", "0"), MAX_JSON)
         if isinstance(length, Response):
             await self._write(writer, length, False)
@@ -196,7 +199,7 @@ class LongPollServer(LoopServer):
         raw = await self._within(writer, self.request_timeout, reader.readexactly(length)) if length else b""
         req = make_request(method, path, ip, headers, raw)
         if isinstance(req, Request):
-            req.gated, req.deferrable = self.gate is not None, True
+            req.gated, req.deferrable, req.expect_sha256 = self.gate is not None, True, expect
             resp = await self._call(answer, self.handler, req, pool=self.offload is not None and self.offload(req))
             if isinstance(resp, Wait):
                 resp = await self._wait(resp)

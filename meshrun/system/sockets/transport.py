@@ -711,8 +711,11 @@ class Session:
         self.lock = threading.Lock()
         self.connects = 0  # connections opened so far (tests: one for many requests)
 
-    def call(self, method: str, path: str, body: object = None, *, timeout: float = TIMEOUT) -> dict:
-        """One request on the kept connection; the JSON answer, or the error class the server named."""
+    def call(
+        self, method: str, path: str, body: object = None, *, timeout: float = TIMEOUT, key: bytes | None = None
+    ) -> dict:
+        """One request on the kept connection; the JSON answer, or the error class the server named. With `key`
+        it carries a MAC (meshrun.core.auth), made again for a request sent again."""
         where = f"{self.host}:{self.port}"
         with self.lock:
             for again in (False, True):
@@ -725,7 +728,7 @@ class Session:
                 if conn.sock is not None:
                     conn.sock.settimeout(timeout)
                 try:
-                    _send(conn, method, path, body, None, None)
+                    _send(conn, method, path, body, None, key)
                     resp = conn.getresponse()
                     payload = resp.read(16 * 1024 * 1024)
                     if resp.will_close:

@@ -71,8 +71,23 @@ def test_any_change_breaks_the_mac(method, path, body):
 def test_each_node_has_its_own_key():
     a, b = coord_side(K_A), coord_side(K_B)
     h = auth.sign(b, "GET", "/v1/health", b"", T)
-    with pytest.raises(AuthError, match="does not match this node's job key"):
+    with pytest.raises(AuthError, match="does not match the key it must be signed with"):
         Verifier(a).verify(h, "GET", "/v1/health", b"", T)
+
+
+def test_two_members_share_one_overlay_key_whichever_computes_it_and_no_third_can():
+    """An agent and a coordinator (or two coordinators) derive the same overlay key, each from its own private key
+    and the other's public key; it is not their job key, and no other member's private key gives it."""
+    pa, pb, pc = (keys.generate_private_key() for _ in range(3))
+    a, b = keys.public_key(pa), keys.public_key(pb)
+    from_a = auth.overlay_key(keys.shared_secret(pa, b), a, b)
+    assert from_a == auth.overlay_key(keys.shared_secret(pb, a), b, a)
+    assert from_a != auth.job_key(keys.shared_secret(pa, b), a, b)
+    assert from_a != auth.overlay_key(keys.shared_secret(pc, b), keys.public_key(pc), b)
+    v = Verifier(from_a, sender=auth.OVERLAY_SENDER)
+    with pytest.raises(AuthError, match="come only from meshrun's agent"):
+        v.verify(None, "POST", "/v1/sync", b"{}", T)
+    v.verify(auth.sign(from_a, "POST", "/v1/sync", b"{}", T), "POST", "/v1/sync", b"{}", T)
 
 
 def test_stale_or_future_time_is_refused_naming_the_skew():

@@ -79,6 +79,13 @@ class Coord:
     limited_b64: str
     member_ip: str
     removed_ip: str
+    member_key: bytes  # the member's overlay key: what its agent signs its syncs with
+
+    def signed(self, method: str, path: str, body: object) -> Request:
+        """The member's request as its agent sends it: the body's bytes, their MAC under its overlay key."""
+        raw = json.dumps(body, default=str).encode()
+        header = auth.sign(self.member_key, method, path, raw, time.time())
+        return Request(method, path, self.member_ip, body, raw=raw, headers={"Authorization": header})
 
 
 def _make_state(path: Path) -> tuple[StateDir, dict]:
@@ -137,9 +144,8 @@ def coord(tmp_path) -> Coord:
     svc.overlay.limiter = RateLimiter(burst=10**9)
     open_tok = toks["open"]
     # One live member and one removed member to call the overlay API as.
-    m, _ = svc.db.enrol(
-        open_tok.token_id, open_tok.secret, "member", keys.public_key(keys.generate_private_key()), [], CIDR
-    )
+    member_private = keys.generate_private_key()
+    m, _ = svc.db.enrol(open_tok.token_id, open_tok.secret, "member", keys.public_key(member_private), [], CIDR)
     r, _ = svc.db.enrol(
         open_tok.token_id, open_tok.secret, "gone", keys.public_key(keys.generate_private_key()), [], CIDR
     )
@@ -154,6 +160,7 @@ def coord(tmp_path) -> Coord:
         _b64(toks["limited"].secret),
         m.overlay_ip,
         r.overlay_ip,
+        svc.overlay_keys(m.public_key),
     )
     svc.db.close()
 
@@ -300,12 +307,15 @@ def test_overlay_api_handler(coord, data):
             [coord.member_ip, coord.member_ip, coord.removed_ip, "10.213.9.9", COORD_IP, "203.0.113.5", "not an ip"]
         )
     )
-    req = Request(
-        data.draw(st.sampled_from(["POST", "GET"]) | methods),
-        data.draw(st.sampled_from(["/v1/sync", "/v1/members"]) | paths),
-        caller,
-        data.draw(sync_bodies),
-    )
+    method = data.draw(st.sampled_from(["POST", "GET"]) | methods)
+    path = data.draw(st.sampled_from(["/v1/sync", "/v1/members"]) | paths)
+    body = data.draw(sync_bodies)
+    # The member's requests signed as its agent signs them (the parser behind the signature is what is fuzzed),
+    # or not at all (refused before the body is read).
+    if caller == coord.member_ip and data.draw(st.booleans()):
+        req = coord.signed(method, path, body)
+    else:
+        req = Request(method, path, caller, body)
     resp = dispatch(coord.svc.overlay.handle, req)
     assert resp.status in ALLOWED
     if caller == coord.removed_ip:
@@ -319,7 +329,9 @@ def test_overlay_api_refuses_non_members(coord):
     for ip in ("10.213.77.77", "203.0.113.5", "127.0.0.1"):
         assert coord.svc.overlay.handle(Request("POST", "/v1/sync", ip, {})).status == 403
     assert coord.svc.overlay.handle(Request("POST", "/v1/sync", coord.removed_ip, {})).status == 410
-    ok = coord.svc.overlay.handle(Request("POST", "/v1/sync", coord.member_ip, {"version": -1}))
+    unsigned = coord.svc.overlay.handle(Request("POST", "/v1/sync", coord.member_ip, {"version": -1}))
+    assert unsigned.status == 403  # a member's address alone: any user on that machine has it
+    ok = coord.svc.overlay.handle(coord.signed("POST", "/v1/sync", {"version": -1}))
     assert ok.status == 200 and {m["overlay_ip"] for m in ok.body["members"]} == {COORD_IP, coord.member_ip}
 
 
@@ -390,10 +402,16 @@ def raw_request(port: int, data: bytes) -> int | None:
     return int(buf.split(b"\r\n", 1)[0].split()[1])
 
 
-def http_request(port: int, method: str, path: str, body: bytes, ctype: str = "application/json") -> int:
+def http_request(
+    port: int, method: str, path: str, body: bytes, ctype: str = "application/json", key: bytes | None = None
+) -> int:
+    """The status of one request to 127.0.0.1:`port`, signed with `key` if given (as meshrun's transport does)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"Content-Type": ctype}
+    if key is not None:
+        headers["Authorization"] = auth.sign(key, method, path, body, time.time())
     try:
-        conn.request(method, path, body=body, headers={"Content-Type": ctype})
+        conn.request(method, path, body=body, headers=headers)
         return conn.getresponse().status
     finally:
         conn.close()
@@ -472,7 +490,7 @@ def test_sync_non_finite_numbers_are_a_400_not_a_500(coord, body):
     """Python's json accepts NaN/Infinity: a member's sync must not crash the handler with them."""
     as_member = lambda req: coord.svc.overlay.handle(dataclasses.replace(req, client_ip=coord.member_ip))  # noqa: E731
     with serve(as_member) as port:
-        assert http_request(port, "POST", "/v1/sync", body) in {200, 400}
+        assert http_request(port, "POST", "/v1/sync", body, key=coord.member_key) in {200, 400}
 
 
 # --------------------------------------------------------------------------- agent job API

@@ -189,3 +189,30 @@ def test_a_head_that_does_not_arrive_in_time_is_closed(board):
     t0 = time.monotonic()
     assert s.recv(1) == b"" and time.monotonic() - t0 < 3
     s.close()
+
+
+def test_what_the_gate_learns_from_a_requests_head_reaches_its_handler():
+    """A gate that checks a MAC before the body is read (the overlay API) records the body hash the MAC covers;
+    the handler, called with the request the server made once the body was in, must see it (else every signed
+    request would fail its body check)."""
+    from meshrun.core import auth
+
+    key, seen = bytes(range(32)), []
+
+    def gate(req: Request) -> Response | None:
+        req.expect_sha256 = auth.Verifier(key).head(req.headers.get("Authorization"), req.method, req.path, time.time())
+        return None
+
+    def handle(req: Request) -> Response:
+        seen.append(req.expect_sha256 == req.sha256())
+        return Response(200, {})
+
+    srv = LongPollServer(("127.0.0.1", 0), handle, gate=gate)
+    srv.start()
+    try:
+        s = Session("127.0.0.1", srv.server_address[1])
+        s.call("POST", "/x", {"a": 1}, key=key)
+        s.close()
+    finally:
+        srv.shutdown()
+    assert seen == [True]

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from fakemesh import FakeMesh
+from fakemesh import FakeMesh, signed_request
 
 from meshrun.core import keys, memberlist, pairpaths, peers
 from meshrun.core.model import Member
@@ -86,11 +86,33 @@ def test_sites_come_from_join_site_and_from_private_paths_that_work(mesh):
     }
 
 
+def test_a_sync_without_the_agents_signature_is_refused_before_its_body_is_read(mesh):
+    """Any user on a member sends with its overlay address: the sync must carry the MAC under the key the
+    member's and the coordinator's WireGuard keys give (root reads the private key), else 403 and nothing
+    taken in; one signed by another member's key, one replayed, or one whose body was changed, the same."""
+    a, b = mesh.join("a", "198.51.100.2:40000"), mesh.join("b", "198.51.100.3:40001")
+    body = {**a.agent.heartbeat([]), "site": "fra"}
+    for req in (
+        Request("POST", "/v1/sync", a.ip, body),  # unsigned
+        signed_request("POST", "/v1/sync", a.ip, body, b.agent._key_for(mesh.network.coordinator_ip)),
+        signed_request("POST", "/v1/relay-down", a.ip, {"peers": []}, bytes(32)),
+    ):
+        resp = mesh.coord.overlay.handle(req)
+        assert resp.status == 403 and resp.body["kind"] == "AuthError", resp.body
+    good = mesh.request(a, "POST", "/v1/sync", body)
+    assert mesh.coord.overlay.handle(good).status == 200
+    assert mesh.coord.overlay.handle(good).status == 403  # the same request again: a replay
+    changed = mesh.request(a, "POST", "/v1/sync", body)
+    changed.raw = json.dumps({**body, "site": "ber"}).encode()
+    assert mesh.coord.overlay.handle(changed).status == 403
+    assert {m.name: m.site for m in mesh.coord.db.members()}["a"] == "fra"  # only the good one was taken in
+
+
 @pytest.mark.parametrize("site", ["Not A Name", 7, "x" * 40])
 def test_a_sync_with_a_malformed_site_is_refused(mesh, site):
     a = mesh.join("a", "198.51.100.2:40000")
     body = {**a.agent.heartbeat([]), "site": site}
-    resp = mesh.coord.overlay.handle(Request("POST", "/v1/sync", a.ip, body))
+    resp = mesh.coord.overlay.handle(mesh.request(a, "POST", "/v1/sync", body))
     assert resp.status == 400 and "malformed sync request" in str(resp.body)
 
 
@@ -98,7 +120,7 @@ def test_a_sync_with_a_malformed_site_is_refused(mesh, site):
 def test_a_sync_with_a_malformed_tunnel_count_is_refused(mesh, tunnels):
     a = mesh.join("a", "198.51.100.2:40000")
     body = {**a.agent.heartbeat([]), "tunnels": tunnels}
-    resp = mesh.coord.overlay.handle(Request("POST", "/v1/sync", a.ip, body))
+    resp = mesh.coord.overlay.handle(mesh.request(a, "POST", "/v1/sync", body))
     assert resp.status == 400 and "malformed sync request" in str(resp.body)
 
 
@@ -109,7 +131,7 @@ def test_a_members_tunnel_count_reaches_its_peers(mesh):
     mesh.sync()
     assert a.agent.heartbeat([])["tunnels"] == 1 and mesh.member_seen_by(b, a).tunnels == 1
     body = {**a.agent.heartbeat([]), "tunnels": 4}
-    assert mesh.coord.overlay.handle(Request("POST", "/v1/sync", a.ip, body)).status == 200
+    assert mesh.coord.overlay.handle(mesh.request(a, "POST", "/v1/sync", body)).status == 200
     mesh.sync(b)
     assert mesh.member_seen_by(b, a).tunnels == 4
 

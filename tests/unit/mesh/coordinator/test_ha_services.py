@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from fakemesh import FakeMesh
+from fakemesh import FakeMesh, signed_request
 
+from meshrun.core import keys
 from meshrun.core.token import parse_token
 from meshrun.mesh.coordinator.daemon import CoordinatorService
 from meshrun.mesh.coordinator.leader import LEASE_TTL_S
@@ -32,6 +33,10 @@ def settle(db: EtcdCoordinatorDB, version: int) -> None:
     deadline = time.monotonic() + 5
     while db.version() < version and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def public_key(svc: CoordinatorService) -> str:
+    return keys.public_key(svc.state.read("private.key").decode().strip())
 
 
 @pytest.fixture
@@ -61,7 +66,9 @@ def two(tmp_path):
 
     def forward(ip, batch):
         leader = next(s for s in services.values() if s.ip == ip)
-        resp = leader.overlay.handle(Request("POST", "/v1/forward", services["other"].ip, batch))
+        sender = services["other"]
+        key = sender.overlay_keys(public_key(leader))  # as the follower signs it (with its own private key)
+        resp = leader.overlay.handle(signed_request("POST", "/v1/forward", sender.ip, batch, key))
         raise_for(resp.status, resp.body, "leader")
         return resp.body
 
@@ -90,7 +97,7 @@ def test_one_leads_and_the_other_follows_answering_syncs_from_the_replicated_sta
     # n1 syncs with B: the member list comes from B's mirror of the store, the report goes to A's pair driver.
     def sync() -> dict:
         body = dict(n1.agent.heartbeat(n1.device.peers()), wait=0)
-        resp = b.overlay.handle(Request("POST", "/v1/sync", n1.ip, body))
+        resp = b.overlay.handle(signed_request("POST", "/v1/sync", n1.ip, body, n1.agent.overlay_keys(public_key(b))))
         assert resp.status == 200, resp.body
         n1.agent.full_report = resp.body.get("report") == "full"
         return resp.body
