@@ -76,6 +76,21 @@ class HandshakeReport:
     stale: tuple[str, ...]
 
 
+def to_recreate(before: Sequence[Member], after: Sequence[Member]) -> frozenset[str]:
+    """The peers (public keys) a node re-creates when its member list goes from `before` to `after`: those whose
+    path really changed, so that a fresh handshake proves the new one. A first assignment ("" -> a mode) keeps a
+    tunnel that already works (the coordinator counts its handshake as proof), but for the private path (a new
+    endpoint to prove). A relayed pair that only changes relay keeps its session: its first datagrams latch it
+    at the new relay (core/relayfwd)."""
+    was = {m.public_key: m.path for m in before}
+    return frozenset(
+        m.public_key
+        for m in after
+        if m.public_key in was
+        and ((was[m.public_key] and was[m.public_key] != m.path) or (was[m.public_key] == "" and m.path == "private"))
+    )
+
+
 def is_fresh(handshake: int, now: float) -> bool:
     """A handshake in the last HANDSHAKE_FRESH_S: the tunnel works."""
     return bool(handshake) and now - handshake < HANDSHAKE_FRESH_S

@@ -15,7 +15,13 @@ pair in two ways, so it is useless to anyone else:
   the receiving end's public key (WireGuard's mac1 = MAC(HASH("mac1----" || receiver's public key), message)),
   so it was sent to that end by someone who knows its key; anything that is not a WireGuard message is dropped.
 
-Both ends' addresses are learned (latched) from what they send; until the other end is known, the last
+Both ends' addresses are learned (latched) from what they first send from one of their hosts (a pair that
+moves to this relay goes on with its WireGuard session, so transport datagrams come first). A latched end moves
+to a new address only with a handshake message whose mac1 was made for the other end's key (what its WireGuard
+sends within seconds when its NAT gives it a new port and its data gets no answer), at most once per
+LATCH_MIN_S: a stranger that holds an end's host (one NAT, or private ranges that repeat across datacenters)
+takes a running pair over with nothing it sends, and a flood of handshakes costs at most one kernel rewrite a
+second. Until the other end is known, the last
 datagram from one end is kept (one per end) and delivered as soon as the other end is heard from, so the
 first handshake through a new relay does not wait for WireGuard's 5 s retry (unless the other end's first
 datagram is a handshake initiation too: then only that one goes on, since two would cross). When both ends
@@ -34,6 +40,7 @@ import base64
 import hashlib
 import ipaddress
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -60,6 +67,7 @@ MAC1_LABEL = b"mac1----"
 INITIATION, RESPONSE, COOKIE, TRANSPORT = 1, 2, 3, 4
 SIZES = {INITIATION: 148, RESPONSE: 92, COOKIE: 64}
 MIN_TRANSPORT = 32
+LATCH_MIN_S = 1.0  # an end latched at one address moves to another at most this often
 Addr = tuple[str, int]
 
 
@@ -113,6 +121,7 @@ class PairForwarder:
     pair: RelayedPair
     addrs: list[Addr | None] = field(default_factory=lambda: [None, None])
     kept: list[bytes | None] = field(default_factory=lambda: [None, None])  # the last datagram from each end
+    latched_at: list[float] = field(default_factory=lambda: [0.0, 0.0])  # monotonic time each end last moved
     forwarded: int = 0
     dropped: int = 0
 
@@ -145,16 +154,24 @@ class PairForwarder:
                     return i
         return None
 
-    def route(self, data: bytes, source: Addr) -> list[tuple[bytes, Addr]]:
+    def route(self, data: bytes, source: Addr, now: float | None = None) -> list[tuple[bytes, Addr]]:
+        now = time.monotonic() if now is None else now
         kind = message_type(data)
         end = self._end_of(data, kind, source) if kind else None
-        if end is None or (kind in (INITIATION, RESPONSE) and not mac1_ok(data, self._raw[1 - end])):
+        handshake = kind in (INITIATION, RESPONSE)
+        if end is None or (handshake and not mac1_ok(data, self._raw[1 - end])):
             self.dropped += 1
             return []
         other = 1 - end
         out: list[tuple[bytes, Addr]] = []
         if self.addrs[end] != source:
-            self.addrs[end] = source
+            # An end is first latched by what it sends from one of its hosts (a pair moved to this relay goes on
+            # with its session: transport datagrams come first). Once latched it moves to another address only
+            # on a handshake made for the other end's key, and not too often.
+            if self.addrs[end] is not None and (not handshake or now - self.latched_at[end] < LATCH_MIN_S):
+                self.dropped += 1
+                return []
+            self.addrs[end], self.latched_at[end] = source, now
             waiting = self.kept[other]  # the other end spoke first: its datagram goes out now
             self.kept[other] = None
             if waiting is not None and kind == INITIATION and message_type(waiting) == INITIATION:

@@ -3,7 +3,8 @@ may make itself the relay by lying about round trips (issue 35).
 
 World: hq (the coordinator), dca and dcb (one-to-one NAT: members that may relay), dcc and dcd (symmetric NAT:
 never direct with each other, so their pair is relayed). dcb lies from before dcc and dcd join: it tells the
-coordinator, every half second, that it is 0 ms from every member. Each test has its negative control.
+coordinator, every half second, that it is 0 ms from every member. dcc-b, never joined, is a stranger behind
+dcc's NAT (its datagrams leave from the address of dcc-a's). Each test has its negative control.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import time
 import pytest
 from support import TESTS, coordinator_pairs, joined_mesh, relay_world
 
+from meshrun.lab.testbed import DatacenterSpec
+
 SCRIPTS = TESTS / "scripts"
-WORLD = relay_world()
+WORLD = [DatacenterSpec("dcc", nat="symmetric", nodes=2) if dc.name == "dcc" else dc for dc in relay_world()]
 PAIR = frozenset(("dcc-a", "dcd-a"))
 
 
@@ -182,3 +185,40 @@ def test_the_relay_cannot_speak_as_an_end(lied):
     seen = [a for a in seen + server.communicate(timeout=10)[0].split() if a]
     assert forged.startswith("refused"), forged
     assert honest == "connected" and seen == [c_ip], (honest, seen)
+
+
+# A stranger's flood at a relay port: WireGuard transport-shaped datagrams (type 4, 32 bytes), 100 a second.
+STRANGER = """
+import socket, sys, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+junk, n, end = b"\\x04\\x00\\x00\\x00" + bytes(28), 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    u.sendto(junk, (host, port)); n += 1; time.sleep(0.01)
+print(n, flush=True)
+"""
+
+
+def test_a_stranger_behind_an_ends_address_takes_nothing_over(lied):
+    """dcc-b shares dcc-a's public address (one NAT), so its datagrams come from one of dcc-a's hosts. It floods
+    the pair's relay port with transport-shaped datagrams while dcc-a pings dcd-a ten times a second: the relay
+    moves a latched end only on a handshake made for the other end's key, so no ping is lost (before, the relay
+    moved dcc-a's end to whatever its hosts sent from: the same run lost 54% of its pings)."""
+    mesh, _, pairs = lied
+    world = mesh.world
+    row = next(r for r in mesh.status("dcc-a")["peers"] if r["name"] == "dcd-a")
+    host, port = row["endpoint"].rsplit(":", 1)
+    d_ip = mesh.overlay_ip("dcd-a")
+    mesh.wait_ping("dcc-a", d_ip, timeout=30)
+    flood = world.node("dcc-b").popen(mesh.python, "-c", STRANGER, host, port, "8", stdout=-1, stderr=-1, text=True)
+    try:
+        time.sleep(1)  # the flood is on before the pings start
+        ping = world.node("dcc-a").run("ping", "-q", "-c", "50", "-i", "0.1", "-W", "1", d_ip, check=False, timeout=60)
+        sent = int(flood.communicate(timeout=30)[0].strip())
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait()
+    assert sent > 200, sent  # the stranger's datagrams went out all along
+    assert " 0% packet loss" in ping.stdout, ping.stdout
+    assert coordinator_pairs(mesh)[PAIR]["path"] == "relayed"  # still on its relay, not reported down

@@ -9,6 +9,7 @@ meshrun's own UdpRelay with its KernelPath, run in R by tests/scripts/relay_host
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import json
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 from support import cannot_run, unique_prefix
 
-from meshrun.core import keys
+from meshrun.core import keys, relayfwd
 
 pytestmark = pytest.mark.slow
 
@@ -148,11 +149,23 @@ def pair_cmd(port: int = PORT) -> dict:
     return {"pairs": [[port, ka, kb, [A], [B]]]}
 
 
-def latch(a: socket.socket, b: socket.socket, relay_a: tuple, relay_b: tuple) -> None:
-    """Each end speaks once (through the relay's socket), so both are latched."""
-    a.sendto(transport(), relay_a)
+def handshake(to_key: str, kind: int = 1) -> bytes:
+    """A handshake message as WireGuard lays it out (1: an initiation, 2: a response), its mac1 made for the key
+    `to_key`: only such a message latches its sender at the relay."""
+    body = bytes([kind, 0, 0, 0]) + os.urandom(112 if kind == 1 else 56)
+    return body + relayfwd.mac1(body, base64.b64decode(to_key)) + bytes(16)
+
+
+def pair_keys(cmd: dict) -> tuple[str, str]:
+    return cmd["pairs"][0][1], cmd["pairs"][0][2]
+
+
+def latch(a: socket.socket, b: socket.socket, relay_a: tuple, relay_b: tuple, cmd: dict) -> None:
+    """Each end's handshake (through the relay's socket) latches it."""
+    ka, kb = pair_keys(cmd)
+    a.sendto(handshake(kb), relay_a)
     time.sleep(0.2)
-    b.sendto(transport(), relay_b)
+    b.sendto(handshake(ka, kind=2), relay_b)
     assert b.recvfrom(2048)[1] == relay_b
     assert a.recvfrom(2048)[1] == relay_a
     time.sleep(0.5)  # the relay's kernel thread makes its rules
@@ -161,11 +174,12 @@ def latch(a: socket.socket, b: socket.socket, relay_a: tuple, relay_b: tuple) ->
 def test_a_latched_pair_is_forwarded_by_the_kernel_intact_and_nothing_else_is(world):
     ns, relay = world
     assert relay.hello["mode"].startswith("kernel"), relay.hello
-    assert relay.ask(pair_cmd()) == {"failed": []}
+    cmd = pair_cmd()
+    assert relay.ask(cmd) == {"failed": []}
     a, b = socket_in(ns["a"], A), socket_in(ns["b"], B)
     stranger = socket_in(ns["a"], STRANGER)
     to_relay_a, to_relay_b = (RELAY_A, PORT), (RELAY_B, PORT)
-    latch(a, b, to_relay_a, to_relay_b)
+    latch(a, b, to_relay_a, to_relay_b, cmd)
     before = relay.ask({"stats": True})
 
     sent_ab = [transport(1400) for _ in range(200)]
@@ -209,15 +223,28 @@ def test_a_latched_pair_is_forwarded_by_the_kernel_intact_and_nothing_else_is(wo
 
 def test_an_end_that_moves_is_latched_anew_and_the_kernel_follows(world):
     ns, relay = world
-    relay.ask(pair_cmd())
+    cmd = pair_cmd()
+    relay.ask(cmd)
     a, b = socket_in(ns["a"], A), socket_in(ns["b"], B)
     to_relay_a, to_relay_b = (RELAY_A, PORT), (RELAY_B, PORT)
-    latch(a, b, to_relay_a, to_relay_b)
-    # A's NAT gives it another port: its first datagram reaches the socket, which latches the new address.
+    latch(a, b, to_relay_a, to_relay_b, cmd)
+    # A's NAT gives it another port: its transport datagrams from there move nothing; the handshake its WireGuard
+    # sends from there does (once LATCH_MIN_S has passed since A was latched: sent again until it is).
     a.close()
     moved = socket_in(ns["a"], A)
     moved.sendto(transport(), to_relay_a)
-    assert b.recvfrom(2048)[1] == to_relay_b
+    b.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        b.recvfrom(2048)
+    deadline = time.monotonic() + 5
+    while True:
+        moved.sendto(handshake(pair_keys(cmd)[1]), to_relay_a)
+        try:
+            assert b.recvfrom(2048)[1] == to_relay_b
+            break
+        except TimeoutError:
+            assert time.monotonic() < deadline, "the moved end's handshake never latched it"
+    b.settimeout(2)
     time.sleep(0.5)
     before = relay.ask({"stats": True})["kernel"].get(str(PORT), 0)
     sent = [transport() for _ in range(50)]
@@ -229,9 +256,10 @@ def test_an_end_that_moves_is_latched_anew_and_the_kernel_follows(world):
 
 def test_closing_the_relay_takes_its_table_away(world):
     ns, relay = world
-    relay.ask(pair_cmd())
+    cmd = pair_cmd()
+    relay.ask(cmd)
     a, b = socket_in(ns["a"], A), socket_in(ns["b"], B)
-    latch(a, b, (RELAY_A, PORT), (RELAY_B, PORT))
+    latch(a, b, (RELAY_A, PORT), (RELAY_B, PORT), cmd)
     relay.close()
     out = subprocess.run(["ip", "netns", "exec", ns["r"], "nft", "list", "tables"], capture_output=True, text=True)
     assert "meshrun_relay_test" not in out.stdout

@@ -392,17 +392,7 @@ class AgentService:
                 "this node is no longer a member of the network", "ask the operator for a new token", status=410
             )
             raise err
-        before = {m.public_key: m.path for m in self.members}
-        # Re-create a peer only when its path really changed; a first assignment ("" -> mode)
-        # keeps a tunnel that already works (the coordinator counts its handshake as proof).
-        recreate = frozenset(
-            m.public_key
-            for m in members
-            if before.get(m.public_key)
-            and before[m.public_key] != m.path
-            or before.get(m.public_key) == ""
-            and m.path == "private"
-        )
+        recreate = peers.to_recreate(self.members, members)
         if recreate:
             self.path_changed_at = time.time()
             for key in recreate:  # the new path is proven by its next handshake: report it

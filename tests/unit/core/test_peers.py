@@ -18,6 +18,7 @@ from meshrun.core.peers import (
     desired_for_node,
     diff,
     handshake_holds,
+    to_recreate,
     wg_set_args,
 )
 
@@ -388,3 +389,18 @@ def test_the_invariant_check_names_a_peer_that_would_carry_another_members_addre
     check_own_addresses([PeerSpec(f"{1:042d}A=", ("10.213.0.2/32",), name="a")], members)
     with pytest.raises(ValueError, match=r"peer a would admit 10\.213\.0\.2/32, 10\.213\.0\.3/32"):
         check_own_addresses([PeerSpec(f"{1:042d}A=", ("10.213.0.2/32", "10.213.0.3/32"), name="a")], members)
+
+
+def test_a_peer_is_re_created_when_its_path_changes_and_kept_otherwise():
+    """A new path needs a fresh handshake to prove it; a first assignment keeps a working tunnel, but for the
+    private path; a relayed pair moving to another relay keeps its session (its datagrams latch it there)."""
+    from dataclasses import replace
+
+    a = MEMBERS[1]
+    relayed = replace(a, path="relayed", via=K_C, via_port=51821)
+    assert to_recreate([replace(a, path="public")], [relayed]) == {K_A}  # public -> relayed
+    assert to_recreate([relayed], [replace(relayed, path="public")]) == {K_A}  # relayed -> direct again
+    assert to_recreate([relayed], [replace(relayed, via=K_B, via_port=51822)]) == frozenset()  # another relay
+    assert to_recreate([replace(a, path="")], [replace(a, path="public")]) == frozenset()  # first: kept
+    assert to_recreate([replace(a, path="")], [replace(a, path="private")]) == {K_A}
+    assert to_recreate([], [relayed]) == frozenset()  # a new member: made, not re-created

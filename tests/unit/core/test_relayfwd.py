@@ -8,6 +8,7 @@ import os
 from meshrun.core import keys
 from meshrun.core.model import Member
 from meshrun.core.relayfwd import (
+    LATCH_MIN_S,
     PairForwarder,
     RelayedPair,
     Route,
@@ -21,6 +22,7 @@ from meshrun.core.relayfwd import (
 from meshrun.core.relays import RELAY_PORTS
 
 A_HOST, B_HOST, OTHER = "198.51.100.1", "198.51.100.2", "203.0.113.66"
+T0 = 1000.0  # a monotonic clock reading
 
 
 def keypair() -> tuple[str, bytes]:
@@ -75,15 +77,37 @@ def test_the_ends_are_latched_from_what_they_send_and_the_first_datagram_waits_f
     f = forwarder()
     a, b = (A_HOST, 40001), (B_HOST, 50002)
     hello = initiation(B_RAW)
-    assert f.route(hello, a) == []  # b not heard from yet: kept
+    assert f.route(hello, a, now=T0) == []  # b not heard from yet: kept
     reply = response(A_RAW)
     # b's first datagram latches b; a's kept initiation goes out to b, and b's reply to a.
-    assert f.route(reply, b) == [(hello, b), (reply, a)]
+    assert f.route(reply, b, now=T0) == [(hello, b), (reply, a)]
     data = transport()
     assert f.route(data, a) == [(data, b)] and f.route(data, b) == [(data, a)]
-    # a's NAT gives it a new port: the next datagram from a's host moves a there.
-    assert f.route(data, (A_HOST, 40999)) == [(data, b)] and f.route(data, b) == [(data, (A_HOST, 40999))]
-    assert f.forwarded == 6 and f.dropped == 0
+    # a's NAT gives it a new port: its transport datagrams from there prove nothing and move nothing; the
+    # handshake its WireGuard sends from there (for b's key) moves a.
+    moved = (A_HOST, 40999)
+    assert f.route(data, moved) == [] and f.addrs[0] == a
+    again = initiation(B_RAW)
+    assert f.route(again, moved, now=T0 + LATCH_MIN_S) == [(again, b)]
+    assert f.route(data, moved) == [(data, b)] and f.route(data, b) == [(data, moved)]
+    assert f.forwarded == 7 and f.dropped == 1
+
+
+def test_a_stranger_at_an_ends_host_moves_nothing_and_handshakes_move_an_end_once_a_second_at_most():
+    """A stranger holding one of an end's hosts (behind its NAT, or its LAN address elsewhere), sending what looks
+    like WireGuard transport from there, moved the latched end before. Now only a handshake made for the other
+    end's key moves it, and a flood of them at most once per LATCH_MIN_S."""
+    f = forwarder()
+    a, b = (A_HOST, 40001), (B_HOST, 50002)
+    f.route(initiation(B_RAW), a, now=T0)
+    f.route(response(A_RAW), b, now=T0)
+    stranger = (A_HOST, 51820)
+    for i in range(100):
+        assert f.route(transport(), stranger, now=T0 + i) == []
+    assert f.addrs == [a, b] and f.dropped == 100
+    moves = [f.route(initiation(B_RAW), (A_HOST, 41000 + i), now=T0 + 10 + i * 0.1) != [] for i in range(30)]
+    assert sum(moves) == 3 and moves[0]  # 3 s of handshakes from ever new ports: one move a second
+    assert f.route(transport(), a, now=T0 + 14) == []  # a's old address is no longer a's
 
 
 def test_two_initiations_do_not_cross_at_the_relay():

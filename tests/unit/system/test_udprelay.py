@@ -4,6 +4,7 @@ forwarded between the two ends only, a port that cannot be bound reported; what 
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import time
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from meshrun.core import keys
-from meshrun.core.relayfwd import RelayedPair
+from meshrun.core.relayfwd import RelayedPair, mac1
 from meshrun.system.kernel import relaykernel
 from meshrun.system.sockets.udprelay import UdpRelay
 
@@ -40,6 +41,13 @@ def data(n: int = 200) -> bytes:
     return b"\x04\0\0\0" + os.urandom(n - 4)
 
 
+def handshake(p: RelayedPair, to: int, kind: int = 1) -> bytes:
+    """A handshake message as WireGuard lays it out (kind 1: an initiation, 2: a response), its mac1 made for end
+    `to`'s key: what the relay latches the other end on (a transport datagram latches nothing)."""
+    body = bytes([kind, 0, 0, 0]) + os.urandom(112 if kind == 1 else 56)
+    return body + mac1(body, base64.b64decode(p.keys[to])) + bytes(16)
+
+
 @pytest.fixture
 def relay():
     r = UdpRelay("127.0.0.1")
@@ -49,12 +57,13 @@ def relay():
 
 def test_datagrams_pass_between_the_two_ends_both_ways(relay):
     port = free_port()
-    assert relay.set_pairs([pair(port)]) == [] and relay.ports() == [port]
+    p = pair(port)
+    assert relay.set_pairs([p]) == [] and relay.ports() == [port]
     a, b = end(A_HOST), end(B_HOST)
-    first = data()
+    first = handshake(p, 1)
     a.sendto(first, ("127.0.0.1", port))  # b unknown yet: kept
     time.sleep(0.1)
-    hello = data()
+    hello = handshake(p, 0, kind=2)
     b.sendto(hello, ("127.0.0.1", port))
     assert a.recvfrom(2048) == (hello, ("127.0.0.1", port))
     assert b.recvfrom(2048)[0] == first  # the kept one, once b was heard from
@@ -67,10 +76,11 @@ def test_datagrams_pass_between_the_two_ends_both_ways(relay):
 
 def test_a_stranger_gets_nothing_through_and_no_answer(relay):
     port = free_port()
-    relay.set_pairs([pair(port)])
+    p = pair(port)
+    relay.set_pairs([p])
     a, b, stranger = end(A_HOST), end(B_HOST), end(OTHER)
-    a.sendto(data(), ("127.0.0.1", port))
-    b.sendto(data(), ("127.0.0.1", port))
+    a.sendto(handshake(p, 1), ("127.0.0.1", port))
+    b.sendto(handshake(p, 0, kind=2), ("127.0.0.1", port))
     a.recvfrom(2048)
     b.recvfrom(2048)
     stranger.sendto(data(), ("127.0.0.1", port))
@@ -112,11 +122,12 @@ def test_the_kernel_path_hears_of_each_latched_pair_and_lets_go_before_the_socke
     try:
         assert kernel.calls == 1 and kernel.latched == {}  # a table left behind is emptied at the start
         port = free_port()
-        relay.set_pairs([pair(port)])
+        p = pair(port)
+        relay.set_pairs([p])
         a, b = end(A_HOST), end(B_HOST)
-        a.sendto(data(), ("127.0.0.1", port))
+        a.sendto(handshake(p, 1), ("127.0.0.1", port))
         assert kernel.latched == {}  # one end known: nothing for the kernel yet
-        b.sendto(data(), ("127.0.0.1", port))
+        b.sendto(handshake(p, 0, kind=2), ("127.0.0.1", port))
         a.recvfrom(2048)
         wait_for(lambda: port in kernel.latched)  # the pair's thread woke the kernel's
         assert kernel.latched[port] == ((A_HOST, a.getsockname()[1]), (B_HOST, b.getsockname()[1]))
