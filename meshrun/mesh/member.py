@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshrun.core import auth, keys
@@ -106,9 +107,8 @@ def job_key(state: StateDir, peer_public_key: str) -> bytes:
 
 class OverlayKeys:
     """The overlay-request keys (meshrun.core.auth.overlay_key) this member shares with others, by their public
-    keys: computed from the private key on first use, kept in memory, never stored or sent. `by_ip` finds a
-    coordinator's from its overlay address in the last member list (None for an address it does not know), and
-    keeps what it found (a coordinator keeps its address and key)."""
+    keys: computed from the private key on first use, kept in memory, never stored or sent; `at` and `by_ip`
+    find a member's by its overlay address."""
 
     def __init__(self, state: StateDir) -> None:
         self.state = state
@@ -124,18 +124,25 @@ class OverlayKeys:
                 self._keys[peer_public_key] = auth.overlay_key(shared, keys.public_key(private), peer_public_key)
             return self._keys[peer_public_key]
 
-    def by_ip(self, overlay_ip: str) -> bytes | None:
-        if overlay_ip in self._by_ip:
-            return self._by_ip[overlay_ip]
-        try:
-            _, network = load(self.state)
-            _, members = load_members(self.state)
-        except (MeshrunError, OSError):
-            return None
+    def at(self, overlay_ip: str, members: Sequence[Member], network: Network) -> bytes | None:
+        """The key shared with the member at `overlay_ip` in `members` (the network's first coordinator before
+        there is a list); None for an address it does not know."""
         pub = next((m.public_key for m in members if m.overlay_ip == overlay_ip), None)
         if pub is None and overlay_ip == network.coordinator_ip:
-            pub = network.coordinator_public_key  # the first coordinator, before any member list
-        if not pub:
-            return None
-        self._by_ip[overlay_ip] = key = self(pub)
-        return key
+            pub = network.coordinator_public_key
+        return self(pub) if pub else None
+
+    def by_ip(self, overlay_ip: str) -> bytes | None:
+        """`at` with the member list this member last saved (read once per address: a process without an agent's
+        list in memory, such as torchrun's agent)."""
+        if overlay_ip not in self._by_ip:
+            try:
+                _, network = load(self.state)
+                _, members = load_members(self.state)
+            except (MeshrunError, OSError):
+                return None
+            key = self.at(overlay_ip, members, network)
+            if key is None:
+                return None
+            self._by_ip[overlay_ip] = key
+        return self._by_ip[overlay_ip]

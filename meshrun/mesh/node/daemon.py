@@ -209,10 +209,7 @@ class AgentService:
 
     def _key_for(self, coordinator_ip: str) -> bytes | None:
         """The overlay key this agent shares with the coordinator at `coordinator_ip` (None: one it knows not)."""
-        pub = next((m.public_key for m in self.members if m.overlay_ip == coordinator_ip), None)
-        if pub is None and coordinator_ip == self.network.coordinator_ip:
-            pub = self.network.coordinator_public_key  # the first coordinator, before any member list
-        return self.overlay_keys(pub) if pub else None
+        return self.overlay_keys.at(coordinator_ip, self.members, self.network)
 
     def _call_once(self, method: str, path: str, body: dict, timeout: float) -> dict:
         ips = self.coordinator_ips()

@@ -17,6 +17,7 @@ from fakemesh import FakeMesh, signed_request
 from meshrun.core import keys, memberlist, pairpaths, peers
 from meshrun.core.model import Member
 from meshrun.errors import StateError, UsageError
+from meshrun.mesh import member
 from meshrun.mesh.coordinator import admin
 from meshrun.mesh.node.daemon import apply_members
 from meshrun.system.kernel.fakedevice import FakeDevice
@@ -106,6 +107,19 @@ def test_a_sync_without_the_agents_signature_is_refused_before_its_body_is_read(
     changed.raw = json.dumps({**body, "site": "ber"}).encode()
     assert mesh.coord.overlay.handle(changed).status == 403
     assert {m.name: m.site for m in mesh.coord.db.members()}["a"] == "fra"  # only the good one was taken in
+
+
+def test_a_member_and_its_coordinator_derive_one_overlay_key_from_their_own_private_keys(mesh):
+    """What the agent signs with (from the member list in memory), what torchrun's agent on that node signs with
+    (from the saved list: OverlayKeys.by_ip), and what the coordinator checks with are one key; another member's
+    differs, and an address nobody has gives none."""
+    a, b = mesh.join("a", "198.51.100.2:40000"), mesh.join("b", "198.51.100.3:40001")
+    mesh.sync()
+    coord_ip = mesh.network.coordinator_ip
+    key = a.agent._key_for(coord_ip)
+    assert key == member.OverlayKeys(a.state).by_ip(coord_ip) == mesh.coord.overlay_keys(a.key)
+    assert key != b.agent._key_for(coord_ip)
+    assert member.OverlayKeys(a.state).by_ip("10.213.9.9") is None
 
 
 @pytest.mark.parametrize("site", ["Not A Name", 7, "x" * 40])
