@@ -285,9 +285,9 @@ def server(args) -> int:
                 "token": tok.encode(),
                 "version": cur["svc"].roster.version,
                 "keys": [k for _, k, _, _ in members],
-                # Each agent's overlay key (what the real agent computes from its own private key and signs its
-                # syncs with), from the coordinator's side: the same key.
-                "overlay_keys": [cur["svc"].overlay_keys(k).hex() for _, k, _, _ in members[: args.agents]],
+                # Each agent's overlay key, the storm's joiners' too (what the real agent computes from its own
+                # private key and signs its syncs with), from the coordinator's side: the same key.
+                "overlay_keys": [cur["svc"].overlay_keys(k).hex() for _, k, _, _ in members],
                 "storm_private": [p for _, _, _, p in members[args.agents :]],
                 "backend": backend,
                 "wg_pid": getattr(device, "pid", None),
