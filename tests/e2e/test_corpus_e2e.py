@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT, joined_mesh, meshrun_process
+from support import REPO_ROOT, hang_guard, joined_mesh, meshrun_process, wait_for
 
+from meshrun.core import firewall
 from meshrun.errors import CommandError
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec
@@ -107,6 +108,13 @@ def torchrun(
     every node printed that, each torchrun gets SIGINT (Ctrl-C). `one_node`: both ranks on the first node
     (`--standalone`), where torchrun stops a failed rank's sibling itself (across nodes it leaves a rank that
     needs no collective running: nothing tells its agent)."""
+
+    # A meshrun job's guards refuse connections that no job's process opens to the job's nodes' ephemeral ports
+    # (SECURITY.md, "Known limits"): the plain run starts once the last job's shares have taken theirs away.
+    def guards_gone() -> bool:
+        return not any(firewall.job_tables_in(mesh.world.node(n).run("nft", "list", "tables").stdout) for n in NODES)
+
+    wait_for(guards_gone, "the last meshrun job's guards are gone", timeout=hang_guard(30))
     for _attempt in range(TORCHRUN_TRIES):
         port = next(_ports)
         ips = [mesh.overlay_ip(n) for n in NODES]
