@@ -346,3 +346,14 @@ def coordinator_pairs(mesh) -> dict[frozenset, dict]:
 
     rows = status.pair_rows(StateDir(mesh.state_dir(mesh.coordinator)))
     return {frozenset((p["a"], p["b"])): p for p in rows}
+
+
+def wg_handshake(to_key: str, kind: int = 1) -> bytes:
+    """A WireGuard handshake message as the protocol lays it out (kind 1: an initiation, 148 bytes; 2: a response,
+    92), its mac1 made for the public key `to_key` (base64): what a relay latches an end on (meshrun.core.relayfwd)."""
+    import base64
+
+    from meshrun.core.relayfwd import mac1
+
+    body = bytes([kind, 0, 0, 0]) + os.urandom(112 if kind == 1 else 56)
+    return body + mac1(body, base64.b64decode(to_key)) + bytes(16)

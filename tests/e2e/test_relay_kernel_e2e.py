@@ -9,7 +9,6 @@ meshrun's own UdpRelay with its KernelPath, run in R by tests/scripts/relay_host
 
 from __future__ import annotations
 
-import base64
 import ctypes
 import json
 import os
@@ -22,9 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support import cannot_run, unique_prefix
+from support import cannot_run, unique_prefix, wg_handshake
 
-from meshrun.core import keys, relayfwd
+from meshrun.core import keys
 
 pytestmark = pytest.mark.slow
 
@@ -149,13 +148,6 @@ def pair_cmd(port: int = PORT) -> dict:
     return {"pairs": [[port, ka, kb, [A], [B]]]}
 
 
-def handshake(to_key: str, kind: int = 1) -> bytes:
-    """A handshake message as WireGuard lays it out (1: an initiation, 2: a response), its mac1 made for the key
-    `to_key`: only such a message latches its sender at the relay."""
-    body = bytes([kind, 0, 0, 0]) + os.urandom(112 if kind == 1 else 56)
-    return body + relayfwd.mac1(body, base64.b64decode(to_key)) + bytes(16)
-
-
 def pair_keys(cmd: dict) -> tuple[str, str]:
     return cmd["pairs"][0][1], cmd["pairs"][0][2]
 
@@ -163,9 +155,9 @@ def pair_keys(cmd: dict) -> tuple[str, str]:
 def latch(a: socket.socket, b: socket.socket, relay_a: tuple, relay_b: tuple, cmd: dict) -> None:
     """Each end's handshake (through the relay's socket) latches it."""
     ka, kb = pair_keys(cmd)
-    a.sendto(handshake(kb), relay_a)
+    a.sendto(wg_handshake(kb), relay_a)
     time.sleep(0.2)
-    b.sendto(handshake(ka, kind=2), relay_b)
+    b.sendto(wg_handshake(ka, kind=2), relay_b)
     assert b.recvfrom(2048)[1] == relay_b
     assert a.recvfrom(2048)[1] == relay_a
     time.sleep(0.5)  # the relay's kernel thread makes its rules
@@ -238,7 +230,7 @@ def test_an_end_that_moves_is_latched_anew_and_the_kernel_follows(world):
         b.recvfrom(2048)
     deadline = time.monotonic() + 5
     while True:
-        moved.sendto(handshake(pair_keys(cmd)[1]), to_relay_a)
+        moved.sendto(wg_handshake(pair_keys(cmd)[1]), to_relay_a)
         try:
             assert b.recvfrom(2048)[1] == to_relay_b
             break

@@ -29,6 +29,7 @@ import types
 from pathlib import Path
 
 import pytest
+from fakemesh import signed_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import json_strategy
@@ -83,9 +84,7 @@ class Coord:
 
     def signed(self, method: str, path: str, body: object) -> Request:
         """The member's request as its agent sends it: the body's bytes, their MAC under its overlay key."""
-        raw = json.dumps(body, default=str).encode()
-        header = auth.sign(self.member_key, method, path, raw, time.time())
-        return Request(method, path, self.member_ip, body, raw=raw, headers={"Authorization": header})
+        return signed_request(method, path, self.member_ip, body, self.member_key)
 
 
 def _make_state(path: Path) -> tuple[StateDir, dict]:

@@ -4,15 +4,15 @@ forwarded between the two ends only, a port that cannot be bound reported; what 
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
 import time
 
 import pytest
+from support import wg_handshake
 
 from meshrun.core import keys
-from meshrun.core.relayfwd import RelayedPair, mac1
+from meshrun.core.relayfwd import RelayedPair
 from meshrun.system.kernel import relaykernel
 from meshrun.system.sockets.udprelay import UdpRelay
 
@@ -42,10 +42,8 @@ def data(n: int = 200) -> bytes:
 
 
 def handshake(p: RelayedPair, to: int, kind: int = 1) -> bytes:
-    """A handshake message as WireGuard lays it out (kind 1: an initiation, 2: a response), its mac1 made for end
-    `to`'s key: what the relay latches the other end on (a transport datagram latches nothing)."""
-    body = bytes([kind, 0, 0, 0]) + os.urandom(112 if kind == 1 else 56)
-    return body + mac1(body, base64.b64decode(p.keys[to])) + bytes(16)
+    """A handshake message made for end `to`'s key: what the relay latches the other end on."""
+    return wg_handshake(p.keys[to], kind)
 
 
 @pytest.fixture
