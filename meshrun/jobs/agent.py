@@ -7,10 +7,11 @@ forks and runs as ``python -u SCRIPT ARGS`` (``-m MODULE``) would (`worker.run_a
 interpreter would without tearing its objects down (warmfork.exit_as_interpreter). The kinds differ only in
 where the wrapper comes from:
 
-- warm (the default): forked from a forkserver that imported torch once, when the agent started (during its
-  first rendezvous), instead of each being a new Python that imports torch again. That import is about 3 s on
-  a 2-core node; after a lost node every survivor's restarted workers waited for it before resuming
-  (benchmarks/results/ha_failover.json). torch._dynamo is not preloaded (PRELOAD says why).
+- warm (the default): forked from a forkserver with torch imported, instead of each being a new Python that
+  imports torch again. That import is about 3 s on a 2-core node; after a lost node every survivor's restarted
+  workers waited for it before resuming (benchmarks/results/ha_failover.json). The forkserver is itself a fork
+  of the agent, which imported torch to parse torchrun's options (warmfork.start_forkserver): the import is
+  paid once per node and job. torch._dynamo is not preloaded (PRELOAD says why).
 - cold: a new ``python -u -m meshrun.jobs.worker`` per worker, as torchrun starts a script; nothing is forked
   from a process that imported torch, so the script imports it (and initialises CUDA) itself.
 

@@ -288,7 +288,8 @@ def restart_workers(
     for agent in procs.children(share):  # torchrun (meshrun.jobs.agent)
         # Its own children are multiprocessing's forkserver, which keeps torch imported for the next workers,
         # and resource tracker: left alone. The workers and their scripts are below them.
-        helpers = {pid for pid in procs.children(agent) if warmfork.is_helper(procs.argv(pid))}
+        agent_argv = procs.argv(agent)
+        helpers = {pid for pid in procs.children(agent) if warmfork.is_helper(procs.argv(pid), agent_argv)}
         for pid in procs.descendants(agent):
             if pid == agent or pid in helpers:
                 continue

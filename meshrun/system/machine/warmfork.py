@@ -16,14 +16,18 @@ import gc
 import io
 import itertools
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.process
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
+import socket
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -33,17 +37,93 @@ HELPER_MARK = "from multiprocessing."
 
 
 def start_forkserver(preload: Sequence[str]) -> None:
-    """Start multiprocessing's forkserver now, importing `preload` once in it. Started before torchrun's
-    rendezvous, the import overlaps it; later forkserver workers are forked from that state. A module that
-    fails to import is skipped by multiprocessing (the workers import it themselves)."""
+    """Start multiprocessing's forkserver now with `preload` imported; later forkserver workers are forked
+    from that state. Where it can (`_fork_forkserver`), the forkserver is a fork of this process, which imports
+    `preload` first: the import is paid once per agent instead of twice. Elsewhere it is multiprocessing's own,
+    a new interpreter that imports `preload` (a module that fails to import is skipped: the workers import it
+    themselves). Call it before starting threads."""
     multiprocessing.set_forkserver_preload(list(preload))
-    multiprocessing.forkserver.ensure_running()
+    if not _fork_forkserver(preload):
+        multiprocessing.forkserver.ensure_running()
 
 
-def is_helper(argv: Sequence[str] | None) -> bool:
-    """True for the command line of multiprocessing's forkserver or resource tracker. The workers forked from
-    the forkserver keep its command line too: ask it of the agent's own children only."""
-    return bool(argv) and any(HELPER_MARK in a for a in argv)
+# The forkserver's state that `_fork_forkserver` fills in as ForkServer.ensure_running would (CPython 3.10 to
+# 3.13; 3.14 adds an authentication key to it, so there multiprocessing starts its own).
+_FORKSERVER_FIELDS = ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+
+
+def _fork_forkserver(preload: Sequence[str]) -> bool:
+    """Import `preload` here, then start multiprocessing's forkserver as a fork of this process: what
+    ForkServer.ensure_running does with a new interpreter (a listening socket only this user may reach, the
+    "alive" pipe whose end closes when every client has gone), without importing torch a second time (about
+    1.2 CPU-s; the agent imported it already, to parse torchrun's options). False, having done nothing, where
+    the fork would not be safe or the forkserver's internals are not those this knows: a Python thread
+    besides this one (the fork would not copy it), a forkserver already running, another CPython."""
+    server = multiprocessing.forkserver._forkserver  # noqa: SLF001 - the module's own singleton
+    if sys.version_info >= (3, 14) or not all(hasattr(server, f) for f in _FORKSERVER_FIELDS):
+        return False
+    if server._forkserver_pid is not None or threading.active_count() > 1:  # noqa: SLF001
+        return False
+    for name in preload:
+        try:
+            __import__(name)
+        except ImportError:  # as multiprocessing's forkserver does: the workers import it themselves
+            pass
+    with server._lock:  # noqa: SLF001
+        multiprocessing.resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not multiprocessing.util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            _flush_std()
+            with warnings.catch_warnings():  # 3.12+: "multi-threaded": torch's idle native pool, as any fork
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                _serve_forkserver(listener.detach(), alive_r, alive_w, preload)
+            os.close(alive_r)
+        server._forkserver_address = address  # noqa: SLF001
+        server._forkserver_alive_fd = alive_w  # noqa: SLF001
+        server._forkserver_pid = pid  # noqa: SLF001
+    return True
+
+
+def _serve_forkserver(listener_fd: int, alive_r: int, alive_w: int, preload: Sequence[str]) -> NoReturn:
+    """The forked forkserver: multiprocessing's own loop until every client has closed the alive pipe. It never
+    returns into the caller's code, nor runs the caller's exit hooks."""
+    code = 0
+    try:
+        os.close(alive_w)  # the clients' end: held here too, the pipe would never close
+        multiprocessing.forkserver.main(listener_fd, alive_r, list(preload))
+    except SystemExit:  # the loop's end: no client left
+        pass
+    except BaseException:  # noqa: BLE001 - said on stderr, as multiprocessing's own forkserver would
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _flush_std(*more: object) -> None:
+    """Flush sys.stdout and sys.stderr (and `more`), ignoring a closed or broken one: before a fork (what they
+    buffered is this process's, not the child's to write) and at the end."""
+    for stream in (sys.stdout, sys.stderr, *more):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def is_helper(argv: Sequence[str] | None, agent_argv: Sequence[str] | None = None) -> bool:
+    """True for the command line of multiprocessing's forkserver or resource tracker among an agent's children:
+    a new interpreter's (`HELPER_MARK`), or the agent's own (`agent_argv`: a forkserver forked from the agent).
+    The workers forked from the forkserver keep its command line too: ask it of the agent's own children only."""
+    if not argv:
+        return False
+    return any(HELPER_MARK in a for a in argv) or (agent_argv is not None and list(argv) == list(agent_argv))
 
 
 class Forked:
@@ -74,11 +154,7 @@ def fork_call(run: Callable[[], int]) -> Forked:
     err_r, err_w = os.pipe()
     # What this process buffered is its own: flushed now, the child cannot write it again when it flushes every
     # open file at its end (multiprocessing flushes before it forks, for the same reason).
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
+    _flush_std(sys.__stdout__, sys.__stderr__)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's exit code is what the tests read
         code = 1
@@ -143,11 +219,7 @@ def exit_as_interpreter(code: int) -> NoReturn:
         atexit._run_exitfuncs()
     finally:
         _flush_open_files()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
+        _flush_std()
         if code < 0:
             signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)

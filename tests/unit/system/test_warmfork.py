@@ -35,3 +35,70 @@ def test_the_parents_buffered_output_is_not_written_again_by_the_child():
     assert r.returncode == 0, r.stderr
     assert r.stdout == b"parent's line\n"
     assert r.stderr == repr(b"child's line\n").encode()
+
+
+# A parent that marks a module it imported, starts the forkserver (`thread`: with a Python thread running), and
+# has a forkserver worker say whether it sees the mark (only a fork of the parent does), and the forkserver's pid.
+FORKSERVER_PARENT = textwrap.dedent(
+    """
+    import json, multiprocessing, sys, threading, time
+    from meshrun.system.machine import warmfork
+    import probe
+    json.meshrun_mark = "marked in the parent"
+    if sys.argv[1] == "thread":
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    warmfork.start_forkserver(["json", "probe"])
+    queue = multiprocessing.get_context("forkserver").SimpleQueue()
+    worker = multiprocessing.get_context("forkserver").Process(target=probe.report, args=(queue,))
+    worker.start()
+    worker.join(60)
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    print(queue.get(), server, worker.exitcode, flush=True)
+    """
+)
+PROBE = 'def report(queue):\n    import json\n    queue.put(getattr(json, "meshrun_mark", None))\n'
+
+
+def run_forkserver_parent(tmp_path, mode: str) -> tuple[str, int]:
+    (tmp_path / "probe.py").write_text(PROBE)
+    r = subprocess.run(
+        [sys.executable, "-c", FORKSERVER_PARENT, mode],
+        env={**os.environ, "PYTHONPATH": f"{REPO_ROOT}:{tmp_path}"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    *mark, server, exitcode = r.stdout.split()
+    assert exitcode == "0", r.stdout
+    return " ".join(mark), int(server)
+
+
+def gone(pid: int, timeout: float = 30) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_forkserver_is_a_fork_of_its_starter_and_ends_with_it(tmp_path):
+    """What the parent imported and set, the workers have (the import is paid once); once the parent is gone
+    the forkserver ends (nothing holds the alive pipe's write end, not even the fork itself)."""
+    mark, server = run_forkserver_parent(tmp_path, "alone")
+    assert mark == "marked in the parent"
+    assert gone(server), f"the forkserver {server} outlived its parent"
+
+
+def test_with_a_thread_running_the_forkserver_is_a_new_interpreter(tmp_path):
+    """A fork copies only the calling thread: with another Python thread running, multiprocessing's own
+    forkserver (a new interpreter, which imports the preload itself) is started instead."""
+    mark, server = run_forkserver_parent(tmp_path, "thread")
+    assert mark == "None"
+    assert gone(server)
