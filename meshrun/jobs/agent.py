@@ -119,9 +119,11 @@ def main(argv: list[str] | None = None) -> None:
         args.master_port = 29500
     if kind == "warm":
         args.start_method = START_METHOD
+        # Before config_from_args: its launch config asks CUDA for the device count on a CUDA build, after which
+        # no fork of this process could use the GPU. The OMP_NUM_THREADS it then sets reaches each worker in
+        # torch's per-worker environment, which the worker applies (meshrun.jobs.worker.forked).
+        warmfork.start_forkserver(PRELOAD)
     config, _cmd, _cmd_args = torchrun.config_from_args(args)  # also sets OMP_NUM_THREADS as torchrun does
-    if kind == "warm":
-        warmfork.start_forkserver(PRELOAD)  # after config_from_args: the forkserver keeps this environment
     quick_tracebacks()  # once torch's loggers are all made
     run, run_args = entrypoint(kind, args.module, args.training_script, list(args.training_script_args))
 

@@ -169,7 +169,17 @@ def cuda_initialised() -> bool:
     """True when this process has initialised CUDA (only possible once torch is imported): a fork of it could
     not use the GPU (CUDA's state does not survive a fork)."""
     torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    return bool(torch is not None and (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()))  # noqa: SLF001
+
+
+def threads_from_environment() -> None:
+    """Size torch's intra-op thread pool by OMP_NUM_THREADS, as a new interpreter's import of torch would: the
+    process this worker was forked from imported torch before torchrun set the variable (one thread per worker
+    when a node runs several)."""
+    torch = sys.modules.get("torch")
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and wanted.isdigit() and int(wanted) > 0 and torch.get_num_threads() != int(wanted):
+        torch.set_num_threads(int(wanted))
 
 
 def forked(*argv: str) -> None:
@@ -183,6 +193,7 @@ def forked(*argv: str) -> None:
         )
         record_exit(1, None)
         sys.exit(1)
+    threads_from_environment()
     rc = main(list(argv))
     if rc:
         sys.exit(rc)

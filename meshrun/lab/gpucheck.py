@@ -28,6 +28,7 @@ about the interfaces, sockets and graphs (``NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -40,6 +41,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshrun.core.launch import DEFAULT_WORKERS, WORKER_KINDS
 from meshrun.errors import HostError, MeshrunError
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec, World
@@ -73,10 +75,12 @@ class CheckPlan:
     backend: str  # "nccl" or "gloo"
     gpu_of: dict[str, int]  # node name -> its GPU (empty on gloo)
     message: str = ""
+    workers: str = DEFAULT_WORKERS  # `meshrun train --workers`
 
     def train_args(self, script: str = "nccl_check.py", subsys: str = "INIT,NET") -> list[str]:
         """`meshrun train`'s options and script for this plan (run from examples/); the script's own args follow."""
-        args = ["--nproc-per-node", "1", "--env", "NCCL_DEBUG=INFO", "--env", f"NCCL_DEBUG_SUBSYS={subsys}"]
+        args = ["--nproc-per-node", "1", "--workers", self.workers]
+        args += ["--env", "NCCL_DEBUG=INFO", "--env", f"NCCL_DEBUG_SUBSYS={subsys}"]
         if self.backend == "gloo":
             return args + ["--env", "CUDA_VISIBLE_DEVICES=", script]
         gpus = ",".join(f"{node}={gpu}" for node, gpu in self.gpu_of.items())
@@ -437,6 +441,7 @@ def run(
     lan_path: bool = True,
     wan: WanPlan | None = None,
     lan_encapsulation: str = "vxlan",
+    workers: str = DEFAULT_WORKERS,
 ) -> int:
     """Build the world, run the check, print the summary, then the bandwidth table; the check's exit code
     (a bench job that fails makes it 1 too). `lan_path`: site s2 is trusted (with `lan_encapsulation`), its pair
@@ -451,7 +456,7 @@ def run(
         mesh = Mesh(world, "hq-a")
         mesh.init()
         nodes = [n for n in world.nodes if n.dc != "hq"]
-        plan = check_plan(gpus, [n.name for n in nodes])
+        plan = dataclasses.replace(check_plan(gpus, [n.name for n in nodes]), workers=workers)
         if plan.message:
             out(plan.message)
         for n in nodes:
@@ -526,6 +531,10 @@ def trust_site(mesh: Mesh, out=print, timeout_s: float = 40, encapsulation: str 
     return False
 
 
+FAILURE_TAIL = 40  # lines of a failed check's ranks shown
+RANK_LINE = re.compile(r"^\[\S+ r\d+\] ")  # a worker's line, as meshrun train prefixes it
+
+
 def report_check(res, out=print) -> None:
     """The groups check's lines and each group's NCCL transport (`res`: the `meshrun train` CompletedProcess)."""
     text = res.stdout + res.stderr
@@ -539,12 +548,16 @@ def report_check(res, out=print) -> None:
     for group in ("world group", "site group", "cross-site groups"):
         lines = sorted(seen.get(group, set()))
         out(f"{group}: " + ("; ".join(lines) if lines else "(no NCCL transport lines: gloo, or NCCL logged none)"))
+    if res.returncode != 0:  # what the ranks said last, NCCL's log left out: why it failed
+        said = [line for line in text.splitlines() if RANK_LINE.match(line) and "NCCL INFO" not in line]
+        out("\n".join(said[-FAILURE_TAIL:] + text.splitlines()[-4:]))
     out(f"groups check {'passed' if res.returncode == 0 else f'FAILED (exit {res.returncode})'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m meshrun.lab.gpucheck", description=__doc__.splitlines()[0])
     p.add_argument("--no-bench", action="store_true", help="only the groups check, no bandwidth table")
+    p.add_argument("--workers", choices=WORKER_KINDS, default=DEFAULT_WORKERS, help="meshrun train --workers")
     p.add_argument(
         "--settings", default=",".join(SETTINGS), help="NCCL socket settings: default and/or TxS, each +NCCL_VAR=V ..."
     )
@@ -592,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
             job_timeout_s=a.job_timeout_s,
             lan_path=not a.no_lan_path,
             lan_encapsulation=a.lan_encapsulation,
+            workers=a.workers,
         )
     except MeshrunError as exc:
         print(f"meshrun gpu-check: {exc}", file=sys.stderr)

@@ -20,6 +20,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.process
 import multiprocessing.resource_tracker
+import multiprocessing.spawn
 import multiprocessing.util
 import os
 import signal
@@ -41,7 +42,8 @@ def start_forkserver(preload: Sequence[str]) -> None:
     from that state. Where it can (`_fork_forkserver`), the forkserver is a fork of this process, which imports
     `preload` first: the import is paid once per agent instead of twice. Elsewhere it is multiprocessing's own,
     a new interpreter that imports `preload` (a module that fails to import is skipped: the workers import it
-    themselves). Call it before starting threads."""
+    themselves). Call it before starting threads and before asking CUDA anything (torch's device count): a fork
+    made after that could not use the GPU, so the forkserver would be a new interpreter after all."""
     multiprocessing.set_forkserver_preload(list(preload))
     if not _fork_forkserver(preload):
         multiprocessing.forkserver.ensure_running()
@@ -93,10 +95,13 @@ def _fork_forkserver(preload: Sequence[str]) -> bool:
 
 def _serve_forkserver(listener_fd: int, alive_r: int, alive_w: int, preload: Sequence[str]) -> NoReturn:
     """The forked forkserver: multiprocessing's own loop until every client has closed the alive pipe. It never
-    returns into the caller's code, nor runs the caller's exit hooks."""
+    returns into the caller's code, nor runs the caller's exit hooks. Where the fork cannot serve (`_usable_fork`),
+    it becomes multiprocessing's own forkserver, a new interpreter on the same socket and pipe."""
     code = 0
     try:
         os.close(alive_w)  # the clients' end: held here too, the pipe would never close
+        if not _usable_fork():
+            _exec_forkserver(listener_fd, alive_r, preload)
         multiprocessing.forkserver.main(listener_fd, alive_r, list(preload))
     except SystemExit:  # the loop's end: no client left
         pass
@@ -105,6 +110,26 @@ def _serve_forkserver(listener_fd: int, alive_r: int, alive_w: int, preload: Seq
         code = 1
     finally:
         os._exit(code)
+
+
+def _usable_fork() -> bool:
+    """False in a fork whose workers could not use the GPU: the parent asked CUDA something (torch's device
+    count, as torchrun's launch config does on a CUDA build), which marks every later fork "bad" for CUDA."""
+    torch = sys.modules.get("torch")
+    return not (torch is not None and torch.cuda._is_in_bad_fork())  # noqa: SLF001 - torch's own fork check
+
+
+def _exec_forkserver(listener_fd: int, alive_r: int, preload: Sequence[str]) -> NoReturn:
+    """Replace this process by multiprocessing's own forkserver on `listener_fd` and `alive_r`: the command line
+    ForkServer.ensure_running runs, so the process keeps its pid and the clients their socket."""
+    data = multiprocessing.spawn.get_preparation_data("ignore")
+    data = {k: v for k, v in data.items() if k in ("main_path", "sys_path")}
+    cmd = "from multiprocessing.forkserver import main; main(%d, %d, %r, **%r)"  # noqa: UP031 - multiprocessing's
+    for fd in (listener_fd, alive_r):
+        os.set_inheritable(fd, True)
+    exe = multiprocessing.spawn.get_executable()
+    flags = multiprocessing.util._args_from_interpreter_flags()  # noqa: SLF001 - as ensure_running passes them
+    os.execv(exe, [exe, *flags, "-c", cmd % (listener_fd, alive_r, list(preload), data)])
 
 
 def _flush_std(*more: object) -> None:

@@ -35,7 +35,8 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 t = __import__("torch").ones(1) * (dist.get_rank() + 1)
 dist.all_reduce(t)
-print(f"rank={dist.get_rank()} sum={int(t.item())}", flush=True)
+threads = __import__("torch").get_num_threads()  # torchrun's OMP_NUM_THREADS=1 for two workers on a node
+print(f"rank={dist.get_rank()} sum={int(t.item())} threads={threads}", flush=True)
 if os.environ.get("FAIL_FIRST") and attempt == "0" and dist.get_rank() == 1:
     sys.exit(3)
 if os.environ.get("WAIT_FOR_REGROUP") and attempt == "0":
@@ -116,7 +117,8 @@ def store_port():
 
 
 def agent_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "MESHRUN_", "TORCHELASTIC"))}
+    drop = ("RANK", "LOCAL_RANK", "MESHRUN_", "TORCHELASTIC", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     return {**env, "PYTHONPATH": str(REPO_ROOT), "MESHRUN_NODE_NAME": "n1", **extra}
 
 
@@ -154,6 +156,7 @@ def test_workers_start_warm_and_a_failed_attempt_restarts_warm(tmp_path, store_p
     assert sorted((rank, attempt) for rank, attempt, *_ in starts) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
     assert {(warm, main, path0) for *_, warm, main, path0 in starts} == {("True", "__main__", str(tmp_path))}
     assert r.stdout.count("sum=3") == 4  # both ranks, both attempts: a working gloo group each time
+    assert re.findall(r"sum=3 threads=(\d+)", r.stdout) == ["1"] * 4, r.stdout
     assert "exitcode: 3" in r.stderr  # torch's own account of the failed attempt
 
 

@@ -3,6 +3,9 @@ transport lines, by the group they came after)."""
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+
 from meshrun.lab.gpucheck import (
     SETTINGS,
     BenchJob,
@@ -12,6 +15,7 @@ from meshrun.lab.gpucheck import (
     check_plan,
     main,
     nccl_net_lines,
+    report_check,
     summarize,
 )
 
@@ -31,6 +35,23 @@ def test_one_gpu_runs_nccl_with_every_node_on_it_as_a_host_of_its_own():
         "--hostid-per-node",
     ]
     assert "CUDA_VISIBLE_DEVICES=" not in args
+    assert args[args.index("--workers") + 1] == "warm"  # meshrun train's default, said outright
+    cold = dataclasses.replace(plan, workers="cold").train_args()
+    assert cold[cold.index("--workers") + 1] == "cold"
+
+
+def test_a_failed_check_shows_what_its_ranks_said_last_without_nccls_log():
+    """The job's own error, not only torchrun's summary: the ranks' last lines, NCCL's INFO lines left out."""
+    ranks = [f"[s1-a r0] line {i}" for i in range(60)] + ["[s1-a r0] RuntimeError: Cannot re-initialize CUDA"]
+    noise = [f"[s1-b r1] host:1:1 [0] NCCL INFO Bootstrap {i}" for i in range(200)]
+    agent = [f"[s2-a] torchrun summary {i}" for i in range(50)]
+    res = subprocess.CompletedProcess([], 1, "\n".join(ranks + noise + agent), "meshrun: job x failed\n")
+    said: list[str] = []
+    report_check(res, said.append)
+    text = "\n".join(said)
+    assert "RuntimeError: Cannot re-initialize CUDA" in text and "line 59" in text and "line 0\n" not in text
+    assert "NCCL INFO" not in text and "meshrun: job x failed" in text
+    assert said[-1] == "groups check FAILED (exit 1)"
 
 
 def test_several_gpus_are_dealt_round_robin_and_hosts_stay_apart():

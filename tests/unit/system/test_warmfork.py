@@ -47,19 +47,22 @@ FORKSERVER_PARENT = textwrap.dedent(
     json.meshrun_mark = "marked in the parent"
     if sys.argv[1] == "thread":
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    if sys.argv[1] == "unusable":  # as after torch asked CUDA for its devices: the fork must not serve
+        warmfork._usable_fork = lambda: False
     warmfork.start_forkserver(["json", "probe"])
     queue = multiprocessing.get_context("forkserver").SimpleQueue()
     worker = multiprocessing.get_context("forkserver").Process(target=probe.report, args=(queue,))
     worker.start()
     worker.join(60)
     server = multiprocessing.forkserver._forkserver._forkserver_pid
-    print(queue.get(), server, worker.exitcode, flush=True)
+    helper = warmfork.is_helper(open(f"/proc/{server}/cmdline").read().split("\\0"))
+    print(queue.get(), server, worker.exitcode, helper, flush=True)
     """
 )
 PROBE = 'def report(queue):\n    import json\n    queue.put(getattr(json, "meshrun_mark", None))\n'
 
 
-def run_forkserver_parent(tmp_path, mode: str) -> tuple[str, int]:
+def run_forkserver_parent(tmp_path, mode: str) -> tuple[str, int, bool]:
     (tmp_path / "probe.py").write_text(PROBE)
     r = subprocess.run(
         [sys.executable, "-c", FORKSERVER_PARENT, mode],
@@ -70,9 +73,9 @@ def run_forkserver_parent(tmp_path, mode: str) -> tuple[str, int]:
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    *mark, server, exitcode = r.stdout.split()
+    *mark, server, exitcode, helper = r.stdout.split()
     assert exitcode == "0", r.stdout
-    return " ".join(mark), int(server)
+    return " ".join(mark), int(server), helper == "True"
 
 
 def gone(pid: int, timeout: float = 30) -> bool:
@@ -91,14 +94,22 @@ def gone(pid: int, timeout: float = 30) -> bool:
 def test_the_forkserver_is_a_fork_of_its_starter_and_ends_with_it(tmp_path):
     """What the parent imported and set, the workers have (the import is paid once); once the parent is gone
     the forkserver ends (nothing holds the alive pipe's write end, not even the fork itself)."""
-    mark, server = run_forkserver_parent(tmp_path, "alone")
-    assert mark == "marked in the parent"
+    mark, server, new_interpreter = run_forkserver_parent(tmp_path, "alone")
+    assert mark == "marked in the parent" and not new_interpreter
     assert gone(server), f"the forkserver {server} outlived its parent"
 
 
 def test_with_a_thread_running_the_forkserver_is_a_new_interpreter(tmp_path):
     """A fork copies only the calling thread: with another Python thread running, multiprocessing's own
     forkserver (a new interpreter, which imports the preload itself) is started instead."""
-    mark, server = run_forkserver_parent(tmp_path, "thread")
-    assert mark == "None"
+    mark, server, new_interpreter = run_forkserver_parent(tmp_path, "thread")
+    assert mark == "None" and new_interpreter
+    assert gone(server)
+
+
+def test_a_fork_that_could_not_use_cuda_becomes_a_new_interpreter(tmp_path):
+    """Once the parent asked CUDA for its devices, its forks cannot use the GPU: the forked forkserver replaces
+    itself by multiprocessing's own (same pid and socket), whose workers import torch themselves."""
+    mark, server, new_interpreter = run_forkserver_parent(tmp_path, "unusable")
+    assert mark == "None" and new_interpreter
     assert gone(server)
