@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
 import shutil
 from pathlib import Path
 
+from meshrun.errors import MeshrunError
+from meshrun.system.files.statedir import atomic_write
 from meshrun.system.machine import procs
 
 
@@ -49,6 +52,12 @@ if out["torch"]:
 print(json.dumps(out))
 """
 _cache: dict[str, tuple[tuple, dict]] = {}
+# Reports shared by every meshrun process of this machine, as root: the probe's torch import (1-3 CPU-s) is paid
+# once per boot, interpreter, torch installation and GPU visibility, not by every agent that starts or restarts.
+# Under /run: gone at reboot, when GPUs and drivers may have changed.
+SHARED_CACHE = Path("/run/meshrun/host-probe")
+# The variables that change which torch an interpreter imports, or which GPUs it sees (and so its report).
+REPORT_ENV = ("PYTHONPATH", "PYTHONHOME", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 
 def _stamp(report: dict) -> tuple:
@@ -62,14 +71,62 @@ def _stamp(report: dict) -> tuple:
     return tuple(stamp)
 
 
-def environment(python: str, timeout: float = 60) -> dict:
+def _shared_path(python: str, cache: Path) -> Path:
+    """Where the shared report of `python`, as this process's environment and this boot see it, is kept."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    key = json.dumps([python, boot, [os.environ.get(v) for v in REPORT_ENV]])
+    return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _read_shared(path: Path) -> dict | None:
+    """The report kept at `path`, if this user wrote it, nobody else could, and it still describes the
+    interpreter and torch installation (`_stamp`); None otherwise."""
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                return None
+            kept = json.loads(f.read())
+        report = kept["report"]
+        return report if isinstance(report, dict) and list(kept["stamp"]) == list(_stamp(report)) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_shared(path: Path, report: dict) -> None:
+    """Keep `report` at `path` for the other meshrun processes of this machine (root only: they run as root).
+    Only a report of an interpreter with torch: without, nothing would notice torch being installed later (and
+    that probe imports nothing)."""
+    if os.geteuid() != 0 or not report.get("torch_dir"):
+        return
+    try:
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        st = path.parent.stat()
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            return  # a directory somebody else could write to: nothing is shared through it
+        atomic_write(path, json.dumps({"stamp": list(_stamp(report)), "report": report}), mode=0o644)
+    except (OSError, MeshrunError):
+        pass  # only a cache: the next process probes again
+
+
+def environment(python: str, timeout: float = 60, shared: Path | None = SHARED_CACHE) -> dict:
     """The interpreter's Python, torch (version, build, NCCL, gloo) and GPUs, as EnvReport fields.
 
-    On failure the report holds an "error" (the interpreter cannot run, or the probe broke).
+    Kept in this process, and under `shared` for every meshrun process of the machine (None: not shared), while
+    the interpreter and its torch are unchanged. On failure the report holds an "error" (the interpreter cannot
+    run, or the probe broke); an error is not kept.
     """
     cached = _cache.get(python)
     if cached is not None and cached[0] == _stamp(cached[1]):
         return dict(cached[1])
+    path = _shared_path(python, shared) if shared is not None else None
+    report = _read_shared(path) if path is not None else None
+    if report is not None:
+        _cache[python] = (_stamp(report), report)
+        return dict(report)
     try:
         res = procs.run([python, "-c", PROBE], capture_output=True, text=True, timeout=timeout)
     except (OSError, procs.TimeoutExpired) as exc:
@@ -81,6 +138,8 @@ def environment(python: str, timeout: float = 60) -> dict:
     except (ValueError, IndexError):
         return {"python": python, "error": "the probe printed no report"}
     _cache[python] = (_stamp(report), report)
+    if path is not None:
+        _write_shared(path, report)
     return dict(report)
 
 
