@@ -33,6 +33,7 @@ through their job directories.
 
 from __future__ import annotations
 
+import functools
 import io
 import ipaddress
 import logging
@@ -371,8 +372,10 @@ def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
         firewall.install_forward_guard(network.interface)
     except MeshrunError as exc:
         log.warning("no forward guard on %s: %s", network.interface, exc)
-    # Pre-flight reports import torch once (a second or two): do it now, not while a job waits.
-    threading.Thread(target=host.environment, args=(sys.executable,), name="preflight-warm", daemon=True).start()
+    # Pre-flight reports import torch once (a second or two, or read what another agent here found): do it now,
+    # not while a job waits.
+    warm = functools.partial(host.environment, sys.executable, background=True)
+    threading.Thread(target=warm, name="preflight-warm", daemon=True).start()
     try:
         api = JobAPI(state, network, rec["name"], coordinators, gpus=host.visible_gpus(), promoted=_restart_later)
         return JobServer(api, rec["overlay_ip"])
