@@ -9,17 +9,28 @@ node's `wg show meshrun0 latest-handshakes` is then polled (in the node's own mo
 namespace) until every member pair, the coordinator included, shows a handshake on both
 sides. Each size runs `--rounds` times, the sizes in alternating order from round to round; the
 result per size is min/median/max. Target: median under 5 s for 8 nodes.
+
+Added on 2026-11-29, before the run it governs (issue 59: "a full mesh of N joining at once in seconds"):
+targets now median < 2 s for 8 nodes and < 4 s for 16. Every world starts without the machine's shared report of
+the job interpreter (meshrun.system.machine.host.SHARED_CACHE, removed first): each joining node's agent probes
+its interpreter (imports torch) as on a new machine, so the N probes, which on N real machines would each have
+a machine of their own, all compete here for this machine's cores (they run niced since this change). The sizes
+alternate as before; 3 rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+TARGETS_S = {8: 2.0, 16: 4.0}  # nodes -> the median's target (issue 59)
 
 
 def handshakes(node) -> dict[str, int]:
@@ -39,6 +50,9 @@ def public_key(node) -> str:
 def one(n: int, timeout: float) -> dict:
     from common import join_all, mesh_world
 
+    from meshrun.system.machine.host import SHARED_CACHE
+
+    shutil.rmtree(SHARED_CACHE, ignore_errors=True)  # every node probes its interpreter, as on a new machine
     with mesh_world(n, "ttm", join=False) as (world, mesh, names):
         members = ["dc1-a", *names]
         nodes = [world.node(x) for x in members]
@@ -129,8 +143,15 @@ def main() -> int:
                 "seconds": spread(done) if done else None,
             }
         )
-    eight = next((r for r in rows if r["nodes"] == 8), None)
-    ok = eight is not None and eight["seconds"] is not None and not eight["timeouts"] and eight["seconds"]["median"] < 5
+
+    def met(n: int) -> bool | None:
+        row = next((r for r in rows if r["nodes"] == n), None)
+        if row is None:
+            return None
+        return row["seconds"] is not None and not row["timeouts"] and row["seconds"]["median"] < TARGETS_S[n]
+
+    judged = {n: met(n) for n in TARGETS_S if met(n) is not None}
+    ok = all(judged.values()) if judged else None
     parts = ", ".join(
         f"{r['nodes']} nodes {r['seconds']['median']:.1f} s ({r['seconds']['min']:.1f}-{r['seconds']['max']:.1f})"
         if r["seconds"]
@@ -139,12 +160,15 @@ def main() -> int:
     )
     summary = (
         f"time_to_mesh: all pairs handshaken after, median (min-max) of {args.rounds}: {parts} "
-        + (f"({verdict(ok)} < 5 s for 8 nodes)" if eight else "(8 nodes not measured)")
+        + (
+            "(" + ", ".join(f"{verdict(judged[n])} < {TARGETS_S[n]:g} s for {n} nodes" for n in judged) + ")"
+            if judged
+            else "(8 and 16 nodes not measured)"
+        )
         + f" [{time.monotonic() - t_start:.0f} s]"
     )
-    write_result(
-        args.name, {"rounds": args.rounds, "rows": rows, "target_s_8_nodes": 5.0, "met": ok if eight else None}, summary
-    )
+    targets = {str(n): t for n, t in TARGETS_S.items()}
+    write_result(args.name, {"rounds": args.rounds, "rows": rows, "targets_s": targets, "met": ok}, summary)
     return 0
 
 
