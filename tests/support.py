@@ -326,6 +326,57 @@ def wait_for(check, what: str, timeout: float = 60, ping: tuple | None = None) -
     raise AssertionError(f"timed out waiting until {what}")
 
 
+class Drain:
+    """Everything `procs` write to their pipes, read by a thread per pipe from now on, so that none of them
+    blocks on a full pipe (64 KiB) while another is waited for or read: ranks of one job wait for each other, and
+    a rank blocked on a write never ends (two plain torchrun runs of the corpus hung so, read one after the
+    other, 2026-11-29)."""
+
+    def __init__(self, procs: Sequence[subprocess.Popen]) -> None:
+        self.procs = list(procs)
+        self.got: dict[tuple[int, str], list] = {}
+        self.readers = []
+        for i, p in enumerate(self.procs):
+            for name in ("stdout", "stderr"):
+                pipe = getattr(p, name)
+                if pipe is not None:
+                    chunks = self.got[(i, name)] = []
+                    self.readers.append(threading.Thread(target=chunks.extend, args=(pipe,), daemon=True))
+        for t in self.readers:
+            t.start()
+
+    def text(self, i: int, name: str = "stdout"):
+        """What process `i` wrote to `name` so far (None: not a pipe)."""
+        chunks = self.got.get((i, name))
+        if chunks is None:
+            return None
+        chunks = list(chunks)
+        return "".join(chunks) if not chunks or isinstance(chunks[0], str) else b"".join(chunks)
+
+    def finish(self, timeout: float) -> list:
+        """Wait for every process, then return what each wrote: its stdout, or (stdout, stderr) when both are
+        pipes, as `communicate()` would. subprocess.TimeoutExpired if one still runs after `timeout` s (with
+        what every process wrote so far in `.output`)."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.001))
+            except subprocess.TimeoutExpired as exc:
+                exc.output = "".join(str(self.text(i)) for i in range(len(self.procs)))
+                raise
+        for t in self.readers:
+            t.join(timeout=30)
+        return [
+            (self.text(i), self.text(i, "stderr")) if p.stderr is not None else self.text(i)
+            for i, p in enumerate(self.procs)
+        ]
+
+
+def communicate_all(procs: Sequence[subprocess.Popen], timeout: float) -> list:
+    """`communicate()` of every process in `procs` at once (`Drain`): what each wrote."""
+    return Drain(procs).finish(timeout)
+
+
 def hang_guard(design_s: float) -> float:
     """The most seconds an end-to-end test lets a thing designed to take `design_s` take: three times that.
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT, hang_guard, joined_mesh, meshrun_process, wait_for
+from support import REPO_ROOT, Drain, hang_guard, joined_mesh, meshrun_process, wait_for
 
 from meshrun.core import firewall
 from meshrun.errors import CommandError
@@ -138,18 +138,18 @@ def torchrun(
                 )
             )
         try:
+            drain = Drain(started)
             if interrupt_after:
-                seen = ["", ""]
-                for i, p in enumerate(started):
-                    for line in p.stdout:
-                        seen[i] += line
-                        if interrupt_after in line:
-                            break
+                wait_for(
+                    lambda: all(interrupt_after in drain.text(i) for i in range(len(started))),
+                    f"every node printed {interrupt_after!r}",
+                    timeout=hang_guard(40),
+                )
                 for p in started:
                     p.send_signal(signal.SIGINT)
-                outs = [seen[i] + p.communicate(timeout=120)[0] for i, p in enumerate(started)]
+                outs = drain.finish(timeout=120)
             else:
-                outs = [p.communicate(timeout=300)[0] for p in started]
+                outs = drain.finish(timeout=300)
         finally:
             for p in started:
                 if p.poll() is None:

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from support import TESTS, coordinator_pairs, hang_guard, joined_mesh, relay_world
+from support import TESTS, communicate_all, coordinator_pairs, hang_guard, joined_mesh, relay_world
 
 from meshrun.core import netparse, pairpaths
 from meshrun.lab.mesh import Mesh
@@ -137,7 +137,7 @@ def test_with_the_coordinator_cut_off_for_60_s_direct_and_relayed_pairs_keep_a_j
         time.sleep(max(0.0, 60 - (time.monotonic() - cut_at)))
         assert all(p.poll() is None for p in procs), "a rank stopped while the coordinator was away"
         hq.cut_uplink(restore=True)
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = communicate_all(procs, timeout=120)
     finally:
         hq.cut_uplink(restore=True)
         for p in procs:
