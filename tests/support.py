@@ -353,6 +353,28 @@ class Drain:
         chunks = list(chunks)
         return "".join(chunks) if not chunks or isinstance(chunks[0], str) else b"".join(chunks)
 
+    def wait_until(self, ended_early, timeout: float) -> None:
+        """Return once every process has ended, or once one that has ended satisfies `ended_early(i)` (`i`: its
+        index). subprocess.TimeoutExpired if neither happens within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ended = [i for i, p in enumerate(self.procs) if p.poll() is not None]
+            if len(ended) == len(self.procs):
+                return
+            for i in ended:
+                self.readers_done(i)
+                if ended_early(i):
+                    return
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.procs[0].args, timeout)
+            time.sleep(0.2)
+
+    def readers_done(self, i: int) -> None:
+        """Wait (up to 10 s) until everything process `i` wrote, which has ended, has been read."""
+        for (j, _name), t in zip(self.got, self.readers):
+            if j == i:
+                t.join(timeout=10)
+
     def finish(self, timeout: float) -> list:
         """Wait for every process, then return what each wrote: its stdout, or (stdout, stderr) when both are
         pipes, as `communicate()` would. subprocess.TimeoutExpired if one still runs after `timeout` s (with

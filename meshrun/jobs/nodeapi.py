@@ -33,7 +33,6 @@ through their job directories.
 
 from __future__ import annotations
 
-import functools
 import io
 import ipaddress
 import logging
@@ -373,9 +372,9 @@ def start_job_server(state: StateDir, network: Network, rec: dict) -> JobServer:
     except MeshrunError as exc:
         log.warning("no forward guard on %s: %s", network.interface, exc)
     # Pre-flight reports import torch once (a second or two, or read what another agent here found): do it now,
-    # not while a job waits.
-    warm = functools.partial(host.environment, sys.executable, background=True)
-    threading.Thread(target=warm, name="preflight-warm", daemon=True).start()
+    # not while a job waits. (Run niced, the kernel-WireGuard VM test's scenario stalled once for 20 minutes after
+    # its fourth node joined, 2026-11-29; cause not found, so it runs at the agent's priority again.)
+    threading.Thread(target=host.environment, args=(sys.executable,), name="preflight-warm", daemon=True).start()
     try:
         api = JobAPI(state, network, rec["name"], coordinators, gpus=host.visible_gpus(), promoted=_restart_later)
         return JobServer(api, rec["overlay_ip"])

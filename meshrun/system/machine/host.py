@@ -56,7 +56,6 @@ _cache: dict[str, tuple[tuple, dict]] = {}
 # once per boot, interpreter, torch installation and GPU visibility, not by every agent that starts or restarts.
 # Under /run: gone at reboot, when GPUs and drivers may have changed.
 SHARED_CACHE = Path("/run/meshrun/host-probe")
-BACKGROUND_NICE = 10  # the niceness of a probe nobody waits for
 # The variables that change which torch an interpreter imports, or which GPUs it sees (and so its report).
 REPORT_ENV = ("PYTHONPATH", "PYTHONHOME", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
@@ -113,13 +112,12 @@ def _write_shared(path: Path, report: dict) -> None:
         pass  # only a cache: the next process probes again
 
 
-def environment(python: str, timeout: float = 60, shared: Path | None = SHARED_CACHE, background: bool = False) -> dict:
+def environment(python: str, timeout: float = 60, shared: Path | None = SHARED_CACHE) -> dict:
     """The interpreter's Python, torch (version, build, NCCL, gloo) and GPUs, as EnvReport fields.
 
     Kept in this process, and under `shared` for every meshrun process of the machine (None: not shared), while
-    the interpreter and its torch are unchanged. `background`: nobody waits for it, so the probe runs at a low
-    CPU priority (an agent warming it up as it starts leaves the CPU to its joining and syncing). On failure the
-    report holds an "error" (the interpreter cannot run, or the probe broke); an error is not kept.
+    the interpreter and its torch are unchanged. On failure the report holds an "error" (the interpreter cannot
+    run, or the probe broke); an error is not kept.
     """
     cached = _cache.get(python)
     if cached is not None and cached[0] == _stamp(cached[1]):
@@ -130,8 +128,7 @@ def environment(python: str, timeout: float = 60, shared: Path | None = SHARED_C
         _cache[python] = (_stamp(report), report)
         return dict(report)
     try:
-        nice = ["nice", "-n", str(BACKGROUND_NICE)] if background and shutil.which("nice") else []
-        res = procs.run([*nice, python, "-c", PROBE], capture_output=True, text=True, timeout=timeout)
+        res = procs.run([python, "-c", PROBE], capture_output=True, text=True, timeout=timeout)
     except (OSError, procs.TimeoutExpired) as exc:
         return {"python": python, "error": str(exc)}
     if res.returncode != 0:

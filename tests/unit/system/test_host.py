@@ -80,15 +80,3 @@ def test_an_interpreter_without_torch_or_a_failing_one_is_not_shared(fake, monke
     assert host.environment(str(plain), shared=cache)["torch"] is None
     assert "no torch here" in host.environment(str(broken), shared=cache)["error"]
     assert not cache.exists() or not list(cache.iterdir())
-
-
-def test_a_probe_nobody_waits_for_runs_at_a_low_priority(tmp_path, monkeypatch):
-    """The agent's warm-up as it starts (background): niced, so its torch import yields the CPU to the join."""
-    monkeypatch.setattr(host, "_cache", {})
-    py = tmp_path / "python"
-    py.write_text('#!/bin/sh\necho "{\\"python\\": \\"fake\\", \\"torch\\": null, \\"niceness\\": $(nice)}"\n')
-    py.chmod(0o755)
-    mine = os.nice(0)
-    assert host.environment(str(py), shared=None)["niceness"] == mine
-    monkeypatch.setattr(host, "_cache", {})
-    assert host.environment(str(py), shared=None, background=True)["niceness"] == mine + host.BACKGROUND_NICE
