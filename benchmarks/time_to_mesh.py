@@ -150,7 +150,7 @@ def main() -> int:
             return None
         return row["seconds"] is not None and not row["timeouts"] and row["seconds"]["median"] < TARGETS_S[n]
 
-    judged = {n: met(n) for n in TARGETS_S if met(n) is not None}
+    judged = {n: ok_n for n in TARGETS_S if (ok_n := met(n)) is not None}
     ok = all(judged.values()) if judged else None
     parts = ", ".join(
         f"{r['nodes']} nodes {r['seconds']['median']:.1f} s ({r['seconds']['min']:.1f}-{r['seconds']['max']:.1f})"

@@ -329,20 +329,19 @@ def wait_for(check, what: str, timeout: float = 60, ping: tuple | None = None) -
 class Drain:
     """Everything `procs` write to their pipes, read by a thread per pipe from now on, so that none of them
     blocks on a full pipe (64 KiB) while another is waited for or read: ranks of one job wait for each other, and
-    a rank blocked on a write never ends (two plain torchrun runs of the corpus hung so, read one after the
-    other, 2026-11-29)."""
+    a rank blocked on a write would never end. Its text can be looked at while they run."""
 
     def __init__(self, procs: Sequence[subprocess.Popen]) -> None:
         self.procs = list(procs)
         self.got: dict[tuple[int, str], list] = {}
-        self.readers = []
+        self.readers: dict[tuple[int, str], threading.Thread] = {}
         for i, p in enumerate(self.procs):
             for name in ("stdout", "stderr"):
                 pipe = getattr(p, name)
                 if pipe is not None:
                     chunks = self.got[(i, name)] = []
-                    self.readers.append(threading.Thread(target=chunks.extend, args=(pipe,), daemon=True))
-        for t in self.readers:
+                    self.readers[(i, name)] = threading.Thread(target=chunks.extend, args=(pipe,), daemon=True)
+        for t in self.readers.values():
             t.start()
 
     def text(self, i: int, name: str = "stdout"):
@@ -371,7 +370,7 @@ class Drain:
 
     def readers_done(self, i: int) -> None:
         """Wait (up to 10 s) until everything process `i` wrote, which has ended, has been read."""
-        for (j, _name), t in zip(self.got, self.readers):
+        for (j, _name), t in self.readers.items():
             if j == i:
                 t.join(timeout=10)
 
@@ -386,7 +385,7 @@ class Drain:
             except subprocess.TimeoutExpired as exc:
                 exc.output = "".join(str(self.text(i)) for i in range(len(self.procs)))
                 raise
-        for t in self.readers:
+        for t in self.readers.values():
             t.join(timeout=30)
         return [
             (self.text(i), self.text(i, "stderr")) if p.stderr is not None else self.text(i)

@@ -166,8 +166,9 @@ def _fork(module: bool, args: list[str]):
 
 
 def cuda_initialised() -> bool:
-    """True when this process has initialised CUDA (only possible once torch is imported): a fork of it could
-    not use the GPU (CUDA's state does not survive a fork)."""
+    """True when this process has initialised CUDA, or is a fork of one that asked CUDA anything (torch's "bad
+    fork"; only possible once torch is imported): it could not use the GPU (CUDA's state does not survive a
+    fork)."""
     torch = sys.modules.get("torch")
     return bool(torch is not None and (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()))  # noqa: SLF001
 

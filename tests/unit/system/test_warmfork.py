@@ -9,6 +9,8 @@ import textwrap
 
 from support import REPO_ROOT
 
+from meshrun.system.machine import procs
+
 PARENT = textwrap.dedent(
     """
     import sys
@@ -78,25 +80,12 @@ def run_forkserver_parent(tmp_path, mode: str) -> tuple[str, int, bool]:
     return " ".join(mark), int(server), helper == "True"
 
 
-def gone(pid: int, timeout: float = 30) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_the_forkserver_is_a_fork_of_its_starter_and_ends_with_it(tmp_path):
     """What the parent imported and set, the workers have (the import is paid once); once the parent is gone
     the forkserver ends (nothing holds the alive pipe's write end, not even the fork itself)."""
     mark, server, new_interpreter = run_forkserver_parent(tmp_path, "alone")
     assert mark == "marked in the parent" and not new_interpreter
-    assert gone(server), f"the forkserver {server} outlived its parent"
+    assert procs.wait_gone(server, timeout=30), f"the forkserver {server} outlived its parent"
 
 
 def test_with_a_thread_running_the_forkserver_is_a_new_interpreter(tmp_path):
@@ -104,7 +93,7 @@ def test_with_a_thread_running_the_forkserver_is_a_new_interpreter(tmp_path):
     forkserver (a new interpreter, which imports the preload itself) is started instead."""
     mark, server, new_interpreter = run_forkserver_parent(tmp_path, "thread")
     assert mark == "None" and new_interpreter
-    assert gone(server)
+    assert procs.wait_gone(server, timeout=30)
 
 
 def test_a_fork_that_could_not_use_cuda_becomes_a_new_interpreter(tmp_path):
@@ -112,4 +101,4 @@ def test_a_fork_that_could_not_use_cuda_becomes_a_new_interpreter(tmp_path):
     itself by multiprocessing's own (same pid and socket), whose workers import torch themselves."""
     mark, server, new_interpreter = run_forkserver_parent(tmp_path, "unusable")
     assert mark == "None" and new_interpreter
-    assert gone(server)
+    assert procs.wait_gone(server, timeout=30)
