@@ -19,6 +19,7 @@ from meshrun.errors import MeshrunError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh import status as mstatus
 from meshrun.mesh.coordinator import ha
+from meshrun.mesh.coordinator.overlay import PROBE_INTERVAL_S
 from meshrun.system.files import joblogs
 from meshrun.system.files.statedir import StateDir, disk_use
 from meshrun.system.kernel import firewall, net
@@ -152,13 +153,25 @@ def _probe_udp(network, ip: str) -> dict:
     try:
         source = net.resolve(host_)
         with net.udp_arrivals(source, network.listen_port) as arrived:
-            answer = transport.call(ip, network.api_port, "POST", "/v1/probe-udp", {}, timeout=5)
+            answer = _ask_probe(ip, network.api_port)
             deadline = time.monotonic() + UDP_WAIT_S
             while arrived() < int(answer["sent"]) and time.monotonic() < deadline:
                 time.sleep(0.1)
             return {"endpoint": answer["endpoint"], "sent": int(answer["sent"]), "arrived": arrived()}
     except (MeshrunError, OSError) as exc:
         return {"error": getattr(exc, "message", str(exc))}
+
+
+def _ask_probe(ip: str, port: int) -> dict:
+    """POST /v1/probe-udp; a 429 (this node was probed less than PROBE_INTERVAL_S ago: doctor run twice in a
+    row) is asked again once the interval has passed, so a second doctor gets the answer, not a skip."""
+    try:
+        return transport.call(ip, port, "POST", "/v1/probe-udp", {}, timeout=5)
+    except MeshrunError as exc:
+        if exc.status != 429:
+            raise
+    time.sleep(PROBE_INTERVAL_S + 0.2)  # the coordinator's limit, plus its clock's and our requests' slack
+    return transport.call(ip, port, "POST", "/v1/probe-udp", {}, timeout=5)
 
 
 def _job_python(pid: int | None) -> str:
