@@ -16,6 +16,9 @@ the job interpreter (meshrun.system.machine.host.SHARED_CACHE, removed first): e
 its interpreter (imports torch) as on a new machine, so the N probes, which on N real machines would each have
 a machine of their own, all compete here for this machine's cores (they run niced since this change). The sizes
 alternate as before; 3 rounds.
+
+Corrected 2026-11-30, before any run under these targets: the probes run at the agent's own priority (the
+niced probe was reverted in 0abbb47), not niced as the paragraph above says.
 """
 
 from __future__ import annotations

@@ -90,7 +90,12 @@ def up(
     rec, network = member.load(app.state)
     if foreground:
         return app.serve(foreground=True)
-    pid = process.pid(app.state) or process.spawn(app.state)
+    waiting: list[tuple[str, str]] = []  # the daemon runs but waits for other machines (process.spawn)
+    pid = process.pid(app.state) or process.spawn(app.state, on_wait=lambda *w: waiting.append(w))
+    if waiting:
+        app.echo(f"{rec['role']} {rec['name']} started on {network.interface} (daemon pid {pid}), not serving yet")
+        app.echo(f"meshrun: warning: {waiting[0][0]}; {waiting[0][1]}", err=True)
+        return
     app.echo(f"{rec['role']} {rec['name']} up at {rec['overlay_ip']} on {network.interface} (daemon pid {pid})")
 
 

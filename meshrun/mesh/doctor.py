@@ -95,7 +95,7 @@ def gather(state: StateDir, shell_env) -> dict:
         if rec["role"] == "node":
             f["coordinator"], f["clock_offset_s"] = _ask_coordinator(network, coordinator_ip)
             f["udp_probe"] = (
-                _probe_udp(network, coordinator_ip)
+                _probe_udp(network, coordinator_ip, _public_endpoint(coordinator))
                 if f["coordinator"]["reachable"]
                 else {"error": "the coordinator does not answer over the overlay"}
             )
@@ -147,9 +147,20 @@ def _ask_coordinator(network, ip: str) -> tuple[dict, float | None]:
     return out, -preflight.clock_offset(t0, t1, float(answer["time"]))
 
 
-def _probe_udp(network, ip: str) -> dict:
-    """Ask the coordinator to send datagrams to our observed endpoint; count those that arrive."""
-    host_, _ = split_endpoint(network.endpoints[0])
+def _public_endpoint(peer: dict | None) -> str | None:
+    """A coordinator peer's WireGuard endpoint where it is the coordinator's own address (not a relay's)."""
+    if not peer or not peer.get("endpoint") or peer.get("path") == "relayed":
+        return None
+    return str(peer["endpoint"])
+
+
+def _probe_udp(network, ip: str, endpoint: str | None) -> dict:
+    """Ask the coordinator at overlay address `ip` to send datagrams to our observed endpoint; count those that
+    arrive from its public address: `endpoint`, its WireGuard endpoint as we see it (the token's first
+    enrolment address where there is none). With several coordinators the one asked is the one our agent syncs
+    with, not always the token's first: counting the first's address alone, a node whose first coordinator was
+    lost was told its port was not reachable from outside."""
+    host_, _ = split_endpoint(endpoint or network.endpoints[0])
     try:
         source = net.resolve(host_)
         with net.udp_arrivals(source, network.listen_port) as arrived:

@@ -40,17 +40,20 @@ def pid(state: StateDir) -> int | None:
     return _lock(state).holder()
 
 
-def spawn(state: StateDir, timeout: float = 60, fix: str = "") -> int:
+def spawn(state: StateDir, timeout: float = 60, fix: str = "", on_wait=None) -> int:
     """Start the daemon for `state` and return its PID once it reports ready.
 
     Raises MeshrunError with the daemon's own error if it fails to start (it is stopped if it
-    does not become ready in time; `fix` is added to that error's advice).
+    does not become ready in time; `fix` is added to that error's advice). A daemon that says it waits
+    for other machines (`waiting`) is left running and its PID returned after `on_wait(message, fix)`
+    where that is given (else the wait for ready goes on).
     """
     return procs.spawn_daemon(
         [sys.executable, "-m", "meshrun", "daemon", "--state-dir", str(state.path)],
         state / "daemon.out",
         timeout=timeout,
         slow_fix=fix,
+        on_wait=on_wait,
     )
 
 
@@ -59,27 +62,45 @@ def stop(state: StateDir, timeout: float = 10) -> bool:
     return _lock(state).stop(timeout)
 
 
+_HELD: set[str] = set()  # the state directories whose daemon lock this process holds (running() nests)
+
+
 @contextlib.contextmanager
 def running(state: StateDir) -> Iterator[None]:
     """Hold the daemon lock while the block runs; a MeshrunError escaping it is reported to the
-    process that spawned us (the user sees that message) before it propagates."""
+    process that spawned us (the user sees that message) before it propagates.
+
+    Nested (the service's run() inside `meshrun.mesh.run.serve`, which takes the lock before the service is
+    built: a coordinator may wait there for the others to come back, and a second `meshrun up` must see a
+    daemon), the inner block keeps the outer one's lock."""
+    key = str(state.path)
+    if key in _HELD:
+        yield
+        return
     try:
         lock = _lock(state).acquire()
     except MeshrunError as exc:
         procs.notify_error(exc)
         raise
+    _HELD.add(key)
     try:
         yield
     except MeshrunError as exc:
         procs.notify_error(exc)
         raise
     finally:
+        _HELD.discard(key)
         lock.release()
 
 
 def ready() -> None:
     """Tell `spawn` (if it started us) that the daemon serves now."""
     procs.notify_ready()
+
+
+def waiting(message: str, fix: str) -> None:
+    """Tell `spawn` (if it started us) that the daemon runs but cannot serve until other machines are back."""
+    procs.notify_waiting(message, fix)
 
 
 def failed(err: MeshrunError) -> None:

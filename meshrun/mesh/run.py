@@ -27,20 +27,24 @@ def serve(
     and re-raised.
     """
     process.setup_logging(state, foreground)
-    while True:
-        try:
-            rec, _ = member.load(state)
-            if rec["role"] == "coordinator":
-                from meshrun.mesh.coordinator.daemon import CoordinatorService
+    # The lock first: building a service may take a while (a coordinator waits there for a majority of the
+    # coordinators after a power cut), and another `meshrun up` meanwhile must find this daemon running.
+    with process.running(state):
+        while True:
+            try:
+                rec, _ = member.load(state)
+                if rec["role"] == "coordinator":
+                    from meshrun.mesh.coordinator.daemon import CoordinatorService
 
-                svc = CoordinatorService(state, extensions=coordinator_extensions)
-            else:
-                svc = AgentService(state, extensions=node_extensions)
-        except MeshrunError as err:
-            process.failed(err)
-            raise
-        svc.run()
-        # A node made a coordinator (`meshrun coordinator add`), or a coordinator made a node again (`remove`),
-        # stops its service after rewriting member.json: the daemon goes on in its new role, same process.
-        if not svc.role_changed:
-            return
+                    svc = CoordinatorService(state, extensions=coordinator_extensions)
+                else:
+                    svc = AgentService(state, extensions=node_extensions)
+            except MeshrunError as err:
+                process.failed(err)
+                raise
+            svc.run()
+            # A node made a coordinator (`meshrun coordinator add`), or a coordinator made a node again
+            # (`remove`), stops its service after rewriting member.json: the daemon goes on in its new role,
+            # same process.
+            if not svc.role_changed:
+                return

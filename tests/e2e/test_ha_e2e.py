@@ -243,6 +243,15 @@ def test_a_coordinator_whose_machine_stops_and_starts_again_comes_back_with_mesh
     coordinators answer again. (Before, the interface came up with no peer and etcd waited for the others
     through it: `up` failed after 60 s and C stayed unreachable.)"""
     mesh = ha
+    # A job started before the reboot (submitted on B, on two nodes) finishes across it.
+    job = TrainJob(
+        mesh,
+        *("--job-id", "ha-reboot", "--nnodes", "2", "--nodes", "dc4-a,dc6-a", "--timeout", "120"),
+        *("diloco_charlm.py", "--mode", "diloco", "--steps", "160", "--sync-every", "20", "--step-time", "0.1"),
+        *CHARLM_SMALL,
+        on=B,
+    )
+    job.wait_for(r"\] outer_step 1 ", 240)
     mesh.world.power_off(C)
     wait("C seen as unreachable", lambda: coordinators(mesh, A)[C]["etcd"] == "unreachable", 60)
     # A node's doctor asks the coordinators, as its status does (by handshake age it said all 3 were heard
@@ -261,6 +270,41 @@ def test_a_coordinator_whose_machine_stops_and_starts_again_comes_back_with_mesh
     assert set(rows) == {A_NAME, B, C}, rows
     print(f"{C} back in `coordinator list` {time.monotonic() - on:.1f} s after it powered on")
     mesh.wait_ping("dc4-a", mesh.overlay_ip(C), timeout=60)
+    code = job.finish(240)
+    assert code == 0 and sorted(set(outer_steps(job.text))) == list(range(1, 9)), job.text[-4000:]
+
+
+def test_a_whole_site_power_cut_comes_back_with_meshrun_up_on_each_coordinator_in_turn(ha):
+    """All three coordinators' machines go down at once and come back; the operator runs `meshrun up` on one,
+    then the next. The first has no etcd majority: its `up` returns at once saying what it waits for and on
+    whom, its daemon and etcd member left running (before, `up` failed after 60 s and stopped its member, so
+    every later `up` found no majority either: the control plane was gone for good). The second `up` makes a
+    majority and both serve; then the third, and a node reaches them all again."""
+    mesh = ha
+    for c in (A, B, C):
+        mesh.world.power_off(c)
+    for c in (A, B, C):
+        mesh.world.power_on(c)
+    t0 = time.monotonic()
+    first = mesh.meshrun(A, "up", check=False, timeout=120)
+    took = time.monotonic() - t0
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "not serving yet" in first.stdout, first.stdout
+    assert "a majority (2 of 3)" in first.stderr and f"`meshrun up` on {B} (" in first.stderr, first.stderr
+    assert took < ha_mod.HEALTHY_TIMEOUT_S, took  # told, not timed out
+    assert mesh.meshrun(A, "up").stdout.startswith("coordinator "), "a second `up` finds the waiting daemon"
+    for c in (B, C):
+        back = mesh.meshrun(c, "up", check=False, timeout=120)
+        assert back.returncode == 0 and " up at " in back.stdout, back.stdout + back.stderr
+    rows = wait(
+        "all three coordinators answering",
+        lambda: (r := coordinators(mesh, A)) and all(x["etcd"] == "ok" for x in r.values()) and r,
+        60,
+    )
+    assert set(rows) == {A_NAME, B, C}, rows
+    print(f"the first `up` returned in {took:.1f} s; all three back {time.monotonic() - t0:.1f} s after it began")
+    for c in (A, B, C):
+        mesh.wait_ping("dc4-a", mesh.overlay_ip(c), timeout=60)
 
 
 def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishes_from_another(ha):

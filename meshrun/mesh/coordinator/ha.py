@@ -152,8 +152,10 @@ def start_member(
     initial_cluster: dict[str, str],
     cluster_state: str,
     coordinator_ips: list[str],
+    wait: bool = True,
 ) -> int:
-    """Start this coordinator's etcd member (guarded, on its overlay address) and wait until it answers."""
+    """Start this coordinator's etcd member (guarded, on its overlay address) and wait until it answers (with
+    `wait` False, return its PID at once: the caller waits its own way)."""
     d = etcd_dir(state)
     d.create()
     name = str(rec["name"])
@@ -170,6 +172,8 @@ def start_member(
     )
     pid = etcd.start_server(argv, d / "etcd.log", cgroup_procs=guard.cgroup / "cgroup.procs")
     d.write("etcd.pid", f"{pid}\n")
+    if not wait:
+        return pid
     client = client_for(state, [own_urls(rec)[0]])
     try:
         # A member that joins an existing cluster is a learner until `add` gives it its vote: it serves no reads.
@@ -186,16 +190,71 @@ def start_member(
 
 
 def ensure_member(state: StateDir, rec: dict, network: Network, coordinator_ips: list[str]) -> None:
-    """At daemon start: this coordinator's etcd member runs (started again from its data after a reboot)."""
-    if etcd_pid(state) is not None:
+    """At daemon start: this coordinator's etcd member runs (started again from its data after a reboot) and
+    its cluster has a leader.
+
+    Without a majority of the coordinators' members (two of three machines down, or all of them after a
+    power cut) it waits as long as that takes, its member left running so that the others find it as they
+    come back: a member stopped after a timeout, as before, left each later start alone too, and the first
+    `meshrun up` after a site's power cut could never succeed. After MAJORITY_NOTICE_S the process that started
+    the daemon is told what it waits for (`meshrun up` returns with that); the log says it every
+    MAJORITY_LOG_S. ControlStateError only when the etcd process itself exits."""
+    pid = etcd_pid(state)
+    if pid is not None:
         guard_etcd(str(rec["name"]), network, coordinator_ips)  # the set may have changed while we were down
-        return
-    if not (etcd_dir(state) / "data").exists():
-        raise StateError(
-            f"this coordinator's etcd member has no data in {etcd_dir(state) / 'data'}",
-            "remove it with `meshrun coordinator remove` on another coordinator and add it again",
-        )
-    start_member(state, rec, network, {str(rec["name"]): own_urls(rec)[1]}, "existing", coordinator_ips)
+    else:
+        if not (etcd_dir(state) / "data").exists():
+            raise StateError(
+                f"this coordinator's etcd member has no data in {etcd_dir(state) / 'data'}",
+                "remove it with `meshrun coordinator remove` on another coordinator and add it again",
+            )
+        member_urls = {str(rec["name"]): own_urls(rec)[1]}
+        pid = start_member(state, rec, network, member_urls, "existing", coordinator_ips, wait=False)
+    await_leader(state, rec, pid)
+
+
+MAJORITY_NOTICE_S = 10.0
+MAJORITY_LOG_S = 5.0
+
+
+def await_leader(state: StateDir, rec: dict, pid: int) -> None:
+    """Wait, without a limit, until this coordinator's etcd member `pid` sees a leader (see ensure_member)."""
+    d = etcd_dir(state)
+    client = client_for(state, [own_urls(rec)[0]])
+    started = time.monotonic()
+    told = False
+    try:
+        while True:
+            try:
+                etcd.wait_healthy(client, MAJORITY_LOG_S, log_path=d / "etcd.log", pid=pid, learner=True)
+                break
+            except ControlStateError:
+                if not procs.alive(pid):
+                    raise
+            message, fix = majority_wait(rec)
+            waited = time.monotonic() - started
+            log.warning("%s (waited %.0f s): %s", message, waited, fix)
+            if not told and waited >= MAJORITY_NOTICE_S:
+                process.waiting(message, fix)
+                told = True
+    finally:
+        client.close()
+    if told:
+        log.info("a majority of the coordinators is back after %.0f s", time.monotonic() - started)
+
+
+def majority_wait(rec: dict) -> tuple[str, str]:
+    """What a coordinator without an etcd majority waits for, and what ends the wait (from member.json)."""
+    others = [o for o in (rec.get("control") or {}).get("others") or [] if isinstance(o, dict)]
+    total = len(others) + 1
+    need = total // 2 + 1
+    names = ", ".join(f"{o.get('name')} ({o.get('endpoint')})" for o in others) or "the other coordinators"
+    return (
+        f"this coordinator's etcd member runs, but a majority ({need} of {total}) of the coordinators' members "
+        "is not answering yet: the network's state cannot be read",
+        f"start the others (`meshrun up` on {names}); this coordinator serves as soon as {need - 1} of them "
+        "answer, its daemon keeps waiting until then",
+    )
 
 
 def stop_member(state: StateDir) -> None:

@@ -22,7 +22,7 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from meshrun.errors import MeshrunError, StateError, from_wire, to_wire
@@ -204,6 +204,7 @@ def spawn_daemon(
     env: Mapping[str, str] | None = None,
     what: str = "the meshrun daemon",
     slow_fix: str = "",
+    on_wait: Callable[[str, str], None] | None = None,
 ) -> int:
     """Start `argv` in its own session (output appended to `log_path`, 0600) and wait until ready.
 
@@ -211,6 +212,10 @@ def spawn_daemon(
     `notify_error(err)`). Returns the child's PID. Raises MeshrunError with the child's own error
     if it reports one or exits first, and stops it if it is not ready within `timeout` seconds (that
     error's advice: the log, then `slow_fix`).
+
+    A child that runs but waits for something outside itself (`notify_waiting`: other machines to come
+    back) is left running: with `on_wait`, that is called with the child's (message, fix) and the PID
+    returned at once; without it, the wait for ready goes on.
     """
     rfd, wfd = os.pipe()
     try:
@@ -234,8 +239,14 @@ def spawn_daemon(
         os.close(wfd)
         raise
     os.close(wfd)  # only the child holds the write end now: EOF means it exited (or closed it)
+    message: dict | None = None
     try:
-        message = _read_ready(rfd, timeout)
+        for message in _messages(rfd, time.monotonic() + timeout):
+            if message is None or "waiting" not in message:
+                break
+            if on_wait is not None:
+                on_wait(str(message["waiting"]), str(message.get("fix") or ""))
+                return proc.pid
     finally:
         os.close(rfd)
     if message is not None and message.get("ready"):
@@ -268,23 +279,27 @@ def _reap(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
-def _read_ready(fd: int, timeout: float) -> dict | None:
-    """The child's one-line JSON message, {} on EOF without one, None on timeout."""
+def _messages(fd: int, deadline: float) -> Iterator[dict | None]:
+    """The child's one-line JSON messages in order; {} at end of file without one (or for a line that is not
+    a JSON object), then nothing more; None when `deadline` (monotonic) passes first."""
     buf = b""
-    deadline = time.monotonic() + timeout
-    while b"\n" not in buf:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return None
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        buf += chunk
-    try:
-        msg = json.loads(buf.split(b"\n", 1)[0] or b"{}")
-    except ValueError:
-        return {}
-    return msg if isinstance(msg, dict) else {}
+    while True:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                yield None
+                return
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                yield {}
+                return
+            buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        try:
+            msg = json.loads(line or b"{}")
+        except ValueError:
+            msg = {}
+        yield msg if isinstance(msg, dict) else {}
 
 
 def _notify(message: dict) -> None:
@@ -295,6 +310,15 @@ def _notify(message: dict) -> None:
         os.write(int(fd), json.dumps(message).encode() + b"\n")
     with contextlib.suppress(OSError):
         os.close(int(fd))
+
+
+def notify_waiting(message: str, fix: str = "") -> None:
+    """Tell the process that spawned us (`spawn_daemon`) that we run but wait for something outside us
+    (`message`, what would end the wait: `fix`); a later `notify_ready` or `notify_error` still goes through."""
+    fd = os.environ.get(READY_ENV)
+    if fd is not None and fd.isdigit():
+        with contextlib.suppress(OSError):  # the spawner may have gone (it returned on an earlier one)
+            os.write(int(fd), json.dumps({"waiting": message, "fix": fix}).encode() + b"\n")
 
 
 def notify_ready() -> None:

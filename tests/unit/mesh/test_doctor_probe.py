@@ -50,3 +50,13 @@ def test_it_asks_again_only_once_and_other_errors_are_not_retried(monkeypatch, s
     with pytest.raises(CoordinatorError):
         doctor._ask_probe("10.99.0.1", 51821)
     assert len(gone.calls) == 1 and not slept
+
+
+def test_arrivals_are_counted_from_the_coordinator_asked_not_the_tokens_first():
+    """The probe comes from the coordinator the agent syncs with: its endpoint as this node's WireGuard sees it
+    (before, the token's first enrolment address, which after that coordinator's loss matched no datagram)."""
+    asked = {"name": "dc2-a", "endpoint": "203.0.113.2:51820", "path": "direct"}
+    assert doctor._public_endpoint(asked) == "203.0.113.2:51820"
+    # A relayed coordinator's endpoint is the relay's: the token's address is the better guess then.
+    assert doctor._public_endpoint(dict(asked, path="relayed")) is None
+    assert doctor._public_endpoint(dict(asked, endpoint=None)) is None and doctor._public_endpoint(None) is None

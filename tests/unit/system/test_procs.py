@@ -36,6 +36,9 @@ DAEMON = textwrap.dedent("""
     if mode == "exit":
         sys.exit(5)
     lock = procs.DaemonLock(lock_path).acquire()
+    if mode == "wait":  # runs, waits for other machines, then serves
+        procs.notify_waiting("a majority is not answering yet", "start the others")
+        time.sleep(float(sys.argv[3]))
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     procs.notify_ready()
@@ -102,6 +105,25 @@ def test_exit_before_ready_and_silence_past_the_deadline(script, tmp_path):
         )
     assert time.monotonic() - t0 < 10  # and it was stopped, not waited for
     assert exc.value.fix == f"see {tmp_path / 'd.out'}; give it longer with --wait"
+
+
+def test_a_daemon_that_waits_for_other_machines_is_left_running_and_says_what_it_waits_for(script, tmp_path):
+    told: list[tuple[str, str]] = []
+    argv = [sys.executable, str(script), "wait", str(tmp_path / "d.lock")]
+    t0 = time.monotonic()
+    pid = procs.spawn_daemon([*argv, "60"], tmp_path / "d.out", timeout=30, on_wait=lambda *w: told.append(w))
+    try:
+        assert time.monotonic() - t0 < 20  # at once, not after the 60 s it waits
+        assert told == [("a majority is not answering yet", "start the others")]
+        assert procs.alive(pid) and procs.DaemonLock(tmp_path / "d.lock").holder() == pid
+    finally:
+        procs.DaemonLock(tmp_path / "d.lock").stop(timeout=5)
+    # A caller that does not take the notice waits on for ready (the daemon's later line still arrives).
+    pid = procs.spawn_daemon([*argv, "0.3"], tmp_path / "d.out", timeout=30)
+    try:
+        assert procs.DaemonLock(tmp_path / "d.lock").holder() == pid
+    finally:
+        procs.DaemonLock(tmp_path / "d.lock").stop(timeout=5)
 
 
 def test_stop_kills_a_daemon_that_ignores_sigterm(script, tmp_path):

@@ -151,3 +151,13 @@ def test_an_etcd_member_that_cannot_be_removed_is_an_error_after_the_timeout():
     with pytest.raises(ControlStateError, match="unhealthy cluster"):
         ha.remove_etcd_member(etcd, "https://10.77.0.9:2380", timeout=1.5)
     assert etcd.tries >= 2
+
+
+def test_a_coordinator_without_a_majority_names_the_others_and_how_many_it_needs():
+    others = [{"name": "dc2-a", "endpoint": "203.0.113.2:51820"}, {"name": "dc3-a", "endpoint": "203.0.113.3:51820"}]
+    message, fix = ha.majority_wait(rec(control={"kind": "etcd", "endpoints": [], "others": others}))
+    assert "a majority (2 of 3)" in message
+    assert "`meshrun up` on dc2-a (203.0.113.2:51820), dc3-a (203.0.113.3:51820)" in fix
+    assert "as soon as 1 of them answer" in fix
+    five = [{"name": f"c{i}", "endpoint": f"203.0.113.{i}:51820"} for i in range(4)]
+    assert "(3 of 5)" in ha.majority_wait(rec(control={"kind": "etcd", "others": five}))[0]
