@@ -25,6 +25,8 @@ bounded.
   POST /v1/jobs/ID/prune          delete the job's directory here (not while its share runs)
   POST /v1/projects/P/remove      delete project P's directory here (not while a job runs in it)
   POST /v1/coordinator/prepare    `meshrun coordinator add`: make this node's etcd key and TLS identity
+  POST /v1/coordinator/reach      {token}: for REACH_WINDOW_S, send the token to whoever connects to this node's
+                                  TCP listen port (the add checks the endpoint before anything changes)
   POST /v1/coordinator/promote    {ca, cert, cluster, ...}: start its etcd member; the agent restarts as a coordinator
 
 Shares run in their own processes, so they outlive an agent restart; the API finds them again
@@ -192,6 +194,8 @@ class JobAPI:
                 )
             log.info("a coordinator asked this node to become a coordinator: making its etcd key")
             return Response(200, ha.prepare(self.state))
+        if req.method == "POST" and req.path == "/v1/coordinator/reach":
+            return Response(200, ha.offer_reach(self.state, req.body if isinstance(req.body, dict) else {}))
         if req.method == "POST" and req.path == "/v1/coordinator/promote":
             body = req.body if isinstance(req.body, dict) else {}
             ha.promote(self.state, body)

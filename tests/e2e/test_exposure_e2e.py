@@ -327,3 +327,28 @@ def test_daemon_logs_have_timestamped_joins_and_jobs_and_no_secret(mesh):
             text = log.read_text(errors="replace")
             for s in secrets_:
                 assert s not in text, f"a secret in {log}"
+
+
+def test_a_coordinator_add_whose_endpoint_is_not_the_node_changes_nothing_and_its_check_closes(mesh):
+    """`coordinator add dc2-a --endpoint ADDR` where ADDR is not dc2-a (a public address nobody has): refused
+    before anything changes, so the lone coordinator keeps its SQLite state and its daemon (before, it moved
+    its state into etcd, restarted its daemon twice, left `coordinator.db.moved-to-etcd-*` and took ~40 s).
+    The token dc2-a offers for the check on its future enrolment port is gone after its window: the
+    internet finds nothing new listening there."""
+    state = mesh.state_dir(mesh.world.node("dc1-a"))
+    pid = mesh.status("dc1-a")["daemon_pid"]
+    files = sorted(p.name for p in state.iterdir())
+    res = mesh.meshrun("dc1-a", "coordinator", "add", "dc2-a", "--endpoint", "203.0.113.250", check=False, timeout=120)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "TCP 203.0.113.250:51820 does not reach dc2-a" in res.stderr and "nothing was changed" in res.stderr, (
+        res.stderr
+    )
+    assert mesh.status("dc1-a")["daemon_pid"] == pid
+    assert sorted(p.name for p in state.iterdir()) == files
+    assert "control" not in json.loads((state / "member.json").read_text())
+    node_log = (mesh.state_dir(mesh.world.node("dc2-a")) / "daemon.log").read_text()
+    assert "offering the add's reachability token on TCP 51820" in node_log, node_log[-2000:]
+    deadline = time.monotonic() + hang_guard(15 + 2)  # the node's window (ha.REACH_WINDOW_S) and a tick
+    while ("0.0.0.0", 51820) in listeners(mesh, "dc2-a") and time.monotonic() < deadline:
+        time.sleep(1)
+    assert ("0.0.0.0", 51820) not in listeners(mesh, "dc2-a")

@@ -35,13 +35,14 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
 from meshrun.core import doctor, etcdconf, keys
 from meshrun.core.etcdconf import TWO_COORDINATORS
 from meshrun.core.model import Member, Network, not_public, parse_endpoint, refuse_ipv6, split_endpoint
-from meshrun.errors import ControlStateError, CoordinatorError, MeshrunError, StateError, UsageError
+from meshrun.errors import ControlStateError, CoordinatorError, MeshrunError, NetworkError, StateError, UsageError
 from meshrun.mesh import member, process
 from meshrun.system.control import coordinatordb, etcd
 from meshrun.system.control.coordinatordb import CoordinatorDB, CoordinatorInfo
@@ -631,6 +632,7 @@ def replicate(state: StateDir) -> None:
 def prepare(state: StateDir) -> dict:
     """On a node about to become a coordinator: make its etcd key and TLS identity here (they stay here),
     return what the coordinator signs and publishes: {"csr", "fingerprint"}."""
+    close_reach()
     rec, _ = member.load(state)
     if rec.get("role") != "node":
         raise UsageError(f"{rec.get('name')} is a coordinator already", "pick a node")
@@ -645,10 +647,77 @@ def prepare(state: StateDir) -> dict:
     return {"csr": csr, "fingerprint": keys.cert_fingerprint(cert_pem)}
 
 
+REACH_WINDOW_S = 15.0  # how long a node offers the add's token on its future enrolment port
+REACH_TOKEN_BYTES = 32
+_REACH: list = []  # this node's open token listener (offer_reach), closed by the next step of the add
+
+
+def close_reach() -> None:
+    """Close the token listener of an add's reachability check, if one is open: the port becomes the enrolment
+    port once promoted (the add's next request, `prepare`, comes seconds later, within the window)."""
+    while _REACH:
+        _REACH.pop().close()
+
+
+def offer_reach(state: StateDir, body: dict) -> dict:
+    """On a node about to become a coordinator: send `body["token"]` (hex) to whoever connects to this node's
+    TCP listen port (its enrolment port once promoted) for REACH_WINDOW_S (probe.TokenListener). UsageError for a
+    coordinator or a malformed token; StateError when the port is taken here."""
+    from meshrun.system.sockets import probe
+
+    rec, network = member.load(state)
+    if rec.get("role") != "node":
+        raise UsageError(f"{rec.get('name')} is a coordinator already", "pick a node")
+    try:
+        token = bytes.fromhex(str(body["token"]))
+    except (KeyError, ValueError):
+        token = b""
+    if len(token) != REACH_TOKEN_BYTES:
+        raise UsageError("malformed reachability check", "run the same meshrun version everywhere")
+    close_reach()
+    try:
+        _REACH.append(probe.TokenListener(network.listen_port, token, REACH_WINDOW_S))
+    except OSError as exc:
+        raise StateError(
+            f"TCP port {network.listen_port} is taken on {rec['name']} ({exc.strerror})",
+            "stop what listens there: a coordinator's enrolment port needs it",
+        ) from None
+    log.info("offering the add's reachability token on TCP %d for %.0f s", network.listen_port, REACH_WINDOW_S)
+    return {"port": network.listen_port, "seconds": REACH_WINDOW_S}
+
+
+def check_reach(call, name: str, endpoint: str, say=lambda text: None) -> str | None:
+    """Before `add` changes anything: does TCP to `endpoint` reach member `name` (the machine, its port open)?
+    `call` is _node_call's for `name`. None when it does (or `name` runs a meshrun without the check: the
+    check after the promotion still holds), else what went wrong."""
+    from meshrun.system.sockets import probe
+
+    token = os.urandom(REACH_TOKEN_BYTES)
+    try:
+        call("/v1/coordinator/reach", {"token": token.hex()}, 15)
+    except MeshrunError as exc:
+        if exc.status == 404:
+            say(f"{name} runs an older meshrun: its endpoint is checked once it is a coordinator")
+            return None
+        raise
+    host, port = split_endpoint(endpoint)
+
+    def read() -> None:
+        try:
+            got = probe.read_token(host, port, REACH_TOKEN_BYTES, timeout=3)
+        except OSError as exc:
+            raise NetworkError(exc.strerror or str(exc) or type(exc).__name__) from None
+        if got != token:  # another machine, or a stranger's listener, at that address
+            raise NetworkError(f"something other than {name} answers there")
+
+    return _failure(read, min(ENROL_CHECK_S, REACH_WINDOW_S - 2), 1.0, Progress(say, f"checking {endpoint}"))
+
+
 def promote(state: StateDir, offer: dict) -> None:
     """On that node: its certificate, the cluster, its etcd member started ("existing"), member.json a
     coordinator's. The caller (the node's job API) then restarts the daemon, which comes back as a
     coordinator (meshrun.mesh.run.serve)."""
+    close_reach()
     rec, network = member.load(state)
     if rec.get("role") != "node" or not (etcd_dir(state) / "etcd.key").exists():
         raise UsageError("this node was not prepared to become a coordinator", "run `meshrun coordinator add` again")
@@ -831,13 +900,30 @@ def add(
         raise StateError(f"{state.path} belongs to a node", "run `meshrun coordinator add` on a coordinator")
     endpoint = public_endpoint(endpoint, network)
     net.require_tools(ETCD_BINARY)
+    if replicated(rec):
+        db = open_state(state, rec, readonly=True)
+    else:
+        db = CoordinatorDB(state / "coordinator.db", readonly=True)
+    try:
+        target = db.member_by_name(name)
+    finally:
+        db.close()
+    _check_target(target, name)
+    assert target is not None
+    if check_endpoint_tls:
+        # First, with nothing changed yet: the endpoint reaches that machine's enrolment port. (Found only
+        # after the promotion, a wrong endpoint cost a migration to etcd, two restarts of this daemon, a CA
+        # rotation and 40 s, and left a moved-away SQLite file.)
+        say(f"checking that TCP {endpoint} reaches {name} before anything changes ...")
+        problem = check_reach(_node_call(state, network, target), name, endpoint, say)
+        if problem is not None:
+            port = split_endpoint(endpoint)[1]
+            raise CoordinatorError(
+                f"TCP {endpoint} does not reach {name} ({problem}); nothing was changed",
+                f"open TCP and UDP {port} on {name} and check --endpoint, then run `meshrun coordinator add` again "
+                "(--skip-endpoint-check if only this machine cannot reach it)",
+            )
     if not replicated(rec):
-        sqlite = CoordinatorDB(state / "coordinator.db", readonly=True)
-        try:
-            target = sqlite.member_by_name(name)
-        finally:
-            sqlite.close()
-        _check_target(target, name)
         say("moving the network's state from SQLite into etcd on this coordinator ...")
         replicate(state)
         _restart_daemon(state)

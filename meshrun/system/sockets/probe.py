@@ -189,3 +189,64 @@ def reverse_lookup_s(ip: str, limit: float = 6.0) -> float | None:
     t0 = time.perf_counter()
     threading.Thread(target=lookup, name="reverse-lookup", daemon=True).start()
     return time.perf_counter() - t0 if done.wait(limit) else None
+
+
+class TokenListener:
+    """A TCP listener on every address's `port` that sends `token` to each connection, for `seconds` at most.
+
+    What a node about to become a coordinator offers (`meshrun coordinator add`): the coordinator connects to
+    the public endpoint the operator named and must read the token it gave this node over the overlay, so the
+    endpoint is known to reach this machine's future enrolment port before anything changes. Anyone else who
+    connects in that window learns a one-time random value and nothing more. OSError from the bind (the port
+    is taken) is raised by the constructor; `close()` ends it early."""
+
+    def __init__(self, port: int, token: bytes, seconds: float) -> None:
+        self.token = token
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind(("0.0.0.0", port))
+            self.sock.listen(8)
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.settimeout(0.2)
+        self.deadline = time.monotonic() + seconds
+        self.thread = threading.Thread(target=self._serve, name="token-listener", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while time.monotonic() < self.deadline:
+                try:
+                    conn, _ = self.sock.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return  # closed
+                with conn:
+                    conn.settimeout(1.0)
+                    try:
+                        conn.sendall(self.token)
+                    except OSError:
+                        pass
+        finally:
+            self.sock.close()
+
+    def close(self) -> None:
+        self.deadline = 0.0
+        self.thread.join(2)
+
+
+def read_token(host: str, port: int, size: int, timeout: float = 3.0) -> bytes:
+    """Up to `size` bytes a TCP listener at host:port sends on connecting (b"" when it sends none before
+    closing); OSError when nothing accepts the connection within `timeout`."""
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.settimeout(timeout)
+        got = b""
+        while len(got) < size:
+            chunk = s.recv(size - len(got))
+            if not chunk:
+                break
+            got += chunk
+        return got

@@ -7,6 +7,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from meshrun.system.sockets import probe
 
 
@@ -31,3 +33,23 @@ def test_a_reverse_lookup_is_timed_and_one_that_never_ends_is_none(monkeypatch):
     assert probe.reverse_lookup_s("10.213.0.2", limit=0.2) is None
     assert time.monotonic() - t0 < 5  # the limit, not the lookup, ended the wait
     release.set()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_token_listener_hands_its_token_to_each_connection_until_it_closes():
+    port = _free_port()
+    listener = probe.TokenListener(port, b"t" * 32, seconds=30)
+    try:
+        assert probe.read_token("127.0.0.1", port, 32) == b"t" * 32
+        assert probe.read_token("127.0.0.1", port, 32) == b"t" * 32  # a stranger first does not use it up
+        with pytest.raises(OSError):  # the port is taken while it listens
+            probe.TokenListener(port, b"u" * 32, seconds=1)
+    finally:
+        listener.close()
+    with pytest.raises(OSError):  # closed: nothing accepts any more
+        probe.read_token("127.0.0.1", port, 32, timeout=1)

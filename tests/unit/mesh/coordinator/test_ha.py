@@ -161,3 +161,54 @@ def test_a_coordinator_without_a_majority_names_the_others_and_how_many_it_needs
     assert "as soon as 1 of them answer" in fix
     five = [{"name": f"c{i}", "endpoint": f"203.0.113.{i}:51820"} for i in range(4)]
     assert "(3 of 5)" in ha.majority_wait(rec(control={"kind": "etcd", "others": five}))[0]
+
+
+class Node:
+    """A node's job API as `coordinator add` calls it: /v1/coordinator/reach offers the token on `port` (a real
+    TokenListener on loopback), `foreign` another machine's listener there instead, `old` a meshrun without it."""
+
+    def __init__(self, port: int, foreign: bool = False, old: bool = False) -> None:
+        self.port, self.foreign, self.old, self.listeners = port, foreign, old, []
+
+    def call(self, path: str, body: dict, timeout: float) -> dict:
+        from meshrun.errors import CoordinatorError
+        from meshrun.system.sockets import probe
+
+        if self.old:
+            raise CoordinatorError(f"no such endpoint POST {path}", "", status=404)
+        token = b"x" * ha.REACH_TOKEN_BYTES if self.foreign else bytes.fromhex(body["token"])
+        self.listeners.append(probe.TokenListener(self.port, token, 30))
+        return {"port": self.port}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_endpoint_is_checked_against_the_node_before_anything_changes(monkeypatch):
+    monkeypatch.setattr(ha, "ENROL_CHECK_S", 1.0)
+    port = _free_port()
+    node = Node(port)
+    try:
+        assert ha.check_reach(node.call, "dc6-a", f"127.0.0.1:{port}") is None
+    finally:
+        [x.close() for x in node.listeners]
+    # Another machine answers at that address (the endpoint names the wrong one): refused, naming it.
+    stranger = Node(port, foreign=True)
+    try:
+        assert ha.check_reach(stranger.call, "dc6-a", f"127.0.0.1:{port}") == "something other than dc6-a answers there"
+    finally:
+        [x.close() for x in stranger.listeners]
+    # Nothing answers at the endpoint: the connection's own failure.
+    elsewhere = Node(_free_port())
+    try:
+        assert "refused" in ha.check_reach(elsewhere.call, "dc6-a", f"127.0.0.1:{_free_port()}").lower()
+    finally:
+        [x.close() for x in elsewhere.listeners]
+    said = []
+    assert ha.check_reach(Node(port, old=True).call, "dc6-a", f"127.0.0.1:{port}", said.append) is None
+    assert said and "older meshrun" in said[0]
