@@ -88,6 +88,16 @@ def wait(what: str, check, timeout: float, every: float = 1.0):
     raise AssertionError(f"{what} not within {timeout:.0f} s (last: {last!r})")
 
 
+def all_three_answering(mesh: Mesh, timeout: float = 60) -> None:
+    """Wait until A's `coordinator list` has A, B and C, each with its etcd member answering."""
+    rows = wait(
+        "all three coordinators answering",
+        lambda: (r := coordinators(mesh, A)) and all(x["etcd"] == "ok" for x in r.values()) and r,
+        timeout,
+    )
+    assert set(rows) == {A_NAME, B, C}, rows
+
+
 def pairs(mesh: Mesh, on: str) -> dict[frozenset, dict]:
     return {frozenset((p["a"], p["b"])): p for p in mesh.status(on)["pairs"]}
 
@@ -261,12 +271,7 @@ def test_a_coordinator_whose_machine_stops_and_starts_again_comes_back_with_mesh
     on = time.monotonic()
     back = mesh.meshrun(C, "up", check=False, timeout=120)
     assert back.returncode == 0, back.stdout + back.stderr
-    rows = wait(
-        "all three coordinators answering",
-        lambda: (r := coordinators(mesh, A)) and all(x["etcd"] == "ok" for x in r.values()) and r,
-        60,
-    )
-    assert set(rows) == {A_NAME, B, C}, rows
+    all_three_answering(mesh)
     print(f"{C} back in `coordinator list` {time.monotonic() - on:.1f} s after it powered on")
     mesh.wait_ping("dc4-a", mesh.overlay_ip(C), timeout=60)
     code = job.finish(240)
@@ -295,12 +300,7 @@ def test_a_whole_site_power_cut_comes_back_with_meshrun_up_on_each_coordinator_i
     for c in (B, C):
         back = mesh.meshrun(c, "up", check=False, timeout=120)
         assert back.returncode == 0 and " up at " in back.stdout, back.stdout + back.stderr
-    rows = wait(
-        "all three coordinators answering",
-        lambda: (r := coordinators(mesh, A)) and all(x["etcd"] == "ok" for x in r.values()) and r,
-        60,
-    )
-    assert set(rows) == {A_NAME, B, C}, rows
+    all_three_answering(mesh)
     print(f"the first `up` returned in {took:.1f} s; all three back {time.monotonic() - t0:.1f} s after it began")
     for c in (A, B, C):
         mesh.wait_ping("dc4-a", mesh.overlay_ip(c), timeout=60)
@@ -310,7 +310,7 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
     mesh = ha
     state_b = StateDir(mesh.state_dir(mesh.world.node(B)))
     job = TrainJob(mesh, *elastic("ha-coord", "dc4-a,dc6-a"))
-    before = wait(
+    wait(
         "the pair dc4-a <-> dc6-a relayed",
         lambda: (p := pairs(mesh, B).get(frozenset(("dc4-a", "dc6-a")))) and p["path"] == "relayed" and p,
         60,
@@ -359,12 +359,16 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
         warnings = mesh.status(on)["warnings"]
         assert any(f"coordinator {A_NAME} not heard from" in w and "2 of 3" in w for w in warnings), (on, warnings)
     # The relayed pair has a live relay again (not A), and a new node joins through B.
-    after = wait(
+    # (Waited for, not read once: the pair may be in a scheduled try of direct at that moment, which two
+    # symmetric NATs fail within seconds; run F on 2026-11-30 read it as "direct (public)" mid-try.)
+    wait(
         "dc4-a <-> dc6-a relayed by a live member",
-        lambda: (p := pairs(mesh, B).get(frozenset(("dc4-a", "dc6-a")))) and p["relay"] != A_NAME and p,
+        lambda: (p := pairs(mesh, B).get(frozenset(("dc4-a", "dc6-a"))))
+        and p["path"] == "relayed"
+        and p["relay"] not in (None, A_NAME)
+        and p,
         60,
     )
-    assert after["path"] == "relayed", (before, after)
     join_through(mesh, B, "dc8-a")
     mesh.wait_ping("dc8-a", mesh.overlay_ip("dc4-a"), timeout=60)  # raises if no answer comes within 60 s
     # B's doctor names the lost coordinator and the way out. Then C's etcd member dies too, with C's daemon
