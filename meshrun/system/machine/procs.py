@@ -302,23 +302,22 @@ def _messages(fd: int, deadline: float) -> Iterator[dict | None]:
         yield msg if isinstance(msg, dict) else {}
 
 
-def _notify(message: dict) -> None:
-    fd = os.environ.pop(READY_ENV, None)
+def _notify(message: dict, last: bool = True) -> None:
+    """Write `message` to the spawner's pipe; the `last` one also closes it (and forgets it)."""
+    fd = os.environ.pop(READY_ENV, None) if last else os.environ.get(READY_ENV)
     if fd is None or not fd.isdigit():
         return  # not started by spawn_daemon (systemd, a terminal): nobody waits
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # the spawner may have gone (it returned on an earlier message)
         os.write(int(fd), json.dumps(message).encode() + b"\n")
-    with contextlib.suppress(OSError):
-        os.close(int(fd))
+    if last:
+        with contextlib.suppress(OSError):
+            os.close(int(fd))
 
 
 def notify_waiting(message: str, fix: str = "") -> None:
     """Tell the process that spawned us (`spawn_daemon`) that we run but wait for something outside us
     (`message`, what would end the wait: `fix`); a later `notify_ready` or `notify_error` still goes through."""
-    fd = os.environ.get(READY_ENV)
-    if fd is not None and fd.isdigit():
-        with contextlib.suppress(OSError):  # the spawner may have gone (it returned on an earlier one)
-            os.write(int(fd), json.dumps({"waiting": message, "fix": fix}).encode() + b"\n")
+    _notify({"waiting": message, "fix": fix}, last=False)
 
 
 def notify_ready() -> None:
