@@ -157,7 +157,7 @@ class Share:
     def cancel(self) -> None:
         if self.proc is not None and not self.cancelled.is_set():
             self.cancelled.set()
-            procs.kill_tree(self.proc.pid)
+            procs.stop_tree(self.proc.pid)  # torchrun passes it to each worker, which passes it to the script
 
     def wait(self) -> ShareEnd:
         rc = self.proc.wait()
@@ -287,12 +287,15 @@ def restart_workers(
     signalled = 0
     for agent in procs.children(share):  # torchrun (meshrun.jobs.agent)
         # Its own children are multiprocessing's forkserver, which keeps torch imported for the next workers,
-        # and resource tracker: left alone. The workers and their scripts are below them.
+        # and resource tracker: left alone. The workers are the forkserver's children (warm) or the agent's
+        # (cold). Each worker passes the signal to its script's process group, as torchrun's own stop reaches
+        # it: the script gets it once (signalled here as well, a checkpoint-on-SIGTERM handler ran twice).
         agent_argv = procs.argv(agent)
-        helpers = {pid for pid in procs.children(agent) if warmfork.is_helper(procs.argv(pid), agent_argv)}
-        for pid in procs.descendants(agent):
-            if pid == agent or pid in helpers:
-                continue
+        workers = []
+        for pid in procs.children(agent):
+            helper = warmfork.is_helper(procs.argv(pid), agent_argv)
+            workers += procs.children(pid) if helper else [pid]
+        for pid in workers:
             born = procs.started_at(pid)
             if born is not None and born < started_before and procs.signal_pid(pid, signal.SIGTERM):
                 signalled += 1

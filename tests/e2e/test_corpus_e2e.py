@@ -294,7 +294,8 @@ def test_a_failing_rank_is_named_with_its_code_as_torchrun_names_it(mesh, tmp_pa
         assert "ValueError: diverged at step 7" in ours.out and "ValueError: diverged at step 7" in theirs.out
     if how == "sigterm":  # the handler ran where rank 0 ran, under both launchers
         for run in (ours, theirs):
-            assert "rank 0 saved a checkpoint on SIGTERM" in run.out, run.out[-3000:]
+            # Once: each launcher passes the stop on once (the handler ran 1-3 times, nested, under meshrun).
+            assert run.out.count("rank 0 saved a checkpoint on SIGTERM") == 1, run.out[-3000:]
             saved = [p.read_text() for d in run.dirs.values() for p in d.glob("last-checkpoint-*.pt")]
             assert saved == ["saved on SIGTERM\n"], saved
 

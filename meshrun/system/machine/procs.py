@@ -8,8 +8,10 @@
   held for the daemon's lifetime. The holder's PID is read from the kernel's lock table
   (/proc/locks), never from a command-line match, so `stop` signals exactly the process that
   holds the lock.
-- `alive`, `descendants` and `kill_tree` work on /proc; `kill_tree` snapshots a process tree
-  before signalling it and re-checks start times before SIGKILL, so a reused PID is never hit.
+- `alive`, `descendants`, `kill_tree` and `stop_tree` work on /proc; both snapshot a process tree
+  before signalling it and re-check start times before SIGKILL, so a reused PID is never hit.
+  `kill_tree` signals every process of the tree; `stop_tree` only its root, which passes the signal on
+  (a job's launcher: each of its processes must get it once).
 """
 
 from __future__ import annotations
@@ -158,6 +160,39 @@ def kill_tree(root: int, grace: float = KILL_GRACE_S, sig: int = signal.SIGTERM)
         tree.update({p: s for p, s in descendants(root).items() if p not in tree})
         if not _tree_alive(tree):
             return
+        time.sleep(0.1)
+    for pid, start in tree.items():
+        if alive(pid) and start_time(pid) == start:
+            signal_pid(pid, signal.SIGKILL)
+
+
+def stop_tree(root: int, grace: float = KILL_GRACE_S, sig: int = signal.SIGTERM) -> None:
+    """Stop `root` and all its descendants as a supervisor stops torchrun: `sig` to the root alone, SIGKILL to
+    what is left of the tree after `grace` s.
+
+    The root passes the signal on (torchrun to each worker's process group, meshrun.jobs.worker to its
+    script's), so every process gets it once, as under torchrun; kill_tree's signal to each process would
+    reach a script once from us and again through each launcher above it, and a handler that saves a
+    checkpoint ran nested up to three times. A process still alive once the root has gone (the root died
+    before it could pass anything on, or left it behind) gets `sig` then, once. Start times are checked as
+    kill_tree checks them."""
+    tree = descendants(root)
+    if root not in tree:
+        return
+    signal_pid(root, sig)
+    orphans_told = False
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        root_up = alive(root) and start_time(root) == tree[root]
+        if root_up:
+            tree.update({p: s for p, s in descendants(root).items() if p not in tree})
+        if not _tree_alive(tree):
+            return
+        if not root_up and not orphans_told:
+            orphans_told = True
+            for pid, start in tree.items():
+                if pid != root and alive(pid) and start_time(pid) == start:
+                    signal_pid(pid, sig)
         time.sleep(0.1)
     for pid, start in tree.items():
         if alive(pid) and start_time(pid) == start:

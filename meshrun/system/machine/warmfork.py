@@ -12,6 +12,7 @@ globals), which is why they live in the system layer.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import io
 import itertools
@@ -152,8 +153,9 @@ def is_helper(argv: Sequence[str] | None, agent_argv: Sequence[str] | None = Non
 
 
 class Forked:
-    """A child made by `fork_call`: `pid`, binary `stdout`/`stderr` pipes, and Popen's `send_signal` and
-    `wait` (its exit code, or -N when signal N ended it)."""
+    """A child made by `fork_call`: `pid`, binary `stdout`/`stderr` pipes, and Popen's `send_signal` (to the
+    child's process group: the child and the children it did not move elsewhere, as torchrun's stop reaches a
+    worker and its children) and `wait` (its exit code, or -N when signal N ended it)."""
 
     def __init__(self, pid: int, stdout: io.BufferedReader, stderr: io.BufferedReader) -> None:
         self.pid, self.stdout, self.stderr = pid, stdout, stderr
@@ -161,13 +163,18 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            os.killpg(self.pid, sig)
 
     def wait(self) -> int:
         if self.returncode is None:
             _, status = os.waitpid(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
+
+
+# The signals a job's launchers pass on to their children (torchrun to its workers, meshrun.jobs.worker to the
+# script): a child of `fork_call` leaves its parent's process group, so each reaches it once, passed on.
+_PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def fork_call(run: Callable[[], int]) -> Forked:
@@ -180,10 +187,18 @@ def fork_call(run: Callable[[], int]) -> Forked:
     # What this process buffered is its own: flushed now, the child cannot write it again when it flushes every
     # open file at its end (multiprocessing flushes before it forks, for the same reason).
     _flush_std(sys.__stdout__, sys.__stderr__)
-    pid = os.fork()
+    # Blocked across the fork until the child has its own process group: a stop sent to this process's group
+    # meanwhile stays pending here (the caller passes it on) and is dropped in the child, never both.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _PASSED_ON)
+    try:
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
     if pid == 0:  # pragma: no cover - the child's exit code is what the tests read
         code = 1
         try:
+            _own_group()
             os.close(out_r)
             os.close(err_r)
             os.dup2(out_w, 1)
@@ -191,15 +206,30 @@ def fork_call(run: Callable[[], int]) -> Forked:
             os.close(out_w)
             os.close(err_w)
             _fresh_process()
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             code = run()
         except BaseException:  # noqa: BLE001 - nothing may return into the parent's code
             traceback.print_exc()  # onto the new fd 2: the parent reads it as the child's output
             code = 1
         finally:
             exit_as_interpreter(code)
+    with contextlib.suppress(PermissionError, ProcessLookupError):  # the child's own call may have come first
+        os.setpgid(pid, pid)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.close(out_w)
     os.close(err_w)
     return Forked(pid, os.fdopen(out_r, "rb", buffering=0), os.fdopen(err_r, "rb", buffering=0))
+
+
+def _own_group() -> None:
+    """In `fork_call`'s child, signals still blocked: lead a process group of its own (torchrun starts each
+    worker in a session of its own for the same reason) and drop the passed-on signals that reached it while it
+    was still in its parent's group (the parent got them too, and passes them on). `_fresh_process` then sets
+    their actions."""
+    with contextlib.suppress(PermissionError):  # the parent's call came first
+        os.setpgid(0, 0)
+    for sig in set(_PASSED_ON) & signal.sigpending():
+        signal.signal(sig, signal.SIG_IGN)  # discards it while pending
 
 
 def _fresh_process() -> None:

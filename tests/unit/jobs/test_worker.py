@@ -143,23 +143,29 @@ def blocked_signals(pid: int, tid: int) -> set[int]:
     raise AssertionError(f"no SigBlk for thread {tid} of {pid}")
 
 
-def sigterm_worker(tmp_path: Path, code: str, inspect=None) -> tuple[bytes, int]:
+def sigterm_worker(tmp_path: Path, code: str, inspect=None, group: bool = False) -> tuple[bytes, int]:
     """Run `code` under the worker, SIGTERM the worker once the child printed "ready"; (rest of stdout, exit code).
-    `inspect(pid)`, when given, runs on the worker's pid before the signal is sent."""
+    `inspect(pid)`, when given, runs on the worker's pid before the signal is sent. `group`: the worker runs in a
+    session of its own and the signal goes to its process group, as torchrun stops a worker."""
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(code))
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHRUN_NODE_NAME="n1", RANK="0")
     p = subprocess.Popen(
         [*WORKER, str(script)],
         env=env,
+        cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        start_new_session=group,
     )
     try:
         assert p.stdout.readline() == b"[n1 r0] ready\n"
         if inspect:
             inspect(p.pid)
-        p.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(p.pid, signal.SIGTERM)
+        else:
+            p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=20)
     finally:
         if p.poll() is None:
@@ -183,6 +189,35 @@ def test_sigterm_is_forwarded_to_the_child(tmp_path):
     )
     assert out == b"[n1 r0] child got SIGTERM\n"
     assert code == 7
+
+
+def test_torchruns_stop_reaches_the_script_and_its_children_once(tmp_path):
+    """torchrun stops a worker with a signal to its process group. The script leads a group of its own, which
+    the worker signals: its handler runs once (it ran twice when the script shared the worker's group, and
+    three times under a stopped share), and a child of the script, in the script's group, gets it too."""
+    out, code = sigterm_worker(
+        tmp_path,
+        """
+        import os, signal, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\\n"
+            "signal.signal(signal.SIGTERM, lambda *_: (open('child.term', 'a').write('x'), sys.exit(0)))\\n"
+            "print('up', flush=True); time.sleep(30)"], stdout=subprocess.PIPE)
+        child.stdout.readline()
+        def bye(signum, frame):
+            with open("script.term", "a") as f:
+                f.write("x")
+            time.sleep(0.5)  # a second signal would run this again, nested, while it sleeps
+            child.wait(10)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, bye)
+        print("ready", flush=True)
+        time.sleep(30)
+    """,
+        group=True,
+    )
+    assert code == 0, out
+    assert (tmp_path / "script.term").read_text() == "x"
+    assert (tmp_path / "child.term").read_text() == "x"
 
 
 def test_unhandled_sigterm_kills_child_and_worker_alike(tmp_path):

@@ -1,4 +1,5 @@
-"""meshrun.system.machine.procs: readiness through a pipe, liveness and stop through the daemon lock, kill_tree.
+"""meshrun.system.machine.procs: readiness through a pipe, liveness and stop through the daemon lock, kill_tree,
+stop_tree.
 
 Real processes (the test's own Python), real flocks; every process is killed by the PID started.
 """
@@ -177,6 +178,81 @@ def test_kill_tree_stops_grandchildren_in_other_sessions(tmp_path):
         for p in procs.descendants(root.pid):
             os.kill(p, signal.SIGKILL)
         root.kill()
+
+
+# A script that counts the SIGTERMs it gets (each run of its handler appends an "x") and ends 1 s after the first.
+COUNTER = (
+    "import signal, sys, time\n"
+    "def term(*_):\n"
+    "    open(sys.argv[1], 'a').write('x'); time.sleep(1); sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, term)\n"
+    "print('ready', flush=True); time.sleep(60)\n"
+)
+
+
+def start_under(tmp_path: Path, launcher: list[str]) -> tuple[subprocess.Popen, Path]:
+    """COUNTER under `launcher` (its argv prefix), in a session of its own as a share starts torchrun."""
+    (tmp_path / "counter.py").write_text(COUNTER)
+    counts = tmp_path / "terms"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), RANK="0")
+    root = subprocess.Popen(
+        [*launcher, str(tmp_path / "counter.py"), str(counts)], stdout=subprocess.PIPE, env=env, start_new_session=True
+    )
+    assert root.stdout.readline().endswith(b"ready\n")
+    return root, counts
+
+
+def test_stop_tree_lets_the_launcher_pass_the_signal_on_once(tmp_path):
+    """meshrun.jobs.worker passes SIGTERM on to its script: stop_tree signals the launcher alone and the
+    script's handler runs once. (kill_tree signals both: the kernel merges the two while neither is handled,
+    so here it mostly runs once too; in a job the third, through torchrun, came later and it ran up to 3 times.)"""
+    root, counts = start_under(tmp_path, [sys.executable, "-m", "meshrun.jobs.worker"])
+    tree = procs.descendants(root.pid)
+    try:
+        procs.stop_tree(root.pid, grace=10)
+        assert root.wait(5) == 0
+        assert counts.read_text() == "x"
+    finally:
+        for p in tree:
+            procs.signal_pid(p, signal.SIGKILL)
+        root.wait(5)
+
+
+def test_what_outlives_a_root_that_passed_nothing_on_gets_the_signal_once(tmp_path):
+    """A root that dies of the signal at once (torchrun before its handler is set): its child, in a session of
+    its own, is told once the root has gone; one that ignores it is killed after the grace."""
+    spawn_child = (
+        "import subprocess, sys\n"
+        "c = subprocess.Popen([sys.executable] + sys.argv[1:], stdout=subprocess.PIPE, start_new_session=True)\n"
+        "print(c.stdout.readline().decode().strip(), flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    root, counts = start_under(tmp_path, [sys.executable, "-c", spawn_child])
+    tree = procs.descendants(root.pid)
+    assert len(tree) == 2
+    try:
+        procs.stop_tree(root.pid, grace=10)
+        root.wait(5)
+        assert root.returncode == -signal.SIGTERM
+        assert counts.read_text() == "x"
+        assert not any(procs.alive(p) for p in tree)
+    finally:
+        for p in tree:
+            procs.signal_pid(p, signal.SIGKILL)
+
+
+def test_stop_tree_kills_a_root_that_ignores_the_signal_after_the_grace(tmp_path):
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    root = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert root.stdout.readline() == b"up\n"
+        started = time.monotonic()
+        procs.stop_tree(root.pid, grace=1)
+        assert root.wait(5) == -signal.SIGKILL
+        assert time.monotonic() - started < 5
+    finally:
+        root.kill()
+        root.wait()
 
 
 def test_the_lock_names_its_holder_on_an_overlay_file_system(script, tmp_path):
