@@ -283,17 +283,25 @@ UDP_LISTEN = _dedent("""\
 
 
 # A member probing ports from inside its namespace, all at once (a dropped one costs its 2 s timeout):
-# {"host:port": "connected" or the error's name}.
+# {"host:port": "connected" or the error's name}. A second argument: the IP TOS byte its packets carry (any
+# user may set it).
 PROBE_ALL = """
 import json, socket, sys
 from concurrent.futures import ThreadPoolExecutor
+tos = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 def one(target):
     host, port = target.rsplit(":", 1)
+    s = socket.socket()
     try:
-        socket.create_connection((host, int(port)), timeout=2).close()
+        if tos:
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+        s.settimeout(2)
+        s.connect((host, int(port)))
         return "connected"
     except OSError as exc:
         return type(exc).__name__
+    finally:
+        s.close()
 targets = json.loads(sys.argv[1])
 with ThreadPoolExecutor(max(1, min(32, len(targets)))) as pool:
     print(json.dumps(dict(zip(targets, pool.map(one, targets)))))

@@ -10,13 +10,16 @@ Two kinds:
   reaches the socket (arriving on the WireGuard interface or on the site LAN path's device, core/lanpath).
   One table per job and node (`job_table`), so removing it is one command and the
   host's own tables are never touched.
-  On the member itself a job's ports answer the job's own processes only (`ProcessGate`): every other local
-  process sends with the member's overlay address, which the address check admits, and loopback is not the
-  overlay. So each table also tags the new connections its job's processes open (bits MARK_MASK of the
-  connection's conntrack mark, set to the job's `job_mark`, by the sending socket's cgroup), drops a new
-  connection arriving on loopback at the job's sockets without its job's tag, and refuses one that a process
-  of no job opens to the job's nodes' job ports (`ProcessGate.ports`: the rendezvous store's range and the
-  ephemeral ports torch's stores, Gloo and NCCL bind; the overlay API's port is exempt).
+  On the job's nodes a job's ports answer the job's own processes only (`ProcessGate`): every other process on
+  a node sends with the node's overlay address, which the address check admits. So each table also tags the
+  new connections its job's processes open (bits MARK_MASK of the connection's conntrack mark, set to the job's
+  `job_mark`, by the sending socket's cgroup) and stamps those that leave for the overlay (DSCP `JOB_DSCP` on
+  the inner packet, which WireGuard carries sealed; a stamp no job's process set is wiped). A new connection
+  to the job's sockets is dropped when it arrives on loopback without its job's tag, or over the overlay from a
+  job's node without the stamp. Where no stamp can be read (this member's own overlay address over loopback, to
+  a socket bound to the overlay device; a routed site LAN path), one that a process of no job opens to the
+  job's nodes' job ports (`ProcessGate.ports`: the rendezvous store's range and the ephemeral ports torch's
+  stores, Gloo and NCCL bind; the overlay API's port is exempt) is refused on its way out.
 - The **forward guard**, on every member: a member that forwards overlay traffic (the coordinator relays
   pairs; a node whose host forwards, as Docker and Kubernetes hosts do) forwards only overlay-to-overlay;
   a packet from a member for any other interface (that host's LAN or VPC) is dropped, whatever the host's
@@ -31,13 +34,14 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from meshrun.core import lanpath
+from meshrun.core import lanpath, tunnels
 from meshrun.errors import UsageError
 
 __all__ = [
     "CGROUP_PARENT",
     "FORWARD_TABLE",
     "GUARD_LEVELS",
+    "JOB_DSCP",
     "JOB_TABLE_PREFIX",
     "MARK_MASK",
     "ProcessGate",
@@ -72,6 +76,9 @@ CGROUP_PARENT = "meshrun"  # jobs' cgroups live in <cgroup2 root>/meshrun/<table
 # jobs on one member share a tag with odds 1 in 4095, which lets each reach the other's ports, nothing more.
 MARK_MASK = 0xFFF00000
 _MARK_SHIFT = 20
+# The DSCP a job guard stamps on the new connections a job's process opens to the overlay, which the other nodes'
+# guards read (one of RFC 2474's "experimental or local use" codepoints, xxxx11: no network gives it a meaning).
+JOB_DSCP = 0x2B
 _IFACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}\Z")
 _TABLE_RE = re.compile(rf"^{JOB_TABLE_PREFIX}[0-9a-f]{{16}}\Z")
 # Job ids as meshrun.core.jobspec accepts them; a node is a member name, or "<member>/store" for the supervisor's
@@ -201,7 +208,11 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str], 
     ifaces = f'{{ "{iface}", "{lanpath.interface_name(iface)}" }}'
     elements = f" elements = {{ {', '.join(ips)} }};" if ips else ""
     path = f"{CGROUP_PARENT}/{table}"
-    gated, local = _gate_rules(gate, path) if gate is not None else ([], [])
+    # Where the overlay travels sealed (WireGuard, its extra tunnels, VXLAN): a stamp put there arrives as it was.
+    sealed = (
+        "{ " + ", ".join(f'"{n}"' for n in [iface, lanpath.interface_name(iface), *tunnels.device_names(iface)]) + " }"
+    )
+    gated, local = _gate_rules(gate, path, sealed) if gate is not None else ([], [])
     return "\n".join(
         [
             f"table inet {table} {{}}",
@@ -271,13 +282,15 @@ def job_gate(job_id: str, rdzv_port: int, store_ports: int, api_port: int, local
     return ProcessGate(job_mark(job_id), ranges, (api_port,))
 
 
-def _gate_rules(gate: ProcessGate, path: str) -> tuple[list[str], list[str]]:
-    """The gate's lines: (its chains, the input chain's loopback rules)."""
+def _gate_rules(gate: ProcessGate, path: str, ifaces: str) -> tuple[list[str], list[str]]:
+    """The gate's lines: (its chains, the input chain's rules). `ifaces`: the devices that carry the overlay
+    sealed (nft set text)."""
     mark, mask = gate.mark, MARK_MASK
     if not mark or mark & ~mask:
         raise UsageError(f"job mark {mark:#x} is not within {mask:#x}", "use firewall.job_mark(job_id)")
     untagged = f"ct mark & {mask:#010x} != {mark:#010x}"
     keep = f"ct mark & {~mask & 0xFFFFFFFF:#010x}"  # the bits outside MARK_MASK are others'
+    stamp = f"ip dscp != {JOB_DSCP:#04x}"
     chains = [
         # Before the output judge (filter - 1) of every table: a job's processes on this member may hold
         # sockets in more than one of its cgroups (the coordinator's store and its share), each tags its own.
@@ -289,10 +302,27 @@ def _gate_rules(gate: ProcessGate, path: str) -> tuple[list[str], list[str]]:
         "  chain tag_own {",
         *(f'    socket cgroupv2 level {level} "{path}" ct mark set {keep} | {mark:#010x}' for level in GUARD_LEVELS),
         "  }",
+        # What leaves for the overlay says whether a job's process opened it: the stamp travels inside WireGuard
+        # (or VXLAN) to the other node, whose guard reads it. Any job's tag stamps (a node cannot tell which job a
+        # remote port is); a stamp that no job's process set (a user's IP_TOS, a container's forwarded packet) is
+        # wiped. Forwarded overlay-to-overlay packets (a relaying member) keep the stamp their sender gave them.
+        "  chain stamp {",
+        "    type filter hook postrouting priority filter; policy accept;",
+        f"    oifname {ifaces} tcp flags & (syn | ack) == syn jump stamp_new",
+        f"    oifname {ifaces} meta l4proto udp ct state new jump stamp_new",
+        "  }",
+        "  chain stamp_new {",
+        f"    iifname {ifaces} return",
+        f"    ct mark & {mask:#010x} != 0 ip dscp set {JOB_DSCP:#04x} return",
+        f"    ip dscp {JOB_DSCP:#04x} ip dscp set cs0",
+        "  }",
     ]
     local = [
         f'    iifname "lo" tcp flags & (syn | ack) == syn {untagged} jump outsider',
         f'    iifname "lo" meta l4proto udp ct state new {untagged} jump outsider',
+        # From the job's nodes over the overlay: only what a job's process there opened (its stamp).
+        f"    iifname {ifaces} tcp flags & (syn | ack) == syn ip saddr @nodes {stamp} jump outsider",
+        f"    iifname {ifaces} meta l4proto udp ct state new ip saddr @nodes {stamp} jump outsider",
     ]
     out: list[str] = []
     if gate.ports:
@@ -301,12 +331,13 @@ def _gate_rules(gate: ProcessGate, path: str) -> tuple[list[str], list[str]]:
         out = [
             "  chain output {",
             "    type filter hook output priority filter - 1; policy accept;",
+            # Where no stamp is read: this member's own overlay address, over loopback (nft's lookup of the
+            # socket a loopback packet is for misses a socket bound to the overlay device, as meshrun's stores
+            # are, though the kernel delivers to it), and a routed site LAN path (the LAN may rewrite DSCP).
             # Refused at once (a reset), not dropped: a user's own tool learns it is not allowed, not a hang.
-            # Any job's tag passes here: this table cannot tell which job a remote port is, and every job's
-            # processes were started by the coordinator (a stale table, or another job on the same nodes, must not
-            # stop them). Untagged is a process that is no job's: a user's, a container's, a service's.
-            f"    ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & {mask:#010x} == 0 {exempt}"
-            f"tcp dport {{ {ports} }} reject with tcp reset",
+            # Any job's tag passes: a stale table, or another job on the same nodes, must not stop its processes.
+            f"    oifname != {ifaces} ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & {mask:#010x} == 0 "
+            f"{exempt}tcp dport {{ {ports} }} reject with tcp reset",
             "  }",
         ]
     return chains + out, local

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from support import PROBE_ALL, REPO_ROOT, joined_mesh, listening
 
-from meshrun.core import auth, keys
+from meshrun.core import auth, firewall, keys
 from meshrun.core.token import parse_token
 from meshrun.lab.mesh import Mesh
 from meshrun.lab.testbed import DatacenterSpec
@@ -435,6 +435,20 @@ def test_the_token_is_read_from_stdin_and_never_appears_in_a_command_line(mesh, 
 LONG = ["ddp_train.py", "--epochs", "200", "--steps-per-epoch", "10", "--sleep-per-step", "0.2", "--checkpoint", ""]
 
 
+JOB_TOS = firewall.JOB_DSCP << 2  # the IP TOS byte whose DSCP is the job stamp
+
+
+def as_nobody_listener(mesh: Mesh, node: str, ip: str) -> subprocess.Popen:
+    """A TCP listener of `nobody` on `node` at ip:0 that accepts for ever; its first line is its port."""
+    code = (
+        "import socket\ns = socket.socket()\n"
+        f"s.bind(('{ip}', 0)); s.listen()\nprint(s.getsockname()[1], flush=True)\n"
+        "while True:\n    s.accept()[0].close()"
+    )
+    argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3", "-c", code]
+    return mesh.world.node(node).popen(*argv, stdout=subprocess.PIPE, text=True)
+
+
 def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
     """Finding 2: during a job on the coordinator, dc1-a and dc2-a, dc3-a tries every port the job listens on."""
     net = network(mesh)
@@ -476,11 +490,28 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
         assert "connected" not in seen.values(), seen
         # A member's own unprivileged user gains nothing either: nobody on the coordinator and on dc1-a (the
         # cgroup-v1 host) reaches none of the job's ports, on its own machine (over loopback) or on the others
-        # (refused on its way out), while the job's ranks keep training; what is not the job's still answers.
+        # (their guards find no stamp), while the job's ranks keep training; what is not the job's still answers.
         for n in ("hq-a", "dc1-a"):
             seen = json.loads(as_nobody(mesh, n, PROBE_ALL, json.dumps(targets + [decoy_at])).stdout)
             assert seen.pop(decoy_at) == "connected", (n, seen)
             assert "connected" not in seen.values(), (n, seen)
+        # The other nodes tell the job's connections by the stamp the sender's guard gives them: nobody on the
+        # coordinator claiming it (IP_TOS, which any user may set) is wiped on the way out and reaches nothing.
+        remote = [t for t in targets if not t.startswith(net["coordinator_ip"] + ":")]
+        forged = json.loads(as_nobody(mesh, "hq-a", PROBE_ALL, json.dumps(remote), str(JOB_TOS)).stdout)
+        assert "connected" not in forged.values(), forged
+        # What is no job's on a job's node answers its members at any port (a user's own torchrun between
+        # two job nodes hung while refused on its way out): a listener of nobody's on dc2-a's overlay address,
+        # at an ephemeral port, reached by nobody on the coordinator.
+        theirs = as_nobody_listener(mesh, "dc2-a", node_ips["dc2-a"])
+        try:
+            port = int(theirs.stdout.readline())
+            assert 32768 <= port <= 60999, port
+            at = f"{node_ips['dc2-a']}:{port}"
+            assert json.loads(as_nobody(mesh, "hq-a", PROBE_ALL, json.dumps([at])).stdout) == {at: "connected"}
+        finally:
+            theirs.kill()
+            theirs.wait()
         for n in ("dc1-a", "dc2-a"):
             tables = mesh.world.node(n).run("nft", "list", "ruleset").stdout
             assert "meshrun job scanned-job" in tables and node_ips["dc3-a"] not in tables
@@ -495,8 +526,19 @@ def test_a_member_outside_a_job_reaches_none_of_the_ports_the_job_opened(mesh):
             if c["name"] == "job guards"
         )
         assert guards["level"] == "ok" and "mounted by meshrun" in guards["detail"], guards
-        # The negative control: without dc1-a's guard, the same probe reaches its job ports (the job is
-        # cancelled right after: a stray connection may upset Gloo).
+        # Negative controls (the job is cancelled right after: a stray connection may upset Gloo). Without
+        # the wipe on the coordinator, its forged stamp reaches the other nodes' job ports: the stamp is what
+        # their guards judge.
+        hq = mesh.world.node("hq-a")
+        for t in [
+            line.split()[2] for line in hq.run("nft", "list", "tables").stdout.splitlines() if "meshrun_job_" in line
+        ]:
+            hq.run("nft", "flush", "chain", "inet", t, "stamp_new")
+            hq.run("nft", "add", "rule", "inet", t, "stamp_new", "ct", "mark", "&", "0xfff00000", "!=", "0",
+                   "ip", "dscp", "set", "0x2b")  # fmt: skip
+        forged = json.loads(as_nobody(mesh, "hq-a", PROBE_ALL, json.dumps(remote), str(JOB_TOS)).stdout)
+        assert "connected" in forged.values(), forged
+        # Without dc1-a's guard, the same probe reaches its job ports.
         dc1 = mesh.world.node("dc1-a")
         table = next(
             line.split()[2] for line in dc1.run("nft", "list", "tables").stdout.splitlines() if "meshrun_job_" in line

@@ -48,9 +48,10 @@ def test_a_job_guard_admits_only_the_jobs_nodes_on_the_overlay():
 
 
 def test_a_gated_guard_lets_only_the_jobs_processes_reach_its_ports_from_the_member():
-    """Every local process sends with the member's overlay address: the gate tags the job's own new connections
-    (by the sending socket's cgroup), judges loopback arrivals by the tag, and refuses connections no job tagged
-    to the job's nodes' job ports on their way out (the overlay API's port exempt)."""
+    """Every process on a job's node sends with the node's overlay address: the gate tags the job's own new
+    connections (by the sending socket's cgroup) and stamps those leaving for the overlay, judges loopback
+    arrivals by the tag and overlay arrivals from the job's nodes by the stamp, and refuses connections no job
+    tagged to the job's nodes' job ports where no stamp is read (the overlay API's port exempt)."""
     table = firewall.job_table("exp7", "hq-a/store")
     gate = firewall.job_gate("exp7", 29400, 100, 51821, (32768, 60999))
     mark = firewall.job_mark("exp7")
@@ -68,14 +69,30 @@ def test_a_gated_guard_lets_only_the_jobs_processes_reach_its_ports_from_the_mem
     ]
     # Tagged before any table's output judge runs (another cgroup of the same job may hold the sender).
     assert "    type filter hook output priority filter - 2; policy accept;" in lines
-    # On the way out, a connection no job tagged (another job's may hold a port of these nodes).
+    # Over the overlay from the job's nodes: only what carries the stamp a job's process there was given. The
+    # overlay travels sealed in WireGuard, its extra tunnels (core/tunnels) and VXLAN: the stamp arrives as sent.
+    tunnels = ", ".join(f'"meshrun0-t{i}"' for i in range(1, 8))
+    overlay = f'{{ "meshrun0", "meshrun0-lan", {tunnels} }}'
     assert (
-        "    ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & 0xfff00000 == 0 tcp dport != { 51821 } "
-        "tcp dport { 29401-29499, 32768-60999 } reject with tcp reset"
+        f"    iifname {overlay} tcp flags & (syn | ack) == syn ip saddr @nodes ip dscp != 0x2b jump outsider"
+    ) in lines
+    assert f"    iifname {overlay} meta l4proto udp ct state new ip saddr @nodes ip dscp != 0x2b jump outsider" in lines
+    stamp = lines.index("  chain stamp_new {")
+    assert lines[stamp + 1 : stamp + 4] == [
+        f"    iifname {overlay} return",  # a relaying member's forwards keep their sender's stamp
+        "    ct mark & 0xfff00000 != 0 ip dscp set 0x2b return",  # any job's process
+        "    ip dscp 0x2b ip dscp set cs0",  # anything else that claims it (a user's IP_TOS, a container)
+    ]
+    assert "    type filter hook postrouting priority filter; policy accept;" in lines
+    # On the way out where no stamp is read (loopback, a routed site LAN), a connection no job tagged.
+    assert (
+        f"    oifname != {overlay} ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & 0xfff00000 == 0 "
+        "tcp dport != { 51821 } tcp dport { 29401-29499, 32768-60999 } reject with tcp reset"
     ) in lines
     # Without a gate (etcd's guard, whose clients hold certificates) nothing local is judged.
     plain = firewall.job_guard(table, "c", "meshrun0", ["10.213.0.2"])
     assert "ct mark" not in plain and "hook output" not in plain and 'iifname "lo" tcp' not in plain
+    assert "dscp" not in plain and "postrouting" not in plain
 
 
 def test_a_jobs_mark_is_stable_within_its_bits_and_tells_jobs_apart():
