@@ -16,10 +16,11 @@ Two kinds:
   `job_mark`, by the sending socket's cgroup) and stamps those that leave for the overlay (DSCP `JOB_DSCP` on
   the inner packet, which WireGuard carries sealed; a stamp no job's process set is wiped). A new connection
   to the job's sockets is dropped when it arrives on loopback without its job's tag, or over the overlay from a
-  job's node without the stamp. Where no stamp can be read (this member's own overlay address over loopback, to
-  a socket bound to the overlay device; a routed site LAN path), one that a process of no job opens to the
-  job's nodes' job ports (`ProcessGate.ports`: the rendezvous store's range and the ephemeral ports torch's
-  stores, Gloo and NCCL bind; the overlay API's port is exempt) is refused on its way out.
+  job's node without the stamp. Where neither can be read, one that a process of no job opens is refused on its
+  way out: over loopback to the stores' range (`ProcessGate.loopback`: nft's lookup of the socket a loopback
+  packet is for misses one bound to the overlay device, as meshrun's stores are), and across a routed site LAN
+  path to the job's nodes' job ports (`ProcessGate.ports`: the stores' range and the ephemeral ports torch's
+  stores, Gloo and NCCL bind; the overlay API's port is exempt).
 - The **forward guard**, on every member: a member that forwards overlay traffic (the coordinator relays
   pairs; a node whose host forwards, as Docker and Kubernetes hosts do) forwards only overlay-to-overlay;
   a packet from a member for any other interface (that host's LAN or VPC) is dropped, whatever the host's
@@ -209,9 +210,7 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str], 
     elements = f" elements = {{ {', '.join(ips)} }};" if ips else ""
     path = f"{CGROUP_PARENT}/{table}"
     # Where the overlay travels sealed (WireGuard, its extra tunnels, VXLAN): a stamp put there arrives as it was.
-    sealed = (
-        "{ " + ", ".join(f'"{n}"' for n in [iface, lanpath.interface_name(iface), *tunnels.device_names(iface)]) + " }"
-    )
+    sealed = [iface, lanpath.interface_name(iface), *tunnels.device_names(iface)]
     gated, local = _gate_rules(gate, path, sealed) if gate is not None else ([], [])
     return "\n".join(
         [
@@ -246,22 +245,36 @@ class ProcessGate:
     """Which of a member's own processes may open connections to a job's ports (see the module docstring).
 
     `mark`: the job's tag (`job_mark`). `ports`: inclusive TCP port ranges that are the job's on its nodes
-    (their listeners pick them at bind time); `exempt`: ports inside those ranges that are not (the overlay API)."""
+    (their listeners pick them at bind time); `exempt`: ports inside those ranges that are not (the overlay API);
+    `loopback`: the ranges among them that are refused over loopback too (the stores', bound to the overlay
+    device: nft's loopback lookup misses them; every other job socket is judged by its cgroup there). Empty:
+    all of `ports` (a spec written before)."""
 
     mark: int
     ports: tuple[tuple[int, int], ...] = ()
     exempt: tuple[int, ...] = ()
+    loopback: tuple[tuple[int, int], ...] = ()
 
     def record(self) -> dict:
         """The gate as a share's spec keeps it (JSON)."""
-        return {"mark": self.mark, "ports": [list(r) for r in self.ports], "exempt": list(self.exempt)}
+        return {
+            "mark": self.mark,
+            "ports": [list(r) for r in self.ports],
+            "exempt": list(self.exempt),
+            "loopback": [list(r) for r in self.loopback],
+        }
 
     @classmethod
     def from_record(cls, d: dict | None) -> ProcessGate | None:
         """`record`'s inverse; None for none (a spec written before gates: the guard judges addresses only)."""
         if not d:
             return None
-        return cls(int(d["mark"]), tuple((int(a), int(b)) for a, b in d["ports"]), tuple(int(p) for p in d["exempt"]))
+        return cls(
+            int(d["mark"]),
+            tuple((int(a), int(b)) for a, b in d["ports"]),
+            tuple(int(p) for p in d["exempt"]),
+            tuple((int(a), int(b)) for a, b in d.get("loopback", ())),
+        )
 
 
 def job_mark(job_id: str) -> int:
@@ -275,16 +288,18 @@ def job_gate(job_id: str, rdzv_port: int, store_ports: int, api_port: int, local
     """The gate of a job's guard: its tag, the rendezvous stores' range (rdzv_port + 1 up, `store_ports` - 1
     ports) and the ephemeral range (`local_ports`, this host's ip_local_port_range: other members are assumed to
     use the same, Linux's default 32768-60999 unless changed), the overlay API's port exempt."""
-    ranges = ((rdzv_port + 1, rdzv_port + store_ports - 1), local_ports)
+    stores = (rdzv_port + 1, rdzv_port + store_ports - 1)
+    ranges = (stores, local_ports)
     for lo, hi in ranges:
         if not 1 <= lo <= hi <= 65535:
             raise UsageError(f"port range {lo}-{hi} is not within 1-65535", "check the network's rdzv_port")
-    return ProcessGate(job_mark(job_id), ranges, (api_port,))
+    return ProcessGate(job_mark(job_id), ranges, (api_port,), (stores,))
 
 
-def _gate_rules(gate: ProcessGate, path: str, ifaces: str) -> tuple[list[str], list[str]]:
-    """The gate's lines: (its chains, the input chain's rules). `ifaces`: the devices that carry the overlay
-    sealed (nft set text)."""
+def _gate_rules(gate: ProcessGate, path: str, sealed: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The gate's lines: (its chains, the input chain's rules). `sealed`: the devices that carry the overlay
+    sealed."""
+    ifaces = _names(sealed)
     mark, mask = gate.mark, MARK_MASK
     if not mark or mark & ~mask:
         raise UsageError(f"job mark {mark:#x} is not within {mask:#x}", "use firewall.job_mark(job_id)")
@@ -326,21 +341,29 @@ def _gate_rules(gate: ProcessGate, path: str, ifaces: str) -> tuple[list[str], l
     ]
     out: list[str] = []
     if gate.ports:
-        ports = ", ".join(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in gate.ports)
         exempt = f"tcp dport != {{ {', '.join(str(p) for p in gate.exempt)} }} " if gate.exempt else ""
+        refuse = f"ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & {mask:#010x} == 0 {exempt}tcp dport"
         out = [
             "  chain output {",
             "    type filter hook output priority filter - 1; policy accept;",
-            # Where no stamp is read: this member's own overlay address, over loopback (nft's lookup of the
-            # socket a loopback packet is for misses a socket bound to the overlay device, as meshrun's stores
-            # are, though the kernel delivers to it), and a routed site LAN path (the LAN may rewrite DSCP).
-            # Refused at once (a reset), not dropped: a user's own tool learns it is not allowed, not a hang.
+            # Where no stamp is read, on its way out. This member's own overlay address, over loopback: nft's
+            # lookup of the socket a loopback packet is for misses one bound to the overlay device, as meshrun's
+            # stores are (the kernel delivers to it all the same). A routed site LAN path: the LAN may rewrite
+            # DSCP. Refused at once (a reset), not dropped: a user's own tool learns it is not allowed, not a hang.
             # Any job's tag passes: a stale table, or another job on the same nodes, must not stop its processes.
-            f"    oifname != {ifaces} ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & {mask:#010x} == 0 "
-            f"{exempt}tcp dport {{ {ports} }} reject with tcp reset",
+            f'    oifname "lo" {refuse} {{ {_ranges(gate.loopback or gate.ports)} }} reject with tcp reset',
+            f"    oifname != {_names([*sealed, 'lo'])} {refuse} {{ {_ranges(gate.ports)} }} reject with tcp reset",
             "  }",
         ]
     return chains + out, local
+
+
+def _names(names: Iterable[str]) -> str:
+    return "{ " + ", ".join(f'"{n}"' for n in names) + " }"
+
+
+def _ranges(ranges: Iterable[tuple[int, int]]) -> str:
+    return ", ".join(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in ranges)
 
 
 def add_allowed(table: str, ips: Iterable[str]) -> str:

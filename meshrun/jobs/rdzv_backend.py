@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta, timezone
 
 from meshrun.core.jobspec import JOB_ID_RE
+from meshrun.core.model import STORE_PORTS
 from meshrun.errors import CoordinatorError, MeshrunError, UsageError
 from meshrun.jobs.share import STATE_ENV, Regroup, read_regroup
 from meshrun.mesh import member
@@ -113,14 +114,12 @@ def create_handler(params):
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    from meshrun.system.sockets.tcpstore import serve_store
-
     class OverlayRendezvousHandler(dr.DynamicRendezvousHandler):
         def get_backend(self) -> str:
             return BACKEND
 
         def _create_tcp_store_server(self, master_addr, master_port):
-            return serve_store(master_addr, master_port or 0, os.environ.get("MESHRUN_INTERFACE"), multi_tenant=True)
+            return agent_store(master_addr, master_port)
 
         def next_rendezvous(self):
             # torch keeps the first round's agent store for every later round (pytorch/pytorch#135712):
@@ -203,6 +202,31 @@ def follow_regroups(handler, regroup: Callable[[], Regroup]) -> bool:
 
     holder._sanitize = sanitize_with_regroup
     return True
+
+
+def agent_store(addr: str, port: int | None):
+    """torchrun's agent store (the workers' MASTER_ADDR:MASTER_PORT) on the node's overlay address and device.
+
+    At `port` when torch names one; else at the first free port of the network's stores' range (above its
+    rdzv_port, from the member's state), where the job guard refuses a connection of no job's process made over
+    loopback: nft's loopback lookup misses a socket bound to the overlay device (core/firewall). Anywhere else
+    (an ephemeral port) when there is no state or the range is full."""
+    from meshrun.system.sockets.tcpstore import serve_store, serve_store_in
+
+    device = os.environ.get("MESHRUN_INTERFACE")
+    if not port:
+        state = os.environ.get(STATE_ENV)
+        ports: range = range(0)
+        if state:
+            try:
+                rdzv_port = member.load(StateDir(state))[1].rdzv_port
+                ports = range(rdzv_port + 1, rdzv_port + STORE_PORTS)
+            except MeshrunError:
+                pass
+        store = serve_store_in(addr, ports, device, multi_tenant=True)
+        if store is not None:
+            return store
+    return serve_store(addr, port or 0, device, multi_tenant=True)
 
 
 def coordinators_backend(params):

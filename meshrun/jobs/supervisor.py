@@ -210,11 +210,10 @@ class Supervisor:
         if self.replica is not None:  # the nodes rendezvous at the coordinators, in etcd: nothing to host here
             return None, self.network.api_port
         # rdzv_port itself is the coordinator's store for `meshrun train --local` shares.
-        for port in range(self.network.rdzv_port + 1, self.network.rdzv_port + STORE_PORTS):
-            try:
-                return tcpstore.serve_store(self.network.coordinator_ip, port, self.network.interface), port
-            except (OSError, RuntimeError):
-                continue
+        ports = range(self.network.rdzv_port + 1, self.network.rdzv_port + STORE_PORTS)
+        store = tcpstore.serve_store_in(self.network.coordinator_ip, ports, self.network.interface)
+        if store is not None:
+            return store, store.port
         raise LaunchError(
             f"no free port for the rendezvous store on {self.network.coordinator_ip}:"
             f"{self.network.rdzv_port + 1}-{self.network.rdzv_port + STORE_PORTS - 1}",

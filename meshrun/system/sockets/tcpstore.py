@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterable
 
 from meshrun.system.kernel import lanlink
 
@@ -60,3 +61,13 @@ def serve_store(ip: str, port: int = 0, device: str | None = None, multi_tenant:
     return TCPStore(
         ip, bound, is_master=True, wait_for_workers=False, multi_tenant=multi_tenant, master_listen_fd=sock.detach()
     )
+
+
+def serve_store_in(ip: str, ports: Iterable[int], device: str | None = None, multi_tenant: bool = False):
+    """`serve_store` at the first of `ports` that is free on `ip`; None when none is (or `ports` is empty)."""
+    for port in ports:
+        try:
+            return serve_store(ip, port, device, multi_tenant)
+        except (OSError, RuntimeError):  # taken (torch reports some bind failures as RuntimeError)
+            continue
+    return None

@@ -55,7 +55,7 @@ def test_a_gated_guard_lets_only_the_jobs_processes_reach_its_ports_from_the_mem
     table = firewall.job_table("exp7", "hq-a/store")
     gate = firewall.job_gate("exp7", 29400, 100, 51821, (32768, 60999))
     mark = firewall.job_mark("exp7")
-    assert gate == firewall.ProcessGate(mark, ((29401, 29499), (32768, 60999)), (51821,))
+    assert gate == firewall.ProcessGate(mark, ((29401, 29499), (32768, 60999)), (51821,), ((29401, 29499),))
     assert firewall.ProcessGate.from_record(gate.record()) == gate and firewall.ProcessGate.from_record(None) is None
     lines = firewall.job_guard(table, "c", "meshrun0", ["10.213.0.2"], gate).splitlines()
     untagged = f"ct mark & 0xfff00000 != {mark:#010x}"
@@ -84,11 +84,17 @@ def test_a_gated_guard_lets_only_the_jobs_processes_reach_its_ports_from_the_mem
         "    ip dscp 0x2b ip dscp set cs0",  # anything else that claims it (a user's IP_TOS, a container)
     ]
     assert "    type filter hook postrouting priority filter; policy accept;" in lines
-    # On the way out where no stamp is read (loopback, a routed site LAN), a connection no job tagged.
-    assert (
-        f"    oifname != {overlay} ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & 0xfff00000 == 0 "
-        "tcp dport != { 51821 } tcp dport { 29401-29499, 32768-60999 } reject with tcp reset"
-    ) in lines
+    # On the way out where no stamp is read, a connection no job tagged: over loopback to the stores (bound to
+    # the overlay device, which nft's loopback lookup misses), across a routed site LAN to any job port.
+    refused = "ip daddr @nodes tcp flags & (syn | ack) == syn ct mark & 0xfff00000 == 0 tcp dport != { 51821 }"
+    assert f'    oifname "lo" {refused} tcp dport {{ 29401-29499 }} reject with tcp reset' in lines
+    not_sealed = f'oifname != {overlay[:-2]}, "lo" }}'
+    assert f"    {not_sealed} {refused} tcp dport {{ 29401-29499, 32768-60999 }} reject with tcp reset" in lines
+    # A spec written before loopback ranges were kept: loopback refuses all of the gate's ports, as it did.
+    old = {"mark": mark, "ports": [[29401, 29499], [32768, 60999]], "exempt": [51821]}
+    assert firewall.ProcessGate.from_record(old) == firewall.ProcessGate(mark, gate.ports, (51821,))
+    older = firewall.job_guard(table, "c", "meshrun0", ["10.213.0.2"], firewall.ProcessGate.from_record(old))
+    assert f'    oifname "lo" {refused} tcp dport {{ 29401-29499, 32768-60999 }} reject with tcp reset' in older
     # Without a gate (etcd's guard, whose clients hold certificates) nothing local is judged.
     plain = firewall.job_guard(table, "c", "meshrun0", ["10.213.0.2"])
     assert "ct mark" not in plain and "hook output" not in plain and 'iifname "lo" tcp' not in plain

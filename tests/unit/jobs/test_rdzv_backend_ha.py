@@ -588,3 +588,41 @@ def test_the_handler_puts_the_faster_poll_into_torchs_rendezvous(coordinators, m
     finally:
         monkeypatch.undo()
         handler.shutdown()
+
+
+def test_torchruns_agent_store_takes_a_port_of_the_stores_range_where_the_guard_judges_loopback(tmp_path, monkeypatch):
+    """The agent store is bound to the overlay device, which nft's loopback lookup misses: it goes where the job
+    guard refuses loopback connections of no job (the range above the network's rdzv_port), skipping a taken
+    port; without a member's state, or with the range full, anywhere (an ephemeral port); where torch names a
+    port, there."""
+    from meshrun.core import keys
+    from meshrun.core.model import STORE_PORTS, Network
+    from meshrun.jobs.share import STATE_ENV
+    from meshrun.system.files.statedir import StateDir
+
+    with socket.socket() as probe:  # a base below the ephemeral ports (which `anywhere` comes from), varied per run
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1] % 10000 + 20000
+    net = Network(
+        "t", "10.213.0.0/16", "meshrun0", 51820, 1420, "10.213.0.1", keys.public_key(keys.generate_private_key()),
+        ("192.0.2.1:51820",), "0" * 64, rdzv_port=base,
+    )  # fmt: skip
+    state = StateDir(tmp_path / "node")
+    state.create()
+    state.write_json("member.json", {"role": "node", "name": "n1", "network": net.to_dict(), "overlay_ip": "10.0.0.5"})
+    monkeypatch.delenv("MESHRUN_INTERFACE", raising=False)
+    monkeypatch.setenv(STATE_ENV, str(state.path))
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        first = rdzv_backend.agent_store("127.0.0.1", 0)
+        second = rdzv_backend.agent_store("127.0.0.1", None)
+    assert base + 1 < first.port < second.port < base + STORE_PORTS
+    monkeypatch.delenv(STATE_ENV)
+    anywhere = rdzv_backend.agent_store("127.0.0.1", 0)
+    assert not base < anywhere.port < base + STORE_PORTS
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        named = free.getsockname()[1]
+    assert rdzv_backend.agent_store("127.0.0.1", named).port == named
