@@ -1,9 +1,10 @@
-"""Commands any member runs to look at the overlay: status, ping, doctor."""
+"""Commands any member runs to look at the overlay: status, ping, doctor, metrics."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
@@ -90,3 +91,37 @@ def doctor(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
         )
     if dr.blocking(checks):
         app.exit(1)
+
+
+@root.command()
+@handled
+def metrics(
+    textfile: Annotated[
+        Optional[Path],
+        typer.Option(
+            metavar="PATH",
+            help="Write them to PATH (a .prom file in node_exporter's textfile directory) in one rename, "
+            "instead of printing them.",
+        ),
+    ] = None,
+    state_dir: StateOpt = None,
+) -> None:
+    """Print this member's metrics in Prometheus' text format: its peers (handshakes, bytes, path) and, on a
+    coordinator, its pairs and jobs (state, step, rate, last output, re-formed groups, reported numbers).
+
+    Nothing listens for them: a timer writes them where node_exporter's textfile collector reads them
+    (docs/metrics.md). No packet is sent to gather them.
+
+    \b
+    Examples:
+      meshrun metrics
+      meshrun metrics --textfile /var/lib/node_exporter/textfile_collector/meshrun.prom
+    """
+    from meshrun.jobs import metrics as mm
+
+    app = Application.for_command(state_dir)
+    text = mm.collect(app.state)
+    if textfile is None:
+        app.write(text)
+    else:
+        app.echo(f"wrote {mm.write_textfile(textfile, text)}")

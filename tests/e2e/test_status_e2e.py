@@ -138,3 +138,42 @@ def test_job_output_has_no_reverse_dns_warnings_but_keeps_the_others(mesh, tmp_p
     assert "[dc2-a r0] UserWarning: keep me" in res.stdout
     assert "err=-3, and then some" in res.stdout
     assert "socket.cpp:207" not in res.stdout
+
+
+def test_metrics_say_what_status_and_jobs_say_in_prometheus_format(mesh, tmp_path):
+    """`meshrun metrics` on the coordinator after a job that reported its steps, and on a node into a textfile
+    collector's directory: read back with Prometheus' own parser, each agrees with status and jobs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def families(text: str) -> dict:
+        return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+    res = mesh.meshrun("dc1-a", "train", "--nodes", "dc2-a,dc3-a", "ddp_train.py", "--epochs", "2",
+                       "--steps-per-epoch", "2", cwd=EXAMPLES, check=False, timeout=240)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    job = re.search(r"meshrun: job (\S+) submitted", res.stderr).group(1)
+    record = next(r for r in json.loads(mesh.meshrun("dc1-a", "jobs", "--json").stdout) if r["job_id"] == job)
+    fams = families(mesh.meshrun("dc1-a", "metrics").stdout)
+    info = {s.labels["job"]: s.labels for s in fams["meshrun_job_info"]}
+    assert info[job]["state"] == record["state"] == "succeeded" and info[job]["rank0"] == record["rank0"]
+    steps = {s.labels["job"]: s.value for s in fams["meshrun_job_step"]}
+    assert record["progress"]["step"] is not None and steps[job] == record["progress"]["step"]
+    assert [s.value for s in fams["meshrun_job_exit_code"] if s.labels["job"] == job] == [0]
+    pairs = {(s.labels["a"], s.labels["b"]) for s in fams["meshrun_pair_info"]}
+    assert pairs == {(p["a"], p["b"]) for p in mesh.status("dc1-a")["pairs"]}
+    # A node, into node_exporter's textfile directory: one rename, readable by the collector's user.
+    collector = tmp_path / "textfile_collector"
+    collector.mkdir()
+    out = collector / "mesh.prom"
+    mesh.meshrun("dc2-a", "metrics", "--textfile", str(out))
+    assert out.stat().st_mode & 0o777 == 0o644 and [p.name for p in collector.iterdir()] == ["mesh.prom"]
+    fams = families(out.read_text())
+    assert "meshrun_job_info" not in fams  # jobs are the coordinator's
+    status = {p["name"]: p for p in mesh.status("dc2-a")["peers"]}
+    rx = {s.labels["peer"]: s.value for s in fams["meshrun_peer_receive_bytes"]}
+    assert set(rx) == set(status) and rx["dc3-a"] > 0, (rx, sorted(status))  # dc3-a: the job's traffic
+    assert [s.value for s in fams["meshrun_daemon_running"]] == [1]
+    # A path that is not a .prom file: one line naming it and the fix, nothing written.
+    bad = mesh.meshrun("dc2-a", "metrics", "--textfile", str(collector / "mesh.txt"), check=False)
+    assert bad.returncode != 0 and "does not end in .prom" in bad.stderr and len(bad.stderr.strip().splitlines()) <= 2
+    assert [p.name for p in collector.iterdir()] == ["mesh.prom"]
