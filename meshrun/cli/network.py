@@ -91,9 +91,15 @@ def up(
     if foreground:
         return app.serve(foreground=True)
     waiting: list[tuple[str, str]] = []  # the daemon runs but waits for other machines (process.spawn)
-    pid = process.pid(app.state) or process.spawn(app.state, on_wait=lambda *w: waiting.append(w))
+    pid = process.pid(app.state)
+    already = pid is not None
+    if already:  # it may still be waiting (a second `up` while a majority of the coordinators is away)
+        waiting += [w for w in [process.waiting_for(app.state)] if w]
+    else:
+        pid = process.spawn(app.state, on_wait=lambda *w: waiting.append(w))
     if waiting:
-        app.echo(f"{rec['role']} {rec['name']} started on {network.interface} (daemon pid {pid}), not serving yet")
+        how = "already running" if already else "started"
+        app.echo(f"{rec['role']} {rec['name']} {how} on {network.interface} (daemon pid {pid}), not serving yet")
         app.echo(f"meshrun: warning: {waiting[0][0]}; {waiting[0][1]}", err=True)
         return
     app.echo(f"{rec['role']} {rec['name']} up at {rec['overlay_ip']} on {network.interface} (daemon pid {pid})")

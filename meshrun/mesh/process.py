@@ -98,9 +98,31 @@ def ready() -> None:
     procs.notify_ready()
 
 
-def waiting(message: str, fix: str) -> None:
-    """Tell `spawn` (if it started us) that the daemon runs but cannot serve until other machines are back."""
+WAITING = "waiting.json"  # while the daemon runs but cannot serve: what it waits for (`waiting`, `waiting_for`)
+
+
+def waiting(state: StateDir, message: str, fix: str) -> None:
+    """Tell `spawn` (if it started us), and a later `meshrun up` (`waiting_for`), that the daemon runs but
+    cannot serve until other machines are back."""
+    state.write_json(WAITING, {"message": message, "fix": fix})
     procs.notify_waiting(message, fix)
+
+
+def done_waiting(state: StateDir) -> None:
+    """The daemon serves (or starts again): nothing is waited for."""
+    with contextlib.suppress(FileNotFoundError):
+        (state / WAITING).unlink()
+
+
+def waiting_for(state: StateDir) -> tuple[str, str] | None:
+    """(message, fix) of what the running daemon of `state` waits for, or None (it serves, or none runs)."""
+    if pid(state) is None or not (state / WAITING).exists():
+        return None
+    try:
+        d = state.read_json(WAITING)
+        return str(d["message"]), str(d["fix"])
+    except (MeshrunError, KeyError, TypeError):
+        return None
 
 
 def failed(err: MeshrunError) -> None:

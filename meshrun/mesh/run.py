@@ -30,6 +30,7 @@ def serve(
     # The lock first: building a service may take a while (a coordinator waits there for a majority of the
     # coordinators after a power cut), and another `meshrun up` meanwhile must find this daemon running.
     with process.running(state):
+        process.done_waiting(state)  # a daemon killed while it waited left its note
         while True:
             try:
                 rec, _ = member.load(state)

@@ -236,11 +236,12 @@ def await_leader(state: StateDir, rec: dict, pid: int) -> None:
             waited = time.monotonic() - started
             log.warning("%s (waited %.0f s): %s", message, waited, fix)
             if not told and waited >= MAJORITY_NOTICE_S:
-                process.waiting(message, fix)
+                process.waiting(state, message, fix)
                 told = True
     finally:
         client.close()
     if told:
+        process.done_waiting(state)
         log.info("a majority of the coordinators is back after %.0f s", time.monotonic() - started)
 
 
