@@ -104,7 +104,8 @@ WAITING = "waiting.json"  # while the daemon runs but cannot serve: what it wait
 def waiting(state: StateDir, message: str, fix: str) -> None:
     """Tell `spawn` (if it started us), and a later `meshrun up` (`waiting_for`), that the daemon runs but
     cannot serve until other machines are back."""
-    state.write_json(WAITING, {"message": message, "fix": fix})
+    with contextlib.suppress(MeshrunError):  # only a note for a later `up`: a full disk must not stop the daemon
+        state.write_json(WAITING, {"message": message, "fix": fix})
     procs.notify_waiting(message, fix)
 
 

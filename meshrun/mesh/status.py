@@ -18,7 +18,7 @@ from meshrun.core.model import Member
 from meshrun.errors import ControlStateError, MeshrunError, StateError, UsageError
 from meshrun.mesh import iface, member, process
 from meshrun.mesh.coordinator import admin, ha
-from meshrun.mesh.coordinator.leader import leader_name
+from meshrun.mesh.coordinator.leader import LEASE_TTL_S, leader_name
 from meshrun.system.control.etcdstate import K_LEADER
 from meshrun.system.files.statedir import StateDir
 from meshrun.system.kernel.device import WireGuardDevice
@@ -89,18 +89,32 @@ def coordinators(state: StateDir) -> list[dict]:
                 }
                 for u in urls
             ]
-        return [
-            {
-                "name": c.name,
-                "overlay_ip": c.overlay_ip,
-                "endpoint": c.endpoint,
-                "etcd": _etcd_health(client, c.etcd_client),
-                "role": "leader" if c.name == leader else "follower",
-            }
-            for c in coords
-        ]
+        rows = []
+        for c in coords:
+            health = _etcd_health(client, c.etcd_client)
+            rows.append(
+                {
+                    "name": c.name,
+                    "overlay_ip": c.overlay_ip,
+                    "endpoint": c.endpoint,
+                    "etcd": health,
+                    "role": coordinator_role(c.name == leader, health),
+                }
+            )
+        return rows
     finally:
         client.close()
+
+
+def coordinator_role(holds_lead: bool, etcd_health: str) -> str:
+    """A coordinator's role in `coordinator list`: the one whose name the leader key holds leads, unless its etcd
+    member does not answer (its machine is gone, and the key outlives it until its lease ends: it showed as
+    "leader" for about 6 s after a power-off)."""
+    if not holds_lead:
+        return "follower"
+    if etcd_health == "unreachable":
+        return f"lost leader (another takes the lead within {LEASE_TTL_S} s)"
+    return "leader"
 
 
 def _etcd_health(client, url: str) -> str:

@@ -319,8 +319,13 @@ def test_the_coordinator_that_started_an_elastic_job_is_lost_and_the_job_finishe
     )
     job.wait_for(r"\] outer_step 4 ", 240)
     steps_before = max(outer_steps(job.text))
+    led = coordinators(mesh, B)[A_NAME]["role"] == "leader"
     lost_at = time.time()
     mesh.world.power_off(A)  # the machine the job was submitted on, with its `meshrun train`
+    if led:  # its leader key outlives it for a few seconds: `coordinator list` called it "leader" meanwhile
+        role = coordinators(mesh, B)[A_NAME]["role"]
+        print(f"the lost leader {A_NAME} listed as {role!r} {time.time() - lost_at:.1f} s after its power-off")
+        assert role.startswith("lost leader") or role == "follower", role
     job.finish(30)
 
     def progress() -> float | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 import re
 
-from meshrun.mesh.status import _age, _bytes, _duration, render, rtt_ms
+from meshrun.mesh.coordinator.leader import LEASE_TTL_S
+from meshrun.mesh.status import _age, _bytes, _duration, coordinator_role, render, rtt_ms
 
 STATUS = {
     "network": "lab",
@@ -202,3 +203,11 @@ def test_a_span_is_said_in_units_and_never_negative():
     assert [_duration(x) for x in (-2.7, 0, 45.9, 119, 120, 7199, 7200)] == [
         "0 s", "0 s", "45 s", "119 s", "2 min", "119 min", "2 h"
     ]  # fmt: skip
+
+
+def test_a_leader_whose_etcd_member_does_not_answer_is_listed_as_lost_not_as_leading():
+    """The leader key outlives a powered-off leader until its lease ends: `coordinator list` called it "leader"
+    for about 6 s; only a leader that answers leads."""
+    assert coordinator_role(True, "ok") == "leader"
+    assert coordinator_role(True, "unreachable") == f"lost leader (another takes the lead within {LEASE_TTL_S} s)"
+    assert coordinator_role(False, "unreachable") == coordinator_role(False, "ok") == "follower"
