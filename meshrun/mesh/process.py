@@ -111,8 +111,7 @@ def waiting(state: StateDir, message: str, fix: str) -> None:
 
 def done_waiting(state: StateDir) -> None:
     """The daemon serves (or starts again): nothing is waited for."""
-    with contextlib.suppress(FileNotFoundError):
-        (state / WAITING).unlink()
+    state.remove(WAITING)
 
 
 def waiting_for(state: StateDir) -> tuple[str, str] | None:
