@@ -94,7 +94,9 @@ def up(
     pid = process.pid(app.state)
     already = pid is not None
     if already:  # it may still be waiting (a second `up` while a majority of the coordinators is away)
-        waiting += [w for w in [process.waiting_for(app.state)] if w]
+        still = process.waiting_for(app.state)
+        if still:
+            waiting.append(still)
     else:
         pid = process.spawn(app.state, on_wait=lambda *w: waiting.append(w))
     if waiting:

@@ -206,7 +206,7 @@ def job_guard(table: str, comment: str, interface: str, allowed: Iterable[str], 
     table, iface = _check_table(table), check_interface(interface)
     ips = _addresses(allowed)
     # The overlay arrives on the WireGuard interface, and from a trusted site's members on the LAN path's device.
-    ifaces = f'{{ "{iface}", "{lanpath.interface_name(iface)}" }}'
+    ifaces = _names([iface, lanpath.interface_name(iface)])
     elements = f" elements = {{ {', '.join(ips)} }};" if ips else ""
     path = f"{CGROUP_PARENT}/{table}"
     # Where the overlay travels sealed (WireGuard, its extra tunnels, VXLAN): a stamp put there arrives as it was.

@@ -141,8 +141,20 @@ def signal_pid(pid: int, sig: int) -> bool:
         return False
 
 
+def _still(pid: int, start: str) -> bool:
+    """`pid` is alive and is still the process that started at `start` (not a reused PID)."""
+    return alive(pid) and start_time(pid) == start
+
+
 def _tree_alive(tree: Mapping[int, str]) -> bool:
-    return any(alive(pid) and start_time(pid) == start for pid, start in tree.items())
+    return any(_still(pid, start) for pid, start in tree.items())
+
+
+def _signal_left(tree: Mapping[int, str], sig: int, but: int | None = None) -> None:
+    """Send `sig` to every process of `tree` that is still itself (`_still`), except `but`."""
+    for pid, start in tree.items():
+        if pid != but and _still(pid, start):
+            signal_pid(pid, sig)
 
 
 def kill_tree(root: int, grace: float = KILL_GRACE_S, sig: int = signal.SIGTERM) -> None:
@@ -161,9 +173,7 @@ def kill_tree(root: int, grace: float = KILL_GRACE_S, sig: int = signal.SIGTERM)
         if not _tree_alive(tree):
             return
         time.sleep(0.1)
-    for pid, start in tree.items():
-        if alive(pid) and start_time(pid) == start:
-            signal_pid(pid, signal.SIGKILL)
+    _signal_left(tree, signal.SIGKILL)
 
 
 def stop_tree(root: int, grace: float = KILL_GRACE_S, sig: int = signal.SIGTERM) -> None:
@@ -183,20 +193,16 @@ def stop_tree(root: int, grace: float = KILL_GRACE_S, sig: int = signal.SIGTERM)
     orphans_told = False
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        root_up = alive(root) and start_time(root) == tree[root]
+        root_up = _still(root, tree[root])
         if root_up:
             tree.update({p: s for p, s in descendants(root).items() if p not in tree})
         if not _tree_alive(tree):
             return
         if not root_up and not orphans_told:
             orphans_told = True
-            for pid, start in tree.items():
-                if pid != root and alive(pid) and start_time(pid) == start:
-                    signal_pid(pid, sig)
+            _signal_left(tree, sig, but=root)
         time.sleep(0.1)
-    for pid, start in tree.items():
-        if alive(pid) and start_time(pid) == start:
-            signal_pid(pid, signal.SIGKILL)
+    _signal_left(tree, signal.SIGKILL)
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
